@@ -1,0 +1,26 @@
+"""fusedrl: fused GRPO-family policy losses that read the logits once.
+
+    import fusedrl
+    cfg = fusedrl.LossConfig.preset("dapo")
+    out = fusedrl.policy_loss(logits, labels, advantages, mask, old_logp=old, config=cfg)
+    out.loss.backward()
+"""
+
+from . import advantages, reference
+from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
+from .config import PRESETS, LossConfig
+from .reference import LossOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "PRESETS",
+    "LossConfig",
+    "LossOutput",
+    "PolicyLoss",
+    "advantages",
+    "policy_loss",
+    "reference",
+    "token_logprobs",
+]

@@ -1,0 +1,215 @@
+"""Validation and normalisation of `policy_loss` / `token_logprobs` arguments.
+
+Every backend and the reference go through here, so a bad argument fails the same way everywhere,
+with a message that names it. Nothing here touches the vocab axis or copies the logits: the logits
+come back as a [B, T, V] *view* (a strided slice of [B, P+T, V] stays a view).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .config import LossConfig
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class LossInputs:
+    """Arguments of `policy_loss`, checked, with every per-token tensor as [B, T] fp32."""
+
+    logits: torch.Tensor  # [B, T, V] view of the caller's logits (original dtype)
+    labels: torch.Tensor  # [B, T] int64; masked positions replaced by 0 so they index safely
+    advantages: torch.Tensor  # [B, T] fp32 (broadcast from [B] when given per sequence)
+    mask: torch.Tensor  # [B, T] fp32 weights (0/1 for a boolean mask)
+    valid: torch.Tensor  # [B, T] bool, mask != 0
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    rollout_logp: torch.Tensor | None
+    normalizer: torch.Tensor | float | None
+    flat_input: bool  # caller passed [N, V] (one packed row of tokens, B = 1)
+
+
+def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating tensor (bf16, fp16, fp32 or fp64), got dtype {logits.dtype}"
+        )
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"{name} must be [B, T, V] or [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty vocab dimension: shape {tuple(logits.shape)}")
+    if logits.shape[-1] > 1 and logits.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last (vocab) dimension, got strides "
+            f"{tuple(logits.stride())}; a strided view over batch/time is fine, a transposed "
+            "vocab axis is not (call .contiguous() if you really mean it)"
+        )
+    return logits
+
+
+def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Labels must be integer token ids in [0, V) wherever they count.
+
+    On CPU the range check is exact and raises ValueError. On an accelerator a host-side check
+    would sync the stream on every call, so the check is queued on the device instead
+    (`torch._assert_async`): a bad label then fails the next synchronising call.
+    """
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor of token ids, got dtype {labels.dtype}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match logits shape "
+            f"{tuple(logits.shape)} without its vocab dimension ({tuple(logits.shape[:-1])})"
+        )
+    if labels.device != logits.device:
+        raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
+    vocab = logits.shape[-1]
+    out_of_range = (labels < 0) | (labels >= vocab)
+    if valid is not None:
+        out_of_range = out_of_range & valid
+    if labels.device.type == "cpu":
+        if bool(out_of_range.any()):
+            bad = labels[out_of_range][0].item()
+            raise ValueError(f"labels must be in [0, {vocab}) where mask is set, found {bad}")
+    elif labels.numel() > 0:
+        torch._assert_async(~out_of_range.any(), f"labels must be in [0, {vocab})")
+    labels = labels.long()
+    if valid is not None:
+        labels = torch.where(valid, labels, 0)
+    return labels
+
+
+def _per_token(
+    name: str, value: object, shape: tuple[int, ...], device: torch.device, required: bool = False
+) -> torch.Tensor | None:
+    if value is None:
+        if required:
+            raise ValueError(f"{name} is required")
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} shape {tuple(value.shape)} must be {shape} (the shape of labels)")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but logits are on {device}")
+    return value.detach().float()
+
+
+def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must be {shape} (the shape of labels)")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but logits are on {device}")
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool or real, got dtype {mask.dtype}")
+    return mask.detach().float()
+
+
+def check_advantages(
+    advantages: object, shape: tuple[int, ...], device: torch.device, flat_input: bool
+) -> torch.Tensor:
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if not advantages.dtype.is_floating_point:
+        raise TypeError(f"advantages must be a floating tensor, got dtype {advantages.dtype}")
+    if advantages.device != device:
+        raise ValueError(f"advantages are on {advantages.device} but logits are on {device}")
+    batch = shape[0]
+    if not flat_input and advantages.dim() == 1 and advantages.shape[0] == batch:
+        return advantages.detach().float()[:, None].expand(shape)
+    if tuple(advantages.shape) == shape:
+        return advantages.detach().float()
+    expected = f"{shape}" if flat_input else f"[{batch}] (one per sequence) or {list(shape)}"
+    raise ValueError(f"advantages shape {tuple(advantages.shape)} must be {expected}")
+
+
+def check_normalizer(normalizer: object, device: torch.device) -> torch.Tensor | float | None:
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        return normalizer.detach().to(device=device, dtype=torch.float32).reshape(())
+    if isinstance(normalizer, numbers.Real) and not isinstance(normalizer, bool):
+        if not normalizer > 0 or normalizer == float("inf"):
+            raise ValueError(f"normalizer must be a finite number > 0, got {normalizer!r}")
+        return float(normalizer)
+    raise TypeError(f"normalizer must be a number or a 0-dim tensor, got {type(normalizer).__name__}")
+
+
+def prepare_loss_inputs(
+    logits: object,
+    labels: object,
+    advantages: object,
+    mask: object,
+    old_logp: object,
+    ref_logp: object,
+    rollout_logp: object,
+    config: LossConfig,
+    normalizer: object,
+) -> LossInputs:
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
+    logits = check_logits(logits)
+    flat_input = logits.dim() == 2
+    if flat_input and (config.agg != "token-mean" or config.is_sequence_level):
+        raise ValueError(
+            f"logits of shape [N, V] carry no sequence boundaries, but config needs them "
+            f"(agg={config.agg!r}, loss={config.loss!r}, ratio_level={config.ratio_level!r}, "
+            f"is_correction={config.is_correction!r}): pass logits as [B, T, V]"
+        )
+    logits3 = logits.unsqueeze(0) if flat_input else logits
+    shape = tuple(logits.shape[:-1])
+    device = logits.device
+
+    mask_f = check_mask(mask, shape, device)
+    valid = mask_f != 0
+    labels_l = check_labels(labels, logits, valid)
+    adv = check_advantages(advantages, shape, device, flat_input)
+    old = _per_token("old_logp", old_logp, shape, device)
+    ref = _per_token("ref_logp", ref_logp, shape, device)
+    rollout = _per_token("rollout_logp", rollout_logp, shape, device)
+    if config.beta > 0 and ref is None:
+        raise ValueError(
+            f"ref_logp is required when config.beta > 0 (beta={config.beta}, kl={config.kl!r})"
+        )
+    if config.is_correction is not None and rollout is None:
+        raise ValueError(
+            f"rollout_logp is required when config.is_correction={config.is_correction!r}"
+        )
+
+    def as2d(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else (t.unsqueeze(0) if flat_input else t)
+
+    return LossInputs(
+        logits=logits3,
+        labels=as2d(labels_l),
+        advantages=as2d(adv),
+        mask=as2d(mask_f),
+        valid=as2d(valid),
+        old_logp=as2d(old),
+        ref_logp=as2d(ref),
+        rollout_logp=as2d(rollout),
+        normalizer=check_normalizer(normalizer, device),
+        flat_input=flat_input,
+    )
+
+
+def check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)

@@ -1,0 +1,124 @@
+"""Public entry points: `policy_loss`, `token_logprobs`, `PolicyLoss`; backend dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_backend
+from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
+from .config import LossConfig
+from .reference import LossOutput
+
+BACKENDS = ("auto", "triton", "cuda", "torch")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        # The fused Triton kernels (issue: kernels/) take CUDA tensors once they land; until then
+        # every device runs the chunked torch backend.
+        return "torch"
+    if backend in ("triton", "cuda"):
+        raise NotImplementedError(
+            f"backend={backend!r} is not available in this build of fusedrl; "
+            "use backend='torch' (or 'auto')"
+        )
+    return backend
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    inplace: bool = False,
+    backend: str = "auto",
+    return_entropy: bool = False,
+) -> LossOutput:
+    """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
+
+    Args:
+        logits: [B, T, V] (a strided view over B/T is fine; the vocab axis must be contiguous)
+            or [N, V]; bf16 / fp16 / fp32.
+        labels: [B, T] int64 token ids whose log-prob is taken.
+        advantages: [B] (one per sequence) or [B, T].
+        mask: [B, T] bool or 0/1 float: the tokens that count.
+        old_logp: [B, T] log-probs at rollout time; None means on-policy (logp.detach()).
+        ref_logp: [B, T] reference-policy log-probs; required when config.beta > 0.
+        rollout_logp: [B, T] inference-engine log-probs; required when config.is_correction is set.
+        config: a `LossConfig` (default: PPO-clip, token-mean).
+        normalizer: replaces the aggregation denominator (token count for token-mean, sequence
+            count for seq-* modes): pass the global count under data parallel x grad accumulation.
+        inplace: write d(loss)/d(logits) into the logits buffer (the logits are destroyed).
+        backend: "auto" | "triton" | "cuda" | "torch".
+        return_entropy: also compute the per-token entropy (always computed when
+            config.entropy_coef != 0).
+
+    Returns:
+        LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
+        entropy: [B, T] fp32 or None, metrics: dict of 0-dim fp32 tensors; no host sync).
+    """
+    cfg = config if config is not None else LossConfig()
+    inp = prepare_loss_inputs(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp,
+                              cfg, normalizer)
+    _resolve_backend(backend, inp.logits.device)
+    loss, logp, entropy, terms = torch_backend.policy_loss(inp, cfg, inplace, return_entropy)
+    if inp.flat_input:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
+
+    Under `torch.no_grad()` this is the fast path for old / reference log-probs: no gradient state
+    is kept. logits [B, T, V] or [N, V]; labels of the same leading shape.
+    """
+    logits = check_logits(logits)
+    labels = check_labels(labels, logits, None)
+    temperature = check_temperature(temperature)
+    _resolve_backend(backend, logits.device)
+    flat = logits.dim() == 2
+    logits3 = logits.unsqueeze(0) if flat else logits
+    labels2 = labels.unsqueeze(0) if flat else labels
+    logp, entropy = torch_backend.token_logprobs(logits3, labels2, temperature, return_entropy)
+    if flat:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return logp, entropy
+
+
+class PolicyLoss(torch.nn.Module):
+    """nn.Module wrapper of `policy_loss` with a fixed config and backend."""
+
+    def __init__(self, config: LossConfig | str | None = None, backend: str = "auto",
+                 inplace: bool = False) -> None:
+        super().__init__()
+        if isinstance(config, str):
+            config = LossConfig.preset(config)
+        self.config = config if config is not None else LossConfig()
+        self.backend = backend
+        self.inplace = inplace
+
+    def forward(self, logits, labels, advantages, mask, old_logp=None, ref_logp=None,
+                rollout_logp=None, normalizer=None, return_entropy=False) -> LossOutput:
+        return policy_loss(logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
+                           rollout_logp=rollout_logp, config=self.config, normalizer=normalizer,
+                           inplace=self.inplace, backend=self.backend,
+                           return_entropy=return_entropy)
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}, backend={self.backend!r}, inplace={self.inplace}"

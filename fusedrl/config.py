@@ -1,0 +1,235 @@
+"""`LossConfig`: every knob of the GRPO-family policy loss, validated once at construction.
+
+The semantics of each field are in docs/losses.md and DESIGN section 4; this module only holds the
+values, their defaults, the presets and the checks. Every backend reads the same frozen object, so a
+config that constructs is a config every backend accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+LOSSES = ("ppo", "cispo", "sapo", "gmpo", "dcpo", "pg")
+RATIO_LEVELS = ("token", "sequence")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KLS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
+IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+# Clip ranges when the caller does not give them: GSPO's sequence ratio is a geometric mean, so its
+# paper's range is ~1000x narrower; GMPO clips log-ratios (wider range, its paper's 0.4); DCPO's paper
+# uses 0.16 / 0.2 as the base of its probability-dependent bounds.
+_DEFAULT_EPS = {"sequence": (3e-4, 4e-4), "gmpo": (0.4, 0.4), "dcpo": (0.16, 0.2)}
+_PPO_EPS = (0.2, 0.2)
+
+
+def _default_eps(loss: str, ratio_level: str) -> tuple[float, float]:
+    if ratio_level == "sequence":
+        return _DEFAULT_EPS["sequence"]
+    return _DEFAULT_EPS.get(loss, _PPO_EPS)
+
+
+def _check_choice(field: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"LossConfig.{field}={value!r} is not one of {choices}")
+
+
+def _check_positive(field: str, value: Any, *, above: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"LossConfig.{field} must be a finite number, got {value!r}")
+    if value <= above:
+        raise ValueError(f"LossConfig.{field} must be > {above:g}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The GRPO-family policy loss, as a few scalars per token.
+
+    ``eps_low`` / ``eps_high`` left as ``None`` take the default of the chosen variant: 0.2 / 0.2
+    (PPO, GRPO, CISPO, ...), 3e-4 / 4e-4 for ``ratio_level="sequence"`` (GSPO), 0.4 / 0.4 for GMPO
+    (a log-ratio range) and 0.16 / 0.2 for DCPO. After construction they always hold numbers.
+    ``is_cap_low=None`` means ``1 / is_cap`` for the mask modes (verl's default) and no lower
+    bound for the truncate modes.
+    """
+
+    loss: str = "ppo"
+    ratio_level: str = "token"
+    eps_low: float | None = None
+    eps_high: float | None = None
+    dual_clip_c: float | None = None
+    delta: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dcpo_r_max: float = 10.0
+    agg: str = "token-mean"
+    norm_constant: float | None = None
+    kl: str | None = None
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    is_correction: str | None = None
+    is_cap: float = 2.0
+    is_cap_low: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("loss", self.loss, LOSSES)
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _check_choice("agg", self.agg, AGGS)
+        if self.kl is not None:
+            _check_choice("kl", self.kl, KLS)
+        if self.is_correction is not None:
+            _check_choice("is_correction", self.is_correction, IS_CORRECTIONS)
+
+        default_low, default_high = _default_eps(self.loss, self.ratio_level)
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", default_low)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", default_high)
+        _check_positive("eps_low", self.eps_low)
+        _check_positive("eps_high", self.eps_high)
+        if self.loss in ("ppo", "cispo") and self.eps_low >= 1:
+            raise ValueError(
+                f"LossConfig.eps_low={self.eps_low!r} must be < 1 for loss={self.loss!r}: "
+                "the lower ratio bound 1 - eps_low would not be positive"
+            )
+
+        self._check_variant_options()
+
+        _check_positive("sapo_tau_pos", self.sapo_tau_pos)
+        _check_positive("sapo_tau_neg", self.sapo_tau_neg)
+        _check_positive("dcpo_r_max", self.dcpo_r_max, above=1.0)
+        _check_positive("temperature", self.temperature)
+        _check_positive("is_cap", self.is_cap)
+        if self.is_cap_low is not None:
+            _check_positive("is_cap_low", self.is_cap_low)
+            if self.is_cap_low >= self.is_cap:
+                raise ValueError(
+                    f"LossConfig.is_cap_low={self.is_cap_low!r} must be < is_cap={self.is_cap!r}"
+                )
+            if self.is_correction is None:
+                raise ValueError("LossConfig.is_cap_low is set but is_correction is None")
+
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
+            raise ValueError(f"LossConfig.beta must be a number, got {self.beta!r}")
+        if not math.isfinite(self.beta) or self.beta < 0:
+            raise ValueError(f"LossConfig.beta must be finite and >= 0, got {self.beta!r}")
+        if self.beta > 0 and self.kl is None:
+            raise ValueError(
+                f"LossConfig.beta={self.beta!r} > 0 needs a KL estimator: set kl to one of {KLS}"
+            )
+        if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)):
+            raise ValueError(f"LossConfig.entropy_coef must be a number, got {self.entropy_coef!r}")
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"LossConfig.entropy_coef must be finite, got {self.entropy_coef!r}")
+
+        if self.norm_constant is not None:
+            if self.agg != "seq-mean-token-sum-norm":
+                raise ValueError(
+                    f"LossConfig.norm_constant is only used by agg='seq-mean-token-sum-norm', "
+                    f"got agg={self.agg!r}"
+                )
+            _check_positive("norm_constant", self.norm_constant)
+
+    def _check_variant_options(self) -> None:
+        """Reject combinations that have no meaning rather than silently ignoring a knob."""
+        if self.ratio_level == "sequence" and self.loss != "ppo":
+            raise ValueError(
+                f"LossConfig.ratio_level='sequence' (GSPO) clips a sequence ratio with the PPO "
+                f"objective and needs loss='ppo', got loss={self.loss!r}"
+                + (" (GMPO is sequence-level by construction: use ratio_level='token')"
+                   if self.loss == "gmpo" else "")
+            )
+        if self.dual_clip_c is not None:
+            if self.loss != "ppo":
+                raise ValueError(
+                    f"LossConfig.dual_clip_c applies to loss='ppo' only, got loss={self.loss!r}"
+                )
+            _check_positive("dual_clip_c", self.dual_clip_c, above=1.0)
+        if self.delta is not None:
+            if self.loss != "ppo":
+                raise ValueError(f"LossConfig.delta applies to loss='ppo' only, got {self.loss!r}")
+            _check_positive("delta", self.delta, above=1.0)
+            if self.delta <= 1 + self.eps_high and self.ratio_level == "token":
+                raise ValueError(
+                    f"LossConfig.delta={self.delta!r} must be > 1 + eps_high = {1 + self.eps_high!r}:"
+                    " otherwise it clips below the PPO upper bound"
+                )
+        if self.loss == "gmpo" and (self.is_correction or "").startswith("token"):
+            raise ValueError(
+                f"LossConfig.is_correction={self.is_correction!r} is per token, but loss='gmpo' "
+                "weights whole sequences: use 'sequence_truncate' or 'sequence_mask'"
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def replace(self, **changes: Any) -> LossConfig:
+        """A copy with `changes` applied (validated again). eps keep their current values."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"LossConfig.replace: unknown field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_sequence_level(self) -> bool:
+        """True when the loss of a token depends on other tokens of its sequence: the fused kernels
+        then need a per-sequence reduction between a logp pass and a gradient pass."""
+        return (
+            self.ratio_level == "sequence"
+            or self.loss == "gmpo"
+            or (self.is_correction or "").startswith("sequence")
+        )
+
+    @property
+    def uses_old_logp(self) -> bool:
+        """pg is on-policy REINFORCE: it never looks at a ratio."""
+        return self.loss != "pg"
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LossConfig:
+        """A named, documented configuration (see docs/losses.md), optionally with overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {tuple(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # PPO-clip with a token-mean (the verl default actor loss).
+    "ppo": dict(loss="ppo", eps_low=0.2, eps_high=0.2, agg="token-mean"),
+    # DeepSeekMath GRPO: token ratio, symmetric clip, per-sequence token mean, k3 KL to the reference.
+    "grpo": dict(
+        loss="ppo", eps_low=0.2, eps_high=0.2, agg="seq-mean-token-mean", kl="k3", beta=0.04
+    ),
+    # DAPO: clip-higher (0.28), token-level loss, no KL.
+    "dapo": dict(loss="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean", beta=0.0),
+    # Dr.GRPO: no length normalisation; the trainer sets norm_constant to max completion length.
+    "dr_grpo": dict(loss="ppo", eps_low=0.2, eps_high=0.2, agg="seq-mean-token-sum-norm"),
+    # LitePPO: plain PPO-clip + token-mean; its difference lives in the advantage (group mean,
+    # batch std: fusedrl.advantages.lite_ppo).
+    "lite_ppo": dict(loss="ppo", eps_low=0.2, eps_high=0.2, agg="token-mean"),
+    # GSPO: sequence-level (geometric mean) ratio, narrow clip, per-sequence token mean.
+    "gspo": dict(
+        loss="ppo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean"
+    ),
+    # GSPO-token: the same loss; advantages may be given per token ([B, T]).
+    "gspo_token": dict(
+        loss="ppo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean"
+    ),
+    # CISPO (MiniMax-M1): clipped, stop-gradient IS weight times the REINFORCE term; token-mean.
+    "cispo": dict(loss="cispo", eps_low=0.2, eps_high=0.28, agg="token-mean"),
+    # SAPO: soft sigmoid gate instead of a hard clip; verl aggregates it per sequence.
+    "sapo": dict(loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="seq-mean-token-mean"),
+    # GMPO: geometric mean of clipped token ratios per sequence (verl "geo_mean").
+    "gmpo": dict(loss="gmpo", eps_low=0.4, eps_high=0.4),
+    # DCPO: probability-dependent clip bounds, token-mean.
+    "dcpo": dict(loss="dcpo", eps_low=0.16, eps_high=0.2, dcpo_r_max=10.0, agg="token-mean"),
+    # REINFORCE / GPG: -A logp, on-policy.
+    "pg": dict(loss="pg", agg="token-mean"),
+}

@@ -1,0 +1,260 @@
+"""The oracle: GRPO-family policy losses in plain, eager PyTorch (fp32, autograd).
+
+Every other backend is tested against this file, so it is written to be read, not to be fast: it
+materialises fp32 copies of the logits and lets autograd derive every gradient. The formulas follow
+verl's `core_algos.py` conventions (ratio log clamp at +-20, k3 clamps, empty sequences excluded
+from seq-mean); docs/losses.md states them per variant.
+
+Masked tokens never reach the loss or its gradient: their logits are replaced by zeros before the
+softmax (so a NaN in a padded row cannot leak) and their labels by 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._inputs import LossInputs, check_labels, check_logits, check_temperature, prepare_loss_inputs
+from .config import LossConfig
+
+LOG_RATIO_CLAMP = 20.0  # verl: clamp log(pi/pi_old) before exp for stability
+SEQ_LOG_RATIO_MAX = 10.0  # verl gspo: clamp the sequence log-ratio from above
+KL_LOG_CLAMP = 20.0  # verl k3: clamp ref - logp
+KL_VALUE_CLAMP = 10.0  # verl k3: clamp the estimate
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    metrics: dict[str, torch.Tensor]
+
+
+def _log_softmax_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                       return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # fp64 stays fp64 so the oracle itself can be gradchecked; everything else computes in fp32.
+    scaled = (logits.double() if logits.dtype == torch.float64 else logits.float()) / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    logp = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if return_entropy:
+        probs = log_probs.exp()
+        # -inf logits (banned tokens) have p = 0 and contribute 0, not 0 * -inf = NaN.
+        entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature)[labels] in fp32, and optionally the entropy; differentiable.
+
+    `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
+    """
+    logits = check_logits(logits)
+    labels = check_labels(labels, logits, None)
+    return _log_softmax_stats(logits, labels, check_temperature(temperature), return_entropy)
+
+
+# ---------------------------------------------------------------------------------------------
+def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    num = torch.where(inp.valid, x.float() * inp.mask, 0.0).sum()
+    return num / inp.mask.sum().clamp_min(1e-8)
+
+
+def _masked_max(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_zeros(())
+    return torch.where(inp.valid, x.float(), 0.0).max()
+
+
+def aggregate(per_token: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """verl's agg_loss; `normalizer` replaces the token count or the sequence count."""
+    weighted = torch.where(inp.valid, per_token * inp.mask, 0.0)
+    seq_len = inp.mask.sum(-1)
+    nonempty = seq_len > 0
+    if cfg.agg == "token-mean":
+        denom = inp.normalizer if inp.normalizer is not None else inp.mask.sum().clamp_min(1e-8)
+        return weighted.sum() / denom
+    n_seq = inp.normalizer if inp.normalizer is not None else nonempty.sum().clamp_min(1)
+    if cfg.agg == "seq-mean-token-mean":
+        per_seq = weighted.sum(-1) / seq_len.clamp_min(1e-8)
+        return torch.where(nonempty, per_seq, 0.0).sum() / n_seq
+    if cfg.agg == "seq-mean-token-sum":
+        return torch.where(nonempty, weighted.sum(-1), 0.0).sum() / n_seq
+    # seq-mean-token-sum-norm (Dr.GRPO): a constant denominator, all sequences counted.
+    n_all = inp.normalizer if inp.normalizer is not None else float(per_token.shape[0])
+    norm = cfg.norm_constant if cfg.norm_constant is not None else float(per_token.shape[-1])
+    return weighted.sum() / n_all / norm
+
+
+def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimators (Schulman's k1/k2/k3, verl's clamps and '+' forms)."""
+    delta = logp - ref
+    if kind == "k1":
+        return delta
+    if kind == "k2":
+        return 0.5 * delta.square()
+    if kind == "abs":
+        return delta.abs()
+    k3_log = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
+    k3 = torch.clamp(k3_log.exp() - k3_log - 1.0, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    if kind == "k3":
+        return k3
+    # Straight-through: the value of k1 / k3, the gradient of k2 (unbiased KL gradient).
+    forward = delta if kind == "k1+" else k3
+    k2 = 0.5 * delta.square()
+    return k2 - k2.detach() + forward.detach()
+
+
+def is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """Train/inference importance weight exp(old - rollout), truncated or masked, detached."""
+    log_w = torch.where(inp.valid, old - inp.rollout_logp, 0.0)
+    if cfg.is_correction.startswith("sequence"):
+        log_w = (log_w * inp.mask).sum(-1, keepdim=True).expand_as(old)
+    w = torch.clamp(log_w, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if cfg.is_correction.endswith("truncate"):
+        w = torch.clamp(w, min=cfg.is_cap_low, max=cfg.is_cap)
+    else:
+        low = cfg.is_cap_low if cfg.is_cap_low is not None else 1.0 / cfg.is_cap
+        w = w * ((w >= low) & (w <= cfg.is_cap)).float()
+    return w.detach()
+
+
+def ratio_bounds(old: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.loss == "dcpo":
+        q = old.exp()
+        low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * cfg.eps_low / q, min=0.0))
+        high = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * cfg.eps_high / q), max=cfg.dcpo_r_max)
+        return low, high
+    return torch.full_like(old, 1.0 - cfg.eps_low), torch.full_like(old, 1.0 + cfg.eps_high)
+
+
+def _gmpo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor | None,
+          inp: LossInputs, cfg: LossConfig, metrics: dict) -> torch.Tensor:
+    """GMPO (verl "geo_mean"): the geometric mean of sign-aware clipped token ratios per sequence."""
+    log_ratio = logp - old
+    clipped = torch.clamp(log_ratio, -cfg.eps_low, cfg.eps_high)
+    sign = torch.sign(adv)
+    log_ratio_min = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    seq_len = inp.mask.sum(-1).clamp_min(1e-8)
+    seq_log_ratio = torch.where(inp.valid, log_ratio_min * inp.mask, 0.0).sum(-1) / seq_len
+    seq_adv = torch.where(inp.valid, adv * inp.mask, 0.0).sum(-1) / seq_len
+    per_seq = -seq_adv * seq_log_ratio.exp()
+    if w is not None:
+        per_seq = per_seq * w[:, 0]
+    n_seq = inp.normalizer if inp.normalizer is not None else float(per_seq.shape[0])
+    high = (log_ratio > cfg.eps_high) & (adv > 0)
+    low = (log_ratio < -cfg.eps_low) & (adv < 0)
+    metrics["clip_high"] = masked_mean(high, inp)
+    metrics["clip_low"] = masked_mean(low, inp)
+    metrics["clipfrac"] = masked_mean(high | low, inp)
+    return per_seq.sum() / n_seq
+
+
+def _clipped_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, inp: LossInputs,
+                       cfg: LossConfig, metrics: dict) -> torch.Tensor:
+    """Per-token loss of the ratio-based variants (ppo, dcpo, cispo, sapo; token or sequence ratio)."""
+    log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if cfg.ratio_level == "sequence":
+        # GSPO: value s_i = exp(mean_t log-ratio), gradient s_i * grad logp_t (per token).
+        seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1.0)
+        seq_log_ratio = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
+        seq_log_ratio = (seq_log_ratio / seq_len).detach()
+        log_ratio = torch.clamp(logp - logp.detach() + seq_log_ratio, max=SEQ_LOG_RATIO_MAX)
+    ratio = log_ratio.exp()
+    low, high = ratio_bounds(old, cfg)
+
+    metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
+    metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
+    if cfg.loss == "sapo":
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        metrics["clipfrac"] = torch.zeros((), device=logp.device)
+        return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
+    clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
+    if cfg.loss == "cispo":
+        metrics["clipfrac"] = masked_mean(ratio != clipped_ratio, inp)
+        return -clipped_ratio.detach() * adv * logp
+
+    unclipped_ratio = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    loss_unclipped = -adv * unclipped_ratio
+    loss_clipped = -adv * clipped_ratio
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    metrics["clipfrac"] = masked_mean(loss_clipped > loss_unclipped, inp)
+    if cfg.dual_clip_c is not None:
+        loss_dual = -adv * cfg.dual_clip_c
+        metrics["dual_clipfrac"] = masked_mean((per_token > loss_dual) & (adv < 0), inp)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
+    return per_token
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    inplace: bool = False,
+    backend: str | None = None,
+    return_entropy: bool = False,
+) -> LossOutput:
+    """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
+
+    `inplace` and `backend` are accepted for signature parity with `fusedrl.policy_loss` and ignored.
+    """
+    cfg = config if config is not None else LossConfig()
+    inp = prepare_loss_inputs(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp,
+                              cfg, normalizer)
+    need_entropy = return_entropy or cfg.entropy_coef != 0.0
+    safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
+    logp, entropy = _log_softmax_stats(safe_logits, inp.labels, cfg.temperature, need_entropy)
+    old = inp.old_logp if inp.old_logp is not None else logp.detach()
+    adv = inp.advantages
+    zero = torch.zeros((), device=logp.device)
+    metrics: dict[str, torch.Tensor] = {"clipfrac": zero, "clip_low": zero, "clip_high": zero,
+                                        "dual_clipfrac": zero}
+
+    w = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+    if cfg.loss == "gmpo":
+        loss = _gmpo(logp, old, adv, w, inp, cfg, metrics)
+        per_token = torch.zeros_like(logp)
+    else:
+        if cfg.loss == "pg":
+            per_token = -adv * logp
+        else:
+            per_token = _clipped_objective(logp, old, adv, inp, cfg, metrics)
+        if w is not None:
+            per_token = per_token * w
+        loss = zero
+    if inp.ref_logp is not None:
+        kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3")
+        metrics["kl"] = masked_mean(kl.detach(), inp)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
+    if cfg.entropy_coef != 0.0:
+        per_token = per_token - cfg.entropy_coef * entropy
+    loss = loss + aggregate(per_token, inp, cfg)
+
+    metrics["ppo_kl"] = masked_mean(old - logp.detach(), inp)
+    metrics["logp_mean"] = masked_mean(logp.detach(), inp)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), inp)
+    if w is not None:
+        metrics["is_weight_mean"] = masked_mean(w, inp)
+        metrics["is_weight_max"] = _masked_max(w, inp)
+
+    unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
+    logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))
+    ent_out = None if entropy is None else unflat(torch.where(inp.valid, entropy.detach(), 0.0))
+    return LossOutput(loss=loss, logp=logp_out, entropy=ent_out,
+                      metrics={k: v.detach() for k, v in metrics.items()})

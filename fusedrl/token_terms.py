@@ -1,0 +1,222 @@
+"""Per-token loss terms and their closed-form derivatives: the scalar half of every fused backend.
+
+Once the vocab axis is reduced, a token of any GRPO-family loss is a handful of scalars: logp, the
+entropy H, old/ref/rollout log-probs, the advantage A and the token's aggregation weight. This
+module computes, on [B, T] tensors and without autograd,
+
+    loss                   the aggregated scalar loss,
+    d(loss)/d(logp)        per token,
+    d(loss)/d(H)           per token (entropy bonus),
+
+so that a backend only has to turn them into d(loss)/d(logits) = dlogp (onehot - p) + dH dH/dz
+on the vocab axis. The Triton and CUDA kernels implement exactly these formulas per row; the torch
+backend calls this module directly. Every derivative mirrors autograd on `fusedrl.reference`,
+including its conventions at ties (torch.maximum / minimum split the gradient in half; clamp
+passes the gradient at its bounds), which the tests check.
+
+The aggregation is folded into one weight per token, agg_w = d(agg)/d(per-token loss), so that the
+per-token derivative is agg_w * d(per-token loss)/d(logp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._inputs import LossInputs
+from .config import LossConfig
+from .reference import (
+    KL_LOG_CLAMP,
+    KL_VALUE_CLAMP,
+    LOG_RATIO_CLAMP,
+    SEQ_LOG_RATIO_MAX,
+    is_weights,
+    ratio_bounds,
+)
+
+
+@dataclass
+class TokenTerms:
+    loss: torch.Tensor  # 0-dim fp32
+    dlogp: torch.Tensor  # [B, T] d(loss)/d(logp); 0 on masked tokens
+    dentropy: torch.Tensor | None  # [B, T] d(loss)/d(H), None when there is no entropy term
+    metrics: dict[str, torch.Tensor]
+
+
+def _inside(x: torch.Tensor, low, high) -> torch.Tensor:
+    """d clamp(x, low, high) / dx: 1 inside the closed interval, 0 outside (torch.clamp's rule)."""
+    return ((x >= low) & (x <= high)).float()
+
+
+def _select_max(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
+    """Derivative of torch.maximum(a, b): the larger one's, half of each at a tie."""
+    return torch.where(a > b, da, torch.where(b > a, db, 0.5 * (da + db)))
+
+
+def aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """agg_w[b, t] such that agg(X) = sum_bt agg_w * X over valid tokens (verl's agg_loss modes)."""
+    mask = torch.where(inp.valid, inp.mask, 0.0)
+    seq_len = mask.sum(-1, keepdim=True)
+    nonempty = (seq_len > 0).float()
+    if cfg.agg == "token-mean":
+        denom = inp.normalizer if inp.normalizer is not None else mask.sum().clamp_min(1e-8)
+        return mask / denom
+    n_seq = inp.normalizer if inp.normalizer is not None else nonempty.sum().clamp_min(1)
+    if cfg.agg == "seq-mean-token-mean":
+        return mask * nonempty / seq_len.clamp_min(1e-8) / n_seq
+    if cfg.agg == "seq-mean-token-sum":
+        return mask * nonempty / n_seq
+    n_all = inp.normalizer if inp.normalizer is not None else float(mask.shape[0])
+    norm = cfg.norm_constant if cfg.norm_constant is not None else float(mask.shape[-1])
+    return mask / n_all / norm
+
+
+def kl_and_grad(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, d value / d logp) of the KL estimators of `fusedrl.reference.kl_estimate`."""
+    delta = logp - ref
+    if kind in ("k1+", "k3+"):  # straight-through: value of k1/k3, gradient of k2
+        value, _ = kl_and_grad(logp, ref, kind[:-1])
+        return value, delta
+    if kind == "k1":
+        return delta, torch.ones_like(delta)
+    if kind == "k2":
+        return 0.5 * delta.square(), delta
+    if kind == "abs":
+        return delta.abs(), torch.sign(delta)
+    log_ratio = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
+    raw = log_ratio.exp() - log_ratio - 1.0
+    value = torch.clamp(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    grad = -(log_ratio.exp() - 1.0) * _inside(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
+    return value, grad * _inside(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+
+
+def _masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    return torch.where(inp.valid, x.float() * inp.mask, 0.0).sum() / inp.mask.sum().clamp_min(1e-8)
+
+
+def _ratio_terms(logp, old, adv, inp, cfg, metrics):
+    """Per-token loss and d/dlogp for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
+    raw_log_ratio = logp - old
+    log_ratio = torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if cfg.ratio_level == "sequence":
+        seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1.0)
+        seq_lr = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True) / seq_len
+        seq_lr = seq_lr.expand_as(logp)
+        # value exp(min(seq_lr, 10)); gradient s * grad logp unless the clamp is active.
+        ratio = torch.clamp(seq_lr, max=SEQ_LOG_RATIO_MAX).exp()
+        dratio = ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float()
+    else:
+        ratio = log_ratio.exp()
+        dratio = ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    low, high = ratio_bounds(old, cfg)
+    metrics["clip_low"] = _masked_mean((ratio < low) & (adv < 0), inp)
+    metrics["clip_high"] = _masked_mean((ratio > high) & (adv > 0), inp)
+
+    if cfg.loss == "sapo":
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        gate = torch.sigmoid(tau * (ratio - 1.0))
+        return -(4.0 / tau) * gate * adv, -4.0 * gate * (1.0 - gate) * dratio * adv
+
+    clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
+    if cfg.loss == "cispo":
+        metrics["clipfrac"] = _masked_mean(ratio != clipped_ratio, inp)
+        return -clipped_ratio * adv * logp, -clipped_ratio * adv
+
+    if cfg.delta is None:
+        loss_unclipped, d_unclipped = -adv * ratio, -adv * dratio
+    else:
+        loss_unclipped = -adv * torch.clamp(ratio, max=cfg.delta)
+        d_unclipped = -adv * dratio * (ratio <= cfg.delta).float()
+    loss_clipped = -adv * clipped_ratio
+    d_clipped = -adv * dratio * _inside(ratio, low, high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
+    metrics["clipfrac"] = _masked_mean(loss_clipped > loss_unclipped, inp)
+    if cfg.dual_clip_c is not None:
+        loss_dual = -adv * cfg.dual_clip_c
+        metrics["dual_clipfrac"] = _masked_mean((per_token > loss_dual) & (adv < 0), inp)
+        # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
+        keep = torch.where(per_token < loss_dual, 1.0, torch.where(per_token > loss_dual, 0.0, 0.5))
+        dual_d = dper_token * keep
+        dper_token = torch.where(adv < 0, dual_d, dper_token)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
+    return per_token, dper_token
+
+
+def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
+    """Scalar GMPO loss and d/dlogp (verl "geo_mean")."""
+    log_ratio = logp - old
+    clipped = torch.clamp(log_ratio, -cfg.eps_low, cfg.eps_high)
+    sign = torch.sign(adv)
+    a, b = sign * log_ratio, sign * clipped
+    log_ratio_min = sign * torch.minimum(a, b)
+    # d/dl of sign * min(sign l, sign clip(l)): sign^2 times the selected branch's derivative.
+    d_min = torch.where(a < b, 1.0, torch.where(b < a, 0.0, 0.5)) + torch.where(
+        b < a, 1.0, torch.where(a < b, 0.0, 0.5)) * _inside(log_ratio, -cfg.eps_low, cfg.eps_high)
+    d_min = d_min * sign.square()
+    seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1e-8)
+    weighted = torch.where(inp.valid, inp.mask, 0.0)
+    seq_ratio = ((log_ratio_min * weighted).sum(-1, keepdim=True) / seq_len).exp()
+    seq_adv = (adv * weighted).sum(-1, keepdim=True) / seq_len
+    n_seq = inp.normalizer if inp.normalizer is not None else float(logp.shape[0])
+    coef = -seq_adv * seq_ratio / n_seq
+    if w is not None:
+        coef = coef * w[:, :1]
+    high = (log_ratio > cfg.eps_high) & (adv > 0)
+    low = (log_ratio < -cfg.eps_low) & (adv < 0)
+    metrics["clip_high"] = _masked_mean(high, inp)
+    metrics["clip_low"] = _masked_mean(low, inp)
+    metrics["clipfrac"] = _masked_mean(high | low, inp)
+    return coef.sum(), coef * weighted / seq_len * d_min
+
+
+@torch.no_grad()
+def token_terms(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs,
+                cfg: LossConfig) -> TokenTerms:
+    """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
+
+    `logp` / `entropy` must already be 0 on masked tokens (the backends skip those rows).
+    """
+    logp = torch.where(inp.valid, logp, 0.0)
+    old = inp.old_logp if inp.old_logp is not None else logp
+    adv = inp.advantages
+    zero = torch.zeros((), device=logp.device)
+    metrics = {"clipfrac": zero, "clip_low": zero, "clip_high": zero, "dual_clipfrac": zero}
+    agg_w = aggregation_weights(inp, cfg)
+    w = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+
+    loss = zero
+    if cfg.loss == "gmpo":
+        loss, dlogp = _gmpo_terms(logp, old, adv, w, inp, cfg, metrics)
+        per_token = torch.zeros_like(logp)
+        dper_token = torch.zeros_like(logp)
+    else:
+        if cfg.loss == "pg":
+            per_token, dper_token = -adv * logp, -adv
+        else:
+            per_token, dper_token = _ratio_terms(logp, old, adv, inp, cfg, metrics)
+        if w is not None:
+            per_token, dper_token = per_token * w, dper_token * w
+        dlogp = torch.zeros_like(logp)
+    if inp.ref_logp is not None:
+        kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3")
+        metrics["kl"] = _masked_mean(kl, inp)
+        if cfg.beta > 0:
+            per_token, dper_token = per_token + cfg.beta * kl, dper_token + cfg.beta * dkl
+    dentropy = None
+    if cfg.entropy_coef != 0.0:
+        per_token = per_token - cfg.entropy_coef * entropy
+        dentropy = torch.where(inp.valid, -cfg.entropy_coef * agg_w, 0.0)
+
+    loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
+    dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
+
+    metrics["ppo_kl"] = _masked_mean(old - logp, inp)
+    metrics["logp_mean"] = _masked_mean(logp, inp)
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy, inp)
+    if w is not None:
+        metrics["is_weight_mean"] = _masked_mean(w, inp)
+        metrics["is_weight_max"] = torch.where(inp.valid, w, 0.0).max() if w.numel() else zero
+    return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)

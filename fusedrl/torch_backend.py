@@ -1,0 +1,180 @@
+"""`backend="torch"`: the fused loss in chunked PyTorch, for CPUs and machines without Triton.
+
+The logits are visited in blocks of rows so that the extra memory is O(block x V) fp32, never a
+full fp32 copy of [N, V]:
+
+  pass 1  per block: lse, logp of the label and (when needed) the entropy, all at the temperature;
+  scalar  `token_terms`: the loss and d(loss)/d(logp), d(loss)/d(H) per token ([B, T] only);
+  pass 2  per block: d(loss)/d(logits) = (dlogp (onehot - p) + dH (-p (log p + H))) / temperature,
+          written into a gradient buffer, or into the logits themselves when `inplace=True`.
+
+Backward then only scales the stored gradient by the upstream gradient. The Triton kernels do the
+same work with pass 1 and pass 2 fused into a single read for token-level variants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ._inputs import LossInputs
+from .config import LossConfig
+from .token_terms import TokenTerms, token_terms
+
+# Rows per block are chosen so that one fp32 temporary of the block holds about this many elements
+# (16 MiB): large enough to amortise the Python loop, small next to any real logits tensor.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first flat row, [n, V] view) blocks over [B, T, V] logits, never copying them.
+
+    A [B, P+T, V] slice cannot be flattened to [B*T, V] without a copy, so such views are walked
+    sequence by sequence.
+    """
+    batch, time, vocab = logits.shape
+    rows = max(1, BLOCK_ELEMENTS // max(vocab, 1))
+    try:
+        flat = logits.view(batch * time, vocab)
+    except RuntimeError:
+        flat = None
+    if flat is not None:
+        for start in range(0, batch * time, rows):
+            yield start, flat[start:start + rows]
+        return
+    for b in range(batch):
+        for t0 in range(0, time, rows):
+            yield b * time + t0, logits[b, t0:t0 + rows]
+
+
+def _block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled = block.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return scaled, lse
+
+
+def _entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
+    probs = log_probs.exp()
+    # -inf logits: p = 0 contributes 0 (not 0 * -inf).
+    return -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+
+
+@torch.no_grad()
+def forward_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                  need_entropy: bool, valid: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32."""
+    batch, time, _ = logits.shape
+    logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp) if need_entropy else None
+    flat_labels = labels.reshape(-1)
+    for start, block in _row_blocks(logits):
+        stop = start + block.shape[0]
+        scaled, lse = _block_log_probs(block, temperature)
+        log_probs = scaled - lse
+        logp[start:stop] = log_probs.gather(-1, flat_labels[start:stop, None]).squeeze(-1)
+        if entropy is not None:
+            entropy[start:stop] = _entropy_of(log_probs)
+    logp = logp.view(batch, time)
+    entropy = None if entropy is None else entropy.view(batch, time)
+    if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak
+        logp = torch.where(valid, logp, 0.0)
+        entropy = None if entropy is None else torch.where(valid, entropy, 0.0)
+    return logp, entropy
+
+
+@torch.no_grad()
+def write_logits_grad(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                      dlogp: torch.Tensor, dentropy: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]).
+
+    `out` may be `logits` itself (in-place): each block is read completely before it is written.
+    Rows whose dlogp and dentropy are 0 (masked) get exact zeros even if their logits are NaN.
+    """
+    flat_labels = labels.reshape(-1)
+    flat_dlogp = dlogp.reshape(-1)
+    flat_dent = None if dentropy is None else dentropy.reshape(-1)
+    out_blocks = _row_blocks(out)
+    for (start, block), (_, out_block) in zip(_row_blocks(logits), out_blocks, strict=True):
+        stop = start + block.shape[0]
+        scaled, lse = _block_log_probs(block, temperature)
+        log_probs = scaled - lse
+        probs = log_probs.exp()
+        g_logp = flat_dlogp[start:stop, None]
+        grad = -g_logp * probs
+        grad.scatter_add_(-1, flat_labels[start:stop, None], g_logp)
+        if flat_dent is not None:
+            entropy = _entropy_of(log_probs)[:, None]
+            grad -= flat_dent[start:stop, None] * torch.where(
+                probs > 0, probs * (log_probs + entropy), 0.0)
+        if temperature != 1.0:
+            grad /= temperature
+        live = g_logp != 0
+        if flat_dent is not None:
+            live = live | (flat_dent[start:stop, None] != 0)
+        out_block.copy_(torch.where(live, grad, 0.0))
+
+
+class _LogprobsFn(torch.autograd.Function):
+    """token_logprobs with the logits kept by reference (no fp32 copy saved for backward)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, return_entropy):
+        logp, entropy = forward_stats(logits, labels, temperature, return_entropy)
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature = temperature
+        return (logp, entropy) if return_entropy else (logp,)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        write_logits_grad(logits, labels, ctx.temperature, grad_logp.float(),
+                          None if grad_entropy is None else grad_entropy.float(), grad)
+        return grad, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                   return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable."""
+    if logits.requires_grad and torch.is_grad_enabled():
+        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy)
+        return (out[0], out[1]) if return_entropy else (out[0], None)
+    return forward_stats(logits, labels, temperature, return_entropy)
+
+
+class _FusedLossFn(torch.autograd.Function):
+    """Returns the precomputed loss; its forward writes d(loss)/d(logits) (pass 2)."""
+
+    @staticmethod
+    def forward(ctx, logits, loss, labels, dlogp, dentropy, temperature, inplace):
+        grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
+                                                  device=logits.device)
+        write_logits_grad(logits, labels, temperature, dlogp, dentropy, grad)
+        ctx.save_for_backward(grad)
+        ctx.inplace = inplace
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        # On CPU the check is free; on an accelerator it would sync, so scale unconditionally.
+        if grad_loss.device.type == "cpu" and bool(grad_loss == 1):
+            return grad, None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+
+
+def policy_loss(inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
+    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
+    terms = token_terms(logp, entropy, inp, cfg)
+    if inp.logits.requires_grad and torch.is_grad_enabled():
+        loss = _FusedLossFn.apply(inp.logits, terms.loss, inp.labels, terms.dlogp, terms.dentropy,
+                                  cfg.temperature, inplace)
+    else:
+        loss = terms.loss
+    return loss, logp, entropy, terms
