@@ -1,0 +1,65 @@
+"""Shared fixtures. TRITON_INTERPRET must be set before triton is imported anywhere."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fusedrl  # noqa: E402
+from fusedrl import reference  # noqa: E402
+
+
+def make_batch(batch=3, time=7, vocab=1031, dtype=torch.float32, seed=0, per_token_adv=False,
+               empty_rows=(1,), old_noise=0.3, device="cpu", with_nan_padding=False):
+    """Random inputs for policy_loss: odd sizes, ragged lengths, some empty sequences.
+
+    old/ref/rollout log-probs are the current log-probs plus noise, so ratios straddle the clip
+    bounds instead of all sitting at 1 or far outside.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = (2.0 * torch.randn(batch, time, vocab, generator=gen)).to(dtype)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    lengths = torch.randint(1, time + 1, (batch,), generator=gen)
+    mask = torch.arange(time)[None, :] < lengths[:, None]
+    for row in empty_rows:
+        if row < batch:
+            mask[row] = False
+    if with_nan_padding:
+        logits[~mask] = float("nan")
+        labels[~mask] = -100
+    if per_token_adv:
+        advantages = torch.randn(batch, time, generator=gen)
+    else:
+        advantages = torch.randn(batch, generator=gen)
+    with torch.no_grad():
+        clean = torch.where(mask[..., None], logits.float(), 0.0)
+        logp, _ = reference.token_logprobs(clean, torch.where(mask, labels, 0))
+    old = logp + old_noise * torch.randn(batch, time, generator=gen)
+    ref = logp + 0.2 * torch.randn(batch, time, generator=gen)
+    rollout = old + 0.3 * torch.randn(batch, time, generator=gen)
+    return dict(logits=logits.to(device), labels=labels.to(device),
+                advantages=advantages.to(device), mask=mask.to(device), old_logp=old.to(device),
+                ref_logp=ref.to(device), rollout_logp=rollout.to(device))
+
+
+def run_loss(fn, batch, config, *, requires_grad=True, **kwargs):
+    """Call a policy_loss implementation on a fresh leaf copy of the logits; return (out, grad)."""
+    logits = batch["logits"].detach().clone().requires_grad_(requires_grad)
+    args = {k: v for k, v in batch.items() if k != "logits"}
+    out = fn(logits, config=config, **args, **kwargs)
+    grad = None
+    if requires_grad:
+        (grad,) = torch.autograd.grad(out.loss, logits)
+    return out, grad
+
+
+@pytest.fixture
+def batch():
+    return make_batch()
+
+
+ALL_PRESETS = fusedrl.LossConfig.presets()

@@ -1,0 +1,129 @@
+"""LossConfig: defaults, presets, replace, and a clear ValueError naming the field for bad values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fusedrl import LossConfig
+from fusedrl.config import AGGS, KLS, LOSSES, PRESETS
+
+
+def test_defaults_match_design():
+    cfg = LossConfig()
+    assert (cfg.loss, cfg.ratio_level, cfg.agg) == ("ppo", "token", "token-mean")
+    assert (cfg.eps_low, cfg.eps_high) == (0.2, 0.2)
+    assert cfg.dual_clip_c is None and cfg.delta is None and cfg.kl is None
+    assert (cfg.sapo_tau_pos, cfg.sapo_tau_neg, cfg.dcpo_r_max) == (1.0, 1.05, 10.0)
+    assert (cfg.beta, cfg.entropy_coef, cfg.temperature) == (0.0, 0.0, 1.0)
+    assert cfg.is_correction is None and cfg.is_cap == 2.0 and cfg.is_cap_low is None
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossConfig().eps_low = 0.3
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_constructs(name):
+    cfg = LossConfig.preset(name)
+    assert isinstance(cfg, LossConfig)
+    assert LossConfig(**cfg.to_dict()) == cfg
+
+
+def test_preset_values():
+    grpo = LossConfig.preset("grpo")
+    assert (grpo.agg, grpo.kl, grpo.beta, grpo.eps_low) == ("seq-mean-token-mean", "k3", 0.04, 0.2)
+    dapo = LossConfig.preset("dapo")
+    assert (dapo.eps_low, dapo.eps_high, dapo.agg, dapo.beta) == (0.2, 0.28, "token-mean", 0.0)
+    gspo = LossConfig.preset("gspo")
+    assert (gspo.ratio_level, gspo.eps_low, gspo.eps_high) == ("sequence", 3e-4, 4e-4)
+    assert LossConfig.preset("gmpo").eps_low == 0.4
+    assert LossConfig.preset("dr_grpo").agg == "seq-mean-token-sum-norm"
+    assert set(LossConfig.presets()) == {"ppo", "grpo", "dapo", "dr_grpo", "lite_ppo", "gspo",
+                                         "gspo_token", "cispo", "sapo", "gmpo", "dcpo", "pg"}
+
+
+def test_variant_dependent_eps_defaults():
+    assert (LossConfig(ratio_level="sequence").eps_low, LossConfig(ratio_level="sequence").eps_high) \
+        == (3e-4, 4e-4)
+    assert LossConfig(loss="gmpo").eps_high == 0.4
+    assert (LossConfig(loss="dcpo").eps_low, LossConfig(loss="dcpo").eps_high) == (0.16, 0.2)
+    assert LossConfig(loss="gmpo", eps_low=0.1).eps_low == 0.1
+
+
+def test_preset_overrides_and_replace():
+    cfg = LossConfig.preset("dapo", entropy_coef=0.01)
+    assert cfg.entropy_coef == 0.01 and cfg.eps_high == 0.28
+    new = cfg.replace(eps_high=0.3)
+    assert new.eps_high == 0.3 and cfg.eps_high == 0.28 and new.entropy_coef == 0.01
+    with pytest.raises(ValueError, match="beta"):
+        cfg.replace(beta=-1.0)
+    with pytest.raises(ValueError, match="unknown field"):
+        cfg.replace(epsilon=0.2)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'grpoo'"):
+        LossConfig.preset("grpoo")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(loss="ppo2"), "loss"),
+        (dict(ratio_level="seq"), "ratio_level"),
+        (dict(agg="mean"), "agg"),
+        (dict(kl="k4"), "kl"),
+        (dict(is_correction="token"), "is_correction"),
+        (dict(eps_low=0.0), "eps_low"),
+        (dict(eps_low=-0.1), "eps_low"),
+        (dict(eps_high=0.0), "eps_high"),
+        (dict(eps_high=float("nan")), "eps_high"),
+        (dict(eps_low=1.0), "eps_low"),
+        (dict(dual_clip_c=1.0), "dual_clip_c"),
+        (dict(dual_clip_c=0.5), "dual_clip_c"),
+        (dict(loss="cispo", dual_clip_c=3.0), "dual_clip_c"),
+        (dict(delta=1.1), "delta"),
+        (dict(loss="sapo", delta=2.0), "delta"),
+        (dict(sapo_tau_pos=0.0), "sapo_tau_pos"),
+        (dict(sapo_tau_neg=-1.0), "sapo_tau_neg"),
+        (dict(dcpo_r_max=1.0), "dcpo_r_max"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(beta=-0.1), "beta"),
+        (dict(beta=0.04), "beta"),  # beta > 0 without a KL estimator
+        (dict(beta=True, kl="k3"), "beta"),
+        (dict(entropy_coef=float("nan")), "entropy_coef"),
+        (dict(is_cap=0.0, is_correction="token_mask"), "is_cap"),
+        (dict(is_cap_low=3.0, is_cap=2.0, is_correction="token_mask"), "is_cap_low"),
+        (dict(is_cap_low=0.5), "is_cap_low"),  # without is_correction
+        (dict(norm_constant=100.0), "norm_constant"),  # only for seq-mean-token-sum-norm
+        (dict(agg="seq-mean-token-sum-norm", norm_constant=0.0), "norm_constant"),
+        (dict(loss="cispo", ratio_level="sequence"), "ratio_level"),
+        (dict(loss="gmpo", ratio_level="sequence"), "ratio_level"),
+        (dict(loss="gmpo", is_correction="token_truncate"), "is_correction"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LossConfig(**kwargs)
+
+
+def test_all_choices_accepted():
+    for loss in LOSSES:
+        LossConfig(loss=loss)
+    for agg in AGGS:
+        LossConfig(agg=agg)
+    for kl in KLS:
+        LossConfig(kl=kl, beta=0.1)
+    LossConfig(agg="seq-mean-token-sum-norm", norm_constant=4096)
+    LossConfig(dual_clip_c=3.0, delta=2.0)
+
+
+def test_is_sequence_level():
+    assert LossConfig.preset("gspo").is_sequence_level
+    assert LossConfig.preset("gmpo").is_sequence_level
+    assert LossConfig(is_correction="sequence_mask").is_sequence_level
+    assert not LossConfig.preset("dapo").is_sequence_level
