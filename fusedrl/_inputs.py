@@ -191,14 +191,19 @@ def prepare_loss_inputs(
         )
 
     def as2d(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else (t.unsqueeze(0) if flat_input else t)
+        # Masked positions may hold anything (NaN padding): zero them once here so that no
+        # backend can leak them through a multiply-by-mask.
+        if t is None:
+            return None
+        t = torch.where(valid, t, 0.0)
+        return t.unsqueeze(0) if flat_input else t
 
     return LossInputs(
         logits=logits3,
-        labels=as2d(labels_l),
+        labels=labels_l.unsqueeze(0) if flat_input else labels_l,
         advantages=as2d(adv),
         mask=as2d(mask_f),
-        valid=as2d(valid),
+        valid=valid.unsqueeze(0) if flat_input else valid,
         old_logp=as2d(old),
         ref_logp=as2d(ref),
         rollout_logp=as2d(rollout),

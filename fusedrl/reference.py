@@ -38,11 +38,16 @@ def _log_softmax_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: 
     scaled = (logits.double() if logits.dtype == torch.float64 else logits.float()) / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
     logp = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    # A +inf logit makes the row's distribution undefined: say so with NaN rather than a -inf
+    # logp that the ratio clamp would quietly turn into a finite loss.
+    corrupt = scaled.amax(-1) == float("inf")
+    logp = torch.where(corrupt, float("nan"), logp)
     entropy = None
     if return_entropy:
         probs = log_probs.exp()
         # -inf logits (banned tokens) have p = 0 and contribute 0, not 0 * -inf = NaN.
         entropy = -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1)
+        entropy = torch.where(corrupt, float("nan"), entropy)
     return logp, entropy
 
 

@@ -75,9 +75,12 @@ def forward_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float
         stop = start + block.shape[0]
         scaled, lse = _block_log_probs(block, temperature)
         log_probs = scaled - lse
-        logp[start:stop] = log_probs.gather(-1, flat_labels[start:stop, None]).squeeze(-1)
+        # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf.
+        corrupt = lse.squeeze(-1) == float("inf")
+        block_logp = log_probs.gather(-1, flat_labels[start:stop, None]).squeeze(-1)
+        logp[start:stop] = torch.where(corrupt, float("nan"), block_logp)
         if entropy is not None:
-            entropy[start:stop] = _entropy_of(log_probs)
+            entropy[start:stop] = torch.where(corrupt, float("nan"), _entropy_of(log_probs))
     logp = logp.view(batch, time)
     entropy = None if entropy is None else entropy.view(batch, time)
     if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak
