@@ -1,9 +1,9 @@
 """fusedrl: fused GRPO-family policy losses that read the logits once.
 
-    import fusedrl
-    cfg = fusedrl.LossConfig.preset("dapo")
-    out = fusedrl.policy_loss(logits, labels, advantages, mask, old_logp=old, config=cfg)
-    out.loss.backward()
+import fusedrl
+cfg = fusedrl.LossConfig.preset("dapo")
+out = fusedrl.policy_loss(logits, labels, advantages, mask, old_logp=old, config=cfg)
+out.loss.backward()
 """
 
 from . import advantages, reference

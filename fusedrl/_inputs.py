@@ -146,7 +146,9 @@ def check_normalizer(normalizer: object, device: torch.device) -> torch.Tensor |
         if not normalizer > 0 or normalizer == float("inf"):
             raise ValueError(f"normalizer must be a finite number > 0, got {normalizer!r}")
         return float(normalizer)
-    raise TypeError(f"normalizer must be a number or a 0-dim tensor, got {type(normalizer).__name__}")
+    raise TypeError(
+        f"normalizer must be a number or a 0-dim tensor, got {type(normalizer).__name__}"
+    )
 
 
 def prepare_loss_inputs(

@@ -65,8 +65,9 @@ def policy_loss(
         entropy: [B, T] fp32 or None, metrics: dict of 0-dim fp32 tensors; no host sync).
     """
     cfg = config if config is not None else LossConfig()
-    inp = prepare_loss_inputs(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp,
-                              cfg, normalizer)
+    inp = prepare_loss_inputs(
+        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
+    )
     _resolve_backend(backend, inp.logits.device)
     loss, logp, entropy, terms = torch_backend.policy_loss(inp, cfg, inplace, return_entropy)
     if inp.flat_input:
@@ -104,8 +105,9 @@ def token_logprobs(
 class PolicyLoss(torch.nn.Module):
     """nn.Module wrapper of `policy_loss` with a fixed config and backend."""
 
-    def __init__(self, config: LossConfig | str | None = None, backend: str = "auto",
-                 inplace: bool = False) -> None:
+    def __init__(
+        self, config: LossConfig | str | None = None, backend: str = "auto", inplace: bool = False
+    ) -> None:
         super().__init__()
         if isinstance(config, str):
             config = LossConfig.preset(config)
@@ -113,12 +115,32 @@ class PolicyLoss(torch.nn.Module):
         self.backend = backend
         self.inplace = inplace
 
-    def forward(self, logits, labels, advantages, mask, old_logp=None, ref_logp=None,
-                rollout_logp=None, normalizer=None, return_entropy=False) -> LossOutput:
-        return policy_loss(logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
-                           rollout_logp=rollout_logp, config=self.config, normalizer=normalizer,
-                           inplace=self.inplace, backend=self.backend,
-                           return_entropy=return_entropy)
+    def forward(
+        self,
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp=None,
+        ref_logp=None,
+        rollout_logp=None,
+        normalizer=None,
+        return_entropy=False,
+    ) -> LossOutput:
+        return policy_loss(
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            config=self.config,
+            normalizer=normalizer,
+            inplace=self.inplace,
+            backend=self.backend,
+            return_entropy=return_entropy,
+        )
 
     def extra_repr(self) -> str:
         return f"config={self.config}, backend={self.backend!r}, inplace={self.inplace}"

@@ -18,9 +18,9 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-tok
 KLS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-# Clip ranges when the caller does not give them: GSPO's sequence ratio is a geometric mean, so its
-# paper's range is ~1000x narrower; GMPO clips log-ratios (wider range, its paper's 0.4); DCPO's paper
-# uses 0.16 / 0.2 as the base of its probability-dependent bounds.
+# Clip ranges when the caller does not give them: GSPO's sequence ratio is a geometric mean, so
+# its paper's range is ~1000x narrower; GMPO clips log-ratios (wider range, its paper's 0.4);
+# DCPO's paper uses 0.16 / 0.2 as the base of its probability-dependent bounds.
 _DEFAULT_EPS = {"sequence": (3e-4, 4e-4), "gmpo": (0.4, 0.4), "dcpo": (0.16, 0.2)}
 _PPO_EPS = (0.2, 0.2)
 
@@ -138,8 +138,11 @@ class LossConfig:
             raise ValueError(
                 f"LossConfig.ratio_level='sequence' (GSPO) clips a sequence ratio with the PPO "
                 f"objective and needs loss='ppo', got loss={self.loss!r}"
-                + (" (GMPO is sequence-level by construction: use ratio_level='token')"
-                   if self.loss == "gmpo" else "")
+                + (
+                    " (GMPO is sequence-level by construction: use ratio_level='token')"
+                    if self.loss == "gmpo"
+                    else ""
+                )
             )
         if self.dual_clip_c is not None:
             if self.loss != "ppo":
@@ -153,7 +156,8 @@ class LossConfig:
             _check_positive("delta", self.delta, above=1.0)
             if self.delta <= 1 + self.eps_high and self.ratio_level == "token":
                 raise ValueError(
-                    f"LossConfig.delta={self.delta!r} must be > 1 + eps_high = {1 + self.eps_high!r}:"
+                    f"LossConfig.delta={self.delta!r} must be > 1 + eps_high = "
+                    f"{1 + self.eps_high!r}:"
                     " otherwise it clips below the PPO upper bound"
                 )
         if self.loss == "gmpo" and (self.is_correction or "").startswith("token"):
@@ -203,7 +207,7 @@ class LossConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     # PPO-clip with a token-mean (the verl default actor loss).
     "ppo": dict(loss="ppo", eps_low=0.2, eps_high=0.2, agg="token-mean"),
-    # DeepSeekMath GRPO: token ratio, symmetric clip, per-sequence token mean, k3 KL to the reference.
+    # DeepSeekMath GRPO: token ratio, symmetric clip, per-sequence token mean, k3 KL to the ref.
     "grpo": dict(
         loss="ppo", eps_low=0.2, eps_high=0.2, agg="seq-mean-token-mean", kl="k3", beta=0.04
     ),

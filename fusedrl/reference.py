@@ -32,8 +32,9 @@ class LossOutput:
     metrics: dict[str, torch.Tensor]
 
 
-def _log_softmax_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                       return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _log_softmax_stats(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     # fp64 stays fp64 so the oracle itself can be gradchecked; everything else computes in fp32.
     scaled = (logits.double() if logits.dtype == torch.float64 else logits.float()) / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
@@ -58,7 +59,7 @@ def token_logprobs(
     return_entropy: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log_softmax(logits / temperature)[labels] in fp32, and optionally the entropy; differentiable.
+    """log_softmax(logits / temperature)[labels] in fp32, optionally the entropy; differentiable.
 
     `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
     """
@@ -141,9 +142,16 @@ def ratio_bounds(old: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torc
     return torch.full_like(old, 1.0 - cfg.eps_low), torch.full_like(old, 1.0 + cfg.eps_high)
 
 
-def _gmpo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor | None,
-          inp: LossInputs, cfg: LossConfig, metrics: dict) -> torch.Tensor:
-    """GMPO (verl "geo_mean"): the geometric mean of sign-aware clipped token ratios per sequence."""
+def _gmpo(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    w: torch.Tensor | None,
+    inp: LossInputs,
+    cfg: LossConfig,
+    metrics: dict,
+) -> torch.Tensor:
+    """GMPO (verl "geo_mean"): geometric mean of sign-aware clipped token ratios per sequence."""
     log_ratio = logp - old
     clipped = torch.clamp(log_ratio, -cfg.eps_low, cfg.eps_high)
     sign = torch.sign(adv)
@@ -163,9 +171,15 @@ def _gmpo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Ten
     return per_seq.sum() / n_seq
 
 
-def _clipped_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, inp: LossInputs,
-                       cfg: LossConfig, metrics: dict) -> torch.Tensor:
-    """Per-token loss of the ratio-based variants (ppo, dcpo, cispo, sapo; token or sequence ratio)."""
+def _clipped_objective(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    inp: LossInputs,
+    cfg: LossConfig,
+    metrics: dict,
+) -> torch.Tensor:
+    """Per-token loss of the ratio variants (ppo, dcpo, cispo, sapo; token or sequence ratio)."""
     log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.ratio_level == "sequence":
         # GSPO: value s_i = exp(mean_t log-ratio), gradient s_i * grad logp_t (per token).
@@ -215,19 +229,24 @@ def policy_loss(
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
-    `inplace` and `backend` are accepted for signature parity with `fusedrl.policy_loss` and ignored.
+    `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
     """
     cfg = config if config is not None else LossConfig()
-    inp = prepare_loss_inputs(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp,
-                              cfg, normalizer)
+    inp = prepare_loss_inputs(
+        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
+    )
     need_entropy = return_entropy or cfg.entropy_coef != 0.0
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
     logp, entropy = _log_softmax_stats(safe_logits, inp.labels, cfg.temperature, need_entropy)
     old = inp.old_logp if inp.old_logp is not None else logp.detach()
     adv = inp.advantages
     zero = torch.zeros((), device=logp.device)
-    metrics: dict[str, torch.Tensor] = {"clipfrac": zero, "clip_low": zero, "clip_high": zero,
-                                        "dual_clipfrac": zero}
+    metrics: dict[str, torch.Tensor] = {
+        "clipfrac": zero,
+        "clip_low": zero,
+        "clip_high": zero,
+        "dual_clipfrac": zero,
+    }
 
     w = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
     if cfg.loss == "gmpo":
@@ -261,5 +280,9 @@ def policy_loss(
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))
     ent_out = None if entropy is None else unflat(torch.where(inp.valid, entropy.detach(), 0.0))
-    return LossOutput(loss=loss, logp=logp_out, entropy=ent_out,
-                      metrics={k: v.detach() for k, v in metrics.items()})
+    return LossOutput(
+        loss=loss,
+        logp=logp_out,
+        entropy=ent_out,
+        metrics={k: v.detach() for k, v in metrics.items()},
+    )

@@ -49,7 +49,9 @@ def _inside(x: torch.Tensor, low, high) -> torch.Tensor:
     return ((x >= low) & (x <= high)).float()
 
 
-def _select_max(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
+def _select_max(
+    a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor
+) -> torch.Tensor:
     """Derivative of torch.maximum(a, b): the larger one's, half of each at a tie."""
     return torch.where(a > b, da, torch.where(b > a, db, 0.5 * (da + db)))
 
@@ -72,7 +74,9 @@ def aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     return mask / n_all / norm
 
 
-def kl_and_grad(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_and_grad(
+    logp: torch.Tensor, ref: torch.Tensor, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(value, d value / d logp) of the KL estimators of `fusedrl.reference.kl_estimate`."""
     delta = logp - ref
     if kind in ("k1+", "k3+"):  # straight-through: value of k1/k3, gradient of k2
@@ -153,7 +157,8 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
     log_ratio_min = sign * torch.minimum(a, b)
     # d/dl of sign * min(sign l, sign clip(l)): sign^2 times the selected branch's derivative.
     d_min = torch.where(a < b, 1.0, torch.where(b < a, 0.0, 0.5)) + torch.where(
-        b < a, 1.0, torch.where(a < b, 0.0, 0.5)) * _inside(log_ratio, -cfg.eps_low, cfg.eps_high)
+        b < a, 1.0, torch.where(a < b, 0.0, 0.5)
+    ) * _inside(log_ratio, -cfg.eps_low, cfg.eps_high)
     d_min = d_min * sign.square()
     seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1e-8)
     weighted = torch.where(inp.valid, inp.mask, 0.0)
@@ -172,8 +177,9 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
 
 
 @torch.no_grad()
-def token_terms(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs,
-                cfg: LossConfig) -> TokenTerms:
+def token_terms(
+    logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs, cfg: LossConfig
+) -> TokenTerms:
     """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
 
     `logp` / `entropy` must already be 0 on masked tokens (the backends skip those rows).

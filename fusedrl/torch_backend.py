@@ -41,11 +41,11 @@ def _row_blocks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         flat = None
     if flat is not None:
         for start in range(0, batch * time, rows):
-            yield start, flat[start:start + rows]
+            yield start, flat[start : start + rows]
         return
     for b in range(batch):
         for t0 in range(0, time, rows):
-            yield b * time + t0, logits[b, t0:t0 + rows]
+            yield b * time + t0, logits[b, t0 : t0 + rows]
 
 
 def _block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +63,13 @@ def _entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                  need_entropy: bool, valid: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    need_entropy: bool,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32."""
     batch, time, _ = logits.shape
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
@@ -90,8 +94,14 @@ def forward_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float
 
 
 @torch.no_grad()
-def write_logits_grad(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                      dlogp: torch.Tensor, dentropy: torch.Tensor | None, out: torch.Tensor) -> None:
+def write_logits_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    dlogp: torch.Tensor,
+    dentropy: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]).
 
     `out` may be `logits` itself (in-place): each block is read completely before it is written.
@@ -112,7 +122,8 @@ def write_logits_grad(logits: torch.Tensor, labels: torch.Tensor, temperature: f
         if flat_dent is not None:
             entropy = _entropy_of(log_probs)[:, None]
             grad -= flat_dent[start:stop, None] * torch.where(
-                probs > 0, probs * (log_probs + entropy), 0.0)
+                probs > 0, probs * (log_probs + entropy), 0.0
+            )
         if temperature != 1.0:
             grad /= temperature
         live = g_logp != 0
@@ -135,13 +146,20 @@ class _LogprobsFn(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy=None):
         logits, labels = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        write_logits_grad(logits, labels, ctx.temperature, grad_logp.float(),
-                          None if grad_entropy is None else grad_entropy.float(), grad)
+        write_logits_grad(
+            logits,
+            labels,
+            ctx.temperature,
+            grad_logp.float(),
+            None if grad_entropy is None else grad_entropy.float(),
+            grad,
+        )
         return grad, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                   return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable."""
     if logits.requires_grad and torch.is_grad_enabled():
         out = _LogprobsFn.apply(logits, labels, temperature, return_entropy)
@@ -154,8 +172,11 @@ class _FusedLossFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, loss, labels, dlogp, dentropy, temperature, inplace):
-        grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
-                                                  device=logits.device)
+        grad = (
+            logits
+            if inplace
+            else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        )
         write_logits_grad(logits, labels, temperature, dlogp, dentropy, grad)
         ctx.save_for_backward(grad)
         ctx.inplace = inplace
@@ -170,14 +191,22 @@ class _FusedLossFn(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
-def policy_loss(inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
+def policy_loss(
+    inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
     need_entropy = need_entropy or cfg.entropy_coef != 0.0
     logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
     terms = token_terms(logp, entropy, inp, cfg)
     if inp.logits.requires_grad and torch.is_grad_enabled():
-        loss = _FusedLossFn.apply(inp.logits, terms.loss, inp.labels, terms.dlogp, terms.dentropy,
-                                  cfg.temperature, inplace)
+        loss = _FusedLossFn.apply(
+            inp.logits,
+            terms.loss,
+            inp.labels,
+            terms.dlogp,
+            terms.dentropy,
+            cfg.temperature,
+            inplace,
+        )
     else:
         loss = terms.loss
     return loss, logp, entropy, terms

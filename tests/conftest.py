@@ -13,8 +13,18 @@ import fusedrl  # noqa: E402
 from fusedrl import reference  # noqa: E402
 
 
-def make_batch(batch=3, time=7, vocab=1031, dtype=torch.float32, seed=0, per_token_adv=False,
-               empty_rows=(1,), old_noise=0.3, device="cpu", with_nan_padding=False):
+def make_batch(
+    batch=3,
+    time=7,
+    vocab=1031,
+    dtype=torch.float32,
+    seed=0,
+    per_token_adv=False,
+    empty_rows=(1,),
+    old_noise=0.3,
+    device="cpu",
+    with_nan_padding=False,
+):
     """Random inputs for policy_loss: odd sizes, ragged lengths, some empty sequences.
 
     old/ref/rollout log-probs are the current log-probs plus noise, so ratios straddle the clip
@@ -41,9 +51,15 @@ def make_batch(batch=3, time=7, vocab=1031, dtype=torch.float32, seed=0, per_tok
     old = logp + old_noise * torch.randn(batch, time, generator=gen)
     ref = logp + 0.2 * torch.randn(batch, time, generator=gen)
     rollout = old + 0.3 * torch.randn(batch, time, generator=gen)
-    return dict(logits=logits.to(device), labels=labels.to(device),
-                advantages=advantages.to(device), mask=mask.to(device), old_logp=old.to(device),
-                ref_logp=ref.to(device), rollout_logp=rollout.to(device))
+    return dict(
+        logits=logits.to(device),
+        labels=labels.to(device),
+        advantages=advantages.to(device),
+        mask=mask.to(device),
+        old_logp=old.to(device),
+        ref_logp=ref.to(device),
+        rollout_logp=rollout.to(device),
+    )
 
 
 def run_loss(fn, batch, config, *, requires_grad=True, **kwargs):

@@ -1,4 +1,4 @@
-"""LossConfig: defaults, presets, replace, and a clear ValueError naming the field for bad values."""
+"""LossConfig: defaults, presets, replace, and a ValueError naming the field for bad values."""
 
 from __future__ import annotations
 
@@ -41,13 +41,27 @@ def test_preset_values():
     assert (gspo.ratio_level, gspo.eps_low, gspo.eps_high) == ("sequence", 3e-4, 4e-4)
     assert LossConfig.preset("gmpo").eps_low == 0.4
     assert LossConfig.preset("dr_grpo").agg == "seq-mean-token-sum-norm"
-    assert set(LossConfig.presets()) == {"ppo", "grpo", "dapo", "dr_grpo", "lite_ppo", "gspo",
-                                         "gspo_token", "cispo", "sapo", "gmpo", "dcpo", "pg"}
+    assert set(LossConfig.presets()) == {
+        "ppo",
+        "grpo",
+        "dapo",
+        "dr_grpo",
+        "lite_ppo",
+        "gspo",
+        "gspo_token",
+        "cispo",
+        "sapo",
+        "gmpo",
+        "dcpo",
+        "pg",
+    }
 
 
 def test_variant_dependent_eps_defaults():
-    assert (LossConfig(ratio_level="sequence").eps_low, LossConfig(ratio_level="sequence").eps_high) \
-        == (3e-4, 4e-4)
+    assert (
+        LossConfig(ratio_level="sequence").eps_low,
+        LossConfig(ratio_level="sequence").eps_high,
+    ) == (3e-4, 4e-4)
     assert LossConfig(loss="gmpo").eps_high == 0.4
     assert (LossConfig(loss="dcpo").eps_low, LossConfig(loss="dcpo").eps_high) == (0.16, 0.2)
     assert LossConfig(loss="gmpo", eps_low=0.1).eps_low == 0.1

@@ -20,12 +20,16 @@ VARIANTS = {f"preset:{name}": LossConfig.preset(name) for name in ALL_PRESETS} |
     "gspo+dual": LossConfig(ratio_level="sequence", dual_clip_c=2.0, eps_low=0.05, eps_high=0.05),
     # k1+ / k3+ are straight-through (value != gradient's integral): see the test below.
     **{f"kl:{kind}": LossConfig(kl=kind, beta=0.1) for kind in ("k1", "k2", "abs", "k3")},
-    **{f"is:{mode}": LossConfig(is_correction=mode, is_cap=1.3)
-       for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+    **{
+        f"is:{mode}": LossConfig(is_correction=mode, is_cap=1.3)
+        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    },
     "is:token_mask+low": LossConfig(is_correction="token_mask", is_cap=1.3, is_cap_low=0.9),
     "gmpo+seq_is": LossConfig(loss="gmpo", is_correction="sequence_truncate", is_cap=1.1),
-    **{f"agg:{agg}": LossConfig(agg=agg) for agg in ("seq-mean-token-sum",
-                                                     "seq-mean-token-sum-norm")},
+    **{
+        f"agg:{agg}": LossConfig(agg=agg)
+        for agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm")
+    },
     "agg:norm_constant": LossConfig(agg="seq-mean-token-sum-norm", norm_constant=11.0),
 }
 
@@ -39,8 +43,15 @@ STOP_GRADIENT = {"preset:cispo", "preset:gspo", "preset:gspo_token", "gspo+dual"
 def test_gradcheck_float64(name):
     cfg = VARIANTS[name]
     per_token_adv = name in ("preset:gspo_token", "preset:dcpo")
-    data = make_batch(batch=3, time=4, vocab=7, dtype=torch.float64, seed=1,
-                      per_token_adv=per_token_adv, old_noise=0.15)
+    data = make_batch(
+        batch=3,
+        time=4,
+        vocab=7,
+        dtype=torch.float64,
+        seed=1,
+        per_token_adv=per_token_adv,
+        old_noise=0.15,
+    )
     if cfg.ratio_level == "sequence":  # keep sequence ratios off the narrow clip kinks
         data["old_logp"] = data["old_logp"] * 0 + data["old_logp"].mean()
     logits = data.pop("logits").requires_grad_(True)
@@ -83,10 +94,13 @@ def _one_token(logp_minus_old: float, adv: float, vocab: int = 5):
     logits = torch.linspace(-1.0, 1.0, vocab, dtype=torch.float64).reshape(1, 1, vocab)
     labels = torch.tensor([[2]])
     logp = torch.log_softmax(logits, -1)[0, 0, 2]
-    return dict(logits=logits.clone().requires_grad_(True), labels=labels,
-                advantages=torch.tensor([adv], dtype=torch.float64),
-                mask=torch.ones(1, 1, dtype=torch.bool),
-                old_logp=(logp - logp_minus_old).reshape(1, 1).float())
+    return dict(
+        logits=logits.clone().requires_grad_(True),
+        labels=labels,
+        advantages=torch.tensor([adv], dtype=torch.float64),
+        mask=torch.ones(1, 1, dtype=torch.bool),
+        old_logp=(logp - logp_minus_old).reshape(1, 1).float(),
+    )
 
 
 @pytest.mark.parametrize("log_ratio, adv", [(0.5, 1.0), (-0.5, -1.0)])
@@ -128,13 +142,16 @@ def test_on_policy_ppo_loss_is_minus_aggregated_advantage(agg):
 
 def test_gspo_equals_token_ppo_for_one_token_sequences():
     data = make_batch(batch=6, time=1, empty_rows=(), old_noise=0.05)
-    gspo = LossConfig(ratio_level="sequence", eps_low=0.02, eps_high=0.03, agg="seq-mean-token-mean")
+    gspo = LossConfig(
+        ratio_level="sequence", eps_low=0.02, eps_high=0.03, agg="seq-mean-token-mean"
+    )
     ppo = LossConfig(eps_low=0.02, eps_high=0.03, agg="seq-mean-token-mean")
     outs = []
     for cfg in (gspo, ppo):
         logits = data["logits"].clone().requires_grad_(True)
-        out = reference.policy_loss(logits, **{k: v for k, v in data.items() if k != "logits"},
-                                    config=cfg)
+        out = reference.policy_loss(
+            logits, **{k: v for k, v in data.items() if k != "logits"}, config=cfg
+        )
         outs.append((out.loss, torch.autograd.grad(out.loss, logits)[0], out.metrics["clipfrac"]))
     assert 0 < outs[1][2] < 1  # some tokens clipped, some not: the comparison means something
     torch.testing.assert_close(outs[0][0], outs[1][0])
@@ -146,8 +163,10 @@ def test_dual_clip_only_acts_on_negative_advantages():
     data["old_logp"] = data["old_logp"] - 2.0  # large ratios: r > c for many tokens
     plain, dual = LossConfig(), LossConfig(dual_clip_c=1.5)
     pos = dict(data, advantages=data["advantages"].abs() + 0.1)
-    assert reference.policy_loss(config=plain, **pos).loss == reference.policy_loss(
-        config=dual, **pos).loss
+    assert (
+        reference.policy_loss(config=plain, **pos).loss
+        == reference.policy_loss(config=dual, **pos).loss
+    )
     neg = dict(data, advantages=-(data["advantages"].abs() + 0.1))
     out_plain = reference.policy_loss(config=plain, **neg)
     out_dual = reference.policy_loss(config=dual, **neg)
@@ -201,8 +220,9 @@ def test_straight_through_kl_value_and_gradient():
         torch.testing.assert_close(grad, (logp - ref).detach())
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                 "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_normalizer_replaces_the_denominator(agg):
     data = make_batch()
     cfg = LossConfig(agg=agg)
@@ -254,8 +274,9 @@ def test_is_weights_modes():
     cfg = LossConfig(is_correction="token_mask", is_cap=1.5)
     kept = (w >= 1 / 1.5) & (w <= 1.5) & mask
     expected = (w * kept).sum() / mask.sum()
-    assert reference.policy_loss(config=cfg, **data).metrics["is_weight_mean"].item() == \
-        pytest.approx(expected.item(), rel=1e-5)
+    assert reference.policy_loss(config=cfg, **data).metrics[
+        "is_weight_mean"
+    ].item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def _grad(cfg, data, **extra):
@@ -287,6 +308,5 @@ def test_gspo_gradient_is_pg_gradient_with_sequence_ratio_advantages():
     clipped = ((seq_ratio > 1.004) & (adv > 0)) | ((seq_ratio < 0.996) & (adv < 0))
     assert clipped[data["mask"]].any() and not clipped[data["mask"]].all()
     surrogate_adv = torch.where(clipped, 0.0, adv * seq_ratio)
-    _, expected = _grad(LossConfig(loss="pg"), data,
-                        advantages=surrogate_adv)
+    _, expected = _grad(LossConfig(loss="pg"), data, advantages=surrogate_adv)
     torch.testing.assert_close(grad, expected)

@@ -52,8 +52,10 @@ OPTIONS = {
     "dcpo_kl": LossConfig(loss="dcpo", kl="k3", beta=0.1),
     "sapo_is": LossConfig(loss="sapo", is_correction="token_truncate", is_cap=1.2),
     **{f"kl_{k}": LossConfig(kl=k, beta=0.2) for k in ("k1", "k2", "abs", "k3", "k1+", "k3+")},
-    **{f"is_{m}": LossConfig(is_correction=m, is_cap=1.3)
-       for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+    **{
+        f"is_{m}": LossConfig(is_correction=m, is_cap=1.3)
+        for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    },
     "is_low": LossConfig(is_correction="token_truncate", is_cap=1.3, is_cap_low=0.8),
 }
 
