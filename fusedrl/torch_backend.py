@@ -178,17 +178,24 @@ class _FusedLossFn(torch.autograd.Function):
             else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         )
         write_logits_grad(logits, labels, temperature, dlogp, dentropy, grad)
-        ctx.save_for_backward(grad)
-        ctx.inplace = inplace
+        # Held as an attribute, not a saved tensor, so backward can drop the graph's reference:
+        # autograd may then hand the buffer on (or accumulate into it) without another copy.
+        ctx.grad = grad
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError(
+                "fusedrl.policy_loss: backward ran twice through the same graph; the gradient "
+                "buffer is released after the first backward (retain_graph is not supported)"
+            )
+        ctx.grad = None
         # On CPU the check is free; on an accelerator it would sync, so scale unconditionally.
-        if grad_loss.device.type == "cpu" and bool(grad_loss == 1):
-            return grad, None, None, None, None, None, None
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+        if grad_loss.device.type != "cpu" or not bool(grad_loss == 1):
+            grad = grad.mul_(grad_loss.to(grad.dtype))
+        return grad, None, None, None, None, None, None
 
 
 def policy_loss(
