@@ -32,6 +32,7 @@ from .reference import (
     LOG_RATIO_CLAMP,
     SEQ_LOG_RATIO_MAX,
     is_weights,
+    masked_mean,
     ratio_bounds,
 )
 
@@ -95,10 +96,6 @@ def kl_and_grad(
     return value, grad * _inside(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
 
 
-def _masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
-    return torch.where(inp.valid, x.float() * inp.mask, 0.0).sum() / inp.mask.sum().clamp_min(1e-8)
-
-
 def _ratio_terms(logp, old, adv, inp, cfg, metrics):
     """Per-token loss and d/dlogp for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
     raw_log_ratio = logp - old
@@ -114,8 +111,8 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics):
         ratio = log_ratio.exp()
         dratio = ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     low, high = ratio_bounds(old, cfg)
-    metrics["clip_low"] = _masked_mean((ratio < low) & (adv < 0), inp)
-    metrics["clip_high"] = _masked_mean((ratio > high) & (adv > 0), inp)
+    metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
+    metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
 
     if cfg.loss == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
@@ -124,7 +121,7 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics):
 
     clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
     if cfg.loss == "cispo":
-        metrics["clipfrac"] = _masked_mean(ratio != clipped_ratio, inp)
+        metrics["clipfrac"] = masked_mean(ratio != clipped_ratio, inp)
         return -clipped_ratio * adv * logp, -clipped_ratio * adv
 
     if cfg.delta is None:
@@ -136,10 +133,10 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics):
     d_clipped = -adv * dratio * _inside(ratio, low, high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
     dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
-    metrics["clipfrac"] = _masked_mean(loss_clipped > loss_unclipped, inp)
+    metrics["clipfrac"] = masked_mean(loss_clipped > loss_unclipped, inp)
     if cfg.dual_clip_c is not None:
         loss_dual = -adv * cfg.dual_clip_c
-        metrics["dual_clipfrac"] = _masked_mean((per_token > loss_dual) & (adv < 0), inp)
+        metrics["dual_clipfrac"] = masked_mean((per_token > loss_dual) & (adv < 0), inp)
         # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
         keep = torch.where(per_token < loss_dual, 1.0, torch.where(per_token > loss_dual, 0.0, 0.5))
         dual_d = dper_token * keep
@@ -170,9 +167,9 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
         coef = coef * w[:, :1]
     high = (log_ratio > cfg.eps_high) & (adv > 0)
     low = (log_ratio < -cfg.eps_low) & (adv < 0)
-    metrics["clip_high"] = _masked_mean(high, inp)
-    metrics["clip_low"] = _masked_mean(low, inp)
-    metrics["clipfrac"] = _masked_mean(high | low, inp)
+    metrics["clip_high"] = masked_mean(high, inp)
+    metrics["clip_low"] = masked_mean(low, inp)
+    metrics["clipfrac"] = masked_mean(high | low, inp)
     return coef.sum(), coef * weighted / seq_len * d_min
 
 
@@ -207,7 +204,7 @@ def token_terms(
         dlogp = torch.zeros_like(logp)
     if inp.ref_logp is not None:
         kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3")
-        metrics["kl"] = _masked_mean(kl, inp)
+        metrics["kl"] = masked_mean(kl, inp)
         if cfg.beta > 0:
             per_token, dper_token = per_token + cfg.beta * kl, dper_token + cfg.beta * dkl
     dentropy = None
@@ -218,11 +215,11 @@ def token_terms(
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
-    metrics["ppo_kl"] = _masked_mean(old - logp, inp)
-    metrics["logp_mean"] = _masked_mean(logp, inp)
+    metrics["ppo_kl"] = masked_mean(old - logp, inp)
+    metrics["logp_mean"] = masked_mean(logp, inp)
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy, inp)
+        metrics["entropy"] = masked_mean(entropy, inp)
     if w is not None:
-        metrics["is_weight_mean"] = _masked_mean(w, inp)
+        metrics["is_weight_mean"] = masked_mean(w, inp)
         metrics["is_weight_max"] = torch.where(inp.valid, w, 0.0).max() if w.numel() else zero
     return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)
