@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from . import torch_backend
@@ -12,19 +15,33 @@ from .reference import LossOutput
 BACKENDS = ("auto", "triton", "cuda", "torch")
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _resolve_backend(backend: str, device: torch.device):
+    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        # The fused Triton kernels (issue: kernels/) take CUDA tensors once they land; until then
-        # every device runs the chunked torch backend.
-        return "torch"
-    if backend in ("triton", "cuda"):
+        backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    if backend == "triton":
+        if not _triton_usable(device):
+            raise RuntimeError(
+                f"backend='triton' needs CUDA tensors (got {device.type}) and the triton package; "
+                "on CPU set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
+            )
+        from . import triton_backend
+
+        return triton_backend
+    if backend == "cuda":
         raise NotImplementedError(
-            f"backend={backend!r} is not available in this build of fusedrl; "
-            "use backend='torch' (or 'auto')"
+            "backend='cuda' (the csrc/ extension) is not available in this build of fusedrl; "
+            "use backend='triton' or 'torch' (or 'auto')"
         )
-    return backend
+    return torch_backend
 
 
 def policy_loss(
@@ -68,8 +85,8 @@ def policy_loss(
     inp = prepare_loss_inputs(
         logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
     )
-    _resolve_backend(backend, inp.logits.device)
-    loss, logp, entropy, terms = torch_backend.policy_loss(inp, cfg, inplace, return_entropy)
+    impl = _resolve_backend(backend, inp.logits.device)
+    loss, logp, entropy, terms = impl.policy_loss(inp, cfg, inplace, return_entropy)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
@@ -91,11 +108,11 @@ def token_logprobs(
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
     temperature = check_temperature(temperature)
-    _resolve_backend(backend, logits.device)
+    impl = _resolve_backend(backend, logits.device)
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels
-    logp, entropy = torch_backend.token_logprobs(logits3, labels2, temperature, return_entropy)
+    logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy)
     if flat:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]

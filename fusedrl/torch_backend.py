@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ._autograd import attach_grad
 from ._inputs import LossInputs
 from .config import LossConfig
 from .token_terms import TokenTerms, token_terms
@@ -167,53 +168,18 @@ def token_logprobs(
     return forward_stats(logits, labels, temperature, return_entropy)
 
 
-class _FusedLossFn(torch.autograd.Function):
-    """Returns the precomputed loss; its forward writes d(loss)/d(logits) (pass 2)."""
-
-    @staticmethod
-    def forward(ctx, logits, loss, labels, dlogp, dentropy, temperature, inplace):
-        grad = (
-            logits
-            if inplace
-            else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        )
-        write_logits_grad(logits, labels, temperature, dlogp, dentropy, grad)
-        # Held as an attribute, not a saved tensor, so backward can drop the graph's reference:
-        # autograd may then hand the buffer on (or accumulate into it) without another copy.
-        ctx.grad = grad
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad = ctx.grad
-        if grad is None:
-            raise RuntimeError(
-                "fusedrl.policy_loss: backward ran twice through the same graph; the gradient "
-                "buffer is released after the first backward (retain_graph is not supported)"
-            )
-        ctx.grad = None
-        # On CPU the check is free; on an accelerator it would sync, so scale unconditionally.
-        if grad_loss.device.type != "cpu" or not bool(grad_loss == 1):
-            grad = grad.mul_(grad_loss.to(grad.dtype))
-        return grad, None, None, None, None, None, None
-
-
 def policy_loss(
     inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
     need_entropy = need_entropy or cfg.entropy_coef != 0.0
     logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
     terms = token_terms(logp, entropy, inp, cfg)
-    if inp.logits.requires_grad and torch.is_grad_enabled():
-        loss = _FusedLossFn.apply(
-            inp.logits,
-            terms.loss,
-            inp.labels,
-            terms.dlogp,
-            terms.dentropy,
-            cfg.temperature,
-            inplace,
-        )
-    else:
-        loss = terms.loss
-    return loss, logp, entropy, terms
+    if not (inp.logits.requires_grad and torch.is_grad_enabled()):
+        return terms.loss, logp, entropy, terms
+    grad = (
+        inp.logits
+        if inplace
+        else torch.empty(inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device)
+    )
+    write_logits_grad(inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad)
+    return attach_grad(inp.logits, terms.loss, grad), logp, entropy, terms

@@ -1,4 +1,8 @@
-"""backend="torch" against fusedrl.reference: loss, gradients, logp, entropy and metrics."""
+"""Every backend against fusedrl.reference: loss, gradients, logp, entropy and metrics.
+
+The Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1, set in
+conftest); on a GPU machine the same tests run them compiled (tests/test_gpu.py adds real sizes).
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,27 @@ from fusedrl import LossConfig, reference, torch_backend
 from .conftest import ALL_PRESETS, make_batch, run_loss
 
 ATOL = 1e-6
+BACKENDS = ["torch", "triton"]
 
 
-def _torch(*args, **kwargs):
-    return fusedrl.policy_loss(*args, backend="torch", **kwargs)
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        logprobs = pytest.importorskip("fusedrl.kernels.logprobs")
+        # Small vocab tiles so that every row spans several tiles and a partial last one.
+        monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 256)
+    return request.param
 
 
-def assert_matches_reference(data, cfg, *, atol=ATOL, rtol=1e-5, grad_atol=None, **kwargs):
-    ours, grad = run_loss(_torch, data, cfg, return_entropy=True, **kwargs)
+def _impl(backend):
+    def call(*args, **kwargs):
+        return fusedrl.policy_loss(*args, backend=backend, **kwargs)
+
+    return call
+
+
+def assert_matches_reference(data, cfg, backend, *, atol=ATOL, rtol=1e-5, grad_atol=None, **kwargs):
+    ours, grad = run_loss(_impl(backend), data, cfg, return_entropy=True, **kwargs)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True, **kwargs)
     torch.testing.assert_close(ours.loss, ref.loss, atol=atol, rtol=rtol)
     torch.testing.assert_close(ours.logp, ref.logp, atol=atol, rtol=rtol)
@@ -34,9 +51,9 @@ def assert_matches_reference(data, cfg, *, atol=ATOL, rtol=1e-5, grad_atol=None,
 
 @pytest.mark.parametrize("name", ALL_PRESETS)
 @pytest.mark.parametrize("per_token_adv", [False, True])
-def test_every_preset_fp32(name, per_token_adv):
+def test_every_preset_fp32(name, per_token_adv, backend):
     data = make_batch(batch=4, time=9, vocab=1031, seed=3, per_token_adv=per_token_adv)
-    assert_matches_reference(data, LossConfig.preset(name))
+    assert_matches_reference(data, LossConfig.preset(name), backend)
 
 
 OPTIONS = {
@@ -61,41 +78,41 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_options_fp32(name):
+def test_options_fp32(name, backend):
     data = make_batch(batch=4, time=9, vocab=523, seed=4, per_token_adv=True)
-    assert_matches_reference(data, OPTIONS[name])
+    assert_matches_reference(data, OPTIONS[name], backend)
 
 
 @pytest.mark.parametrize("name", ["dapo", "grpo", "gspo", "gmpo", "cispo"])
-def test_normalizer(name):
+def test_normalizer(name, backend):
     data = make_batch(seed=5)
-    assert_matches_reference(data, LossConfig.preset(name), normalizer=17.0)
-    assert_matches_reference(data, LossConfig.preset(name), normalizer=torch.tensor(17.0))
+    assert_matches_reference(data, LossConfig.preset(name), backend, normalizer=17.0)
+    assert_matches_reference(data, LossConfig.preset(name), backend, normalizer=torch.tensor(17.0))
 
 
-def test_on_policy_without_old_logp():
+def test_on_policy_without_old_logp(backend):
     data = make_batch(seed=6)
     data["old_logp"] = None
-    out, _ = assert_matches_reference(data, LossConfig.preset("grpo"))
+    out, _ = assert_matches_reference(data, LossConfig.preset("grpo"), backend)
     assert out.metrics["clipfrac"] == 0 and out.metrics["ppo_kl"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["dapo", "grpo", "gspo"])
-def test_low_precision_logits(dtype, name):
+def test_low_precision_logits(dtype, name, backend):
     data = make_batch(batch=3, time=5, vocab=1031, dtype=dtype, seed=7)
     # Both compute in fp32 from the same rounded logits; only the gradient's final cast differs.
-    assert_matches_reference(data, LossConfig.preset(name), grad_atol=2e-3)
+    assert_matches_reference(data, LossConfig.preset(name), backend, grad_atol=2e-3)
 
 
-def test_small_blocks_cover_every_row(monkeypatch):
+def test_small_blocks_cover_every_row(monkeypatch, backend):
     """Force many blocks (and a partial last block) so the chunk loop is exercised."""
     monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 3 * 257)
     data = make_batch(batch=3, time=7, vocab=257, seed=8)
-    assert_matches_reference(data, LossConfig.preset("grpo").replace(entropy_coef=0.01))
+    assert_matches_reference(data, LossConfig.preset("grpo").replace(entropy_coef=0.01), backend)
 
 
-def test_strided_view_of_prompt_and_completion_logits(monkeypatch):
+def test_strided_view_of_prompt_and_completion_logits(monkeypatch, backend):
     """A [B, P+T, V] tensor sliced to the completion is used as a view, never copied."""
     monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 2 * 211)
     data = make_batch(batch=3, time=6, vocab=211, seed=9)
@@ -104,23 +121,23 @@ def test_strided_view_of_prompt_and_completion_logits(monkeypatch):
     view = full[:, 3:9]
     assert not view.is_contiguous()
     data["logits"] = view
-    assert_matches_reference(data, LossConfig.preset("dapo").replace(entropy_coef=0.02))
+    assert_matches_reference(data, LossConfig.preset("dapo").replace(entropy_coef=0.02), backend)
     with pytest.raises(RuntimeError):
         view.view(18, 211)  # the walk-per-sequence path is the one exercised
 
 
-def test_flat_token_input():
+def test_flat_token_input(backend):
     data = make_batch(batch=1, time=11, vocab=331, seed=10, per_token_adv=True, empty_rows=())
     flat = {k: v[0] for k, v in data.items()}
     cfg = LossConfig.preset("dapo")
-    out, grad = run_loss(_torch, flat, cfg)
+    out, grad = run_loss(_impl(backend), flat, cfg)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
     assert out.logp.shape == (11,)
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(grad, ref_grad[0])
 
 
-def test_inplace_writes_gradient_into_logits():
+def test_inplace_writes_gradient_into_logits(backend):
     data = make_batch(seed=11)
     cfg = LossConfig.preset("dapo")
     _, expected = run_loss(reference.policy_loss, data, cfg)
@@ -128,32 +145,32 @@ def test_inplace_writes_gradient_into_logits():
     args = {k: v for k, v in data.items() if k != "logits"}
     seen = []
     logits.register_hook(lambda g: seen.append(g.data_ptr()))
-    out = fusedrl.policy_loss(logits, config=cfg, inplace=True, backend="torch", **args)
+    out = fusedrl.policy_loss(logits, config=cfg, inplace=True, backend=backend, **args)
     torch.testing.assert_close(logits.detach(), expected)  # the buffer now holds the gradient
     out.loss.backward()
     torch.testing.assert_close(logits.grad, expected)
     assert seen == [logits.data_ptr()]  # backward hands back the logits buffer: no second copy
 
 
-def test_upstream_gradient_scales():
+def test_upstream_gradient_scales(backend):
     data = make_batch(seed=12)
     cfg = LossConfig.preset("grpo")
     logits = data["logits"].clone().requires_grad_(True)
     args = {k: v for k, v in data.items() if k != "logits"}
-    out = fusedrl.policy_loss(logits, config=cfg, backend="torch", **args)
+    out = fusedrl.policy_loss(logits, config=cfg, backend=backend, **args)
     (3.5 * out.loss).backward()
     _, ref_grad = run_loss(reference.policy_loss, data, cfg)
     torch.testing.assert_close(logits.grad, 3.5 * ref_grad)
 
 
 @pytest.mark.parametrize("name", ALL_PRESETS)
-@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "reference"])
 def test_all_masked_batch_gives_zero_loss_and_gradient(name, impl):
     data = make_batch(seed=13, with_nan_padding=True)
     data["mask"] = torch.zeros_like(data["mask"])
     data["logits"] = torch.full_like(data["logits"], float("nan"))
     data["labels"] = torch.full_like(data["labels"], -100)
-    fn = _torch if impl == "torch" else reference.policy_loss
+    fn = reference.policy_loss if impl == "reference" else _impl(impl)
     cfg = LossConfig.preset(name).replace(entropy_coef=0.01)
     out, grad = run_loss(fn, data, cfg, return_entropy=True)
     assert out.loss.item() == 0.0
@@ -163,7 +180,7 @@ def test_all_masked_batch_gives_zero_loss_and_gradient(name, impl):
 
 
 @pytest.mark.parametrize("name", ["dapo", "grpo", "gspo", "gmpo", "sapo"])
-def test_nan_padding_in_masked_positions_is_ignored(name):
+def test_nan_padding_in_masked_positions_is_ignored(name, backend):
     """Masked rows may hold NaN logits, NaN old/ref logp and label -100: nothing leaks."""
     clean = make_batch(seed=14)
     dirty = make_batch(seed=14, with_nan_padding=True)
@@ -171,14 +188,14 @@ def test_nan_padding_in_masked_positions_is_ignored(name):
         if dirty[key].shape == dirty["mask"].shape:
             dirty[key] = dirty[key].masked_fill(~dirty["mask"], float("nan"))
     cfg = LossConfig.preset(name)
-    out, grad = run_loss(_torch, dirty, cfg)
+    out, grad = run_loss(_impl(backend), dirty, cfg)
     ref, ref_grad = run_loss(reference.policy_loss, clean, cfg)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(grad, ref_grad)
 
 
-def test_neg_inf_logits_at_other_tokens_are_fine():
+def test_neg_inf_logits_at_other_tokens_are_fine(backend):
     """Banned tokens (-inf, as after top-k filtering) have probability 0 and zero gradient."""
     data = make_batch(seed=15)
     banned = torch.zeros_like(data["logits"], dtype=torch.bool)
@@ -186,58 +203,61 @@ def test_neg_inf_logits_at_other_tokens_are_fine():
     banned.scatter_(-1, data["labels"][..., None], False)
     data["logits"] = data["logits"].masked_fill(banned, float("-inf"))
     cfg = LossConfig.preset("dapo").replace(entropy_coef=0.05)
-    out, grad = assert_matches_reference(data, cfg)
+    out, grad = assert_matches_reference(data, cfg, backend)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     assert torch.count_nonzero(grad[banned]) == 0
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_logit_in_a_valid_row_propagates(bad):
+def test_non_finite_logit_in_a_valid_row_propagates(bad, backend):
     """Documented: NaN/+inf in a counted row makes the loss NaN (never silently dropped)."""
     data = make_batch(seed=16)
     row = data["mask"].nonzero()[0]
     data["logits"][row[0], row[1], 5] = bad
-    out, _ = run_loss(_torch, data, LossConfig.preset("dapo"))
+    out, _ = run_loss(_impl(backend), data, LossConfig.preset("dapo"))
     assert torch.isnan(out.loss)
 
 
 # ------------------------------------------------------------------------- token_logprobs
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("shape", [(13, 1031), (2, 5, 257)])
-def test_token_logprobs_matches_reference(temperature, shape):
+def test_token_logprobs_matches_reference(temperature, shape, backend):
     gen = torch.Generator().manual_seed(17)
     logits = torch.randn(*shape, generator=gen, dtype=torch.float64).float().requires_grad_(True)
     labels = torch.randint(0, shape[-1], shape[:-1], generator=gen)
     w_logp, w_ent = torch.randn(shape[:-1], generator=gen), torch.randn(shape[:-1], generator=gen)
     results = []
     for fn in (fusedrl.token_logprobs, reference.token_logprobs):
-        logp, ent = fn(logits, labels, temperature=temperature, return_entropy=True)
+        logp, ent = fn(
+            logits, labels, temperature=temperature, return_entropy=True, backend=backend
+        )
         (grad,) = torch.autograd.grad((logp * w_logp).sum() + (ent * w_ent).sum(), logits)
         results.append((logp, ent, grad))
     for ours, ref in zip(*results):
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-5)
 
 
-def test_token_logprobs_without_entropy_and_no_grad():
+def test_token_logprobs_without_entropy_and_no_grad(backend):
     data = make_batch(seed=18, empty_rows=())
     with torch.no_grad():
-        logp, ent = fusedrl.token_logprobs(data["logits"], data["labels"])
+        logp, ent = fusedrl.token_logprobs(data["logits"], data["labels"], backend=backend)
     assert ent is None and not logp.requires_grad and logp.dtype == torch.float32
     ref, _ = reference.token_logprobs(data["logits"], data["labels"])
     torch.testing.assert_close(logp, ref)
     logits = data["logits"].clone().requires_grad_(True)
-    logp, ent = fusedrl.token_logprobs(logits, data["labels"])
+    logp, ent = fusedrl.token_logprobs(logits, data["labels"], backend=backend)
     logp.sum().backward()
     ref_logits = data["logits"].clone().requires_grad_(True)
     reference.token_logprobs(ref_logits, data["labels"])[0].sum().backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad)
 
 
-def test_batch_invariance_of_logp():
+def test_batch_invariance_of_logp(backend):
     """A row's logp does not depend on what else is in the batch (bitwise)."""
     data = make_batch(batch=4, time=6, seed=19, empty_rows=())
-    full, _ = fusedrl.token_logprobs(data["logits"], data["labels"])
-    alone, _ = fusedrl.token_logprobs(data["logits"][2:3], data["labels"][2:3])
+    full, _ = fusedrl.token_logprobs(data["logits"], data["labels"], backend=backend)
+    alone, _ = fusedrl.token_logprobs(data["logits"][2:3], data["labels"][2:3], backend=backend)
     assert torch.equal(full[2:3], alone)
 
 
@@ -253,11 +273,13 @@ def test_policy_loss_module_and_auto_backend():
     torch.testing.assert_close(auto.loss, ref.loss)
 
 
-def test_unavailable_backends_raise_clearly():
+def test_unavailable_backends_raise_clearly(monkeypatch):
     data = make_batch(seed=21)
     args = {k: v for k, v in data.items() if k != "logits"}
-    for backend in ("triton", "cuda"):
-        with pytest.raises(NotImplementedError, match=backend):
-            fusedrl.policy_loss(data["logits"], backend=backend, **args)
+    with pytest.raises(NotImplementedError, match="cuda"):
+        fusedrl.policy_loss(data["logits"], backend="cuda", **args)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors"):
+        fusedrl.policy_loss(data["logits"], backend="triton", **args)
     with pytest.raises(ValueError, match="backend"):
         fusedrl.policy_loss(data["logits"], backend="jax", **args)

@@ -1,0 +1,326 @@
+"""`backend="triton"`: the fused kernels of `fusedrl.kernels`, registered as torch custom ops.
+
+Token-level variants run one fused kernel (one read of each row, gradient written in the same
+program). Sequence-level variants (GSPO, GMPO, sequence IS) need a per-sequence reduction of logp
+before any gradient is known: pass 1 (logp/lse/entropy), the [B, T] math of `token_terms`, pass 2
+(gradient). The loss value and the metrics always come from `token_terms` on [B, T] scalars.
+
+The kernels are wrapped with `torch.library.custom_op` (with fake implementations) so that
+`torch.compile` traces through them; under `TRITON_INTERPRET=1` they also run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._autograd import attach_grad
+from ._inputs import LossInputs
+from .config import LossConfig
+from .reference import is_weights, ratio_bounds
+from .token_terms import TokenTerms, aggregation_weights, token_terms
+
+
+def _kernels():
+    # Imported lazily: importing triton is slow and fails on machines without it.
+    from fusedrl.kernels import logprobs, token_loss
+
+    return logprobs, token_loss
+
+
+def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
+    return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+
+
+# ------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=())
+def logprobs_fwd(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logprobs, _ = _kernels()
+    return logprobs.logprobs_forward(logits, labels, valid, temperature)
+
+
+@logprobs_fwd.register_fake
+def _(logits, labels, valid, temperature):
+    return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
+
+
+@torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
+def logits_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    dlogp: torch.Tensor,
+    dentropy: torch.Tensor | None,
+    temperature: float,
+    out: torch.Tensor,
+) -> None:
+    logprobs, _ = _kernels()
+    logprobs.logits_backward(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)
+
+
+@logits_grad.register_fake
+def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+    return None
+
+
+def _fused(
+    logits,
+    grad,
+    labels,
+    valid,
+    advantages,
+    old_logp,
+    ref_logp,
+    is_weight,
+    agg_weight,
+    low,
+    high,
+    temperature,
+    loss,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    kl,
+    beta,
+    entropy_coef,
+):
+    _, token_loss = _kernels()
+    return token_loss.fused_token_loss(
+        logits,
+        grad,
+        labels,
+        valid,
+        advantages,
+        old_logp,
+        ref_logp,
+        is_weight,
+        agg_weight,
+        low,
+        high,
+        temperature=temperature,
+        loss=loss,
+        dual_clip_c=dual_clip_c,
+        delta=delta,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        kl=kl,
+        beta=beta,
+        entropy_coef=entropy_coef,
+    )
+
+
+@torch.library.custom_op("fusedrl::fused_token_loss", mutates_args=("grad",))
+def fused_token_loss(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_weight: torch.Tensor | None,
+    agg_weight: torch.Tensor,
+    low: torch.Tensor | None,
+    high: torch.Tensor | None,
+    temperature: float,
+    loss: str,
+    dual_clip_c: float | None,
+    delta: float | None,
+    tau_pos: float,
+    tau_neg: float,
+    kl: str | None,
+    beta: float,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused(
+        logits,
+        grad,
+        labels,
+        valid,
+        advantages,
+        old_logp,
+        ref_logp,
+        is_weight,
+        agg_weight,
+        low,
+        high,
+        temperature,
+        loss,
+        dual_clip_c,
+        delta,
+        tau_pos,
+        tau_neg,
+        kl,
+        beta,
+        entropy_coef,
+    )
+
+
+@torch.library.custom_op("fusedrl::fused_token_loss_inplace", mutates_args=("logits",))
+def fused_token_loss_inplace(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_weight: torch.Tensor | None,
+    agg_weight: torch.Tensor,
+    low: torch.Tensor | None,
+    high: torch.Tensor | None,
+    temperature: float,
+    loss: str,
+    dual_clip_c: float | None,
+    delta: float | None,
+    tau_pos: float,
+    tau_neg: float,
+    kl: str | None,
+    beta: float,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused(
+        logits,
+        logits,
+        labels,
+        valid,
+        advantages,
+        old_logp,
+        ref_logp,
+        is_weight,
+        agg_weight,
+        low,
+        high,
+        temperature,
+        loss,
+        dual_clip_c,
+        delta,
+        tau_pos,
+        tau_neg,
+        kl,
+        beta,
+        entropy_coef,
+    )
+
+
+@fused_token_loss.register_fake
+def _(logits, grad, labels, *args):
+    return _empty_rows_like(labels), _empty_rows_like(labels)
+
+
+@fused_token_loss_inplace.register_fake
+def _(logits, labels, *args):
+    return _empty_rows_like(labels), _empty_rows_like(labels)
+
+
+# ------------------------------------------------------------------------------ backends
+class _LogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, return_entropy):
+        logp, lse, entropy = logprobs_fwd(logits, labels, None, temperature)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.temperature = temperature
+        return (logp, entropy) if return_entropy else (logp,)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        logits_grad(logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad)
+        return grad, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if logits.requires_grad and torch.is_grad_enabled():
+        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy)
+        return (out[0], out[1]) if return_entropy else (out[0], None)
+    logp, _, entropy = logprobs_fwd(logits, labels, None, temperature)
+    return logp, entropy if return_entropy else None
+
+
+def _fused_token_level(inp: LossInputs, cfg: LossConfig, inplace: bool):
+    """One kernel: logp, entropy and the gradient; the aggregation weight and IS weight, which
+    do not depend on the logits, are [B, T] inputs."""
+    old = inp.old_logp
+    is_weight = None
+    if cfg.is_correction is not None:
+        # IS weights use the rollout-time old log-probs; on-policy those are the current logp,
+        # which only pass 1 knows: such configs take the two-pass path (see policy_loss).
+        is_weight = is_weights(old, inp, cfg)
+    low = high = None
+    if cfg.loss in ("ppo", "cispo", "dcpo"):
+        low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
+    args = (
+        inp.labels,
+        inp.valid,
+        inp.advantages,
+        old,
+        inp.ref_logp,
+        is_weight,
+        aggregation_weights(inp, cfg),
+        low,
+        high,
+        cfg.temperature,
+        cfg.loss,
+        cfg.dual_clip_c,
+        cfg.delta,
+        cfg.sapo_tau_pos,
+        cfg.sapo_tau_neg,
+        cfg.kl,
+        cfg.beta,
+        cfg.entropy_coef,
+    )
+    if inplace:
+        logp, entropy = fused_token_loss_inplace(inp.logits, *args)
+        return logp, entropy, inp.logits
+    grad = torch.empty(inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device)
+    logp, entropy = fused_token_loss(inp.logits, grad, *args)
+    return logp, entropy, grad
+
+
+def _needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
+    if cfg.is_sequence_level:
+        return True
+    # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
+    # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
+    return inp.old_logp is None and (cfg.loss == "dcpo" or cfg.is_correction is not None)
+
+
+def policy_loss(
+    inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
+    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    wants_grad = inp.logits.requires_grad and torch.is_grad_enabled()
+    with torch.no_grad():
+        if wants_grad and not _needs_two_passes(inp, cfg):
+            logp, entropy, grad = _fused_token_level(inp, cfg, inplace)
+            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+        else:
+            logp, lse, entropy = logprobs_fwd(inp.logits, inp.labels, inp.valid, cfg.temperature)
+            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+            grad = None
+            if wants_grad:
+                grad = (
+                    inp.logits
+                    if inplace
+                    else torch.empty(
+                        inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device
+                    )
+                )
+                logits_grad(
+                    inp.logits,
+                    inp.labels,
+                    lse,
+                    entropy,
+                    terms.dlogp,
+                    terms.dentropy,
+                    cfg.temperature,
+                    grad,
+                )
+    entropy = entropy if need_entropy else None
+    loss = attach_grad(inp.logits, terms.loss, grad) if wants_grad else terms.loss
+    return loss, logp, entropy, terms

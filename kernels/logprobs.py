@@ -1,0 +1,182 @@
+"""Token log-probs (+ entropy) and the gradient sweep, as two Triton kernels and their launchers.
+
+- `logprobs_forward`: one read of each row -> logp of the label, lse and entropy (fp32). It is the
+  no-grad fast path for old / reference log-probs and pass 1 of the sequence-level losses.
+- `logits_backward`: given per-token d(loss)/d(logp) and d(loss)/d(H), one read + one write of each
+  row. It is the backward of `token_logprobs` and pass 2 of the sequence-level losses.
+
+Both take [B, T, V] logits with any batch/time strides (vocab contiguous) and run one program per
+row; masked rows (valid == 0) are skipped and get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
+
+
+# Vocab tile caps: large on a GPU (few loop trips, wide vectorised loads); smaller under the
+# interpreter, where every tile is a numpy array. Tests lower the CPU cap to force many tiles.
+MAX_BLOCK_V_GPU = 8192
+MAX_BLOCK_V_INTERPRETED = 2048
+
+
+def block_size(vocab: int, device: torch.device) -> int:
+    cap = MAX_BLOCK_V_GPU if device.type == "cuda" else MAX_BLOCK_V_INTERPRETED
+    return min(triton.next_power_of_2(vocab), cap)
+
+
+def num_warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr,
+    labels_ptr,
+    valid_ptr,
+    logp_ptr,
+    lse_ptr,
+    entropy_ptr,
+    time,
+    vocab,
+    stride_b,
+    stride_t,
+    inv_temperature,
+    HAS_VALID: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    valid = 1
+    if HAS_VALID:
+        valid = tl.load(valid_ptr + row)
+    if valid != 0:
+        row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        lse, mean_z = row_stats(row_ptr, vocab, inv_temperature, BLOCK_V)
+        label = tl.load(labels_ptr + row)
+        label_z = tl.load(row_ptr + label).to(tl.float32) * inv_temperature
+        tl.store(logp_ptr + row, label_z - lse)
+        tl.store(lse_ptr + row, lse)
+        tl.store(entropy_ptr + row, lse - mean_z)
+    else:
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        tl.store(entropy_ptr + row, 0.0)
+
+
+@triton.jit
+def _logits_grad_kernel(
+    logits_ptr,
+    out_ptr,
+    labels_ptr,
+    lse_ptr,
+    entropy_ptr,
+    dlogp_ptr,
+    dentropy_ptr,
+    time,
+    vocab,
+    stride_b,
+    stride_t,
+    out_stride_b,
+    out_stride_t,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
+    dlogp = tl.load(dlogp_ptr + row)
+    dentropy = 0.0
+    if WITH_ENTROPY:
+        dentropy = tl.load(dentropy_ptr + row)
+    if (dlogp != 0) | (dentropy != 0):
+        row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        write_row_grad(
+            row_ptr,
+            out_row,
+            tl.load(labels_ptr + row),
+            vocab,
+            inv_temperature,
+            tl.load(lse_ptr + row),
+            tl.load(entropy_ptr + row),
+            dlogp,
+            dentropy,
+            WITH_ENTROPY,
+            BLOCK_V,
+        )
+    else:
+        write_row_zeros(out_row, vocab, BLOCK_V)
+
+
+def logprobs_forward(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32."""
+    batch, time, vocab = logits.shape
+    rows = batch * time
+    logp, lse, entropy = (
+        torch.empty(batch, time, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    if rows == 0:
+        return logp, lse, entropy
+    block = block_size(vocab, logits.device)
+    labels = labels.contiguous()
+    valid_arg = valid.to(torch.int8).contiguous() if valid is not None else labels
+    _logprobs_fwd_kernel[(rows,)](
+        logits,
+        labels,
+        valid_arg,
+        logp,
+        lse,
+        entropy,
+        time,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        1.0 / temperature,
+        HAS_VALID=valid is not None,
+        BLOCK_V=block,
+        num_warps=num_warps(block),
+    )
+    return logp, lse, entropy
+
+
+def logits_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    dlogp: torch.Tensor,
+    dentropy: torch.Tensor | None,
+    temperature: float,
+    out: torch.Tensor,
+) -> None:
+    """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place)."""
+    batch, time, vocab = logits.shape
+    if batch * time == 0:
+        return
+    block = block_size(vocab, logits.device)
+    dlogp = dlogp.float().contiguous()
+    dentropy_arg = dentropy.float().contiguous() if dentropy is not None else dlogp
+    _logits_grad_kernel[(batch * time,)](
+        logits,
+        out,
+        labels.contiguous(),
+        lse.contiguous(),
+        entropy.contiguous(),
+        dlogp,
+        dentropy_arg,
+        time,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        out.stride(0),
+        out.stride(1),
+        1.0 / temperature,
+        WITH_ENTROPY=dentropy is not None,
+        BLOCK_V=block,
+        num_warps=num_warps(block),
+    )

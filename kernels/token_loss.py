@@ -1,0 +1,276 @@
+"""The fused token-level policy loss: one read of each row, the gradient written in the same kernel.
+
+Per row (token): sweep 1 reads the logits once for lse, the label logit and the entropy; the
+token's scalars (ratio, clip, KL, IS weight, aggregation weight) then give d(loss)/d(logp) and
+d(loss)/d(H) in registers; sweep 2 writes d(loss)/d(logits) (into the logits when in place). The
+second sweep re-reads a row the first one has just streamed, so on a GPU it is served mostly by L2:
+HBM traffic is ~1 read + 1 write of the logits.
+
+The per-token formulas are those of `fusedrl.token_terms` (the same clamps and tie rules), with
+the variant chosen by constexpr switches so that each configuration compiles to straight-line code.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import block_size, num_warps
+from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
+
+# constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
+LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
+KL_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 5, "k3+": 5}  # + -> k2 gradient
+
+LOG_RATIO_CLAMP = 20.0
+KL_LOG_CLAMP = 20.0
+KL_VALUE_CLAMP = 10.0
+
+
+@triton.jit
+def _select_max_grad(a, b, da, db):
+    """d max(a, b): the larger branch's derivative, half of each at a tie (torch.maximum)."""
+    return tl.where(a > b, da, tl.where(b > a, db, 0.5 * (da + db)))
+
+
+@triton.jit
+def policy_dlogp(
+    logp,
+    old,
+    adv,
+    low,
+    high,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    """d(per-token policy loss)/d(logp) of the token-level variants (before IS / agg weights)."""
+    raw_log_ratio = logp - old
+    log_ratio = tl.minimum(tl.maximum(raw_log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
+    ratio = tl.exp(log_ratio)
+    inside_clamp = (raw_log_ratio >= -LOG_RATIO_CLAMP) & (raw_log_ratio <= LOG_RATIO_CLAMP)
+    dratio = tl.where(inside_clamp, ratio, 0.0)
+    clipped_ratio = tl.minimum(tl.maximum(ratio, low), high)
+    if LOSS == 0:  # ppo / dcpo (dcpo's bounds arrive per token)
+        if HAS_DELTA:
+            loss_unclipped = -adv * tl.minimum(ratio, delta)
+            d_unclipped = tl.where(ratio <= delta, -adv * dratio, 0.0)
+        else:
+            loss_unclipped = -adv * ratio
+            d_unclipped = -adv * dratio
+        loss_clipped = -adv * clipped_ratio
+        d_clipped = tl.where((ratio >= low) & (ratio <= high), -adv * dratio, 0.0)
+        d = _select_max_grad(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
+        if DUAL_CLIP:
+            per_token = tl.maximum(loss_unclipped, loss_clipped)
+            loss_dual = -adv * dual_clip_c
+            keep = tl.where(per_token < loss_dual, 1.0, tl.where(per_token > loss_dual, 0.0, 0.5))
+            d = tl.where(adv < 0, d * keep, d)
+    elif LOSS == 1:  # cispo: -sg(clip(r)) A logp
+        d = -clipped_ratio * adv
+    elif LOSS == 2:  # sapo: -(4/tau) sigmoid(tau (r - 1)) A
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        d = -4.0 * gate * (1.0 - gate) * dratio * adv
+    else:  # pg: -A logp
+        d = -adv
+    return d
+
+
+@triton.jit
+def kl_dlogp(logp, ref, KL: tl.constexpr):
+    """d KL-estimate / d logp (verl's clamps; k1+/k3+ use k2's gradient)."""
+    delta = logp - ref
+    if KL == 1:
+        d = 1.0
+    elif KL == 2:
+        d = delta
+    elif KL == 3:
+        d = tl.where(delta > 0, 1.0, tl.where(delta < 0, -1.0, 0.0))
+    elif KL == 4:
+        log_ratio = tl.minimum(tl.maximum(-delta, -KL_LOG_CLAMP), KL_LOG_CLAMP)
+        raw = tl.exp(log_ratio) - log_ratio - 1.0
+        inside = (delta >= -KL_LOG_CLAMP) & (delta <= KL_LOG_CLAMP)
+        inside = inside & (raw >= -KL_VALUE_CLAMP) & (raw <= KL_VALUE_CLAMP)
+        d = tl.where(inside, 1.0 - tl.exp(log_ratio), 0.0)
+    else:
+        d = delta
+    return d
+
+
+@triton.jit
+def _fused_token_loss_kernel(
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    valid_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    is_weight_ptr,
+    agg_weight_ptr,
+    low_ptr,
+    high_ptr,
+    logp_ptr,
+    entropy_ptr,
+    time,
+    vocab,
+    stride_b,
+    stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    inv_temperature,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    beta,
+    entropy_coef,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    KL: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
+    if tl.load(valid_ptr + row) != 0:
+        row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        lse, mean_z = row_stats(row_ptr, vocab, inv_temperature, BLOCK_V)
+        entropy = lse - mean_z
+        label = tl.load(labels_ptr + row)
+        logp = tl.load(row_ptr + label).to(tl.float32) * inv_temperature - lse
+        old = logp
+        if HAS_OLD:
+            old = tl.load(old_ptr + row)
+        low = 0.0
+        high = 0.0
+        if HAS_BOUNDS:
+            low = tl.load(low_ptr + row)
+            high = tl.load(high_ptr + row)
+        adv = tl.load(adv_ptr + row)
+        d_token = policy_dlogp(
+            logp,
+            old,
+            adv,
+            low,
+            high,
+            dual_clip_c,
+            delta,
+            tau_pos,
+            tau_neg,
+            LOSS,
+            DUAL_CLIP,
+            HAS_DELTA,
+        )
+        if HAS_IS:
+            d_token = d_token * tl.load(is_weight_ptr + row)
+        if KL != 0:
+            d_token += beta * kl_dlogp(logp, tl.load(ref_ptr + row), KL)
+        agg_weight = tl.load(agg_weight_ptr + row)
+        dentropy = -entropy_coef * agg_weight
+        write_row_grad(
+            row_ptr,
+            grad_row,
+            label,
+            vocab,
+            inv_temperature,
+            lse,
+            entropy,
+            d_token * agg_weight,
+            dentropy,
+            ENTROPY_BONUS,
+            BLOCK_V,
+        )
+        tl.store(logp_ptr + row, logp)
+        tl.store(entropy_ptr + row, entropy)
+    else:
+        write_row_zeros(grad_row, vocab, BLOCK_V)
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(entropy_ptr + row, 0.0)
+
+
+def fused_token_loss(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_weight: torch.Tensor | None,
+    agg_weight: torch.Tensor,
+    low: torch.Tensor | None,
+    high: torch.Tensor | None,
+    *,
+    temperature: float,
+    loss: str,
+    dual_clip_c: float | None,
+    delta: float | None,
+    tau_pos: float,
+    tau_neg: float,
+    kl: str | None,
+    beta: float,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
+    (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]."""
+    batch, time, vocab = logits.shape
+    logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp)
+    if batch * time == 0:
+        return logp, entropy
+    block = block_size(vocab, logits.device)
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor:
+        return logp if t is None else t.float().contiguous()  # placeholder when unused
+
+    kl_code = KL_CODES[kl] if beta > 0 else 0
+    _fused_token_loss_kernel[(batch * time,)](
+        logits,
+        grad,
+        labels.contiguous(),
+        valid.to(torch.int8).contiguous(),
+        flat(advantages),
+        flat(old_logp),
+        flat(ref_logp),
+        flat(is_weight),
+        flat(agg_weight),
+        flat(low),
+        flat(high),
+        logp,
+        entropy,
+        time,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        grad.stride(0),
+        grad.stride(1),
+        1.0 / temperature,
+        float(dual_clip_c or 0.0),
+        float(delta or 0.0),
+        float(tau_pos),
+        float(tau_neg),
+        float(beta),
+        float(entropy_coef),
+        LOSS=LOSS_CODES[loss],
+        DUAL_CLIP=dual_clip_c is not None,
+        HAS_DELTA=delta is not None,
+        HAS_OLD=old_logp is not None,
+        KL=kl_code,
+        HAS_IS=is_weight is not None,
+        HAS_BOUNDS=low is not None,
+        ENTROPY_BONUS=entropy_coef != 0.0,
+        BLOCK_V=block,
+        num_warps=num_warps(block),
+    )
+    return logp, entropy
