@@ -28,7 +28,8 @@ class LossWithKnownGrad(torch.autograd.Function):
             )
         ctx.grad = None
         # On CPU the check is free; on an accelerator it would sync, so scale unconditionally.
-        if grad_loss.device.type != "cpu" or not bool(grad_loss == 1):
+        cpu_eager = grad_loss.device.type == "cpu" and not torch.compiler.is_compiling()
+        if not (cpu_eager and bool(grad_loss == 1)):
             grad = grad.mul_(grad_loss.to(grad.dtype))
         return grad, None, None
 

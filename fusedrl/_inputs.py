@@ -56,9 +56,9 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
 def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Labels must be integer token ids in [0, V) wherever they count.
 
-    On CPU the range check is exact and raises ValueError. On an accelerator a host-side check
-    would sync the stream on every call, so the check is queued on the device instead
-    (`torch._assert_async`): a bad label then fails the next synchronising call.
+    On CPU the range check is exact and raises ValueError. On an accelerator (and inside
+    torch.compile) a host-side check would sync the stream or break the graph, so the check is
+    queued on the device instead (`torch._assert_async`): a bad label fails at the next sync.
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
@@ -75,7 +75,7 @@ def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | Non
     out_of_range = (labels < 0) | (labels >= vocab)
     if valid is not None:
         out_of_range = out_of_range & valid
-    if labels.device.type == "cpu":
+    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(out_of_range.any()):
             bad = labels[out_of_range][0].item()
             raise ValueError(f"labels must be in [0, {vocab}) where mask is set, found {bad}")

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
 
-
 # Vocab tile caps: large on a GPU (few loop trips, wide vectorised loads); smaller under the
 # interpreter, where every tile is a numpy array. Tests lower the CPU cap to force many tiles.
 MAX_BLOCK_V_GPU = 8192
