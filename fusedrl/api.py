@@ -8,6 +8,7 @@ import os
 import torch
 
 from . import torch_backend
+from ._autograd import attach_grad
 from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
 from .config import LossConfig
 from .reference import LossOutput
@@ -86,7 +87,21 @@ def policy_loss(
         logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
     )
     impl = _resolve_backend(backend, inp.logits.device)
-    loss, logp, entropy, terms = impl.policy_loss(inp, cfg, inplace, return_entropy)
+    wants_grad = logits.requires_grad and torch.is_grad_enabled()
+    grad = None
+    if wants_grad:
+        grad = (
+            inp.logits
+            if inplace
+            else torch.empty(inp.logits.shape, dtype=logits.dtype, device=logits.device)
+        )
+    with torch.no_grad():
+        logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
+    loss = terms.loss
+    if wants_grad:
+        # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
+        # that autograd hands the gradient buffer on without a copy.
+        loss = attach_grad(logits, loss, grad[0] if inp.flat_input else grad)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]

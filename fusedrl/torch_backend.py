@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import torch
 
-from ._autograd import attach_grad
 from ._inputs import LossInputs
 from .config import LossConfig
 from .token_terms import TokenTerms, token_terms
@@ -28,25 +27,25 @@ from .token_terms import TokenTerms, token_terms
 BLOCK_ELEMENTS = 1 << 22
 
 
-def _row_blocks(logits: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first flat row, [n, V] view) blocks over [B, T, V] logits, never copying them.
+def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    """(first flat row, [n, V] views of each tensor) over [B, T, V] tensors, never copying them.
 
-    A [B, P+T, V] slice cannot be flattened to [B*T, V] without a copy, so such views are walked
-    sequence by sequence.
+    A [B, P+T, V] slice cannot be flattened to [B*T, V] without a copy, so when any tensor is
+    such a view all of them are walked sequence by sequence (the blocks must line up).
     """
-    batch, time, vocab = logits.shape
+    batch, time, vocab = tensors[0].shape
     rows = max(1, BLOCK_ELEMENTS // max(vocab, 1))
     try:
-        flat = logits.view(batch * time, vocab)
+        flats = [t.view(batch * time, vocab) for t in tensors]
     except RuntimeError:
-        flat = None
-    if flat is not None:
+        flats = None
+    if flats is not None:
         for start in range(0, batch * time, rows):
-            yield start, flat[start : start + rows]
+            yield start, tuple(f[start : start + rows] for f in flats)
         return
     for b in range(batch):
         for t0 in range(0, time, rows):
-            yield b * time + t0, logits[b, t0 : t0 + rows]
+            yield b * time + t0, tuple(t[b, t0 : t0 + rows] for t in tensors)
 
 
 def _block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +75,7 @@ def forward_stats(
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if need_entropy else None
     flat_labels = labels.reshape(-1)
-    for start, block in _row_blocks(logits):
+    for start, (block,) in _row_blocks(logits):
         stop = start + block.shape[0]
         scaled, lse = _block_log_probs(block, temperature)
         log_probs = scaled - lse
@@ -111,8 +110,7 @@ def write_logits_grad(
     flat_labels = labels.reshape(-1)
     flat_dlogp = dlogp.reshape(-1)
     flat_dent = None if dentropy is None else dentropy.reshape(-1)
-    out_blocks = _row_blocks(out)
-    for (start, block), (_, out_block) in zip(_row_blocks(logits), out_blocks, strict=True):
+    for start, (block, out_block) in _row_blocks(logits, out):
         stop = start + block.shape[0]
         scaled, lse = _block_log_probs(block, temperature)
         log_probs = scaled - lse
@@ -169,17 +167,14 @@ def token_logprobs(
 
 
 def policy_loss(
-    inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
+    inp: LossInputs, cfg: LossConfig, need_entropy: bool, grad_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
+    """Pass 1, the [B, T] terms, and (when `grad_out` is given) pass 2 into `grad_out`."""
     need_entropy = need_entropy or cfg.entropy_coef != 0.0
     logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
     terms = token_terms(logp, entropy, inp, cfg)
-    if not (inp.logits.requires_grad and torch.is_grad_enabled()):
-        return terms.loss, logp, entropy, terms
-    grad = (
-        inp.logits
-        if inplace
-        else torch.empty(inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device)
-    )
-    write_logits_grad(inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad)
-    return attach_grad(inp.logits, terms.loss, grad), logp, entropy, terms
+    if grad_out is not None:
+        write_logits_grad(
+            inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out
+        )
+    return logp, entropy, terms

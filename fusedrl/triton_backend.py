@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import attach_grad
 from ._inputs import LossInputs
 from .config import LossConfig
 from .reference import is_weights, ratio_bounds
@@ -242,15 +241,12 @@ def token_logprobs(
     return logp, entropy if return_entropy else None
 
 
-def _fused_token_level(inp: LossInputs, cfg: LossConfig, inplace: bool):
+def _fused_token_level(inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
     """One kernel: logp, entropy and the gradient; the aggregation weight and IS weight, which
     do not depend on the logits, are [B, T] inputs."""
     old = inp.old_logp
-    is_weight = None
-    if cfg.is_correction is not None:
-        # IS weights use the rollout-time old log-probs; on-policy those are the current logp,
-        # which only pass 1 knows: such configs take the two-pass path (see policy_loss).
-        is_weight = is_weights(old, inp, cfg)
+    # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
+    is_weight = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
     low = high = None
     if cfg.loss in ("ppo", "cispo", "dcpo"):
         low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
@@ -274,12 +270,9 @@ def _fused_token_level(inp: LossInputs, cfg: LossConfig, inplace: bool):
         cfg.beta,
         cfg.entropy_coef,
     )
-    if inplace:
-        logp, entropy = fused_token_loss_inplace(inp.logits, *args)
-        return logp, entropy, inp.logits
-    grad = torch.empty(inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device)
-    logp, entropy = fused_token_loss(inp.logits, grad, *args)
-    return logp, entropy, grad
+    if grad_out is inp.logits:
+        return fused_token_loss_inplace(inp.logits, *args)
+    return fused_token_loss(inp.logits, grad_out, *args)
 
 
 def _needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -290,37 +283,27 @@ def _needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     return inp.old_logp is None and (cfg.loss == "dcpo" or cfg.is_correction is not None)
 
 
+@torch.no_grad()
 def policy_loss(
-    inp: LossInputs, cfg: LossConfig, inplace: bool, need_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TokenTerms]:
+    inp: LossInputs, cfg: LossConfig, need_entropy: bool, grad_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
+    """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
     need_entropy = need_entropy or cfg.entropy_coef != 0.0
-    wants_grad = inp.logits.requires_grad and torch.is_grad_enabled()
-    with torch.no_grad():
-        if wants_grad and not _needs_two_passes(inp, cfg):
-            logp, entropy, grad = _fused_token_level(inp, cfg, inplace)
-            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
-        else:
-            logp, lse, entropy = logprobs_fwd(inp.logits, inp.labels, inp.valid, cfg.temperature)
-            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
-            grad = None
-            if wants_grad:
-                grad = (
-                    inp.logits
-                    if inplace
-                    else torch.empty(
-                        inp.logits.shape, dtype=inp.logits.dtype, device=inp.logits.device
-                    )
-                )
-                logits_grad(
-                    inp.logits,
-                    inp.labels,
-                    lse,
-                    entropy,
-                    terms.dlogp,
-                    terms.dentropy,
-                    cfg.temperature,
-                    grad,
-                )
-    entropy = entropy if need_entropy else None
-    loss = attach_grad(inp.logits, terms.loss, grad) if wants_grad else terms.loss
-    return loss, logp, entropy, terms
+    if grad_out is not None and not _needs_two_passes(inp, cfg):
+        logp, entropy = _fused_token_level(inp, cfg, grad_out)
+        entropy = entropy if need_entropy else None
+        return logp, entropy, token_terms(logp, entropy, inp, cfg)
+    logp, lse, entropy = logprobs_fwd(inp.logits, inp.labels, inp.valid, cfg.temperature)
+    terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+    if grad_out is not None:
+        logits_grad(
+            inp.logits,
+            inp.labels,
+            lse,
+            entropy,
+            terms.dlogp,
+            terms.dentropy,
+            cfg.temperature,
+            grad_out,
+        )
+    return logp, entropy if need_entropy else None, terms

@@ -64,7 +64,9 @@ def make_batch(
 
 def run_loss(fn, batch, config, *, requires_grad=True, **kwargs):
     """Call a policy_loss implementation on a fresh leaf copy of the logits; return (out, grad)."""
-    logits = batch["logits"].detach().clone().requires_grad_(requires_grad)
+    # detach() keeps the caller's strides (clone() would make a strided view contiguous); the
+    # implementations must not write into it unless asked to (inplace=True).
+    logits = batch["logits"].detach().requires_grad_(requires_grad)
     args = {k: v for k, v in batch.items() if k != "logits"}
     out = fn(logits, config=config, **args, **kwargs)
     grad = None

@@ -35,7 +35,9 @@ def _impl(backend):
 
 
 def assert_matches_reference(data, cfg, backend, *, atol=ATOL, rtol=1e-5, grad_atol=None, **kwargs):
+    before = data["logits"].clone()
     ours, grad = run_loss(_impl(backend), data, cfg, return_entropy=True, **kwargs)
+    assert torch.equal(before, data["logits"])  # inplace=False never writes into the logits
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True, **kwargs)
     torch.testing.assert_close(ours.loss, ref.loss, atol=atol, rtol=rtol)
     torch.testing.assert_close(ours.logp, ref.logp, atol=atol, rtol=rtol)
@@ -114,16 +116,16 @@ def test_small_blocks_cover_every_row(monkeypatch, backend):
 
 def test_strided_view_of_prompt_and_completion_logits(monkeypatch, backend):
     """A [B, P+T, V] tensor sliced to the completion is used as a view, never copied."""
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 2 * 211)
-    data = make_batch(batch=3, time=6, vocab=211, seed=9)
+    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 2 * 211)  # blocks of 2 rows, T = 7
+    data = make_batch(batch=3, time=7, vocab=211, seed=9)
     full = torch.randn(3, 10, 211)
-    full[:, 3:9] = data["logits"]
-    view = full[:, 3:9]
+    full[:, 2:9] = data["logits"]
+    view = full[:, 2:9]
     assert not view.is_contiguous()
     data["logits"] = view
     assert_matches_reference(data, LossConfig.preset("dapo").replace(entropy_coef=0.02), backend)
     with pytest.raises(RuntimeError):
-        view.view(18, 211)  # the walk-per-sequence path is the one exercised
+        view.view(21, 211)  # the walk-per-sequence path is the one exercised
 
 
 def test_flat_token_input(backend):
