@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.N, args.V, args.sequences = [64], [1031], 4
+        args.N, args.V, args.sequences = [32], [263], 4
         args.copy_gib, args.warmup_ms, args.rep_ms = 0.01, 1, 20
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
