@@ -62,9 +62,12 @@ def write_row_grad(
     """out = d(loss)/d(logits) of one row: (dlogp (onehot - p) - dH p (log p + H)) / temperature.
 
     `out_ptr` may equal `row_ptr` (in-place): every block is loaded before it is stored.
+    The row is walked last tile first: the statistics sweep just streamed it front to back, so
+    its tail is the part most likely to still be in L2.
     """
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
+    num_tiles = tl.cdiv(vocab, BLOCK_V)
+    for i in range(0, num_tiles):
+        offs = (num_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_row = offs < vocab
         z = tl.load(row_ptr + offs, mask=in_row, other=-float("inf")).to(tl.float32)
         log_p = z * inv_temperature - lse
