@@ -64,154 +64,45 @@ def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
     return None
 
 
-def _fused(
-    logits,
-    grad,
-    labels,
-    valid,
-    advantages,
-    old_logp,
-    ref_logp,
-    is_weight,
-    agg_weight,
-    low,
-    high,
-    temperature,
-    loss,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    kl,
-    beta,
-    entropy_coef,
-):
-    _, token_loss = _kernels()
-    return token_loss.fused_token_loss(
-        logits,
-        grad,
-        labels,
-        valid,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weight,
-        agg_weight,
-        low,
-        high,
-        temperature=temperature,
-        loss=loss,
-        dual_clip_c=dual_clip_c,
-        delta=delta,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        kl=kl,
-        beta=beta,
-        entropy_coef=entropy_coef,
-    )
+# The fused kernel has many per-token inputs and variant scalars; one schema string serves the
+# out-of-place op (writes `grad`) and the in-place one (writes the gradient into `logits`).
+_FUSED_ARGS = (
+    "Tensor labels, Tensor valid, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
+    "Tensor? is_weight, Tensor agg_weight, Tensor? low, Tensor? high, float temperature, "
+    "str loss, float? dual_clip_c, float? delta, float tau_pos, float tau_neg, str? kl, "
+    "float beta, float entropy_coef"
+)
+torch.library.define(
+    "fusedrl::fused_token_loss",
+    f"(Tensor logits, Tensor(a!) grad, {_FUSED_ARGS}) -> (Tensor, Tensor)",
+)
+torch.library.define(
+    "fusedrl::fused_token_loss_inplace", f"(Tensor(a!) logits, {_FUSED_ARGS}) -> (Tensor, Tensor)"
+)
 
 
-@torch.library.custom_op("fusedrl::fused_token_loss", mutates_args=("grad",))
-def fused_token_loss(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-    temperature: float,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused(
-        logits,
-        grad,
-        labels,
-        valid,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weight,
-        agg_weight,
-        low,
-        high,
-        temperature,
-        loss,
-        dual_clip_c,
-        delta,
-        tau_pos,
-        tau_neg,
-        kl,
-        beta,
-        entropy_coef,
-    )
+@torch.library.impl("fusedrl::fused_token_loss", "default")
+def _fused_token_loss(logits, grad, *args):
+    return _kernels()[1].fused_token_loss(logits, grad, *args)
 
 
-@torch.library.custom_op("fusedrl::fused_token_loss_inplace", mutates_args=("logits",))
-def fused_token_loss_inplace(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-    temperature: float,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused(
-        logits,
-        logits,
-        labels,
-        valid,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weight,
-        agg_weight,
-        low,
-        high,
-        temperature,
-        loss,
-        dual_clip_c,
-        delta,
-        tau_pos,
-        tau_neg,
-        kl,
-        beta,
-        entropy_coef,
-    )
+@torch.library.impl("fusedrl::fused_token_loss_inplace", "default")
+def _fused_token_loss_inplace(logits, *args):
+    return _kernels()[1].fused_token_loss(logits, logits, *args)
 
 
-@fused_token_loss.register_fake
+@torch.library.register_fake("fusedrl::fused_token_loss")
 def _(logits, grad, labels, *args):
     return _empty_rows_like(labels), _empty_rows_like(labels)
 
 
-@fused_token_loss_inplace.register_fake
+@torch.library.register_fake("fusedrl::fused_token_loss_inplace")
 def _(logits, labels, *args):
     return _empty_rows_like(labels), _empty_rows_like(labels)
+
+
+fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
+fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 
 
 # ------------------------------------------------------------------------------ backends

@@ -211,7 +211,6 @@ def fused_token_loss(
     agg_weight: torch.Tensor,
     low: torch.Tensor | None,
     high: torch.Tensor | None,
-    *,
     temperature: float,
     loss: str,
     dual_clip_c: float | None,
