@@ -60,7 +60,8 @@ def _peak_extra(impl: str, inplace: bool) -> int:
 
 @pytest.mark.slow
 def test_torch_backend_peak_memory_is_one_gradient_plus_blocks():
-    block_budget = 64 * 2**20  # a few fp32 temporaries of one 4 MiB block, plus allocator slack
+    # fp32 temporaries of a few 4 MiB blocks plus allocator slack: far below one fp32 copy (256 MiB)
+    block_budget = 96 * 2**20
     extra = _peak_extra("torch", inplace=False)
     assert extra < LOGITS_BYTES + block_budget, extra  # the bf16 gradient itself + blocks
     extra_inplace = _peak_extra("torch", inplace=True)
