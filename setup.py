@@ -19,7 +19,8 @@ if os.environ.get("FUSEDRL_BUILD_CUDA", "0") == "1":
         CUDAExtension(
             name="fusedrl._C",
             sources=sources,
-            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
+            include_dirs=[str(Path("csrc").resolve())],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
         )
     )
     cmdclass["build_ext"] = BuildExtension

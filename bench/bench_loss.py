@@ -164,10 +164,10 @@ def make_step(op: str, impl: str, case: Case):
     cfg = case.cfg
     kwargs = dict(old_logp=case.old, ref_logp=case.ref if cfg.beta > 0 else None, config=cfg)
     if op == "token_logprobs_fwd":
-        if impl == "fusedrl-triton-inplace":
+        if impl.endswith("-inplace"):
             return None  # no gradient, nothing to write in place
         if impl.startswith("fusedrl"):
-            backend = "torch" if impl == "fusedrl-torch" else "triton"
+            backend = impl.split("-")[1]
 
             def step():
                 with torch.no_grad():
@@ -189,7 +189,7 @@ def make_step(op: str, impl: str, case: Case):
         return step
 
     if impl.startswith("fusedrl"):
-        backend = "torch" if impl == "fusedrl-torch" else "triton"
+        backend = impl.split("-")[1]  # triton | cuda | torch
         inplace = impl.endswith("inplace")
 
         def step():
@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         args.copy_gib, args.warmup_ms, args.rep_ms = 0.01, 1, 20
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-            args.impls = [i for i in args.impls if i not in ("torch-compile", "liger")]
+            args.impls = [
+                i for i in args.impls if i not in ("torch-compile", "liger") and "cuda" not in i
+            ]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth_gbps(device, args.copy_gib)
     meta = {

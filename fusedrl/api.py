@@ -38,10 +38,14 @@ def _resolve_backend(backend: str, device: torch.device):
 
         return triton_backend
     if backend == "cuda":
-        raise NotImplementedError(
-            "backend='cuda' (the csrc/ extension) is not available in this build of fusedrl; "
-            "use backend='triton' or 'torch' (or 'auto')"
-        )
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"backend='cuda' (the csrc/ extension) needs CUDA tensors, got {device.type}; "
+                "use backend='torch' (or 'auto')"
+            )
+        from . import cuda_backend
+
+        return cuda_backend
     return torch_backend
 
 

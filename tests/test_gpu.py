@@ -26,6 +26,10 @@ def _on_gpu(data):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
 
 
+# Both fused backends run the same suite; the CUDA one JIT-builds csrc/ on first use.
+FUSED = pytest.mark.parametrize("backend", ["triton", "cuda"])
+
+
 def _impl(backend):
     def call(*args, **kwargs):
         return fusedrl.policy_loss(*args, backend=backend, **kwargs)
@@ -35,7 +39,8 @@ def _impl(backend):
 
 @pytest.mark.parametrize("vocab", [128256, 151936, 262144])
 @pytest.mark.parametrize("preset", list(LossConfig.presets()))
-def test_presets_at_real_vocab(vocab, preset):
+@FUSED
+def test_presets_at_real_vocab(vocab, preset, backend):
     data = _on_gpu(
         make_batch(
             batch=4,
@@ -47,7 +52,7 @@ def test_presets_at_real_vocab(vocab, preset):
         )
     )
     cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
-    ours, grad = run_loss(_impl("triton"), data, cfg, return_entropy=True)
+    ours, grad = run_loss(_impl(backend), data, cfg, return_entropy=True)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(ours.logp, ref.logp, atol=1e-4, rtol=1e-5)
@@ -59,13 +64,14 @@ def test_presets_at_real_vocab(vocab, preset):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_dtypes_and_inplace(dtype, inplace):
+@FUSED
+def test_dtypes_and_inplace(dtype, inplace, backend):
     data = _on_gpu(make_batch(batch=8, time=65, vocab=32003, dtype=dtype, seed=2))
     cfg = LossConfig.preset("grpo").replace(entropy_coef=0.01, temperature=0.7)
     _, expected = run_loss(reference.policy_loss, data, cfg)
     logits = data["logits"].clone().requires_grad_(True)
     args = {k: v for k, v in data.items() if k != "logits"}
-    out = fusedrl.policy_loss(logits, config=cfg, inplace=inplace, backend="triton", **args)
+    out = fusedrl.policy_loss(logits, config=cfg, inplace=inplace, backend=backend, **args)
     (grad,) = torch.autograd.grad(out.loss, logits)
     torch.testing.assert_close(grad.float(), expected.float(), atol=1e-6, rtol=2e-2)
     if inplace:
@@ -73,7 +79,8 @@ def test_dtypes_and_inplace(dtype, inplace):
 
 
 @pytest.mark.parametrize("rows", [65536, 131072])
-def test_many_rows(rows):
+@FUSED
+def test_many_rows(rows, backend):
     """N beyond any grid-dimension limit of a 2-D launch; compared with the torch backend."""
     vocab = 4099
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -83,16 +90,17 @@ def test_many_rows(rows):
     mask = torch.rand(rows, device="cuda", generator=gen) > 0.2
     cfg = LossConfig.preset("dapo")
     results = []
-    for backend in ("triton", "torch"):
+    for impl in (backend, "torch"):
         leaf = logits.clone().requires_grad_(True)
-        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, backend=backend)
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, backend=impl)
         results.append((out.loss, torch.autograd.grad(out.loss, leaf)[0], out.logp))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(results[0][2], results[1][2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[0][1].float(), results[1][1].float(), atol=1e-7, rtol=1e-2)
 
 
-def test_strided_view_is_not_copied():
+@FUSED
+def test_strided_view_is_not_copied(backend):
     full = torch.randn(4, 50, 151936, device="cuda", dtype=torch.bfloat16)
     view = full[:, 17:49]
     data = _on_gpu(make_batch(batch=4, time=32, vocab=151936, seed=4))
@@ -101,7 +109,7 @@ def test_strided_view_is_not_copied():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    ours, _ = run_loss(_impl("triton"), data, cfg)
+    ours, _ = run_loss(_impl(backend), data, cfg)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     assert extra < 1.1 * view.numel() * view.element_size()  # the gradient, no copy of the input
@@ -109,7 +117,8 @@ def test_strided_view_is_not_copied():
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-4)
 
 
-def test_inplace_extra_memory_is_tiny():
+@FUSED
+def test_inplace_extra_memory_is_tiny(backend):
     data = _on_gpu(make_batch(batch=16, time=1024, vocab=151936, dtype=torch.bfloat16, seed=5))
     logits = data.pop("logits").requires_grad_(True)
     cfg = LossConfig.preset("dapo")
@@ -117,51 +126,62 @@ def test_inplace_extra_memory_is_tiny():
         logits.detach().clone().requires_grad_(True),
         config=cfg,
         inplace=True,
-        backend="triton",
+        backend=backend,
         **data,
     )  # compile outside the measurement
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fusedrl.policy_loss(logits, config=cfg, inplace=True, backend="triton", **data)
+    out = fusedrl.policy_loss(logits, config=cfg, inplace=True, backend=backend, **data)
     torch.autograd.grad(out.loss, logits)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     assert extra <= 0.01 * logits.numel() * logits.element_size(), extra
 
 
-def test_no_host_sync_on_the_hot_path():
+@FUSED
+def test_no_host_sync_on_the_hot_path(backend):
     data = _on_gpu(make_batch(batch=4, time=32, vocab=32003, dtype=torch.bfloat16, seed=6))
     cfg = LossConfig.preset("grpo").replace(is_correction="token_truncate")
-    run_loss(_impl("triton"), data, cfg)  # compile and warm up first
+    run_loss(_impl(backend), data, cfg)  # compile and warm up first
     torch.cuda.set_sync_debug_mode("error")
     try:
         for preset in ("dapo", "grpo", "gspo", "gmpo"):
-            run_loss(_impl("triton"), data, LossConfig.preset(preset))
+            run_loss(_impl(backend), data, LossConfig.preset(preset))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_batch_invariance_on_gpu():
+@FUSED
+def test_batch_invariance_on_gpu(backend):
     data = _on_gpu(
         make_batch(batch=8, time=64, vocab=151936, dtype=torch.bfloat16, seed=7, empty_rows=())
     )
-    full, _ = fusedrl.token_logprobs(data["logits"], data["labels"], backend="triton")
-    alone, _ = fusedrl.token_logprobs(data["logits"][3:4], data["labels"][3:4], backend="triton")
+    full, _ = fusedrl.token_logprobs(data["logits"], data["labels"], backend=backend)
+    alone, _ = fusedrl.token_logprobs(data["logits"][3:4], data["labels"][3:4], backend=backend)
     assert torch.equal(full[3:4], alone)
 
 
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
-def test_torch_compile_inductor_fullgraph(preset):
+@FUSED
+def test_torch_compile_inductor_fullgraph(preset, backend):
     data = _on_gpu(make_batch(batch=4, time=64, vocab=32003, dtype=torch.bfloat16, seed=8))
     cfg = LossConfig.preset(preset)
 
     def step(logits, labels, advantages, mask, old_logp, ref_logp):
         out = fusedrl.policy_loss(
-            logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp, config=cfg
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            config=cfg,
+            backend=backend,
         )
         return out.loss
 
+    run_loss(_impl(backend), data, cfg)  # eager first: builds / loads the kernels
     compiled = torch.compile(step, fullgraph=True)
     logits = data["logits"].clone().requires_grad_(True)
     loss = compiled(

@@ -1,0 +1,249 @@
+// Torch bindings of the fusedrl CUDA kernels: ops in the `fusedrl` namespace (TORCH_LIBRARY), so
+// that they dispatch like any aten op and work under torch.compile (fake implementations are
+// registered from Python in fusedrl/kernels/cuda.py). Every argument is checked here with a
+// message that names it; the kernels themselves (fused_loss.cu) see only raw pointers.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "fused_loss.h"
+
+namespace fusedrl {
+namespace {
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fusedrl: launching ", what, " failed: ",
+              cudaGetErrorString(err));
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "fusedrl: ", name, " must be float32, float16 or bfloat16, got ",
+                  t.scalar_type());
+  }
+  return DType::kFloat32;  // unreachable
+}
+
+RowLayout layout_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "fusedrl: ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.dim() == 3, "fusedrl: ", name, " must be [B, T, V], got shape ", t.sizes());
+  TORCH_CHECK(t.size(2) > 0, "fusedrl: ", name, " has an empty vocab dimension");
+  TORCH_CHECK(t.size(2) == 1 || t.stride(2) == 1, "fusedrl: ", name,
+              " must be contiguous in its vocab dimension, got strides ", t.strides());
+  return RowLayout{t.size(0) * t.size(1), t.size(1), t.size(2), t.stride(0), t.stride(1)};
+}
+
+// A per-token tensor: [B, T] like labels, on the same device; returned as contiguous fp32.
+at::Tensor per_token(const at::Tensor& t, const at::Tensor& labels, const char* name) {
+  TORCH_CHECK(t.sizes() == labels.sizes(), "fusedrl: ", name, " shape ", t.sizes(),
+              " must equal labels shape ", labels.sizes());
+  TORCH_CHECK(t.device() == labels.device(), "fusedrl: ", name, " is on ", t.device(),
+              " but labels are on ", labels.device());
+  return t.to(at::kFloat).contiguous();
+}
+
+std::optional<at::Tensor> per_token(const std::optional<at::Tensor>& t, const at::Tensor& labels,
+                                    const char* name) {
+  if (!t.has_value()) return std::nullopt;
+  return per_token(*t, labels, name);
+}
+
+const float* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+at::Tensor checked_labels(const at::Tensor& labels, const at::Tensor& logits) {
+  TORCH_CHECK(labels.scalar_type() == at::kLong, "fusedrl: labels must be int64, got ",
+              labels.scalar_type());
+  TORCH_CHECK(labels.dim() == 2 && labels.size(0) == logits.size(0) &&
+                  labels.size(1) == logits.size(1),
+              "fusedrl: labels shape ", labels.sizes(), " must be [B, T] of logits ",
+              logits.sizes());
+  TORCH_CHECK(labels.device() == logits.device(), "fusedrl: labels are on ", labels.device(),
+              " but logits are on ", logits.device());
+  return labels.contiguous();
+}
+
+at::Tensor checked_valid(const at::Tensor& valid, const at::Tensor& labels) {
+  TORCH_CHECK(valid.sizes() == labels.sizes(), "fusedrl: valid shape ", valid.sizes(),
+              " must equal labels shape ", labels.sizes());
+  return valid.to(at::kChar).contiguous();
+}
+
+int loss_code(const std::string& loss) {
+  if (loss == "ppo" || loss == "dcpo") return 0;
+  if (loss == "cispo") return 1;
+  if (loss == "sapo") return 2;
+  if (loss == "pg") return 3;
+  TORCH_CHECK(false, "fusedrl: loss '", loss, "' has no token-level CUDA kernel");
+  return -1;  // unreachable
+}
+
+int kl_code(const std::optional<std::string>& kl, double beta) {
+  if (!kl.has_value() || beta <= 0) return 0;
+  if (*kl == "k1") return 1;
+  if (*kl == "k2") return 2;
+  if (*kl == "abs") return 3;
+  if (*kl == "k3") return 4;
+  if (*kl == "k1+" || *kl == "k3+") return 5;
+  TORCH_CHECK(false, "fusedrl: unknown kl estimator '", *kl, "'");
+  return -1;  // unreachable
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(
+    const at::Tensor& logits, const at::Tensor& labels_in, const std::optional<at::Tensor>& valid,
+    double temperature) {
+  const RowLayout layout = layout_of(logits, "logits");
+  const at::Tensor labels = checked_labels(labels_in, logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty(labels.sizes(), opts);
+  at::Tensor lse = at::empty(labels.sizes(), opts);
+  at::Tensor entropy = at::empty(labels.sizes(), opts);
+  std::optional<at::Tensor> valid_c;
+  if (valid.has_value()) valid_c = checked_valid(*valid, labels);
+  check_launch(launch_logprobs_forward(
+                   logits.data_ptr(), dtype_of(logits, "logits"), layout,
+                   labels.data_ptr<int64_t>(),
+                   valid_c.has_value() ? valid_c->data_ptr<int8_t>() : nullptr,
+                   static_cast<float>(1.0 / temperature), logp.data_ptr<float>(),
+                   lse.data_ptr<float>(), entropy.data_ptr<float>(),
+                   c10::cuda::getCurrentCUDAStream()),
+               "logprobs_forward");
+  return {logp, lse, entropy};
+}
+
+void logits_grad(const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
+                 const at::Tensor& entropy, const at::Tensor& dlogp,
+                 const std::optional<at::Tensor>& dentropy, double temperature, at::Tensor out) {
+  const RowLayout layout = layout_of(logits, "logits");
+  const RowLayout out_layout = layout_of(out, "out");
+  TORCH_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type(),
+              "fusedrl: out must match logits in shape and dtype");
+  const at::Tensor labels = checked_labels(labels_in, logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor lse_c = per_token(lse, labels, "lse");
+  const at::Tensor entropy_c = per_token(entropy, labels, "entropy");
+  const at::Tensor dlogp_c = per_token(dlogp, labels, "dlogp");
+  const auto dentropy_c = per_token(dentropy, labels, "dentropy");
+  check_launch(launch_logits_grad(logits.data_ptr(), out.data_ptr(), dtype_of(logits, "logits"),
+                                  layout, out_layout, labels.data_ptr<int64_t>(),
+                                  lse_c.data_ptr<float>(), entropy_c.data_ptr<float>(),
+                                  dlogp_c.data_ptr<float>(), data_or_null(dentropy_c),
+                                  static_cast<float>(1.0 / temperature),
+                                  c10::cuda::getCurrentCUDAStream()),
+               "logits_grad");
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_token_loss(
+    const at::Tensor& logits, at::Tensor grad, const at::Tensor& labels_in,
+    const at::Tensor& valid, const at::Tensor& advantages,
+    const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weight, const at::Tensor& agg_weight,
+    const std::optional<at::Tensor>& low, const std::optional<at::Tensor>& high,
+    double temperature, const std::string& loss, std::optional<double> dual_clip_c,
+    std::optional<double> delta, double tau_pos, double tau_neg,
+    const std::optional<std::string>& kl, double beta, double entropy_coef) {
+  const RowLayout layout = layout_of(logits, "logits");
+  const RowLayout grad_layout = layout_of(grad, "grad");
+  TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type(),
+              "fusedrl: grad must match logits in shape and dtype");
+  const at::Tensor labels = checked_labels(labels_in, logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor valid_c = checked_valid(valid, labels);
+  const at::Tensor adv_c = per_token(advantages, labels, "advantages");
+  const auto old_c = per_token(old_logp, labels, "old_logp");
+  const auto ref_c = per_token(ref_logp, labels, "ref_logp");
+  const auto is_c = per_token(is_weight, labels, "is_weight");
+  const at::Tensor agg_c = per_token(agg_weight, labels, "agg_weight");
+  const auto low_c = per_token(low, labels, "low");
+  const auto high_c = per_token(high, labels, "high");
+  const int kl_kind = kl_code(kl, beta);
+  TORCH_CHECK(kl_kind == 0 || ref_c.has_value(), "fusedrl: ref_logp is required when beta > 0");
+  const TokenLossParams params{loss_code(loss),
+                               dual_clip_c.has_value(),
+                               static_cast<float>(dual_clip_c.value_or(0.0)),
+                               delta.has_value(),
+                               static_cast<float>(delta.value_or(0.0)),
+                               static_cast<float>(tau_pos),
+                               static_cast<float>(tau_neg),
+                               kl_kind,
+                               static_cast<float>(beta),
+                               static_cast<float>(entropy_coef),
+                               static_cast<float>(1.0 / temperature)};
+  const TokenLossInputs inputs{labels.data_ptr<int64_t>(), valid_c.data_ptr<int8_t>(),
+                               adv_c.data_ptr<float>(),    data_or_null(old_c),
+                               data_or_null(ref_c),        data_or_null(is_c),
+                               agg_c.data_ptr<float>(),    data_or_null(low_c),
+                               data_or_null(high_c)};
+  auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty(labels.sizes(), opts);
+  at::Tensor entropy = at::empty(labels.sizes(), opts);
+  check_launch(launch_fused_token_loss(logits.data_ptr(), grad.data_ptr(),
+                                       dtype_of(logits, "logits"), layout, grad_layout, inputs,
+                                       params, logp.data_ptr<float>(), entropy.data_ptr<float>(),
+                                       c10::cuda::getCurrentCUDAStream()),
+               "fused_token_loss");
+  return {logp, entropy};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_token_loss_inplace(
+    at::Tensor logits, const at::Tensor& labels, const at::Tensor& valid,
+    const at::Tensor& advantages, const std::optional<at::Tensor>& old_logp,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& is_weight,
+    const at::Tensor& agg_weight, const std::optional<at::Tensor>& low,
+    const std::optional<at::Tensor>& high, double temperature, const std::string& loss,
+    std::optional<double> dual_clip_c, std::optional<double> delta, double tau_pos,
+    double tau_neg, const std::optional<std::string>& kl, double beta, double entropy_coef) {
+  return fused_token_loss(logits, logits, labels, valid, advantages, old_logp, ref_logp,
+                          is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
+                          tau_pos, tau_neg, kl, beta, entropy_coef);
+}
+
+}  // namespace
+}  // namespace fusedrl
+
+// The per-token arguments of the fused loss; must equal _FUSED_ARGS in fusedrl/triton_backend.py
+// (tests/test_cuda_build.py checks it) so that both backends share one Python wrapper.
+#define FUSEDRL_FUSED_ARGS                                                                   \
+  "Tensor labels, Tensor valid, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "   \
+  "Tensor? is_weight, Tensor agg_weight, Tensor? low, Tensor? high, float temperature, "   \
+  "str loss, float? dual_clip_c, float? delta, float tau_pos, float tau_neg, str? kl, "    \
+  "float beta, float entropy_coef"
+
+TORCH_LIBRARY(fusedrl, m) {
+  m.def(
+      "cuda_logprobs_fwd(Tensor logits, Tensor labels, Tensor? valid, float temperature) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "cuda_logits_grad(Tensor logits, Tensor labels, Tensor lse, Tensor entropy, "
+      "Tensor dlogp, Tensor? dentropy, float temperature, Tensor(a!) out) -> ()");
+  m.def("cuda_fused_token_loss(Tensor logits, Tensor(a!) grad, " FUSEDRL_FUSED_ARGS
+        ") -> (Tensor, Tensor)");
+  m.def("cuda_fused_token_loss_inplace(Tensor(a!) logits, " FUSEDRL_FUSED_ARGS
+        ") -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fusedrl, CUDA, m) {
+  m.impl("cuda_logprobs_fwd", &fusedrl::logprobs_fwd);
+  m.impl("cuda_logits_grad", &fusedrl::logits_grad);
+  m.impl("cuda_fused_token_loss", &fusedrl::fused_token_loss);
+  m.impl("cuda_fused_token_loss_inplace", &fusedrl::fused_token_loss_inplace);
+}
+
+// Importable as fusedrl._C when built by setup.py (the ops above register on import).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "fusedrl CUDA kernels; the ops live in torch.ops.fusedrl.cuda_*";
+}

@@ -1,0 +1,72 @@
+// fusedrl CUDA kernels: the launcher interface between fused_loss.cu (pure CUDA, no torch headers,
+// so that every .cu compiles to object code on a machine without a GPU) and bindings.cpp (torch ops).
+//
+// Semantics are those of fusedrl/token_terms.py and the Triton kernels in kernels/: one thread
+// block per row (token) of [B, T, V] logits with arbitrary batch/time strides and a contiguous
+// vocab axis; fp32 accumulation; masked rows (valid == 0) are never read and get zero gradient.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace fusedrl {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// [B, T, V] logits (or a gradient buffer) addressed by flat row = b * T + t.
+struct RowLayout {
+  int64_t rows;      // B * T
+  int64_t time;      // T
+  int64_t vocab;     // V
+  int64_t stride_b;  // elements
+  int64_t stride_t;  // elements
+};
+
+// Token-level variant of the policy loss, as constants of one launch.
+struct TokenLossParams {
+  int loss;            // 0 ppo/dcpo (per-token bounds), 1 cispo, 2 sapo, 3 pg
+  bool dual_clip;
+  float dual_clip_c;
+  bool has_delta;
+  float delta;
+  float tau_pos;
+  float tau_neg;
+  int kl;              // 0 none, 1 k1, 2 k2, 3 abs, 4 k3, 5 straight-through (k2 gradient)
+  float beta;
+  float entropy_coef;
+  float inv_temperature;
+};
+
+// Per-token inputs of the fused loss ([B, T] contiguous fp32 unless noted; nullptr = absent).
+struct TokenLossInputs {
+  const int64_t* labels;
+  const int8_t* valid;
+  const float* advantages;
+  const float* old_logp;     // nullptr: on-policy (old = logp)
+  const float* ref_logp;     // used when params.kl != 0
+  const float* is_weight;    // nullptr: no IS correction
+  const float* agg_weight;
+  const float* low;          // ratio bounds (ppo/dcpo/cispo)
+  const float* high;
+};
+
+// logp, lse, entropy of each row (fp32 [rows]); `valid` may be nullptr.
+cudaError_t launch_logprobs_forward(const void* logits, DType dtype, RowLayout layout,
+                                    const int64_t* labels, const int8_t* valid,
+                                    float inv_temperature, float* logp, float* lse, float* entropy,
+                                    cudaStream_t stream);
+
+// out = d loss / d logits from per-row dlogp (and dentropy, may be nullptr); out may be logits.
+cudaError_t launch_logits_grad(const void* logits, void* out, DType dtype, RowLayout layout,
+                               RowLayout out_layout, const int64_t* labels, const float* lse,
+                               const float* entropy, const float* dlogp, const float* dentropy,
+                               float inv_temperature, cudaStream_t stream);
+
+// The fused token-level loss: logp, entropy per row, and the gradient written into `grad`
+// (which may be `logits`).
+cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype, RowLayout layout,
+                                    RowLayout grad_layout, TokenLossInputs inputs,
+                                    TokenLossParams params, float* logp, float* entropy,
+                                    cudaStream_t stream);
+
+}  // namespace fusedrl

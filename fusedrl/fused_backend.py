@@ -1,0 +1,147 @@
+"""The driver shared by the fused backends (Triton and the CUDA extension).
+
+Each backend provides the same four ops (`FusedOps`); this module decides how to use them:
+
+- token-level variants with a gradient: one fused kernel (one read of each row, the gradient
+  written in the same program, into the logits when in place);
+- sequence-level variants (GSPO, GMPO, sequence IS) and on-policy configs whose per-token inputs
+  depend on old = logp: pass 1 (logp / lse / entropy), the [B, T] math of `token_terms`, pass 2;
+- the loss value and the metrics always come from `token_terms` on [B, T] scalars.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ._inputs import LossInputs
+from .config import LossConfig
+from .reference import is_weights, ratio_bounds
+from .token_terms import TokenTerms, aggregation_weights, token_terms
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The four ops of a fused backend (signatures of the fusedrl:: op schemas)."""
+
+    logprobs_fwd: Callable  # (logits, labels, valid?, temperature) -> (logp, lse, entropy)
+    logits_grad: Callable  # (logits, labels, lse, entropy, dlogp, dentropy?, temperature, out)
+    fused_token_loss: Callable  # (logits, grad, *FUSED_ARGS) -> (logp, entropy)
+    fused_token_loss_inplace: Callable  # (logits, *FUSED_ARGS) -> (logp, entropy)
+
+
+# The per-token arguments of the fused loss op, shared by the Triton op and the CUDA op
+# (csrc/bindings.cpp repeats it; tests/test_cuda_build.py checks they are equal).
+FUSED_ARGS = (
+    "Tensor labels, Tensor valid, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
+    "Tensor? is_weight, Tensor agg_weight, Tensor? low, Tensor? high, float temperature, "
+    "str loss, float? dual_clip_c, float? delta, float tau_pos, float tau_neg, str? kl, "
+    "float beta, float entropy_coef"
+)
+
+
+class _LogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, logits, labels, temperature, return_entropy):
+        logp, lse, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.temperature = temperature
+        ctx.ops = ops
+        return (logp, entropy) if return_entropy else (logp,)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        ctx.ops.logits_grad(
+            logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad
+        )
+        return None, grad, None, None, None
+
+
+def token_logprobs(
+    ops: FusedOps,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if logits.requires_grad and torch.is_grad_enabled():
+        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy)
+        return (out[0], out[1]) if return_entropy else (out[0], None)
+    logp, _, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
+    return logp, entropy if return_entropy else None
+
+
+def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
+    """One kernel: logp, entropy and the gradient; the aggregation weight and IS weight, which
+    do not depend on the logits, are [B, T] inputs."""
+    old = inp.old_logp
+    # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
+    is_weight = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+    low = high = None
+    if cfg.loss in ("ppo", "cispo", "dcpo"):
+        low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
+    args = (
+        inp.labels,
+        inp.valid,
+        inp.advantages,
+        old,
+        inp.ref_logp,
+        is_weight,
+        aggregation_weights(inp, cfg),
+        low,
+        high,
+        cfg.temperature,
+        cfg.loss,
+        cfg.dual_clip_c,
+        cfg.delta,
+        cfg.sapo_tau_pos,
+        cfg.sapo_tau_neg,
+        cfg.kl,
+        cfg.beta,
+        cfg.entropy_coef,
+    )
+    if grad_out is inp.logits:
+        return ops.fused_token_loss_inplace(inp.logits, *args)
+    return ops.fused_token_loss(inp.logits, grad_out, *args)
+
+
+def _needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
+    if cfg.is_sequence_level:
+        return True
+    # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
+    # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
+    return inp.old_logp is None and (cfg.loss == "dcpo" or cfg.is_correction is not None)
+
+
+@torch.no_grad()
+def policy_loss(
+    ops: FusedOps,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+    grad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
+    """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
+    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    if grad_out is not None and not _needs_two_passes(inp, cfg):
+        logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
+        entropy = entropy if need_entropy else None
+        return logp, entropy, token_terms(logp, entropy, inp, cfg)
+    logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, cfg.temperature)
+    terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+    if grad_out is not None:
+        ops.logits_grad(
+            inp.logits,
+            inp.labels,
+            lse,
+            entropy,
+            terms.dlogp,
+            terms.dentropy,
+            cfg.temperature,
+            grad_out,
+        )
+    return logp, entropy if need_entropy else None, terms

@@ -1,0 +1,109 @@
+"""Loader of the optional CUDA extension (csrc/ -> ops `torch.ops.fusedrl.cuda_*`).
+
+`load()` returns the ops, from the first of:
+1. `fusedrl._C`, built by `FUSEDRL_BUILD_CUDA=1 pip install -e .`;
+2. a JIT build of csrc/ through `torch.utils.cpp_extension.load` into a cache directory
+   (`$FUSEDRL_CUDA_CACHE`, default ~/.cache/fusedrl/cuda-<torch version>), reused afterwards.
+Without a CUDA device (or without nvcc for the JIT build) it raises a RuntimeError that says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+OP_NAMES = (
+    "cuda_logprobs_fwd",
+    "cuda_logits_grad",
+    "cuda_fused_token_loss",
+    "cuda_fused_token_loss_inplace",
+)
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".cu"))
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "fusedrl" / f"cuda-{torch.__version__.replace('+', '-')}"
+    path = Path(os.environ.get("FUSEDRL_CUDA_CACHE", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _registered() -> bool:
+    return all(hasattr(torch.ops.fusedrl, name) for name in OP_NAMES)
+
+
+@functools.cache
+def load(verbose: bool = False):
+    """The CUDA ops as a `fusedrl.fused_backend.FusedOps` (built or loaded once per process)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("backend='cuda' needs a CUDA device; use backend='triton' or 'torch'")
+    if not _registered():
+        try:
+            import fusedrl._C  # noqa: F401  (prebuilt: registers the ops on import)
+        except ImportError:
+            _jit_build(verbose)
+    _register_fakes()
+    from fusedrl.fused_backend import FusedOps
+
+    ops = torch.ops.fusedrl
+    return FusedOps(
+        ops.cuda_logprobs_fwd.default,
+        ops.cuda_logits_grad.default,
+        ops.cuda_fused_token_loss.default,
+        ops.cuda_fused_token_loss_inplace.default,
+    )
+
+
+def _jit_build(verbose: bool) -> None:
+    from torch.utils.cpp_extension import load as cpp_load
+
+    if not CSRC.is_dir():
+        raise RuntimeError(f"backend='cuda': no prebuilt fusedrl._C and no sources at {CSRC}")
+    try:
+        cpp_load(
+            name="fusedrl_cuda",
+            sources=[str(p) for p in sources()],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-lineinfo"],
+            build_directory=str(cache_dir()),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except (OSError, RuntimeError) as exc:
+        raise RuntimeError(
+            f"backend='cuda': building the CUDA extension from {CSRC} failed ({exc}); "
+            "prebuild it with FUSEDRL_BUILD_CUDA=1 pip install -e ., or use backend='triton'"
+        ) from exc
+
+
+def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
+    return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """Shape functions for torch.compile (the C++ ops have no meta kernels of their own)."""
+
+    @torch.library.register_fake("fusedrl::cuda_logprobs_fwd")
+    def _(logits, labels, valid, temperature):
+        return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
+
+    @torch.library.register_fake("fusedrl::cuda_logits_grad")
+    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+        return None
+
+    @torch.library.register_fake("fusedrl::cuda_fused_token_loss")
+    def _(logits, grad, labels, *args):
+        return _empty_rows_like(labels), _empty_rows_like(labels)
+
+    @torch.library.register_fake("fusedrl::cuda_fused_token_loss_inplace")
+    def _(logits, labels, *args):
+        return _empty_rows_like(labels), _empty_rows_like(labels)
