@@ -32,6 +32,31 @@ class FusedOps:
     fused_token_loss_inplace: Callable  # (logits, *FUSED_ARGS) -> (logp, entropy)
 
 
+def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
+    return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+
+
+def register_fakes(prefix: str) -> None:
+    """Shape functions (for torch.compile / FakeTensor) of the four ops `fusedrl::<prefix>*`:
+    every output is a [B, T] fp32 tensor shaped like labels."""
+
+    @torch.library.register_fake(f"fusedrl::{prefix}logprobs_fwd")
+    def _(logits, labels, valid, temperature):
+        return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
+
+    @torch.library.register_fake(f"fusedrl::{prefix}logits_grad")
+    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+        return None
+
+    @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss")
+    def _(logits, grad, labels, *args):
+        return _empty_rows_like(labels), _empty_rows_like(labels)
+
+    @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss_inplace")
+    def _(logits, labels, *args):
+        return _empty_rows_like(labels), _empty_rows_like(labels)
+
+
 # The per-token arguments of the fused loss op, shared by the Triton op and the CUDA op
 # (csrc/bindings.cpp repeats it; tests/test_cuda_build.py checks they are equal).
 FUSED_ARGS = (

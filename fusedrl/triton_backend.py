@@ -22,10 +22,6 @@ def _kernels():
     return logprobs, token_loss
 
 
-def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
-    return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-
-
 # ------------------------------------------------------------------------------ custom ops
 @torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=())
 def logprobs_fwd(
@@ -33,11 +29,6 @@ def logprobs_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs, _ = _kernels()
     return logprobs.logprobs_forward(logits, labels, valid, temperature)
-
-
-@logprobs_fwd.register_fake
-def _(logits, labels, valid, temperature):
-    return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
 
 
 @torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
@@ -53,11 +44,6 @@ def logits_grad(
 ) -> None:
     logprobs, _ = _kernels()
     logprobs.logits_backward(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)
-
-
-@logits_grad.register_fake
-def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
-    return None
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
@@ -80,16 +66,7 @@ def _fused_token_loss_inplace(logits, *args):
     return _kernels()[1].fused_token_loss(logits, logits, *args)
 
 
-@torch.library.register_fake("fusedrl::fused_token_loss")
-def _(logits, grad, labels, *args):
-    return _empty_rows_like(labels), _empty_rows_like(labels)
-
-
-@torch.library.register_fake("fusedrl::fused_token_loss_inplace")
-def _(logits, labels, *args):
-    return _empty_rows_like(labels), _empty_rows_like(labels)
-
-
+fused_backend.register_fakes(prefix="")
 fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
 fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 

@@ -49,8 +49,9 @@ def load(verbose: bool = False):
             import fusedrl._C  # noqa: F401  (prebuilt: registers the ops on import)
         except ImportError:
             _jit_build(verbose)
-    _register_fakes()
-    from fusedrl.fused_backend import FusedOps
+    from fusedrl.fused_backend import FusedOps, register_fakes
+
+    register_fakes(prefix="cuda_")  # load() runs once per process (functools.cache)
 
     ops = torch.ops.fusedrl
     return FusedOps(
@@ -82,28 +83,3 @@ def _jit_build(verbose: bool) -> None:
             f"backend='cuda': building the CUDA extension from {CSRC} failed ({exc}); "
             "prebuild it with FUSEDRL_BUILD_CUDA=1 pip install -e ., or use backend='triton'"
         ) from exc
-
-
-def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
-    return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-
-
-@functools.cache
-def _register_fakes() -> None:
-    """Shape functions for torch.compile (the C++ ops have no meta kernels of their own)."""
-
-    @torch.library.register_fake("fusedrl::cuda_logprobs_fwd")
-    def _(logits, labels, valid, temperature):
-        return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
-
-    @torch.library.register_fake("fusedrl::cuda_logits_grad")
-    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
-        return None
-
-    @torch.library.register_fake("fusedrl::cuda_fused_token_loss")
-    def _(logits, grad, labels, *args):
-        return _empty_rows_like(labels), _empty_rows_like(labels)
-
-    @torch.library.register_fake("fusedrl::cuda_fused_token_loss_inplace")
-    def _(logits, labels, *args):
-        return _empty_rows_like(labels), _empty_rows_like(labels)
