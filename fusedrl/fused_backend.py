@@ -36,9 +36,15 @@ def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
     return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
 
 
+_FAKES_REGISTERED: set[str] = set()
+
+
 def register_fakes(prefix: str) -> None:
     """Shape functions (for torch.compile / FakeTensor) of the four ops `fusedrl::<prefix>*`:
-    every output is a [B, T] fp32 tensor shaped like labels."""
+    every output is a [B, T] fp32 tensor shaped like labels. Idempotent."""
+    if prefix in _FAKES_REGISTERED:
+        return
+    _FAKES_REGISTERED.add(prefix)
 
     @torch.library.register_fake(f"fusedrl::{prefix}logprobs_fwd")
     def _(logits, labels, valid, temperature):

@@ -51,7 +51,7 @@ def load(verbose: bool = False):
             _jit_build(verbose)
     from fusedrl.fused_backend import FusedOps, register_fakes
 
-    register_fakes(prefix="cuda_")  # load() runs once per process (functools.cache)
+    register_fakes(prefix="cuda_")
 
     ops = torch.ops.fusedrl
     return FusedOps(
