@@ -29,6 +29,7 @@ class LossInputs:
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
     rollout_logp: torch.Tensor | None
+    is_weights: torch.Tensor | None  # [B, T] precomputed train/inference IS weights
     normalizer: torch.Tensor | float | None
     flat_input: bool  # caller passed [N, V] (one packed row of tokens, B = 1)
 
@@ -118,21 +119,26 @@ def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> to
 
 
 def check_advantages(
-    advantages: object, shape: tuple[int, ...], device: torch.device, flat_input: bool
+    advantages: object,
+    shape: tuple[int, ...],
+    device: torch.device,
+    flat_input: bool,
+    name: str = "advantages",
 ) -> torch.Tensor:
+    """[B] (one per sequence, broadcast) or [B, T] floats; also used for per-token weights."""
     if not isinstance(advantages, torch.Tensor):
-        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(advantages).__name__}")
     if not advantages.dtype.is_floating_point:
-        raise TypeError(f"advantages must be a floating tensor, got dtype {advantages.dtype}")
+        raise TypeError(f"{name} must be a floating tensor, got dtype {advantages.dtype}")
     if advantages.device != device:
-        raise ValueError(f"advantages are on {advantages.device} but logits are on {device}")
+        raise ValueError(f"{name} are on {advantages.device} but logits are on {device}")
     batch = shape[0]
     if not flat_input and advantages.dim() == 1 and advantages.shape[0] == batch:
         return advantages.detach().float()[:, None].expand(shape)
     if tuple(advantages.shape) == shape:
         return advantages.detach().float()
     expected = f"{shape}" if flat_input else f"[{batch}] (one per sequence) or {list(shape)}"
-    raise ValueError(f"advantages shape {tuple(advantages.shape)} must be {expected}")
+    raise ValueError(f"{name} shape {tuple(advantages.shape)} must be {expected}")
 
 
 def check_normalizer(normalizer: object, device: torch.device) -> torch.Tensor | float | None:
@@ -161,6 +167,7 @@ def prepare_loss_inputs(
     rollout_logp: object,
     config: LossConfig,
     normalizer: object,
+    is_weights: object = None,
 ) -> LossInputs:
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
@@ -187,6 +194,33 @@ def prepare_loss_inputs(
         raise ValueError(
             f"ref_logp is required when config.beta > 0 (beta={config.beta}, kl={config.kl!r})"
         )
+    weights = None
+    if is_weights is not None:
+        if config.is_correction is not None:
+            raise ValueError(
+                "is_weights and config.is_correction are exclusive: pass precomputed weights "
+                f"with is_correction=None, or rollout_logp with is_correction (got "
+                f"{config.is_correction!r})"
+            )
+        if (
+            config.loss == "gmpo"
+            and isinstance(is_weights, torch.Tensor)
+            and is_weights.dim() == 2
+            and is_weights.shape[-1] != 1
+        ):
+            raise ValueError(
+                f"is_weights shape {tuple(is_weights.shape)}: loss='gmpo' weights whole "
+                "sequences, pass one weight per sequence ([B] or [B, 1])"
+            )
+        if (
+            isinstance(is_weights, torch.Tensor)
+            and is_weights.dim() == 2
+            and not flat_input
+            and is_weights.shape[1] == 1
+            and is_weights.shape[0] == shape[0]
+        ):
+            is_weights = is_weights.expand(shape)  # per-sequence weights, as TRL keeps them
+        weights = check_advantages(is_weights, shape, device, flat_input, name="is_weights")
     if config.is_correction is not None and rollout is None:
         raise ValueError(
             f"rollout_logp is required when config.is_correction={config.is_correction!r}"
@@ -209,6 +243,7 @@ def prepare_loss_inputs(
         old_logp=as2d(old),
         ref_logp=as2d(ref),
         rollout_logp=as2d(rollout),
+        is_weights=as2d(weights),
         normalizer=check_normalizer(normalizer, device),
         flat_input=flat_input,
     )

@@ -62,6 +62,7 @@ def policy_loss(
     inplace: bool = False,
     backend: str = "auto",
     return_entropy: bool = False,
+    is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -81,6 +82,10 @@ def policy_loss(
         backend: "auto" | "triton" | "cuda" | "torch".
         return_entropy: also compute the per-token entropy (always computed when
             config.entropy_coef != 0).
+        is_weights: precomputed train/inference IS weights ([B, T], [B, 1] or [B]; detached) that
+            multiply the per-token policy loss, for trainers that compute them elsewhere (verl's
+            rollout_is_weights, TRL's importance_sampling_ratio). Exclusive with
+            config.is_correction.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -88,7 +93,16 @@ def policy_loss(
     """
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
-        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        cfg,
+        normalizer,
+        is_weights,
     )
     impl = _resolve_backend(backend, inp.logits.device)
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
@@ -162,6 +176,7 @@ class PolicyLoss(torch.nn.Module):
         rollout_logp=None,
         normalizer=None,
         return_entropy=False,
+        is_weights=None,
     ) -> LossOutput:
         return policy_loss(
             logits,
@@ -176,6 +191,7 @@ class PolicyLoss(torch.nn.Module):
             inplace=self.inplace,
             backend=self.backend,
             return_entropy=return_entropy,
+            is_weights=is_weights,
         )
 
     def extra_repr(self) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from ._inputs import LossInputs
 from .config import LossConfig
-from .reference import is_weights, ratio_bounds
+from .reference import ratio_bounds, resolve_is_weights
 from .token_terms import TokenTerms, aggregation_weights, token_terms
 
 
@@ -111,7 +111,7 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
     do not depend on the logits, are [B, T] inputs."""
     old = inp.old_logp
     # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
-    is_weight = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+    is_weight = resolve_is_weights(old, inp, cfg)
     low = high = None
     if cfg.loss in ("ppo", "cispo", "dcpo"):
         low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)

@@ -133,6 +133,13 @@ def is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Ten
     return w.detach()
 
 
+def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig):
+    """The IS weights of the call: precomputed (`is_weights=`), from `rollout_logp`, or None."""
+    if inp.is_weights is not None:
+        return inp.is_weights
+    return is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+
+
 def ratio_bounds(old: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.loss == "dcpo":
         q = old.exp()
@@ -226,6 +233,7 @@ def policy_loss(
     inplace: bool = False,
     backend: str | None = None,
     return_entropy: bool = False,
+    is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
@@ -233,7 +241,16 @@ def policy_loss(
     """
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
-        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        cfg,
+        normalizer,
+        is_weights,
     )
     need_entropy = return_entropy or cfg.entropy_coef != 0.0
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
@@ -248,7 +265,7 @@ def policy_loss(
         "dual_clipfrac": zero,
     }
 
-    w = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+    w = resolve_is_weights(old, inp, cfg)
     if cfg.loss == "gmpo":
         loss = _gmpo(logp, old, adv, w, inp, cfg, metrics)
         per_token = torch.zeros_like(logp)

@@ -31,9 +31,9 @@ from .reference import (
     KL_VALUE_CLAMP,
     LOG_RATIO_CLAMP,
     SEQ_LOG_RATIO_MAX,
-    is_weights,
     masked_mean,
     ratio_bounds,
+    resolve_is_weights,
 )
 
 
@@ -187,7 +187,7 @@ def token_terms(
     zero = torch.zeros((), device=logp.device)
     metrics = {"clipfrac": zero, "clip_low": zero, "clip_high": zero, "dual_clipfrac": zero}
     agg_w = aggregation_weights(inp, cfg)
-    w = is_weights(old, inp, cfg) if cfg.is_correction is not None else None
+    w = resolve_is_weights(old, inp, cfg)
 
     loss = zero
     if cfg.loss == "gmpo":

@@ -285,3 +285,46 @@ def test_unavailable_backends_raise_clearly(monkeypatch):
         fusedrl.policy_loss(data["logits"], backend="triton", **args)
     with pytest.raises(ValueError, match="backend"):
         fusedrl.policy_loss(data["logits"], backend="jax", **args)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "gmpo"])
+def test_precomputed_is_weights_equal_is_correction(mode, preset, backend):
+    """is_weights= (as verl / TRL hand them over) == the same weights from rollout_logp."""
+    if preset == "gmpo" and mode.startswith("token"):
+        pytest.skip("gmpo takes sequence IS modes only")
+    data = make_batch(seed=22, per_token_adv=preset != "gmpo")
+    cfg = LossConfig.preset(preset)
+    with_rollout = cfg.replace(is_correction=mode, is_cap=1.4)
+    expected, expected_grad = run_loss(reference.policy_loss, data, with_rollout)
+    inp = fusedrl._inputs.prepare_loss_inputs(
+        data["logits"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        data["old_logp"],
+        None,
+        data["rollout_logp"],
+        with_rollout,
+        None,
+    )
+    weights = reference.is_weights(inp.old_logp, inp, with_rollout)
+    if mode.startswith("sequence"):
+        weights = weights[:, :1]  # [B, 1], TRL's layout of sequence weights
+    plain = {k: v for k, v in data.items() if k != "rollout_logp"}
+    out, grad = run_loss(_impl(backend), plain, cfg, is_weights=weights)
+    torch.testing.assert_close(out.loss, expected.loss, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(out.metrics["is_weight_mean"], expected.metrics["is_weight_mean"])
+
+
+def test_is_weights_and_is_correction_are_exclusive():
+    data = make_batch(seed=23)
+    with pytest.raises(ValueError, match="is_weights and config.is_correction are exclusive"):
+        fusedrl.policy_loss(
+            **data, config=LossConfig(is_correction="token_mask"), is_weights=torch.ones(3, 7)
+        )
+    with pytest.raises(ValueError, match="is_weights shape"):
+        fusedrl.policy_loss(**data, is_weights=torch.ones(3, 6))
+    with pytest.raises(ValueError, match="gmpo.*one weight per sequence"):
+        fusedrl.policy_loss(**data, config=LossConfig.preset("gmpo"), is_weights=torch.ones(3, 7))
