@@ -1,0 +1,74 @@
+"""Tiny, locally built models and tokenizers (no hub access): for tests, demos and CPU training.
+
+`char_tokenizer()` is a real `transformers.PreTrainedTokenizerFast` over single characters (a
+`tokenizers` WordLevel model with a per-character pre-tokenizer), so anything that takes a Hugging
+Face tokenizer (TRL, vLLM, chat templates) takes it. `tiny_qwen2()` is a real Qwen2 causal LM
+with random weights built from a config; head_dim >= 32 because vLLM's CPU attention rejects less.
+"""
+
+from __future__ import annotations
+
+import string
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+DEFAULT_CHARS = string.digits + string.ascii_letters + " +-*/=()<>.,:;!?'\"\n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def char_tokenizer(chars: str = DEFAULT_CHARS):
+    """A character-level fast tokenizer with <pad>, <eos>, <bos> and a minimal chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in dict.fromkeys(chars):
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<pad>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen2(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
+):
+    """A randomly initialised Qwen2ForCausalLM (fp32) small enough for 2 CPU cores."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=2,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)

@@ -1,0 +1,221 @@
+"""fusedrl.integrations.trl against TRL itself: same loss and same parameter gradients as
+`GRPOTrainer._compute_loss` on a real (tiny, random) Qwen2 model, and a real 2-step training run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from fusedrl.integrations.trl import FusedGRPOTrainer, loss_config_from_trl  # noqa: E402
+from fusedrl.tiny import char_tokenizer, tiny_qwen2  # noqa: E402
+
+B, P, T = 4, 5, 7
+
+
+def _reward_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    """The tiny model saved locally: TRL loads the policy (and, with beta > 0, its reference
+    model) from a path, so each trainer gets its own copy of the same weights."""
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=1).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _args(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=B,
+        num_generations=B,
+        max_completion_length=T,
+        report_to=[],
+        use_vllm=False,
+        use_cpu=True,
+        logging_steps=1,
+        temperature=0.9,
+        epsilon_high=0.28,
+        max_steps=2,
+        save_strategy="no",
+        bf16=False,  # fp32 parity: no CPU bf16 autocast
+        fp16=False,
+    )
+    return GRPOConfig(**{**base, **overrides})
+
+
+def _trainer(cls, model, tokenizer, args):
+    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3=", "4+4="]})
+    trainer = cls(
+        model=model,
+        reward_funcs=_reward_len,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _inputs(model, loss_type, beta, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompt_ids = torch.randint(3, vocab, (B, P), generator=gen)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0  # left padding
+    completion_ids = torch.randint(3, vocab, (B, T), generator=gen)
+    completion_mask = torch.ones(B, T, dtype=torch.long)
+    completion_mask[0, 4:] = 0  # ended early
+    completion_mask[2, 2:] = 0
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], 1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+        ).logits
+        logp = torch.log_softmax(logits[:, P - 1 : -1].float() / 0.9, -1)
+        logp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)
+    inputs = dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.randn(B, generator=gen),
+        old_per_token_logps=logp + 0.2 * torch.randn(B, T, generator=gen),
+        num_items_in_batch=completion_mask.sum().float(),
+    )
+    if beta:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(B, T, generator=gen)
+    return inputs
+
+
+def _loss_and_grads(trainer, inputs):
+    model = trainer.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(model, inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+def _assert_same(trl_trainer, fused_trainer, inputs):
+    ref_loss, ref_grads = _loss_and_grads(trl_trainer, inputs)
+    loss, grads = _loss_and_grads(fused_trainer, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    scale = max(g.abs().max().item() for g in ref_grads)
+    assert scale > 0
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6 * scale)
+
+
+CASES = [
+    (lt, "token", beta)
+    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+    for beta in (0.0, 0.04)
+] + [("grpo", "sequence", beta) for beta in (0.0, 0.04)]
+
+
+@pytest.mark.parametrize("loss_type, level, beta", CASES)
+def test_parity_with_trl_compute_loss(loss_type, level, beta, model_dir, tokenizer, tmp_path):
+    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+    if beta:
+        extra["use_bias_correction_kl"] = False  # TRL's default multiplies the KL by the ratio
+    args = _args(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, **extra)
+    trl_trainer = _trainer(GRPOTrainer, model_dir, tokenizer, args)
+    fused_trainer = _trainer(FusedGRPOTrainer, model_dir, tokenizer, args)
+    _assert_same(trl_trainer, fused_trainer, _inputs(trl_trainer.model, loss_type, beta))
+
+
+@pytest.mark.parametrize(
+    "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+)
+def test_parity_with_vllm_importance_sampling(mode, model_dir, tokenizer, tmp_path):
+    args = _args(
+        tmp_path,
+        loss_type="dapo",
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_max=1.3,
+    )
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    inputs = _inputs(trainers[0].model, "dapo", 0.0, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    shape = (B, 1) if mode.startswith("sequence") else (B, T)
+    ratio = torch.exp(0.3 * torch.randn(shape, generator=gen))
+    ratio = ratio.clamp(max=1.3) if mode.endswith("truncate") else ratio * (ratio <= 1.3)
+    inputs["importance_sampling_ratio"] = ratio  # as TRL's _generate_and_score_completions makes it
+    for trainer in trainers:
+        trainer.use_vllm = True  # TRL applies the ratio only on its vLLM path
+        trainer.vllm_importance_sampling_correction = True
+    _assert_same(*trainers, inputs)
+
+
+def test_parity_with_delta(model_dir, tokenizer, tmp_path):
+    args = _args(tmp_path, loss_type="dapo", delta=1.5)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    inputs = _inputs(trainers[0].model, "dapo", 0.0, seed=3)
+    inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 0.6  # ratios above delta
+    _assert_same(*trainers, inputs)
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("loss_type", "luspo"),
+        ("top_entropy_quantile", 0.5),
+        ("off_policy_mask_threshold", 0.5),
+        ("entropy_coef", 0.01),
+    ],
+)
+def test_unsupported_options_are_named(option, value, tmp_path):
+    args = _args(tmp_path, **{option: value})
+    with pytest.raises(ValueError, match=option):
+        loss_config_from_trl(args)
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        loss_config_from_trl(_args(tmp_path, beta=0.04, use_bias_correction_kl=True))
+
+
+def test_mapping_values(tmp_path):
+    cfg = loss_config_from_trl(
+        _args(tmp_path, loss_type="dr_grpo", beta=0.04, use_bias_correction_kl=False)
+    )
+    assert (cfg.agg, cfg.norm_constant, cfg.kl, cfg.beta) == (
+        "seq-mean-token-sum-norm",
+        7.0,
+        "k3",
+        0.04,
+    )
+    cfg = loss_config_from_trl(
+        _args(tmp_path, loss_type="grpo", importance_sampling_level="sequence")
+    )
+    assert cfg.ratio_level == "sequence" and cfg.temperature == 0.9
+
+
+@pytest.mark.slow
+def test_short_training_run(model_dir, tokenizer, tmp_path):
+    """Two real optimizer steps: generation, rewards, the fused loss (with a KL to the reference
+    model), backward, AdamW."""
+    args = _args(
+        tmp_path, loss_type="dapo", learning_rate=1e-3, beta=0.04, use_bias_correction_kl=False
+    )
+    trainer = _trainer(FusedGRPOTrainer, model_dir, tokenizer, args)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    changed = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert changed
+    logged = [h for h in trainer.state.log_history if "entropy" in h]
+    assert logged and all("clip_ratio/region_mean" in h and "kl" in h for h in logged)
