@@ -219,3 +219,24 @@ def test_short_training_run(model_dir, tokenizer, tmp_path):
     assert changed
     logged = [h for h in trainer.state.log_history if "entropy" in h]
     assert logged and all("clip_ratio/region_mean" in h and "kl" in h for h in logged)
+
+
+@pytest.mark.slow
+def test_bench_trl_step_smoke(tmp_path):
+    """bench/bench_trl_step.py runs end to end (tiny model, CPU); its numbers are not checked."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_trl_step.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (result,) = tmp_path.glob("trl_step-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [r["trainer"] for r in rows] == ["trl", "fusedrl"]
+    assert all(r["step_ms"] > 0 for r in rows)
