@@ -66,5 +66,7 @@ def test_torch_backend_peak_memory_is_one_gradient_plus_blocks():
     assert extra < LOGITS_BYTES + block_budget, extra  # the bf16 gradient itself + blocks
     extra_inplace = _peak_extra("torch", inplace=True)
     assert extra_inplace < block_budget, extra_inplace  # gradient written into the logits
-    # The measurement can tell: the eager reference holds several fp32 copies of [N, V].
-    assert _peak_extra("reference", inplace=False) > 2 * FP32_COPY_BYTES
+    # The measurement can tell: the eager reference, which holds fp32 copies of [N, V], fails the
+    # bound the torch backend meets (its exact peak varies with allocator reuse: 1.5-3 copies).
+    reference_extra = _peak_extra("reference", inplace=False)
+    assert reference_extra > max(LOGITS_BYTES + block_budget, FP32_COPY_BYTES), reference_extra
