@@ -80,6 +80,24 @@ def _masked_max(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     return torch.where(inp.valid, x.float(), 0.0).max()
 
 
+def add_token_metrics(
+    metrics: dict,
+    old: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    w: torch.Tensor | None,
+    inp: LossInputs,
+) -> None:
+    """The metrics that are plain masked statistics of per-token values (no loss math)."""
+    metrics["ppo_kl"] = masked_mean(old - logp, inp)
+    metrics["logp_mean"] = masked_mean(logp, inp)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy, inp)
+    if w is not None:
+        metrics["is_weight_mean"] = masked_mean(w, inp)
+        metrics["is_weight_max"] = _masked_max(w, inp)
+
+
 def aggregate(per_token: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     """verl's agg_loss; `normalizer` replaces the token count or the sequence count."""
     weighted = torch.where(inp.valid, per_token * inp.mask, 0.0)
@@ -286,13 +304,9 @@ def policy_loss(
         per_token = per_token - cfg.entropy_coef * entropy
     loss = loss + aggregate(per_token, inp, cfg)
 
-    metrics["ppo_kl"] = masked_mean(old - logp.detach(), inp)
-    metrics["logp_mean"] = masked_mean(logp.detach(), inp)
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy.detach(), inp)
-    if w is not None:
-        metrics["is_weight_mean"] = masked_mean(w, inp)
-        metrics["is_weight_max"] = _masked_max(w, inp)
+    add_token_metrics(
+        metrics, old, logp.detach(), None if entropy is None else entropy.detach(), w, inp
+    )
 
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))

@@ -31,6 +31,7 @@ from .reference import (
     KL_VALUE_CLAMP,
     LOG_RATIO_CLAMP,
     SEQ_LOG_RATIO_MAX,
+    add_token_metrics,
     masked_mean,
     ratio_bounds,
     resolve_is_weights,
@@ -215,11 +216,5 @@ def token_terms(
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
-    metrics["ppo_kl"] = masked_mean(old - logp, inp)
-    metrics["logp_mean"] = masked_mean(logp, inp)
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy, inp)
-    if w is not None:
-        metrics["is_weight_mean"] = masked_mean(w, inp)
-        metrics["is_weight_max"] = torch.where(inp.valid, w, 0.0).max() if w.numel() else zero
+    add_token_metrics(metrics, old, logp, entropy, w, inp)
     return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)
