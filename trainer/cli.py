@@ -1,12 +1,23 @@
-"""`fusedrl-train` entry point. The trainer is not in this build yet: it runs the loss demo."""
+"""`fusedrl-train` (also `python -m fusedrl.trainer`): parse the config, run the loop."""
 
 from __future__ import annotations
 
+import sys
+
 
 def main(argv: list[str] | None = None) -> int:
-    from fusedrl.demo import main as demo_main
+    from .config import parse_config
 
-    return demo_main(argv)
+    try:
+        cfg = parse_config(argv)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fusedrl-train: error: {exc}", file=sys.stderr)
+        return 2
+    from .loop import train
+
+    run_dir = train(cfg)
+    print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in {run_dir}/plots.png")
+    return 0
 
 
 if __name__ == "__main__":

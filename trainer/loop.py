@@ -1,0 +1,346 @@
+"""The fusedrl training loop: GRPO-family RL with in-process vLLM rollouts and the fused loss.
+
+What one step does, in order (DESIGN §7):
+
+1. **Sample prompts.** `prompts_per_step` prompts from a seeded epoch stream (data-parallel ranks
+   take disjoint slices). vLLM generates `group_size` completions per prompt with
+   `SamplingParams(n=G, temperature, top_p, no top-k, max_tokens, logprobs=0)` and reports its
+   processed log-probs (after the temperature). Each prompt's samples get their own seed, so a
+   run is reproducible and a resumed run generates what the uninterrupted one would have.
+2. **Rewards.** The weighted sum of the reward functions (`--reward`), plus DAPO's soft overlong
+   punishment when `--overlong-buffer` > 0.
+3. **Filters.** DAPO dynamic sampling drops groups whose rewards are all equal and generates more
+   (up to `max_num_gen_batches` rounds, then trains on what it kept); DUPO instead refills the
+   batch by duplicating kept groups; `--overlong-filter` masks truncated completions.
+4. **Advantages** from `fusedrl.advantages` (one per sequence, broadcast over its tokens).
+5. **Old / reference log-probs** with fusedrl's no-grad kernel: old log-probs only when the batch
+   is reused (`ppo_epochs` > 1 or several minibatches; otherwise the loss uses logp.detach(),
+   which is exact on-policy), reference log-probs only when beta > 0 (a frozen copy of the
+   initial policy).
+6. **Update.** `ppo_epochs` passes over `minibatches` contiguous minibatches (groups stay
+   together); each minibatch accumulates micro-batch gradients of `fusedrl.policy_loss` (the
+   preset's loss, ratio, clipping, KL and the train/inference IS correction from vLLM's
+   log-probs) normalised by the global token or sequence count, clips the gradient norm and
+   takes one AdamW step (linear warmup, then constant LR).
+7. **Sync** the new weights into vLLM in place, reset its prefix cache; log; checkpoint.
+
+Simplifications, on purpose: no value model (the family is critic-free), no reward model (rule
+rewards), minibatches are not shuffled, and batch-level advantage statistics (LitePPO's and
+REINFORCE++'s std) are per rank under data parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import fusedrl.advantages as adv
+from fusedrl import LossConfig
+
+from . import checkpoint
+from .config import TrainConfig
+from .data import PromptSet, build_prompt_set
+from .distributed import DistEnv, max_over_ranks, setup, shard, teardown
+from .logger import MetricsLogger, plot
+from .rewards import parse_rewards, score
+from .rollout import Sample, VLLMEngine, full_state
+from .step import Batch, accumulate_gradients, collate, token_logprobs
+
+TINY_LR = 3e-3
+MODEL_LR = 1e-6
+
+
+def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
+    """The model path: `--model`, or the tiny Qwen2 + char tokenizer built once in the run dir."""
+    if cfg.model is not None:
+        return cfg.model
+    path = run_dir / "base_model"
+    if not (path / "config.json").exists():
+        from fusedrl.tiny import char_tokenizer, tiny_qwen2
+
+        tokenizer = char_tokenizer()
+        model = tiny_qwen2(len(tokenizer), max_position_embeddings=128, seed=cfg.seed)
+        tmp = run_dir / ".base_model.tmp"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(path)
+    return str(path)
+
+
+def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.env: DistEnv = setup()
+        self.run_dir = Path(cfg.out)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        model_path = prepare_model(cfg, self.run_dir) if self.env.is_main else None
+        if self.env.world_size > 1:
+            import torch.distributed as dist
+
+            box = [model_path]
+            dist.broadcast_object_list(box)
+            model_path = box[0]
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else self.tokenizer.eos_token_id)
+        self.prompts: PromptSet = build_prompt_set(cfg, self.tokenizer)
+        self.rewards = parse_rewards(cfg.reward)
+        self.loss_cfg: LossConfig = cfg.loss_config()
+        self.compute_dtype = _dtype(cfg, self.env.device)
+        # Master weights stay fp32; the forward runs under autocast in the compute dtype, so the
+        # logits the fused loss reads are bf16 on a GPU.
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        max_len = max(len(ids) for ids in self.prompts.token_ids) + cfg.max_tokens
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and max_len > limit:
+            raise ValueError(
+                f"--max-tokens {cfg.max_tokens} plus the longest prompt "
+                f"({max_len - cfg.max_tokens} tokens) exceed the model's "
+                f"max_position_embeddings={limit}"
+            )
+        model.config.use_cache = False
+        self.ref_model = None
+        if self.loss_cfg.beta > 0:
+            self.ref_model = shard(copy.deepcopy(model).to(self.env.device).eval(), self.env)
+            self.ref_model.requires_grad_(False)
+        self.model = shard(model.to(self.env.device), self.env)
+        self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
+                                           weight_decay=cfg.weight_decay)
+        self.sas = adv.SmoothAdvantageStandardizer() if cfg.advantage == "dcpo_sas" else None
+        self.start_step, self.cursor = 0, 0
+        resume_step = None
+        if cfg.resume:
+            ckpt = checkpoint.resolve(cfg.resume)
+            state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
+            self.start_step, self.cursor = state["step"], state["cursor"]
+            resume_step = self.start_step
+            if self.sas is not None and extra.get("sas") is not None:
+                self.sas.load_state_dict(extra["sas"])
+        if self.env.is_main:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            print(f"fusedrl-train: {self.run_dir}\n{cfg.to_yaml()}loss: {self.loss_cfg}")
+        self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype, self.env.device,
+                                 distributed=self.env.world_size > 1)
+        if resume_step is not None:
+            self.engine.sync_weights(full_state(self.model))
+        self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)
+                       if self.env.is_main else None)
+
+    # --- 1-3: rollouts, rewards, filters -------------------------------------------------
+    def _prompt_slice(self) -> list[int]:
+        """This rank's stream positions for one generation round."""
+        cfg, env = self.cfg, self.env
+        positions = range(self.cursor, self.cursor + cfg.prompts_per_step)
+        self.cursor += cfg.prompts_per_step
+        return list(positions)[env.rank :: env.world_size]
+
+    def _generate_round(self) -> tuple[list[list[Sample]], torch.Tensor, dict]:
+        cfg = self.cfg
+        positions = self._prompt_slice()
+        indices = [self.prompts.take(pos, 1, cfg.seed)[0] for pos in positions]
+        seeds = [(cfg.seed * 1_000_003 + pos) * cfg.group_size for pos in positions]
+        groups = self.engine.generate(
+            [self.prompts.token_ids[i] for i in indices], indices, seeds, cfg
+        )
+        samples = [s for g in groups for s in g]
+        rows = [self.prompts.rows[s.prompt_index] for s in samples]
+        texts = self.tokenizer.batch_decode([s.completion_ids for s in samples],
+                                            skip_special_tokens=True)
+        columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
+        values, per_fn = score(self.rewards, [row["prompt"] for row in rows], texts, columns)
+        rewards = torch.tensor(values, dtype=torch.float32)
+        if cfg.overlong_buffer > 0:
+            lengths = torch.tensor([len(s.completion_ids) for s in samples])
+            rewards = rewards + cfg.overlong_penalty_factor * adv.soft_overlong_punishment(
+                lengths, cfg.max_tokens, cfg.overlong_buffer
+            )
+        return groups, rewards, per_fn
+
+    def rollout(self) -> tuple[list[Sample], torch.Tensor, dict]:
+        """Samples and rewards of the batch to train on, and the generation metrics."""
+        cfg, G = self.cfg, self.cfg.group_size
+        wanted = len(range(self.env.rank, cfg.prompts_per_step, self.env.world_size))
+        kept_groups: list[list[Sample]] = []
+        kept_rewards: list[torch.Tensor] = []
+        all_rewards, all_samples, per_fn_means = [], [], {}
+        max_rounds = cfg.max_num_gen_batches if cfg.dynamic_sampling else 1
+        rounds = 0
+        while True:
+            groups, rewards, per_fn = self._generate_round()
+            rounds += 1
+            all_rewards.append(rewards)
+            all_samples += [s for g in groups for s in g]
+            for name, value in per_fn.items():
+                per_fn_means.setdefault(name, []).append(value)
+            if cfg.dynamic_sampling:
+                keep = adv.dynamic_sampling_filter(rewards, G).tolist()
+                kept_groups += [g for g, k in zip(groups, keep) if k]
+                kept_rewards += [r for r, k in zip(rewards.view(-1, G), keep) if k]
+            else:
+                kept_groups, kept_rewards = groups, list(rewards.view(-1, G))
+            short = len(kept_groups) < wanted and rounds < max_rounds
+            if max_over_ranks(int(short)) == 0:
+                break
+        if not kept_groups:  # nothing had signal: train on the last round (zero advantages)
+            kept_groups, kept_rewards = groups, list(rewards.view(-1, G))
+        kept_groups, kept_rewards = kept_groups[:wanted], kept_rewards[:wanted]
+        rewards = torch.stack(kept_rewards)
+        if cfg.dupo:
+            keep = adv.dynamic_sampling_filter(rewards.reshape(-1), G)
+            if bool(keep.any()):
+                order = adv.dupo_fill(keep, len(kept_groups)).tolist()
+                kept_groups = [kept_groups[i] for i in order]
+                rewards = rewards[order]
+        everything = torch.cat(all_rewards)
+        lengths = torch.tensor([len(s.completion_ids) for s in all_samples], dtype=torch.float32)
+        stats = {
+            "reward_mean": everything.mean(),
+            "reward_std": everything.std() if everything.numel() > 1 else torch.zeros(()),
+            "frac_zero_std": (~adv.dynamic_sampling_filter(everything, G)).float().mean(),
+            "response_len_mean": lengths.mean(),
+            "truncated_frac": torch.tensor([s.truncated for s in all_samples]).float().mean(),
+            "gen_rounds": torch.tensor(float(rounds)),
+        }
+        for name, values in per_fn_means.items():
+            stats[f"reward/{name}"] = torch.tensor(sum(values) / len(values))
+        return [s for g in kept_groups for s in g], rewards.reshape(-1), stats
+
+    # --- 4: advantages ---------------------------------------------------------------------
+    def advantages(self, samples: list[Sample], rewards: torch.Tensor) -> torch.Tensor:
+        cfg, G = self.cfg, self.cfg.group_size
+        name = cfg.advantage
+        if name == "dcpo_sas":
+            keys = [samples[i].prompt_index for i in range(0, len(samples), G)]
+            return self.sas(rewards, G, keys)
+        if name == "reinforce_pp":  # batch whitening: no groups
+            return adv.reinforce_pp(rewards)
+        return getattr(adv, name)(rewards, G)
+
+    # --- 5-6: old/ref log-probs and the update ---------------------------------------------
+    def _autocast(self) -> torch.dtype | None:
+        return None if self.compute_dtype == torch.float32 else self.compute_dtype
+
+    def update(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+        cfg, lcfg = self.cfg, self.loss_cfg
+        mb = cfg.micro_batch_size
+        reuse = cfg.ppo_epochs > 1 or cfg.minibatches > 1
+        self.model.eval()  # no dropout: the ratio is exactly 1 on-policy
+        metrics: dict[str, torch.Tensor] = {}
+        if reuse:
+            batch.old_logp = token_logprobs(self.model, batch, lcfg, mb, self._autocast(),
+                                            cfg.backend)
+            if batch.rollout_logp is not None:
+                diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
+                metrics["logp_diff_vllm"] = diff.sum() / batch.mask.sum().clamp_min(1)
+        if self.ref_model is not None:
+            batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, mb, self._autocast(),
+                                            cfg.backend)
+        warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * warmup
+        n = len(batch)
+        bounds = [round(i * n / cfg.minibatches) for i in range(cfg.minibatches + 1)]
+        sums: dict[str, torch.Tensor] = {}
+        updates = 0
+        for _ in range(cfg.ppo_epochs):
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                self.optimizer.zero_grad(set_to_none=True)
+                mini = batch.rows(slice(lo, hi))
+                step_metrics = accumulate_gradients(self.model, mini, lcfg, mb, self._autocast(),
+                                                    cfg.backend)
+                clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+                step_metrics["grad_norm"] = grad_norm
+                self.optimizer.step()
+                for key, value in step_metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value.detach().float().cpu()
+                updates += 1
+        for key, value in sums.items():
+            if key == "logp_diff_vllm" and "logp_diff_vllm" in metrics:
+                continue  # measured before any update, from the old log-probs
+            metrics[key] = value / updates
+        metrics["lr"] = torch.tensor(self.lr * warmup)
+        return metrics
+
+    # --- the loop ------------------------------------------------------------------------
+    def train(self) -> Path:
+        cfg = self.cfg
+        bar = None
+        if cfg.progress and self.env.is_main:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="fusedrl-train",
+                       unit="step", dynamic_ncols=True)
+        for step in range(self.start_step, cfg.max_steps):
+            t0 = time.perf_counter()
+            self.engine.wake_up()
+            samples, rewards, gen_stats = self.rollout()
+            self.engine.sleep()
+            t1 = time.perf_counter()
+            advantages = self.advantages(samples, rewards)
+            truncated = torch.tensor([s.truncated for s in samples])
+            loss_rows = ~truncated if cfg.overlong_filter else torch.ones_like(truncated)
+            batch = collate(
+                [s.prompt_ids for s in samples], [s.completion_ids for s in samples], advantages,
+                loss_rows, [s.logprobs for s in samples], self.pad_id,
+            )
+            batch = batch.to(self.env.device)
+            self.model.train()
+            train_metrics = self.update(batch, step)
+            self.engine.wake_up()
+            self.engine.sync_weights(full_state(self.model))
+            t2 = time.perf_counter()
+            record = self._record(step, gen_stats, train_metrics, advantages, t0, t1, t2)
+            if self.logger is not None:
+                self.logger.log(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                                len=f"{record['response_len_mean']:.1f}",
+                                t=f"{record['step_time']:.1f}s")
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps:
+                extra = {"sas": self.sas.state_dict() if self.sas is not None else None}
+                checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer,
+                                {"cursor": self.cursor}, extra, cfg.keep_last)
+        if bar is not None:
+            bar.close()
+        if self.logger is not None:
+            self.logger.close()
+            plot(self.run_dir)
+        return self.run_dir
+
+    def _record(self, step, gen_stats, train_metrics, advantages, t0, t1, t2) -> dict:
+        values = {**gen_stats, **train_metrics, "advantage_abs_mean": advantages.abs().mean()}
+        names = list(values)
+        # One host transfer for every metric of the step.
+        flat = torch.stack([torch.as_tensor(values[n]).float().cpu().reshape(()) for n in names])
+        record = {"step": step, **dict(zip(names, flat.tolist()))}
+        for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
+                    "logp_diff_vllm"):
+            record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
+        record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
+        return record
+
+
+def train(cfg: TrainConfig) -> Path:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        teardown(trainer.env)
