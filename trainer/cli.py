@@ -13,9 +13,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
-    from .loop import train
+    from .loop import Trainer, teardown
 
-    run_dir = train(cfg)
+    try:
+        trainer = Trainer(cfg)  # checks the model, data and rewards against the config
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fusedrl-train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_dir = trainer.train()
+    finally:
+        teardown(trainer.env)
     print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in {run_dir}/plots.png")
     return 0
 

