@@ -8,6 +8,7 @@ included, then both halves together from the logits."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -233,6 +234,26 @@ def test_loss_config_from_verl_mapping():
 def test_import_fusedrl_does_not_import_verl():
     code = "import sys, fusedrl; assert 'verl' not in sys.modules, 'verl imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_switch_on_through_verl_environment(tmp_path):
+    """The documented route: verl imports the module itself (VERL_USE_EXTERNAL_MODULES, as
+    `external_lib` does in each worker), which registers the losses and, with
+    FUSEDRL_VERL_PATCH_ACTOR=1, patches the log-prob / entropy path."""
+    code = (
+        "import verl, fusedrl.integrations.verl as fv\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "from verl.utils import torch_functional as F\n"
+        "assert get_policy_loss_fn('fusedrl_gspo') is fv.POLICY_LOSSES['fusedrl_gspo']\n"
+        "assert F.logprobs_from_logits is fv.logprobs_from_logits\n"
+        "assert F.entropy_from_logits is fv.entropy_from_logits\n"
+    )
+    env = {
+        **os.environ,
+        "VERL_USE_EXTERNAL_MODULES": "fusedrl.integrations.verl",
+        "FUSEDRL_VERL_PATCH_ACTOR": "1",
+    }
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
 
 
 # ------------------------------------------------------------------ log-prob / entropy drop-ins

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import verl
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
@@ -41,6 +43,17 @@ import fusedrl
 from fusedrl import LossConfig
 from fusedrl._inputs import LossInputs, check_normalizer
 from fusedrl.token_terms import token_terms
+
+# The fused modes follow this version's core_algos (earlier verl forced seq-mean-token-mean in gspo
+# and divided seq-mean-token-sum-norm by loss_scale_factor only).
+TESTED_VERL_VERSION = "0.9.1"
+if getattr(verl, "__version__", None) != TESTED_VERL_VERSION:
+    warnings.warn(
+        f"fusedrl.integrations.verl is tested with verl {TESTED_VERL_VERSION}, found "
+        f"{getattr(verl, '__version__', 'unknown')}: check the loss modes you use against "
+        "tests/test_verl_integration.py",
+        stacklevel=2,
+    )
 
 # verl modes reproduced exactly (verl name -> fusedrl registry name).
 LOSS_MODES = {
