@@ -6,7 +6,7 @@
 # 2. the GPU test suite (real vocab sizes, 131k rows, inplace memory, no host sync,
 #    torch.compile with inductor) and the backend suite on CUDA tensors;
 # 3. bench/bench_loss.py on the full matrix, bench/bench_trl_step.py (needs trl + datasets:
-#    carry their wheels in .whl/ too), then the plot.
+#    carry their wheels in .whl/ too), bench/bench_train_step.py, then the plot.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -21,5 +21,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest tests/test_gpu.py -q -x 2>&1 | tee "$OUT/gpu-tests.txt" | tail -5
 python3 bench/bench_loss.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-loss.txt"
 python3 bench/bench_trl_step.py --out "$OUT" 2>&1 | tee "$OUT/bench-trl-step.txt" | tail -3
+python3 bench/bench_train_step.py --out "$OUT" 2>&1 | tee "$OUT/bench-train-step.txt" | tail -4
 python3 bench/plot_loss.py "$OUT"/policy_loss_fwd_bwd-*.json --out "$OUT/policy_loss_fwd_bwd.png" \
   2>&1 | tail -1

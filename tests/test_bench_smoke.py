@@ -64,3 +64,17 @@ def test_bench_loss_smoke_and_plot(tmp_path):
         timeout=300,
     )
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_bench_train_step_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    subprocess.run(
+        [sys.executable, str(BENCH / "bench_train_step.py"), "--smoke", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = json.loads(next(tmp_path.glob("train_step-*.json")).read_text())
+    assert [r["impl"] for r in result["rows"]] == ["eager", "fusedrl"]
+    assert all(r["step_ms"] > 0 and r["tokens"] > 0 for r in result["rows"])
