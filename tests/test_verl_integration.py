@@ -158,6 +158,19 @@ def test_policy_loss_parity_options(mode, overrides):
     _assert_same(ours, theirs)
 
 
+@pytest.mark.parametrize("mode", list(fverl.LOSS_MODES))
+def test_policy_loss_parity_left_padding(mode):
+    """Responses that start with padding (per-sequence weights must not be read from it)."""
+    batch = _batch(seed=9, beyond_clamp=mode != "gspo")
+    batch["mask"] = batch["mask"].flip(-1)
+    batch["log_prob"] = batch["log_prob"].flip(-1)
+    weights = _is_weights(batch, "token")
+    config = _actor(mode)
+    fns = core_algos.get_policy_loss_fn(mode), core_algos.get_policy_loss_fn(f"fusedrl_{mode}")
+    theirs, ours = (_run(fn, batch, "seq-mean-token-mean", config, weights) for fn in fns)
+    _assert_same(ours, theirs)
+
+
 def test_gspo_log_ratio_clamp():
     """A token with |log_prob - old| > 20 moves verl's gspo sequence ratio further than fusedrl's
     (which clamps each token at +-20 as verl's other modes do); the gradient direction is the same

@@ -281,14 +281,19 @@ def fused_policy_loss(
     else:
         agg_mode = "seq-mean-token-mean" if mode == "sapo" else loss_agg_mode
         normalizer = verl_normalizer(response_mask, agg_mode, batch_info)
-    is_weights = None
-    if rollout_is_weights is not None:
-        is_weights = rollout_is_weights.detach().float()
-        if mode == "geo_mean":
-            is_weights = _geo_mean_is_weights(is_weights, mask)[:, None].expand(mask.shape)
 
     def where_valid(t: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, t.detach().float(), 0.0)
+
+    is_weights = None
+    if rollout_is_weights is not None:
+        if mode == "geo_mean":
+            # One weight per sequence, read from the first column: not masked, so that a row
+            # whose first token is padding keeps its weight.
+            seq_w = _geo_mean_is_weights(rollout_is_weights, mask)
+            is_weights = seq_w[:, None].expand(mask.shape)
+        else:
+            is_weights = where_valid(rollout_is_weights)
 
     logp = where_valid(log_prob)
     old = where_valid(old_log_prob)
@@ -301,7 +306,7 @@ def fused_policy_loss(
         old_logp=old,
         ref_logp=None,
         rollout_logp=None,
-        is_weights=None if is_weights is None else where_valid(is_weights),
+        is_weights=is_weights,
         normalizer=check_normalizer(normalizer, log_prob.device),
         flat_input=False,
     )
