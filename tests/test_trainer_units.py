@@ -277,3 +277,11 @@ def test_a_crash_mid_write_never_corrupts_latest(tmp_path, monkeypatch):
     assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned up
     with pytest.raises(FileNotFoundError, match="--resume"):
         checkpoint.resolve(Path(tmp_path) / "nothing")
+
+
+def test_the_documented_yaml_config_is_valid(tmp_path):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "run.yaml").write_text(block)
+    cfg = parse_config(["--config", str(tmp_path / "run.yaml")])
+    assert cfg.preset == "dapo" and cfg.dynamic_sampling and cfg.overlong_buffer == 256

@@ -8,6 +8,7 @@ numerics (the run logs the gap as `logp_diff_vllm`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,7 +38,15 @@ class VLLMEngine:
                  device: torch.device, distributed: bool) -> None:
         # In-process engine core: the trainer and vLLM share one process and its weights.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM logs every weight reload and cache reset at INFO: once per step, over the bar.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+
+        # An in-place reload keeps the rotary cos/sin cache (a buffer, not in the state dict)
+        # and warns that it "failed to load" it, every step.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
 
         threads = torch.get_num_threads()
         kwargs = dict(
@@ -63,6 +72,7 @@ class VLLMEngine:
         # vLLM's CPU worker lowers torch's thread count for serving; training wants them back.
         torch.set_num_threads(threads)
         self.sleep_enabled = device.type == "cuda" and cfg.vllm_sleep
+        self.asleep = False
         self._sync_path: str | None = None
 
     def generate(self, prompts: list[list[int]], indices: list[int], seeds: list[int],
@@ -108,9 +118,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        if self.sleep_enabled:
+        """Release vLLM's GPU memory (weights offloaded, KV cache dropped) for the update."""
+        if self.sleep_enabled and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.sleep_enabled:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
