@@ -83,6 +83,11 @@ class Trainer:
 
         self.cfg = cfg
         self.env: DistEnv = setup()
+        if cfg.prompts_per_step < self.env.world_size:
+            raise ValueError(
+                f"--prompts-per-step {cfg.prompts_per_step} is below the number of data-parallel "
+                f"ranks ({self.env.world_size}): every rank needs at least one prompt"
+            )
         self.run_dir = Path(cfg.out)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
