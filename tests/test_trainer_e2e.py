@@ -60,6 +60,19 @@ def test_default_job_raises_the_reward(default_run):
     assert ckpts == ["latest", "step_000010", "step_000020", "step_000025"]
 
 
+def test_the_trained_model_is_exported(default_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(default_run / "final_model")
+    assert AutoTokenizer.from_pretrained(default_run / "final_model").encode("3+4=")
+    trained = torch.load(default_run / "checkpoints" / "step_000025" / "model.pt")
+    initial = AutoModelForCausalLM.from_pretrained(default_run / "base_model").state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
+    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+
+
 def test_resume_continues_exactly(default_run, tmp_path):
     out = tmp_path / "resumed"
     check(fusedrl_train("--out", str(out), "--max-steps", "13", "--save-every", "10",

@@ -80,6 +80,24 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> Path | None:
+    """The trained policy as a Hugging Face directory (`from_pretrained`-ready), atomically."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    if not _is_main():
+        return None
+    final = Path(run_dir) / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=run_dir))
+    model.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory from a run directory (its latest) or a checkpoint directory."""
     path = Path(path)

@@ -325,6 +325,7 @@ class Trainer:
                                 {"cursor": self.cursor}, extra, cfg.keep_last)
         if bar is not None:
             bar.close()
+        checkpoint.export_model(self.run_dir, self.model, self.tokenizer)
         if self.logger is not None:
             self.logger.close()
             plot(self.run_dir)
