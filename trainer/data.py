@@ -7,6 +7,7 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -34,15 +35,10 @@ class PromptSet:
         return out
 
 
-_PERMS: dict[tuple[int, int, int], list[int]] = {}
-
-
+@functools.lru_cache(maxsize=2)  # a step spans at most two epochs
 def _epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    key = (n, seed, epoch)
-    if key not in _PERMS:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        _PERMS[key] = torch.randperm(n, generator=gen).tolist()
-    return _PERMS[key]
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
 
 
 def sum_task(num_rows: int = 200, seed: int = 1234) -> list[dict]:

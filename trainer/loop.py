@@ -274,7 +274,7 @@ class Trainer:
                 step_metrics["grad_norm"] = grad_norm
                 self.optimizer.step()
                 for key, value in step_metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value.detach().float().cpu()
+                    sums[key] = sums.get(key, 0.0) + value.detach().float()
                 updates += 1
         for key, value in sums.items():
             if key == "logp_diff_vllm" and "logp_diff_vllm" in metrics:
@@ -333,10 +333,14 @@ class Trainer:
 
     def _record(self, step, gen_stats, train_metrics, advantages, t0, t1, t2) -> dict:
         values = {**gen_stats, **train_metrics, "advantage_abs_mean": advantages.abs().mean()}
-        names = list(values)
-        # One host transfer for every metric of the step.
-        flat = torch.stack([torch.as_tensor(values[n]).float().cpu().reshape(()) for n in names])
-        record = {"step": step, **dict(zip(names, flat.tolist()))}
+        # One host transfer per device for every metric of the step (the only sync of the update).
+        by_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        for name, value in values.items():
+            value = torch.as_tensor(value).float().reshape(())
+            by_device.setdefault(value.device, {})[name] = value
+        record = {"step": step}
+        for group in by_device.values():
+            record.update(zip(group, torch.stack(list(group.values())).tolist()))
         for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
                     "logp_diff_vllm"):
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
