@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 from pathlib import Path
 
 import torch
-from bench_trl_step import QWEN25_15B  # the model shape both step benchmarks use
+from bench_trl_step import QWEN25_15B, time_steps  # shared by both step benchmarks
 
 from fusedrl import LossConfig
 from fusedrl.trainer.step import Batch, accumulate_gradients, collate, completion_logits
@@ -60,13 +59,8 @@ def run(impl: str, model, batch: Batch, cfg: LossConfig, steps: int, autocast) -
     cuda = batch.input_ids.is_cuda
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     batch.old_logp = batch.rollout_logp  # an off-policy minibatch: the ratio is not 1
-    times = []
-    for step in range(steps + 1):
-        if cuda:
-            torch.cuda.synchronize()
-            if step == 1:
-                torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+
+    def train_step():
         if impl == "fusedrl":
             accumulate_gradients(model, batch, cfg, 0, autocast, "auto")
         else:
@@ -74,13 +68,9 @@ def run(impl: str, model, batch: Batch, cfg: LossConfig, steps: int, autocast) -
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        if step > 0:  # the first step warms up (allocations, Triton compilation)
-            times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return dict(impl=impl, step_ms=times[len(times) // 2], step_ms_min=times[0],
-                peak_mem_bytes=torch.cuda.max_memory_allocated() if cuda else None)
+
+    step_ms, step_ms_min, peak = time_steps(train_step, steps, cuda)
+    return dict(impl=impl, step_ms=step_ms, step_ms_min=step_ms_min, peak_mem_bytes=peak)
 
 
 def main(argv: list[str] | None = None) -> int:

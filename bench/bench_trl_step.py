@@ -36,6 +36,29 @@ QWEN25_15B = dict(
 )
 
 
+def time_steps(step, steps: int, cuda: bool) -> tuple[float, float, int | None]:
+    """Median and min ms of `steps` calls after one warm-up call, and the peak memory after it.
+
+    The warm-up call pays for allocations and kernel compilation; the peak is reset after it, so
+    it counts what a steady step holds (the weights and optimizer state included).
+    """
+    times = []
+    for i in range(steps + 1):
+        if cuda:
+            torch.cuda.synchronize()
+            if i == 1:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i > 0:
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return times[len(times) // 2], times[0], peak
+
+
 def _model_dir(smoke: bool, dtype: torch.dtype, root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -132,22 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             inputs = _inputs(
                 model.config.vocab_size, args.batch, args.prompt_len, args.completion_len, device
             )
-            times = []
-            for step in range(args.steps + 1):
-                if cuda:
-                    torch.cuda.synchronize()
-                    if step == 1:
-                        torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-                loss = trainer._compute_loss(model, inputs)
-                loss.backward()
+
+            def train_step(trainer=trainer, model=model, optimizer=optimizer, inputs=inputs):
+                trainer._compute_loss(model, inputs).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize()
-                if step > 0:  # the first step warms up (allocations, kernel compilation)
-                    times.append((time.perf_counter() - start) * 1e3)
-            times.sort()
+
+            step_ms, _, peak = time_steps(train_step, args.steps, cuda)
             row = dict(
                 trainer=name,
                 loss_type=args.loss_type,
@@ -155,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_len=args.prompt_len,
                 completion_len=args.completion_len,
                 vocab=model.config.vocab_size,
-                step_ms=times[len(times) // 2],
-                peak_mem_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                step_ms=step_ms,
+                peak_mem_bytes=peak,
             )
             rows.append(row)
             peak = f"{row['peak_mem_bytes'] / 2**30:.2f} GiB" if cuda else "-"
