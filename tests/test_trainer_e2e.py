@@ -85,6 +85,26 @@ def test_resume_continues_exactly(default_run, tmp_path):
             k: v for k, v in want.items() if k not in TIMES}
 
 
+def test_torchrun_data_parallel_matches_one_process(default_run, tmp_path):
+    """2 ranks (gloo, FSDP2), each with its own vLLM engine and half the prompts, reproduce the
+    single-process run: the same samples, the same global loss and gradient norm."""
+    out = tmp_path / "dp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    check(subprocess.run(
+        [*torchrun, "-m", "fusedrl.trainer", "--progress", "false", "--out", str(out),
+         "--model", str(default_run / "base_model"), "--lr", "3e-3", "--max-steps", "2"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    ))
+    dp, single = read_metrics(out), read_metrics(default_run)[:2]
+    assert dp[0]["reward_mean"] == pytest.approx(single[0]["reward_mean"], rel=1e-6)
+    assert dp[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-4, abs=1e-7)
+    assert dp[0]["grad_norm"] == pytest.approx(single[0]["grad_norm"], rel=1e-4)
+    # After one update from (float-reduction-order) equal gradients, nearly the same samples.
+    assert dp[1]["reward_mean"] == pytest.approx(single[1]["reward_mean"], abs=0.02)
+    assert (out / "final_model" / "config.json").exists()
+
+
 def test_dataset_rewards_and_every_update_option(default_run, tmp_path):
     data = tmp_path / "train.jsonl"
     rows = [{"question": f"{a}+{b}=", "solution": str(a + b), "source": "t"}

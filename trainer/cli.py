@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
-    from .loop import Trainer, teardown
+    from .loop import Trainer
 
     try:
         trainer = Trainer(cfg)  # checks the model, data and rewards against the config
@@ -23,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dir = trainer.train()
     finally:
-        teardown(trainer.env)
-    print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in {run_dir}/plots.png")
+        trainer.close()
+    if trainer.env.is_main:
+        print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in "
+              f"{run_dir}/plots.png, model in {run_dir}/final_model")
     return 0
 
 

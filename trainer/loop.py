@@ -44,7 +44,7 @@ from fusedrl import LossConfig
 from . import checkpoint
 from .config import TrainConfig
 from .data import PromptSet, build_prompt_set
-from .distributed import DistEnv, max_over_ranks, setup, shard, teardown
+from .distributed import DistEnv, max_over_ranks, setup, shard, sum_over_ranks, teardown
 from .logger import MetricsLogger, plot
 from .rewards import parse_rewards, score
 from .rollout import Sample, VLLMEngine, full_state
@@ -283,6 +283,11 @@ class Trainer:
         metrics["lr"] = torch.tensor(self.lr * warmup)
         return metrics
 
+    def close(self) -> None:
+        """vLLM first (it tears down the process groups it uses), then our own group."""
+        self.engine.close()
+        teardown(self.env)
+
     # --- the loop ------------------------------------------------------------------------
     def train(self) -> Path:
         cfg = self.cfg
@@ -340,7 +345,12 @@ class Trainer:
             by_device.setdefault(value.device, {})[name] = value
         record = {"step": step}
         for group in by_device.values():
-            record.update(zip(group, torch.stack(list(group.values())).tolist()))
+            stacked = torch.stack(list(group.values()))
+            # Under data parallelism every rank logs the mean over ranks (equal shares of prompts).
+            stacked = sum_over_ranks(stacked) / self.env.world_size
+            record.update(zip(group, stacked.tolist()))
+        if "loss" in record:  # each rank's loss is its share of the global loss: a sum
+            record["loss"] *= self.env.world_size
         for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
                     "logp_diff_vllm"):
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
@@ -353,4 +363,4 @@ def train(cfg: TrainConfig) -> Path:
     try:
         return trainer.train()
     finally:
-        teardown(trainer.env)
+        trainer.close()

@@ -42,11 +42,6 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        # An in-place reload keeps the rotary cos/sin cache (a buffer, not in the state dict)
-        # and warns that it "failed to load" it, every step.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR
-        )
 
         threads = torch.get_num_threads()
         kwargs = dict(
@@ -69,6 +64,12 @@ class VLLMEngine:
             # One engine per rank inside torchrun's process group (TRL's colocate mode).
             kwargs.update(distributed_executor_backend="external_launcher")
         self.llm = LLM(**kwargs)
+        # An in-place reload keeps the rotary cos/sin cache (a buffer, not in the state dict)
+        # and warns that it "failed to load" it, every step. Set after the engine starts: vLLM
+        # re-applies its logging config then, which resets child loggers' levels.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
         # vLLM's CPU worker lowers torch's thread count for serving; training wants them back.
         torch.set_num_threads(threads)
         self.sleep_enabled = device.type == "cuda" and cfg.vllm_sleep
@@ -116,6 +117,16 @@ class VLLMEngine:
             executor = self.llm.llm_engine.model_executor
             executor.driver_worker.worker.model_runner.model.load_weights(weights)
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down now, while the process group it joined still exists.
+
+        vLLM's own exit hook would otherwise run after the trainer destroyed the group and fail
+        on the stale subgroups. The shutdown is idempotent (vLLM detaches its finalizer).
+        """
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if client is not None and hasattr(client, "shutdown"):
+            client.shutdown()
 
     def sleep(self) -> None:
         """Release vLLM's GPU memory (weights offloaded, KV cache dropped) for the update."""
