@@ -70,8 +70,10 @@ class VLLMEngine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
             logging.ERROR
         )
-        # vLLM's CPU worker lowers torch's thread count for serving; training wants them back.
-        torch.set_num_threads(threads)
+        # vLLM may lower torch's thread count for serving; training wants them back. (Its CPU
+        # worker replaces torch.set_num_threads by a warning once it has bound its threads.)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self.sleep_enabled = device.type == "cuda" and cfg.vllm_sleep
         self.asleep = False
         self._sync_path: str | None = None
