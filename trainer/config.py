@@ -75,7 +75,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_steps: int = 60
     seed: int = 0
-    dtype: str = "auto"  # trainer weights; auto = bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"  # forward (autocast) and vLLM dtype; auto = bf16 on GPU, fp32 on CPU
     backend: str = "auto"  # fusedrl backend
     # --- output ---------------------------------------------------------------------------
     out: str = "runs/fusedrl"
