@@ -277,8 +277,6 @@ class Trainer:
                     sums[key] = sums.get(key, 0.0) + value.detach().float()
                 updates += 1
         for key, value in sums.items():
-            if key == "logp_diff_vllm" and "logp_diff_vllm" in metrics:
-                continue  # measured before any update, from the old log-probs
             metrics[key] = value / updates
         metrics["lr"] = torch.tensor(self.lr * warmup)
         return metrics
