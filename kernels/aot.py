@@ -1,0 +1,338 @@
+"""Ahead-of-time compile of every Triton launch variant for a GPU target, with no GPU.
+
+The Triton interpreter (how the tests run the kernels on CPU) accepts code that the compiler
+rejects, so a kernel can pass every CPU test and fail on its first call on a GPU. This module
+compiles each variant the launchers can produce down to a cubin for sm_80 / sm_90, with the
+ptxas Triton ships, and reads its registers, local memory (spills) and SASS with the cuobjdump
+Triton ships. `tests/test_kernels_compile.py` asserts on the result; kernel engineers read the
+table:
+
+    python -m fusedrl.kernels.aot [--arch 80 90] [--json out.json]
+
+Variants come from the launchers themselves, never from a copied list:
+- each launcher (`EXAMPLE_LAUNCHES`) is called once on small CPU tensors with its kernel swapped
+  for a recorder, which yields the exact argument list, types and launch options it passes;
+- every constexpr of the kernel is then varied: a `<NAME>_CODES` table in the kernel's module
+  gives the values of a code (LOSS, KL); BLOCK_V takes what `block_size()` picks on a CUDA device
+  for each vocab in `VOCABS` (launch options follow through `launch_options()`); any other is a
+  switch, compiled on and off around the base configuration. Code pairs (LOSS x KL) are crossed.
+- the logits/gradient dtype is crossed with the base configuration.
+
+Must run without TRITON_INTERPRET (under the interpreter `@triton.jit` builds no JITFunction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+# Vocab sizes of the models people train (Llama-2/Mistral, Llama-3, Qwen2.5, Gemma-3): the GPU
+# tile sizes are those block_size() picks for them. 32003 is odd: no divisibility specialisation.
+VOCABS = (32000, 128256, 151936, 262144, 32003)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ARCHS = (80, 90)
+KERNEL_MODULES = ("fusedrl.kernels.logprobs", "fusedrl.kernels.token_loss")
+# The shape the example launches use: strides and vocab are then those of a real model's logits.
+EXAMPLE_VOCAB = 151936
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded launch: the kernel object, its bound arguments and launch options."""
+
+    kernel: object
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records instead of running."""
+
+    def __init__(self, kernel, sink: list[Launch]):
+        self.kernel, self.sink = kernel, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append(Launch(self.kernel, args, kwargs))
+
+
+def launch_kernels() -> dict[str, object]:
+    """Every launch kernel (a JITFunction named `_*_kernel`) of fusedrl.kernels, by name."""
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and obj.__module__ == module_name:
+                if not isinstance(obj, JITFunction):
+                    raise RuntimeError(
+                        f"{module_name}.{name} is {type(obj).__name__}, not a JITFunction: "
+                        "unset TRITON_INTERPRET to compile ahead of time"
+                    )
+                found[name] = obj
+    return found
+
+
+def _example_launches() -> Iterator[Callable[[], None]]:
+    """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
+    runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
+    from fusedrl.kernels import logprobs, token_loss
+
+    batch, time, vocab = 2, 3, EXAMPLE_VOCAB
+    logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
+    labels = torch.zeros(batch, time, dtype=torch.long)
+    valid = torch.ones(batch, time, dtype=torch.bool)
+    rows = torch.zeros(batch, time)
+    yield lambda: logprobs.logprobs_forward(logits, labels, valid, 1.0)
+    yield lambda: logprobs.logits_backward(
+        logits, labels, rows, rows, rows, rows, 1.0, torch.empty_like(logits)
+    )
+    yield lambda: token_loss.fused_token_loss(
+        logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
+        rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
+    )  # fmt: skip
+
+
+def record_launches() -> list[Launch]:
+    """The launches of every example call, each with its kernel object restored."""
+    kernels = launch_kernels()
+    modules = {name: sys.modules[k.__module__] for name, k in kernels.items()}
+    sink: list[Launch] = []
+    for name, kernel in kernels.items():
+        setattr(modules[name], name, _Recorder(kernel, sink))
+    try:
+        for call in _example_launches():
+            call()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(modules[name], name, kernel)
+    missing = set(kernels) - {launch.kernel.__name__ for launch in sink}
+    if missing:
+        raise RuntimeError(
+            f"kernels {sorted(missing)} are never launched by aot._example_launches(): add a "
+            "call of their launcher there so that their variants are compiled"
+        )
+    return sink
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kernel: str
+    dtype: str
+    constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, int], ...]  # launch options: num_warps, maxnreg
+    vocab: int
+
+    @property
+    def num_warps(self) -> int:
+        return dict(self.options)["num_warps"]
+
+    def describe(self) -> str:
+        switches = ",".join(
+            f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.constexprs
+        )
+        options = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.kernel}[{self.dtype} V={self.vocab} {switches} {options}]"
+
+
+def constexpr_values(kernel, name: str) -> list[object]:
+    """The values the launchers can give constexpr `name` (BLOCK_V follows the vocab)."""
+    codes = getattr(sys.modules[kernel.__module__], f"{name}_CODES", None)
+    if codes is not None:
+        return sorted(set(codes.values()))
+    return [False, True]
+
+
+def variants(launch: Launch) -> list[Variant]:
+    """The base configuration at every vocab (bf16) and every dtype (the example vocab); at the
+    example vocab in bf16, every constexpr on its own and every pair of codes crossed."""
+    kernel = launch.kernel
+    module = sys.modules[kernel.__module__]
+    names = [p.name for p in kernel.params if p.is_constexpr and p.name != "BLOCK_V"]
+    base = {n: launch.kwargs[n] for n in names}
+    choices = {n: constexpr_values(kernel, n) for n in names}
+    configs = [(base, vocab, "bf16") for vocab in VOCABS]
+    configs += [(base, EXAMPLE_VOCAB, dtype) for dtype in DTYPES]
+    for name, values in choices.items():
+        configs += [({**base, name: v}, EXAMPLE_VOCAB, "bf16") for v in values]
+    codes = [n for n in names if getattr(module, f"{n}_CODES", None) is not None]
+    for a, b in itertools.combinations(codes, 2):
+        configs += [
+            ({**base, a: va, b: vb}, EXAMPLE_VOCAB, "bf16")
+            for va in choices[a]
+            for vb in choices[b]
+        ]
+    out = []
+    for config, vocab, dtype in configs:
+        block = module.block_size(vocab, torch.device("cuda"))
+        constexprs = tuple(config.items()) + (("BLOCK_V", block),)
+        options = tuple(module.launch_options(block).items())
+        out.append(Variant(kernel.__name__, dtype, constexprs, options, vocab))
+    return list(dict.fromkeys(out))
+
+
+def _bound(launch: Launch, variant: Variant) -> tuple[tuple, dict]:
+    """The launch's arguments with the variant's dtype, vocab and constexprs substituted."""
+    dtype = DTYPES[variant.dtype]
+
+    def resize(arg):
+        if isinstance(arg, torch.Tensor) and arg.dtype == torch.bfloat16:
+            return torch.zeros(*arg.shape[:-1], variant.vocab, dtype=dtype)
+        return arg
+
+    args = tuple(resize(a) for a in launch.args)
+    # Integers equal to the example's vocab or row strides follow the new vocab.
+    args = tuple(
+        a // EXAMPLE_VOCAB * variant.vocab
+        if isinstance(a, int) and not isinstance(a, bool) and a and a % EXAMPLE_VOCAB == 0
+        else a
+        for a in args
+    )
+    kwargs = {**launch.kwargs, **dict(variant.constexprs), **dict(variant.options)}
+    return args, kwargs
+
+
+def compile_variant(launch: Launch, variant: Variant, arch: int):
+    """triton.compile of one variant for sm_<arch>, through the kernel's own argument binder (the
+    signature, divisibility attributes and constexprs a real launch would produce)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    args, kwargs = _bound(launch, variant)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound_args, specialization, options
+    )
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else "cuobjdump"
+
+
+def cubin_report(cubin: bytes) -> dict:
+    """Registers, local memory (spills) and the SASS instruction mix of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        sass = subprocess.run(
+            [_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+
+    def count(prefix: str) -> dict[str, int]:
+        return dict(Counter(op for op in opcodes if op.startswith(prefix)))
+
+    return {
+        "registers": int(fields.get("REG", -1)),
+        "local_bytes": int(fields.get("LOCAL", 0)),
+        "stack_bytes": int(fields.get("STACK", 0)),
+        "sass_instructions": len(opcodes),
+        "global_loads": count("LDG"),
+        "global_stores": count("STG"),
+        "sass": sass,
+    }
+
+
+def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda v, a: False):
+    """Compile every variant of every launch kernel; yields one result dict per (variant, arch).
+    A variant that fails to compile yields its error instead of raising."""
+    import triton
+
+    for launch in record_launches():
+        for variant in variants(launch):
+            for arch in archs:
+                result = {
+                    "kernel": variant.kernel,
+                    "variant": variant.describe(),
+                    "dtype": variant.dtype,
+                    "vocab": variant.vocab,
+                    "constexprs": {k: v for k, v in variant.constexprs},
+                    **dict(variant.options),
+                    "arch": f"sm_{arch}",
+                    "triton": triton.__version__,
+                }
+                try:
+                    compiled = compile_variant(launch, variant, arch)
+                except Exception as exc:  # noqa: BLE001 - reported per variant, asserted by tests
+                    text = f"{type(exc).__name__}: {exc}".strip()
+                    # A CompilationError is "at L:C:" and the source; its cause says what failed.
+                    root = exc
+                    while root.__cause__ is not None:  # nested jit calls nest the errors
+                        root = root.__cause__
+                    # ... and the innermost one's last line is what the compiler objected to.
+                    cause = str(root).strip().splitlines()[-1] if root is not exc else ""
+                    result["error"] = f"{text.splitlines()[0]} {cause}"[:600]
+                    result["error_full"] = text[-8000:]
+                    yield result
+                    continue
+                report = cubin_report(compiled.asm["cubin"])
+                if not keep_sass(variant, arch):
+                    report.pop("sass")
+                result.update(report)
+                result["shared_bytes"] = int(getattr(compiled.metadata, "shared", 0))
+                yield result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    parser.add_argument("--json", type=Path, help="write every result here")
+    parser.add_argument(
+        "--sass-vocab", type=int, default=EXAMPLE_VOCAB,
+        help="keep the SASS of the base bf16 variants at this vocab (in the JSON)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+
+    def keep(variant: Variant, arch: int) -> bool:
+        return variant.dtype == "bf16" and variant.vocab == args.sass_vocab
+
+    results = []
+    failures = 0
+    print(f"{'kernel variant':<110} {'arch':>5} {'regs':>4} {'local':>5}  loads/stores")
+    for r in compile_all(tuple(args.arch), keep):
+        results.append(r)
+        if "error" in r:
+            failures += 1
+            print(f"{r['variant']:<110} {r['arch']:>5} FAILED {r['error'].splitlines()[0][:200]}")
+            continue
+        io = " ".join(f"{k}x{n}" for k, n in {**r["global_loads"], **r["global_stores"]}.items())
+        print(f"{r['variant']:<110} {r['arch']:>5} {r['registers']:>4} {r['local_bytes']:>5}  {io}")
+    print(f"{len(results) - failures} compiled, {failures} failed")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

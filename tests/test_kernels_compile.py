@@ -1,0 +1,153 @@
+"""Every Triton launch kernel compiles for sm_80 and sm_90, with no GPU, and stays lean.
+
+The interpreter (how the other tests run the kernels on CPU) accepts code the compiler rejects:
+a module-level float read inside a kernel passed every CPU test and failed to compile for any
+GPU. This test compiles what a GPU would: every variant `fusedrl.kernels.aot` derives from the
+launchers (constexpr switches on and off, LOSS x KL codes, bf16/fp16/fp32, the tile sizes of
+real vocab sizes) down to cubins with the ptxas Triton ships, with the venv's Triton (the newest
+supported) and the oldest supported one (`make test` installs it into .triton-oldest/), each in a
+subprocess without TRITON_INTERPRET. Then, per variant and arch:
+
+- no local memory: a spill puts per-thread stack traffic on the memory bus the kernel is bound by;
+- registers within the budget `logprobs.max_registers(num_warps)` = 65536 / (2 x 32 x num_warps)
+  (64 at 16 warps): two programs resident per SM, one streaming while the other reduces;
+- bf16 at V = 151936 on sm_90: the logits loads and gradient stores of the row sweeps are 128-bit
+  (LDG.E.128 / STG.E.128). The one 16-bit scalar load allowed is the label-logit gather.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OLDEST_DIR = Path(os.environ.get("FUSEDRL_TRITON_OLDEST_DIR", ROOT / ".triton-oldest"))
+SASS_VOCAB = 151936
+
+
+def _run_aot(pythonpath: Path | None, out: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
+    # Own cache per run: a variant compiled once serves every assertion, never a stale build.
+    env["TRITON_CACHE_DIR"] = str(out.parent / "triton-cache")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "fusedrl.kernels.aot", "--json", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory) -> dict[str, list[dict]]:
+    """{triton version label: results of `python -m fusedrl.kernels.aot`}, both run at once."""
+    if not (OLDEST_DIR / "triton").is_dir():
+        message = f"the oldest supported Triton is not installed in {OLDEST_DIR} (make test does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    runs = {"newest": None, "oldest": OLDEST_DIR}
+    dirs = {label: tmp_path_factory.mktemp(f"aot-{label}") for label in runs}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {
+            label: pool.submit(_run_aot, path, dirs[label] / "aot.json")
+            for label, path in runs.items()
+        }
+        procs = {label: f.result() for label, f in futures.items()}
+    results = {}
+    for label, proc in procs.items():
+        out = dirs[label] / "aot.json"
+        assert out.exists(), f"aot ({label} Triton) produced nothing:\n{proc.stderr[-4000:]}"
+        results[label] = json.loads(out.read_text())
+        # The table, for the test log (pytest -s) and for the note.
+        print(f"\n--- Triton {results[label][0]['triton']} ({label}) ---\n{proc.stdout}")
+    return results
+
+
+TRITONS = ["newest", "oldest"]
+
+
+def _failures(results, predicate, describe) -> list[str]:
+    return [f"{r['variant']} {r['arch']} (Triton {r['triton']}): {describe(r)}" for r in results
+            if predicate(r)]  # fmt: skip
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_triton_versions_are_the_supported_ends(compiled, triton):
+    from packaging.version import Version
+
+    version = Version(compiled[triton][0]["triton"])
+    if triton == "oldest":
+        assert version.release[:2] == (3, 6), version
+    else:
+        assert version >= Version("3.9"), version
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_every_variant_compiles(compiled, triton):
+    results = compiled[triton]
+    kernels = {r["kernel"] for r in results}
+    assert {"_fused_token_loss_kernel", "_logprobs_fwd_kernel", "_logits_grad_kernel"} <= kernels
+    assert {r["arch"] for r in results} == {"sm_80", "sm_90"}
+    assert {r["dtype"] for r in results} == {"bf16", "fp16", "fp32"}
+    failures = _failures(results, lambda r: "error" in r, lambda r: r["error"])
+    assert not failures, f"{len(failures)} of {len(results)} variants fail:\n" + "\n".join(
+        failures
+    )
+
+
+def _ok(compiled, triton):
+    return [r for r in compiled[triton] if "error" not in r]
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_no_local_memory(compiled, triton):
+    failures = _failures(
+        _ok(compiled, triton),
+        lambda r: r["local_bytes"] or r["stack_bytes"],
+        lambda r: f"{r['local_bytes']} B local, {r['stack_bytes']} B stack (spills)",
+    )
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_registers_within_the_occupancy_budget(compiled, triton):
+    from fusedrl.kernels.logprobs import max_registers
+
+    results = _ok(compiled, triton)
+    assert all(r["registers"] > 0 for r in results)
+    failures = _failures(
+        results,
+        lambda r: r["registers"] > max_registers(r["num_warps"]),
+        lambda r: f"{r['registers']} registers > {max_registers(r['num_warps'])}",
+    )
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_row_sweeps_are_128_bit(compiled, triton):
+    results = [
+        r
+        for r in _ok(compiled, triton)
+        if r["dtype"] == "bf16" and r["vocab"] == SASS_VOCAB and r["arch"] == "sm_90"
+    ]
+    assert {r["kernel"] for r in results} == {r["kernel"] for r in compiled[triton]}
+
+    def scalar_16_bit(r) -> bool:
+        loads, stores = r["global_loads"], r["global_stores"]
+        return (
+            loads.get("LDG.E.128", 0) == 0
+            or loads.get("LDG.E.U16", 0) > 1  # more than the label-logit gather
+            or stores.get("STG.E.U16", 0) > 0
+        )
+
+    failures = _failures(
+        results, scalar_16_bit, lambda r: f"loads {r['global_loads']}, stores {r['global_stores']}"
+    )
+    assert not failures, "\n".join(failures)
+    writers = [r for r in results if "STG.E.128" in r["global_stores"]]
+    assert {r["kernel"] for r in writers} == {"_fused_token_loss_kernel", "_logits_grad_kernel"}
