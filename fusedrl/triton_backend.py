@@ -17,8 +17,9 @@ from .fused_backend import FUSED_ARGS, FusedOps
 
 def _kernels():
     # Imported lazily: importing triton is slow and fails on machines without it.
-    from fusedrl.kernels import logprobs, token_loss
+    from fusedrl.kernels import check_triton_version, logprobs, token_loss
 
+    check_triton_version()
     return logprobs, token_loss
 
 

@@ -4,6 +4,7 @@ The GPU correctness suite of the CUDA backend is tests/test_gpu.py (backend="cud
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -59,6 +60,55 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / (source + ".o")).stat().st_size > 0
+    usage = _resource_usage(tmp_path / (source + ".o"))
+    assert {arch for arch, _, _ in usage} == {"sm_80", "sm_90"}
+    for arch, function, fields in usage:
+        print(f"{arch} {fields['REG']:>3} regs {fields['LOCAL']:>3} B local  {function}")
+    # A spill is per-thread local-memory traffic on the bus these kernels are bound by.
+    spills = [
+        f"{arch} {function}: LOCAL {fields['LOCAL']} B, STACK {fields['STACK']} B"
+        for arch, function, fields in usage
+        if fields["LOCAL"] or fields["STACK"]
+    ]
+    assert not spills, "\n".join(spills)
+
+
+def _cuobjdump() -> str:
+    """The toolkit's cuobjdump (beside the real nvcc, which may hide behind a wrapper script),
+    else one on PATH, else the one Triton ships."""
+    candidates = [Path(NVCC).resolve().parent / "cuobjdump"]
+    text = Path(NVCC).resolve().read_bytes()[:4096]
+    if match := re.search(rb"exec\s+(\S+/)nvcc\b", text):
+        candidates.append(Path(match.group(1).decode()) / "cuobjdump")
+    if shutil.which("cuobjdump"):
+        candidates.append(Path(shutil.which("cuobjdump")))
+    if importlib.util.find_spec("triton") is not None:
+        triton_dir = Path(importlib.util.find_spec("triton").origin).parent
+        candidates.append(triton_dir / "backends" / "nvidia" / "bin" / "cuobjdump")
+    for path in candidates:
+        if path.exists():
+            return str(path)
+    pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+
+
+def _resource_usage(obj: Path) -> list[tuple[str, str, dict[str, int]]]:
+    """(arch, function, {REG, STACK, SHARED, LOCAL}) of every kernel in an object file."""
+    out = subprocess.run(
+        [_cuobjdump(), "--dump-resource-usage", str(obj)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows, arch, function = [], None, None
+    for line in out.splitlines():
+        if m := re.match(r"arch = (sm_\d+)", line.strip()):
+            arch = m.group(1)
+        elif m := re.match(r"\s*Function (\S+):", line):
+            function = m.group(1)
+        elif function and "REG:" in line:
+            fields = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+            rows.append((arch, function, fields))
+            function = None
+    assert rows, f"no kernel found by cuobjdump in {obj}:\n{out[-2000:]}"
+    return rows
 
 
 @needs_nvcc

@@ -80,11 +80,29 @@ def _failures(results, predicate, describe) -> list[str]:
 def test_triton_versions_are_the_supported_ends(compiled, triton):
     from packaging.version import Version
 
+    from fusedrl.kernels import NEWEST_TRITON, OLDEST_TRITON
+
     version = Version(compiled[triton][0]["triton"])
     if triton == "oldest":
-        assert version.release[:2] == (3, 6), version
+        assert version.release[:2] == OLDEST_TRITON, version
     else:
-        assert version >= Version("3.9"), version
+        assert version.release[:2] >= NEWEST_TRITON, version
+
+
+def test_unsupported_triton_versions_are_named(monkeypatch):
+    import triton
+
+    from fusedrl import kernels
+
+    for version, expectation in [
+        ("3.5.1", pytest.raises(ImportError, match=r"needs triton>=3\.6 \(found 3\.5\.1\)")),
+        ("3.10.0", pytest.warns(UserWarning, match=r"triton 3\.10\.0 is newer")),
+    ]:
+        kernels.check_triton_version.cache_clear()
+        monkeypatch.setattr(triton, "__version__", version)
+        with expectation:
+            kernels.check_triton_version()
+    kernels.check_triton_version.cache_clear()
 
 
 @pytest.mark.parametrize("triton", TRITONS)
