@@ -2,12 +2,38 @@
 
 The fused backends compute d(loss)/d(logits) while they compute the loss (that is the point: the
 logits are read once), so backward has nothing left to derive; it only scales the stored gradient
-by the upstream gradient.
+by the upstream gradient, and touches nothing when that is 1 (the loss is the terminal node).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """grad * grad_loss, in place, without touching grad when grad_loss == 1 and without a host
+    sync on an accelerator:
+    - CPU eager: the check is a free host read;
+    - CUDA eager: a Triton kernel reads grad_loss on the device and its programs return at once
+      when it is 1 (no read or write of grad), else scale in one pass;
+    - under torch.compile (or without Triton): a multiply that the compiler can fuse onward.
+    """
+    if torch.compiler.is_compiling():
+        return grad.mul_(grad_loss.to(grad.dtype))
+    if grad_loss.device.type == "cpu":
+        if not bool(grad_loss == 1):
+            grad.mul_(grad_loss.to(grad.dtype))
+        return grad
+    if grad.device.type == "cuda" and _HAS_TRITON:
+        from fusedrl.kernels.scale import scale_rows_unless_one
+
+        scale_rows_unless_one(grad, grad_loss)
+        return grad
+    return grad.mul_(grad_loss.to(grad.dtype))
 
 
 class LossWithKnownGrad(torch.autograd.Function):
@@ -27,11 +53,7 @@ class LossWithKnownGrad(torch.autograd.Function):
                 "buffer is released after the first backward (retain_graph is not supported)"
             )
         ctx.grad = None
-        # On CPU the check is free; on an accelerator it would sync, so scale unconditionally.
-        cpu_eager = grad_loss.device.type == "cpu" and not torch.compiler.is_compiling()
-        if not (cpu_eager and bool(grad_loss == 1)):
-            grad = grad.mul_(grad_loss.to(grad.dtype))
-        return grad, None, None
+        return scale_unless_one(grad, grad_loss), None, None
 
 
 def attach_grad(logits: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

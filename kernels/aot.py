@@ -29,6 +29,7 @@ import importlib
 import itertools
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -44,7 +45,6 @@ import torch
 VOCABS = (32000, 128256, 151936, 262144, 32003)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ARCHS = (80, 90)
-KERNEL_MODULES = ("fusedrl.kernels.logprobs", "fusedrl.kernels.token_loss")
 # The shape the example launches use: strides and vocab are then those of a real model's logits.
 EXAMPLE_VOCAB = 151936
 
@@ -72,8 +72,11 @@ def launch_kernels() -> dict[str, object]:
     """Every launch kernel (a JITFunction named `_*_kernel`) of fusedrl.kernels, by name."""
     from triton.runtime.jit import JITFunction
 
+    import fusedrl.kernels
+
     found = {}
-    for module_name in KERNEL_MODULES:
+    for info in pkgutil.iter_modules(fusedrl.kernels.__path__):
+        module_name = f"fusedrl.kernels.{info.name}"
         module = importlib.import_module(module_name)
         for name, obj in vars(module).items():
             if name.endswith("_kernel") and obj.__module__ == module_name:
@@ -89,7 +92,7 @@ def launch_kernels() -> dict[str, object]:
 def _example_launches() -> Iterator[Callable[[], None]]:
     """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
     runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
-    from fusedrl.kernels import logprobs, token_loss
+    from fusedrl.kernels import logprobs, scale, token_loss
 
     batch, time, vocab = 2, 3, EXAMPLE_VOCAB
     logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
@@ -100,6 +103,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     yield lambda: logprobs.logits_backward(
         logits, labels, rows, rows, rows, rows, 1.0, torch.empty_like(logits)
     )
+    yield lambda: scale.scale_rows_unless_one(logits, torch.ones(()))
     yield lambda: token_loss.fused_token_loss(
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,

@@ -168,4 +168,4 @@ def test_row_sweeps_are_128_bit(compiled, triton):
     )
     assert not failures, "\n".join(failures)
     writers = [r for r in results if "STG.E.128" in r["global_stores"]]
-    assert {r["kernel"] for r in writers} == {"_fused_token_loss_kernel", "_logits_grad_kernel"}
+    assert {"_fused_token_loss_kernel", "_logits_grad_kernel"} <= {r["kernel"] for r in writers}

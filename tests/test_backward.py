@@ -1,0 +1,104 @@
+"""Backward of the fused loss: the gradient written in the forward pass is handed on as it is.
+
+When the loss is the terminal node the upstream gradient is 1, and backward must neither read nor
+write the [B, T, V] gradient (a multiply by 1 would double the gradient's HBM traffic). Any other
+upstream gradient scales it in one pass, on the device, without a host sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedrl
+from fusedrl import LossConfig, reference
+
+from .conftest import make_batch, needs_interpreter, run_loss
+
+
+class _OpsOnStorage(TorchDispatchMode):
+    """Records every aten op that takes or returns a tensor on the watched storage."""
+
+    def __init__(self, storage_ptr: int):
+        super().__init__()
+        self.storage_ptr, self.ops = storage_ptr, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        if any(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.storage_ptr
+            for t in flat
+        ):
+            self.ops.append(str(func))
+        return out
+
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_terminal_backward_touches_no_gradient(backend, preset, inplace):
+    data = make_batch(batch=3, time=5, vocab=131, dtype=torch.bfloat16, seed=31)
+    logits = data.pop("logits").clone().requires_grad_(True)
+    out = fusedrl.policy_loss(
+        logits, config=LossConfig.preset(preset), backend=backend, inplace=inplace, **data
+    )
+    grad_buffer = out.loss.grad_fn.grad  # the gradient the forward pass wrote
+    assert grad_buffer is not None and grad_buffer.shape == logits.shape
+    if inplace:
+        assert grad_buffer.data_ptr() == logits.data_ptr()
+    watch = _OpsOnStorage(grad_buffer.untyped_storage().data_ptr())
+    with watch:
+        (grad,) = torch.autograd.grad(out.loss, logits)
+    assert watch.ops == [], f"backward read or wrote the gradient: {watch.ops}"
+    assert grad.data_ptr() == grad_buffer.data_ptr()  # handed on, not copied
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_upstream_gradient_scales_once(backend):
+    data = make_batch(batch=3, time=5, vocab=131, seed=32)
+    cfg = LossConfig.preset("dapo")
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
+    for scale in (2.5, 0.0, -1.0):
+        logits = data["logits"].clone().requires_grad_(True)
+        args = {k: v for k, v in data.items() if k != "logits"}
+        out = fusedrl.policy_loss(logits, config=cfg, backend=backend, **args)
+        (grad,) = torch.autograd.grad(scale * out.loss, logits)
+        torch.testing.assert_close(grad, scale * ref_grad, atol=1e-6, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_kernel_on_a_strided_view(dtype):
+    """The device-side scaling kernel (CUDA tensors use it) on a [B, P+T, V] slice: only the
+    slice's rows change, by exactly the fp32 product rounded once; a factor of 1 changes nothing."""
+    from fusedrl.kernels import logprobs, scale
+
+    full = torch.randn(2, 9, 1031, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for factor in (1.0, 0.37, -3.0):
+        for block_cap in (2048, 256):  # one tile per row, and several with a partial last one
+            buffer = full.clone()
+            view = buffer[:, 3:8]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", block_cap)
+                scale.scale_rows_unless_one(view, torch.tensor(factor))
+            product = full[:, 3:8].float() * factor
+            expected = full.clone()
+            expected[:, 3:8] = product.to(dtype)
+            if dtype == torch.bfloat16:  # the interpreter rounds fp32 -> bf16 toward zero
+                truncated = full.clone()
+                truncated[:, 3:8] = _truncate_to_bf16(product)
+                assert torch.equal(buffer, expected) or torch.equal(buffer, truncated)
+            else:
+                assert torch.equal(buffer, expected), (factor, block_cap)
+    flat = full[0].clone()  # [N, V] input; x2 is exact in any dtype
+    scale.scale_rows_unless_one(flat, torch.tensor([2.0]))
+    assert torch.equal(flat, (full[0].float() * 2).to(dtype))
+
+
+def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
