@@ -47,6 +47,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ARCHS = (80, 90)
 # The shape the example launches use: strides and vocab are then those of a real model's logits.
 EXAMPLE_VOCAB = 151936
+# Constexprs a launcher derives from the device: the example launches run on CPU tensors, so the
+# base configuration takes the value a CUDA device gets (the sweep still compiles both).
+CUDA_CONSTEXPRS = {"FAST_EXP2": True}
 
 
 @dataclasses.dataclass
@@ -166,7 +169,7 @@ def variants(launch: Launch) -> list[Variant]:
     kernel = launch.kernel
     module = sys.modules[kernel.__module__]
     names = [p.name for p in kernel.params if p.is_constexpr and p.name != "BLOCK_V"]
-    base = {n: launch.kwargs[n] for n in names}
+    base = {n: CUDA_CONSTEXPRS.get(n, launch.kwargs[n]) for n in names}
     choices = {n: constexpr_values(kernel, n) for n in names}
     configs = [(base, vocab, "bf16") for vocab in VOCABS]
     configs += [(base, EXAMPLE_VOCAB, dtype) for dtype in DTYPES]
@@ -266,6 +269,89 @@ def cubin_report(cubin: bytes) -> dict:
     }
 
 
+_SASS_LINE = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);"
+)
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction of a cuobjdump -sass listing."""
+    return [(int(a, 16), op, rest.strip()) for a, _, op, rest in _SASS_LINE.findall(sass)]
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The innermost loops of a kernel (a backward branch and the code it jumps back over), each
+    with its instruction count, opcode mix and the widths of its global loads and stores.
+
+    Counted statically: a loop body's instructions run once per trip in every warp; a branch
+    inside the body (a remainder mask, say) is counted whole."""
+    code = sass_instructions(sass)
+    spans = []
+    for addr, op, rest in code:
+        if op.startswith("BRA") and (m := re.match(r"(?:\S+,\s*)?`?\(?(0x[0-9a-f]+)", rest)):
+            target = int(m.group(1), 16)
+            if target < addr:  # (a branch to itself is the trap after EXIT)
+                spans.append((target, addr))
+    innermost = [
+        s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)
+    ]
+    loops = []
+    for start, end in sorted(innermost):
+        body = [op for addr, op, _ in code if start <= addr <= end]
+        loops.append(
+            {
+                "start": start,
+                "instructions": len(body),
+                "mufu": sum(op.startswith("MUFU") for op in body),
+                "barriers": sum(op.startswith("BAR") for op in body),
+                "loads": dict(Counter(op for op in body if op.startswith("LDG"))),
+                "stores": dict(Counter(op for op in body if op.startswith("STG"))),
+            }
+        )
+    return loops
+
+
+def loop_role(loop: dict) -> str:
+    """What a row-sweep loop does, from its memory instructions: `stats` (reads the row),
+    `grad` (reads it and writes the gradient 128-bit), `grad_unaligned_out` (the gradient does
+    not share the logits' alignment: scalar stores), `zeros`, or `remainder` (masked tiles)."""
+    wide_load = any(op.endswith(".128") for op in loop["loads"])
+    wide_store = any(op.endswith(".128") for op in loop["stores"])
+    if wide_load and not loop["stores"]:
+        return "stats"
+    if wide_load and wide_store and all(op.endswith(".128") for op in loop["stores"]):
+        return "grad"
+    if wide_load:
+        return "grad_unaligned_out"
+    if not loop["loads"] and wide_store:
+        return "zeros"
+    return "remainder"
+
+
+def with_costs(loops: list[dict], elements_per_thread: int, elem_bytes: int) -> list[dict]:
+    """Each loop with its role and its cost per row element. A trip of a main loop moves 16 bytes
+    per thread per 128-bit load (ptxas may unroll several tiles into one trip), so it covers
+    16 x loads / elem_bytes elements in every thread; a remainder trip covers one tile
+    (elements_per_thread). Thread-instructions per element = body / elements per trip, and
+    warp-instructions per element (what the SM's schedulers issue) = that / 32."""
+    out = []
+    for loop in loops:
+        wide = sum(n for op, n in loop["loads"].items() if op.endswith(".128"))
+        wide = wide or sum(n for op, n in loop["stores"].items() if op.endswith(".128"))
+        role = loop_role(loop)
+        per_trip = 16 * wide // elem_bytes if role != "remainder" else elements_per_thread
+        out.append(
+            {
+                **loop,
+                "role": role,
+                "elements_per_thread_per_trip": per_trip,
+                "warp_instructions_per_element": loop["instructions"] / per_trip / 32,
+                "mufu_per_element": loop["mufu"] / per_trip,
+            }
+        )
+    return out
+
+
 def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda v, a: False):
     """Compile every variant of every launch kernel; yields one result dict per (variant, arch).
     A variant that fails to compile yields its error instead of raising."""
@@ -299,6 +385,12 @@ def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda 
                     yield result
                     continue
                 report = cubin_report(compiled.asm["cubin"])
+                block = dict(variant.constexprs).get("BLOCK_V")
+                if block:
+                    per_thread = max(1, block // (32 * variant.num_warps))
+                    elem_bytes = DTYPES[variant.dtype].itemsize
+                    loops = sass_loops(report["sass"])
+                    report["loops"] = with_costs(loops, per_thread, elem_bytes)
                 if not keep_sass(variant, arch):
                     report.pop("sass")
                 result.update(report)

@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
+from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
-# Vocab tile caps: large on a GPU (few loop trips, wide vectorised loads); smaller under the
-# interpreter, where every tile is a numpy array. Tests lower the CPU cap to force many tiles.
-MAX_BLOCK_V_GPU = 8192
+# Vocab tile caps. On a GPU a tile is one 16-byte vector per thread (8 bf16 elements x 512
+# threads): sweep 1 keeps three fp32 running sums per element slot in registers, so a wider tile
+# costs registers, not speed (the loop has no barrier to amortise). Under the interpreter every
+# tile is a numpy array; tests lower the CPU cap to force many tiles and a partial last one.
+MAX_BLOCK_V_GPU = 4096
 MAX_BLOCK_V_INTERPRETED = 2048
+ELEMENTS_PER_THREAD = 8
 
 
 def block_size(vocab: int, device: torch.device) -> int:
@@ -29,7 +32,12 @@ def block_size(vocab: int, device: torch.device) -> int:
 
 
 def num_warps(block: int) -> int:
-    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return max(4, min(16, block // (32 * ELEMENTS_PER_THREAD)))
+
+
+def fast_exp2(device: torch.device) -> bool:
+    """ex2.approx.ftz through inline PTX: compiled kernels only (the interpreter runs no PTX)."""
+    return device.type == "cuda"
 
 
 # Registers per SM on sm_80 and sm_90 (and the most one thread may hold).
@@ -65,7 +73,9 @@ def _logprobs_fwd_kernel(
     stride_b,
     stride_t,
     inv_temperature,
+    scale2,
     HAS_VALID: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -74,10 +84,11 @@ def _logprobs_fwd_kernel(
         valid = tl.load(valid_ptr + row)
     if valid != 0:
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
-        lse, mean_z = row_stats(row_ptr, vocab, inv_temperature, BLOCK_V)
-        label = tl.load(labels_ptr + row)
-        label_z = tl.load(row_ptr + label).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, label_z - lse)
+        label_logit = tl.load(row_ptr + tl.load(labels_ptr + row))
+        lse, mean_z = row_stats(
+            row_ptr, vocab, scale2, label_logit, "evict_first", FAST_EXP2, BLOCK_V
+        )
+        tl.store(logp_ptr + row, label_logit.to(tl.float32) * inv_temperature - lse)
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)
     else:
@@ -102,7 +113,9 @@ def _logits_grad_kernel(
     out_stride_b,
     out_stride_t,
     inv_temperature,
+    scale2,
     WITH_ENTROPY: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -113,17 +126,22 @@ def _logits_grad_kernel(
         dentropy = tl.load(dentropy_ptr + row)
     if (dlogp != 0) | (dentropy != 0):
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        label = tl.load(labels_ptr + row)
         write_row_grad(
             row_ptr,
             out_row,
-            tl.load(labels_ptr + row),
+            label,
+            tl.load(row_ptr + label),
             vocab,
             inv_temperature,
+            scale2,
             tl.load(lse_ptr + row),
             tl.load(entropy_ptr + row),
             dlogp,
             dentropy,
+            "evict_first",
             WITH_ENTROPY,
+            FAST_EXP2,
             BLOCK_V,
         )
     else:
@@ -156,7 +174,9 @@ def logprobs_forward(
         logits.stride(0),
         logits.stride(1),
         1.0 / temperature,
+        LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         HAS_VALID=valid is not None,
+        FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block),
     )
@@ -195,7 +215,9 @@ def logits_backward(
         out.stride(0),
         out.stride(1),
         1.0 / temperature,
+        LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         WITH_ENTROPY=dentropy is not None,
+        FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block),
     )

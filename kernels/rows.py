@@ -3,12 +3,35 @@
 A "row" is the vocab vector of one token. Rows are addressed as [B, T, V] with arbitrary batch and
 time strides (a [B, P+T, V] slice is read in place) and int64 offsets, so no tensor is copied and
 no row index can overflow.
+
+How a sweep spends its instructions (the kernels are bound by memory traffic; a sweep should
+issue few enough instructions per element that it never becomes issue-bound):
+- The row is walked in BLOCK_V tiles of whole 16-byte vectors: the elements before the row's
+  first 16-byte boundary (odd V, an unaligned [B, P+T, V] slice) and after its last full tile
+  form one masked remainder tile, so the main loop is unmasked, its pointer provably 16-byte
+  aligned (`tl.multiple_of`), and its loads and stores 128-bit whatever V is.
+- Sweep 1 keeps a running (max, sum 2^(y-max), sum 2^(y-max) y) per lane slot: no block
+  reduction and so no barrier inside the loop; the slots are merged once per row. Each element
+  costs one exp2 (the one of the smaller of y and the running max), and the loads of tile i+1
+  are issued before tile i is accumulated.
+- Everything is in base 2: y = logits * log2(e) / T, one multiply per element, and exp2 is one
+  MUFU.EX2 on a GPU (`FAST_EXP2`: ex2.approx.ftz; tl.exp2 also handles denormal results, which
+  costs four more instructions and changes nothing a softmax can see).
+- Logits below FLOOR (-inf for a banned token, -finfo.max) count as probability 0 without a
+  select per element: y is clamped to FLOOR with a NaN-propagating max, so 0 * y stays 0 and a
+  NaN logit still poisons the statistics.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# exp2(FLOOR - max) is 0 in fp32 for any max a real row has, and FLOOR x (dentropy ln2 / T) stays
+# finite for any |dentropy / T| < 1e18, so a clamped logit contributes exact zeros.
+FLOOR = tl.constexpr(-1e20)
 
 
 @triton.jit
@@ -19,30 +42,208 @@ def row_offset(row, time, stride_b, stride_t):
 
 
 @triton.jit
-def row_stats(row_ptr, vocab, inv_temperature, BLOCK_V: tl.constexpr):
-    """One read of the row: (lse, sum_j p_j z_j) of z = logits * inv_temperature, in fp32.
+def exp2(x, FAST_EXP2: tl.constexpr):
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.exp2(x)
 
-    Online softmax: the running max starts at -inf; while it is still -inf (a prefix of banned
-    tokens) it is replaced by 0 so that exp(-inf - max) gives 0 instead of NaN. p z is only
-    accumulated where p > 0, so -inf logits contribute 0 (not 0 * -inf). A +inf logit makes the
-    max +inf and the statistics NaN, which the callers surface as a NaN logp.
+
+@triton.jit
+def scaled(x, scale2):
+    """y = x * scale2 in fp32, clamped below at FLOOR (NaN stays NaN)."""
+    return tl.maximum(x.to(tl.float32) * scale2, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_layout(row_ptr, vocab, BLOCK_V: tl.constexpr):
+    """(head, full_tiles, body_ptr): the elements before the row's first 16-byte boundary, the
+    number of whole BLOCK_V tiles after them, and their 16-byte aligned start pointer."""
+    elem_bytes: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8
+    address = row_ptr.to(tl.int64, bitcast=True)
+    head = tl.minimum(((16 - address % 16) % 16) // elem_bytes, vocab).to(tl.int32)
+    full_tiles = (vocab - head) // BLOCK_V
+    body_ptr = tl.multiple_of(row_ptr + head, 16)
+    return head, full_tiles, body_ptr
+
+
+@triton.jit
+def remainder_offsets(r, head, tail_start, vocab, BLOCK_V: tl.constexpr):
+    """Offsets (and mask) of remainder tile r: the head [0, head), then the tail
+    [tail_start, vocab). Together they are < BLOCK_V + 16 elements: one or two tiles."""
+    idx = r * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs = tl.where(idx < head, idx, tail_start + idx - head)
+    return offs, offs < vocab
+
+
+@triton.jit
+def remainder_tiles(head, tail_start, vocab, BLOCK_V: tl.constexpr):
+    return tl.cdiv(head + vocab - tail_start, BLOCK_V)
+
+
+@triton.jit
+def _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2: tl.constexpr):
+    """Per-slot online softmax update with one exp2: exp2(-|y - max|) is the new element's weight
+    when y <= max, else the factor that rescales the old sums (the new element's weight is 1)."""
+    diff = y - run_max
+    new_max = diff > 0
+    t = exp2(-tl.abs(diff), FAST_EXP2)
+    sum_exp = tl.where(new_max, sum_exp * t + 1.0, sum_exp + t)
+    sum_exp_y = tl.where(new_max, sum_exp_y * t + y, sum_exp_y + t * y)
+    return tl.maximum(run_max, y), sum_exp, sum_exp_y
+
+
+@triton.jit
+def _offset(x, scale2, ref):
+    """d = x * scale2 - ref in one FFMA, clamped below at FLOOR (NaN stays NaN)."""
+    return tl.maximum(x.to(tl.float32) * scale2 - ref, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _sums_from_reference(
+    row_ptr,
+    vocab,
+    scale2,
+    ref,
+    EVICT: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """(sum_j 2^d_j, sum_j 2^d_j d_j) with d_j = y_j - ref (clamped at FLOOR): no running max,
+    so per element one FFMA, one clamp, one exp2, one add and one FFMA, no select. Overflows (to
+    inf) when some y_j exceeds ref by more than ~110, which the caller detects."""
+    head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
+    offs = tl.arange(0, BLOCK_V)
+    sum_exp = tl.zeros([BLOCK_V], tl.float32)
+    sum_exp_d = tl.zeros([BLOCK_V], tl.float32)
+    if full_tiles > 0:
+        x = tl.load(body_ptr + offs, eviction_policy=EVICT)
+        for i in range(1, full_tiles):
+            x_next = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
+            d = _offset(x, scale2, ref)
+            e = exp2(d, FAST_EXP2)
+            sum_exp += e
+            sum_exp_d += e * d
+            x = x_next
+        d = _offset(x, scale2, ref)
+        e = exp2(d, FAST_EXP2)
+        sum_exp += e
+        sum_exp_d += e * d
+    tail_start = head + full_tiles * BLOCK_V
+    for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
+        roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+        x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
+        d = _offset(x, scale2, ref)
+        e = exp2(d, FAST_EXP2)
+        sum_exp += e
+        sum_exp_d += e * d
+    return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0)
+
+
+@triton.jit
+def _stats_online(
+    row_ptr,
+    vocab,
+    scale2,
+    EVICT: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """(lse2, mean y) by the exact online softmax, a running max per element slot."""
+    head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
+    offs = tl.arange(0, BLOCK_V)
+    run_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_V], tl.float32)
+    sum_exp_y = tl.zeros([BLOCK_V], tl.float32)
+    for i in range(0, full_tiles):
+        x = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
+        run_max, sum_exp, sum_exp_y = _accumulate(
+            run_max, sum_exp, sum_exp_y, scaled(x, scale2), FAST_EXP2
+        )
+    tail_start = head + full_tiles * BLOCK_V
+    for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
+        roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+        x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
+        run_max, sum_exp, sum_exp_y = _accumulate(
+            run_max, sum_exp, sum_exp_y, scaled(x, scale2), FAST_EXP2
+        )
+    row_max = tl.max(run_max, axis=0)
+    # Slots that saw only masked lanes hold max -inf and sums 0: weight 0, not NaN.
+    weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
+    total = tl.sum(sum_exp * weight, axis=0)
+    lse2 = row_max + tl.log2(total)
+    lse2 = tl.where((row_max == float("inf")) | (row_max <= FLOOR), float("nan"), lse2)
+    return lse2, tl.sum(sum_exp_y * weight, axis=0) / total
+
+
+@triton.jit
+def row_stats(
+    row_ptr,
+    vocab,
+    scale2,
+    ref_logit,
+    EVICT: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One read of the row: (lse, sum_j p_j z_j) of z = logits / T, in fp32 nats; scale2 is
+    log2(e) / T, a kernel argument so that the loop's FFMA reads it from the constant bank.
+
+    `ref_logit` is a logit of the row (the label's, which the kernels load first anyway): the
+    sums are taken relative to it instead of a running max, which is what makes sweep 1 cheap.
+    They are >= 1 (the reference's own term) and finite unless some logit exceeds it by more than
+    ~110 / log2(e) x T, i.e. the label's probability is below ~1e-33, or the row holds NaN / inf:
+    then, and only then, the row is read again by the exact online softmax. NaN when the row holds
+    a NaN or +inf logit, or no logit above FLOOR: the callers surface it as a NaN logp.
     """
-    running_max = -float("inf")
-    sum_exp = 0.0
-    sum_exp_z = 0.0
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
-        z = z * inv_temperature
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - safe_max)
-        e = tl.exp(z - safe_max)
-        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-        sum_exp_z = sum_exp_z * rescale + tl.sum(e * tl.where(e > 0, z, 0.0), axis=0)
-        running_max = new_max
-    lse = running_max + tl.log(sum_exp)
-    return lse, sum_exp_z / sum_exp
+    ref = scaled(ref_logit, scale2)
+    total, sum_d = _sums_from_reference(row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, BLOCK_V)
+    lse2 = ref + tl.log2(total)
+    mean_y = ref + sum_d / total
+    if (total == float("inf")) | (tl.abs(sum_d) == float("inf")) | (mean_y != mean_y):
+        lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, BLOCK_V)
+    return lse2 * LN2, mean_y * LN2
+
+
+@triton.jit
+def _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr):
+    """p (k0 + k1 log2 p): the gradient of one tile except the label's one-hot term. A -inf logit
+    gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one."""
+    log2_p = x.to(tl.float32) * scale2 - lse2
+    if WITH_ENTROPY:
+        log2_p = tl.maximum(log2_p, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        return exp2(log2_p, FAST_EXP2) * (k0 + k1 * log2_p)
+    else:
+        return exp2(log2_p, FAST_EXP2) * k0
+
+
+@triton.jit
+def _grad_tiles(
+    in_ptr,
+    out_ptr,
+    full_tiles,
+    scale2,
+    lse2,
+    k0,
+    k1,
+    EVICT: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The unmasked tiles of sweep 2, last first, each tile's load issued a trip ahead."""
+    offs = tl.arange(0, BLOCK_V)
+    x = tl.load(in_ptr + (full_tiles - 1) * BLOCK_V + offs, eviction_policy=EVICT)
+    for i in range(0, full_tiles):
+        start = (full_tiles - 1 - i) * BLOCK_V
+        # The next tile down (the first tile again on the last trip: an L1 hit).
+        x_next = tl.load(in_ptr + tl.maximum(start - BLOCK_V, 0) + offs, eviction_policy=EVICT)
+        grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
+        grad = grad.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + start + offs, grad, eviction_policy="evict_first")
+        x = x_next
 
 
 @triton.jit
@@ -50,40 +251,71 @@ def write_row_grad(
     row_ptr,
     out_ptr,
     label,
+    label_logit,
     vocab,
     inv_temperature,
+    scale2,
     lse,
     entropy,
     dlogp,
     dentropy,
+    EVICT: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """out = d(loss)/d(logits) of one row: (dlogp (onehot - p) - dH p (log p + H)) / temperature.
 
-    `out_ptr` may equal `row_ptr` (in-place): every block is loaded before it is stored.
-    The row is walked last tile first: the statistics sweep just streamed it front to back, so
-    its tail is the part most likely to still be in L2.
+    With log2_p = y - lse2 this is p (k0 + k1 log2_p) + onehot dlogp / T, k0 = -(dlogp + dH H) / T
+    and k1 = -dH ln2 / T, so the loop has no compare with the label: its entry is stored once
+    after the sweep (after a barrier, since another thread's vector store covered it), from the
+    label logit the caller loaded before anything was written (`out_ptr` may equal `row_ptr`).
+
+    The row is walked last tile first: sweep 1 just streamed it front to back, so its tail is the
+    part most likely to be still in L2. Loads are the last use of the logits (EVICT), gradient
+    stores are never read again here: both evict-first, to keep L2 for rows still to be re-read.
     """
-    num_tiles = tl.cdiv(vocab, BLOCK_V)
-    for i in range(0, num_tiles):
-        offs = (num_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        in_row = offs < vocab
-        z = tl.load(row_ptr + offs, mask=in_row, other=-float("inf")).to(tl.float32)
-        log_p = z * inv_temperature - lse
-        p = tl.exp(log_p)
-        grad = tl.where(offs == label, dlogp, 0.0) - dlogp * p
-        if WITH_ENTROPY:
-            grad -= dentropy * p * tl.where(p > 0, log_p + entropy, 0.0)
-        grad = grad * inv_temperature
-        tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=in_row)
+    lse2 = lse * LOG2E
+    k0 = -(dlogp + dentropy * entropy) * inv_temperature
+    k1 = -dentropy * LN2 * inv_temperature
+    out_ty = out_ptr.dtype.element_ty
+    head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
+    out_head, _, out_body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
+    tail_start = head + full_tiles * BLOCK_V
+    for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
+        roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+        x = tl.load(row_ptr + roffs, mask=in_row, other=0.0, eviction_policy=EVICT)
+        grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
+        tl.store(out_ptr + roffs, grad.to(out_ty), mask=in_row, eviction_policy="evict_first")
+    # The gradient rows share the logits' alignment (always in place, and for any V that is a
+    # multiple of 8): 128-bit stores too. Otherwise (odd V, a separately allocated gradient) the
+    # stores are scalar; the loads stay 128-bit.
+    if full_tiles > 0:
+        if out_head == head:
+            _grad_tiles(body_ptr, out_body_ptr, full_tiles, scale2, lse2, k0, k1,
+                        EVICT, WITH_ENTROPY, FAST_EXP2, BLOCK_V)  # fmt: skip
+        else:
+            _grad_tiles(body_ptr, out_ptr + head, full_tiles, scale2, lse2, k0, k1,
+                        EVICT, WITH_ENTROPY, FAST_EXP2, BLOCK_V)  # fmt: skip
+    # The label's entry: the same p-term plus the one-hot term, stored after every other write.
+    label_log2_p = scaled(label_logit, scale2) - lse2
+    label_p = tl.exp2(label_log2_p)
+    label_grad = label_p * k0 + dlogp * inv_temperature
+    if WITH_ENTROPY:
+        label_grad += label_p * k1 * label_log2_p
+    tl.debug_barrier()
+    tl.store(out_ptr + label, label_grad.to(out_ty))
 
 
 @triton.jit
 def write_row_zeros(out_ptr, vocab, BLOCK_V: tl.constexpr):
     """Masked rows get exact zeros and are never read (they may hold NaN padding)."""
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        tl.store(
-            out_ptr + offs, tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty), mask=offs < vocab
-        )
+    head, full_tiles, body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
+    offs = tl.arange(0, BLOCK_V)
+    zeros = tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty)
+    for i in range(0, full_tiles):
+        tl.store(body_ptr + i * BLOCK_V + offs, zeros, eviction_policy="evict_first")
+    tail_start = head + full_tiles * BLOCK_V
+    for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
+        roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+        tl.store(out_ptr + roffs, zeros, mask=in_row, eviction_policy="evict_first")

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .logprobs import block_size, launch_options
-from .rows import row_offset
+from .rows import remainder_offsets, remainder_tiles, row_layout, row_offset
 
 
 @triton.jit
@@ -31,11 +31,17 @@ def _scale_rows_unless_one_kernel(
     scale = tl.load(scale_ptr)
     if scale != 1.0:
         row_ptr = grad_ptr + row_offset(tl.program_id(0), time, stride_b, stride_t)
-        for start in range(0, vocab, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            in_row = offs < vocab
-            g = tl.load(row_ptr + offs, mask=in_row).to(tl.float32)
-            tl.store(row_ptr + offs, (g * scale).to(grad_ptr.dtype.element_ty), mask=in_row)
+        head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
+        offs = tl.arange(0, BLOCK_V)
+        for i in range(0, full_tiles):
+            g = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy="evict_first")
+            g = (g.to(tl.float32) * scale).to(grad_ptr.dtype.element_ty)
+            tl.store(body_ptr + i * BLOCK_V + offs, g, eviction_policy="evict_first")
+        tail_start = head + full_tiles * BLOCK_V
+        for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
+            roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+            g = tl.load(row_ptr + roffs, mask=in_row).to(tl.float32)
+            tl.store(row_ptr + roffs, (g * scale).to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
 def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import block_size, launch_options
-from .rows import row_offset, row_stats, write_row_grad, write_row_zeros
+from .logprobs import block_size, fast_exp2, launch_options
+from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
@@ -127,6 +127,7 @@ def _fused_token_loss_kernel(
     grad_stride_b,
     grad_stride_t,
     inv_temperature,
+    scale2,
     dual_clip_c,
     delta,
     tau_pos,
@@ -141,17 +142,19 @@ def _fused_token_loss_kernel(
     HAS_IS: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
     if tl.load(valid_ptr + row) != 0:
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
-        lse, mean_z = row_stats(row_ptr, vocab, inv_temperature, BLOCK_V)
-        entropy = lse - mean_z
+        # Every per-token scalar is loaded before sweep 1, so their latency hides behind it.
         label = tl.load(labels_ptr + row)
-        logp = tl.load(row_ptr + label).to(tl.float32) * inv_temperature - lse
-        old = logp
+        label_logit = tl.load(row_ptr + label)
+        adv = tl.load(adv_ptr + row)
+        agg_weight = tl.load(agg_weight_ptr + row)
+        old = 0.0
         if HAS_OLD:
             old = tl.load(old_ptr + row)
         low = 0.0
@@ -159,7 +162,20 @@ def _fused_token_loss_kernel(
         if HAS_BOUNDS:
             low = tl.load(low_ptr + row)
             high = tl.load(high_ptr + row)
-        adv = tl.load(adv_ptr + row)
+        is_weight = 1.0
+        if HAS_IS:
+            is_weight = tl.load(is_weight_ptr + row)
+        ref = 0.0
+        if KL != 0:
+            ref = tl.load(ref_ptr + row)
+        # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
+        lse, mean_z = row_stats(
+            row_ptr, vocab, scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
+        )
+        entropy = lse - mean_z
+        logp = label_logit.to(tl.float32) * inv_temperature - lse
+        if not HAS_OLD:
+            old = logp
         d_token = policy_dlogp(
             logp,
             old,
@@ -174,23 +190,25 @@ def _fused_token_loss_kernel(
             DUAL_CLIP,
             HAS_DELTA,
         )
-        if HAS_IS:
-            d_token = d_token * tl.load(is_weight_ptr + row)
+        d_token = d_token * is_weight
         if KL != 0:
-            d_token += beta * kl_dlogp(logp, tl.load(ref_ptr + row), KL)
-        agg_weight = tl.load(agg_weight_ptr + row)
+            d_token += beta * kl_dlogp(logp, ref, KL)
         dentropy = -entropy_coef * agg_weight
         write_row_grad(
             row_ptr,
             grad_row,
             label,
+            label_logit,
             vocab,
             inv_temperature,
+            scale2,
             lse,
             entropy,
             d_token * agg_weight,
             dentropy,
+            "evict_first",
             ENTROPY_BONUS,
+            FAST_EXP2,
             BLOCK_V,
         )
         tl.store(logp_ptr + row, logp)
@@ -257,6 +275,7 @@ def fused_token_loss(
         grad.stride(0),
         grad.stride(1),
         1.0 / temperature,
+        LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         float(dual_clip_c or 0.0),
         float(delta or 0.0),
         float(tau_pos),
@@ -271,6 +290,7 @@ def fused_token_loss(
         HAS_IS=is_weight is not None,
         HAS_BOUNDS=low is not None,
         ENTROPY_BONUS=entropy_coef != 0.0,
+        FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block),
     )

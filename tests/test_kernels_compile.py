@@ -146,26 +146,78 @@ def test_registers_within_the_occupancy_budget(compiled, triton):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("triton", TRITONS)
-def test_row_sweeps_are_128_bit(compiled, triton):
-    results = [
+def _sass_checked(compiled, triton) -> list[dict]:
+    """The variants whose SASS is checked: bf16 at V = 151936 on sm_90 with the GPU's exp2."""
+    return [
         r
         for r in _ok(compiled, triton)
-        if r["dtype"] == "bf16" and r["vocab"] == SASS_VOCAB and r["arch"] == "sm_90"
+        if r["dtype"] == "bf16"
+        and r["vocab"] == SASS_VOCAB
+        and r["arch"] == "sm_90"
+        and r["constexprs"].get("FAST_EXP2", True)
     ]
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_row_sweeps_are_128_bit(compiled, triton):
+    """The main loops of every sweep load and store 16 bytes per thread per instruction (the
+    remainder tiles and a gradient buffer aligned differently from the logits are scalar, by
+    design: see docs/benchmarks.md)."""
+    results = _sass_checked(compiled, triton)
     assert {r["kernel"] for r in results} == {r["kernel"] for r in compiled[triton]}
-
-    def scalar_16_bit(r) -> bool:
-        loads, stores = r["global_loads"], r["global_stores"]
-        return (
-            loads.get("LDG.E.128", 0) == 0
-            or loads.get("LDG.E.U16", 0) > 1  # more than the label-logit gather
-            or stores.get("STG.E.U16", 0) > 0
-        )
-
-    failures = _failures(
-        results, scalar_16_bit, lambda r: f"loads {r['global_loads']}, stores {r['global_stores']}"
-    )
+    roles = {r["kernel"]: {loop["role"] for loop in r["loops"]} for r in results}
+    assert {"stats", "grad"} <= roles["_fused_token_loss_kernel"], roles
+    assert "stats" in roles["_logprobs_fwd_kernel"] and "grad" in roles["_logits_grad_kernel"]
+    failures = []
+    for r in results:
+        for loop in r["loops"]:
+            if loop["role"] in ("stats", "grad", "zeros"):
+                narrow = [op for op in {**loop["loads"], **loop["stores"]} if ".128" not in op]
+                if narrow:
+                    failures.append(f"{r['variant']}: {loop['role']} loop has {narrow}")
     assert not failures, "\n".join(failures)
-    writers = [r for r in results if "STG.E.128" in r["global_stores"]]
-    assert {"_fused_token_loss_kernel", "_logits_grad_kernel"} <= {r["kernel"] for r in writers}
+
+
+# Issue budget of the main loops, in warp-instructions per row element (loop body / elements
+# per thread / 32). The floor of the fused loss moves 4 bytes per bf16 element (1R + 1W); at an
+# H100's ~3 TB/s that is 0.75e12 elements/s, against 132 SMs x 4 schedulers x ~1.75 GHz = ~0.92e12
+# warp-instructions/s: 1.2 per element would keep the schedulers as busy as the memory. Half of
+# that (0.6 for both sweeps) leaves them idle half the time, so memory stays the bound.
+SWEEP_BUDGET = {"stats": 0.30, "grad": 0.32}
+FUSED_BUDGET = 0.60
+
+
+def _fast_stats_loop(loops):
+    """Kernels that read statistics have two stats loops: the sum relative to the label logit
+    (every row) and the exact online softmax (only rows where that overflows). The first is the
+    cheaper one."""
+    stats = [loop for loop in loops if loop["role"] == "stats"]
+    return min(stats, key=lambda loop: loop["instructions"]) if stats else None
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_static_performance_budget(compiled, triton):
+    failures, table = [], []
+    for r in _sass_checked(compiled, triton):
+        fast = _fast_stats_loop(r["loops"])
+        grads = [loop for loop in r["loops"] if loop["role"] == "grad"]
+        checked = ([fast] if fast else []) + grads
+        for loop in checked:
+            cost, role = loop["warp_instructions_per_element"], loop["role"]
+            mufu = loop["mufu_per_element"]
+            table.append(
+                f"{r['variant']:<100} {role:<6} {cost:.3f} w-instr/elem {mufu:.2f} MUFU/elem "
+                f"{loop['barriers']} BAR"
+            )
+            if cost > SWEEP_BUDGET[role]:
+                failures.append(f"{r['variant']} {role}: {cost:.3f} > {SWEEP_BUDGET[role]}")
+            if loop["mufu_per_element"] > 1:
+                failures.append(f"{r['variant']} {role}: {loop['mufu_per_element']} MUFU/elem")
+            if loop["barriers"]:
+                failures.append(f"{r['variant']} {role}: {loop['barriers']} BAR.SYNC in the loop")
+        if r["kernel"] == "_fused_token_loss_kernel":
+            total = sum(loop["warp_instructions_per_element"] for loop in checked)
+            if total > FUSED_BUDGET:
+                failures.append(f"{r['variant']}: both sweeps {total:.3f} > {FUSED_BUDGET}")
+    print("\n" + "\n".join(table))
+    assert table and not failures, "\n".join(failures)
