@@ -11,6 +11,8 @@ row; masked rows (valid == 0) are skipped and get zeros.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,33 @@ def max_registers(warps: int) -> int:
     it ptxas gives some variants (odd V on sm_90: 72) more than 64 registers at 16 warps, which
     halves the rows in flight. tests/test_kernels_compile.py checks that no variant spills."""
     return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (MIN_CTAS_PER_SM * 32 * warps))
+
+
+# Programs of a persistent kernel under the interpreter: a few, so that tests run the row loop.
+INTERPRETED_PROGRAMS = 3
+
+
+@functools.cache
+def _sms_and_l2(device_index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    return props.multi_processor_count, props.L2_cache_size
+
+
+def persistent_programs(rows: int, row_bytes: int, device: torch.device) -> int:
+    """Programs of a two-sweep kernel: as many rows in flight as L2 holds, one per SM at least.
+
+    Sweep 2 re-reads the row that sweep 1 just streamed, back to front, with its own loads and
+    the gradient stores marked evict-first: a line is still in L2 when sweep 2 comes back for it
+    if every row in flight fits there, i.e. programs x row_bytes <= L2. On an H100 (50 MB, 132
+    SMs) bf16 rows of V = 151936 (297 KB) get one program per SM (39 MB), V = 32000 two (17 MB).
+    Fewer than one per SM would leave SMs idle, so V = 262144 (512 KB rows, 67 MB) overflows L2
+    and re-reads part of each row from HBM (docs/benchmarks.md has the traffic model).
+    """
+    if device.type != "cuda":
+        return max(1, min(rows, INTERPRETED_PROGRAMS))
+    sms, l2_bytes = _sms_and_l2(device.index if device.index is not None else 0)
+    per_sm = max(1, min(MIN_CTAS_PER_SM, l2_bytes // max(1, row_bytes * sms)))
+    return max(1, min(rows, sms * per_sm))
 
 
 def launch_options(block: int) -> dict[str, int]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import block_size, fast_exp2, launch_options
+from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
 from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
@@ -106,7 +106,8 @@ def kl_dlogp(logp, ref, KL: tl.constexpr):
 
 
 @triton.jit
-def _fused_token_loss_kernel(
+def _token_loss_row(
+    row,
     logits_ptr,
     grad_ptr,
     labels_ptr,
@@ -145,7 +146,7 @@ def _fused_token_loss_kernel(
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """The loss terms and gradient of one row (token)."""
     grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
     if tl.load(valid_ptr + row) != 0:
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
@@ -219,6 +220,92 @@ def _fused_token_loss_kernel(
         tl.store(entropy_ptr + row, 0.0)
 
 
+@triton.jit
+def _fused_token_loss_kernel(
+    rows,
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    valid_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    is_weight_ptr,
+    agg_weight_ptr,
+    low_ptr,
+    high_ptr,
+    logp_ptr,
+    entropy_ptr,
+    time,
+    vocab,
+    stride_b,
+    stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    inv_temperature,
+    scale2,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    beta,
+    entropy_coef,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    KL: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
+    are in flight as the launcher sized to L2 (`persistent_programs`)."""
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        _token_loss_row(
+            tl.cast(row, tl.int64),
+            logits_ptr,
+            grad_ptr,
+            labels_ptr,
+            valid_ptr,
+            adv_ptr,
+            old_ptr,
+            ref_ptr,
+            is_weight_ptr,
+            agg_weight_ptr,
+            low_ptr,
+            high_ptr,
+            logp_ptr,
+            entropy_ptr,
+            time,
+            vocab,
+            stride_b,
+            stride_t,
+            grad_stride_b,
+            grad_stride_t,
+            inv_temperature,
+            scale2,
+            dual_clip_c,
+            delta,
+            tau_pos,
+            tau_neg,
+            beta,
+            entropy_coef,
+            LOSS,
+            DUAL_CLIP,
+            HAS_DELTA,
+            HAS_OLD,
+            KL,
+            HAS_IS,
+            HAS_BOUNDS,
+            ENTROPY_BONUS,
+            FAST_EXP2,
+            BLOCK_V,
+        )
+
+
 def fused_token_loss(
     logits: torch.Tensor,
     grad: torch.Tensor,
@@ -254,7 +341,10 @@ def fused_token_loss(
         return logp if t is None else t.float().contiguous()  # placeholder when unused
 
     kl_code = KL_CODES[kl] if beta > 0 else 0
-    _fused_token_loss_kernel[(batch * time,)](
+    rows = batch * time
+    programs = persistent_programs(rows, vocab * logits.element_size(), logits.device)
+    _fused_token_loss_kernel[(programs,)](
+        rows,
         logits,
         grad,
         labels.contiguous(),

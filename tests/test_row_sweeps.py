@@ -177,3 +177,20 @@ def test_rows_that_need_the_exact_online_sweep(case, dtype):
     others = torch.ones_like(labels, dtype=torch.bool)
     others[row] = False
     torch.testing.assert_close(logp[others].double(), ref_logp[others], atol=2e-5, rtol=1e-5)
+
+
+def test_persistent_grid_keeps_rows_in_flight_within_l2(monkeypatch):
+    """The fused kernel's programs x row bytes fit an H100's L2 where one program per SM allows
+    it (the sweep-2 re-read is then an L2 hit), never fewer programs than SMs, never more than
+    rows; under the interpreter a few programs walk all rows (the row loop runs in tests)."""
+    from fusedrl.kernels import logprobs
+
+    sms, l2 = 132, 50 * 2**20
+    monkeypatch.setattr(logprobs, "_sms_and_l2", lambda index: (sms, l2))
+    cuda = torch.device("cuda", 0)
+    for vocab, expected in ((32000, 2 * sms), (128256, sms), (151936, sms), (262144, sms)):
+        programs = logprobs.persistent_programs(16384, vocab * 2, cuda)
+        assert programs == expected, vocab
+        assert programs * vocab * 2 <= l2 or programs == sms
+    assert logprobs.persistent_programs(7, 151936 * 2, cuda) == 7
+    assert logprobs.persistent_programs(100, 64, torch.device("cpu")) == 3
