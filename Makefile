@@ -73,5 +73,12 @@ test-verl: $(VERL_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# A CPU smoke run of the kernel benchmark (tiny shapes, the Triton kernels interpreted): it checks
+# that bench/bench_loss.py runs and measures nothing; its JSON files (bench/results/*-smoke.json)
+# say "smoke": true. GPU numbers come from bench/run_gpu.sh on a GPU (docs/benchmarks.md).
+bench-cpu: $(STAMP)
+	@echo "bench-cpu: smoke run on CPU, not a measurement"
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(PY) bench/bench_loss.py --smoke --out bench/results
+
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(TRITON_OLDEST_DIR) build *.egg-info .pytest_cache

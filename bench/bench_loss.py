@@ -1,32 +1,46 @@
 """Kernel benchmark: fusedrl against its peers and against the memory-bandwidth floor.
 
     python bench/bench_loss.py                         # the full matrix (GPU)
+    python bench/bench_loss.py --matrix small          # N=16384, V=151936, dapo grpo gspo
     python bench/bench_loss.py --N 16384 --V 151936 --presets dapo
-    python bench/bench_loss.py --smoke                 # tiny shapes, any device (CI uses it)
+    python bench/bench_loss.py --smoke                 # tiny shapes, any device: not a measurement
 
 Ops: `token_logprobs_fwd` (no grad: what old / reference log-probs cost) and
-`policy_loss_fwd_bwd` (loss + d loss / d logits). Impls: fusedrl-triton (+ -inplace),
+`policy_loss_fwd_bwd` (loss + d loss / d logits). Impls: fusedrl-triton, fusedrl-cuda (the csrc/
+extension; each with an -inplace variant that writes the gradient into the logits),
 fusedrl-torch, torch-eager (what TRL does: fp32 log_softmax + gather + loss math + autograd),
 torch-compile (torch.compile of fusedrl.reference), liger (liger_kernel's logits-level
-triton_grpo_loss with its loss type matched to the preset).
+triton_grpo_loss with its loss type matched to the preset; it writes its gradient in place).
+An impl this machine cannot run (no CUDA device, liger_kernel not installed) is skipped with the
+reason printed and recorded in the JSON (`skipped`).
 
 Every number of one run is measured in that run: the device-to-device copy bandwidth (a large
-`copy_`, bytes read + written) sets the floor; each case is timed with `triton.testing.do_bench`
-(median, p20, p80) over inputs rotated so that L2 does not serve a repeated call; peak memory is
-the allocator's high-water mark above the inputs. A table is printed and one JSON file per op is
-written to bench/results/<op>-<gpu>-<date>.json.
+`copy_`, bytes read + written) sets the floor; each case is timed over inputs rotated so that L2
+does not serve a repeated call (median, p20, p80); peak memory is the allocator's high-water mark
+above the inputs. Out-of-place impls are timed with `triton.testing.do_bench`. In-place impls
+(fusedrl-*-inplace, liger) destroy the logits they are given, so they get their own CUDA-event
+loop: per call, the buffer is rewritten from a pristine copy and L2 is flushed, then a start event,
+the step, an end event; only the step lies between the events. Every buffer is restored before the
+next impl runs, so no impl is timed on gradient values. Each rotated buffer has its own old /
+reference log-probs, computed from it. A table is printed and one JSON file per op is written to
+bench/results/<op>-<gpu>-<date>.json, rewritten after every case (a run cut short keeps what it
+measured; `"complete": false` until the end). `--smoke` results say `"smoke": true`: they check
+that the script runs, they measure nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -38,16 +52,30 @@ OPS = ("token_logprobs_fwd", "policy_loss_fwd_bwd")
 IMPLS = (
     "fusedrl-triton",
     "fusedrl-triton-inplace",
+    "fusedrl-cuda",
+    "fusedrl-cuda-inplace",
     "fusedrl-torch",
     "torch-eager",
     "torch-compile",
     "liger",
 )
+# Impls that write their gradient into the logits buffer they are given (liger: inplace=True).
+INPLACE_IMPLS = ("fusedrl-triton-inplace", "fusedrl-cuda-inplace", "liger")
+MATRICES = {
+    "full": dict(N=[4096, 16384, 65536], V=[32000, 128256, 151936]),
+    "small": dict(N=[16384], V=[151936]),
+}
+SMOKE_NOTE = "smoke run, not a measurement"
 
 
 # ------------------------------------------------------------------------------ timing
+def _quantiles(times: list[float]) -> tuple[float, float, float]:
+    q = torch.tensor(times).quantile(torch.tensor([0.5, 0.2, 0.8])).tolist()
+    return q[0], q[1], q[2]
+
+
 def _bench(fn, device: torch.device, warmup_ms: int, rep_ms: int) -> tuple[float, float, float]:
-    """(median, p20, p80) in ms."""
+    """(median, p20, p80) in ms of an out-of-place step."""
     if device.type == "cuda":
         import triton.testing
 
@@ -55,15 +83,54 @@ def _bench(fn, device: torch.device, warmup_ms: int, rep_ms: int) -> tuple[float
             fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8]
         )
         return p50, p20, p80
-    times = []
-    fn()
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
-        start = time.perf_counter()
+    return _bench_restoring(fn, lambda: None, device, warmup_ms, rep_ms)
+
+
+def _bench_restoring(
+    fn, restore, device: torch.device, warmup_ms: int, rep_ms: int
+) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms of `fn`, with `restore()` run before every call, untimed.
+
+    For in-place impls, which overwrite the logits they are given: `restore` rewrites the buffer
+    the next call takes from its pristine copy. `do_bench` cannot leave a per-call copy out of the
+    timed region, so this loop does what it does (iteration count from a 5-call estimate, L2
+    flushed by a 256 MB memset before each call, a CUDA event pair around each call) with the
+    restore queued before the flush: only `fn` lies between the two events.
+    """
+    if device.type != "cuda":
+        times = []
+        restore()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    q = torch.tensor(times).quantile(torch.tensor([0.5, 0.2, 0.8])).tolist()
-    return q[0], q[1], q[2]
+        deadline = time.perf_counter() + rep_ms / 1e3
+        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+            restore()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return _quantiles(times)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+    def timed_call():
+        restore()
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        return start, end
+
+    def elapsed(events):
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+
+    restore()
+    fn()  # compile / autotune
+    estimate = max(sorted(elapsed([timed_call() for _ in range(5)]))[2], 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        restore()
+        fn()
+    return _quantiles(elapsed([timed_call() for _ in range(max(1, int(rep_ms / estimate)))]))
 
 
 def copy_bandwidth_gbps(device: torch.device, gib: float) -> float:
@@ -76,10 +143,25 @@ def copy_bandwidth_gbps(device: torch.device, gib: float) -> float:
 
 
 # ------------------------------------------------------------------------------ inputs
-class Case:
-    """Inputs of one (N, V, preset) case; `copies` logits buffers rotate between calls."""
+class Inputs(NamedTuple):
+    """What one step gets: a logits buffer and the old / reference log-probs made from it."""
 
-    def __init__(self, n, vocab, preset, dtype, device, copies, sequences):
+    logits: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor
+
+
+class Case:
+    """Inputs of one (N, V, preset) case.
+
+    `copies` logits buffers rotate between calls, so that L2 cannot serve a repeated call. Each
+    buffer has its own old / reference log-probs, computed from that buffer (so every call sees
+    ratios near 1, whichever buffer it gets). With `pristine=True` each buffer also keeps an
+    untouched copy: in-place impls overwrite the buffer they are given with the gradient, and
+    `restore_next` / `restore_all` rewrite it from that copy, outside the timed region.
+    """
+
+    def __init__(self, n, vocab, preset, dtype, device, copies, sequences, pristine=False):
         gen = torch.Generator(device=device).manual_seed(0)
         self.cfg = LossConfig.preset(preset)
         self.batch = sequences
@@ -92,32 +174,49 @@ class Case:
             )
             for _ in range(copies)
         ]
+        self.pristine = [buf.clone() for buf in self.buffers] if pristine else None
         self.labels = torch.randint(0, vocab, shape[:2], generator=gen, device=device)
         self.mask = torch.rand(shape[:2], generator=gen, device=device) > 0.1
         self.advantages = torch.randn(self.batch, generator=gen, device=device)
-        with torch.no_grad():
-            logp, _ = fusedrl.token_logprobs(self.buffers[0][:, :-1], self.labels)
-        self.old = logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device)
-        self.ref = logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device)
+        self.old, self.ref = [], []
+        for buf in self.buffers:
+            with torch.no_grad():
+                logp, _ = fusedrl.token_logprobs(buf[:, :-1], self.labels)
+            self.old.append(logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device))
+            self.ref.append(logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device))
         self._next = 0
+        self.dirty = False  # an in-place impl has written into the buffers
 
-    def logits(self, with_extra_position=False):
-        buf = self.buffers[self._next % len(self.buffers)]
+    def take(self, with_extra_position=False) -> Inputs:
+        """The next rotated buffer (a [B, T, V] view, or all of [B, T+1, V]) and its log-probs."""
+        i = self._next % len(self.buffers)
         self._next += 1
-        return buf if with_extra_position else buf[:, :-1]
+        buf = self.buffers[i]
+        return Inputs(buf if with_extra_position else buf[:, :-1], self.old[i], self.ref[i])
+
+    def restore_next(self) -> None:
+        """Rewrite the buffer that the next `take` returns from its pristine copy."""
+        i = self._next % len(self.buffers)
+        self.buffers[i].copy_(self.pristine[i])
+
+    def restore_all(self) -> None:
+        if self.pristine is not None:
+            for buf, clean in zip(self.buffers, self.pristine):
+                buf.copy_(clean)
+        self.dirty = False
 
     @property
     def bytes_of_logits(self):
         return self.batch * self.time * self.buffers[0].shape[-1] * self.buffers[0].element_size()
 
 
-def trl_style_loss(logits, case: Case):
+def trl_style_loss(logits, case: Case, old, ref):
     """What TRL's GRPOTrainer does per step: fp32 log-softmax + gather, loss math, autograd."""
     cfg = case.cfg
     logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
     logp = logp.gather(-1, case.labels[..., None]).squeeze(-1)
     mask = case.mask.float()
-    log_ratio = logp - case.old
+    log_ratio = logp - old
     if cfg.ratio_level == "sequence":
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         log_ratio = logp - logp.detach() + seq.detach()
@@ -125,7 +224,7 @@ def trl_style_loss(logits, case: Case):
     adv = case.advantages[:, None]
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
     if cfg.beta > 0:
-        d = case.ref - logp
+        d = ref - logp
         per_token = per_token + cfg.beta * (torch.exp(d) - d - 1)
     if cfg.agg == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -135,13 +234,13 @@ def trl_style_loss(logits, case: Case):
 def _liger_fn():
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    def run(case: Case, logits_plus_one):
+    def run(case: Case, inp: Inputs):
         cfg = case.cfg
         loss_type = "dapo" if cfg.agg == "token-mean" else "grpo"
         out = triton_grpo_loss(
-            logits_plus_one,
-            case.old,
-            case.ref if cfg.beta > 0 else None,
+            inp.logits,  # [B, T+1, V], a leaf; its gradient is written into it (inplace=True)
+            inp.old,
+            inp.ref if cfg.beta > 0 else None,
             case.labels,
             case.advantages,
             case.mask,
@@ -159,31 +258,38 @@ def _liger_fn():
     return run
 
 
+def _leaf(inp: Inputs) -> Inputs:
+    return inp._replace(logits=inp.logits.detach().requires_grad_(True))
+
+
 def make_step(op: str, impl: str, case: Case):
     """A zero-argument callable running one step of `impl` on the next rotated input."""
     cfg = case.cfg
-    kwargs = dict(old_logp=case.old, ref_logp=case.ref if cfg.beta > 0 else None, config=cfg)
+
+    def loss_kwargs(inp: Inputs):
+        return dict(old_logp=inp.old, ref_logp=inp.ref if cfg.beta > 0 else None, config=cfg)
+
     if op == "token_logprobs_fwd":
-        if impl.endswith("-inplace"):
-            return None  # no gradient, nothing to write in place
+        if impl in INPLACE_IMPLS:
+            return None  # no gradient, nothing to write in place (liger has no logprobs op)
         if impl.startswith("fusedrl"):
             backend = impl.split("-")[1]
 
             def step():
                 with torch.no_grad():
-                    fusedrl.token_logprobs(case.logits(), case.labels, backend=backend)
+                    fusedrl.token_logprobs(case.take().logits, case.labels, backend=backend)
         elif impl == "torch-eager":
 
             def step():
                 with torch.no_grad():
-                    lp = torch.log_softmax(case.logits().float(), -1)
+                    lp = torch.log_softmax(case.take().logits.float(), -1)
                     lp.gather(-1, case.labels[..., None])
         elif impl == "torch-compile":
             fn = torch.compile(reference.token_logprobs)
 
             def step():
                 with torch.no_grad():
-                    fn(case.logits(), case.labels)
+                    fn(case.take().logits, case.labels)
         else:
             return None
         return step
@@ -193,35 +299,35 @@ def make_step(op: str, impl: str, case: Case):
         inplace = impl.endswith("inplace")
 
         def step():
-            logits = case.logits().detach().requires_grad_(True)
+            inp = _leaf(case.take())
             out = fusedrl.policy_loss(
-                logits,
+                inp.logits,
                 case.labels,
                 case.advantages,
                 case.mask,
                 backend=backend,
                 inplace=inplace,
-                **kwargs,
+                **loss_kwargs(inp),
             )
-            torch.autograd.grad(out.loss, logits)
+            torch.autograd.grad(out.loss, inp.logits)
     elif impl == "torch-eager":
 
         def step():
-            logits = case.logits().detach().requires_grad_(True)
-            torch.autograd.grad(trl_style_loss(logits, case), logits)
+            inp = _leaf(case.take())
+            torch.autograd.grad(trl_style_loss(inp.logits, case, inp.old, inp.ref), inp.logits)
     elif impl == "torch-compile":
         fn = torch.compile(reference.policy_loss)
 
         def step():
-            logits = case.logits().detach().requires_grad_(True)
-            out = fn(logits, case.labels, case.advantages, case.mask, **kwargs)
-            torch.autograd.grad(out.loss, logits)
+            inp = _leaf(case.take())
+            out = fn(inp.logits, case.labels, case.advantages, case.mask, **loss_kwargs(inp))
+            torch.autograd.grad(out.loss, inp.logits)
     elif impl == "liger":
         run = _liger_fn()
 
         def step():
-            logits = case.logits(with_extra_position=True).detach().requires_grad_(True)
-            torch.autograd.grad(run(case, logits), logits)
+            inp = _leaf(case.take(with_extra_position=True))
+            torch.autograd.grad(run(case, inp), inp.logits)
     else:
         raise ValueError(impl)
     return step
@@ -245,6 +351,42 @@ def peak_memory_above_inputs(step, device: torch.device) -> int | None:
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+@functools.cache
+def _cuda_extension_error() -> str | None:
+    """Build (or load) the CUDA extension now, outside every timed region, once per process."""
+    try:
+        from fusedrl.kernels import cuda as cuda_ext
+
+        cuda_ext.load()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def skip_reason(impl: str, device: torch.device, smoke: bool) -> str | None:
+    """Why this machine cannot run `impl` (None: it can). Printed once and kept in the JSON."""
+    cpu = device.type != "cuda"
+    if impl.startswith("fusedrl-cuda"):
+        if cpu:
+            return "needs a CUDA device (backend='cuda' is the csrc/ extension)"
+        error = _cuda_extension_error()
+        if error is not None:
+            return f"the CUDA extension did not load: {error}"
+    if impl.startswith("fusedrl-triton") and cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton on CPU tensors needs TRITON_INTERPRET=1 (set before triton is imported)"
+    if impl == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            return (
+                "liger_kernel is not installed (pip install liger-kernel==0.8.5, or carry its "
+                "wheel in .whl/: see bench/run_gpu.sh)"
+            )
+        if cpu:
+            return "liger is timed on CUDA tensors only"
+    if impl == "torch-compile" and cpu and smoke:
+        return "inductor would spend minutes compiling a CPU smoke run"
+    return None
 
 
 # ------------------------------------------------------------------------------ main
@@ -271,8 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    parser.add_argument("--N", nargs="+", type=int, default=[4096, 16384, 65536])
-    parser.add_argument("--V", nargs="+", type=int, default=[32000, 128256, 151936])
+    parser.add_argument(
+        "--matrix",
+        default="full",
+        choices=sorted(MATRICES),
+        help="full: N in {4096, 16384, 65536} x V in {32000, 128256, 151936}; "
+        "small: N=16384, V=151936 (--N / --V override either)",
+    )
+    parser.add_argument("--N", nargs="+", type=int, default=None)
+    parser.add_argument("--V", nargs="+", type=int, default=None)
     parser.add_argument("--presets", nargs="+", default=["dapo", "grpo", "gspo"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--sequences", type=int, default=16, help="B; T = N / B")
@@ -282,19 +431,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes on any device: checks the script runs"
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on any device: checks the script runs, measures nothing",
     )
     args = parser.parse_args(argv)
+    args.N = args.N or MATRICES[args.matrix]["N"]
+    args.V = args.V or MATRICES[args.matrix]["V"]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.N, args.V, args.sequences = [32], [263], 4
         args.copy_gib, args.warmup_ms, args.rep_ms = 0.01, 1, 20
+        args.tag = args.tag or "smoke"
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-            args.impls = [
-                i for i in args.impls if i not in ("torch-compile", "liger") and "cuda" not in i
-            ]
+    skipped = {}
+    for impl in args.impls:
+        reason = skip_reason(impl, device, args.smoke)
+        if reason is not None:
+            skipped[impl] = reason
+    impls = [impl for impl in args.impls if impl not in skipped]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth_gbps(device, args.copy_gib)
     meta = {
@@ -305,11 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _git_commit(),
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy_bandwidth_gbps": round(bandwidth, 1),
+        "smoke": args.smoke,
+        "complete": False,
+        "skipped": skipped,
     }
     print(
         f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
         f"copy bandwidth {bandwidth:.0f} GB/s"
     )
+    for impl, reason in skipped.items():
+        print(f"# skipped {impl}: {reason}")
+    if args.smoke:
+        print(f"# {SMOKE_NOTE}")
     header = (
         f"{'op':<20} {'impl':<23} {'preset':<6} {'N':>6} {'V':>7} {'ms':>9} {'p20':>8} "
         f"{'p80':>8} {'GB/s':>7} {'%floor':>7} {'peak MiB':>9}"
@@ -321,17 +485,26 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.N:
         for vocab in args.V:
             for preset in args.presets:
-                rows = _run_case(args, device, dtype, n, vocab, preset, bandwidth)
+                rows = _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth)
                 for row in rows:
                     rows_by_op[row["op"]].append(row)
+                _write(args, meta, rows_by_op, quiet=True)  # a run cut short keeps its rows
+    meta["complete"] = True
+    _write(args, meta, rows_by_op)
+    if args.smoke:
+        print(SMOKE_NOTE)
+    return 0
+
+
+def _write(args, meta: dict, rows_by_op: dict[str, list], quiet: bool = False) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     for op, rows in rows_by_op.items():
         name = f"{op}-{_slug(meta['device'])}-{date}{'-' + args.tag if args.tag else ''}.json"
         path = args.out / name
         path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-        print(f"wrote {path}")
-    return 0
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def _version(module: str) -> str | None:
@@ -341,22 +514,37 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _run_case(args, device, dtype, n, vocab, preset, bandwidth) -> list[dict]:
+def _make_case(args, impls, device, dtype, n, vocab, preset) -> Case:
+    """The inputs, with pristine copies when an in-place impl runs (two rotated buffers when both
+    they and room for a gradient fit in half the free memory)."""
+    logits_bytes = n * vocab * torch.finfo(dtype).bits // 8
+    pristine = "policy_loss_fwd_bwd" in args.ops and any(i in INPLACE_IMPLS for i in impls)
+    copies = 1
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        per_copy = (2 if pristine else 1) * logits_bytes
+        copies = 2 if 2 * per_copy + 2 * logits_bytes < free * 0.5 else 1
+    try:
+        return Case(n, vocab, preset, dtype, device, copies, min(args.sequences, n), pristine)
+    except torch.cuda.OutOfMemoryError:
+        if not pristine:
+            raise
+    torch.cuda.empty_cache()
+    return Case(n, vocab, preset, dtype, device, 1, min(args.sequences, n), pristine=False)
+
+
+def _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth) -> list[dict]:
     rows = []
     try:
-        logits_bytes = n * vocab * torch.finfo(dtype).bits // 8
-        copies = 1
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            copies = 2 if 4 * logits_bytes < free * 0.5 else 1
-        case = Case(n, vocab, preset, dtype, device, copies, min(args.sequences, n))
+        case = _make_case(args, impls, device, dtype, n, vocab, preset)
     except torch.cuda.OutOfMemoryError:
         print(f"{'-':<20} inputs do not fit: N={n} V={vocab}")
         return rows
     for op in args.ops:
         if op == "token_logprobs_fwd" and preset != args.presets[0]:
             continue  # no-grad logprobs do not depend on the loss preset
-        for impl in args.impls:
+        for impl in impls:
+            inplace = impl in INPLACE_IMPLS and op == "policy_loss_fwd_bwd"
             row = {
                 "op": op,
                 "impl": impl,
@@ -370,8 +558,20 @@ def _run_case(args, device, dtype, n, vocab, preset, bandwidth) -> list[dict]:
                 step = make_step(op, impl, case)
                 if step is None:
                     continue
+                if inplace and case.pristine is None:
+                    raise RuntimeError("no memory for the pristine copy an in-place run needs")
+                if case.dirty:
+                    case.restore_all()  # no impl runs on the gradient an in-place one left
+                if inplace:
+                    case.dirty = True
+                    case.restore_next()
                 peak = peak_memory_above_inputs(step, device)
-                ms, p20, p80 = _bench(step, device, args.warmup_ms, args.rep_ms)
+                if inplace:
+                    ms, p20, p80 = _bench_restoring(
+                        step, case.restore_next, device, args.warmup_ms, args.rep_ms
+                    )
+                else:
+                    ms, p20, p80 = _bench(step, device, args.warmup_ms, args.rep_ms)
                 floor_ms = row["bytes_floor"] / (bandwidth * 1e9) * 1e3
                 row.update(
                     ms=ms,
@@ -380,6 +580,7 @@ def _run_case(args, device, dtype, n, vocab, preset, bandwidth) -> list[dict]:
                     gbps=row["bytes_floor"] / (ms * 1e-3) / 1e9,
                     pct_of_floor=100.0 * floor_ms / ms,
                     peak_mem_bytes=peak,
+                    timing=_timing(device, inplace),
                 )
             except torch.cuda.OutOfMemoryError:
                 row.update(ms=None, error="out of memory")
@@ -392,6 +593,14 @@ def _run_case(args, device, dtype, n, vocab, preset, bandwidth) -> list[dict]:
             _print_row(row)
     del case
     return rows
+
+
+def _timing(device: torch.device, inplace: bool) -> str:
+    if device.type != "cuda":
+        return "perf_counter" + (", restored before each call (untimed)" if inplace else "")
+    if inplace:
+        return "cuda events per call, restored from a pristine copy before each call (untimed)"
+    return "triton.testing.do_bench"
 
 
 def _print_row(row: dict) -> None:

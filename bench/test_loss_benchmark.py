@@ -1,8 +1,10 @@
 """pytest-benchmark cases for kernel engineers: `pytest bench --benchmark-only`.
 
-On a CPU machine they run the torch backend at small sizes (they never gate CI); compare commits
-with `--benchmark-autosave` and `--benchmark-compare`. The GPU benchmark with the bandwidth floor,
-peers and JSON results is bench/bench_loss.py (issue: Triton kernels).
+With a CUDA device they time the Triton backend on CUDA tensors at real sizes (each call ends
+with a `torch.cuda.synchronize()`, so the time is the kernels', not the launch's); without one,
+the torch backend on CPU tensors at small sizes (they never gate CI, and measure nothing about the
+GPU). Compare commits with `--benchmark-autosave` and `--benchmark-compare`. The GPU benchmark
+with the bandwidth floor, peers and JSON results is bench/bench_loss.py.
 """
 
 from __future__ import annotations
@@ -12,14 +14,23 @@ import torch
 
 import fusedrl
 
-SHAPES = [(512, 4099), (256, 32003)]
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BACKEND = "triton" if CUDA else "torch"
+SHAPES = [(16384, 32000), (16384, 151936)] if CUDA else [(512, 4099), (256, 32003)]
 
 
 def _inputs(n, v, dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(n, v, generator=gen, dtype=dtype)
-    labels = torch.randint(0, v, (n,), generator=gen)
-    return logits, labels, torch.randn(n, generator=gen), torch.ones(n, dtype=torch.bool)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = torch.randn(n, v, generator=gen, dtype=dtype, device=DEVICE)
+    labels = torch.randint(0, v, (n,), generator=gen, device=DEVICE)
+    adv = torch.randn(n, generator=gen, device=DEVICE)
+    return logits, labels, adv, torch.ones(n, dtype=torch.bool, device=DEVICE)
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("n, v", SHAPES)
@@ -28,7 +39,9 @@ def test_token_logprobs_no_grad(benchmark, n, v):
 
     def run():
         with torch.no_grad():
-            return fusedrl.token_logprobs(logits, labels, backend="torch")
+            out = fusedrl.token_logprobs(logits, labels, backend=BACKEND)
+        _sync()
+        return out
 
     benchmark(run)
 
@@ -44,7 +57,9 @@ def test_policy_loss_fwd_bwd(benchmark, preset, n, v):
     leaf = logits.requires_grad_(True)
 
     def run():
-        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, backend="torch")
-        return torch.autograd.grad(out.loss, leaf)
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, backend=BACKEND)
+        grad = torch.autograd.grad(out.loss, leaf)
+        _sync()
+        return grad
 
     benchmark(run)

@@ -1,23 +1,42 @@
 """The benchmark scripts run end to end (tiny shapes, CPU, Triton interpreted): they cannot rot
-between GPU sessions. The numbers are meaningless here and are not checked."""
+between GPU sessions. The numbers are meaningless here and are not checked; the outputs must say
+so. bench/run_gpu.sh is checked for what it can do without a GPU: refuse, clearly."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+import fusedrl
+
+from .conftest import needs_interpreter
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SMOKE_NOTE = "smoke run, not a measurement"
+
+
+def _load(name: str):
+    """A bench/ script as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
 def test_bench_loss_smoke_and_plot(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run(
+    proc = subprocess.run(
         [
             sys.executable,
             str(BENCH / "bench_loss.py"),
@@ -34,6 +53,11 @@ def test_bench_loss_smoke_and_plot(tmp_path):
         text=True,
         timeout=600,
     )
+    # Said in the table header and again at the end; every JSON file says it too.
+    lines = proc.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("op ")))
+    assert any(SMOKE_NOTE in line for line in lines[:header])
+    assert lines[-1] == SMOKE_NOTE
     files = sorted(tmp_path.glob("*.json"))
     assert {f.name.split("-")[0] for f in files} == {"token_logprobs_fwd", "policy_loss_fwd_bwd"}
     result = json.loads((tmp_path / files[0].name).read_text())
@@ -44,8 +68,17 @@ def test_bench_loss_smoke_and_plot(tmp_path):
         "commit",
         "timestamp",
         "copy_bandwidth_gbps",
+        "smoke",
+        "complete",
+        "skipped",
         "rows",
     } <= set(result)
+    for f in files:
+        data = json.loads(f.read_text())
+        assert data["smoke"] is True and data["complete"] is True
+    if not torch.cuda.is_available():  # the CUDA extension's impls: skipped, with the reason
+        assert "CUDA device" in result["skipped"]["fusedrl-cuda-inplace"]
+        assert "# skipped fusedrl-cuda: needs a CUDA device" in proc.stdout
     loss_rows = json.loads(next(tmp_path.glob("policy_loss_fwd_bwd-*.json")).read_text())["rows"]
     measured = {(r["impl"], r["preset"]) for r in loss_rows if r.get("ms") is not None}
     assert ("fusedrl-triton", "gspo") in measured and ("torch-eager", "dapo") in measured
@@ -78,3 +111,228 @@ def test_bench_train_step_smoke(tmp_path):
     result = json.loads(next(tmp_path.glob("train_step-*.json")).read_text())
     assert [r["impl"] for r in result["rows"]] == ["eager", "fusedrl"]
     assert all(r["step_ms"] > 0 and r["tokens"] > 0 for r in result["rows"])
+
+
+def test_bench_loss_impls_match_the_docs():
+    """Every impl docs/benchmarks.md lists is a choice of bench_loss.py --impls."""
+    bench_loss = _load("bench_loss")
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| impls |"))
+    names = re.compile(r"(fusedrl|torch)(-[a-z]+)+|liger")
+    listed = {code for code in row.split("`")[1::2] if names.fullmatch(code)}
+    assert listed == set(bench_loss.IMPLS)
+
+
+@needs_interpreter
+def test_bench_loss_case_logprobs_per_buffer():
+    """Each rotated buffer has old / ref log-probs of its own logits (ratios near 1 for all)."""
+    bench_loss = _load("bench_loss")
+    case = bench_loss.Case(32, 263, "grpo", torch.bfloat16, torch.device("cpu"), 2, 4)
+    logps = [
+        fusedrl.token_logprobs(b[:, :-1], case.labels, backend="torch")[0] for b in case.buffers
+    ]
+    for i, logp in enumerate(logps):
+        assert (case.old[i] - logp).abs().max() < 1.0
+        assert (case.ref[i] - logp).abs().max() < 1.0
+    assert (case.old[1] - logps[0]).abs().max() > 1.0  # not the first buffer's log-probs
+    for _ in range(4):
+        inp = case.take()
+        i = (case._next - 1) % 2
+        assert inp.logits.data_ptr() == case.buffers[i].data_ptr() and inp.old is case.old[i]
+
+
+@needs_interpreter
+def test_bench_loss_inplace_impls_time_fresh_logits(monkeypatch):
+    """An in-place impl gets a buffer restored from its pristine copy before every call, and the
+    impls after it never see the gradient it wrote."""
+    bench_loss = _load("bench_loss")
+    cpu = torch.device("cpu")
+    seen: dict[str, list[bool]] = {}
+    make_step = bench_loss.make_step
+
+    def checked_make_step(op, impl, case):
+        step = make_step(op, impl, case)
+        if step is None:
+            return None
+
+        def checked():
+            i = case._next % len(case.buffers)
+            seen.setdefault(impl, []).append(torch.equal(case.buffers[i], case.pristine[i]))
+            step()
+
+        return checked
+
+    monkeypatch.setattr(bench_loss, "make_step", checked_make_step)
+    args = argparse.Namespace(
+        ops=["policy_loss_fwd_bwd"], presets=["dapo"], sequences=4, warmup_ms=1, rep_ms=5
+    )
+    impls = ["fusedrl-triton-inplace", "fusedrl-torch", "torch-eager"]
+    rows = bench_loss._run_case(args, impls, cpu, torch.bfloat16, 32, 263, "dapo", 100.0)
+    assert [r["impl"] for r in rows] == impls and all(r["ms"] is not None for r in rows)
+    assert "restored" in rows[0]["timing"] and "restored" not in rows[1]["timing"]
+    assert set(seen) == set(impls)
+    assert all(all(calls) for calls in seen.values()), seen
+
+    # The in-place step does write into its buffer (else the restore would test nothing).
+    case = bench_loss.Case(32, 263, "dapo", torch.bfloat16, cpu, 2, 4, pristine=True)
+    make_step("policy_loss_fwd_bwd", "fusedrl-triton-inplace", case)()
+    assert not torch.equal(case.buffers[0], case.pristine[0])
+    case.restore_all()
+    assert all(torch.equal(b, p) for b, p in zip(case.buffers, case.pristine))
+
+
+def test_profile_fused_smoke(tmp_path):
+    """The ncu driver runs its three calls (no ncu, tiny shapes) and says it measured nothing."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "profile_fused.py"),
+            "--smoke",
+            "--manifest",
+            str(tmp_path / "manifest.json"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.stdout.splitlines()[-1] == SMOKE_NOTE
+    for call in ("dapo", "logprobs", "gspo"):
+        assert f"{call}: " in proc.stdout
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["smoke"] is True and manifest["logits_bytes"] == 32 * 263 * 2
+
+
+# The format of `ncu --csv --page details --print-units base` (made-up values, not a measurement).
+NCU_HEADER = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+    '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+)
+
+
+def _ncu_csv(kernels: list[tuple[int, str, dict[str, tuple[str, str]]]]) -> str:
+    lines = ["==PROF== Connected to process 1", NCU_HEADER]
+    for kid, name, metrics in kernels:
+        for metric, (unit, value) in metrics.items():
+            lines.append(
+                f'"{kid}","1","python3","host","{name}","1","7","(256, 1, 1)","(32, 1, 1)","0",'
+                f'"9.0","Command line profiler metrics","{metric}","{unit}","{value}"'
+            )
+    return "\n".join(lines) + "\n"
+
+
+def test_profile_fused_parses_ncu_csv(tmp_path):
+    manifest = {"device": "test", "N": 4, "V": 1000, "dtype": "bfloat16", "logits_bytes": 8000}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "dapo.csv").write_text(
+        _ncu_csv(
+            [
+                (
+                    0,
+                    "_fused_token_loss_kernel",
+                    {
+                        "dram__bytes_read.sum": ("byte", "12,000"),
+                        "dram__bytes_write.sum": ("Kbyte", "8"),
+                        "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("%", "50.5"),
+                        "gpu__time_duration.sum": ("usecond", "1.5"),
+                    },
+                )
+            ]
+        )
+    )
+    gspo_metrics = {
+        "dram__bytes_read.sum": ("byte", "8,000"),
+        "dram__bytes_write.sum": ("byte", "0"),
+    }
+    (tmp_path / "gspo.csv").write_text(
+        _ncu_csv(
+            [
+                (0, "_logprobs_fwd_kernel", gspo_metrics),
+                (
+                    1,
+                    "_logits_grad_kernel",
+                    {**gspo_metrics, "dram__bytes_write.sum": ("byte", "8000")},
+                ),
+            ]
+        )
+    )
+    out = tmp_path / "ncu.json"
+    profile_fused = _load("profile_fused")
+    argv = ["parse", "--manifest", str(tmp_path / "manifest.json"), "--out", str(out), "--csv"]
+    rc = profile_fused.main(
+        argv + [f"dapo={tmp_path / 'dapo.csv'}", f"gspo={tmp_path / 'gspo.csv'}"]
+    )
+    assert rc == 0
+    result = json.loads(out.read_text())
+    dapo = result["calls"]["dapo"]
+    (kernel,) = dapo["kernels"]
+    assert kernel["kernel"] == "_fused_token_loss_kernel"
+    assert kernel["dram_bytes_read"] == 12000 and kernel["dram_bytes_write"] == 8000
+    assert kernel["read_over_logits"] == 1.5 and kernel["write_over_logits"] == 1.0
+    assert kernel["gpu_time_ns"] == 1500 and kernel["dram_throughput_pct_of_peak"] == 50.5
+    assert dapo["floor_bytes"] == 2 * 8000 and dapo["bytes_over_floor"] == 1.25
+    gspo = result["calls"]["gspo"]
+    assert [k["kernel"] for k in gspo["kernels"]] == ["_logprobs_fwd_kernel", "_logits_grad_kernel"]
+    assert gspo["floor_bytes"] == 3 * 8000 and gspo["bytes_over_floor"] == 1.0
+    # A call whose CSV holds no kernel (ncu failed, e.g. no permission for the counters): exit 1.
+    (tmp_path / "empty.csv").write_text("==ERROR== ERR_NVGPUCTRPERM\n")
+    assert profile_fused.main(argv + [f"logprobs={tmp_path / 'empty.csv'}"]) == 1
+
+
+# ------------------------------------------------------------------------------ run_gpu.sh
+def _fake_bin(tmp_path: Path, nvidia_smi: str) -> dict[str, str]:
+    """An environment whose nvidia-smi is the given script body (the host's is never run)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text("#!/usr/bin/env bash\n" + nvidia_smi + "\n")
+    tool.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def _run_gpu(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(BENCH / "run_gpu.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_run_gpu_sh_parses(tmp_path):
+    assert subprocess.run(["bash", "-n", str(BENCH / "run_gpu.sh")]).returncode == 0
+    env = _fake_bin(tmp_path, "exit 1")
+    for args in ([], ["nope"], ["tests", "a", "b"]):
+        proc = _run_gpu(args, env)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "bash bench/run_gpu.sh profile [OUTDIR]" in proc.stderr
+    proc = _run_gpu(["--help"], env)
+    assert proc.returncode == 0 and "bash bench/run_gpu.sh all" in proc.stdout
+
+
+def test_run_gpu_sh_refuses_without_gpu(tmp_path):
+    """`bash bench/run_gpu.sh tests /tmp/x` on a machine without a GPU: a clear refusal, non-zero,
+    before it installs or writes anything."""
+    env = _fake_bin(tmp_path, 'echo "NVIDIA-SMI has failed: no devices were found" >&2; exit 9')
+    out = tmp_path / "x"
+    proc = _run_gpu(["tests", str(out)], env)
+    assert proc.returncode != 0
+    assert "run_gpu.sh: refusing to run: no GPU visible (nvidia-smi -L failed" in proc.stderr
+    assert "make bench-cpu" in proc.stderr
+    assert not out.exists() and "pip" not in proc.stdout + proc.stderr
+
+
+def test_run_gpu_sh_refuses_when_torch_sees_no_gpu(tmp_path):
+    """nvidia-smi lists a GPU, but torch.cuda.is_available() is false: refused too."""
+    env = _fake_bin(tmp_path, 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"')
+    env.update(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "x"
+    proc = _run_gpu(["bench", str(out)], env)
+    assert proc.returncode != 0
+    assert "no GPU visible to torch" in proc.stderr
+    assert "torch.cuda.is_available() is False" in proc.stderr
+    assert not out.exists()
