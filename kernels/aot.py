@@ -184,9 +184,10 @@ def variants(launch: Launch) -> list[Variant]:
         ]
     out = []
     for config, vocab, dtype in configs:
-        block = module.block_size(vocab, torch.device("cuda"))
+        elem_bytes = DTYPES[dtype].itemsize
+        block = module.block_size(vocab, torch.device("cuda"), elem_bytes)
         constexprs = tuple(config.items()) + (("BLOCK_V", block),)
-        options = tuple(module.launch_options(block).items())
+        options = tuple(module.launch_options(block, elem_bytes).items())
         out.append(Variant(kernel.__name__, dtype, constexprs, options, vocab))
     return list(dict.fromkeys(out))
 

@@ -19,22 +19,26 @@ import triton.language as tl
 
 from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
-# Vocab tile caps. On a GPU a tile is one 16-byte vector per thread (8 bf16 elements x 512
-# threads): sweep 1 keeps three fp32 running sums per element slot in registers, so a wider tile
-# costs registers, not speed (the loop has no barrier to amortise). Under the interpreter every
-# tile is a numpy array; tests lower the CPU cap to force many tiles and a partial last one.
-MAX_BLOCK_V_GPU = 4096
+# Vocab tiles. On a GPU a tile is one 16-byte vector per thread of a 16-warp program (4096 bf16
+# or 2048 fp32 elements): sweep 1 keeps two fp32 running sums per element slot in registers and
+# prefetches the next tile, so a wider tile costs registers, not speed (the loop has no barrier to
+# amortise). Under the interpreter every tile is a numpy array; tests lower the CPU cap to force
+# many tiles and a partial last one.
+BYTES_PER_THREAD = 16
+MAX_WARPS = 16
 MAX_BLOCK_V_INTERPRETED = 2048
-ELEMENTS_PER_THREAD = 8
 
 
-def block_size(vocab: int, device: torch.device) -> int:
-    cap = MAX_BLOCK_V_GPU if device.type == "cuda" else MAX_BLOCK_V_INTERPRETED
+def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
+    if device.type == "cuda":
+        cap = MAX_WARPS * 32 * BYTES_PER_THREAD // elem_bytes
+    else:
+        cap = MAX_BLOCK_V_INTERPRETED
     return min(triton.next_power_of_2(vocab), cap)
 
 
-def num_warps(block: int) -> int:
-    return max(4, min(16, block // (32 * ELEMENTS_PER_THREAD)))
+def num_warps(block: int, elem_bytes: int = 2) -> int:
+    return max(4, min(MAX_WARPS, block * elem_bytes // (32 * BYTES_PER_THREAD)))
 
 
 def fast_exp2(device: torch.device) -> bool:
@@ -83,9 +87,9 @@ def persistent_programs(rows: int, row_bytes: int, device: torch.device) -> int:
     return max(1, min(rows, sms * per_sm))
 
 
-def launch_options(block: int) -> dict[str, int]:
-    """num_warps and maxnreg of a row kernel with vocab tile `block`."""
-    warps = num_warps(block)
+def launch_options(block: int, elem_bytes: int = 2) -> dict[str, int]:
+    """num_warps and maxnreg of a row kernel with vocab tile `block` of elem_bytes elements."""
+    warps = num_warps(block, elem_bytes)
     return {"num_warps": warps, "maxnreg": max_registers(warps)}
 
 
@@ -188,7 +192,7 @@ def logprobs_forward(
     )
     if rows == 0:
         return logp, lse, entropy
-    block = block_size(vocab, logits.device)
+    block = block_size(vocab, logits.device, logits.element_size())
     labels = labels.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else labels
     _logprobs_fwd_kernel[(rows,)](
@@ -207,7 +211,7 @@ def logprobs_forward(
         HAS_VALID=valid is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
-        **launch_options(block),
+        **launch_options(block, logits.element_size()),
     )
     return logp, lse, entropy
 
@@ -226,7 +230,7 @@ def logits_backward(
     batch, time, vocab = logits.shape
     if batch * time == 0:
         return
-    block = block_size(vocab, logits.device)
+    block = block_size(vocab, logits.device, logits.element_size())
     dlogp = dlogp.float().contiguous()
     dentropy_arg = dentropy.float().contiguous() if dentropy is not None else dlogp
     _logits_grad_kernel[(batch * time,)](
@@ -248,5 +252,5 @@ def logits_backward(
         WITH_ENTROPY=dentropy is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
-        **launch_options(block),
+        **launch_options(block, logits.element_size()),
     )

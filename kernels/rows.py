@@ -203,7 +203,9 @@ def row_stats(
     lse2 = ref + tl.log2(total)
     mean_y = ref + sum_d / total
     if (total == float("inf")) | (tl.abs(sum_d) == float("inf")) | (mean_y != mean_y):
-        lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, BLOCK_V)
+        # Half tiles: its three running vectors then take no more registers than the fast path.
+        HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
+        lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, HALF_BLOCK_V)
     return lse2 * LN2, mean_y * LN2
 
 

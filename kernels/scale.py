@@ -51,7 +51,7 @@ def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
     batch, time, vocab = grad3.shape
     if batch * time == 0:
         return
-    block = block_size(vocab, grad.device)
+    block = block_size(vocab, grad.device, grad.element_size())
     _scale_rows_unless_one_kernel[(batch * time,)](
         grad3,
         scale.reshape(1).float(),
@@ -60,5 +60,5 @@ def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
         grad3.stride(0),
         grad3.stride(1),
         BLOCK_V=block,
-        **launch_options(block),
+        **launch_options(block, grad.element_size()),
     )

@@ -335,7 +335,7 @@ def fused_token_loss(
     entropy = torch.empty_like(logp)
     if batch * time == 0:
         return logp, entropy
-    block = block_size(vocab, logits.device)
+    block = block_size(vocab, logits.device, logits.element_size())
 
     def flat(t: torch.Tensor | None) -> torch.Tensor:
         return logp if t is None else t.float().contiguous()  # placeholder when unused
@@ -382,6 +382,6 @@ def fused_token_loss(
         ENTROPY_BONUS=entropy_coef != 0.0,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
-        **launch_options(block),
+        **launch_options(block, logits.element_size()),
     )
     return logp, entropy
