@@ -40,6 +40,9 @@ RowLayout layout_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "fusedrl: ", name, " must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(t.dim() == 3, "fusedrl: ", name, " must be [B, T, V], got shape ", t.sizes());
   TORCH_CHECK(t.size(2) > 0, "fusedrl: ", name, " has an empty vocab dimension");
+  // In-row indices are 32-bit in the kernels (row offsets stay 64-bit).
+  TORCH_CHECK(t.size(2) <= INT32_MAX / 2, "fusedrl: ", name, " has a vocab dimension of ",
+              t.size(2), "; at most ", INT32_MAX / 2, " is supported");
   TORCH_CHECK(t.size(2) == 1 || t.stride(2) == 1, "fusedrl: ", name,
               " must be contiguous in its vocab dimension, got strides ", t.strides());
   return RowLayout{t.size(0) * t.size(1), t.size(1), t.size(2), t.stride(0), t.stride(1)};

@@ -1,12 +1,19 @@
 // fusedrl CUDA kernels: token log-probs, the gradient sweep, and the fused token-level policy loss.
 //
-// One thread block per row (token), grid-stride over rows (any number of rows). Each row is read
-// with 16-byte vector loads after peeling the unaligned head (a [B, P+T, V] slice with odd V is
-// not 16-byte aligned per row), statistics are accumulated in fp32 per thread (online max, sum of
-// exp, sum of exp * z for the entropy) and combined with warp shuffles + shared memory. The
-// per-row scalars (ratio, clip, KL, IS and aggregation weights) are evaluated by one thread and
-// broadcast; the gradient sweep then walks the row from its last vector backwards, so that the
-// part most recently streamed by the statistics sweep (most likely still in L2) is re-read first.
+// One thread block per row (token), grid-stride over rows; the fused kernel's grid is sized so that
+// the rows in flight fit L2 (its second sweep re-reads the row). Each row is read with 16-byte
+// vector loads after peeling the unaligned head (a [B, P+T, V] slice with odd V is not 16-byte
+// aligned per row); in-row indices are 32-bit.
+//
+// Sweep 1 works in base 2 (y = logit * log2(e) / T, one FFMA with the pre-scaled factor) and sums
+// 2^(y - y_label) and 2^(y - y_label) (y - y_label) relative to the label logit, not to a running
+// max: one ex2.approx per element, no compare, no rescale. The label's own term is 1, so the sums
+// overflow only when a logit exceeds the label's by more than ~110 (base 2), or on NaN / inf; such
+// a row is read again by the exact online softmax. The per-row scalars (ratio, clip, KL, IS and
+// aggregation weights) are evaluated by one thread and broadcast; the gradient sweep then walks
+// the row from its last vector backwards (the part sweep 1 streamed last is the likeliest still in
+// L2), writes p (k0 + k1 log2 p) (the entropy term a template flag), and thread 0 writes the
+// label's one-hot term after the sweep, so the loop has no compare with the label.
 //
 // The formulas are those of fusedrl/token_terms.py (and kernels/token_loss.py), clamps and
 // tie rules included.
@@ -22,10 +29,31 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+// Two blocks per SM at most (64 registers): the fused kernel's grid keeps rows in flight <= L2.
+constexpr int kMinBlocksPerSm = 2;
 constexpr float kInf = __builtin_huge_valf();
 constexpr float kLogRatioClamp = 20.f;
 constexpr float kKlLogClamp = 20.f;
 constexpr float kKlValueClamp = 10.f;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// 2^(kFloor - max) is 0 for any real row: logits below it (-inf: banned tokens) count as p = 0
+// without a select, and kFloor x (dentropy ln2 / T) stays finite.
+constexpr float kFloor = -1e20f;
+
+// One MUFU.EX2 (denormal results flush to 0: nothing a softmax can see).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// max that keeps a NaN operand (fmaxf would drop it and hide a NaN logit): sm_80+.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
@@ -62,9 +90,9 @@ __device__ __forceinline__ int64_t row_offset(int64_t row, const RowLayout& layo
 
 // Elements before the first 16-byte boundary of a row (0 when the row starts aligned).
 template <typename T>
-__device__ __forceinline__ int64_t unaligned_head(const void* ptr, int64_t vocab) {
+__device__ __forceinline__ int unaligned_head(const void* ptr, int vocab) {
   const auto addr = reinterpret_cast<uintptr_t>(ptr);
-  const int64_t head = static_cast<int64_t>((16 - addr % 16) % 16) / sizeof(T);
+  const int head = static_cast<int>((16 - addr % 16) % 16) / static_cast<int>(sizeof(T));
   return head < vocab ? head : vocab;
 }
 
@@ -146,20 +174,21 @@ __device__ Stats block_reduce(Stats st) {
   return result;
 }
 
-// One read of the row: per-thread online statistics over 16-byte packs, then a block merge.
+// The exact online softmax (running max per thread, then a block merge): the fallback for rows
+// whose sums relative to the label logit overflow.
 template <typename T>
-__device__ Stats row_stats(const T* row, int64_t vocab, float inv_temperature) {
+__device__ Stats row_stats_online(const T* row, int vocab, float inv_temperature) {
   Stats st;
-  const int64_t head = unaligned_head<T>(row, vocab);
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
+  const int head = unaligned_head<T>(row, vocab);
+  for (int j = threadIdx.x; j < head; j += blockDim.x) {
     const float z = to_float(row[j]) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
   }
   constexpr int kPack = Pack<T>::kSize;
-  const int64_t packs = (vocab - head) / kPack;
+  const int packs = (vocab - head) / kPack;
   const auto* packed = reinterpret_cast<const Pack<T>*>(row + head);
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
     const Pack<T> p = packed[i];
     float z[kPack];
     float pack_max = -kInf;
@@ -172,7 +201,7 @@ __device__ Stats row_stats(const T* row, int64_t vocab, float inv_temperature) {
 #pragma unroll
     for (int k = 0; k < kPack; ++k) accumulate(st, z[k]);
   }
-  for (int64_t j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
     const float z = to_float(row[j]) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
@@ -180,57 +209,162 @@ __device__ Stats row_stats(const T* row, int64_t vocab, float inv_temperature) {
   return block_reduce(st);
 }
 
-// ------------------------------------------------------------------------------ gradient sweep
-struct RowGrad {
-  int64_t label;
-  float lse;
-  float entropy;
-  float dlogp;
-  float dentropy;
-  float inv_temperature;
+// Block-wide sum of two floats; every thread gets the result.
+__device__ float2 block_sum2(float a, float b) {
+  __shared__ float2 partial[kWarps];
+  __shared__ float2 total;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = make_float2(a, b);
+  __syncthreads();
+  if (warp == 0) {
+    float2 w = lane < kWarps ? partial[lane] : make_float2(0.f, 0.f);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      w.x += __shfl_xor_sync(0xffffffffu, w.x, offset);
+      w.y += __shfl_xor_sync(0xffffffffu, w.y, offset);
+    }
+    if (lane == 0) total = w;
+  }
+  __syncthreads();
+  const float2 result = total;
+  __syncthreads();  // `total` is reused by the next row of the grid-stride loop
+  return result;
+}
 
-  __device__ __forceinline__ float operator()(int64_t j, float raw) const {
-    const float log_p = raw * inv_temperature - lse;
-    const float p = expf(log_p);
-    float g = (j == label ? dlogp : 0.f) - dlogp * p;
-    if (dentropy != 0.f && p > 0.f) g -= dentropy * p * (log_p + entropy);
-    return g * inv_temperature;
+// Sums of one element relative to the reference: d = y - ref clamped at kFloor (NaN kept).
+struct RefSums {
+  float scale2;  // log2(e) / T
+  float ref;     // the reference logit in base-2 units
+  float s = 0.f;
+  float t = 0.f;
+  __device__ __forceinline__ void add(float x) {
+    const float d = max_nan(fmaf(x, scale2, -ref), kFloor);
+    const float e = ex2(d);
+    s += e;
+    t = fmaf(e, d, t);
   }
 };
 
+struct RowStats {
+  float lse;     // nats
+  float mean_z;  // sum_j p_j z_j, nats
+};
+
+// One read of the row (see the file comment); `ref_logit` is a logit of the row (the label's).
 template <typename T>
-__device__ void write_row_grad(const T* row, T* out, int64_t vocab, const RowGrad& f) {
-  const int64_t head = unaligned_head<T>(row, vocab);
-  if (head != unaligned_head<T>(out, vocab)) {  // input and output disagree on alignment
-    for (int64_t j = vocab - 1 - threadIdx.x; j >= 0; j -= blockDim.x) {
-      out[j] = from_float<T>(f(j, to_float(row[j])));
-    }
-    return;
-  }
+__device__ RowStats row_stats(const T* row, int vocab, float inv_temperature, float ref_logit) {
+  const float scale2 = kLog2e * inv_temperature;
+  RefSums acc{scale2, max_nan(ref_logit * scale2, kFloor)};
+  const int head = unaligned_head<T>(row, vocab);
+  for (int j = threadIdx.x; j < head; j += blockDim.x) acc.add(to_float(row[j]));
   constexpr int kPack = Pack<T>::kSize;
-  const int64_t packs = (vocab - head) / kPack;
-  for (int64_t j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
-    out[j] = from_float<T>(f(j, to_float(row[j])));
-  }
-  const auto* packed_in = reinterpret_cast<const Pack<T>*>(row + head);
-  auto* packed_out = reinterpret_cast<Pack<T>*>(out + head);
-  for (int64_t i = packs - 1 - threadIdx.x; i >= 0; i -= blockDim.x) {
-    const Pack<T> p = packed_in[i];
-    Pack<T> g;
+  const int packs = (vocab - head) / kPack;
+  const auto* packed = reinterpret_cast<const Pack<T>*>(row + head);
+  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T> p = packed[i];
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) {
-      g.v[k] = from_float<T>(f(head + i * kPack + k, to_float(p.v[k])));
-    }
-    packed_out[i] = g;
+    for (int k = 0; k < kPack; ++k) acc.add(to_float(p.v[k]));
   }
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
-    out[j] = from_float<T>(f(j, to_float(row[j])));
+  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+    acc.add(to_float(row[j]));
+  }
+  const float2 sums = block_sum2(acc.s, acc.t);
+  const float mean_d = sums.y / sums.x;
+  if (sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {  // uniform over the block
+    return {(acc.ref + log2f(sums.x)) * kLn2, (acc.ref + mean_d) * kLn2};
+  }
+  const Stats st = row_stats_online(row, vocab, inv_temperature);
+  const float lse = st.m == kInf ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
+  return {lse, st.t / st.s};
+}
+
+// ------------------------------------------------------------------------------ gradient sweep
+// d loss / d logit_j = p_j (k0 + k1 log2 p_j), plus dlogp / T at the label (written separately):
+// k0 = -(dlogp + dH H) / T, k1 = -dH ln2 / T, log2 p_j = y_j - lse2.
+struct RowGrad {
+  int label;
+  float label_logit;  // read before the row is overwritten (in place)
+  float lse2;
+  float k0;
+  float k1;
+  float scale2;
+  float label_term;  // dlogp / T
+
+  __device__ static RowGrad make(int label, float label_logit, float lse, float entropy,
+                                 float dlogp, float dentropy, float inv_temperature) {
+    return RowGrad{label,
+                   label_logit,
+                   lse * kLog2e,
+                   -(dlogp + dentropy * entropy) * inv_temperature,
+                   -dentropy * kLn2 * inv_temperature,
+                   kLog2e * inv_temperature,
+                   dlogp * inv_temperature};
+  }
+
+  template <bool kEntropy>
+  __device__ __forceinline__ float p_term(float x) const {
+    const float log2_p = fmaf(x, scale2, -lse2);
+    if (kEntropy) {
+      const float clamped = max_nan(log2_p, kFloor);  // -inf: 0 * finite, not 0 * -inf
+      return ex2(clamped) * fmaf(k1, clamped, k0);
+    }
+    return ex2(log2_p) * k0;  // -inf: ex2 gives 0
+  }
+};
+
+template <typename T, bool kEntropy>
+__device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f) {
+  const int head = unaligned_head<T>(row, vocab);
+  constexpr int kPack = Pack<T>::kSize;
+  const int packs = (vocab - head) / kPack;
+  if (head != unaligned_head<T>(out, vocab)) {  // input and output disagree on alignment
+    const auto* packed_in = reinterpret_cast<const Pack<T>*>(row + head);
+    for (int i = packs - 1 - static_cast<int>(threadIdx.x); i >= 0; i -= blockDim.x) {
+      const Pack<T> p = packed_in[i];
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) {
+        out[head + i * kPack + k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      }
+    }
+  } else {
+    const auto* packed_in = reinterpret_cast<const Pack<T>*>(row + head);
+    auto* packed_out = reinterpret_cast<Pack<T>*>(out + head);
+    for (int i = packs - 1 - static_cast<int>(threadIdx.x); i >= 0; i -= blockDim.x) {
+      const Pack<T> p = packed_in[i];
+      Pack<T> g;
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) g.v[k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      packed_out[i] = g;
+    }
+  }
+  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+    out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row[j])));
+  }
+  for (int j = threadIdx.x; j < head; j += blockDim.x) {
+    out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row[j])));
+  }
+  __syncthreads();  // the label's entry last: another thread's pack store covered it
+  if (threadIdx.x == 0) {
+    out[f.label] = from_float<T>(f.p_term<kEntropy>(f.label_logit) + f.label_term);
   }
 }
 
 template <typename T>
-__device__ void write_row_zeros(T* out, int64_t vocab) {
-  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) out[j] = from_float<T>(0.f);
+__device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f, bool entropy) {
+  if (entropy) {
+    write_row_grad<T, true>(row, out, vocab, f);
+  } else {
+    write_row_grad<T, false>(row, out, vocab, f);
+  }
+}
+
+template <typename T>
+__device__ void write_row_zeros(T* out, int vocab) {
+  for (int j = threadIdx.x; j < vocab; j += blockDim.x) out[j] = from_float<T>(0.f);
 }
 
 // ------------------------------------------------------------------------------ token scalars
@@ -304,18 +438,19 @@ __global__ void __launch_bounds__(kThreads)
     logprobs_forward_kernel(const T* logits, RowLayout layout, const int64_t* labels,
                             const int8_t* valid, float inv_temperature, float* logp, float* lse,
                             float* entropy) {
+  const int vocab = static_cast<int>(layout.vocab);
   for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
     if (valid != nullptr && valid[row] == 0) {
       if (threadIdx.x == 0) logp[row] = lse[row] = entropy[row] = 0.f;
       continue;
     }
     const T* row_ptr = logits + row_offset(row, layout);
-    const Stats st = row_stats(row_ptr, layout.vocab, inv_temperature);
+    const float label_logit = to_float(row_ptr[labels[row]]);
+    const RowStats st = row_stats(row_ptr, vocab, inv_temperature, label_logit);
     if (threadIdx.x == 0) {
-      const float row_lse = st.m == kInf ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
-      logp[row] = to_float(row_ptr[labels[row]]) * inv_temperature - row_lse;
-      lse[row] = row_lse;
-      entropy[row] = row_lse - st.t / st.s;
+      logp[row] = label_logit * inv_temperature - st.lse;
+      lse[row] = st.lse;
+      entropy[row] = st.lse - st.mean_z;
     }
   }
 }
@@ -325,39 +460,46 @@ __global__ void __launch_bounds__(kThreads)
     logits_grad_kernel(const T* logits, T* out, RowLayout layout, RowLayout out_layout,
                        const int64_t* labels, const float* lse, const float* entropy,
                        const float* dlogp, const float* dentropy, float inv_temperature) {
+  const int vocab = static_cast<int>(layout.vocab);
   for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
     T* out_row = out + row_offset(row, out_layout);
-    const RowGrad f{labels[row], lse[row], entropy[row], dlogp[row],
-                    dentropy != nullptr ? dentropy[row] : 0.f, inv_temperature};
-    if (f.dlogp == 0.f && f.dentropy == 0.f) {
-      write_row_zeros(out_row, layout.vocab);
+    const float row_dlogp = dlogp[row];
+    const float row_dentropy = dentropy != nullptr ? dentropy[row] : 0.f;
+    if (row_dlogp == 0.f && row_dentropy == 0.f) {
+      write_row_zeros(out_row, vocab);
     } else {
-      write_row_grad(logits + row_offset(row, layout), out_row, layout.vocab, f);
+      const T* row_ptr = logits + row_offset(row, layout);
+      const int label = static_cast<int>(labels[row]);
+      const RowGrad f = RowGrad::make(label, to_float(row_ptr[label]), lse[row], entropy[row],
+                                      row_dlogp, row_dentropy, inv_temperature);
+      __syncthreads();  // in place: every thread has read the label logit before any write
+      write_row_grad(row_ptr, out_row, vocab, f, dentropy != nullptr);
     }
     __syncthreads();  // in place: the next row's reads never overlap, but keep blocks in step
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     fused_token_loss_kernel(const T* logits, T* grad, RowLayout layout, RowLayout grad_layout,
                             TokenLossInputs in, TokenLossParams params, float* logp_out,
                             float* entropy_out) {
   __shared__ RowGrad shared_grad;
+  const int vocab = static_cast<int>(layout.vocab);
   for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
     T* grad_row = grad + row_offset(row, grad_layout);
     if (in.valid[row] == 0) {
-      write_row_zeros(grad_row, layout.vocab);
+      write_row_zeros(grad_row, vocab);
       if (threadIdx.x == 0) logp_out[row] = entropy_out[row] = 0.f;
       continue;
     }
     const T* row_ptr = logits + row_offset(row, layout);
-    const Stats st = row_stats(row_ptr, layout.vocab, params.inv_temperature);
+    const int label = static_cast<int>(in.labels[row]);
+    const float label_logit = to_float(row_ptr[label]);  // before any write (block_sum2 syncs)
+    const RowStats st = row_stats(row_ptr, vocab, params.inv_temperature, label_logit);
     if (threadIdx.x == 0) {
-      const float lse = st.m == kInf ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
-      const float entropy = lse - st.t / st.s;
-      const int64_t label = in.labels[row];
-      const float logp = to_float(row_ptr[label]) * params.inv_temperature - lse;
+      const float entropy = st.lse - st.mean_z;
+      const float logp = label_logit * params.inv_temperature - st.lse;
       const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
       const float low = in.low != nullptr ? in.low[row] : 0.f;
       const float high = in.high != nullptr ? in.high[row] : 0.f;
@@ -365,14 +507,14 @@ __global__ void __launch_bounds__(kThreads)
       if (in.is_weight != nullptr) d *= in.is_weight[row];
       if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
       const float agg = in.agg_weight[row];
-      shared_grad = RowGrad{label, lse, entropy, d * agg, -params.entropy_coef * agg,
-                            params.inv_temperature};
+      shared_grad = RowGrad::make(label, label_logit, st.lse, entropy, d * agg,
+                                  -params.entropy_coef * agg, params.inv_temperature);
       logp_out[row] = logp;
       entropy_out[row] = entropy;
     }
     __syncthreads();
     const RowGrad f = shared_grad;
-    write_row_grad(row_ptr, grad_row, layout.vocab, f);
+    write_row_grad(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
     __syncthreads();  // shared_grad is rewritten by the next row
   }
 }
@@ -381,6 +523,22 @@ int grid_for(int64_t rows) {
   // Enough blocks to fill any current GPU many times over; the kernels grid-stride beyond.
   constexpr int64_t kMaxBlocks = 1 << 20;
   return static_cast<int>(rows < kMaxBlocks ? (rows > 0 ? rows : 1) : kMaxBlocks);
+}
+
+// The fused kernel's grid: as many rows in flight as L2 holds, one block per SM at least (see
+// fusedrl.kernels.logprobs.persistent_programs, the same rule for the Triton kernel).
+int grid_for_l2(int64_t rows, int64_t row_bytes) {
+  int device = 0, sms = 0, l2_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess ||
+      sms <= 0) {
+    return grid_for(rows);
+  }
+  int64_t per_sm = static_cast<int64_t>(l2_bytes) / (row_bytes * sms > 0 ? row_bytes * sms : 1);
+  per_sm = per_sm < 1 ? 1 : (per_sm > kMinBlocksPerSm ? kMinBlocksPerSm : per_sm);
+  const int64_t blocks = sms * per_sm;
+  return static_cast<int>(rows < blocks ? (rows > 0 ? rows : 1) : blocks);
 }
 
 template <typename Fn>
@@ -432,7 +590,8 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
   if (layout.rows == 0) return cudaSuccess;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    fused_token_loss_kernel<T><<<grid_for(layout.rows), kThreads, 0, stream>>>(
+    const int blocks = grid_for_l2(layout.rows, layout.vocab * static_cast<int64_t>(sizeof(T)));
+    fused_token_loss_kernel<T><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs, params,
         logp, entropy);
     return cudaGetLastError();

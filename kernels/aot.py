@@ -312,6 +312,17 @@ def sass_loops(sass: str) -> list[dict]:
     return loops
 
 
+# Issue budget of the main loops, in warp-instructions per row element (loop body / elements per
+# thread per trip / 32). The floor of the fused loss moves 4 bytes per bf16 element (1R + 1W); at
+# an H100's ~3 TB/s that is 0.75e12 elements/s, against 132 SMs x 4 schedulers x ~1.75 GHz =
+# ~0.92e12 warp-instructions/s: 1.2 per element would keep the schedulers as busy as the memory.
+# Half of that (0.6 for both sweeps) leaves them idle half the time, so memory stays the bound.
+# tests/test_kernels_compile.py (Triton) and tests/test_cuda_build.py (csrc/) hold the kernels
+# to it.
+SWEEP_BUDGET = {"stats": 0.30, "grad": 0.32}
+FUSED_BUDGET = 0.60
+
+
 def loop_role(loop: dict) -> str:
     """What a row-sweep loop does, from its memory instructions: `stats` (reads the row),
     `grad` (reads it and writes the gradient 128-bit), `grad_unaligned_out` (the gradient does

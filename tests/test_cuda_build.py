@@ -36,10 +36,20 @@ def _cuda_include() -> Path:
     pytest.skip("CUDA headers not found (set CUDA_HOME)")
 
 
-@needs_nvcc
-@pytest.mark.slow
-@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
-def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory):
+    """source name -> object file for sm_80 + sm_90, compiled once per test run."""
+    built: dict[str, Path] = {}
+
+    def build(source: str) -> Path:
+        if source not in built:
+            built[source] = _compile(source, tmp_path_factory.mktemp("cu"))
+        return built[source]
+
+    return build
+
+
+def _compile(source: str, tmp_path: Path) -> Path:
     cmd = [
         NVCC,
         "-c",
@@ -60,7 +70,14 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / (source + ".o")).stat().st_size > 0
-    usage = _resource_usage(tmp_path / (source + ".o"))
+    return tmp_path / (source + ".o")
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
+def test_cu_compiles_for_sm80_and_sm90(source, objects):
+    usage = _resource_usage(objects(source))
     assert {arch for arch, _, _ in usage} == {"sm_80", "sm_90"}
     for arch, function, fields in usage:
         print(f"{arch} {fields['REG']:>3} regs {fields['LOCAL']:>3} B local  {function}")
@@ -71,6 +88,54 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
         if fields["LOCAL"] or fields["STACK"]
     ]
     assert not spills, "\n".join(spills)
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
+    """The same static check as the Triton kernels' (tests/test_kernels_compile.py), from the
+    extension's SASS: per kernel and dtype, the sweep-1 loop (the cheaper stats loop: the other is
+    the exact online fallback) and every gradient loop (with and without the entropy term) load and
+    store 128 bits, hold no barrier, issue one MUFU per element, and stay within
+    fusedrl.kernels.aot.SWEEP_BUDGET; the fused kernel's two sweeps within FUSED_BUDGET."""
+    from fusedrl.kernels.aot import FUSED_BUDGET, SWEEP_BUDGET, sass_loops, with_costs
+
+    sass = subprocess.run(
+        [_cuobjdump(), "-sass", "-arch", arch, str(objects("fused_loss.cu"))],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    assert len(functions) >= 9, f"expected 3 kernels x 3 dtypes in the {arch} SASS"
+    failures, table = [], []
+    for text in functions:
+        name = text.split("\n", 1)[0].strip()
+        kernel = re.search(r"(logprobs_forward|logits_grad|fused_token_loss)_kernel", name)
+        dtype = "bf16" if "bfloat16" in name else "fp16" if "__half" in name else "fp32"
+        elem_bytes = 4 if dtype == "fp32" else 2
+        assert kernel, name
+        loops = with_costs(sass_loops(text), 16 // elem_bytes, elem_bytes)
+        stats = [loop for loop in loops if loop["role"] == "stats"]
+        grads = [loop for loop in loops if loop["role"] == "grad"]
+        checked = ([min(stats, key=lambda loop: loop["instructions"])] if stats else []) + grads
+        assert checked, f"{kernel.group(1)} {dtype}: no 128-bit main loop found"
+        for loop in checked:
+            cost, role = loop["warp_instructions_per_element"], loop["role"]
+            table.append(f"{arch} {kernel.group(1):<18} {dtype} {role:<5} {cost:.3f} w-instr/elem")
+            wide = all(op.endswith(".128") for op in {**loop["loads"], **loop["stores"]})
+            if cost > SWEEP_BUDGET[role] or loop["mufu_per_element"] > 1 or loop["barriers"]:
+                failures.append(f"{table[-1]}, {loop['mufu_per_element']} MUFU/elem, "
+                                f"{loop['barriers']} BAR")  # fmt: skip
+            if not wide:
+                failures.append(f"{table[-1]}: {loop['loads']} {loop['stores']}")
+        if kernel.group(1) == "fused_token_loss":
+            total = checked[0]["warp_instructions_per_element"] + max(
+                loop["warp_instructions_per_element"] for loop in grads
+            )
+            if total > FUSED_BUDGET:
+                failures.append(f"{arch} fused {dtype}: both sweeps {total:.3f} > {FUSED_BUDGET}")
+    print("\n" + "\n".join(table))
+    assert not failures, "\n".join(failures)
 
 
 def _cuobjdump() -> str:
