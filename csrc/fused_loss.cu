@@ -17,10 +17,13 @@
 //
 // The formulas are those of fusedrl/token_terms.py (and kernels/token_loss.py), clamps and
 // tie rules included.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "fused_loss.h"
 
@@ -154,7 +157,7 @@ __device__ Stats block_reduce(Stats st) {
   __syncthreads();
   if (warp == 0) {
     Stats w;
-    if (lane < kWarps) {
+    if (lane < static_cast<int>(blockDim.x / 32)) {  // the cluster kernel's blocks are smaller
       w.m = sm[lane];
       w.s = ss[lane];
       w.t = stt[lane];
@@ -519,6 +522,298 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
 }
 
+// ------------------------------------------------------------------------------ sm_90: one read
+// The fused loss with exactly one read and one write of each row: a thread-block cluster of
+// kClusterSize CTAs takes a row, each CTA loads its slice of the row's 16-byte packs into shared
+// memory while summing it (sweep 1), the CTAs' partial sums are merged through distributed shared
+// memory, and each CTA writes its slice's gradient from its on-chip copy. The elements before the
+// row's first 16-byte boundary and after its last whole pack (< 16 in all) are the last CTA's, read
+// from global memory twice. Rows with overflowing sums take the exact online softmax, also from
+// shared memory.
+constexpr int kClusterSize = 8;       // portable cluster size
+constexpr int kClusterThreads = 256;  // per CTA
+
+namespace cg = cooperative_groups;
+
+struct ClusterRow {
+  int head;      // elements before the first 16-byte boundary
+  int packs;     // whole 16-byte packs after them
+  int per_cta;   // packs per CTA (the last may hold fewer)
+  int first;     // this CTA's first pack
+  int count;     // this CTA's packs
+};
+
+template <typename T>
+__device__ __forceinline__ ClusterRow cluster_row(const T* row_ptr, int vocab, int rank) {
+  ClusterRow r;
+  r.head = unaligned_head<T>(row_ptr, vocab);
+  r.packs = (vocab - r.head) / Pack<T>::kSize;
+  r.per_cta = (r.packs + kClusterSize - 1) / kClusterSize;
+  r.first = rank * r.per_cta;
+  const int left = r.packs - r.first;
+  r.count = left < 0 ? 0 : (left < r.per_cta ? left : r.per_cta);
+  return r;
+}
+
+// The elements outside the packs: [0, head) and [head + packs * kPack, vocab).
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_each_loose_element(const ClusterRow& r, int vocab, Fn&& fn) {
+  const int tail = r.head + r.packs * Pack<T>::kSize;
+  for (int j = threadIdx.x; j < r.head + (vocab - tail); j += blockDim.x) {
+    fn(j < r.head ? j : tail + (j - r.head));
+  }
+}
+
+// Sum of a float2 over the CTAs of the cluster, in rank order (every CTA gets the same bits).
+// A template: cg::cluster_group exists only where the device code is compiled for sm_90+.
+template <typename Cluster>
+__device__ float2 cluster_sum2(Cluster& cluster, float2* mine, float2 value) {
+  __shared__ float2 total;
+  if (threadIdx.x == 0) *mine = value;
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    float2 acc = make_float2(0.f, 0.f);
+    for (int r = 0; r < kClusterSize; ++r) {
+      const float2 other = *cluster.map_shared_rank(mine, r);
+      acc.x += other.x;
+      acc.y += other.y;
+    }
+    total = acc;
+  }
+  __syncthreads();
+  return total;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // used by the cluster kernel only
+constexpr int kClusterWarps = kClusterThreads / 32;
+
+__device__ float2 block_sum2_small(float a, float b) {
+  __shared__ float2 partial[kClusterWarps];
+  __shared__ float2 total;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = make_float2(a, b);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float2 w = make_float2(0.f, 0.f);
+    for (int i = 0; i < kClusterWarps; ++i) {
+      w.x += partial[i].x;
+      w.y += partial[i].y;
+    }
+    total = w;
+  }
+  __syncthreads();
+  const float2 result = total;
+  __syncthreads();
+  return result;
+}
+#endif
+
+template <typename T, bool kEntropy>
+__device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
+                                 const ClusterRow& r, int vocab, bool last_rank,
+                                 const RowGrad& f) {
+  constexpr int kPack = Pack<T>::kSize;
+  if (unaligned_head<T>(out, vocab) == r.head) {
+    auto* packed_out = reinterpret_cast<Pack<T>*>(out + r.head) + r.first;
+    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+      const Pack<T> p = slice[i];
+      Pack<T> g;
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) g.v[k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      packed_out[i] = g;
+    }
+  } else {  // the gradient rows are aligned differently from the logits: scalar stores
+    T* slice_out = out + r.head + static_cast<int64_t>(r.first) * kPack;
+    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+      const Pack<T> p = slice[i];
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) {
+        slice_out[i * kPack + k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      }
+    }
+  }
+  if (last_rank) {
+    for_each_loose_element<T>(r, vocab, [&](int j) {
+      out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row_ptr[j])));
+    });
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kClusterThreads)
+    fused_token_loss_cluster_kernel(const T* logits, T* grad, RowLayout layout,
+                                    RowLayout grad_layout, TokenLossInputs in,
+                                    TokenLossParams params, float* logp_out, float* entropy_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const bool last_rank = rank == kClusterSize - 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* slice = reinterpret_cast<Pack<T>*>(smem);
+  __shared__ float2 partial;     // this CTA's sums, read by the others through DSMEM
+  __shared__ float2 partial_m;   // the fallback's max, then its rescaled (sum, sum z)
+  __shared__ float2 partial_st;
+  __shared__ RowGrad shared_grad;
+  __shared__ int label_owner;
+  constexpr int kPack = Pack<T>::kSize;
+  const int vocab = static_cast<int>(layout.vocab);
+  const float scale2 = kLog2e * params.inv_temperature;
+  const int64_t clusters = gridDim.x / kClusterSize;
+  for (int64_t row = blockIdx.x / kClusterSize; row < layout.rows; row += clusters) {
+    T* grad_row = grad + row_offset(row, grad_layout);
+    const T* row_ptr = logits + row_offset(row, layout);
+    if (in.valid[row] == 0) {
+      for (int j = rank * blockDim.x + threadIdx.x; j < vocab; j += kClusterSize * blockDim.x) {
+        grad_row[j] = from_float<T>(0.f);
+      }
+      if (rank == 0 && threadIdx.x == 0) logp_out[row] = entropy_out[row] = 0.f;
+      cluster.sync();
+      continue;
+    }
+    const int label = static_cast<int>(in.labels[row]);
+    const float label_logit = to_float(row_ptr[label]);  // before any write: cluster.sync below
+    const ClusterRow r = cluster_row(row_ptr, vocab, rank);
+    // Sweep 1: the slice into shared memory, summed relative to the label logit on the way.
+    RefSums acc{scale2, max_nan(label_logit * scale2, kFloor)};
+    const auto* packed = reinterpret_cast<const Pack<T>*>(row_ptr + r.head) + r.first;
+    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+      const Pack<T> p = packed[i];
+      slice[i] = p;
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) acc.add(to_float(p.v[k]));
+    }
+    if (last_rank) for_each_loose_element<T>(r, vocab, [&](int j) { acc.add(to_float(row_ptr[j])); });
+    const float2 sums = cluster_sum2(cluster, &partial, block_sum2_small(acc.s, acc.t));
+    float lse, mean_z;
+    const float mean_d = sums.y / sums.x;
+    if (sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {  // uniform over the cluster
+      lse = (acc.ref + log2f(sums.x)) * kLn2;
+      mean_z = (acc.ref + mean_d) * kLn2;
+    } else {  // the exact online softmax, from the on-chip slices
+      Stats st;
+      auto online = [&](float x) {
+        const float z = x * params.inv_temperature;
+        if (z > st.m) rescale_to(st, z);
+        accumulate(st, z);
+      };
+      for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+        const Pack<T> p = slice[i];
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) online(to_float(p.v[k]));
+      }
+      if (last_rank) for_each_loose_element<T>(r, vocab, [&](int j) { online(to_float(row_ptr[j])); });
+      st = block_reduce(st);
+      // Rescale each CTA's sums to the cluster-wide max, then add them up in rank order.
+      if (threadIdx.x == 0) partial_m = make_float2(st.m, 0.f);
+      cluster.sync();
+      __shared__ float row_max;
+      if (threadIdx.x == 0) {
+        float m = -kInf;
+        for (int q = 0; q < kClusterSize; ++q) m = fmaxf(m, cluster.map_shared_rank(&partial_m, q)->x);
+        row_max = m;
+      }
+      __syncthreads();
+      const float scale = st.s == 0.f ? 0.f : expf(st.m - safe_max(row_max));
+      const float2 total = cluster_sum2(cluster, &partial_st, make_float2(st.s * scale, st.t * scale));
+      lse = row_max == kInf ? __int_as_float(0x7fc00000) : safe_max(row_max) + logf(total.x);
+      mean_z = total.y / total.x;
+    }
+    if (threadIdx.x == 0) {
+      const float entropy = lse - mean_z;
+      const float logp = label_logit * params.inv_temperature - lse;
+      const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
+      const float low = in.low != nullptr ? in.low[row] : 0.f;
+      const float high = in.high != nullptr ? in.high[row] : 0.f;
+      float d = policy_dlogp(logp, old, in.advantages[row], low, high, params);
+      if (in.is_weight != nullptr) d *= in.is_weight[row];
+      if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
+      const float agg = in.agg_weight[row];
+      shared_grad = RowGrad::make(label, label_logit, lse, entropy, d * agg,
+                                  -params.entropy_coef * agg, params.inv_temperature);
+      const int in_packs = label - r.head;
+      const bool loose = in_packs < 0 || in_packs >= r.packs * kPack;
+      label_owner = loose ? kClusterSize - 1 : (in_packs / kPack) / r.per_cta;
+      if (rank == 0) {
+        logp_out[row] = logp;
+        entropy_out[row] = entropy;
+      }
+    }
+    __syncthreads();
+    const RowGrad f = shared_grad;
+    // Sweep 2, from shared memory: the only other read of the row is the loose elements'.
+    if (params.entropy_coef != 0.f) {
+      write_slice_grad<T, true>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
+    } else {
+      write_slice_grad<T, false>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
+    }
+    __syncthreads();  // the label's entry after this CTA's own store of it
+    if (rank == label_owner && threadIdx.x == 0) {
+      const float p_term = params.entropy_coef != 0.f ? f.p_term<true>(f.label_logit)
+                                                      : f.p_term<false>(f.label_logit);
+      grad_row[label] = from_float<T>(p_term + f.label_term);
+    }
+    cluster.sync();  // no CTA rewrites `partial` or its slice while another still reads them
+  }
+#else
+  __trap();  // launched only on sm_90+ (launch_fused_token_loss checks the device)
+#endif
+}
+
+// Dynamic shared memory of one CTA of the cluster kernel for rows of `vocab` elements of `bytes`.
+int64_t cluster_smem_bytes(int64_t vocab, int64_t bytes) {
+  const int64_t packs = vocab * bytes / 16 + 1;
+  return (packs + kClusterSize - 1) / kClusterSize * 16;
+}
+
+// The one-read kernel when the device is sm_90+, its slices fit shared memory, and
+// FUSEDRL_CUDA_ONE_READ is not "0" (set it to time the two-sweep kernel on the same GPU).
+bool use_cluster_kernel(int64_t vocab, int64_t bytes, int* max_smem) {
+  const char* env = std::getenv("FUSEDRL_CUDA_ONE_READ");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return false;
+  }
+  // Static shared memory of the kernel (a few hundred bytes) stays below this margin.
+  return major >= 9 && cluster_smem_bytes(vocab, bytes) + 4096 <= *max_smem;
+}
+
+template <typename T>
+cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout grad_layout,
+                           TokenLossInputs inputs, TokenLossParams params, float* logp,
+                           float* entropy, cudaStream_t stream) {
+  const auto kernel = fused_token_loss_cluster_kernel<T>;
+  const int64_t smem = cluster_smem_bytes(layout.vocab, sizeof(T));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kClusterSize;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(kClusterThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int active = 0;  // clusters that fit on the GPU at once: the grid, rows permitting
+  config.gridDim = dim3(kClusterSize);
+  err = cudaOccupancyMaxActiveClusters(&active, kernel, &config);
+  if (err != cudaSuccess) return err;
+  const int64_t clusters = layout.rows < active ? layout.rows : (active > 0 ? active : 1);
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
+  return cudaLaunchKernelEx(&config, kernel, logits, grad, layout, grad_layout, inputs, params,
+                            logp, entropy);
+}
+
 int grid_for(int64_t rows) {
   // Enough blocks to fill any current GPU many times over; the kernels grid-stride beyond.
   constexpr int64_t kMaxBlocks = 1 << 20;
@@ -590,6 +885,13 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
   if (layout.rows == 0) return cudaSuccess;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
+    int max_smem = 0;
+    if (use_cluster_kernel(layout.vocab, sizeof(T), &max_smem)) {
+      const cudaError_t err = launch_cluster(static_cast<const T*>(logits), static_cast<T*>(grad),
+                                             layout, grad_layout, inputs, params, logp, entropy,
+                                             stream);
+      return err != cudaSuccess ? err : cudaGetLastError();
+    }
     const int blocks = grid_for_l2(layout.rows, layout.vocab * static_cast<int64_t>(sizeof(T)));
     fused_token_loss_kernel<T><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs, params,

@@ -307,6 +307,8 @@ def sass_loops(sass: str) -> list[dict]:
                 "barriers": sum(op.startswith("BAR") for op in body),
                 "loads": dict(Counter(op for op in body if op.startswith("LDG"))),
                 "stores": dict(Counter(op for op in body if op.startswith("STG"))),
+                # shared memory: the CUDA one-read kernel's sweep 2 reads the row from there
+                "shared_loads": dict(Counter(op for op in body if op.startswith("LDS"))),
             }
         )
     return loops
@@ -327,7 +329,7 @@ def loop_role(loop: dict) -> str:
     """What a row-sweep loop does, from its memory instructions: `stats` (reads the row),
     `grad` (reads it and writes the gradient 128-bit), `grad_unaligned_out` (the gradient does
     not share the logits' alignment: scalar stores), `zeros`, or `remainder` (masked tiles)."""
-    wide_load = any(op.endswith(".128") for op in loop["loads"])
+    wide_load = any(op.endswith(".128") for op in {**loop["loads"], **loop.get("shared_loads", {})})
     wide_store = any(op.endswith(".128") for op in loop["stores"])
     if wide_load and not loop["stores"]:
         return "stats"
@@ -348,7 +350,8 @@ def with_costs(loops: list[dict], elements_per_thread: int, elem_bytes: int) -> 
     warp-instructions per element (what the SM's schedulers issue) = that / 32."""
     out = []
     for loop in loops:
-        wide = sum(n for op, n in loop["loads"].items() if op.endswith(".128"))
+        loads = {**loop["loads"], **loop.get("shared_loads", {})}
+        wide = sum(n for op, n in loads.items() if op.endswith(".128"))
         wide = wide or sum(n for op, n in loop["stores"].items() if op.endswith(".128"))
         role = loop_role(loop)
         per_trip = 16 * wide // elem_bytes if role != "remainder" else elements_per_thread

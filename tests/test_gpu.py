@@ -201,3 +201,32 @@ def test_torch_compile_inductor_fullgraph(preset, backend):
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
     torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(logits.grad.float(), ref_grad.float(), atol=1e-6, rtol=2e-2)
+
+
+@pytest.mark.parametrize("one_read", ["1", "0"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("vocab", [151936, 32003, 7])
+def test_cuda_one_read_and_two_sweep_kernels(vocab, inplace, one_read, monkeypatch):
+    """backend='cuda' on sm_90 runs the thread-block-cluster kernel (one read of each row, from
+    shared memory); FUSEDRL_CUDA_ONE_READ=0 forces the two-sweep kernel. Both against the
+    reference: odd V, a [B, P+T, V] slice, masked rows, a label far below the row's max (the exact
+    online fallback), the entropy bonus."""
+    monkeypatch.setenv("FUSEDRL_CUDA_ONE_READ", one_read)
+    data = _on_gpu(make_batch(batch=4, time=9, vocab=vocab, dtype=torch.bfloat16, seed=9))
+    full = torch.randn(4, 12, vocab, device="cuda", dtype=torch.bfloat16)
+    full[:, 3:] = data["logits"]
+    data["logits"] = full[:, 3:]
+    data["logits"][0, 0, data["labels"][0, 0]] = -120.0  # sums relative to the label overflow
+    cfg = LossConfig.preset("dapo").replace(entropy_coef=0.01)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    logits = data["logits"].clone() if inplace else data["logits"]
+    logits = logits.detach().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(
+        logits, config=cfg, inplace=inplace, backend="cuda", return_entropy=True, **args
+    )
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logp, ref.logp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, ref.entropy, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2e-2)
