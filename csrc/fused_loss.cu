@@ -436,6 +436,28 @@ __device__ float kl_dlogp(float logp, float ref, int kind) {
 }
 
 // ------------------------------------------------------------------------------ kernels
+// The token's d loss / d logp and d loss / dH from its row statistics, as the gradient sweep's
+// constants; writes logp and entropy unless logp_out is nullptr. One thread per row calls it.
+__device__ RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossParams& params,
+                                  int64_t row, int label, float label_logit, float lse,
+                                  float mean_z, float* logp_out, float* entropy_out) {
+  const float entropy = lse - mean_z;
+  const float logp = label_logit * params.inv_temperature - lse;
+  const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
+  const float low = in.low != nullptr ? in.low[row] : 0.f;
+  const float high = in.high != nullptr ? in.high[row] : 0.f;
+  float d = policy_dlogp(logp, old, in.advantages[row], low, high, params);
+  if (in.is_weight != nullptr) d *= in.is_weight[row];
+  if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
+  const float agg = in.agg_weight[row];
+  if (logp_out != nullptr) {
+    logp_out[row] = logp;
+    entropy_out[row] = entropy;
+  }
+  return RowGrad::make(label, label_logit, lse, entropy, d * agg, -params.entropy_coef * agg,
+                       params.inv_temperature);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     logprobs_forward_kernel(const T* logits, RowLayout layout, const int64_t* labels,
@@ -501,19 +523,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     const float label_logit = to_float(row_ptr[label]);  // before any write (block_sum2 syncs)
     const RowStats st = row_stats(row_ptr, vocab, params.inv_temperature, label_logit);
     if (threadIdx.x == 0) {
-      const float entropy = st.lse - st.mean_z;
-      const float logp = label_logit * params.inv_temperature - st.lse;
-      const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
-      const float low = in.low != nullptr ? in.low[row] : 0.f;
-      const float high = in.high != nullptr ? in.high[row] : 0.f;
-      float d = policy_dlogp(logp, old, in.advantages[row], low, high, params);
-      if (in.is_weight != nullptr) d *= in.is_weight[row];
-      if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
-      const float agg = in.agg_weight[row];
-      shared_grad = RowGrad::make(label, label_logit, st.lse, entropy, d * agg,
-                                  -params.entropy_coef * agg, params.inv_temperature);
-      logp_out[row] = logp;
-      entropy_out[row] = entropy;
+      shared_grad = token_row_grad(in, params, row, label, label_logit, st.lse, st.mean_z,
+                                   logp_out, entropy_out);
     }
     __syncthreads();
     const RowGrad f = shared_grad;
@@ -722,24 +733,12 @@ __global__ void __launch_bounds__(kClusterThreads)
       mean_z = total.y / total.x;
     }
     if (threadIdx.x == 0) {
-      const float entropy = lse - mean_z;
-      const float logp = label_logit * params.inv_temperature - lse;
-      const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
-      const float low = in.low != nullptr ? in.low[row] : 0.f;
-      const float high = in.high != nullptr ? in.high[row] : 0.f;
-      float d = policy_dlogp(logp, old, in.advantages[row], low, high, params);
-      if (in.is_weight != nullptr) d *= in.is_weight[row];
-      if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
-      const float agg = in.agg_weight[row];
-      shared_grad = RowGrad::make(label, label_logit, lse, entropy, d * agg,
-                                  -params.entropy_coef * agg, params.inv_temperature);
+      // Every CTA derives the same scalars; rank 0 writes logp and entropy.
+      shared_grad = token_row_grad(in, params, row, label, label_logit, lse, mean_z,
+                                   rank == 0 ? logp_out : nullptr, entropy_out);
       const int in_packs = label - r.head;
       const bool loose = in_packs < 0 || in_packs >= r.packs * kPack;
       label_owner = loose ? kClusterSize - 1 : (in_packs / kPack) / r.per_cta;
-      if (rank == 0) {
-        logp_out[row] = logp;
-        entropy_out[row] = entropy;
-      }
     }
     __syncthreads();
     const RowGrad f = shared_grad;

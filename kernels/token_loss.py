@@ -106,121 +106,6 @@ def kl_dlogp(logp, ref, KL: tl.constexpr):
 
 
 @triton.jit
-def _token_loss_row(
-    row,
-    logits_ptr,
-    grad_ptr,
-    labels_ptr,
-    valid_ptr,
-    adv_ptr,
-    old_ptr,
-    ref_ptr,
-    is_weight_ptr,
-    agg_weight_ptr,
-    low_ptr,
-    high_ptr,
-    logp_ptr,
-    entropy_ptr,
-    time,
-    vocab,
-    stride_b,
-    stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    inv_temperature,
-    scale2,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    beta,
-    entropy_coef,
-    LOSS: tl.constexpr,
-    DUAL_CLIP: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    HAS_OLD: tl.constexpr,
-    KL: tl.constexpr,
-    HAS_IS: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr,
-    ENTROPY_BONUS: tl.constexpr,
-    FAST_EXP2: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """The loss terms and gradient of one row (token)."""
-    grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
-    if tl.load(valid_ptr + row) != 0:
-        row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
-        # Every per-token scalar is loaded before sweep 1, so their latency hides behind it.
-        label = tl.load(labels_ptr + row)
-        label_logit = tl.load(row_ptr + label)
-        adv = tl.load(adv_ptr + row)
-        agg_weight = tl.load(agg_weight_ptr + row)
-        old = 0.0
-        if HAS_OLD:
-            old = tl.load(old_ptr + row)
-        low = 0.0
-        high = 0.0
-        if HAS_BOUNDS:
-            low = tl.load(low_ptr + row)
-            high = tl.load(high_ptr + row)
-        is_weight = 1.0
-        if HAS_IS:
-            is_weight = tl.load(is_weight_ptr + row)
-        ref = 0.0
-        if KL != 0:
-            ref = tl.load(ref_ptr + row)
-        # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
-        lse, mean_z = row_stats(
-            row_ptr, vocab, scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
-        )
-        entropy = lse - mean_z
-        logp = label_logit.to(tl.float32) * inv_temperature - lse
-        if not HAS_OLD:
-            old = logp
-        d_token = policy_dlogp(
-            logp,
-            old,
-            adv,
-            low,
-            high,
-            dual_clip_c,
-            delta,
-            tau_pos,
-            tau_neg,
-            LOSS,
-            DUAL_CLIP,
-            HAS_DELTA,
-        )
-        d_token = d_token * is_weight
-        if KL != 0:
-            d_token += beta * kl_dlogp(logp, ref, KL)
-        dentropy = -entropy_coef * agg_weight
-        write_row_grad(
-            row_ptr,
-            grad_row,
-            label,
-            label_logit,
-            vocab,
-            inv_temperature,
-            scale2,
-            lse,
-            entropy,
-            d_token * agg_weight,
-            dentropy,
-            "evict_first",
-            ENTROPY_BONUS,
-            FAST_EXP2,
-            BLOCK_V,
-        )
-        tl.store(logp_ptr + row, logp)
-        tl.store(entropy_ptr + row, entropy)
-    else:
-        write_row_zeros(grad_row, vocab, BLOCK_V)
-        tl.store(logp_ptr + row, 0.0)
-        tl.store(entropy_ptr + row, 0.0)
-
-
-@triton.jit
 def _fused_token_loss_kernel(
     rows,
     logits_ptr,
@@ -263,47 +148,79 @@ def _fused_token_loss_kernel(
 ):
     """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
     are in flight as the launcher sized to L2 (`persistent_programs`)."""
-    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        _token_loss_row(
-            tl.cast(row, tl.int64),
-            logits_ptr,
-            grad_ptr,
-            labels_ptr,
-            valid_ptr,
-            adv_ptr,
-            old_ptr,
-            ref_ptr,
-            is_weight_ptr,
-            agg_weight_ptr,
-            low_ptr,
-            high_ptr,
-            logp_ptr,
-            entropy_ptr,
-            time,
-            vocab,
-            stride_b,
-            stride_t,
-            grad_stride_b,
-            grad_stride_t,
-            inv_temperature,
-            scale2,
-            dual_clip_c,
-            delta,
-            tau_pos,
-            tau_neg,
-            beta,
-            entropy_coef,
-            LOSS,
-            DUAL_CLIP,
-            HAS_DELTA,
-            HAS_OLD,
-            KL,
-            HAS_IS,
-            HAS_BOUNDS,
-            ENTROPY_BONUS,
-            FAST_EXP2,
-            BLOCK_V,
-        )
+    for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
+        grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
+        if tl.load(valid_ptr + row) != 0:
+            row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+            # Every per-token scalar is loaded before sweep 1, so their latency hides behind it.
+            label = tl.load(labels_ptr + row)
+            label_logit = tl.load(row_ptr + label)
+            adv = tl.load(adv_ptr + row)
+            agg_weight = tl.load(agg_weight_ptr + row)
+            old = 0.0
+            if HAS_OLD:
+                old = tl.load(old_ptr + row)
+            low = 0.0
+            high = 0.0
+            if HAS_BOUNDS:
+                low = tl.load(low_ptr + row)
+                high = tl.load(high_ptr + row)
+            is_weight = 1.0
+            if HAS_IS:
+                is_weight = tl.load(is_weight_ptr + row)
+            ref = 0.0
+            if KL != 0:
+                ref = tl.load(ref_ptr + row)
+            # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
+            lse, mean_z = row_stats(
+                row_ptr, vocab, scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
+            )
+            entropy = lse - mean_z
+            logp = label_logit.to(tl.float32) * inv_temperature - lse
+            if not HAS_OLD:
+                old = logp
+            d_token = policy_dlogp(
+                logp,
+                old,
+                adv,
+                low,
+                high,
+                dual_clip_c,
+                delta,
+                tau_pos,
+                tau_neg,
+                LOSS,
+                DUAL_CLIP,
+                HAS_DELTA,
+            )
+            d_token = d_token * is_weight
+            if KL != 0:
+                d_token += beta * kl_dlogp(logp, ref, KL)
+            dentropy = -entropy_coef * agg_weight
+            write_row_grad(
+                row_ptr,
+                grad_row,
+                label,
+                label_logit,
+                vocab,
+                inv_temperature,
+                scale2,
+                lse,
+                entropy,
+                d_token * agg_weight,
+                dentropy,
+                "evict_first",
+                ENTROPY_BONUS,
+                FAST_EXP2,
+                BLOCK_V,
+            )
+            tl.store(logp_ptr + row, logp)
+            tl.store(entropy_ptr + row, entropy)
+        else:
+            write_row_zeros(grad_row, vocab, BLOCK_V)
+            tl.store(logp_ptr + row, 0.0)
+            tl.store(entropy_ptr + row, 0.0)
 
 
 def fused_token_loss(
