@@ -53,6 +53,13 @@ class LossWithKnownGrad(torch.autograd.Function):
                 "buffer is released after the first backward (retain_graph is not supported)"
             )
         ctx.grad = None
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(
+                "fusedrl.policy_loss does not support double backward (create_graph=True): "
+                "its gradient is computed by the fused kernel and carries no graph, so a "
+                "second-order term would silently be 0. fusedrl.reference.policy_loss (plain "
+                "autograd) gives higher-order derivatives"
+            )
         return scale_unless_one(grad, grad_loss), None, None
 
 

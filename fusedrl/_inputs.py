@@ -15,6 +15,7 @@ import torch
 from .config import LossConfig
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass
@@ -74,14 +75,16 @@ def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | Non
         raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
     vocab = logits.shape[-1]
     out_of_range = (labels < 0) | (labels >= vocab)
+    where = ""
     if valid is not None:
         out_of_range = out_of_range & valid
+        where = " where mask is set"
     if labels.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(out_of_range.any()):
             bad = labels[out_of_range][0].item()
-            raise ValueError(f"labels must be in [0, {vocab}) where mask is set, found {bad}")
+            raise ValueError(f"labels must be in [0, {vocab}){where}, found {bad}")
     elif labels.numel() > 0:
-        torch._assert_async(~out_of_range.any(), f"labels must be in [0, {vocab})")
+        torch._assert_async(~out_of_range.any(), f"labels must be in [0, {vocab}){where}")
     labels = labels.long()
     if valid is not None:
         labels = torch.where(valid, labels, 0)
@@ -115,7 +118,22 @@ def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> to
         raise ValueError(f"mask is on {mask.device} but logits are on {device}")
     if mask.is_complex():
         raise TypeError(f"mask must be bool or real, got dtype {mask.dtype}")
-    return mask.detach().float()
+    mask = mask.detach().float()
+    # A negative weight would flip the token's gradient, a NaN one poison the loss: neither is a
+    # mask. Checked exactly on CPU; queued on the device elsewhere (no host sync).
+    bad = ~(mask >= 0) | (mask == float("inf"))
+    _fail_if(bad.any(), "mask must hold finite weights >= 0 (bool or 0/1 or fractional)", mask)
+    return mask
+
+
+def _fail_if(condition: torch.Tensor, message: str, like: torch.Tensor) -> None:
+    """Raise ValueError(message) if the 0-dim bool `condition` holds: at once on CPU, as an async
+    device assert on an accelerator or under torch.compile (a host check would sync)."""
+    if like.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(condition):
+            raise ValueError(message)
+    elif like.numel() > 0:
+        torch._assert_async(~condition, message)
 
 
 def check_advantages(
@@ -147,7 +165,15 @@ def check_normalizer(normalizer: object, device: torch.device) -> torch.Tensor |
     if isinstance(normalizer, torch.Tensor):
         if normalizer.numel() != 1:
             raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-        return normalizer.detach().to(device=device, dtype=torch.float32).reshape(())
+        if not (normalizer.dtype.is_floating_point or normalizer.dtype in _INT_DTYPES):
+            raise TypeError(
+                f"normalizer must be a real number tensor (a token or sequence count), got "
+                f"dtype {normalizer.dtype}"
+            )
+        value = normalizer.detach().to(device=device, dtype=torch.float32).reshape(())
+        bad = ~(value > 0) | (value == float("inf"))
+        _fail_if(bad, "normalizer must be a finite number > 0", value)
+        return value
     if isinstance(normalizer, numbers.Real) and not isinstance(normalizer, bool):
         if not normalizer > 0 or normalizer == float("inf"):
             raise ValueError(f"normalizer must be a finite number > 0, got {normalizer!r}")

@@ -360,6 +360,13 @@ class SmoothAdvantageStandardizer:
                 raise TypeError(f"prompt_keys entries must be hashable, got {key!r}") from None
 
         groups = rewards.detach().to(device="cpu", dtype=torch.float64).view(-1, group_size)
+        finite = torch.isfinite(groups).all(-1)
+        if not bool(finite.all()):  # before any update: a NaN would stay in the running sums
+            g = int((~finite).nonzero()[0])
+            raise ValueError(
+                f"rewards must be finite: the group of prompt key {prompt_keys[g]!r} holds "
+                f"{groups[g].tolist()}; no running statistic was updated"
+            )
         out = torch.empty_like(groups)
         for g, key in enumerate(prompt_keys):
             r = groups[g]

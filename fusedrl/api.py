@@ -108,13 +108,17 @@ def policy_loss(
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
-        grad = (
-            inp.logits
-            if inplace
-            else torch.empty(inp.logits.shape, dtype=logits.dtype, device=logits.device)
-        )
+        if inplace:
+            _check_writable(logits)
+            grad = inp.logits
+        else:
+            grad = torch.empty(inp.logits.shape, dtype=logits.dtype, device=logits.device)
     with torch.no_grad():
         logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
+    if wants_grad and inplace:
+        # The kernels wrote through a raw pointer: tell autograd, so that a graph that saved the
+        # logits (logits = x.exp(), say) raises at backward instead of using the gradient values.
+        torch.autograd.graph.increment_version(logits)
     loss = terms.loss
     if wants_grad:
         # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
@@ -124,6 +128,21 @@ def policy_loss(
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
     return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+
+def _check_writable(logits: torch.Tensor) -> None:
+    """inplace=True writes one gradient per element: the logits must not alias themselves."""
+    if any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
+        raise ValueError(
+            f"inplace=True needs logits whose elements are distinct memory, got strides "
+            f"{tuple(logits.stride())} for shape {tuple(logits.shape)} (an expand()ed tensor); "
+            "pass inplace=False or a materialised tensor"
+        )
+    if torch._debug_has_internal_overlap(logits) == 1:  # 1: overlap for sure
+        raise ValueError(
+            f"inplace=True needs logits without overlapping elements, got strides "
+            f"{tuple(logits.stride())} for shape {tuple(logits.shape)}"
+        )
 
 
 def token_logprobs(
@@ -159,6 +178,8 @@ class PolicyLoss(torch.nn.Module):
         self, config: LossConfig | str | None = None, backend: str = "auto", inplace: bool = False
     ) -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         if isinstance(config, str):
             config = LossConfig.preset(config)
         self.config = config if config is not None else LossConfig()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,12 @@ def _check_positive(field: str, value: Any, *, above: float = 0.0) -> None:
         raise ValueError(f"LossConfig.{field} must be > {above:g}, got {value!r}")
 
 
+_NUMERIC_FIELDS = (
+    "eps_low", "eps_high", "dual_clip_c", "delta", "sapo_tau_pos", "sapo_tau_neg", "dcpo_r_max",
+    "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """The GRPO-family policy loss, as a few scalars per token.
@@ -74,6 +81,11 @@ class LossConfig:
     is_cap_low: float | None = None
 
     def __post_init__(self) -> None:
+        # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
+        for field in _NUMERIC_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                object.__setattr__(self, field, float(value))
         _check_choice("loss", self.loss, LOSSES)
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _check_choice("agg", self.agg, AGGS)
@@ -110,6 +122,12 @@ class LossConfig:
                 )
             if self.is_correction is None:
                 raise ValueError("LossConfig.is_cap_low is set but is_correction is None")
+        elif self.is_correction in ("token_mask", "sequence_mask") and self.is_cap <= 1:
+            raise ValueError(
+                f"LossConfig.is_correction={self.is_correction!r} keeps weights in "
+                f"[1 / is_cap, is_cap] by default, which is empty for is_cap={self.is_cap!r} <= 1 "
+                "(every weight would be 0): use is_cap > 1 or set is_cap_low"
+            )
 
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
             raise ValueError(f"LossConfig.beta must be a number, got {self.beta!r}")

@@ -113,8 +113,10 @@ def aggregate(per_token: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torc
     if cfg.agg == "seq-mean-token-sum":
         return torch.where(nonempty, weighted.sum(-1), 0.0).sum() / n_seq
     # seq-mean-token-sum-norm (Dr.GRPO): a constant denominator, all sequences counted.
-    n_all = inp.normalizer if inp.normalizer is not None else float(per_token.shape[0])
-    norm = cfg.norm_constant if cfg.norm_constant is not None else float(per_token.shape[-1])
+    # B = 0 or T = 0: an empty sum over a count of at least 1, so the loss is 0, not 0 / 0.
+    batch, time = per_token.shape
+    n_all = inp.normalizer if inp.normalizer is not None else float(max(batch, 1))
+    norm = cfg.norm_constant if cfg.norm_constant is not None else float(max(time, 1))
     return weighted.sum() / n_all / norm
 
 
@@ -187,7 +189,7 @@ def _gmpo(
     per_seq = -seq_adv * seq_log_ratio.exp()
     if w is not None:
         per_seq = per_seq * w[:, 0]
-    n_seq = inp.normalizer if inp.normalizer is not None else float(per_seq.shape[0])
+    n_seq = inp.normalizer if inp.normalizer is not None else float(max(per_seq.shape[0], 1))
     high = (log_ratio > cfg.eps_high) & (adv > 0)
     low = (log_ratio < -cfg.eps_low) & (adv < 0)
     metrics["clip_high"] = masked_mean(high, inp)

@@ -8,7 +8,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch
+from .conftest import make_batch, needs_interpreter
 
 IMPLS = {"torch": fusedrl.policy_loss, "reference": reference.policy_loss}
 
@@ -148,3 +148,136 @@ def test_float_mask_is_a_weight(data):
     as_bool = fusedrl.policy_loss(**data).loss
     as_float = fusedrl.policy_loss(**(data | {"mask": data["mask"].float()})).loss
     torch.testing.assert_close(as_bool, as_float)
+
+
+# ---------------------------------------------------------------- inputs that used to get through
+TRITON = pytest.param("triton", marks=needs_interpreter)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("bad", [-1.0, -0.25, float("nan"), float("inf")])
+def test_mask_weights_must_be_finite_and_non_negative(impl, data, bad):
+    """A negative weight flipped the token's gradient silently; NaN / inf poisoned the loss."""
+    mask = data["mask"].float()
+    mask[0, 0] = bad
+    with pytest.raises(ValueError, match="mask must hold finite weights >= 0"):
+        _call(impl, data, mask=mask)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize(
+    "normalizer, error, match",
+    [
+        (torch.tensor(0.0), ValueError, "normalizer must be a finite number > 0"),
+        (torch.tensor(-3.0), ValueError, "normalizer must be a finite number > 0"),
+        (torch.tensor(float("nan")), ValueError, "normalizer must be a finite number > 0"),
+        (torch.tensor(float("inf")), ValueError, "normalizer must be a finite number > 0"),
+        (torch.tensor(True), TypeError, "normalizer must be a real number tensor"),
+        (torch.tensor(0), ValueError, "normalizer must be a finite number > 0"),
+    ],
+)
+def test_normalizer_tensors_are_checked(impl, data, normalizer, error, match):
+    with pytest.raises(error, match=match):
+        _call(impl, data, normalizer=normalizer)
+    out = _call(impl, data, normalizer=torch.tensor(7))  # an integer count is fine
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+@pytest.mark.parametrize("cap", [1.0, 0.8])
+def test_mask_correction_with_a_cap_at_or_below_one_is_rejected(mode, cap):
+    with pytest.raises(ValueError, match=r"\[1 / is_cap, is_cap\].*empty"):
+        LossConfig(is_correction=mode, is_cap=cap)
+    LossConfig(is_correction=mode, is_cap=cap, is_cap_low=0.5)  # an explicit range is fine
+    LossConfig(is_correction="token_truncate", is_cap=cap)  # truncation has no lower bound
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered")  # interpreter numpy
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_inplace_when_autograd_saved_the_logits_raises(data, backend):
+    """logits = x.exp() saves its output for backward; writing the gradient into it must make
+    autograd raise, as for any in-place op, not return a gradient computed from it."""
+    x = data["logits"].detach().clone().requires_grad_(True)
+    logits = x.exp()
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(logits, inplace=True, backend=backend, **args)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_inplace_needs_distinct_memory(data, backend):
+    args = {k: v for k, v in data.items() if k != "logits"}
+    expanded = data["logits"][:, :1].expand(-1, 5, -1).detach().requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace=True needs logits whose elements are distinct"):
+        fusedrl.policy_loss(expanded, inplace=True, backend=backend, **args)
+    out = fusedrl.policy_loss(expanded, inplace=False, backend=backend, **args)  # reads are fine
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_double_backward_raises(data, backend):
+    logits = data["logits"].detach().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(logits, backend=backend, **args)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.loss, logits, create_graph=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("preset", list(LossConfig.presets()))
+def test_empty_batches_give_zero_loss_in_every_mode(shape, preset):
+    batch, time = shape
+    cfg = LossConfig.preset(preset).replace(kl="k3", beta=0.1)
+    per_token = cfg.is_sequence_level or preset == "gspo_token"
+    logits = torch.randn(batch, time, 11, requires_grad=True)
+    args = dict(
+        labels=torch.zeros(batch, time, dtype=torch.long),
+        advantages=torch.zeros(batch, time) if per_token else torch.zeros(batch),
+        mask=torch.ones(batch, time, dtype=torch.bool),
+        ref_logp=torch.zeros(batch, time),
+        config=cfg,
+    )
+    for fn in (reference.policy_loss, fusedrl.policy_loss):
+        out = fn(logits, **args)
+        assert out.loss.item() == 0.0, (fn.__module__, preset)
+        (grad,) = torch.autograd.grad(out.loss, logits, allow_unused=True)
+        assert grad is None or grad.numel() == 0
+
+
+def test_numpy_scalars_in_loss_config():
+    np = pytest.importorskip("numpy")
+    cfg = LossConfig(eps_low=np.float32(0.2), eps_high=np.float64(0.28), beta=np.float32(0.01),
+                     kl="k3", temperature=np.float32(0.7), is_cap=np.int64(2),
+                     is_correction="token_truncate")  # fmt: skip
+    assert type(cfg.eps_low) is float and abs(cfg.eps_low - 0.2) < 1e-7
+    assert type(cfg.temperature) is float and type(cfg.is_cap) is float
+    assert cfg == cfg.replace()  # still a value type
+    with pytest.raises(ValueError, match="eps_low must be a finite number"):
+        LossConfig(eps_low=np.float32("nan"))
+
+
+def test_token_logprobs_label_errors_do_not_mention_a_mask():
+    logits = torch.randn(2, 3, 11)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 11\), found 11$"):
+        fusedrl.token_logprobs(logits, torch.full((2, 3), 11))
+
+
+def test_policy_loss_module_rejects_an_unknown_backend_at_construction():
+    with pytest.raises(ValueError, match="backend='jax' is not one of"):
+        fusedrl.PolicyLoss("dapo", backend="jax")
+
+
+def test_nan_reward_never_poisons_the_smooth_standardizer():
+    sas = fusedrl.advantages.SmoothAdvantageStandardizer()
+    sas(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2, ["a", "b"])
+    before = sas.state_dict()
+    with pytest.raises(ValueError, match="rewards must be finite: the group of prompt key 'b'"):
+        sas(torch.tensor([1.0, 1.0, float("nan"), 0.0]), 2, ["a", "b"])
+    after = sas.state_dict()
+    assert sas.num_visits("a") == 1 and sas.num_visits("b") == 1  # nothing was updated
+    for key in before:
+        if isinstance(before[key], torch.Tensor):
+            assert torch.equal(before[key], after[key])
+    good = sas(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, ["a", "b"])
+    assert torch.isfinite(good).all()
