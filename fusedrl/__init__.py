@@ -9,7 +9,7 @@ out.loss.backward()
 from . import advantages, reference
 from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
 from .config import PRESETS, LossConfig
-from .reference import LossOutput
+from .output import LossOutput
 
 __version__ = "0.1.0"
 

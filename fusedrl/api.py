@@ -11,7 +11,7 @@ from . import torch_backend
 from ._autograd import attach_grad
 from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
 from .config import LossConfig
-from .reference import LossOutput
+from .output import LossOutput
 
 BACKENDS = ("auto", "triton", "cuda", "torch")
 

@@ -18,8 +18,13 @@ import torch
 
 from ._inputs import LossInputs
 from .config import LossConfig
-from .reference import ratio_bounds, resolve_is_weights
-from .token_terms import TokenTerms, aggregation_weights, token_terms
+from .token_terms import (
+    TokenTerms,
+    aggregation_weights,
+    ratio_bounds,
+    resolve_is_weights,
+    token_terms,
+)
 
 
 @dataclass(frozen=True)

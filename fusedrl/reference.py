@@ -5,31 +5,27 @@ materialises fp32 copies of the logits and lets autograd derive every gradient. 
 verl's `core_algos.py` conventions (ratio log clamp at +-20, k3 clamps, empty sequences excluded
 from seq-mean); docs/losses.md states them per variant.
 
+It is independent of what it judges: it imports no backend, kernel or `token_terms`, and nothing
+but tests imports it. Its clamps, ratio bounds, IS weights and masked statistics have a second,
+separately written copy in `fusedrl.token_terms`, on purpose (see there). Only argument
+validation (`fusedrl._inputs`) and the config are shared.
+
 Masked tokens never reach the loss or its gradient: their logits are replaced by zeros before the
 softmax (so a NaN in a padded row cannot leak) and their labels by 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ._inputs import LossInputs, check_labels, check_logits, check_temperature, prepare_loss_inputs
 from .config import LossConfig
+from .output import LossOutput
 
 LOG_RATIO_CLAMP = 20.0  # verl: clamp log(pi/pi_old) before exp for stability
 SEQ_LOG_RATIO_MAX = 10.0  # verl gspo: clamp the sequence log-ratio from above
 KL_LOG_CLAMP = 20.0  # verl k3: clamp ref - logp
 KL_VALUE_CLAMP = 10.0  # verl k3: clamp the estimate
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor
-    logp: torch.Tensor
-    entropy: torch.Tensor | None
-    metrics: dict[str, torch.Tensor]
 
 
 def _log_softmax_stats(

@@ -10,7 +10,8 @@ module computes, on [B, T] tensors and without autograd,
 
 so that a backend only has to turn them into d(loss)/d(logits) = dlogp (onehot - p) + dH dH/dz
 on the vocab axis. The Triton and CUDA kernels implement exactly these formulas per row; the torch
-backend calls this module directly. Every derivative mirrors autograd on `fusedrl.reference`,
+backend calls this module directly. Every derivative mirrors autograd on `fusedrl.reference`
+(which this module never imports: see "the backends' own semantics" below),
 including its conventions at ties (torch.maximum / minimum split the gradient in half; clamp
 passes the gradient at its bounds), which the tests check.
 
@@ -26,16 +27,83 @@ import torch
 
 from ._inputs import LossInputs
 from .config import LossConfig
-from .reference import (
-    KL_LOG_CLAMP,
-    KL_VALUE_CLAMP,
-    LOG_RATIO_CLAMP,
-    SEQ_LOG_RATIO_MAX,
-    add_token_metrics,
-    masked_mean,
-    ratio_bounds,
-    resolve_is_weights,
-)
+
+# ------------------------------------------------------------------ the backends' own semantics
+# What defines the losses besides the formulas below (clamps, ratio bounds, IS weights, masked
+# statistics) exists twice on purpose: once in fusedrl.reference, the oracle every backend is
+# tested against, and once here, for the backends. Shared code would put a bug on both sides of
+# every comparison, where no test could see it. This copy is written from docs/losses.md, not from
+# the reference's code; keep the two independent.
+LOG_RATIO_CLAMP = 20.0  # |log(pi / pi_old)| before exp (verl), also the IS log-weight
+SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio, from above (verl)
+KL_LOG_CLAMP = 20.0  # k3: |ref - logp|
+KL_VALUE_CLAMP = 10.0  # k3: |estimate|
+
+
+def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    """Mean of x over the counted tokens, each weighted by its (float) mask weight."""
+    total_weight = inp.mask.sum().clamp_min(1e-8)
+    return (torch.where(inp.valid, x.float(), 0.0) * inp.mask).sum() / total_weight
+
+
+def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    """Largest x over counted tokens (x >= 0 here); 0 when there is none."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.where(inp.valid, x.float(), torch.zeros_like(x, dtype=torch.float32)).amax()
+
+
+def add_token_metrics(
+    metrics: dict,
+    old: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    is_weight: torch.Tensor | None,
+    inp: LossInputs,
+) -> None:
+    metrics["ppo_kl"] = masked_mean(old - logp, inp)
+    metrics["logp_mean"] = masked_mean(logp, inp)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy, inp)
+    if is_weight is not None:
+        metrics["is_weight_mean"] = masked_mean(is_weight, inp)
+        metrics["is_weight_max"] = _max_over_valid(is_weight, inp)
+
+
+def ratio_bounds(old: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """[low, high] of the ratio per token: 1 -+ eps, or DCPO's bounds from the old probability q:
+    1/2 (1 + sqrt(1 - 4 eps_low / q)) (0 under the root when negative) and
+    min(1/2 (1 + sqrt(1 + 4 eps_high / q)), r_max)."""
+    if cfg.loss != "dcpo":
+        low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+        return old.new_full(old.shape, low), old.new_full(old.shape, high)
+    inv_q = torch.exp(-old)
+    low = 0.5 * (1.0 + (1.0 - 4.0 * cfg.eps_low * inv_q).clamp_min(0.0).sqrt())
+    high = (0.5 * (1.0 + (1.0 + 4.0 * cfg.eps_high * inv_q).sqrt())).clamp_max(cfg.dcpo_r_max)
+    return low, high
+
+
+def _train_inference_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """pi_old / pi_rollout per token (or its product over the sequence), truncated at is_cap (and
+    below at is_cap_low) or zeroed outside [is_cap_low or 1 / is_cap, is_cap]; no gradient."""
+    log_w = torch.where(inp.valid, old - inp.rollout_logp, 0.0)
+    if cfg.is_correction in ("sequence_truncate", "sequence_mask"):
+        log_w = (log_w * inp.mask).sum(dim=-1, keepdim=True).expand(old.shape)
+    w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if cfg.is_correction in ("token_truncate", "sequence_truncate"):
+        return w.clamp(min=cfg.is_cap_low, max=cfg.is_cap).detach()
+    lowest = 1.0 / cfg.is_cap if cfg.is_cap_low is None else cfg.is_cap_low
+    kept = (w >= lowest) & (w <= cfg.is_cap)
+    return torch.where(kept, w, 0.0).detach()
+
+
+def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor | None:
+    """The call's IS weights: precomputed (`is_weights=`), from rollout_logp, or none."""
+    if inp.is_weights is not None:
+        return inp.is_weights
+    if cfg.is_correction is None:
+        return None
+    return _train_inference_weights(old, inp, cfg)
 
 
 @dataclass

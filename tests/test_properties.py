@@ -62,7 +62,9 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
     extra = {"normalizer": 5.0} if normalize else {}
     ours, grad = run_loss(fusedrl.policy_loss, data, cfg, **extra)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, **extra)
-    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    # The loss sums up to 24 terms of size |A logp| ~ 10 whose signs cancel: fp32 rounding of each
+    # (6e-8 relative) leaves up to ~1e-5 in absolute terms, whatever the loss's own size.
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
     for key in ref.metrics:
         torch.testing.assert_close(ours.metrics[key], ref.metrics[key], atol=1e-6, rtol=1e-5)

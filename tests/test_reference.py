@@ -310,3 +310,34 @@ def test_gspo_gradient_is_pg_gradient_with_sequence_ratio_advantages():
     surrogate_adv = torch.where(clipped, 0.0, adv * seq_ratio)
     _, expected = _grad(LossConfig(loss="pg"), data, advantages=surrogate_adv)
     torch.testing.assert_close(grad, expected)
+
+
+def test_the_oracle_shares_no_code_with_what_it_judges():
+    """fusedrl.reference imports only argument validation, the config and the output type; no
+    module of the package imports it (the package's __init__ only exposes it as
+    `fusedrl.reference`). A bug in shared code would sit on both sides of every comparison."""
+    import ast
+    from pathlib import Path
+
+    root = Path(reference.__file__).resolve().parents[1]
+    allowed = {"_inputs", "config", "output"}
+
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                names.add(node.module or "")
+                names.update(a.name for a in node.names if not node.module)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusedrl"):
+                names.add(node.module.split(".")[-1] if node.module != "fusedrl" else "")
+                names.update(a.name for a in node.names if node.module == "fusedrl")
+            elif isinstance(node, ast.Import):
+                names.update(a.name.split(".")[-1] for a in node.names if "fusedrl" in a.name)
+        return names
+
+    assert imported(root / "fusedrl" / "reference.py") - {"torch", ""} <= allowed
+    for folder in ("fusedrl", "kernels", "trainer"):
+        for path in (root / folder).rglob("*.py"):
+            if path.name == "reference.py" or (folder == "fusedrl" and path.name == "__init__.py"):
+                continue
+            assert "reference" not in imported(path), f"{path} imports the oracle"
