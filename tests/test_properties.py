@@ -1,7 +1,13 @@
-"""Property test: random configs and shapes, torch backend == reference (hypothesis)."""
+"""Property tests: random configs and shapes, each backend == reference (hypothesis).
+
+The torch backend at 150 examples; the Triton backend (interpreted on CPU, so slower) at fewer,
+smaller ones, with inplace and a [B, P+T, V] slice drawn too, and tiles small enough that rows
+span several tiles and a remainder.
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,7 +16,7 @@ import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl.config import AGGS, KLS
 
-from .conftest import make_batch, run_loss
+from .conftest import make_batch, needs_interpreter, run_loss
 
 
 @st.composite
@@ -68,3 +74,58 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
     for key in ref.metrics:
         torch.testing.assert_close(ours.metrics[key], ref.metrics[key], atol=1e-6, rtol=1e-5)
+
+
+@needs_interpreter
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cfg=configs(),
+    batch=st.integers(1, 3),
+    time=st.integers(1, 5),
+    vocab=st.sampled_from([2, 17, 131, 257]),
+    seed=st.integers(0, 2**16),
+    per_token_adv=st.booleans(),
+    normalize=st.booleans(),
+    inplace=st.booleans(),
+    prompt=st.integers(0, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_triton_backend_equals_reference(
+    cfg, batch, time, vocab, seed, per_token_adv, normalize, inplace, prompt, dtype
+):
+    from fusedrl.kernels import logprobs
+
+    data = make_batch(
+        batch=batch,
+        time=time,
+        vocab=vocab,
+        seed=seed,
+        per_token_adv=per_token_adv,
+        empty_rows=(seed % 3,),
+        dtype=dtype,
+    )
+    if prompt:  # the completion slice of [B, P + T, V] logits, as a trainer passes them
+        full = torch.randn(batch, prompt + time, vocab).to(dtype)
+        full[:, prompt:] = data["logits"]
+        data["logits"] = full[:, prompt:]
+    extra = {"normalizer": 5.0} if normalize else {}
+    args = {k: v for k, v in data.items() if k != "logits"}
+    ref_logits = data["logits"].detach().double().requires_grad_(True)
+    ref = reference.policy_loss(ref_logits, config=cfg, **args, **extra)
+    (ref_grad,) = torch.autograd.grad(ref.loss, ref_logits)
+    logits = (data["logits"].clone() if inplace else data["logits"]).detach().requires_grad_(True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+        ours = fusedrl.policy_loss(logits, config=cfg, backend="triton", inplace=inplace, **args,
+                                   **extra)  # fmt: skip
+        (grad,) = torch.autograd.grad(ours.loss, logits)
+    torch.testing.assert_close(ours.loss.double(), ref.loss, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-5)
+    else:  # one bf16 rounding per element (truncation under the interpreter), plus fp32 noise
+        tolerance = torch.finfo(torch.bfloat16).eps * ref_grad.abs() + 1e-6
+        assert ((grad.double() - ref_grad).abs() <= tolerance).all()
+    for key in ref.metrics:
+        torch.testing.assert_close(
+            ours.metrics[key].double(), ref.metrics[key].double(), atol=1e-5, rtol=1e-5, msg=key
+        )
