@@ -157,3 +157,39 @@ def test_config_errors_before_any_rollout(default_run, tmp_path):
     assert proc.returncode == 2 and "max_position_embeddings=128" in proc.stderr
     proc = fusedrl_train("--out", str(tmp_path / "r"), "--dataset", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2 and "--dataset" in proc.stderr and "no such file" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--reward", "arith=nan"), "--reward: 'arith=nan': the weight must be a finite number"),
+        (("--overlong-penalty-factor", "inf"), "--overlong-penalty-factor: must be a finite"),
+        (("--temperature", "nan"), "--temperature: must be > 0"),
+    ],
+)
+def test_non_finite_options_are_rejected_before_anything_starts(flags, message, tmp_path):
+    proc = fusedrl_train("--out", str(tmp_path / "r"), *flags, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_a_non_finite_update_stops_the_run_naming_the_step(tmp_path):
+    """lr 1e30 makes the weights overflow after one update: the next loss is NaN. The run stops
+    there with the step named, applies nothing, writes no final_model and never says done."""
+    out = tmp_path / "r"
+    proc = fusedrl_train("--out", str(out), "--max-steps", "4", "--lr", "1e30", "--save-every", "1")
+    assert proc.returncode == 1
+    assert "fusedrl-train: error: step 1: loss = nan" in proc.stderr, proc.stderr[-3000:]
+    assert "done" not in proc.stdout and "Traceback" not in proc.stderr
+    assert not (out / "final_model").exists()
+    assert [r["step"] for r in read_metrics(out)] == [0]
+
+
+def test_skip_nonfinite_steps_skips_counts_then_fails(tmp_path):
+    out = tmp_path / "r"
+    proc = fusedrl_train("--out", str(out), "--max-steps", "6", "--lr", "1e30",
+                         "--skip-nonfinite-steps", "2")
+    assert proc.returncode == 1
+    assert "More than --skip-nonfinite-steps=2 updates were non-finite" in proc.stderr
+    rows = read_metrics(out)
+    assert [r["skipped_nonfinite"] for r in rows] == [0.0, 1.0, 2.0]

@@ -20,8 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
+    from .loop import NonFiniteError
+
     try:
         run_dir = trainer.train()
+    except NonFiniteError as exc:
+        print(f"fusedrl-train: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     if trainer.env.is_main:

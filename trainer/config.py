@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 1.0
+    skip_nonfinite_steps: int = 0  # updates with a NaN/inf loss or grad norm skipped before failing
     max_steps: int = 60
     seed: int = 0
     dtype: str = "auto"  # forward (autocast) and vLLM dtype; auto = bf16 on GPU, fp32 on CPU
@@ -107,7 +109,8 @@ class TrainConfig:
         for name in ("prompts_per_step", "max_tokens", "max_steps", "ppo_epochs", "minibatches",
                      "max_num_gen_batches", "keep_last", "save_every", "max_prompt_tokens"):
             need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "warmup_steps", "overlong_buffer", "weight_decay"):
+        for name in ("micro_batch_size", "warmup_steps", "overlong_buffer", "weight_decay",
+                     "skip_nonfinite_steps"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         need(self.overlong_buffer <= self.max_tokens, "overlong_buffer",
              f"must be <= max_tokens={self.max_tokens}, got {self.overlong_buffer}")
@@ -122,6 +125,17 @@ class TrainConfig:
         need(not (self.dupo and self.dynamic_sampling), "dupo",
              "DUPO refills the batch by duplication, dynamic sampling by oversampling: pick one")
         need(bool(self.reward.strip()), "reward", "at least one reward function is required")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                need(math.isfinite(value), f.name, f"must be a finite number, got {value}")
+        for item in filter(None, (part.strip() for part in self.reward.split(","))):
+            weight = item.partition("=")[2]
+            try:
+                finite = not weight or math.isfinite(float(weight))
+            except ValueError:
+                finite = False
+            need(finite, "reward", f"{item!r}: the weight must be a finite number")
         try:
             self.loss_config()
         except ValueError as exc:

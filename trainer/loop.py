@@ -127,6 +127,7 @@ class Trainer:
                                            weight_decay=cfg.weight_decay)
         self.sas = adv.SmoothAdvantageStandardizer() if cfg.advantage == "dcpo_sas" else None
         self.start_step, self.cursor = 0, 0
+        self.skipped_nonfinite = 0
         resume_step = None
         if cfg.resume:
             ckpt = checkpoint.resolve(cfg.resume)
@@ -272,14 +273,51 @@ class Trainer:
                 if hasattr(grad_norm, "full_tensor"):
                     grad_norm = grad_norm.full_tensor()
                 step_metrics["grad_norm"] = grad_norm
+                if not self._finite_update(step, step_metrics):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue  # skipped (--skip-nonfinite-steps): no optimizer step
                 self.optimizer.step()
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().float()
                 updates += 1
         for key, value in sums.items():
-            metrics[key] = value / updates
+            metrics[key] = value / max(updates, 1)
         metrics["lr"] = torch.tensor(self.lr * warmup)
+        metrics["skipped_nonfinite"] = torch.tensor(float(self.skipped_nonfinite))
         return metrics
+
+    def _finite_update(self, step: int, step_metrics: dict[str, torch.Tensor]) -> bool:
+        """Whether this optimizer step may be applied: loss and gradient norm finite. One scalar
+        host read per optimizer step (the loss kernels themselves never sync). A non-finite one
+        stops the run naming the step, or is skipped and counted under --skip-nonfinite-steps."""
+        watched = {k: step_metrics[k] for k in ("loss", "grad_norm") if k in step_metrics}
+        values = torch.stack([v.detach().float().reshape(()) for v in watched.values()])
+        finite = torch.isfinite(sum_over_ranks(values)).tolist()  # every rank decides alike
+        if all(finite):
+            return True
+        bad = ", ".join(f"{name} = {float(v)}" for (name, v), ok
+                        in zip(watched.items(), finite) if not ok)  # fmt: skip
+        self.skipped_nonfinite += 1
+        if self.skipped_nonfinite > self.cfg.skip_nonfinite_steps:
+            raise NonFiniteError(
+                f"step {step}: {bad}; the update was not applied and no non-finite weights were "
+                f"saved (the last checkpoint is intact). "
+                + ("Pass --skip-nonfinite-steps N to skip up to N such updates."
+                   if self.cfg.skip_nonfinite_steps == 0 else
+                   f"More than --skip-nonfinite-steps={self.cfg.skip_nonfinite_steps} updates "
+                   "were non-finite.")
+            )
+        return False
+
+    def _check_weights(self, step: int, what: str) -> None:
+        """Never write non-finite weights (a checkpoint, the final model)."""
+        for name, param in self.model.named_parameters():
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            if not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteError(
+                    f"step {step}: parameter {name!r} holds non-finite values; {what} was not "
+                    "written (the last checkpoint is intact)"
+                )
 
     def close(self) -> None:
         """vLLM first (it tears down the process groups it uses), then our own group."""
@@ -323,11 +361,13 @@ class Trainer:
                                 len=f"{record['response_len_mean']:.1f}",
                                 t=f"{record['step_time']:.1f}s")
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps:
+                self._check_weights(step, "the checkpoint")
                 extra = {"sas": self.sas.state_dict() if self.sas is not None else None}
                 checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer,
                                 {"cursor": self.cursor}, extra, cfg.keep_last)
         if bar is not None:
             bar.close()
+        self._check_weights(cfg.max_steps - 1, "final_model")
         checkpoint.export_model(self.run_dir, self.model, self.tokenizer)
         if self.logger is not None:
             self.logger.close()
@@ -354,6 +394,10 @@ class Trainer:
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
         record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
         return record
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or weight went NaN / inf: the run stops without saving it."""
 
 
 def train(cfg: TrainConfig) -> Path:

@@ -112,6 +112,8 @@ def parse_rewards(spec: str) -> list[Reward]:
             weight = float(weight_text) if weight_text else 1.0
         except ValueError:
             raise ValueError(f"--reward {item!r}: weight {weight_text!r} is not a number") from None
+        if not math.isfinite(weight):
+            raise ValueError(f"--reward {item!r}: weight {weight_text!r} is not a finite number")
         if name in BUILTIN:
             fn = BUILTIN[name]
         elif ":" in name:
