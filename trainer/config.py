@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from fusedrl.config import PRESETS, LossConfig
+from fusedrl.api import BACKENDS
+from fusedrl.config import AGGS, IS_CORRECTIONS, KLS, PRESETS, LossConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
@@ -119,6 +120,8 @@ class TrainConfig:
         need(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.backend in BACKENDS, "backend",
+             f"must be one of {BACKENDS}, got {self.backend!r}")
         need(self.prompts_per_step * self.group_size >= self.minibatches, "minibatches",
              f"{self.minibatches} minibatches need at least as many sequences per step "
              f"(prompts_per_step x group_size = {self.prompts_per_step * self.group_size})")
@@ -152,10 +155,70 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"--config {path}: unknown option(s) {unknown}")
-        return cls(**data)
+        try:
+            return cls(**{name: coerce(name, value) for name, value in data.items()})
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {exc}") from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+
+# One sentence per option for --help (tests/test_trainer_units.py checks every field has one).
+HELP = {
+    "model": "Local path or hub id of the policy; unset: a tiny random Qwen2 in OUT/base_model.",
+    "dataset": "A .jsonl, .json or .parquet file of prompts; unset: the built-in `sum` task.",
+    "prompt_column": "Dataset column of the prompt (text, or a list of role/content messages).",
+    "answer_column": "Dataset column handed to reward functions as the reference answer.",
+    "system_prompt": "A system message prepended to every chat prompt.",
+    "reward": "Comma list of name[=weight]: math, format, arith, or module:function.",
+    "max_prompt_tokens": "Longest prompt accepted; a longer one is an error naming its row.",
+    "group_size": "Completions sampled per prompt (G, at least 2).",
+    "prompts_per_step": "Prompts per optimizer step, summed over data-parallel ranks.",
+    "max_tokens": "Completion budget per sample, in tokens.",
+    "temperature": "Sampling temperature; the loss divides the logits by the same value.",
+    "top_p": "Nucleus sampling threshold in (0, 1].",
+    "gpu_memory_utilization": "Share of GPU memory vLLM may take.",
+    "vllm_kv_cache_gb": "KV-cache size of a CPU vLLM engine, in GB.",
+    "vllm_sleep": "Free vLLM's GPU memory while training (GPU only).",
+    "preset": f"Loss preset, one of {sorted(PRESETS)}.",
+    "advantage": f"Advantage estimator, one of {list(ADVANTAGES)}.",
+    "eps_low": "Lower clip range; unset: the preset's.",
+    "eps_high": "Upper clip range (clip-higher); unset: the preset's.",
+    "dual_clip_c": "Dual-clip cap for negative advantages (> 1); unset: the preset's.",
+    "delta": "Upper cap of the unclipped ratio (> 1 + eps_high); unset: the preset's.",
+    "agg": f"Loss aggregation, one of {list(AGGS)}; unset: the preset's.",
+    "kl": f"KL estimator, one of {list(KLS)}; unset: the preset's.",
+    "beta": "KL coefficient (a reference model is kept when > 0); unset: the preset's.",
+    "entropy_coef": "Entropy bonus coefficient; unset: the preset's.",
+    "is_correction": f"Train/inference IS correction, one of {list(IS_CORRECTIONS)}; unset: off.",
+    "is_cap": "Upper bound of the IS weights; unset: the preset's (2).",
+    "is_cap_low": "Lower bound of the IS weights; unset: 1 / is_cap for the mask modes.",
+    "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
+    "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
+    "dupo": "DUPO: refill dropped groups by duplicating kept ones.",
+    "overlong_filter": "Mask truncated completions out of the loss.",
+    "overlong_buffer": "DAPO's soft overlong punishment window in tokens (0: off).",
+    "overlong_penalty_factor": "Largest soft overlong punishment.",
+    "ppo_epochs": "Passes over each batch (mu).",
+    "minibatches": "Optimizer steps per pass.",
+    "micro_batch_size": "Sequences per forward/backward (0: the whole minibatch).",
+    "lr": "AdamW learning rate; unset: 1e-6 with --model, 3e-3 for the built-in tiny model.",
+    "weight_decay": "AdamW weight decay.",
+    "warmup_steps": "Linear learning-rate warm-up steps.",
+    "grad_clip": "Gradient-norm clip (0: off).",
+    "skip_nonfinite_steps": "Updates with a NaN/inf loss or gradient norm skipped before failing.",
+    "max_steps": "Optimizer steps of the run.",
+    "seed": "Seed of the prompt stream, sampling and model initialisation.",
+    "dtype": f"Compute dtype, one of {list(DTYPES)} (auto: bf16 on GPU, fp32 on CPU).",
+    "backend": f"fusedrl loss backend, one of {list(BACKENDS)}.",
+    "out": "Run directory (metrics, checkpoints, plots, final_model).",
+    "save_every": "Checkpoint every N steps (and at the last step).",
+    "keep_last": "Checkpoints kept.",
+    "resume": "A run directory (its latest checkpoint) or a checkpoint directory to resume from.",
+    "tensorboard": "Write TensorBoard logs under OUT/tensorboard.",
+    "progress": "Show a progress bar.",
+}
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -166,20 +229,59 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _optional(f: dataclasses.Field) -> bool:
+    return type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[f.name])
 
 
-def _optional(kind: type):
-    def parse(text: str):
-        return None if text.lower() in ("none", "null") else kind(text)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
-    return parse
+
+def coerce(name: str, value: object):
+    """`value` (from YAML or the command line) as the type of TrainConfig field `name`: "1e-6" and
+    1 become floats, "8" and 8.0 ints, "false" and "no" False; anything else is a ValueError naming
+    the option. YAML reads 1e-6 as text and "false" as a truthy string: both mean what they say."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    if name not in fields:
+        raise ValueError(f"unknown option {name!r}")
+    f, flag = fields[name], "--" + name.replace("_", "-")
+    kind = _field_type(f)
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        if _optional(f):
+            return None
+        raise ValueError(f"{flag}: a value is required (it has no unset state)")
+    text = value.strip() if isinstance(value, str) else None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{flag}: expected true or false, got {value!r}")
+    if kind is int:
+        number = value
+        if text is not None:
+            try:
+                number = float(text) if any(c in text.lower() for c in ".e") else int(text)
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"{flag}: expected an integer, got {value!r}")
+        if isinstance(number, float) and not number.is_integer():
+            raise ValueError(f"{flag}: expected an integer, got {value!r}")
+        return int(number)
+    if kind is float:
+        number = value
+        if text is not None:
+            try:
+                number = float(text)
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"{flag}: expected a number, got {value!r}")
+        return float(number)
+    if not isinstance(value, str):
+        raise ValueError(f"{flag}: expected text, got {type(value).__name__} {value!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,26 +289,37 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fusedrl-train",
         description="GRPO-family RL with vLLM rollouts and fusedrl's fused loss. With no "
         "arguments: a tiny random Qwen2 learns the built-in `sum` task on CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML file of options; CLI flags override it")
+    parser.add_argument("--config", help="YAML file of options; flags given here override it.")
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(f)
-        parse = _parse_bool if kind is bool else kind
-        if f.default is None:
-            parse = _optional(kind)
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", dest=f.name, type=parse, default=argparse.SUPPRESS,
-            help=f"(default: {f.default})", metavar=kind.__name__.upper(),
-        )
+        flag = "--" + f.name.replace("_", "-")
+        default = "unset" if f.default is None else f.default
+        help_text = f"{HELP[f.name]} (default: {default})"
+
+        def parse(text: str, name: str = f.name):
+            try:
+                return coerce(name, text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+        if kind is bool:  # --flag, --flag false, --no-flag
+            parser.add_argument(flag, dest=f.name, nargs="?", const=True, type=parse,
+                                default=argparse.SUPPRESS, metavar="BOOL", help=help_text)
+            parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name,
+                                action="store_false", default=argparse.SUPPRESS,
+                                help=f"Same as {flag} false.")
+        else:
+            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
+                                help=help_text, metavar=kind.__name__.upper())
     return parser
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """The run's config: defaults <- --config YAML <- CLI flags, validated."""
+    """The run's config: defaults <- --config YAML <- CLI flags, typed and validated before any
+    model or engine starts."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config", None)
     cfg = TrainConfig.from_yaml(path) if path else TrainConfig()
     cfg = dataclasses.replace(cfg, **args)
     return cfg.validate()
-

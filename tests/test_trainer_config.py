@@ -1,0 +1,94 @@
+"""`fusedrl-train`'s options: typed from YAML and the command line, rejected with the option's
+name before any model or engine starts, and documented one sentence each in --help."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedrl.trainer.config import HELP, TrainConfig, coerce, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_values_take_the_field_types(tmp_path):
+    """PyYAML reads 1e-6 as a string and "false" as a (truthy) string: both mean what they say."""
+    cfg = parse_config(["--config", _yaml(tmp_path, 'lr: 1e-6\nmax_steps: "8"\n'
+                        'dynamic_sampling: "false"\nbeta: 0\ntemperature: 1\nprogress: no\n')])
+    assert cfg.lr == 1e-6 and type(cfg.lr) is float
+    assert cfg.max_steps == 8 and type(cfg.max_steps) is int
+    assert cfg.dynamic_sampling is False and cfg.progress is False
+    assert type(cfg.beta) is float and type(cfg.temperature) is float
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max_steps: 2.5\n", "--max-steps: expected an integer, got 2.5"),
+        ("lr: fast\n", "--lr: expected a number, got 'fast'"),
+        ("dupo: maybe\n", "--dupo: expected true or false, got 'maybe'"),
+        ("model: 123\n", "--model: expected text, got int 123"),
+        ("group_size: null\n", "--group-size: a value is required"),
+        ("dynamic_sampling: [1]\n", "--dynamic-sampling: expected true or false"),
+    ],
+)
+def test_bad_yaml_values_name_the_option(tmp_path, text, message):
+    with pytest.raises(ValueError, match="--config .*run.yaml: " + message.replace("[", r"\[")):
+        parse_config(["--config", _yaml(tmp_path, text)])
+
+
+def test_boolean_flags():
+    assert parse_config(["--dynamic-sampling"]).dynamic_sampling is True
+    assert parse_config(["--dynamic-sampling", "false"]).dynamic_sampling is False
+    assert parse_config(["--no-progress"]).progress is False
+    assert parse_config(["--progress", "yes"]).progress is True
+
+
+@pytest.mark.parametrize("flags", [["--max-steps", "2.5"], ["--lr", "abc"], ["--dupo", "maybe"]])
+def test_bad_flags_exit_with_usage(flags, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(flags)
+    assert info.value.code == 2
+    assert f"argument {flags[0]}:" in capsys.readouterr().err
+
+
+def test_coerce_round_trips_every_default():
+    for f in dataclasses.fields(TrainConfig):
+        assert coerce(f.name, f.default) == f.default
+
+
+def test_every_option_has_a_sentence_and_help_shows_the_choices():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(HELP) == names
+    assert all(text.endswith(".") and len(text) > 15 for text in HELP.values())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--help"], env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = " ".join(out.split())
+    for needle in ("'dapo'", "'grpo'", "'rloo'", "'token-mean'", "'k3'", "'bfloat16'",
+                   "'triton'", "1e-6 with --model, 3e-3 for the built-in tiny model",
+                   "--no-dynamic-sampling", "--skip-nonfinite-steps"):
+        assert needle in out, needle
+
+
+def test_bad_options_fail_before_anything_is_written(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for flags in (["--max-steps", "2.5"], ["--backend", "jax"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "fusedrl.trainer", "--out", str(tmp_path / "r"), *flags],
+            env=env, capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )
+        assert proc.returncode == 2 and "fusedrl-train: error:" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "r").exists()
