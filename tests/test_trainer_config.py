@@ -92,3 +92,59 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
         assert proc.returncode == 2 and "fusedrl-train: error:" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
         assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------------ data
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("bad.jsonl", '{"prompt": "a", "answer": "1"}\n\n{"prompt": "b" "answer": "2"}\n',
+         r"bad.jsonl: line 3, column 16: Expecting ',' delimiter"),
+        ("bad.json", '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b",,}\n]',
+         r"bad.json: line 3, column 18: Expecting property name"),
+        ("dict.json", '{"prompt": "a", "answer": "1"}',
+         r"dict.json: expected a JSON list of rows \(objects\), got a dict at the top level"),
+        ("numbers.jsonl", "1\n2\n", r"numbers.jsonl: line 1: expected an object with a 'prompt'"),
+        ("missing.jsonl", '{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n',
+         r"missing.jsonl: line 2: missing column 'prompt' \(it has \['answer'\]\); "
+         r"set --prompt-column"),
+        ("number.jsonl", '{"prompt": 12, "answer": "1"}\n',
+         r"number.jsonl: line 1: column 'prompt' must be text or a list of role/content "
+         r"messages, got int 12"),
+        ("none.json", '[{"prompt": null, "answer": "1"}]', r"none.json: row 0: .* got NoneType"),
+        ("chat.jsonl", '{"prompt": [{"role": "user"}], "answer": "1"}\n',
+         r"chat.jsonl: line 1: column 'prompt' is a list, but message 0 is not a"),
+        ("dictprompt.jsonl", '{"prompt": {"text": "a"}, "answer": "1"}\n', r"got dict"),
+    ],
+)
+def test_data_errors_name_the_file_line_and_column(tmp_path, name, text, message):
+    from fusedrl.trainer.data import load_rows
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_rows(str(path), "prompt", "answer")
+
+
+def test_chat_prompts_and_text_prompts_load(tmp_path):
+    from fusedrl.trainer.data import load_rows
+
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n'
+                    '{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}\n')
+    rows = load_rows(str(path), "prompt", "answer")
+    assert rows[0]["prompt"] == "1+1=" and rows[1]["prompt"][0]["content"] == "2+2="
+
+
+def test_bad_data_is_an_error_line_not_a_traceback(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": [1, 2], "answer": "2"}\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--out", str(tmp_path / "r"), "--dataset",
+         str(data), "--progress", "false"],
+        env=env, capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "fusedrl-train: error: --dataset" in proc.stderr and "line 2" in proc.stderr
+    assert "Traceback" not in proc.stderr

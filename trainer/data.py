@@ -55,38 +55,90 @@ def sum_task(num_rows: int = 200, seed: int = 1234) -> list[dict]:
 
 
 def load_rows(path: str, prompt_column: str, answer_column: str) -> list[dict]:
-    """Rows of a .jsonl/.json/.parquet file; the prompt column is renamed to "prompt"."""
+    """Rows of a .jsonl/.json/.parquet file; the prompt column is renamed to "prompt".
+
+    Every error names the file and the row's line (jsonl) or index (json / parquet), and the
+    column where JSON does not parse: a user fixes data, not tracebacks."""
     file = Path(path)
     if not file.exists():
         raise FileNotFoundError(f"--dataset {path}: no such file")
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
-        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        rows, where = [], []
+        for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"--dataset {path}: line {lineno}, column {exc.colno}: {exc.msg}"
+                ) from None
+            where.append(f"line {lineno}")
     elif suffix == ".json":
-        rows = json.loads(file.read_text())
+        try:
+            rows = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--dataset {path}: line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from None
+        if not isinstance(rows, list):
+            raise ValueError(
+                f"--dataset {path}: expected a JSON list of rows (objects), got a "
+                f"{type(rows).__name__} at the top level"
+            )
+        where = [f"row {i}" for i in range(len(rows))]
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
         rows = pq.read_table(file).to_pylist()
+        where = [f"row {i}" for i in range(len(rows))]
     else:
         raise ValueError(f"--dataset {path}: expected a .jsonl, .json or .parquet file")
     if not rows:
         raise ValueError(f"--dataset {path}: the file holds no rows")
-    for column in (prompt_column, answer_column):
-        if column not in rows[0]:
+    out = []
+    for row, at in zip(rows, where):
+        if not isinstance(row, dict):
             raise ValueError(
-                f"--dataset {path}: missing column {column!r} (columns: {sorted(rows[0])}); "
-                f"set --prompt-column / --answer-column"
+                f"--dataset {path}: {at}: expected an object with a {prompt_column!r} field, "
+                f"got {type(row).__name__} {str(row)[:80]}"
             )
-    return [{**row, "prompt": row[prompt_column], "answer": row[answer_column]} for row in rows]
+        columns = ((prompt_column, "--prompt-column"), (answer_column, "--answer-column"))
+        for column, flag in columns:
+            if column not in row:
+                raise ValueError(
+                    f"--dataset {path}: {at}: missing column {column!r} (it has "
+                    f"{sorted(row)}); set {flag}"
+                )
+        problem = _prompt_problem(row[prompt_column])
+        if problem:
+            raise ValueError(f"--dataset {path}: {at}: column {prompt_column!r} {problem}")
+        out.append({**row, "prompt": row[prompt_column], "answer": row[answer_column]})
+    return out
+
+
+def _prompt_problem(prompt) -> str | None:
+    """Why `prompt` is not a prompt: text, or a chat as a list of {role, content} messages."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):  # fmt: skip
+                return (f"is a list, but message {i} is not a {{'role': str, 'content': str}} "
+                        f"object: {str(message)[:80]}")  # fmt: skip
+        return None
+    return (f"must be text or a list of role/content messages, got {type(prompt).__name__} "
+            f"{str(prompt)[:80]}")  # fmt: skip
 
 
 def render_prompt(tokenizer, prompt, system_prompt: str | None) -> list[int]:
     """Token ids of a prompt: through the chat template when the tokenizer has one."""
-    if isinstance(prompt, list):  # already a conversation
+    if isinstance(prompt, list):  # already a conversation (load_rows checked its messages)
         messages = list(prompt)
     else:
-        messages = [{"role": "user", "content": str(prompt)}]
+        messages = [{"role": "user", "content": prompt}]
     if system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None):
