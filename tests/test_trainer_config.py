@@ -148,3 +148,20 @@ def test_bad_data_is_an_error_line_not_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "fusedrl-train: error: --dataset" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_console_script_imports_rewards_from_the_working_directory(tmp_path):
+    script = Path(sys.executable).parent / "fusedrl-train"
+    if not script.exists():
+        pytest.skip("fusedrl-train is not installed in this environment")
+    (tmp_path / "myrewards.py").write_text("def other(prompts, completions, **_):\n"
+                                           "    return [0.0] * len(prompts)\n")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [str(script), "--out", str(tmp_path / "r"), "--reward", "myrewards:fn",
+         "--progress", "false"],
+        env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # Found (the module was imported from the working directory), then the missing name named.
+    assert "module 'myrewards'" in proc.stderr and "has no 'fn'" in proc.stderr, proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_a_failing_reward_names_the_function_and_the_prompt():
 def test_malformed_rewards_are_errors():
     with pytest.raises(ValueError, match="unknown"):
         parse_rewards("nope")
-    with pytest.raises(ValueError, match="cannot load"):
+    with pytest.raises(ValueError, match="module 'tests.test_trainer_units' .* has no 'missing'"):
         parse_rewards("tests.test_trainer_units:missing")
     with pytest.raises(ValueError, match="weight 'x'"):
         parse_rewards("math=x")
@@ -160,6 +161,43 @@ def test_malformed_rewards_are_errors():
 
 def _short(prompts, completions, **_):
     return [1.0]
+
+
+def _all_none(prompts, completions, **_):
+    return [None] * len(prompts)
+
+
+def _numpy_and_torch(prompts, completions, **_):
+    import numpy as np
+
+    return [np.float32(0.5), torch.tensor(0.25), np.int64(1)][: len(prompts)]
+
+
+def test_reward_numbers_of_numpy_and_torch_are_accepted():
+    rewards = parse_rewards("tests.test_trainer_units:_numpy_and_torch")
+    total, means = score(rewards, ["a", "b", "c"], ["1", "2", "3"], {})
+    assert total == [0.5, 0.25, 1.0]
+
+
+def test_a_reward_that_applies_to_no_sample_is_an_error():
+    rewards = parse_rewards("tests.test_trainer_units:_all_none")
+    with pytest.raises(RuntimeError, match="returned None for all 2 completions of this step"):
+        score(rewards, ["a", "b"], ["1", "2"], {})
+
+
+def test_reward_modules_from_the_working_directory_and_their_errors(tmp_path, monkeypatch):
+    """The console script finds `module:function` in the working directory, as `python -m`
+    does; a module that fails to import is named with its error."""
+    (tmp_path / "my_rewards_ok.py").write_text("def fn(prompts, completions, **_):\n"
+                                               "    return [1.0] * len(prompts)\n")
+    (tmp_path / "my_rewards_broken.py").write_text("def fn(:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (reward,) = parse_rewards("my_rewards_ok:fn")
+    assert reward.fn(["a"], ["b"]) == [1.0]
+    with pytest.raises(ValueError, match="importing module 'my_rewards_broken' failed: "
+                       "SyntaxError"):  # fmt: skip
+        parse_rewards("my_rewards_broken:fn")
 
 
 def _nan(prompts, completions, **_):

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
+import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 RewardFn = Callable[..., list]
 
@@ -118,11 +124,19 @@ def parse_rewards(spec: str) -> list[Reward]:
             fn = BUILTIN[name]
         elif ":" in name:
             module_name, _, attr = name.partition(":")
+            # The working directory is importable, as under `python -m` (a console script
+            # puts only its own bin directory on sys.path).
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
             try:
-                fn = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError) as exc:
-                raise ValueError(f"--reward {name!r}: cannot load {attr!r} from "
-                                 f"{module_name!r}: {exc}") from exc
+                module = importlib.import_module(module_name)
+            except Exception as exc:  # noqa: BLE001 - SyntaxError, ImportError, its own errors
+                raise ValueError(f"--reward {name!r}: importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            fn = getattr(module, attr, None)
+            if fn is None:
+                raise ValueError(f"--reward {name!r}: module {module_name!r} "
+                                 f"({getattr(module, '__file__', '?')}) has no {attr!r}")
             if not callable(fn):
                 raise ValueError(f"--reward {name!r} is not callable")
         else:
@@ -143,6 +157,18 @@ def _failing_prompt(fn: RewardFn, prompts, completions, columns) -> str:
         except Exception:  # noqa: BLE001 - locating the failure, re-raised by the caller
             return prompt
     return prompts[0]
+
+
+def _as_number(value) -> float | None:
+    """A finite reward as a float: Python, numpy and one-element torch numbers; not bool."""
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a torch tensor
+        if value.numel() != 1 or value.dtype == torch.bool:
+            return None
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def score(rewards: list[Reward], prompts: list[str], completions: list[str],
@@ -170,14 +196,21 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str],
         for i, value in enumerate(values):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-                value
-            ):
+            number = _as_number(value)
+            if number is None:
                 raise RuntimeError(
                     f"reward function {reward.name!r} returned {value!r} (not a finite number) "
                     f"for prompt {str(prompts[i])[:200]!r}"
                 )
-            total[i] += reward.weight * float(value)
-            applied.append(float(value))
-        means[reward.name] = sum(applied) / len(applied) if applied else float("nan")
+            total[i] += reward.weight * number
+            applied.append(number)
+        if not applied and prompts:
+            # None means "does not apply to this sample"; for every sample of a step it is a
+            # broken function (or the wrong dataset columns), not a reward of 0.
+            raise RuntimeError(
+                f"reward function {reward.name!r} returned None for all {len(prompts)} "
+                f"completions of this step (prompt: {str(prompts[0])[:200]!r}); check the "
+                "function and the dataset columns it reads"
+            )
+        means[reward.name] = sum(applied) / len(applied)
     return total, means
