@@ -23,6 +23,7 @@ from fusedrl.config import AGGS, IS_CORRECTIONS, KLS, PRESETS, LossConfig
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLLOUTS = ("auto", "vllm", "hf")
 # LossConfig fields a run may override on top of its preset (None = the preset's value).
 LOSS_OVERRIDES = ("eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
                   "entropy_coef", "is_correction", "is_cap", "is_cap_low")
@@ -47,6 +48,7 @@ class TrainConfig:
     gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gb: float = 0.25  # KV cache size on a CPU engine
     vllm_sleep: bool = True  # free vLLM's GPU memory while training (GPU only)
+    rollout: str = "auto"  # vllm | hf (transformers generate) | auto: vllm when installed
     # --- algorithm ------------------------------------------------------------------------
     preset: str = "dapo"
     advantage: str = "grpo"
@@ -120,6 +122,8 @@ class TrainConfig:
         need(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.rollout in ROLLOUTS, "rollout",
+             f"must be one of {ROLLOUTS}, got {self.rollout!r}")
         need(self.backend in BACKENDS, "backend",
              f"must be one of {BACKENDS}, got {self.backend!r}")
         need(self.prompts_per_step * self.group_size >= self.minibatches, "minibatches",
@@ -181,6 +185,8 @@ HELP = {
     "gpu_memory_utilization": "Share of GPU memory vLLM may take.",
     "vllm_kv_cache_gb": "KV-cache size of a CPU vLLM engine, in GB.",
     "vllm_sleep": "Free vLLM's GPU memory while training (GPU only).",
+    "rollout": f"Rollout engine, one of {list(ROLLOUTS)} (auto: vllm when it is installed, "
+    "else hf, transformers' generate).",
     "preset": f"Loss preset, one of {sorted(PRESETS)}.",
     "advantage": f"Advantage estimator, one of {list(ADVANTAGES)}.",
     "eps_low": "Lower clip range; unset: the preset's.",

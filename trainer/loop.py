@@ -47,7 +47,7 @@ from .data import PromptSet, build_prompt_set
 from .distributed import DistEnv, max_over_ranks, setup, shard, sum_over_ranks, teardown
 from .logger import MetricsLogger, plot
 from .rewards import parse_rewards, score
-from .rollout import Sample, VLLMEngine, full_state
+from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
 from .step import Batch, accumulate_gradients, collate, token_logprobs
 
 TINY_LR = 3e-3
@@ -139,8 +139,12 @@ class Trainer:
         if self.env.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             print(f"fusedrl-train: {self.run_dir}\n{cfg.to_yaml()}loss: {self.loss_cfg}")
-        self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype, self.env.device,
-                                 distributed=self.env.world_size > 1)
+        if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available()):
+            self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype,
+                                   self.env.device)
+        else:
+            self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype,
+                                     self.env.device, distributed=self.env.world_size > 1)
         if resume_step is not None:
             self.engine.sync_weights(full_state(self.model))
         self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)

@@ -140,3 +140,94 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+class HFEngine:
+    """Rollouts with transformers' `generate` on the policy itself, for machines without vLLM.
+
+    Same sampling as the vLLM engine: G samples per prompt at the run's temperature and top_p
+    (no top-k), at most max_tokens, stopping at the model's end-of-sequence token. A round is one
+    batched call, reproducible from its prompts and seeds (a forked RNG, so the trainer's own
+    stream is left alone); unlike vLLM, a prompt's samples depend on the round it is in. Its
+    log-probs are those of the processed distribution (after temperature and top_p), like vLLM's
+    `processed_logprobs`. The engine generates with the trainer's model, so there are no weights
+    to sync. Slower than vLLM (no paged KV cache, padding): for a GPU image without vLLM, a
+    laptop, or a test.
+    """
+
+    def __init__(self, model, tokenizer, compute_dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.autocast = compute_dtype if compute_dtype != torch.float32 else None
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+            self.eos_ids[0] if self.eos_ids else 0)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], indices: list[int], seeds: list[int],
+                 cfg) -> list[list[Sample]]:
+        """One batched `generate` for the round: prompts left-padded, G samples each, the RNG
+        seeded from the round's first seed (the same prompts give the same samples)."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts],
+                                 device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                                      device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seeds[0])
+                with torch.autocast(self.device.type, dtype=self.autocast,
+                                    enabled=self.autocast is not None):
+                    out = self.model.generate(
+                        input_ids, attention_mask=attention_mask, do_sample=True,
+                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                        max_new_tokens=cfg.max_tokens, num_return_sequences=cfg.group_size,
+                        eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+                        output_scores=True, return_dict_in_generate=True, use_cache=True,
+                    )
+                logps = self.model.compute_transition_scores(out.sequences, out.scores,
+                                                             normalize_logits=True)
+        finally:
+            self.model.train(was_training)
+        new_tokens = out.sequences[:, width:].tolist()
+        logps = logps.float().tolist()
+        groups = []
+        for p, (index, prompt) in enumerate(zip(indices, prompts)):
+            group = []
+            for row in range(p * cfg.group_size, (p + 1) * cfg.group_size):
+                tokens = new_tokens[row]
+                end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), None)
+                ids = tokens if end is None else tokens[:end]
+                truncated = end is None and len(ids) >= cfg.max_tokens
+                group.append(Sample(index, prompt, ids, logps[row][: len(ids)], truncated))
+            groups.append(group)
+        return groups
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to copy: the engine samples from the trainer's model."""
+
+    def close(self) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
