@@ -303,6 +303,16 @@ stage_steps() {
     step steps:trl_step 400 "$PREFIX-bench_trl_step.log" \
       "$PY" bench/bench_trl_step.py --out "$OUTDIR"
   fi
+  # The trainer itself on the GPU: the default job in bf16 with the Triton loss, rollouts by vLLM
+  # where it is installed, else transformers' generate (--rollout auto). The run directory (model
+  # weights, checkpoints) stays out of OUTDIR: only its metrics come back.
+  if skip_unless steps:trainer transformers; then
+    rm -rf /tmp/fusedrl-trainer-run
+    step steps:trainer 240 "$PREFIX-trainer.log" \
+      "$PY" -m fusedrl.trainer --out /tmp/fusedrl-trainer-run --max-steps 8 --save-every 4 \
+      --dtype bfloat16 --backend triton --rollout auto --progress false --tensorboard false
+    cp /tmp/fusedrl-trainer-run/metrics.jsonl "$PREFIX-trainer-metrics.jsonl" 2>/dev/null || true
+  fi
 }
 
 case "$STAGE" in
