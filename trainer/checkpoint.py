@@ -4,21 +4,29 @@ A checkpoint is a directory `checkpoints/step_NNNNNN/` with the full model weigh
 state and `trainer_state.json` (step, data cursor, advantage-estimator state). It is written under
 a temporary name and renamed into place; `checkpoints/latest` (a one-line file, itself replaced
 atomically) names the newest complete one. A crash mid-write leaves a `.tmp-*` directory that is
-ignored and cleaned up next time; "latest" only ever points at a finished checkpoint.
+ignored and cleaned up next time. A checkpoint being replaced (a resumed run saving a step it had
+saved before) is renamed aside first and deleted only after its successor is in place, so a
+kill -9 at any instant leaves either checkpoint complete; and should `latest` ever name a missing
+or incomplete checkpoint, `resolve` falls back to the newest complete one, with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 LATEST = "latest"
+FILES = ("model.pt", "optimizer.pt", "extra.pt", "trainer_state.json")
+_STEP = re.compile(r"step_(\d+)$")
 
 
 def _is_main() -> bool:
@@ -52,12 +60,24 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict, extra: dict,
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
     for file in tmp.iterdir():
         _fsync(file)
-    if final.exists():
-        shutil.rmtree(final)
+    _normal_permissions(tmp)
+    old = None
+    if final.exists():  # renamed aside, not deleted, until its successor is in place
+        old = root / f".tmp-replaced-{final.name}-{os.getpid()}"
+        os.rename(final, old)
     os.rename(tmp, final)
     _write_atomic(root / LATEST, final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep_last)
     return final
+
+
+def _normal_permissions(directory: Path) -> None:
+    """mkdtemp makes 0700 directories: give checkpoints the user's usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 def _fsync(path: Path) -> None:
@@ -72,12 +92,38 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def step_of(path: Path) -> int | None:
+    match = _STEP.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root` (checkpoints/), oldest step first."""
+    found = [p for p in root.glob("step_*") if p.is_dir() and step_of(p) is not None
+             and all((p / name).exists() for name in FILES)]  # fmt: skip
+    return sorted(found, key=step_of)
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-keep_last]:
+    """Keep the newest `keep_last` checkpoints by step number (not by name)."""
+    for old in checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def set_aside_after(root: Path, step: int) -> list[Path]:
+    """A run resumed from step N in its own directory starts a new timeline: the checkpoints
+    after N belong to the old one. They are renamed `superseded-step_M-<time>` (kept, never
+    resumed from or pruned automatically) so that `latest` and pruning only see this timeline."""
+    moved = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for path in list(root.glob("step_*")):
+        if (step_of(path) or 0) > step:
+            target = root / f"superseded-{path.name}-{stamp}"
+            os.rename(path, target)
+            moved.append(target)
+    return moved
 
 
 def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> Path | None:
@@ -92,9 +138,14 @@ def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=run_dir))
     model.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
+    _normal_permissions(tmp)
+    old = None
     if final.exists():
-        shutil.rmtree(final)
+        old = Path(run_dir) / f".tmp-replaced-{name}-{os.getpid()}"
+        os.rename(final, old)
     os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -102,15 +153,27 @@ def resolve(path: str | Path) -> Path:
     """A checkpoint directory from a run directory (its latest) or a checkpoint directory."""
     path = Path(path)
     if (path / "trainer_state.json").exists():
+        missing = [name for name in FILES if not (path / name).exists()]
+        if missing:
+            raise FileNotFoundError(f"--resume {path}: incomplete checkpoint, missing {missing}")
         return path
-    latest = path / "checkpoints" / LATEST
-    if latest.exists():
-        ckpt = path / "checkpoints" / latest.read_text().strip()
-        if (ckpt / "trainer_state.json").exists():
-            return ckpt
+    root = path / "checkpoints"
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.exists() else None
+    if named and all((root / named / name).exists() for name in FILES):
+        return root / named
+    complete = checkpoints(root) if root.is_dir() else []
+    if complete:
+        why = f"names {named!r}, which is missing or incomplete" if named else "is missing"
+        warnings.warn(
+            f"--resume {path}: checkpoints/{LATEST} {why}; resuming from the newest complete "
+            f"checkpoint, {complete[-1].name}",
+            stacklevel=2,
+        )
+        return complete[-1]
     raise FileNotFoundError(
         f"--resume {path}: neither a checkpoint (no trainer_state.json) nor a run directory "
-        f"with checkpoints/{LATEST}"
+        f"with a complete checkpoint under checkpoints/"
     )
 
 

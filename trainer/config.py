@@ -87,6 +87,7 @@ class TrainConfig:
     save_every: int = 20
     keep_last: int = 2
     resume: str | None = None  # a run directory (its latest checkpoint) or a checkpoint directory
+    overwrite: bool = False  # replace the run in --out (refused without it or --resume)
     tensorboard: bool = True
     progress: bool = True
 
@@ -222,6 +223,7 @@ HELP = {
     "save_every": "Checkpoint every N steps (and at the last step).",
     "keep_last": "Checkpoints kept.",
     "resume": "A run directory (its latest checkpoint) or a checkpoint directory to resume from.",
+    "overwrite": "Replace the run already in --out (without it, or --resume, that is refused).",
     "tensorboard": "Write TensorBoard logs under OUT/tensorboard.",
     "progress": "Show a progress bar.",
 }

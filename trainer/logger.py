@@ -14,9 +14,20 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            # A resumed run rewrites history from its checkpoint on: drop steps logged after it.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < resume_step]
+            # A resumed run rewrites history from its checkpoint on: drop steps logged after it,
+            # and a line torn by a crash or a full disk mid-write (the checkpoint is intact).
+            kept = []
+            for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    print(f"fusedrl-train: warning: {self.path} line {number} is torn (a crash "
+                          f"mid-write?): dropped")
+                    continue
+                if row.get("step", resume_step) < resume_step:
+                    kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None:
             self.path.write_text("")
@@ -27,7 +38,10 @@ class MetricsLogger:
             except ImportError:  # pragma: no cover - tensorboard is in the train extra
                 print("tensorboard is not installed: TensorBoard logging is off")
             else:
-                self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+                # purge_step: TensorBoard hides the events of steps >= resume_step written before
+                # the resume, so a resumed run does not show those steps twice.
+                self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
+                                            purge_step=resume_step)
 
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)

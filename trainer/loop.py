@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +53,39 @@ from .step import Batch, accumulate_gradients, collate, token_logprobs
 
 TINY_LR = 3e-3
 MODEL_LR = 1e-6
+
+
+# What a run writes into its directory (and --overwrite removes; nothing else is touched).
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "final_model",
+                 "plots.png", "base_model")
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
+    """Never write over a run by accident: an --out that holds one is refused unless this is
+    that run resumed (--resume pointing into it) or --overwrite replaces it."""
+    present = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
+    if not present:
+        return
+    if cfg.resume:
+        resumed = Path(cfg.resume)
+        own = _same_dir(resumed, run_dir) or _same_dir(resumed.parent.parent, run_dir)
+        if own:
+            return
+    if not cfg.overwrite:
+        raise ValueError(
+            f"--out {run_dir} holds a run ({', '.join(present)}): pass --resume {run_dir} to "
+            f"continue it, --overwrite to replace it, or another --out"
+        )
+    for name in present:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
@@ -89,6 +123,8 @@ class Trainer:
                 f"ranks ({self.env.world_size}): every rank needs at least one prompt"
             )
         self.run_dir = Path(cfg.out)
+        if self.env.is_main:
+            claim_run_dir(self.run_dir, cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         model_path = prepare_model(cfg, self.run_dir) if self.env.is_main else None
@@ -134,6 +170,10 @@ class Trainer:
             state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
             self.start_step, self.cursor = state["step"], state["cursor"]
             resume_step = self.start_step
+            if self.env.is_main and _same_dir(ckpt.parent.parent, self.run_dir):
+                for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
+                    print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
+                          f"one resumes from step {self.start_step}, set aside")
             if self.sas is not None and extra.get("sas") is not None:
                 self.sas.load_state_dict(extra["sas"])
         if self.env.is_main:

@@ -1,0 +1,163 @@
+"""Run directories are never overwritten or lost: refusal, pruning by step, `latest` fallback,
+a kill -9 at every point of a checkpoint save, torn metrics lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedrl.trainer import checkpoint
+from fusedrl.trainer.config import TrainConfig
+from fusedrl.trainer.logger import MetricsLogger
+from fusedrl.trainer.loop import claim_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Killed(BaseException):
+    """Stands in for kill -9: nothing after the point runs, no handler sees it."""
+
+
+def _model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(run, step, model, optimizer, keep_last=3):
+    return checkpoint.save(run, step, model, optimizer, {"cursor": step}, {}, keep_last)
+
+
+def _resumes(run) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = checkpoint.resolve(run)
+    model, optimizer = _model_and_optimizer(seed=1)
+    state, _ = checkpoint.load(ckpt, model, optimizer)
+    return state["step"]
+
+
+# (what is killed, which call of it) -> the steps the run may resume from afterwards
+KILL_POINTS = {
+    "torch.save of the model": ("save", 1, {1, 2}),
+    "torch.save of the optimizer": ("save", 2, {1, 2}),
+    "rename of the old checkpoint aside": ("rename", 1, {1, 2}),
+    "rename of the new checkpoint into place": ("rename", 2, {1, 2}),
+    "replace of latest": ("replace", 1, {1, 2}),
+    "delete of the replaced checkpoint": ("rmtree", 1, {1, 2}),
+}
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_kill_at_any_point_of_a_save_leaves_a_run_that_resumes(point, tmp_path, monkeypatch):
+    """Re-saving step 2 (a run resumed from step 1 into its own directory reaches step 2 again):
+    the most fragile save, since a checkpoint is replaced."""
+    run = tmp_path / "run"
+    model, optimizer = _model_and_optimizer()
+    _save(run, 1, model, optimizer)
+    _save(run, 2, model, optimizer)
+    what, nth, allowed = KILL_POINTS[point]
+    targets = {"save": (torch, "save"), "rename": (os, "rename"), "replace": (os, "replace"),
+               "rmtree": (checkpoint.shutil, "rmtree")}  # fmt: skip
+    module, name = targets[what]
+    real = getattr(module, name)
+    calls = {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise Killed(point)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, dying)
+    with pytest.raises(Killed):
+        _save(run, 2, model, optimizer)
+    monkeypatch.setattr(module, name, real)
+    assert _resumes(run) in allowed
+    _save(run, 3, model, optimizer)  # and the next save cleans up after the crash
+    assert _resumes(run) == 3
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_latest_naming_a_missing_checkpoint_falls_back_with_a_warning(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (1, 2):
+        _save(tmp_path, step, model, optimizer)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000009\n")
+    with pytest.warns(UserWarning, match="names 'step_000009', which is missing or incomplete; "
+                      "resuming from the newest complete checkpoint, step_000002"):  # fmt: skip
+        assert checkpoint.resolve(tmp_path).name == "step_000002"
+    (tmp_path / "checkpoints" / "step_000002" / "optimizer.pt").unlink()  # incomplete
+    (tmp_path / "checkpoints" / "latest").unlink()
+    with pytest.warns(UserWarning, match="step_000001"):
+        assert checkpoint.resolve(tmp_path).name == "step_000001"
+
+
+def test_pruning_keeps_the_newest_steps_by_number(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (999_998, 999_999, 1_000_000):  # by name, step_1000000 sorts first
+        _save(tmp_path, step, model, optimizer, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_1000000", "step_999999"]
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, optimizer)
+    moved = checkpoint.set_aside_after(tmp_path / "checkpoints", 1)
+    assert sorted(p.name.split("-")[1] for p in moved) == ["step_000002", "step_000003"]
+    _save(tmp_path, 2, model, optimizer)
+    assert checkpoint.resolve(tmp_path).name == "step_000002"
+    assert len(list((tmp_path / "checkpoints").glob("superseded-*"))) == 2  # kept
+
+
+def test_checkpoints_get_normal_permissions(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    final = _save(tmp_path, 1, model, optimizer)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert final.stat().st_mode & 0o777 == 0o777 & ~umask  # mkdtemp would leave 0700
+
+
+def test_an_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=f"--out {run} holds a run \\(metrics.jsonl\\): pass "
+                       f"--resume {run} to continue it, --overwrite to replace it"):  # fmt: skip
+        claim_run_dir(run, TrainConfig(out=str(run)))
+    claim_run_dir(run, TrainConfig(out=str(run), resume=str(run)))  # its own resume is fine
+    claim_run_dir(run, TrainConfig(out=str(run), overwrite=True))
+    assert not (run / "metrics.jsonl").exists() and (run / "notes.txt").read_text() == "mine"
+
+
+def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 7\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
+                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "holds a run (config.yaml)" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert (run / "config.yaml").read_text() == "seed: 7\n"
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
+    rows = [json.dumps({"step": i, "loss": 0.1 * i}) for i in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 3, "lo')
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[1] + "\n"
+    assert "line 4 is torn" in capsys.readouterr().out
