@@ -52,3 +52,48 @@ def test_hf_rollouts_resume_exactly(hf_run, tmp_path):
     for got, want in zip(resumed, reference):
         assert {k: v for k, v in got.items() if k not in TIMES} == {
             k: v for k, v in want.items() if k not in TIMES}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+
+
+def test_resume_continues_the_same_job_and_says_so(hf_run, tmp_path):
+    """Only --resume and --out: the job (rollout hf, its preset, seed, ...) comes from the run's
+    own config.yaml, not from the defaults."""
+    out = tmp_path / "more"
+    proc = _cli("--resume", str(hf_run / "checkpoints" / "step_000010"), "--out", str(out),
+                "--max-steps", "11")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fusedrl-train: resumed from step 10" in proc.stdout
+    assert "rollout: hf" in (out / "config.yaml").read_text()
+    want = read_metrics(hf_run)[10]
+    got = read_metrics(out)[0]
+    assert {k: v for k, v in got.items() if k not in TIMES} == {
+        k: v for k, v in want.items() if k not in TIMES}
+
+
+def test_resume_refuses_a_job_change_and_a_finished_run(hf_run):
+    proc = _cli("--resume", str(hf_run), "--preset", "grpo", "--group-size", "4")
+    assert proc.returncode == 2
+    assert ("--preset 'dapo' -> 'grpo', --group-size 8 -> 4 would change the job this run "
+            "trains; pass --allow-job-change") in proc.stderr, proc.stderr[-2000:]
+    proc = _cli("--resume", str(hf_run))  # its last checkpoint is its last step
+    assert proc.returncode == 2
+    assert "the checkpoint is at step 20, --max-steps is 20: nothing left to train" in proc.stderr
+
+
+def test_resume_into_another_architecture_is_a_clear_error(hf_run, tmp_path):
+    from fusedrl.tiny import char_tokenizer, tiny_qwen2
+
+    other = tmp_path / "wider"
+    tokenizer = char_tokenizer()
+    tiny_qwen2(len(tokenizer), hidden_size=96, max_position_embeddings=128).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    proc = _cli("--resume", str(hf_run / "checkpoints" / "step_000010"), "--out",
+                str(tmp_path / "r"), "--model", str(other), "--allow-job-change",
+                "--max-steps", "12")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "the checkpoint does not fit the model" in proc.stderr and "Traceback" not in proc.stderr

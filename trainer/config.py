@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
         "arguments: a tiny random Qwen2 learns the built-in `sum` task on CPU.",
     )
     parser.add_argument("--config", help="YAML file of options; flags given here override it.")
+    parser.add_argument("--allow-job-change", action="store_true", default=argparse.SUPPRESS,
+                        help="With --resume: accept flags that change the job (model, dataset, "
+                        "reward, preset, advantage, group size, seed).")
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(f)
         flag = "--" + f.name.replace("_", "-")
@@ -323,11 +326,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that define the job: resuming a run with another value trains a different job on its
+# weights, optimizer state and data cursor, so it takes --allow-job-change.
+JOB_OPTIONS = ("model", "dataset", "prompt_column", "answer_column", "reward", "preset",
+               "advantage", "group_size", "seed")
+
+
+def resumed_run_dir(resume: str) -> Path:
+    """The run directory of --resume (a run directory, or one of its checkpoints)."""
+    path = Path(resume)
+    if (path / "trainer_state.json").exists() and path.parent.name == "checkpoints":
+        return path.parent.parent
+    return path
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """The run's config: defaults <- --config YAML <- CLI flags, typed and validated before any
-    model or engine starts."""
+    model or engine starts. With --resume RUN (and no --config), RUN's own config.yaml is the
+    base: a resumed run continues the same job, in its own directory unless --out says otherwise,
+    and a flag that would change the job is refused without --allow-job-change."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config", None)
-    cfg = TrainConfig.from_yaml(path) if path else TrainConfig()
+    allow_change = args.pop("allow_job_change", False)
+    if path:
+        cfg = TrainConfig.from_yaml(path)
+    elif args.get("resume"):
+        run = resumed_run_dir(args["resume"])
+        saved = run / "config.yaml"
+        if not saved.exists():
+            raise ValueError(f"--resume {args['resume']}: {saved} is missing, so the job to "
+                             "continue is unknown; pass its options with --config run.yaml")
+        cfg = dataclasses.replace(TrainConfig.from_yaml(saved), out=str(run))
+        changed = {name: (getattr(cfg, name), args[name]) for name in JOB_OPTIONS
+                   if name in args and args[name] != getattr(cfg, name)}  # fmt: skip
+        if changed and not allow_change:
+            listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}"
+                               for k, (old, new) in changed.items())  # fmt: skip
+            raise ValueError(f"--resume {args['resume']}: {listed} would change the job this run "
+                             "trains; pass --allow-job-change if that is intended")
+    else:
+        cfg = TrainConfig()
     cfg = dataclasses.replace(cfg, **args)
     return cfg.validate()

@@ -167,9 +167,20 @@ class Trainer:
         resume_step = None
         if cfg.resume:
             ckpt = checkpoint.resolve(cfg.resume)
-            state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
+            try:
+                state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+                raise ValueError(f"--resume {ckpt}: the checkpoint does not fit the model "
+                                 f"{model_path} ({first})") from None
             self.start_step, self.cursor = state["step"], state["cursor"]
             resume_step = self.start_step
+            if self.start_step >= cfg.max_steps:
+                raise ValueError(f"--resume {ckpt}: the checkpoint is at step {self.start_step}, "
+                                 f"--max-steps is {cfg.max_steps}: nothing left to train; pass a "
+                                 "larger --max-steps")
+            if self.env.is_main:
+                print(f"fusedrl-train: resumed from step {self.start_step} ({ckpt})")
             if self.env.is_main and _same_dir(ckpt.parent.parent, self.run_dir):
                 for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
                     print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
