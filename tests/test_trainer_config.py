@@ -148,6 +148,7 @@ def test_bad_data_is_an_error_line_not_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "fusedrl-train: error: --dataset" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()  # a failed start leaves nothing (no base_model)
 
 
 def test_the_console_script_imports_rewards_from_the_working_directory(tmp_path):

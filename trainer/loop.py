@@ -113,8 +113,6 @@ def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.cfg = cfg
         self.env: DistEnv = setup()
         if cfg.prompts_per_step < self.env.world_size:
@@ -125,7 +123,29 @@ class Trainer:
         self.run_dir = Path(cfg.out)
         if self.env.is_main:
             claim_run_dir(self.run_dir, cfg)
+        existed = self.run_dir.exists()
+        fresh = not any((self.run_dir / name).exists() for name in RUN_ARTIFACTS)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            # A failed start leaves nothing behind: no base model or config of a run that never
+            # ran (a fresh --out only; a resumed run's directory is left as it was).
+            if self.env.is_main and fresh:
+                for name in (*RUN_ARTIFACTS, ".base_model.tmp"):
+                    path = self.run_dir / name
+                    if path.is_dir():
+                        shutil.rmtree(path, ignore_errors=True)
+                    elif path.exists():
+                        path.unlink()
+                if not existed and not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()
+            raise
+
+    def _start(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model_path = prepare_model(cfg, self.run_dir) if self.env.is_main else None
         if self.env.world_size > 1:
