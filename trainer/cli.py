@@ -6,6 +6,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the training loop's own handlers are installed
+        print("\nfusedrl-train: interrupted before training started", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from .config import parse_config
 
     try:
@@ -20,13 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
-    from .loop import NonFiniteError
+    from .loop import NonFiniteError, Stopped
 
     try:
         run_dir = trainer.train()
     except NonFiniteError as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 1
+    except Stopped as exc:
+        print(f"fusedrl-train: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     finally:
         trainer.close()
     if trainer.env.is_main:

@@ -33,7 +33,11 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -408,6 +412,7 @@ class Trainer:
 
             bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="fusedrl-train",
                        unit="step", dynamic_ncols=True)
+        self._install_stop_handlers()
         for step in range(self.start_step, cfg.max_steps):
             t0 = time.perf_counter()
             self.engine.wake_up()
@@ -435,11 +440,19 @@ class Trainer:
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
                                 len=f"{record['response_len_mean']:.1f}",
                                 t=f"{record['step_time']:.1f}s")
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps:
+            stop = max_over_ranks(int(self.stop_signal is not None)) > 0  # every rank alike
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop:
                 self._check_weights(step, "the checkpoint")
                 extra = {"sas": self.sas.state_dict() if self.sas is not None else None}
                 checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer,
                                 {"cursor": self.cursor}, extra, cfg.keep_last)
+            if stop and step + 1 < cfg.max_steps:
+                if bar is not None:
+                    bar.close()
+                if self.logger is not None:
+                    self.logger.close()
+                    plot(self.run_dir)
+                raise Stopped(step, self.stop_signal or signal.SIGTERM, self.run_dir)
         if bar is not None:
             bar.close()
         self._check_weights(cfg.max_steps - 1, "final_model")
@@ -448,6 +461,26 @@ class Trainer:
             self.logger.close()
             plot(self.run_dir)
         return self.run_dir
+
+    def _install_stop_handlers(self) -> None:
+        """SIGINT / SIGTERM: finish the current step, checkpoint it, stop (Stopped). A second
+        one aborts at once; the last checkpoint on disk is complete either way."""
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum, frame):
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None:
+                print(f"\nfusedrl-train: {name} again: aborting now; the last checkpoint in "
+                      f"{self.run_dir / 'checkpoints'} is complete", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            self.stop_signal = signum
+            print(f"\nfusedrl-train: {name}: stopping after the current step (send it again to "
+                  "abort now)", file=sys.stderr, flush=True)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, request_stop)
 
     def _record(self, step, gen_stats, train_metrics, advantages, t0, t1, t2) -> dict:
         values = {**gen_stats, **train_metrics, "advantage_abs_mean": advantages.abs().mean()}
@@ -469,6 +502,17 @@ class Trainer:
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
         record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
         return record
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after a completed, checkpointed step."""
+
+    def __init__(self, step: int, signum: int, run_dir: Path) -> None:
+        self.step, self.signum, self.run_dir = step, int(signum), run_dir
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped on {name} after step {step}; checkpoint "
+                         f"{run_dir}/checkpoints/step_{step + 1:06d}; continue with "
+                         f"fusedrl-train --resume {run_dir}")
 
 
 class NonFiniteError(RuntimeError):
