@@ -161,3 +161,37 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
     MetricsLogger(tmp_path, tensorboard=False, resume_step=2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[1] + "\n"
     assert "line 4 is torn" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"),
+     RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7680 vs 7572")],
+)  # fmt: skip
+def test_a_full_disk_names_the_path_and_leaves_no_temp_folder(failure, tmp_path, monkeypatch):
+    model, optimizer = _model_and_optimizer()
+    _save(tmp_path, 1, model, optimizer)
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(checkpoint.WriteError, match="writing .*step_000002: no space left on "
+                       "device"):  # fmt: skip
+        _save(tmp_path, 2, model, optimizer)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert checkpoint.resolve(tmp_path).name == "step_000001"
+
+
+def test_a_failed_metrics_write_names_the_file(tmp_path, monkeypatch):
+    logger = MetricsLogger(tmp_path, tensorboard=False, resume_step=None)
+    real_open = open
+
+    def full_open(path, *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and args and args[0] == "a":
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_open)
+    with pytest.raises(checkpoint.WriteError, match="metrics.jsonl: no space left on device"):
+        logger.log({"step": 0, "loss": 1.0})

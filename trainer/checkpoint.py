@@ -12,6 +12,8 @@ or incomplete checkpoint, `resolve` falls back to the newest complete one, with 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -51,15 +53,20 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict, extra: dict,
     if not _is_main():
         return None
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:06d}-", dir=root))
-    torch.save(model_state, tmp / "model.pt")
-    torch.save(optim_state, tmp / "optimizer.pt")
-    torch.save(extra, tmp / "extra.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
-    for file in tmp.iterdir():
-        _fsync(file)
+    with _writing(final):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:06d}-", dir=root))
+        try:
+            torch.save(model_state, tmp / "model.pt")
+            torch.save(optim_state, tmp / "optimizer.pt")
+            torch.save(extra, tmp / "extra.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
+            for file in tmp.iterdir():
+                _fsync(file)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint left behind
+            raise
     _normal_permissions(tmp)
     old = None
     if final.exists():  # renamed aside, not deleted, until its successor is in place
@@ -71,6 +78,37 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict, extra: dict,
         shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep_last)
     return final
+
+
+class WriteError(OSError):
+    """Writing a checkpoint, the model or the metrics failed; the message names the path."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """Turn a failed write into one error that names `path`, and says "no space left on device"
+    when that is the cause (torch.save's zip writer reports a full disk as "unexpected pos")."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise WriteError(errno.ENOSPC, f"writing {path}: no space left on device") from exc
+        raise WriteError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
+    except RuntimeError as exc:
+        if _disk_nearly_full(path) or "unexpected pos" in str(exc):
+            raise WriteError(errno.ENOSPC, f"writing {path}: no space left on device "
+                             f"({str(exc).splitlines()[0][:200]})") from exc
+        raise
+
+
+def _disk_nearly_full(path: Path) -> bool:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < 64 * 2**20
+    except OSError:
+        return False
 
 
 def _normal_permissions(directory: Path) -> None:
@@ -135,9 +173,14 @@ def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> 
     if not _is_main():
         return None
     final = Path(run_dir) / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=run_dir))
-    model.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
+    with _writing(final):
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=run_dir))
+        try:
+            model.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     _normal_permissions(tmp)
     old = None
     if final.exists():

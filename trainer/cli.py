@@ -28,11 +28,12 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
+    from .checkpoint import WriteError
     from .loop import NonFiniteError, Stopped
 
     try:
         run_dir = trainer.train()
-    except NonFiniteError as exc:
+    except (NonFiniteError, WriteError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 1
     except Stopped as exc:

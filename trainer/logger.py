@@ -46,7 +46,9 @@ class MetricsLogger:
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in metrics.items()}
-        with open(self.path, "a") as handle:
+        from .checkpoint import _writing
+
+        with _writing(self.path), open(self.path, "a") as handle:
             handle.write(json.dumps(clean) + "\n")
         if self.writer is not None:
             for name, value in metrics.items():
