@@ -310,7 +310,10 @@ def test_a_crash_mid_write_never_corrupts_latest(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000001"
     assert checkpoint.resolve(tmp_path).name == "step_000001"
-    assert any(p.name.startswith(".tmp-") for p in root.iterdir())  # the torn write
+    # A failed write removes its temp folder (a kill -9 would leave one: the next save removes
+    # it, see tests/test_trainer_rundir.py).
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+    (root / ".tmp-step_000002-killed").mkdir()
     checkpoint.save(tmp_path, 3, model, optimizer, {"cursor": 3}, {}, 3)
     assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned up
     with pytest.raises(FileNotFoundError, match="--resume"):
