@@ -135,3 +135,23 @@ def test_default_targets_generate(mutate):
     for name in mutate.DEFAULT_FILES:
         mutants = mutate.generate((ROOT / name).read_text(), name)
         assert mutants and not [m.id for m in mutants if m.rewritten]
+
+
+def test_summary_counts_equivalents_apart(mutate):
+    records = [
+        {"id": "a.py:1:1:x", "file": "a.py", "status": "killed"},
+        {"id": "a.py:2:1:x", "file": "a.py", "status": "survived"},
+        {"id": "a.py:3:1:x", "file": "a.py", "status": "survived"},
+        {"id": "b.py:1:1:x", "file": "b.py", "status": "killed"},
+    ]
+    mutate.apply_equivalent(records, {"a.py:3:1:x": "same value"})
+    assert records[2]["status"] == "equivalent" and records[2]["reason"] == "same value"
+    summary = mutate.summarize(records, ["a.py", "b.py"])
+    assert summary["a.py"] == {
+        "mutants": 2,
+        "killed": 1,
+        "survived": 1,
+        "equivalent": 1,
+        "kill_rate": 0.5,
+    }
+    assert summary["total"]["mutants"] == 3 and summary["total"]["kill_rate"] == 0.6667

@@ -2,7 +2,10 @@
 """Mutation testing for fusedrl without dependencies: plant one small bug at a time, run the tests.
 
     python tools/mutate.py [--files F ...] [--max N] [--seed S] [--tests T ...] [--timeout S]
-                           [--jobs J] [--json out.json] [--list] [--report-from out.json]
+                           [--jobs J] [--json out.json] [--only ID ...] [--list]
+                           [--report-from out.json]
+
+docs/testing.md has the measured kill rates and the command that measured them.
 
 Mutants are found with the `ast` module and written back by replacing only the mutated tokens in
 the original text (comments, layout and line numbers stay as they are); every mutated text is
@@ -613,6 +616,8 @@ def run_mutant(mutant: Mutant, workspace: Path, command: list[str], timeout: flo
         target.write_text(original)
     if rc is None:
         status, killed_by = "killed", f"timeout after {timeout:.0f} s"
+    elif rc < 0:
+        status, killed_by = "killed", f"crashed (signal {-rc})"
     elif rc == 0:
         status, killed_by = "survived", ""
     else:
@@ -681,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", nargs="+", default=DEFAULT_FILES, help="repo-relative files")
     parser.add_argument("--max", type=int, default=None, help="run an even sample of N mutants")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run just these mutant ids")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="pytest targets")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     parser.add_argument("--timeout", type=float, default=300.0, help="per mutant, seconds")
@@ -725,6 +731,11 @@ def main(argv: list[str] | None = None) -> int:
             found = generate(path.read_text(), name)
             generated[name] = len(found)
             mutants += found
+        if args.only:
+            unknown = set(args.only) - {m.id for m in mutants}
+            if unknown:
+                raise SystemExit(f"no such mutant: {', '.join(sorted(unknown))}")
+            mutants = [m for m in mutants if m.id in args.only]
         chosen = sample(mutants, args.max, args.seed)
         print(
             f"{len(mutants)} mutants ({', '.join(f'{k}: {v}' for k, v in generated.items())}); "
@@ -824,3 +835,6 @@ if __name__ == "__main__":
         sys.exit(main())
     except KeyboardInterrupt as exc:
         sys.exit(f"interrupted ({exc}); the temporary copies are removed")
+    except BrokenPipeError:  # `... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
