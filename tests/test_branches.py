@@ -166,3 +166,55 @@ def test_dcpo_bounds_depend_on_the_old_probability(backend):
     )
     ref = _compare(data, LossConfig.preset("dcpo"), backend)
     assert ref.metrics["clipfrac"] > 0
+
+
+# ---- tests that kill survivors of the mutation sample (docs/testing.md)
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_advantages_gmpo(backend):
+    data, logp = _data(seed=7, per_token_adv=False)
+    data["advantages"][0] = 0.0  # a group whose rewards all tie: A = 0
+    data["old_logp"] = logp + torch.tensor([0.9, -0.9, 0.0, 0.5, -0.5, 0.1]).expand_as(logp)
+    _compare(data, LossConfig(loss="gmpo"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_advantages_ratio_losses(backend):
+    data, logp = _data(seed=8, per_token_adv=False)
+    data["advantages"][0] = 0.0
+    data["old_logp"] = logp + torch.tensor([2.0, -2.0, 0.0, 0.5, -0.5, 0.1]).expand_as(logp)
+    for cfg in (LossConfig(), LossConfig(dual_clip_c=3.0), LossConfig(loss="sapo")):
+        _compare(data, cfg, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gmpo_fractional_mask(backend):
+    data, logp = _data(seed=6)
+    weights = torch.rand(data["mask"].shape, generator=torch.Generator().manual_seed(6))
+    data["mask"] = torch.where(data["mask"], 0.1 + 0.9 * weights, 0.0)
+    _compare(data, LossConfig(loss="gmpo"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_ratio_21_with_negative_advantage(backend):
+    data, logp = _data(seed=4)
+    data["old_logp"] = logp.clone()
+    data["old_logp"][1, 1] = logp[1, 1] - 21.0
+    data["advantages"][1, 1] = -1.0
+    _compare(data, LossConfig(), backend)
+
+
+@needs_interpreter
+def test_triton_vocab_above_interpreted_cap():
+    data, _ = _data(seed=9, batch=2, time=3, vocab=2500)
+    _compare(data, LossConfig(), "triton")
+
+
+@needs_interpreter
+def test_triton_beta_zero_with_kl_and_infinite_ref():
+    data, logp = _data(seed=10)
+    data["ref_logp"] = logp + 0.3
+    data["ref_logp"][0, 0] = float("-inf")
+    _compare(data, LossConfig(kl="k2", beta=0.0), "triton")
