@@ -212,7 +212,7 @@ __device__ Stats row_stats_online(const T* row, int vocab, float inv_temperature
   return block_reduce(st);
 }
 
-// Block-wide sum of two floats; every thread gets the result.
+// Block-wide sum of two floats (any block of at most kThreads); every thread gets the result.
 __device__ float2 block_sum2(float a, float b) {
   __shared__ float2 partial[kWarps];
   __shared__ float2 total;
@@ -225,7 +225,7 @@ __device__ float2 block_sum2(float a, float b) {
   if (lane == 0) partial[warp] = make_float2(a, b);
   __syncthreads();
   if (warp == 0) {
-    float2 w = lane < kWarps ? partial[lane] : make_float2(0.f, 0.f);
+    float2 w = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : make_float2(0.f, 0.f);
     for (int offset = 16; offset > 0; offset >>= 1) {
       w.x += __shfl_xor_sync(0xffffffffu, w.x, offset);
       w.y += __shfl_xor_sync(0xffffffffu, w.y, offset);
@@ -595,33 +595,6 @@ __device__ float2 cluster_sum2(Cluster& cluster, float2* mine, float2 value) {
   return total;
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // used by the cluster kernel only
-constexpr int kClusterWarps = kClusterThreads / 32;
-
-__device__ float2 block_sum2_small(float a, float b) {
-  __shared__ float2 partial[kClusterWarps];
-  __shared__ float2 total;
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-    b += __shfl_xor_sync(0xffffffffu, b, offset);
-  }
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = make_float2(a, b);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float2 w = make_float2(0.f, 0.f);
-    for (int i = 0; i < kClusterWarps; ++i) {
-      w.x += partial[i].x;
-      w.y += partial[i].y;
-    }
-    total = w;
-  }
-  __syncthreads();
-  const float2 result = total;
-  __syncthreads();
-  return result;
-}
-#endif
-
 template <typename T, bool kEntropy>
 __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
                                  const ClusterRow& r, int vocab, bool last_rank,
@@ -697,7 +670,7 @@ __global__ void __launch_bounds__(kClusterThreads)
       for (int k = 0; k < kPack; ++k) acc.add(to_float(p.v[k]));
     }
     if (last_rank) for_each_loose_element<T>(r, vocab, [&](int j) { acc.add(to_float(row_ptr[j])); });
-    const float2 sums = cluster_sum2(cluster, &partial, block_sum2_small(acc.s, acc.t));
+    const float2 sums = cluster_sum2(cluster, &partial, block_sum2(acc.s, acc.t));
     float lse, mean_z;
     const float mean_d = sums.y / sums.x;
     if (sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {  // uniform over the cluster
