@@ -68,16 +68,24 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict, extra: dict,
             shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint left behind
             raise
     _normal_permissions(tmp)
-    old = None
-    if final.exists():  # renamed aside, not deleted, until its successor is in place
-        old = root / f".tmp-replaced-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
+    old = _move_in(tmp, final)
     _write_atomic(root / LATEST, final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep_last)
     return final
+
+
+def _move_in(tmp: Path, final: Path) -> Path | None:
+    """Rename `tmp` to `final`. An existing `final` is renamed aside first, not deleted, so that
+    a kill between the two renames leaves it complete; the caller deletes the returned copy once
+    nothing points at it any more."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    return old
 
 
 class WriteError(OSError):
@@ -182,11 +190,7 @@ def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     _normal_permissions(tmp)
-    old = None
-    if final.exists():
-        old = Path(run_dir) / f".tmp-replaced-{name}-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
+    old = _move_in(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final

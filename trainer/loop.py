@@ -71,6 +71,16 @@ def _same_dir(a: Path, b: Path) -> bool:
         return False
 
 
+def _remove(run_dir: Path, names, ignore_errors: bool = False) -> None:
+    """Delete these entries of a run directory (and nothing else in it)."""
+    for name in names:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+        elif path.exists():
+            path.unlink()
+
+
 def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
     """Never write over a run by accident: an --out that holds one is refused unless this is
     that run resumed (--resume pointing into it) or --overwrite replaces it."""
@@ -87,9 +97,7 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
             f"--out {run_dir} holds a run ({', '.join(present)}): pass --resume {run_dir} to "
             f"continue it, --overwrite to replace it, or another --out"
         )
-    for name in present:
-        path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _remove(run_dir, present)
 
 
 def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
@@ -136,12 +144,7 @@ class Trainer:
             # A failed start leaves nothing behind: no base model or config of a run that never
             # ran (a fresh --out only; a resumed run's directory is left as it was).
             if self.env.is_main and fresh:
-                for name in (*RUN_ARTIFACTS, ".base_model.tmp"):
-                    path = self.run_dir / name
-                    if path.is_dir():
-                        shutil.rmtree(path, ignore_errors=True)
-                    elif path.exists():
-                        path.unlink()
+                _remove(self.run_dir, (*RUN_ARTIFACTS, ".base_model.tmp"), ignore_errors=True)
                 if not existed and not any(self.run_dir.iterdir()):
                     self.run_dir.rmdir()
             raise
