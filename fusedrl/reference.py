@@ -219,7 +219,9 @@ def _clipped_objective(
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
         metrics["clipfrac"] = torch.zeros((), device=logp.device)
         return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
-    clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
+    # torch.clamp, as verl and TRL write it: at a ratio exactly on a bound the gradient passes
+    # (min(max(r, lo), hi) would pass half of it).
+    clipped_ratio = torch.clamp(ratio, low, high)
     if cfg.loss == "cispo":
         metrics["clipfrac"] = masked_mean(ratio != clipped_ratio, inp)
         return -clipped_ratio.detach() * adv * logp

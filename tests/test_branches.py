@@ -158,6 +158,69 @@ def test_exact_ties_take_the_tie_rule(backend):
     _compare(data, LossConfig(), backend)
 
 
+def _exactly_known_logp(label_logit, backend, batch=3, time=5, vocab=131, seed=11):
+    """Logits whose log-probs every implementation computes exactly: one logit at 0, the label at
+    `label_logit` (0 or far below), the rest far below both. Log-softmax is then exactly
+    -log(2) (label at 0: p = 1/2) or exactly `label_logit` (p = 0, yet d/dlogit = dlogp), so
+    old_logp can put a ratio or log-ratio exactly on a bound."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    other = (labels + torch.randint(1, vocab, (batch, time), generator=gen)) % vocab
+    logits = torch.full((batch, time, vocab), -3000.0)
+    logits.scatter_(-1, other[..., None], 0.0)
+    logits.scatter_(-1, labels[..., None], float(label_logit))
+    data = dict(logits=logits, labels=labels, mask=torch.ones(batch, time, dtype=torch.bool))
+    logp = torch.full((batch, time), -math.log(2.0) if label_logit == 0 else float(label_logit))
+    for got in (reference.token_logprobs(logits, labels)[0],
+                fusedrl.token_logprobs(logits, labels, backend=backend)[0]):  # fmt: skip
+        assert torch.equal(got, logp)
+    return data, logp
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ratios_exactly_on_the_clip_bounds(backend):
+    """r = 2 = 1 + eps_high and r = 1/2 = 1 - eps_low exactly, with A of both signs: clip passes
+    the gradient at its bounds (torch.clamp, as verl and TRL), max() of the tied branches gives
+    half to each, and the strict clip metrics count none of them."""
+    data, logp = _exactly_known_logp(0.0, backend)
+    up = torch.tensor([True, False, True, False, True])[None, :].expand_as(logp)
+    data["old_logp"] = torch.where(up, 2.0 * logp, torch.zeros_like(logp))  # log r = +-log 2
+    data["advantages"] = torch.tensor([[1.0, -1.0, -0.5, 0.5, 2.0]]).expand_as(logp).clone()
+    data["advantages"][1] *= -1.0
+    cfg = LossConfig(eps_low=0.5, eps_high=1.0)
+    ratio = (logp - data["old_logp"]).exp()
+    assert torch.equal(ratio, torch.where(up, 2.0, 0.5))  # exactly on the bounds
+    ref = _compare(data, cfg, backend)
+    assert ref.metrics["clip_low"] == 0 and ref.metrics["clip_high"] == 0
+    for c in (2.0, 3.0):  # dual clip exactly at r = c = 2 with A < 0, then beyond r
+        _compare(data, cfg.replace(dual_clip_c=c), backend)
+    _compare(data, cfg.replace(loss="cispo"), backend)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter,
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # on the p = 0 rows
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_ratios_exactly_on_their_clamps(backend):
+    """logp = -1000 exactly, so old_logp puts the log-ratio exactly on the +-20 clamp, GMPO's
+    [-eps_low, eps_high] and GSPO's sequence cap of 10: each clamp passes the gradient there."""
+    data, logp = _exactly_known_logp(-1000.0, backend)
+    data["advantages"] = torch.tensor([[-1.0, 1.0, -1.0, 1.0, -0.5]]).expand_as(logp).clone()
+    data["old_logp"] = logp - torch.tensor([20.0, -20.0, 19.0, -21.0, 21.0]).expand_as(logp)
+    _compare(data, LossConfig(), backend)
+    _compare(data, LossConfig(loss="sapo"), backend)
+    # GMPO: log-ratios exactly eps_high and -eps_low (both exact binary fractions)
+    data["old_logp"] = logp - torch.tensor([0.5, -0.25, 0.5, -0.25, 0.1]).expand_as(logp)
+    data["advantages"][1] *= -1.0  # each bound with A of both signs
+    ref = _compare(data, LossConfig(loss="gmpo", eps_low=0.25, eps_high=0.5), backend)
+    assert ref.metrics["clipfrac"] == 0
+    # GSPO: sequence log-ratio exactly 10 (row 0), above it (row 1), below it (row 2); with A < 0
+    # the unclipped branch wins, so whether the cap passes the gradient decides the result.
+    shift = torch.tensor([[10.0], [10.5], [9.5]]).expand_as(logp)
+    data["old_logp"] = logp - shift
+    data["advantages"] = -torch.ones_like(logp)
+    _compare(data, LossConfig.preset("gspo"), backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dcpo_bounds_depend_on_the_old_probability(backend):
     data, logp = _data(seed=10)

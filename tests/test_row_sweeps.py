@@ -194,3 +194,23 @@ def test_persistent_grid_keeps_rows_in_flight_within_l2(monkeypatch):
         assert programs * vocab * 2 <= l2 or programs == sms
     assert logprobs.persistent_programs(7, 151936 * 2, cuda) == 7
     assert logprobs.persistent_programs(100, 64, torch.device("cpu")) == 3
+
+
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+@pytest.mark.parametrize("vocab", [7, 131, 1031, 32003, 151936])
+def test_gpu_launch_shape(vocab, elem_bytes):
+    """The GPU launch the interpreter ignores: a tile is one 16-byte vector per thread (fewer
+    warps for a small vocab, at least 4), and the register cap keeps two programs per SM."""
+    from fusedrl.kernels import logprobs
+
+    block = logprobs.block_size(vocab, torch.device("cuda"), elem_bytes)
+    options = logprobs.launch_options(block, elem_bytes)
+    warps, maxnreg = options["num_warps"], options["maxnreg"]
+    threads_at_16_bytes = block * elem_bytes // logprobs.BYTES_PER_THREAD
+    assert warps == max(4, threads_at_16_bytes // 32)
+    assert warps <= logprobs.MAX_WARPS
+    assert maxnreg * 32 * warps * logprobs.MIN_CTAS_PER_SM <= logprobs.REGISTERS_PER_SM
+    # ... and is the largest that does (registers are allocated in steps of 8)
+    assert maxnreg == 255 or (maxnreg + 8) * 32 * warps * logprobs.MIN_CTAS_PER_SM > (
+        logprobs.REGISTERS_PER_SM
+    )
