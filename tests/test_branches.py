@@ -234,7 +234,6 @@ def test_dcpo_bounds_depend_on_the_old_probability(backend):
 # ---- tests that kill survivors of the mutation sample (docs/testing.md)
 
 
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_advantages_gmpo(backend):
     data, logp = _data(seed=7, per_token_adv=False)

@@ -30,6 +30,7 @@ def _layout_kernel(x_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
     tl.store(out_ptr, head)
     tl.store(out_ptr + 1, full_tiles)
 
+
 BLOCK_CAP = 64  # many tiles per row at small V
 
 
@@ -140,7 +141,6 @@ def test_row_layout_puts_the_body_on_a_16_byte_boundary():
                 assert head == expected_head, (dtype, offset, vocab)
                 assert (base[offset:].data_ptr() + head * elem) % 16 == 0 or head == vocab
                 assert full_tiles == (vocab - head) // 16
-
 
 
 @pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered")  # interpreter's numpy
