@@ -2,8 +2,14 @@
 
 `char_tokenizer()` is a real `transformers.PreTrainedTokenizerFast` over single characters (a
 `tokenizers` WordLevel model with a per-character pre-tokenizer), so anything that takes a Hugging
-Face tokenizer (TRL, vLLM, chat templates) takes it. `tiny_qwen2()` is a real Qwen2 causal LM
-with random weights built from a config; head_dim >= 32 because vLLM's CPU attention rejects less.
+Face tokenizer (TRL, vLLM, chat templates) takes it. `tiny_llama()` and `tiny_qwen2()` are real
+causal LMs with random weights built from a config; head_dim >= 32 because vLLM's CPU attention
+rejects less.
+
+Save the char tokenizer next to a Llama, not a Qwen2: transformers 5 reloads the tokenizer of any
+folder whose config says `model_type: qwen2` as a byte-level Qwen2Tokenizer, whatever
+tokenizer_config.json says, and that one drops spaces, newlines, backslashes and braces.
+`tiny_qwen2()` is for in-memory use (tests of the TRL drop-in).
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from __future__ import annotations
 import string
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
-DEFAULT_CHARS = string.digits + string.ascii_letters + " +-*/=()<>.,:;!?'\"\n"
+# Everything a math answer needs, \boxed{} included.
+DEFAULT_CHARS = string.digits + string.ascii_letters + " +-*/=()<>.,:;!?'\"\n\\{}[]^_%$#&|~@`"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -40,6 +47,25 @@ def char_tokenizer(chars: str = DEFAULT_CHARS):
     return tokenizer
 
 
+def _decoder_config(vocab_size, hidden_size, num_layers, num_heads, head_dim,
+                    max_position_embeddings, eos_token_id, pad_token_id) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=2,
+        attention_dropout=0.0,
+    )
+
+
 def tiny_qwen2(
     vocab_size: int,
     hidden_size: int = 64,
@@ -55,20 +81,30 @@ def tiny_qwen2(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        bos_token_id=2,
-        attention_dropout=0.0,
-    )
+    config = Qwen2Config(**_decoder_config(vocab_size, hidden_size, num_layers, num_heads,
+                                           head_dim, max_position_embeddings, eos_token_id,
+                                           pad_token_id))  # fmt: skip
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def tiny_llama(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
+):
+    """A randomly initialised LlamaForCausalLM (fp32): the one to save with `char_tokenizer()`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_decoder_config(vocab_size, hidden_size, num_layers, num_heads,
+                                           head_dim, max_position_embeddings, eos_token_id,
+                                           pad_token_id))  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

@@ -6,6 +6,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .quiet import quiet_environment, wants_verbose
+
+    if not wants_verbose(sys.argv[1:] if argv is None else argv):
+        quiet_environment()  # before torch / vLLM / transformers are imported
     try:
         return _main(argv)
     except KeyboardInterrupt:  # before the training loop's own handlers are installed
@@ -22,6 +26,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
     from .loop import Trainer
+    from .quiet import quiet_libraries
+
+    quiet_libraries(cfg.verbose)
 
     try:
         trainer = Trainer(cfg)  # checks the model, data and rewards against the config

@@ -1,7 +1,7 @@
 """`TrainConfig`: every knob of a `fusedrl-train` run, loadable from YAML with CLI overrides.
 
-The defaults are the embedded job (`fusedrl-train` with no arguments): a tiny random Qwen2 and the
-built-in `sum` task on CPU, sized to raise the reward within minutes on 2 cores. A real run names
+The defaults are the embedded job (`fusedrl-train` with no arguments): a tiny Llama, warm-started
+on the built-in `sum` task, then trained by RL on it; sized to run within minutes on 2 CPU cores. A real run names
 a model and a dataset and usually a YAML file (docs/trainer.md has one).
 """
 
@@ -32,13 +32,15 @@ LOSS_OVERRIDES = ("eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "b
 @dataclass
 class TrainConfig:
     # --- model and data -------------------------------------------------------------------
-    model: str | None = None  # local path or hub id; None = build the tiny Qwen2 in OUT/base_model
+    model: str | None = None  # local path or hub id; None = the tiny Llama in OUT/base_model
     dataset: str | None = None  # .jsonl / .json / .parquet; None = the built-in `sum` task
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     system_prompt: str | None = None
     reward: str = "arith"  # comma list of name[=weight]: math, format, arith, or module:function
     max_prompt_tokens: int = 512  # longer prompts are rejected with the offending row named
+    warmstart_steps: int = 150  # supervised steps for the built-in tiny model (0 = random init)
+    warmstart_noise: float = 0.5  # share of near-miss answers in its warm-start corpus
     # --- rollouts -------------------------------------------------------------------------
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 16  # summed over data-parallel ranks
@@ -73,7 +75,7 @@ class TrainConfig:
     ppo_epochs: int = 1  # mu
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole minibatch
-    lr: float | None = None  # None = 1e-6 for --model, 3e-3 for the built-in tiny model
+    lr: float | None = None  # None = 1e-6 for --model, 1e-3 for the built-in tiny model
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 1.0
@@ -90,6 +92,8 @@ class TrainConfig:
     overwrite: bool = False  # replace the run in --out (refused without it or --resume)
     tensorboard: bool = True
     progress: bool = True
+    log_every: int = 10  # without a terminal: one progress line every N steps
+    verbose: bool = False  # show vLLM's / transformers' own logs and warnings
 
     def loss_config(self) -> LossConfig:
         overrides = {k: getattr(self, k) for k in LOSS_OVERRIDES if getattr(self, k) is not None}
@@ -111,14 +115,17 @@ class TrainConfig:
         need(self.group_size >= 2, "group_size",
              f"must be >= 2 (group-relative advantages need two samples), got {self.group_size}")
         for name in ("prompts_per_step", "max_tokens", "max_steps", "ppo_epochs", "minibatches",
-                     "max_num_gen_batches", "keep_last", "save_every", "max_prompt_tokens"):
+                     "max_num_gen_batches", "keep_last", "save_every", "max_prompt_tokens",
+                     "log_every"):
             need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("micro_batch_size", "warmup_steps", "overlong_buffer", "weight_decay",
-                     "skip_nonfinite_steps"):
+                     "skip_nonfinite_steps", "warmstart_steps"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         need(self.overlong_buffer <= self.max_tokens, "overlong_buffer",
              f"must be <= max_tokens={self.max_tokens}, got {self.overlong_buffer}")
         need(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        need(0 <= self.warmstart_noise < 1, "warmstart_noise",
+             f"must be in [0, 1), got {self.warmstart_noise}")
         need(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         need(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
@@ -171,13 +178,17 @@ class TrainConfig:
 
 # One sentence per option for --help (tests/test_trainer_units.py checks every field has one).
 HELP = {
-    "model": "Local path or hub id of the policy; unset: a tiny random Qwen2 in OUT/base_model.",
+    "model": "Local path or hub id of the policy; unset: a tiny warm-started Llama in "
+    "OUT/base_model.",
     "dataset": "A .jsonl, .json or .parquet file of prompts; unset: the built-in `sum` task.",
     "prompt_column": "Dataset column of the prompt (text, or a list of role/content messages).",
     "answer_column": "Dataset column handed to reward functions as the reference answer.",
     "system_prompt": "A system message prepended to every chat prompt.",
     "reward": "Comma list of name[=weight]: math, format, arith, or module:function.",
     "max_prompt_tokens": "Longest prompt accepted; a longer one is an error naming its row.",
+    "warmstart_steps": "Supervised warm-start steps of the built-in tiny model on the built-in "
+    "task (0: RL from random weights); ignored with --model or --dataset.",
+    "warmstart_noise": "Share of near-miss answers in the warm-start corpus, in [0, 1).",
     "group_size": "Completions sampled per prompt (G, at least 2).",
     "prompts_per_step": "Prompts per optimizer step, summed over data-parallel ranks.",
     "max_tokens": "Completion budget per sample, in tokens.",
@@ -210,7 +221,7 @@ HELP = {
     "ppo_epochs": "Passes over each batch (mu).",
     "minibatches": "Optimizer steps per pass.",
     "micro_batch_size": "Sequences per forward/backward (0: the whole minibatch).",
-    "lr": "AdamW learning rate; unset: 1e-6 with --model, 3e-3 for the built-in tiny model.",
+    "lr": "AdamW learning rate; unset: 1e-6 with --model, 1e-3 for the built-in tiny model.",
     "weight_decay": "AdamW weight decay.",
     "warmup_steps": "Linear learning-rate warm-up steps.",
     "grad_clip": "Gradient-norm clip (0: off).",
@@ -225,7 +236,9 @@ HELP = {
     "resume": "A run directory (its latest checkpoint) or a checkpoint directory to resume from.",
     "overwrite": "Replace the run already in --out (without it, or --resume, that is refused).",
     "tensorboard": "Write TensorBoard logs under OUT/tensorboard.",
-    "progress": "Show a progress bar.",
+    "progress": "Show a progress bar (on a terminal) or progress lines (in a log).",
+    "log_every": "Steps between progress lines when the output is not a terminal.",
+    "verbose": "Show vLLM's, transformers' and torch's own logs and warnings.",
 }
 
 
@@ -296,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusedrl-train",
         description="GRPO-family RL with vLLM rollouts and fusedrl's fused loss. With no "
-        "arguments: a tiny random Qwen2 learns the built-in `sum` task on CPU.",
+        "arguments: a tiny Llama, warm-started, learns the built-in `sum` task on CPU.",
     )
     parser.add_argument("--config", help="YAML file of options; flags given here override it.")
     parser.add_argument("--allow-job-change", action="store_true", default=argparse.SUPPRESS,

@@ -51,11 +51,11 @@ from .config import TrainConfig
 from .data import PromptSet, build_prompt_set
 from .distributed import DistEnv, max_over_ranks, setup, shard, sum_over_ranks, teardown
 from .logger import MetricsLogger, plot
-from .rewards import parse_rewards, score
+from .rewards import exact_match, parse_rewards, score
 from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
 from .step import Batch, accumulate_gradients, collate, token_logprobs
 
-TINY_LR = 3e-3
+TINY_LR = 1e-3
 MODEL_LR = 1e-6
 
 
@@ -101,15 +101,30 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
 
 
 def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
-    """The model path: `--model`, or the tiny Qwen2 + char tokenizer built once in the run dir."""
+    """The model path: `--model`, or the tiny Llama + char tokenizer built once in the run dir
+    (warm-started on the built-in task when that is the task: trainer/warmstart.py)."""
     if cfg.model is not None:
         return cfg.model
     path = run_dir / "base_model"
     if not (path / "config.json").exists():
-        from fusedrl.tiny import char_tokenizer, tiny_qwen2
+        from fusedrl.tiny import char_tokenizer, tiny_llama
+
+        from .data import render_prompt, sum_task
+        from .warmstart import warm_start
 
         tokenizer = char_tokenizer()
-        model = tiny_qwen2(len(tokenizer), max_position_embeddings=128, seed=cfg.seed)
+        model = tiny_llama(len(tokenizer), hidden_size=128, max_position_embeddings=128,
+                           seed=cfg.seed)
+        if cfg.dataset is None and cfg.warmstart_steps > 0:
+            rows = sum_task()
+            prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
+            stats = warm_start(model, tokenizer, prompts, [r["answer"] for r in rows],
+                               steps=cfg.warmstart_steps, noise=cfg.warmstart_noise,
+                               seed=cfg.seed,
+                               progress=cfg.progress and sys.stderr.isatty())  # fmt: skip
+            print(f"fusedrl-train: warm start: {stats['steps']} supervised steps on the sum task "
+                  f"({cfg.warmstart_noise:.0%} near misses) in {stats['seconds']:.0f} s, "
+                  f"loss {stats['loss']:.2f}")
         tmp = run_dir / ".base_model.tmp"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -216,7 +231,8 @@ class Trainer:
                 self.sas.load_state_dict(extra["sas"])
         if self.env.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-            print(f"fusedrl-train: {self.run_dir}\n{cfg.to_yaml()}loss: {self.loss_cfg}")
+            print(run_summary(cfg, self.loss_cfg, model_path, len(self.prompts), self.lr,
+                              self.run_dir))  # fmt: skip
         if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available()):
             self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype,
                                    self.env.device)
@@ -236,7 +252,7 @@ class Trainer:
         self.cursor += cfg.prompts_per_step
         return list(positions)[env.rank :: env.world_size]
 
-    def _generate_round(self) -> tuple[list[list[Sample]], torch.Tensor, dict]:
+    def _generate_round(self) -> tuple[list[list[Sample]], torch.Tensor, dict, list[bool]]:
         cfg = self.cfg
         positions = self._prompt_slice()
         indices = [self.prompts.take(pos, 1, cfg.seed)[0] for pos in positions]
@@ -250,13 +266,16 @@ class Trainer:
                                             skip_special_tokens=True)
         columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
         values, per_fn = score(self.rewards, [row["prompt"] for row in rows], texts, columns)
+        answers = columns.get("answer")
+        correct = ([exact_match(t, a) for t, a in zip(texts, answers) if a is not None]
+                   if answers is not None else [])  # fmt: skip
         rewards = torch.tensor(values, dtype=torch.float32)
         if cfg.overlong_buffer > 0:
             lengths = torch.tensor([len(s.completion_ids) for s in samples])
             rewards = rewards + cfg.overlong_penalty_factor * adv.soft_overlong_punishment(
                 lengths, cfg.max_tokens, cfg.overlong_buffer
             )
-        return groups, rewards, per_fn
+        return groups, rewards, per_fn, correct
 
     def rollout(self) -> tuple[list[Sample], torch.Tensor, dict]:
         """Samples and rewards of the batch to train on, and the generation metrics."""
@@ -264,11 +283,12 @@ class Trainer:
         wanted = len(range(self.env.rank, cfg.prompts_per_step, self.env.world_size))
         kept_groups: list[list[Sample]] = []
         kept_rewards: list[torch.Tensor] = []
-        all_rewards, all_samples, per_fn_means = [], [], {}
+        all_rewards, all_samples, per_fn_means, all_correct = [], [], {}, []
         max_rounds = cfg.max_num_gen_batches if cfg.dynamic_sampling else 1
         rounds = 0
         while True:
-            groups, rewards, per_fn = self._generate_round()
+            groups, rewards, per_fn, correct = self._generate_round()
+            all_correct += correct
             rounds += 1
             all_rewards.append(rewards)
             all_samples += [s for g in groups for s in g]
@@ -303,6 +323,8 @@ class Trainer:
             "truncated_frac": torch.tensor([s.truncated for s in all_samples]).float().mean(),
             "gen_rounds": torch.tensor(float(rounds)),
         }
+        if all_correct:  # the share of completions that solve the task exactly
+            stats["accuracy"] = torch.tensor(sum(all_correct) / len(all_correct))
         for name, values in per_fn_means.items():
             stats[f"reward/{name}"] = torch.tensor(sum(values) / len(values))
         return [s for g in kept_groups for s in g], rewards.reshape(-1), stats
@@ -410,7 +432,10 @@ class Trainer:
     def train(self) -> Path:
         cfg = self.cfg
         bar = None
-        if cfg.progress and self.env.is_main:
+        # A terminal gets a progress bar; a log file (CI, nohup, a cluster job) a line every
+        # --log-every steps instead of a redrawn bar's control characters.
+        lines = self.env.is_main and cfg.progress and not sys.stderr.isatty()
+        if cfg.progress and self.env.is_main and not lines:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="fusedrl-train",
@@ -440,9 +465,10 @@ class Trainer:
                 self.logger.log(record)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
-                                len=f"{record['response_len_mean']:.1f}",
-                                t=f"{record['step_time']:.1f}s")
+                bar.set_postfix_str(progress_line(record), refresh=False)
+            elif lines and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps):
+                print(f"fusedrl-train: step {step + 1}/{cfg.max_steps} {progress_line(record)}",
+                      flush=True)
             stop = max_over_ranks(int(self.stop_signal is not None)) > 0  # every rank alike
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop:
                 self._check_weights(step, "the checkpoint")
@@ -505,6 +531,49 @@ class Trainer:
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
         record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
         return record
+
+
+def describe_loss(lcfg: LossConfig) -> str:
+    """The loss in one line: variant, ratio level, clip range, aggregation, KL, extras."""
+    parts = [lcfg.loss + (" (sequence ratio)" if lcfg.ratio_level == "sequence" else "")]
+    if lcfg.loss in ("ppo", "cispo", "dcpo", "gmpo"):
+        parts.append(f"clip {lcfg.eps_low:g}/{lcfg.eps_high:g}")
+    if lcfg.dual_clip_c is not None:
+        parts.append(f"dual clip {lcfg.dual_clip_c:g}")
+    parts.append(lcfg.agg)
+    parts.append(f"KL {lcfg.kl} x {lcfg.beta:g}" if lcfg.beta > 0 else "no KL")
+    if lcfg.entropy_coef:
+        parts.append(f"entropy bonus {lcfg.entropy_coef:g}")
+    if lcfg.is_correction:
+        parts.append(f"IS {lcfg.is_correction} cap {lcfg.is_cap:g}")
+    return ", ".join(parts)
+
+
+def run_summary(cfg: TrainConfig, lcfg: LossConfig, model_path: str, num_prompts: int,
+                lr: float, run_dir: Path) -> str:  # fmt: skip
+    """What a person checks before a run: a few lines (config.yaml holds every option)."""
+    model = (f"tiny Llama, warm-started on the task ({model_path})" if cfg.model is None
+             else model_path)  # fmt: skip
+    task = "built-in sum task" if cfg.dataset is None else cfg.dataset
+    rows = [
+        ("model", model),
+        ("task", f"{task}, {num_prompts} prompts, reward {cfg.reward}"),
+        ("algorithm", f"preset {cfg.preset}: {describe_loss(lcfg)}; advantage {cfg.advantage}"),
+        ("batch", f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples, at most "
+                  f"{cfg.max_tokens} tokens, temperature {cfg.temperature:g}"),
+        ("optimizer", f"AdamW lr {lr:g}, {cfg.max_steps} steps, grad clip {cfg.grad_clip:g}"),
+        ("out", f"{run_dir} (every option in config.yaml)"),
+    ]
+    return "fusedrl-train:\n" + "\n".join(f"  {name:<10} {value}" for name, value in rows)
+
+
+def progress_line(record: dict) -> str:
+    """What the progress bar and the log lines show of a step."""
+    parts = [f"reward {record['reward_mean']:.3f}"]
+    if "accuracy" in record:
+        parts.append(f"accuracy {record['accuracy']:.2f}")
+    parts += [f"len {record['response_len_mean']:.1f}", f"{record['step_time']:.1f} s/step"]
+    return ", ".join(parts)
 
 
 class Stopped(Exception):

@@ -49,6 +49,16 @@ def final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def exact_match(completion: str, answer) -> bool:
+    """The completion solves the task exactly: its whole text, or its last \\boxed{}, is the
+    answer (surrounding whitespace aside). The run's `accuracy`; stricter than any partial credit."""
+    gold = str(answer).strip()
+    if completion.strip() == gold:
+        return True
+    boxed = _last_boxed(completion)
+    return boxed is not None and boxed.strip() == gold
+
+
 def math_reward(prompts, completions, answer, **_) -> list[float]:
     """1.0 when math-verify finds the final (boxed, else last numeric) answer equal to `answer`."""
     try:

@@ -1,0 +1,83 @@
+"""Warm start of the built-in tiny model: a few seconds of supervised steps on a noisy task corpus.
+
+RL starts from a pretrained model in practice. A randomly initialised one almost never emits an
+exact answer, so nearly every group's rewards tie, the group-relative advantages are 0 and the
+policy gradient with them. The built-in job therefore first fits the tiny model, by plain
+next-token cross-entropy on the completion tokens, to a corpus of the `sum` task: each prompt as
+the trainer renders it, then an answer, then <eos>. With probability `noise` that answer is a near
+miss (the sum +-1 or +-2), so the model learns the format and to stop, but samples the right sum
+only about (1 - noise) of the time: the exact-match accuracy RL starts from, and lifts.
+
+The result is saved as OUT/base_model and reused by --resume; a run with --model skips all this.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+NEAR_MISSES = (-2, -1, 1, 2)
+
+
+def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
+    if rng.random() >= noise:
+        return answer
+    return str(abs(int(answer) + rng.choice(NEAR_MISSES)))
+
+
+def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], *,
+               steps: int, noise: float, seed: int, lr: float = 3e-3,
+               batch_size: int = 128, progress: bool = False) -> dict:  # fmt: skip
+    """Fit `model` in place; returns {steps, seconds, loss (last step)}.
+
+    AdamW with a 20-step linear warm-up and a cosine decay to 0: on the tiny model, 150 steps of
+    128 samples make the right sum the most likely answer for about 90% of the prompts (greedy),
+    while sampling at temperature 1 still draws it only about a third of the time."""
+    rng = random.Random(seed)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    answer_ids = {a: tokenizer.encode(a, add_special_tokens=False) for a in set(answers)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1.0 + math.cos(math.pi * s / steps))
+    )
+    model.train()
+    start, loss = time.perf_counter(), torch.zeros(())
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="warm start", unit="step", dynamic_ncols=True, leave=False)
+    for _ in range(steps):
+        picks = [rng.randrange(len(prompt_ids)) for _ in range(batch_size)]
+        seqs, starts = [], []
+        for i in picks:
+            answer = noisy_answer(answers[i], noise, rng)
+            completion = answer_ids.get(answer) or tokenizer.encode(answer, add_special_tokens=False)
+            seqs.append(prompt_ids[i] + completion + [eos])
+            starts.append(len(prompt_ids[i]))
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        targets = torch.full((len(seqs), width), -100, dtype=torch.long)
+        for row, (seq, begin) in enumerate(zip(seqs, starts)):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            targets[row, begin : len(seq)] = torch.tensor(seq[begin:])  # completion tokens only
+        attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None])
+        logits = model(input_ids=ids, attention_mask=attention.long()).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets[:, 1:].reshape(-1),
+            ignore_index=-100,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return {"steps": steps, "seconds": time.perf_counter() - start, "loss": float(loss.detach())}
