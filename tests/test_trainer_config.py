@@ -77,7 +77,7 @@ def test_every_option_has_a_sentence_and_help_shows_the_choices():
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     out = " ".join(out.split())
     for needle in ("'dapo'", "'grpo'", "'rloo'", "'token-mean'", "'k3'", "'bfloat16'",
-                   "'triton'", "1e-6 with --model, 3e-3 for the built-in tiny model",
+                   "'triton'", "1e-6 with --model, 2e-4 for the built-in tiny model",
                    "--no-dynamic-sampling", "--skip-nonfinite-steps"):
         assert needle in out, needle
 

@@ -115,7 +115,8 @@ def test_builtin_rewards():
     assert math_reward(["p"] * 3, [r"\boxed{0.5}", "the answer is 7", "8"], ["1/2", "7", "7"]) == [
         1.0, 1.0, 0.0]
     assert format_reward(["p"] * 3, [r"x \boxed{1}", r"\boxed{1}\boxed{2}", "1"]) == [1.0, 0.0, 0.0]
-    assert arith_reward(["p"] * 3, ["7", "7a", "zz"], ["7", "7", "7"]) == [1.0, 0.25, 0.0]
+    assert arith_reward(["p"] * 6, ["7", "7 7", "78", "8", "zz", " 12\n"], ["7"] * 5 + ["12"]) == [
+        1.0, 0.5, 0.25, 0.25, 0.0, 1.0]  # exact > the answer, running on > wrong digits > none
 
 
 def bad_reward(prompts, completions, **_):

@@ -1,8 +1,12 @@
-"""fusedrl.integrations.trl against TRL itself: same loss and same parameter gradients as
-`GRPOTrainer._compute_loss` on a real (tiny, random) Qwen2 model, and a real 2-step training run."""
+"""fusedrl.integrations.trl against TRL itself: same loss, same parameter gradients and same logged
+metrics as `GRPOTrainer._compute_loss` on a real (tiny, random) Qwen2 model and a tiny Qwen2-MoE
+(router aux loss), and a real 2-step training run."""
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -12,6 +16,7 @@ trl = pytest.importorskip("trl")
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
 
 from datasets import Dataset  # noqa: E402
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fusedrl.integrations.trl import FusedGRPOTrainer, loss_config_from_trl  # noqa: E402
@@ -36,6 +41,36 @@ def model_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=1).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tokenizer, tmp_path_factory):
+    """A tiny random Qwen2-MoE that returns its router logits, with a coefficient large enough
+    that a missing (or mis-scaled) load-balancing term shows in the loss and the router grads."""
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
@@ -73,6 +108,8 @@ def _trainer(cls, model, tokenizer, args):
 
 
 def _inputs(model, loss_type, beta, seed=0):
+    """Inputs as TRL's generation step makes them; row 3 is an empty completion (a NaN in TRL's
+    per-sequence clip fractions, which clip_ratio/low_min and high_max skip)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt_ids = torch.randint(3, vocab, (B, P), generator=gen)
@@ -82,6 +119,7 @@ def _inputs(model, loss_type, beta, seed=0):
     completion_mask = torch.ones(B, T, dtype=torch.long)
     completion_mask[0, 4:] = 0  # ended early
     completion_mask[2, 2:] = 0
+    completion_mask[3, :] = 0
     with torch.no_grad():
         logits = model(
             input_ids=torch.cat([prompt_ids, completion_ids], 1),
@@ -113,6 +151,7 @@ def _loss_and_grads(trainer, inputs):
 
 
 def _assert_same(trl_trainer, fused_trainer, inputs):
+    """Same loss, same gradient for every parameter, and the same metrics (names and values)."""
     ref_loss, ref_grads = _loss_and_grads(trl_trainer, inputs)
     loss, grads = _loss_and_grads(fused_trainer, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
@@ -120,6 +159,16 @@ def _assert_same(trl_trainer, fused_trainer, inputs):
     assert scale > 0
     for g, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6 * scale)
+    ref_metrics = dict(trl_trainer._metrics["train"])
+    metrics = dict(fused_trainer._metrics["train"])
+    assert sorted(metrics) == sorted(ref_metrics)
+    for name, ref in ref_metrics.items():
+        assert len(metrics[name]) == len(ref) == 1, name
+        value, expected = metrics[name][0], ref[0]
+        assert math.isclose(value, expected, rel_tol=1e-5, abs_tol=1e-6) or (
+            math.isnan(value) and math.isnan(expected)
+        ), (name, value, expected)
+    return metrics
 
 
 CASES = [
@@ -171,6 +220,71 @@ def test_parity_with_delta(model_dir, tokenizer, tmp_path):
     _assert_same(*trainers, inputs)
 
 
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_clip_extreme_metrics_match_trl(sign, model_dir, tokenizer, tmp_path):
+    """clip_ratio/low_min (all advantages negative, ratios pushed below 1 - eps) and
+    clip_ratio/high_max (positive, above 1 + eps) away from 0, so that the per-sequence
+    fractions, the empty row's NaN and the nanmin / nanmax are all exercised."""
+    args = _args(tmp_path, loss_type="grpo")
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    inputs = _inputs(trainers[0].model, "grpo", 0.0, seed=4)
+    inputs["advantages"] = sign * (inputs["advantages"].abs() + 0.1)
+    inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 0.25 * sign
+    metrics = _assert_same(*trainers, inputs)
+    name = "clip_ratio/low_min" if sign < 0 else "clip_ratio/high_max"
+    assert 0.0 < metrics[name][0] < 1.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_parity_with_gradient_accumulation(loss_type, model_dir, tokenizer, tmp_path):
+    """Mid-window micro-batch of 2 accumulation steps, a generation batch of 1 step: TRL divides
+    grpo's loss by the steps and rescales dapo's token count by steps / steps_per_generation."""
+    args = _args(tmp_path, loss_type=loss_type)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    for trainer in trainers:
+        trainer.current_gradient_accumulation_steps = 2
+    _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=5))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_parity_with_router_aux_loss(loss_type, moe_dir, tokenizer, tmp_path):
+    """An MoE model: TRL adds router_aux_loss_coef * aux_loss (over gradient accumulation) and
+    logs aux_loss; so does the fused trainer."""
+    args = _args(tmp_path, loss_type=loss_type)
+    trainers = [_trainer(c, moe_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    for trainer in trainers:
+        assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.05
+        trainer.current_gradient_accumulation_steps = 2
+    metrics = _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=6))
+    assert metrics["aux_loss"][0] > 0
+
+
+def test_import_does_not_print_trl_vllm_version_warning():
+    """fusedrl.integrations.trl silences the vLLM-version warning of TRL's import, and only that:
+    no warning filter outlives the import, and the environment does trigger it (else the check
+    would prove nothing)."""
+    code = (
+        "import warnings\n"
+        "import fusedrl.integrations.trl\n"
+        "leaked = any(f[1] is not None and 'vLLM' in f[1].pattern for f in warnings.filters)\n"
+        "from trl.import_utils import is_vllm_available\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    is_vllm_available()\n"
+        "n = sum('TRL currently supports vLLM' in str(w.message) for w in caught)\n"
+        "print('RESULT', leaked, n)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    leaked, triggered = run.stdout.split("RESULT")[-1].split()
+    if triggered == "0":
+        pytest.skip("TRL does not warn about this environment's vLLM: nothing to silence")
+    assert leaked == "False"
+    import_output = run.stderr + run.stdout.split("RESULT")[0]
+    assert import_output.count("TRL currently supports vLLM") == 0, import_output
+
+
 @pytest.mark.parametrize(
     "option, value",
     [
@@ -218,7 +332,8 @@ def test_short_training_run(model_dir, tokenizer, tmp_path):
     changed = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert changed
     logged = [h for h in trainer.state.log_history if "entropy" in h]
-    assert logged and all("clip_ratio/region_mean" in h and "kl" in h for h in logged)
+    clip = ("clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+    assert logged and all(all(k in h for k in clip) and "kl" in h for h in logged)
 
 
 @pytest.mark.slow

@@ -8,6 +8,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from .quiet import quiet_environment, wants_verbose
 
+    if hasattr(sys.stdout, "reconfigure"):  # a log file sees each line when it is printed
+        sys.stdout.reconfigure(line_buffering=True)
+
     if not wants_verbose(sys.argv[1:] if argv is None else argv):
         quiet_environment()  # before torch / vLLM / transformers are imported
     try:

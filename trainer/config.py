@@ -1,8 +1,8 @@
 """`TrainConfig`: every knob of a `fusedrl-train` run, loadable from YAML with CLI overrides.
 
 The defaults are the embedded job (`fusedrl-train` with no arguments): a tiny Llama, warm-started
-on the built-in `sum` task, then trained by RL on it; sized to run within minutes on 2 CPU cores. A real run names
-a model and a dataset and usually a YAML file (docs/trainer.md has one).
+on the built-in `sum` task, then trained by RL on it; sized to run within minutes on 2 CPU cores.
+A real run names a model and a dataset and usually a YAML file (docs/trainer.md has one).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class TrainConfig:
     system_prompt: str | None = None
     reward: str = "arith"  # comma list of name[=weight]: math, format, arith, or module:function
     max_prompt_tokens: int = 512  # longer prompts are rejected with the offending row named
-    warmstart_steps: int = 150  # supervised steps for the built-in tiny model (0 = random init)
-    warmstart_noise: float = 0.5  # share of near-miss answers in its warm-start corpus
+    warmstart_steps: int = 300  # supervised steps for the built-in tiny model (0 = random init)
+    warmstart_noise: float = 0.6  # share of near-miss answers in its warm-start corpus
     # --- rollouts -------------------------------------------------------------------------
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 16  # summed over data-parallel ranks
@@ -75,7 +75,7 @@ class TrainConfig:
     ppo_epochs: int = 1  # mu
     minibatches: int = 1  # optimizer steps per epoch
     micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole minibatch
-    lr: float | None = None  # None = 1e-6 for --model, 1e-3 for the built-in tiny model
+    lr: float | None = None  # None = 1e-6 for --model, 2e-4 for the built-in tiny model
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 1.0
@@ -221,7 +221,7 @@ HELP = {
     "ppo_epochs": "Passes over each batch (mu).",
     "minibatches": "Optimizer steps per pass.",
     "micro_batch_size": "Sequences per forward/backward (0: the whole minibatch).",
-    "lr": "AdamW learning rate; unset: 1e-6 with --model, 1e-3 for the built-in tiny model.",
+    "lr": "AdamW learning rate; unset: 1e-6 with --model, 2e-4 for the built-in tiny model.",
     "weight_decay": "AdamW weight decay.",
     "warmup_steps": "Linear learning-rate warm-up steps.",
     "grad_clip": "Gradient-norm clip (0: off).",

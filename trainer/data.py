@@ -150,12 +150,15 @@ def render_prompt(tokenizer, prompt, system_prompt: str | None) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def build_prompt_set(cfg, tokenizer) -> PromptSet:
-    rows = (
-        load_rows(cfg.dataset, cfg.prompt_column, cfg.answer_column)
-        if cfg.dataset
-        else sum_task()
-    )
+def task_rows(cfg) -> list[dict]:
+    """The run's rows: the --dataset file's (checked), or the built-in `sum` task's."""
+    if cfg.dataset:
+        return load_rows(cfg.dataset, cfg.prompt_column, cfg.answer_column)
+    return sum_task()
+
+
+def build_prompt_set(cfg, tokenizer, rows: list[dict] | None = None) -> PromptSet:
+    rows = task_rows(cfg) if rows is None else rows
     token_ids = []
     for i, row in enumerate(rows):
         ids = render_prompt(tokenizer, row["prompt"], cfg.system_prompt)

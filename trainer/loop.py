@@ -48,14 +48,15 @@ from fusedrl import LossConfig
 
 from . import checkpoint
 from .config import TrainConfig
-from .data import PromptSet, build_prompt_set
+from .data import PromptSet, build_prompt_set, task_rows
 from .distributed import DistEnv, max_over_ranks, setup, shard, sum_over_ranks, teardown
 from .logger import MetricsLogger, plot
+from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score
 from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
 from .step import Batch, accumulate_gradients, collate, token_logprobs
 
-TINY_LR = 1e-3
+TINY_LR = 2e-4
 MODEL_LR = 1e-6
 
 
@@ -169,6 +170,10 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
+        # Everything that can be wrong with the data or the rewards fails here, before the base
+        # model (a warm start of seconds to minutes) is built and written.
+        rows = task_rows(cfg)
+        self.rewards = parse_rewards(cfg.reward)
         model_path = prepare_model(cfg, self.run_dir) if self.env.is_main else None
         if self.env.world_size > 1:
             import torch.distributed as dist
@@ -179,8 +184,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
-        self.prompts: PromptSet = build_prompt_set(cfg, self.tokenizer)
-        self.rewards = parse_rewards(cfg.reward)
+        self.prompts: PromptSet = build_prompt_set(cfg, self.tokenizer, rows)
         self.loss_cfg: LossConfig = cfg.loss_config()
         self.compute_dtype = _dtype(cfg, self.env.device)
         # Master weights stay fp32; the forward runs under autocast in the compute dtype, so the
@@ -237,8 +241,9 @@ class Trainer:
             self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype,
                                    self.env.device)
         else:
-            self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype,
-                                     self.env.device, distributed=self.env.world_size > 1)
+            with native_stderr_hidden(cfg.verbose):
+                self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype,
+                                         self.env.device, distributed=self.env.world_size > 1)
         if resume_step is not None:
             self.engine.sync_weights(full_state(self.model))
         self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)

@@ -10,8 +10,11 @@ thing in `fusedrl-train`, from the command line alone (`--verbose` there, or FUS
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import tempfile
 import warnings
 
 # Read once, at import, by the libraries: defaults only, the user's own environment wins.
@@ -47,3 +50,28 @@ def quiet_libraries(verbose: bool) -> None:
     transformers.utils.logging.disable_progress_bar()
     for name in ("vllm", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def native_stderr_hidden(verbose: bool):
+    """Hide what native code writes to stderr (file descriptor 2) inside the block, such as
+    torch's "NUMA binding" notice when vLLM's CPU worker binds its threads; replay it if the block
+    fails, so an error is never hidden with its context."""
+    if verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)

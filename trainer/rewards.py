@@ -51,7 +51,7 @@ def final_answer(text: str) -> str | None:
 
 def exact_match(completion: str, answer) -> bool:
     """The completion solves the task exactly: its whole text, or its last \\boxed{}, is the
-    answer (surrounding whitespace aside). The run's `accuracy`; stricter than any partial credit."""
+    answer (surrounding whitespace aside). The run's `accuracy`: stricter than partial credit."""
     gold = str(answer).strip()
     if completion.strip() == gold:
         return True
@@ -87,19 +87,23 @@ def format_reward(prompts, completions, **_) -> list[float]:
 
 
 def arith_reward(prompts, completions, answer, **_) -> list[float]:
-    """The built-in task's reward: 1.0 for exactly the answer; else half the digit share.
+    """The built-in task's reward: 1 for exactly the answer; 0.5 for the answer followed by
+    anything else; otherwise a quarter of the share of digit characters.
 
-    The partial credit shapes the reward so that a random-init model gets a gradient toward
-    numeric answers before it can get any sum right (a plain 0/1 reward almost never fires).
+    Ordered so that no shortcut pays: the right number that runs on earns more than any wrong
+    number, so learning to stop never trades against being right, and digits earn a little so
+    that even a random model gets a gradient toward numeric answers.
     """
     scores = []
     for completion, gold in zip(completions, answer):
-        text = completion.strip()
-        if text == str(gold):
+        text, gold = completion.strip(), str(gold).strip()
+        if text == gold:
             scores.append(1.0)
+        elif text.startswith(gold) and not text[len(gold)].isdigit():
+            scores.append(0.5)
         else:
             digits = sum(ch.isdigit() for ch in text)
-            scores.append(0.5 * digits / max(len(text), 1))
+            scores.append(0.25 * digits / max(len(text), 1))
     return scores
 
 

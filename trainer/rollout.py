@@ -53,13 +53,19 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             max_num_seqs=256,
+            use_tqdm_on_load=getattr(cfg, "verbose", False),
         )
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.vllm_sleep)
         else:
+            # A prefill split over two scheduler steps discards a sampled token and rewinds the
+            # request's seeded generator, which a CPU generator cannot do (vLLM raises "CPU
+            # Generator does not use offset"): a token budget that holds max_num_seqs whole
+            # sequences keeps every prefill in one step.
             kwargs.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 2**30),
-                          enforce_eager=True)
+                          enforce_eager=True,
+                          max_num_batched_tokens=max(8192, kwargs["max_num_seqs"] * max_model_len))
         if distributed:
             # One engine per rank inside torchrun's process group (TRL's colocate mode).
             kwargs.update(distributed_executor_backend="external_launcher")

@@ -4,9 +4,11 @@ RL starts from a pretrained model in practice. A randomly initialised one almost
 exact answer, so nearly every group's rewards tie, the group-relative advantages are 0 and the
 policy gradient with them. The built-in job therefore first fits the tiny model, by plain
 next-token cross-entropy on the completion tokens, to a corpus of the `sum` task: each prompt as
-the trainer renders it, then an answer, then <eos>. With probability `noise` that answer is a near
-miss (the sum +-1 or +-2), so the model learns the format and to stop, but samples the right sum
-only about (1 - noise) of the time: the exact-match accuracy RL starts from, and lifts.
+the trainer renders it, then the answer, then <eos>. With probability `noise` the answer runs on
+("7 =", "7+", ...), so the model learns the sums but stops right after the answer only about
+(1 - noise) of the time: the exact-match accuracy RL starts from, and lifts. (Wrong sums as the
+noise do not work here: RL would have to correct a hundred facts one by one, and the tiny model
+does not get there within a few minutes; stopping is one behaviour shared by every prompt.)
 
 The result is saved as OUT/base_model and reused by --resume; a run with --model skips all this.
 """
@@ -19,13 +21,17 @@ import time
 
 import torch
 
-NEAR_MISSES = (-2, -1, 1, 2)
+# What a rambling sample appends to the answer. No digits: a ramble that repeated the answer would
+# put the answer's own digits into samples RL must discourage, and a tiny model then unlearns
+# the digits along with the ramble (it collapsed to one-digit answers that way).
+RAMBLES = ("+", "=", " =", " +", "?", " ?")
 
 
 def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
+    """The answer, or with probability `noise` the answer followed by a ramble (never exact)."""
     if rng.random() >= noise:
         return answer
-    return str(abs(int(answer) + rng.choice(NEAR_MISSES)))
+    return answer + rng.choice(RAMBLES)
 
 
 def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], *,
@@ -34,12 +40,10 @@ def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str]
     """Fit `model` in place; returns {steps, seconds, loss (last step)}.
 
     AdamW with a 20-step linear warm-up and a cosine decay to 0: on the tiny model, 150 steps of
-    128 samples make the right sum the most likely answer for about 90% of the prompts (greedy),
-    while sampling at temperature 1 still draws it only about a third of the time."""
+    128 samples make the right sum the most likely answer for about 95% of the prompts (greedy)."""
     rng = random.Random(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    answer_ids = {a: tokenizer.encode(a, add_special_tokens=False) for a in set(answers)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1.0 + math.cos(math.pi * s / steps))
@@ -56,7 +60,7 @@ def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str]
         seqs, starts = [], []
         for i in picks:
             answer = noisy_answer(answers[i], noise, rng)
-            completion = answer_ids.get(answer) or tokenizer.encode(answer, add_special_tokens=False)
+            completion = tokenizer.encode(answer, add_special_tokens=False)
             seqs.append(prompt_ids[i] + completion + [eos])
             starts.append(len(prompt_ids[i]))
         width = max(map(len, seqs))

