@@ -36,8 +36,8 @@ def hf_run(tmp_path_factory) -> Path:
 def test_hf_rollouts_learn_the_default_task(hf_run):
     rows = read_metrics(hf_run)
     assert [r["step"] for r in rows] == list(range(20))
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    first = sum(r["accuracy"] for r in rows[:5]) / 5
+    last = sum(r["accuracy"] for r in rows[-5:]) / 5
     assert last - first >= 0.1, (first, last)
     assert (hf_run / "final_model" / "config.json").exists()
 

@@ -21,7 +21,7 @@ def _start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.Popen(
         [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", "--rollout", "hf",
-         "--out", str(out), "--save-every", "1000", *args],
+         "--warmstart-steps", "0", "--out", str(out), "--save-every", "1000", *args],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
