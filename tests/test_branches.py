@@ -280,3 +280,15 @@ def test_triton_beta_zero_with_kl_and_infinite_ref():
     data["ref_logp"] = logp + 0.3
     data["ref_logp"][0, 0] = float("-inf")
     _compare(data, LossConfig(kl="k2", beta=0.0), "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abs_kl_at_its_kink(backend):
+    """ref_logp == logp exactly: |delta|'s gradient there is sign(0) = 0 (torch.sign), in every
+    backend (random data cannot hit the kink: a last-bit difference flips the sign)."""
+    data, logp = _exactly_known_logp(0.0, backend)
+    data["advantages"] = torch.ones_like(logp)
+    data["ref_logp"] = logp.clone()
+    data["ref_logp"][:, 1:] += 0.5  # the other tokens off the kink
+    ref = _compare(data, LossConfig(loss="pg", kl="abs", beta=0.5), backend)
+    assert ref.metrics["kl"] > 0
