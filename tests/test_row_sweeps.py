@@ -210,6 +210,7 @@ def test_gpu_launch_shape(vocab, elem_bytes):
     assert warps == max(4, threads_at_16_bytes // 32)
     assert warps <= logprobs.MAX_WARPS
     assert maxnreg * 32 * warps * logprobs.MIN_CTAS_PER_SM <= logprobs.REGISTERS_PER_SM
+    assert maxnreg <= 255  # the hardware's limit per thread (sm_80, sm_90)
     # ... and is the largest that does (registers are allocated in steps of 8)
     assert maxnreg == 255 or (maxnreg + 8) * 32 * warps * logprobs.MIN_CTAS_PER_SM > (
         logprobs.REGISTERS_PER_SM
