@@ -346,3 +346,15 @@ def test_is_weights_and_is_correction_are_exclusive():
         fusedrl.policy_loss(**data, is_weights=torch.ones(3, 6))
     with pytest.raises(ValueError, match="gmpo.*one weight per sequence"):
         fusedrl.policy_loss(**data, config=LossConfig.preset("gmpo"), is_weights=torch.ones(3, 7))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 0, 7), (0, 3, 7)])
+def test_token_logprobs_backward_of_an_empty_batch(backend, shape):
+    """No rows: empty log-probs and entropy, and an empty gradient (no launch, no division)."""
+    logits = torch.zeros(shape, requires_grad=True)
+    labels = torch.zeros(shape[:2], dtype=torch.long)
+    logp, entropy = fusedrl.token_logprobs(logits, labels, return_entropy=True, backend=backend)
+    assert logp.shape == entropy.shape == shape[:2]
+    (logp.sum() + entropy.sum()).backward()
+    assert logits.grad.shape == shape
