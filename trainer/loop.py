@@ -124,7 +124,7 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
                                seed=cfg.seed,
                                progress=cfg.progress and sys.stderr.isatty())  # fmt: skip
             print(f"fusedrl-train: warm start: {stats['steps']} supervised steps on the sum task "
-                  f"({cfg.warmstart_noise:.0%} near misses) in {stats['seconds']:.0f} s, "
+                  f"({cfg.warmstart_noise:.0%} of the answers run on) in {stats['seconds']:.0f} s, "
                   f"loss {stats['loss']:.2f}")
         tmp = run_dir / ".base_model.tmp"
         model.save_pretrained(tmp)
