@@ -67,6 +67,6 @@ def test_torch_backend_peak_memory_is_one_gradient_plus_blocks():
     extra_inplace = _peak_extra("torch", inplace=True)
     assert extra_inplace < block_budget, extra_inplace  # gradient written into the logits
     # The measurement can tell: the eager reference, which holds fp32 copies of [N, V], fails the
-    # bound the torch backend meets (its exact peak varies with allocator reuse: 1.5-3 copies).
+    # bound the torch backend meets (its exact peak varies with allocator reuse: about 1-3 copies).
     reference_extra = _peak_extra("reference", inplace=False)
-    assert reference_extra > max(LOGITS_BYTES + block_budget, FP32_COPY_BYTES), reference_extra
+    assert reference_extra > LOGITS_BYTES + block_budget, reference_extra

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from fusedrl.trainer.logger import read_metrics  # noqa: E402
+from fusedrl.trainer.loop import TINY_LR  # noqa: E402  (the default run's learning rate)
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("step", "reward_mean", "reward_std", "frac_zero_std", "entropy", "clipfrac",
@@ -38,9 +39,25 @@ def check(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "default"
-    check(fusedrl_train("--out", str(out), "--max-steps", "25", "--save-every", "10",
-                        "--keep-last", "3"))
+    proc = fusedrl_train("--out", str(out), "--max-steps", "25", "--save-every", "10",
+                         "--keep-last", "3")
+    check(proc)
+    (out.parent / "default.stdout").write_text(proc.stdout)
+    (out.parent / "default.stderr").write_text(proc.stderr)
     return out
+
+
+def test_default_output_is_short_and_quiet(default_run):
+    """A summary of what matters, then nothing from the libraries (vLLM, transformers, torch's
+    NUMA notice) unless --verbose."""
+    out = (default_run.parent / "default.stdout").read_text()
+    err = (default_run.parent / "default.stderr").read_text()
+    assert "fusedrl-train: warm start: 300 supervised steps" in out
+    for row in ("model", "task", "algorithm", "batch", "optimizer", "out"):
+        assert f"\n  {row} " in out, row
+    assert len(out.splitlines()) <= 12, out
+    for noise in ("WARNING", "NUMA", "Warning", "Loading", "Writing model shards"):
+        assert noise not in out + err, (noise, err[-3000:])
 
 
 def test_default_job_raises_the_accuracy(default_run):
@@ -98,7 +115,7 @@ def test_torchrun_data_parallel_matches_one_process(default_run, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     check(subprocess.run(
         [*torchrun, "-m", "fusedrl.trainer", "--progress", "false", "--out", str(out),
-         "--model", str(default_run / "base_model"), "--lr", "3e-3", "--max-steps", "2"],
+         "--model", str(default_run / "base_model"), "--lr", str(TINY_LR), "--max-steps", "2"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     ))
     dp, single = read_metrics(out), read_metrics(default_run)[:2]
