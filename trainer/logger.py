@@ -6,8 +6,39 @@ import json
 import math
 from pathlib import Path
 
-PLOTTED = (("reward_mean", "reward"), ("entropy", "entropy"),
-           ("response_len_mean", "response length"), ("clipfrac", "clip fraction"))
+# The panels of plots.png: (title, metric keys); a key absent from the run is left out, and a
+# panel with no key left is not drawn. reward/<fn> joins the reward panel by itself.
+PANELS = (
+    ("accuracy", ("accuracy",)),
+    ("reward", ("reward_mean",)),
+    ("groups with zero reward spread", ("frac_zero_std",)),
+    ("entropy", ("entropy",)),
+    ("response length (tokens)", ("response_len_mean",)),
+    ("truncated share", ("truncated_frac",)),
+    ("clip fractions", ("clipfrac", "clip_low", "clip_high", "dual_clipfrac")),
+    ("KL to the reference", ("kl",)),
+    ("IS weight mean", ("is_weight_mean",)),
+)
+# Values the loop fills in when a run has no such term: a metric that never leaves its default
+# is not plotted (a flat KL of 0 in a run without KL says nothing).
+DEFAULTS = {"kl": 0.0, "is_weight_mean": 1.0, "dual_clipfrac": 0.0, "clip_low": 0.0,
+            "clip_high": 0.0, "truncated_frac": 0.0}
+# TensorBoard groups by the tag's prefix; metrics.jsonl keeps the flat names.
+TB_GROUPS = {
+    "rollout": ("reward_mean", "reward_std", "accuracy", "frac_zero_std", "response_len_mean",
+                "truncated_frac", "gen_rounds"),
+    "perf": ("step_time", "gen_time", "train_time", "lr"),
+}
+
+
+def tensorboard_tag(name: str) -> str:
+    """rollout/..., perf/... or loss/... (everything the update reports)."""
+    if name.startswith("reward/"):
+        return "rollout/reward_" + name[len("reward/"):]
+    for group, names in TB_GROUPS.items():
+        if name in names or (group == "perf" and name.endswith("_time")):
+            return f"{group}/{name}"
+    return f"loss/{name}"
 
 
 class MetricsLogger:
@@ -53,7 +84,7 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in metrics.items():
                 if name != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(name, value, metrics["step"])
+                    self.writer.add_scalar(tensorboard_tag(name), value, metrics["step"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -65,8 +96,26 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def plotted_panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    """(title, keys) of the panels a run gets: absent or always-default metrics left out."""
+
+    def present(key: str) -> bool:
+        values = [r.get(key) for r in rows if r.get(key) is not None]
+        return bool(values) and any(v != DEFAULTS.get(key, object()) for v in values)
+
+    functions = sorted({k for r in rows for k in r if k.startswith("reward/")})
+    panels = []
+    for title, keys in PANELS:
+        keys = [k for k in keys if present(k)]
+        if title == "reward" and len(functions) > 1:  # one function's line is the mean's
+            keys += [k for k in functions if present(k)]
+        if keys:
+            panels.append((title, keys))
+    return panels
+
+
 def plot(run_dir: str | Path) -> Path | None:
-    """reward, entropy, response length and clip fraction per step, as DIR/plots.png."""
+    """Every panel of PANELS the run has, per step, as DIR/plots.png."""
     try:
         import matplotlib
 
@@ -76,14 +125,26 @@ def plot(run_dir: str | Path) -> Path | None:
         print("matplotlib is not installed: no plots.png")
         return None
     rows = read_metrics(run_dir)
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
+    panels = plotted_panels(rows)
+    if not panels:
+        return None
+    columns = min(4, len(panels))
+    lines = -(-len(panels) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3.2 * lines), squeeze=False)
     steps = [r["step"] for r in rows]
-    for ax, (key, title) in zip(axes, PLOTTED):
-        values = [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
-        ax.plot(steps, values, marker=".", linewidth=1)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            values = [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
+            ax.plot(steps, values, marker=".", linewidth=1, label=key)
         ax.set_title(title)
         ax.set_xlabel("step")
+        # Plain numbers on the axes: an offset ("+1e-3" in a corner) hides the scale.
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     out = Path(run_dir) / "plots.png"
     fig.savefig(out, dpi=110)

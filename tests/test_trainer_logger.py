@@ -1,0 +1,65 @@
+"""plots.png panels and TensorBoard tags of a run's metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusedrl.trainer.logger import MetricsLogger, plot, plotted_panels, read_metrics
+
+matplotlib = pytest.importorskip("matplotlib")
+
+
+def _rows(steps=6):
+    rows = []
+    for step in range(steps):
+        rows.append({
+            "step": step, "reward_mean": 0.5 + 0.01 * step, "accuracy": 0.3 + 0.05 * step,
+            "reward/arith": 0.5 + 0.01 * step, "reward/format": 0.1, "frac_zero_std": 0.1,
+            "entropy": None if step == 2 else 0.5, "response_len_mean": 3.0,
+            "truncated_frac": 0.0, "clipfrac": 0.001 * step, "clip_high": 0.002,
+            "clip_low": 0.0, "kl": 0.0, "is_weight_mean": 1.0 + 1e-4 * step,
+            "loss": 0.1, "step_time": 0.2, "lr": 2e-4,
+        })  # fmt: skip
+    return rows
+
+
+def test_panels_show_what_the_run_has(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    panels = dict(plotted_panels(read_metrics(tmp_path)))
+    assert panels["accuracy"] == ["accuracy"]
+    assert panels["reward"] == ["reward_mean", "reward/arith", "reward/format"]
+    assert panels["clip fractions"] == ["clipfrac", "clip_high"]  # clip_low stays at its default
+    assert "IS weight mean" in panels and "KL to the reference" not in panels
+    assert "truncated share" not in panels and "entropy" in panels  # a None is skipped
+    assert (plot(tmp_path) or tmp_path / "missing").stat().st_size > 10_000
+
+
+def test_no_offset_notation_on_small_ranges(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    plot(tmp_path)
+    (fig,) = figures
+    fig.canvas.draw()
+    for ax in fig.axes:
+        if ax.get_visible():
+            assert ax.yaxis.get_major_formatter().get_offset() == "", ax.get_title()
+
+
+def test_tensorboard_tags_are_grouped(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for row in _rows(2):
+        logger.log(row)
+    logger.close()
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"rollout/reward_mean", "rollout/accuracy", "rollout/reward_arith", "loss/clipfrac",
+            "loss/kl", "perf/step_time", "perf/lr"} <= tags
+    assert all(tag.split("/")[0] in ("rollout", "loss", "perf") for tag in tags)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["reward/arith"]
