@@ -63,3 +63,19 @@ def test_tensorboard_tags_are_grouped(tmp_path):
             "loss/kl", "perf/step_time", "perf/lr"} <= tags
     assert all(tag.split("/")[0] in ("rollout", "loss", "perf") for tag in tags)
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["reward/arith"]
+
+
+def test_config_and_samples_as_text(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    logger.log_config({"preset": "dapo", "lr": None, "group_size": 8, "nested": {"x": 1}})
+    logger.log_samples(3, [("1+2=", "3", 1.0), ("a|b", "x\ny", 0.25)])
+    logger.close()
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tensors = set(events.Tags()["tensors"])
+    assert {"config/text_summary", "samples/text_summary"} <= tensors
+    (sample,) = events.Tensors("samples/text_summary")
+    text = sample.tensor_proto.string_val[0].decode()
+    assert sample.step == 3 and "| 1+2= | 3 | 1.000 |" in text and "a\\|b" in text
+    assert "_hparams_/experiment" in events.summary_metadata  # TensorBoard's HPARAMS tab

@@ -86,9 +86,38 @@ class MetricsLogger:
                 if name != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(tensorboard_tag(name), value, metrics["step"])
 
+    def log_config(self, config: dict) -> None:
+        """The run's options: TensorBoard's hparams (scalars and strings) and a text table."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: ("none" if v is None else v) for k, v in config.items()
+                if v is None or isinstance(v, (str, int, float, bool))}  # fmt: skip
+        for summary in hparams(flat, {}):
+            self.writer.file_writer.add_summary(summary)
+        table = "| option | value |\n|---|---|\n" + "".join(
+            f"| {k} | {_cell(v)} |\n" for k, v in flat.items()
+        )
+        self.writer.add_text("config", table, 0)
+
+    def log_samples(self, step: int, samples: list[tuple[str, str, float]]) -> None:
+        """A few (prompt, completion, reward) of a step, as a TensorBoard text table."""
+        if self.writer is None or not samples:
+            return
+        table = "| prompt | completion | reward |\n|---|---|---|\n" + "".join(
+            f"| {_cell(p)} | {_cell(c)} | {r:.3f} |\n" for p, c, r in samples
+        )
+        self.writer.add_text("samples", table, step)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _cell(value) -> str:
+    """A markdown table cell: pipes escaped, newlines shown as a symbol."""
+    return str(value).replace("|", "\\|").replace("\n", "⏎")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

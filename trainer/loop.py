@@ -32,6 +32,7 @@ REINFORCE++'s std) are per rank under data parallelism.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import shutil
@@ -248,6 +249,9 @@ class Trainer:
             self.engine.sync_weights(full_state(self.model))
         self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)
                        if self.env.is_main else None)
+        if self.logger is not None and resume_step is None:
+            self.logger.log_config(dataclasses.asdict(cfg))
+        self.last_samples: list[tuple[str, str, float]] = []
 
     # --- 1-3: rollouts, rewards, filters -------------------------------------------------
     def _prompt_slice(self) -> list[int]:
@@ -280,6 +284,9 @@ class Trainer:
             rewards = rewards + cfg.overlong_penalty_factor * adv.soft_overlong_punishment(
                 lengths, cfg.max_tokens, cfg.overlong_buffer
             )
+        # A few of the round's completions for TensorBoard's text tab (the first of each group).
+        self.last_samples = [(str(rows[i]["prompt"]), texts[i], float(rewards[i]))
+                             for i in range(0, len(samples), cfg.group_size)][:8]  # fmt: skip
         return groups, rewards, per_fn, correct
 
     def rollout(self) -> tuple[list[Sample], torch.Tensor, dict]:
@@ -468,6 +475,8 @@ class Trainer:
             record = self._record(step, gen_stats, train_metrics, advantages, t0, t1, t2)
             if self.logger is not None:
                 self.logger.log(record)
+                if step % cfg.log_every == 0:
+                    self.logger.log_samples(step, self.last_samples)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(progress_line(record), refresh=False)
