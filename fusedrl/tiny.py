@@ -47,9 +47,15 @@ def char_tokenizer(chars: str = DEFAULT_CHARS):
     return tokenizer
 
 
-def _decoder_config(vocab_size, hidden_size, num_layers, num_heads, head_dim,
-                    max_position_embeddings, eos_token_id, pad_token_id) -> dict:
-    return dict(
+def _tiny_causal_lm(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                    head_dim: int, max_position_embeddings: int, seed: int, eos_token_id: int,
+                    pad_token_id: int):  # fmt: skip
+    """A randomly initialised `arch` ("llama" or "qwen2") causal LM (fp32) from a config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -64,47 +70,21 @@ def _decoder_config(vocab_size, hidden_size, num_layers, num_heads, head_dim,
         bos_token_id=2,
         attention_dropout=0.0,
     )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
 
 
-def tiny_qwen2(
-    vocab_size: int,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    eos_token_id: int = 1,
-    pad_token_id: int = 0,
-):
+def tiny_qwen2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
+               head_dim: int = 32, max_position_embeddings: int = 512, seed: int = 0,
+               eos_token_id: int = 1, pad_token_id: int = 0):  # fmt: skip
     """A randomly initialised Qwen2ForCausalLM (fp32) small enough for 2 CPU cores."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**_decoder_config(vocab_size, hidden_size, num_layers, num_heads,
-                                           head_dim, max_position_embeddings, eos_token_id,
-                                           pad_token_id))  # fmt: skip
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    return _tiny_causal_lm("qwen2", vocab_size, hidden_size, num_layers, num_heads, head_dim,
+                           max_position_embeddings, seed, eos_token_id, pad_token_id)
 
 
-def tiny_llama(
-    vocab_size: int,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    eos_token_id: int = 1,
-    pad_token_id: int = 0,
-):
+def tiny_llama(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
+               head_dim: int = 32, max_position_embeddings: int = 512, seed: int = 0,
+               eos_token_id: int = 1, pad_token_id: int = 0):  # fmt: skip
     """A randomly initialised LlamaForCausalLM (fp32): the one to save with `char_tokenizer()`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**_decoder_config(vocab_size, hidden_size, num_layers, num_heads,
-                                           head_dim, max_position_embeddings, eos_token_id,
-                                           pad_token_id))  # fmt: skip
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return _tiny_causal_lm("llama", vocab_size, hidden_size, num_layers, num_heads, head_dim,
+                           max_position_embeddings, seed, eos_token_id, pad_token_id)

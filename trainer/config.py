@@ -40,7 +40,7 @@ class TrainConfig:
     reward: str = "arith"  # comma list of name[=weight]: math, format, arith, or module:function
     max_prompt_tokens: int = 512  # longer prompts are rejected with the offending row named
     warmstart_steps: int = 300  # supervised steps for the built-in tiny model (0 = random init)
-    warmstart_noise: float = 0.6  # share of near-miss answers in its warm-start corpus
+    warmstart_noise: float = 0.6  # share of warm-start answers that run on past the sum
     # --- rollouts -------------------------------------------------------------------------
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 16  # summed over data-parallel ranks
@@ -188,7 +188,7 @@ HELP = {
     "max_prompt_tokens": "Longest prompt accepted; a longer one is an error naming its row.",
     "warmstart_steps": "Supervised warm-start steps of the built-in tiny model on the built-in "
     "task (0: RL from random weights); ignored with --model or --dataset.",
-    "warmstart_noise": "Share of near-miss answers in the warm-start corpus, in [0, 1).",
+    "warmstart_noise": "Share of warm-start answers that run on after the sum, in [0, 1).",
     "group_size": "Completions sampled per prompt (G, at least 2).",
     "prompts_per_step": "Prompts per optimizer step, summed over data-parallel ranks.",
     "max_tokens": "Completion budget per sample, in tokens.",

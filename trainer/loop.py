@@ -102,23 +102,22 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
     _remove(run_dir, present)
 
 
-def prepare_model(cfg: TrainConfig, run_dir: Path) -> str:
+def prepare_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> str:
     """The model path: `--model`, or the tiny Llama + char tokenizer built once in the run dir
-    (warm-started on the built-in task when that is the task: trainer/warmstart.py)."""
+    (warm-started on `rows`, the built-in task's, when that is the task: trainer/warmstart.py)."""
     if cfg.model is not None:
         return cfg.model
     path = run_dir / "base_model"
     if not (path / "config.json").exists():
         from fusedrl.tiny import char_tokenizer, tiny_llama
 
-        from .data import render_prompt, sum_task
+        from .data import render_prompt
         from .warmstart import warm_start
 
         tokenizer = char_tokenizer()
         model = tiny_llama(len(tokenizer), hidden_size=128, max_position_embeddings=128,
                            seed=cfg.seed)
         if cfg.dataset is None and cfg.warmstart_steps > 0:
-            rows = sum_task()
             prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
             stats = warm_start(model, tokenizer, prompts, [r["answer"] for r in rows],
                                steps=cfg.warmstart_steps, noise=cfg.warmstart_noise,
@@ -175,7 +174,7 @@ class Trainer:
         # model (a warm start of seconds to minutes) is built and written.
         rows = task_rows(cfg)
         self.rewards = parse_rewards(cfg.reward)
-        model_path = prepare_model(cfg, self.run_dir) if self.env.is_main else None
+        model_path = prepare_model(cfg, self.run_dir, rows) if self.env.is_main else None
         if self.env.world_size > 1:
             import torch.distributed as dist
 

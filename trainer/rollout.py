@@ -53,7 +53,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             max_num_seqs=256,
-            use_tqdm_on_load=getattr(cfg, "verbose", False),
+            use_tqdm_on_load=cfg.verbose,
         )
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,

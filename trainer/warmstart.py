@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from .step import collate
+
 # What a rambling sample appends to the answer. No digits: a ramble that repeated the answer would
 # put the answer's own digits into samples RL must discourage, and a tiny model then unlearns
 # the digits along with the ramble (it collapsed to one-digit answers that way).
@@ -39,8 +41,8 @@ def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str]
                batch_size: int = 128, progress: bool = False) -> dict:  # fmt: skip
     """Fit `model` in place; returns {steps, seconds, loss (last step)}.
 
-    AdamW with a 20-step linear warm-up and a cosine decay to 0: on the tiny model, 150 steps of
-    128 samples make the right sum the most likely answer for about 95% of the prompts (greedy)."""
+    AdamW with a 20-step linear warm-up and a cosine decay to 0, by plain cross-entropy on the
+    completion tokens (<eos> included)."""
     rng = random.Random(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -57,23 +59,20 @@ def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str]
         bar = tqdm(total=steps, desc="warm start", unit="step", dynamic_ncols=True, leave=False)
     for _ in range(steps):
         picks = [rng.randrange(len(prompt_ids)) for _ in range(batch_size)]
-        seqs, starts = [], []
-        for i in picks:
-            answer = noisy_answer(answers[i], noise, rng)
-            completion = tokenizer.encode(answer, add_special_tokens=False)
-            seqs.append(prompt_ids[i] + completion + [eos])
-            starts.append(len(prompt_ids[i]))
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        targets = torch.full((len(seqs), width), -100, dtype=torch.long)
-        for row, (seq, begin) in enumerate(zip(seqs, starts)):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            targets[row, begin : len(seq)] = torch.tensor(seq[begin:])  # completion tokens only
-        attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None])
-        logits = model(input_ids=ids, attention_mask=attention.long()).logits[:, :-1]
+        completions = [
+            tokenizer.encode(noisy_answer(answers[i], noise, rng), add_special_tokens=False) + [eos]
+            for i in picks
+        ]
+        # The RL update's own layout (trainer/step.py): prompts left-padded to P, completions
+        # right-padded; the logits at P - 1 + t predict completion token t.
+        batch = collate([prompt_ids[i] for i in picks], completions, torch.zeros(len(picks)),
+                        torch.ones(len(picks), dtype=torch.bool), None, pad)  # fmt: skip
+        width, first = batch.labels.shape[1], batch.prompt_len - 1
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        targets = batch.labels.masked_fill(batch.mask == 0, -100)
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), targets[:, 1:].reshape(-1),
-            ignore_index=-100,
+            logits[:, first : first + width].reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1), ignore_index=-100,
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
