@@ -9,17 +9,21 @@ out.loss.backward()
 from . import advantages, reference
 from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
 from .config import PRESETS, LossConfig
+from .linear import LINEAR_BACKENDS, linear_policy_loss, linear_token_logprobs
 from .output import LossOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "LINEAR_BACKENDS",
     "PRESETS",
     "LossConfig",
     "LossOutput",
     "PolicyLoss",
     "advantages",
+    "linear_policy_loss",
+    "linear_token_logprobs",
     "policy_loss",
     "reference",
     "token_logprobs",

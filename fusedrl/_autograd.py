@@ -36,32 +36,44 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
     return grad.mul_(grad_loss.to(grad.dtype))
 
 
-class LossWithKnownGrad(torch.autograd.Function):
+class LossWithKnownGrads(torch.autograd.Function):
+    """loss, differentiable w.r.t. `inputs`, whose gradients `grads` (one per input, None where
+    it needs none) are already computed."""
+
     @staticmethod
-    def forward(ctx, logits, loss, grad):
+    def forward(ctx, loss, grads, *inputs):
         # Held as an attribute, not a saved tensor, so backward can drop the graph's reference:
         # autograd may then hand the buffer on (or accumulate into it) without another copy.
-        ctx.grad = grad
+        ctx.grads = list(grads)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad = ctx.grad
-        if grad is None:
+        grads = ctx.grads
+        if grads is None:
             raise RuntimeError(
-                "fusedrl.policy_loss: backward ran twice through the same graph; the gradient "
-                "buffer is released after the first backward (retain_graph is not supported)"
+                "fusedrl: backward ran twice through the same graph; the gradient buffers are "
+                "released after the first backward (retain_graph is not supported)"
             )
-        ctx.grad = None
+        ctx.grads = None
         if torch.is_grad_enabled():  # backward(create_graph=True)
             raise RuntimeError(
-                "fusedrl.policy_loss does not support double backward (create_graph=True): "
-                "its gradient is computed by the fused kernel and carries no graph, so a "
+                "fusedrl's losses do not support double backward (create_graph=True): their "
+                "gradient is computed by the fused kernel and carries no graph, so a "
                 "second-order term would silently be 0. fusedrl.reference.policy_loss (plain "
                 "autograd) gives higher-order derivatives"
             )
-        return scale_unless_one(grad, grad_loss), None, None
+        scaled = [None if g is None else scale_unless_one(g, grad_loss) for g in grads]
+        return None, None, *scaled
 
 
 def attach_grad(logits: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return LossWithKnownGrad.apply(logits, loss, grad)
+    return LossWithKnownGrads.apply(loss, (grad,), logits)
+
+
+def attach_grads(
+    loss: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], grads: tuple
+) -> torch.Tensor:
+    """Like attach_grad, for several inputs (hidden, weight, bias); None inputs are skipped."""
+    pairs = [(x, g) for x, g in zip(inputs, grads) if x is not None]
+    return LossWithKnownGrads.apply(loss, tuple(g for _, g in pairs), *(x for x, _ in pairs))

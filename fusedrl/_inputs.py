@@ -42,21 +42,34 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
         raise TypeError(
             f"{name} must be a floating tensor (bf16, fp16, fp32 or fp64), got dtype {logits.dtype}"
         )
+    last, axis = ("V", "vocab") if name == "logits" else ("H", "hidden")
     if logits.dim() not in (2, 3):
-        raise ValueError(f"{name} must be [B, T, V] or [N, V], got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"{name} must be [B, T, {last}] or [N, {last}], got shape {tuple(logits.shape)}"
+        )
     if logits.shape[-1] == 0:
-        raise ValueError(f"{name} has an empty vocab dimension: shape {tuple(logits.shape)}")
+        raise ValueError(f"{name} has an empty {axis} dimension: shape {tuple(logits.shape)}")
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         raise ValueError(
-            f"{name} must be contiguous in its last (vocab) dimension, got strides "
+            f"{name} must be contiguous in its last ({axis}) dimension, got strides "
             f"{tuple(logits.stride())}; a strided view over batch/time is fine, a transposed "
-            "vocab axis is not (call .contiguous() if you really mean it)"
+            f"{axis} axis is not (call .contiguous() if you really mean it)"
         )
     return logits
 
 
-def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def check_labels(
+    labels: object,
+    logits: torch.Tensor,
+    valid: torch.Tensor | None,
+    *,
+    vocab: int | None = None,
+    source: str = "logits",
+) -> torch.Tensor:
     """Labels must be integer token ids in [0, V) wherever they count.
+
+    `logits` gives the row shape and device: the logits, or for the LM-head loss the hidden states
+    (`source="hidden"`, with the vocab size from the head's weight passed as `vocab`).
 
     On CPU the range check is exact and raises ValueError. On an accelerator (and inside
     torch.compile) a host-side check would sync the stream or break the graph, so the check is
@@ -67,13 +80,14 @@ def check_labels(labels: object, logits: torch.Tensor, valid: torch.Tensor | Non
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise TypeError(f"labels must be an integer tensor of token ids, got dtype {labels.dtype}")
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        last = "vocab" if source == "logits" else "hidden"
         raise ValueError(
-            f"labels shape {tuple(labels.shape)} does not match logits shape "
-            f"{tuple(logits.shape)} without its vocab dimension ({tuple(logits.shape[:-1])})"
+            f"labels shape {tuple(labels.shape)} does not match {source} shape "
+            f"{tuple(logits.shape)} without its {last} dimension ({tuple(logits.shape[:-1])})"
         )
     if labels.device != logits.device:
-        raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
-    vocab = logits.shape[-1]
+        raise ValueError(f"labels are on {labels.device} but {source} are on {logits.device}")
+    vocab = logits.shape[-1] if vocab is None else vocab
     out_of_range = (labels < 0) | (labels >= vocab)
     where = ""
     if valid is not None:
@@ -194,16 +208,22 @@ def prepare_loss_inputs(
     config: LossConfig,
     normalizer: object,
     is_weights: object = None,
+    *,
+    vocab: int | None = None,
+    source: str = "logits",
 ) -> LossInputs:
+    """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
+    [B, T, H] / [N, H] in place of the logits, which then never exist."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
-    logits = check_logits(logits)
+    logits = check_logits(logits, name=source)
     flat_input = logits.dim() == 2
     if flat_input and (config.agg != "token-mean" or config.is_sequence_level):
+        last = "V" if source == "logits" else "H"
         raise ValueError(
-            f"logits of shape [N, V] carry no sequence boundaries, but config needs them "
+            f"{source} of shape [N, {last}] carry no sequence boundaries, but config needs them "
             f"(agg={config.agg!r}, loss={config.loss!r}, ratio_level={config.ratio_level!r}, "
-            f"is_correction={config.is_correction!r}): pass logits as [B, T, V]"
+            f"is_correction={config.is_correction!r}): pass {source} as [B, T, {last}]"
         )
     logits3 = logits.unsqueeze(0) if flat_input else logits
     shape = tuple(logits.shape[:-1])
@@ -211,7 +231,7 @@ def prepare_loss_inputs(
 
     mask_f = check_mask(mask, shape, device)
     valid = mask_f != 0
-    labels_l = check_labels(labels, logits, valid)
+    labels_l = check_labels(labels, logits, valid, vocab=vocab, source=source)
     adv = check_advantages(advantages, shape, device, flat_input)
     old = _per_token("old_logp", old_logp, shape, device)
     ref = _per_token("ref_logp", ref_logp, shape, device)
@@ -281,3 +301,36 @@ def check_temperature(temperature: object) -> float:
     if not (0 < temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     return float(temperature)
+
+
+def check_lm_head(
+    weight: object, bias: object, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head of `linear_policy_loss`: weight [V, H] and bias [V] (or None), on the hidden
+    states' device and in their dtype (as F.linear requires)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    hidden_size = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        raise ValueError(
+            f"weight must be [V, H] with H = {hidden_size} (the last dimension of hidden), got "
+            f"shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight has an empty vocab dimension: shape {tuple(weight.shape)}")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+        if tensor.dtype != hidden.dtype:
+            raise TypeError(
+                f"{name} dtype {tensor.dtype} must equal the dtype of hidden ({hidden.dtype})"
+            )
+        if tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device} but hidden is on {hidden.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (the rows of weight)"
+        )
+    return weight, bias

@@ -145,7 +145,7 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
     return ops.fused_token_loss(inp.logits, grad_out, *args)
 
 
-def _needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
+def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     if cfg.is_sequence_level:
         return True
     # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
@@ -163,7 +163,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
     need_entropy = need_entropy or cfg.entropy_coef != 0.0
-    if grad_out is not None and not _needs_two_passes(inp, cfg):
+    if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg)

@@ -244,18 +244,24 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
 
 @torch.no_grad()
 def token_terms(
-    logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs, cfg: LossConfig
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    inp: LossInputs,
+    cfg: LossConfig,
+    agg_weights: torch.Tensor | None = None,
 ) -> TokenTerms:
     """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
 
     `logp` / `entropy` must already be 0 on masked tokens (the backends skip those rows).
+    `agg_weights` (computed by the caller over the whole batch) lets a token-level loss be
+    evaluated on a slice of its tokens: the LM-head loss does, block by block.
     """
     logp = torch.where(inp.valid, logp, 0.0)
     old = inp.old_logp if inp.old_logp is not None else logp
     adv = inp.advantages
     zero = torch.zeros((), device=logp.device)
     metrics = {"clipfrac": zero, "clip_low": zero, "clip_high": zero, "dual_clipfrac": zero}
-    agg_w = aggregation_weights(inp, cfg)
+    agg_w = aggregation_weights(inp, cfg) if agg_weights is None else agg_weights
     w = resolve_is_weights(old, inp, cfg)
 
     loss = zero

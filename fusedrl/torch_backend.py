@@ -27,16 +27,21 @@ from .token_terms import TokenTerms, token_terms
 BLOCK_ELEMENTS = 1 << 22
 
 
-def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
-    """(first flat row, [n, V] views of each tensor) over [B, T, V] tensors, never copying them.
+def row_blocks(
+    *tensors: torch.Tensor, vocab: int | None = None
+) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    """(first flat row, [n, X] views of each tensor) over [B, T, X] tensors, never copying them.
 
-    A [B, P+T, V] slice cannot be flattened to [B*T, V] without a copy, so when any tensor is
+    Blocks hold about BLOCK_ELEMENTS elements of a [n, vocab] fp32 temporary (vocab: the last
+    dimension unless given, as for hidden states whose logits are only made block by block).
+    A [B, P+T, X] slice cannot be flattened to [B*T, X] without a copy, so when any tensor is
     such a view all of them are walked sequence by sequence (the blocks must line up).
     """
-    batch, time, vocab = tensors[0].shape
+    batch, time, _ = tensors[0].shape
+    vocab = tensors[0].shape[-1] if vocab is None else vocab
     rows = max(1, BLOCK_ELEMENTS // max(vocab, 1))
     try:
-        flats = [t.view(batch * time, vocab) for t in tensors]
+        flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
     except RuntimeError:
         flats = None
     if flats is not None:
@@ -48,18 +53,60 @@ def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[int, tuple[torch.Tenso
             yield b * time + t0, tuple(t[b, t0 : t0 + rows] for t in tensors)
 
 
-def _block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(block / temperature) in fp32 and its lse ([n, 1])."""
     scaled = block.float()
     if temperature != 1.0:
         scaled = scaled / temperature
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    return scaled, lse
+    return scaled - lse, lse
 
 
-def _entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
+def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
     probs = log_probs.exp()
     # -inf logits: p = 0 contributes 0 (not 0 * -inf).
     return -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+
+
+def block_stats(
+    log_probs: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, need_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp of `labels` and the entropy of a block's rows; NaN for rows holding +inf."""
+    # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf.
+    corrupt = lse.squeeze(-1) == float("inf")
+    logp = torch.where(corrupt, float("nan"), log_probs.gather(-1, labels[:, None]).squeeze(-1))
+    if not need_entropy:
+        return logp, None
+    return logp, torch.where(corrupt, float("nan"), entropy_of(log_probs))
+
+
+def block_grad(
+    log_probs: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    dlogp: torch.Tensor,
+    dentropy: torch.Tensor | None,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """d(loss)/d(logits) of a block, fp32, from per-row dlogp / dentropy ([n]).
+
+    Rows whose dlogp and dentropy are 0 (masked) get exact zeros even if their logits are NaN.
+    """
+    probs = log_probs.exp()
+    g_logp = dlogp[:, None]
+    grad = -g_logp * probs
+    grad.scatter_add_(-1, labels[:, None], g_logp)
+    live = g_logp != 0
+    if dentropy is not None:
+        if entropy is None:
+            entropy = entropy_of(log_probs)
+        grad -= dentropy[:, None] * torch.where(
+            probs > 0, probs * (log_probs + entropy[:, None]), 0.0
+        )
+        live = live | (dentropy[:, None] != 0)
+    if temperature != 1.0:
+        grad /= temperature
+    return torch.where(live, grad, 0.0)
 
 
 @torch.no_grad()
@@ -75,16 +122,13 @@ def forward_stats(
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if need_entropy else None
     flat_labels = labels.reshape(-1)
-    for start, (block,) in _row_blocks(logits):
+    for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
-        scaled, lse = _block_log_probs(block, temperature)
-        log_probs = scaled - lse
-        # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf.
-        corrupt = lse.squeeze(-1) == float("inf")
-        block_logp = log_probs.gather(-1, flat_labels[start:stop, None]).squeeze(-1)
-        logp[start:stop] = torch.where(corrupt, float("nan"), block_logp)
+        log_probs, lse = block_log_probs(block, temperature)
+        block_logp, block_entropy = block_stats(log_probs, lse, flat_labels[start:stop], need_entropy)
+        logp[start:stop] = block_logp
         if entropy is not None:
-            entropy[start:stop] = torch.where(corrupt, float("nan"), _entropy_of(log_probs))
+            entropy[start:stop] = block_entropy
     logp = logp.view(batch, time)
     entropy = None if entropy is None else entropy.view(batch, time)
     if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak
@@ -105,30 +149,18 @@ def write_logits_grad(
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]).
 
     `out` may be `logits` itself (in-place): each block is read completely before it is written.
-    Rows whose dlogp and dentropy are 0 (masked) get exact zeros even if their logits are NaN.
     """
     flat_labels = labels.reshape(-1)
     flat_dlogp = dlogp.reshape(-1)
     flat_dent = None if dentropy is None else dentropy.reshape(-1)
-    for start, (block, out_block) in _row_blocks(logits, out):
+    for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        scaled, lse = _block_log_probs(block, temperature)
-        log_probs = scaled - lse
-        probs = log_probs.exp()
-        g_logp = flat_dlogp[start:stop, None]
-        grad = -g_logp * probs
-        grad.scatter_add_(-1, flat_labels[start:stop, None], g_logp)
-        if flat_dent is not None:
-            entropy = _entropy_of(log_probs)[:, None]
-            grad -= flat_dent[start:stop, None] * torch.where(
-                probs > 0, probs * (log_probs + entropy), 0.0
-            )
-        if temperature != 1.0:
-            grad /= temperature
-        live = g_logp != 0
-        if flat_dent is not None:
-            live = live | (flat_dent[start:stop, None] != 0)
-        out_block.copy_(torch.where(live, grad, 0.0))
+        log_probs, _ = block_log_probs(block, temperature)
+        dent = None if flat_dent is None else flat_dent[start:stop]
+        grad = block_grad(
+            log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent
+        )
+        out_block.copy_(grad)
 
 
 class _LogprobsFn(torch.autograd.Function):

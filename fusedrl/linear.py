@@ -1,0 +1,196 @@
+"""The policy loss from the hidden states and the LM head, without the [tokens x vocab] logits.
+
+`linear_policy_loss(hidden, weight, ...)` equals `policy_loss(hidden @ weight.T + bias, ...)` for
+every preset and option, but the logits never exist as a whole: the backends make them a tile
+(Triton, on chip) or a block of rows (torch) at a time, and the gradients of hidden, weight and
+bias are computed in the forward call (backward only scales them, as in `policy_loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import torch
+
+from . import linear_torch
+from ._autograd import attach_grads
+from ._inputs import (
+    check_labels,
+    check_lm_head,
+    check_logits,
+    check_temperature,
+    prepare_loss_inputs,
+)
+from .config import LossConfig
+from .linear_torch import LinearInputs
+from .output import LossOutput
+
+LINEAR_BACKENDS = ("auto", "triton", "torch")
+
+
+def _resolve_backend(backend: str, device: torch.device):
+    """auto: the on-chip Triton kernels for CUDA tensors, the block-wise torch backend elsewhere."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is not one of {LINEAR_BACKENDS} (the LM-head loss has no "
+            "CUDA C++ kernel)"
+        )
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and has_triton else "torch"
+    if backend == "torch":
+        return linear_torch
+    if not has_triton or (device.type != "cuda" and not interpreted):
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got {device.type}) and the triton package; "
+            "on CPU set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
+        )
+    from . import linear_triton
+
+    return linear_triton
+
+
+def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:
+    if not torch.is_grad_enabled():
+        return False, False, False
+    return (
+        hidden.requires_grad,
+        weight.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
+
+
+def _attach(loss, hidden, weight, bias, flat, want, grads):
+    grad_hidden = grads.hidden
+    if grad_hidden is not None and flat:
+        grad_hidden = grad_hidden[0]
+    inputs = (hidden if want[0] else None, weight if want[1] else None, bias if want[2] else None)
+    return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_entropy: bool = False,
+    is_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
+
+    Args:
+        hidden: [B, T, H] (a strided view over B/T is fine: hidden[:, P-1:-1] of the model body)
+            or [N, H]; bf16 / fp16 / fp32.
+        weight: [V, H], the LM head (model.lm_head.weight); the dtype and device of `hidden`.
+        labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
+        return_entropy, is_weights: as in `fusedrl.policy_loss`.
+        bias: [V] or None.
+        backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
+
+    Returns:
+        LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
+        grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
+    """
+    cfg = config if config is not None else LossConfig()
+    inp = prepare_loss_inputs(
+        hidden,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        cfg,
+        normalizer,
+        is_weights,
+        vocab=weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
+        source="hidden",
+    )
+    weight, bias = check_lm_head(weight, bias, hidden)
+    lin = LinearInputs(
+        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
+    )
+    impl = _resolve_backend(backend, hidden.device)
+    want = _wanted(hidden, weight, bias)
+    logp, entropy, terms, grads = impl.policy_loss(lin, cfg, return_entropy, want)
+    loss = terms.loss
+    if any(want):
+        loss = _attach(loss, hidden, weight, bias, inp.flat_input, want, grads)
+    if inp.flat_input:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+
+class _LinearLogprobsFn(torch.autograd.Function):
+    """logp (and entropy) with nothing of [N, V] saved: backward sweeps the vocab again."""
+
+    @staticmethod
+    def forward(ctx, impl, lin, temperature, want, hidden, weight, bias, return_entropy):
+        logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
+        ctx.impl, ctx.lin, ctx.temperature, ctx.want = impl, lin, temperature, want
+        ctx.hidden_shape = hidden.shape
+        return (logp, entropy) if return_entropy else (logp,)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        lin = ctx.lin
+        if lin is None:
+            raise RuntimeError(
+                "fusedrl.linear_token_logprobs: backward ran twice through the same graph "
+                "(retain_graph is not supported)"
+            )
+        ctx.lin = None
+        grads = ctx.impl.backward(
+            lin, lin.rows.labels, ctx.temperature, grad_logp, grad_entropy, ctx.want
+        )
+        grad_hidden = None if grads.hidden is None else grads.hidden.view(ctx.hidden_shape)
+        return None, None, None, None, grad_hidden, grads.weight, grads.bias, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
+
+    Differentiable w.r.t. hidden, weight and bias (backward recomputes the logits tile by tile);
+    under `torch.no_grad()` it is the memory-light path for old / reference log-probs.
+    """
+    hidden = check_logits(hidden, name="hidden")
+    weight, bias = check_lm_head(weight, bias, hidden)
+    labels = check_labels(labels, hidden, None, vocab=weight.shape[0], source="hidden")
+    temperature = check_temperature(temperature)
+    impl = _resolve_backend(backend, hidden.device)
+    flat = hidden.dim() == 2
+    hidden3 = hidden.unsqueeze(0) if flat else hidden
+    labels2 = labels.unsqueeze(0) if flat else labels
+    lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
+    want = _wanted(hidden, weight, bias)
+    if any(want):
+        out = _LinearLogprobsFn.apply(
+            impl, lin, temperature, want, hidden, weight, bias, return_entropy
+        )
+        logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
+    else:
+        logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
+    if flat:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return logp, entropy

@@ -1,0 +1,218 @@
+"""`backend="torch"` of the LM-head loss: the logits exist one block of rows at a time.
+
+A block of rows of the hidden states becomes a [n, V] block of logits (F.linear in the inputs'
+dtype, then fp32), which gives the log-prob, lse and entropy of its rows and, once d(loss)/d(logp)
+and d(loss)/d(H) of those rows are known, d(loss)/d(logits) of the block; two GEMMs turn that into
+the block's dX (written) and its share of dW (accumulated in fp32, cast once at the end). Extra
+memory is O(block x V) fp32 plus one fp32 [V, H] accumulator, never O(N x V).
+
+- token-level losses: one sweep. Each token's derivative depends only on its own logp / entropy
+  and on weights computed before the sweep (aggregation, IS), so a block's gradient follows its
+  logits at once: 3 GEMMs of 2·n·H·V flops each.
+- sequence-level losses (GSPO, GMPO, sequence IS) and on-policy configs whose weights need
+  old = logp: a sweep for logp / entropy, the [B, T] terms, then a second sweep: 4 GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ._inputs import LossInputs
+from .config import LossConfig
+from .fused_backend import needs_two_passes
+from .token_terms import TokenTerms, aggregation_weights, resolve_is_weights, token_terms
+from .torch_backend import block_grad, block_log_probs, block_stats, row_blocks
+
+
+@dataclass
+class LinearInputs:
+    """The checked arguments of the LM-head loss."""
+
+    hidden: torch.Tensor  # [B, T, H] view of the caller's hidden states
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None  # [V]
+    rows: LossInputs  # every per-token tensor as [B, T] (rows.logits is None)
+
+
+@dataclass
+class LinearGrads:
+    """d(loss)/d(hidden, weight, bias); None where that input needs no gradient."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+# (first flat row, stop, logp, entropy) of a block -> (dlogp, dentropy) of its rows, or None
+RowDerivatives = Callable[
+    [int, int, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
+
+
+def _grad_buffers(lin: LinearInputs, want: tuple[bool, bool, bool]):
+    """dX in the hidden states' dtype (each row written once); dW and db accumulate in fp32."""
+    want_x, want_w, want_b = want
+    dx = torch.zeros(lin.hidden.shape, dtype=lin.hidden.dtype, device=lin.hidden.device)
+    dw = torch.zeros(lin.weight.shape, dtype=torch.float32, device=lin.weight.device)
+    db = torch.zeros(lin.weight.shape[0], dtype=torch.float32, device=lin.weight.device)
+    return dx if want_x else None, dw if want_w else None, db if want_b and lin.bias is not None else None
+
+
+@torch.no_grad()
+def sweep(
+    lin: LinearInputs,
+    labels: torch.Tensor,
+    temperature: float,
+    need_entropy: bool,
+    derivatives: RowDerivatives | None = None,
+    want: tuple[bool, bool, bool] = (False, False, False),
+) -> tuple[torch.Tensor, torch.Tensor | None, LinearGrads | None]:
+    """One pass over the vocab: logp [B, T] and entropy of every row, and with `derivatives` the
+    gradients of the inputs flagged in `want` (hidden, weight, bias)."""
+    hidden, weight, bias = lin.hidden, lin.weight, lin.bias
+    batch, time, _ = hidden.shape
+    vocab = weight.shape[0]
+    logp = torch.zeros(batch * time, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logp) if need_entropy else None
+    dx, dw, db = _grad_buffers(lin, want) if derivatives is not None else (None, None, None)
+    valid = lin.rows.valid.reshape(-1)
+    flat_labels = labels.reshape(-1)
+    tensors = (hidden,) if dx is None else (hidden, dx)
+    for start, blocks in row_blocks(*tensors, vocab=vocab):
+        stop = start + blocks[0].shape[0]
+        live = valid[start:stop, None]
+        # Masked rows may hold anything (NaN padding): zero them so that they reach no sum.
+        h = torch.where(live, blocks[0], 0.0)
+        log_probs, lse = block_log_probs(torch.nn.functional.linear(h, weight, bias), temperature)
+        block_logp, block_entropy = block_stats(
+            log_probs, lse, flat_labels[start:stop], need_entropy
+        )
+        logp[start:stop] = torch.where(live[:, 0], block_logp, 0.0)
+        if entropy is not None:
+            entropy[start:stop] = torch.where(live[:, 0], block_entropy, 0.0)
+        if derivatives is None:
+            continue
+        dlogp, dentropy = derivatives(start, stop, logp[start:stop], block_entropy)
+        grad = block_grad(
+            log_probs, flat_labels[start:stop], temperature, dlogp, dentropy, block_entropy
+        )
+        if dx is not None:
+            blocks[1].copy_(grad.to(weight.dtype) @ weight)
+        if dw is not None:
+            dw.addmm_(grad.t(), h.float())
+        if db is not None:
+            db += grad.sum(0)
+    grads = None
+    if derivatives is not None:
+        grads = LinearGrads(
+            hidden=dx,
+            weight=None if dw is None else dw.to(weight.dtype),
+            bias=None if db is None else db.to(bias.dtype),
+        )
+    logp = logp.view(batch, time)
+    return logp, None if entropy is None else entropy.view(batch, time), grads
+
+
+def _rows_slice(inp: LossInputs, start: int, stop: int, **fields) -> LossInputs:
+    """Flat rows [start, stop) of every per-token tensor, as a [1, n] batch."""
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(1, -1)[:, start:stop]
+
+    sliced = {
+        name: cut(getattr(inp, name))
+        for name in ("labels", "advantages", "mask", "valid", "old_logp", "ref_logp")
+    }
+    return replace(inp, **sliced, rollout_logp=None, **fields)
+
+
+def _token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivatives:
+    """Per-token d(loss)/d(logp), d(loss)/d(H) of a block, with the weights that do not depend on
+    the logits (aggregation, IS) computed once for the whole batch."""
+    inp = lin.rows
+    agg = aggregation_weights(inp, cfg).reshape(1, -1)
+    # One sweep only when these need no logp (fused_backend.needs_two_passes).
+    is_w = resolve_is_weights(inp.old_logp, inp, cfg)
+    flat_is = None if is_w is None else is_w.reshape(1, -1)
+
+    def derivatives(start, stop, logp, entropy):
+        block = _rows_slice(
+            inp, start, stop, is_weights=None if flat_is is None else flat_is[:, start:stop]
+        )
+        ent = None if entropy is None else entropy[None]
+        terms = token_terms(logp[None], ent, block, cfg, agg_weights=agg[:, start:stop])
+        return terms.dlogp[0], None if terms.dentropy is None else terms.dentropy[0]
+
+    return derivatives
+
+
+@torch.no_grad()
+def policy_loss(
+    lin: LinearInputs, cfg: LossConfig, need_entropy: bool, want: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
+    """logp, entropy, the [B, T] terms (loss, metrics) and the gradients flagged in `want`."""
+    inp = lin.rows
+    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    if any(want) and not needs_two_passes(inp, cfg):
+        derivatives = _token_level_derivatives(lin, cfg)
+        logp, entropy, grads = sweep(
+            lin, inp.labels, cfg.temperature, need_entropy, derivatives, want
+        )
+        return logp, entropy, token_terms(logp, entropy, inp, cfg), grads
+    logp, entropy, _ = sweep(lin, inp.labels, cfg.temperature, need_entropy)
+    terms = token_terms(logp, entropy, inp, cfg)
+    grads = None
+    if any(want):
+        grads = backward(lin, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, want)
+    return logp, entropy, terms, grads
+
+
+def backward(
+    lin: LinearInputs,
+    labels: torch.Tensor,
+    temperature: float,
+    dlogp: torch.Tensor,
+    dentropy: torch.Tensor | None,
+    want: tuple[bool, bool, bool],
+) -> LinearGrads:
+    """The gradient sweep for known per-token dlogp / dentropy ([B, T])."""
+    flat_dlogp = dlogp.reshape(-1).float()
+    flat_dent = None if dentropy is None else dentropy.reshape(-1).float()
+
+    def derivatives(start, stop, logp, entropy):
+        return flat_dlogp[start:stop], None if flat_dent is None else flat_dent[start:stop]
+
+    need_entropy = flat_dent is not None
+    return sweep(lin, labels, temperature, need_entropy, derivatives, want)[2]
+
+
+def logprob_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+) -> LinearInputs:
+    """LinearInputs of `linear_token_logprobs`: every row counts, no loss fields."""
+    ones = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+    rows = LossInputs(
+        logits=None,
+        labels=labels,
+        advantages=ones,
+        mask=ones,
+        valid=ones.bool(),
+        old_logp=None,
+        ref_logp=None,
+        rollout_logp=None,
+        is_weights=None,
+        normalizer=None,
+        flat_input=False,
+    )
+    return LinearInputs(hidden=hidden, weight=weight, bias=bias, rows=rows)
+
+
+def token_logprobs(
+    lin: LinearInputs, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp, entropy, _ = sweep(lin, lin.rows.labels, temperature, return_entropy)
+    return logp, entropy
