@@ -56,10 +56,17 @@ RowDerivatives = Callable[
 def _grad_buffers(lin: LinearInputs, want: tuple[bool, bool, bool]):
     """dX in the hidden states' dtype (each row written once); dW and db accumulate in fp32."""
     want_x, want_w, want_b = want
+    acc = _accumulator_dtype(lin.hidden)
     dx = torch.zeros(lin.hidden.shape, dtype=lin.hidden.dtype, device=lin.hidden.device)
-    dw = torch.zeros(lin.weight.shape, dtype=torch.float32, device=lin.weight.device)
-    db = torch.zeros(lin.weight.shape[0], dtype=torch.float32, device=lin.weight.device)
-    return dx if want_x else None, dw if want_w else None, db if want_b and lin.bias is not None else None
+    dw = torch.zeros(lin.weight.shape, dtype=acc, device=lin.weight.device)
+    db = torch.zeros(lin.weight.shape[0], dtype=acc, device=lin.weight.device)
+    want_b = want_b and lin.bias is not None
+    return dx if want_x else None, dw if want_w else None, db if want_b else None
+
+
+def _accumulator_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 input (so that the whole loss can be gradchecked)."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
 @torch.no_grad()
@@ -76,7 +83,8 @@ def sweep(
     hidden, weight, bias = lin.hidden, lin.weight, lin.bias
     batch, time, _ = hidden.shape
     vocab = weight.shape[0]
-    logp = torch.zeros(batch * time, dtype=torch.float32, device=hidden.device)
+    acc = _accumulator_dtype(hidden)
+    logp = torch.zeros(batch * time, dtype=acc, device=hidden.device)
     entropy = torch.zeros_like(logp) if need_entropy else None
     dx, dw, db = _grad_buffers(lin, want) if derivatives is not None else (None, None, None)
     valid = lin.rows.valid.reshape(-1)
@@ -103,7 +111,7 @@ def sweep(
         if dx is not None:
             blocks[1].copy_(grad.to(weight.dtype) @ weight)
         if dw is not None:
-            dw.addmm_(grad.t(), h.float())
+            dw.addmm_(grad.t(), h.to(acc))
         if db is not None:
             db += grad.sum(0)
     grads = None

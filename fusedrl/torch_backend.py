@@ -54,8 +54,8 @@ def row_blocks(
 
 
 def block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(block / temperature) in fp32 and its lse ([n, 1])."""
-    scaled = block.float()
+    """log_softmax(block / temperature) in fp32 (fp64 for fp64 input) and its lse ([n, 1])."""
+    scaled = block.double() if block.dtype == torch.float64 else block.float()
     if temperature != 1.0:
         scaled = scaled / temperature
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
@@ -93,14 +93,14 @@ def block_grad(
     Rows whose dlogp and dentropy are 0 (masked) get exact zeros even if their logits are NaN.
     """
     probs = log_probs.exp()
-    g_logp = dlogp[:, None]
+    g_logp = dlogp[:, None].to(log_probs.dtype)
     grad = -g_logp * probs
     grad.scatter_add_(-1, labels[:, None], g_logp)
     live = g_logp != 0
     if dentropy is not None:
         if entropy is None:
             entropy = entropy_of(log_probs)
-        grad -= dentropy[:, None] * torch.where(
+        grad -= dentropy[:, None].to(grad.dtype) * torch.where(
             probs > 0, probs * (log_probs + entropy[:, None]), 0.0
         )
         live = live | (dentropy[:, None] != 0)
