@@ -35,6 +35,7 @@ class LinearInputs:
     weight: torch.Tensor  # [V, H]
     bias: torch.Tensor | None  # [V]
     rows: LossInputs  # every per-token tensor as [B, T] (rows.logits is None)
+    saved_stats: tuple | None = None  # (lse, entropy) kept by a backend for backward
 
 
 @dataclass
