@@ -108,9 +108,7 @@ def policy_loss(
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
     grads = None
     if any(want):
-        grads = gradients(
-            lin, cfg.temperature, lse, entropy, terms.dlogp, terms.dentropy, want
-        )
+        grads = gradients(lin, cfg.temperature, lse, entropy, terms.dlogp, terms.dentropy, want)
     return logp, entropy if need_entropy else None, terms, grads
 
 

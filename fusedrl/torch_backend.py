@@ -125,7 +125,9 @@ def forward_stats(
     for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
         log_probs, lse = block_log_probs(block, temperature)
-        block_logp, block_entropy = block_stats(log_probs, lse, flat_labels[start:stop], need_entropy)
+        block_logp, block_entropy = block_stats(
+            log_probs, lse, flat_labels[start:stop], need_entropy
+        )
         logp[start:stop] = block_logp
         if entropy is not None:
             entropy[start:stop] = block_entropy

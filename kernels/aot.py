@@ -49,7 +49,7 @@ ARCHS = (80, 90)
 EXAMPLE_VOCAB = 151936
 # Constexprs a launcher derives from the device: the example launches run on CPU tensors, so the
 # base configuration takes the value a CUDA device gets (the sweep still compiles both).
-CUDA_CONSTEXPRS = {"FAST_EXP2": True}
+CUDA_CONSTEXPRS = {"FAST_EXP2": True, "UPCAST_DOT": False}
 
 
 @dataclasses.dataclass
@@ -95,7 +95,7 @@ def launch_kernels() -> dict[str, object]:
 def _example_launches() -> Iterator[Callable[[], None]]:
     """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
     runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
-    from fusedrl.kernels import logprobs, scale, token_loss
+    from fusedrl.kernels import linear_loss, logprobs, scale, token_loss
 
     batch, time, vocab = 2, 3, EXAMPLE_VOCAB
     logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
@@ -110,6 +110,15 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     yield lambda: token_loss.fused_token_loss(
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
+    )  # fmt: skip
+    # The LM-head loss: [2, 3, H] hidden states and a [V, H] head (H = 64 keeps the example
+    # small; a real H only changes integers that are multiples of 16 just the same).
+    hidden = torch.zeros(batch, time, 64, dtype=torch.bfloat16)
+    head = torch.zeros(vocab, 64, dtype=torch.bfloat16)
+    yield lambda: linear_loss.linear_stats(hidden, head, head[:, 0], labels, valid, 1.0)
+    yield lambda: linear_loss.linear_logits_grad(
+        hidden, head, head[:, 0], labels, rows, rows, rows, rows, 1.0, 0,
+        torch.empty(batch * time, vocab, dtype=torch.bfloat16),
     )  # fmt: skip
 
 
@@ -168,7 +177,13 @@ def variants(launch: Launch) -> list[Variant]:
     example vocab in bf16, every constexpr on its own and every pair of codes crossed."""
     kernel = launch.kernel
     module = sys.modules[kernel.__module__]
-    names = [p.name for p in kernel.params if p.is_constexpr and p.name != "BLOCK_V"]
+    # Fixed constexprs (tile sizes) take the module's GPU values and are not swept.
+    fixed = getattr(module, "AOT_CONSTEXPRS", {})
+    names = [
+        p.name
+        for p in kernel.params
+        if p.is_constexpr and p.name != "BLOCK_V" and p.name not in fixed
+    ]
     base = {n: CUDA_CONSTEXPRS.get(n, launch.kwargs[n]) for n in names}
     choices = {n: constexpr_values(kernel, n) for n in names}
     configs = [(base, vocab, "bf16") for vocab in VOCABS]
@@ -186,7 +201,7 @@ def variants(launch: Launch) -> list[Variant]:
     for config, vocab, dtype in configs:
         elem_bytes = DTYPES[dtype].itemsize
         block = module.block_size(vocab, torch.device("cuda"), elem_bytes)
-        constexprs = tuple(config.items()) + (("BLOCK_V", block),)
+        constexprs = tuple(config.items()) + tuple(fixed.items()) + (("BLOCK_V", block),)
         options = tuple(module.launch_options(block, elem_bytes).items())
         out.append(Variant(kernel.__name__, dtype, constexprs, options, vocab))
     return list(dict.fromkeys(out))
@@ -197,8 +212,9 @@ def _bound(launch: Launch, variant: Variant) -> tuple[tuple, dict]:
     dtype = DTYPES[variant.dtype]
 
     def resize(arg):
+        # The compiler sees a tensor's dtype and pointer alignment only: a small one will do.
         if isinstance(arg, torch.Tensor) and arg.dtype == torch.bfloat16:
-            return torch.zeros(*arg.shape[:-1], variant.vocab, dtype=dtype)
+            return torch.zeros(16, dtype=dtype)
         return arg
 
     args = tuple(resize(a) for a in launch.args)
@@ -270,9 +286,7 @@ def cubin_report(cubin: bytes) -> dict:
     }
 
 
-_SASS_LINE = re.compile(
-    r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);"
-)
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
@@ -367,6 +381,17 @@ def with_costs(loops: list[dict], elements_per_thread: int, elem_bytes: int) -> 
     return out
 
 
+def _family(kernel, warps: int) -> dict:
+    """A kernel module's `KERNEL_FAMILY` ("row_sweep" unless it says otherwise: the LM-head
+    kernels are "gemm", whose loops the row sweeps' SASS budgets do not describe) and its
+    register budget (its own `max_registers`, else the row sweeps')."""
+    from fusedrl.kernels import logprobs
+
+    module = sys.modules[kernel.__module__]
+    budget = getattr(module, "max_registers", logprobs.max_registers)(warps)
+    return {"family": getattr(module, "KERNEL_FAMILY", "row_sweep"), "register_budget": budget}
+
+
 def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda v, a: False):
     """Compile every variant of every launch kernel; yields one result dict per (variant, arch).
     A variant that fails to compile yields its error instead of raising."""
@@ -384,6 +409,7 @@ def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda 
                     **dict(variant.options),
                     "arch": f"sm_{arch}",
                     "triton": triton.__version__,
+                    **_family(launch.kernel, variant.num_warps),
                 }
                 try:
                     compiled = compile_variant(launch, variant, arch)

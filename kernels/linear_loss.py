@@ -28,8 +28,20 @@ GPU_TILES = {"BLOCK_M": 64, "BLOCK_H": 64}
 GPU_BLOCK_V = 128
 INTERPRETED_TILES = {"BLOCK_M": 16, "BLOCK_H": 16}
 INTERPRETED_BLOCK_V = 64
-# What `fusedrl.kernels.aot` compiles for a GPU (the example launches run on CPU tensors).
+# What `fusedrl.kernels.aot` compiles for a GPU (the example launches run on CPU tensors): these
+# tiles, and UPCAST_DOT off only (the interpreter's workaround is never launched on a GPU).
 AOT_CONSTEXPRS = GPU_TILES
+UPCAST_DOT_CODES = {"cuda": False}
+
+
+# Compute-bound tiles, not memory-bound row sweeps: fusedrl.kernels.aot leaves these kernels out
+# of the row sweeps' SASS budgets, and one program per SM may hold up to 255 registers a thread.
+KERNEL_FAMILY = "gemm"
+MIN_CTAS_PER_SM = 1
+
+
+def max_registers(warps: int) -> int:
+    return min(255, 65536 // (MIN_CTAS_PER_SM * 32 * warps))
 
 
 def tiles(device: torch.device) -> dict[str, int]:
