@@ -58,8 +58,9 @@ class LossWithKnownGrads(torch.autograd.Function):
         ctx.grads = None
         if torch.is_grad_enabled():  # backward(create_graph=True)
             raise RuntimeError(
-                "fusedrl's losses do not support double backward (create_graph=True): their "
-                "gradient is computed by the fused kernel and carries no graph, so a "
+                "fusedrl.policy_loss (or linear_policy_loss) does not support double backward "
+                "(create_graph=True): its gradient is computed by the fused kernel and carries "
+                "no graph, so a "
                 "second-order term would silently be 0. fusedrl.reference.policy_loss (plain "
                 "autograd) gives higher-order derivatives"
             )

@@ -194,3 +194,18 @@ def linear_token_logprobs(
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
     return logp, entropy
+
+
+def plain_lm_head(model) -> torch.nn.Linear | None:
+    """The model's LM head when its logits are exactly head(body(x)): a plain nn.Linear, a body
+    at `model.base_model`, and no logit scaling or soft-capping after the head. Else None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    body = getattr(model, "base_model", None)
+    if type(head) is not torch.nn.Linear or body is None or body is model:
+        return None
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return None
+    return head

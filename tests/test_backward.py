@@ -47,7 +47,7 @@ def test_terminal_backward_touches_no_gradient(backend, preset, inplace):
     out = fusedrl.policy_loss(
         logits, config=LossConfig.preset(preset), backend=backend, inplace=inplace, **data
     )
-    grad_buffer = out.loss.grad_fn.grad  # the gradient the forward pass wrote
+    (grad_buffer,) = out.loss.grad_fn.grads  # the gradient the forward pass wrote
     assert grad_buffer is not None and grad_buffer.shape == logits.shape
     if inplace:
         assert grad_buffer.data_ptr() == logits.data_ptr()

@@ -21,7 +21,13 @@ from fusedrl.trainer.rewards import (
     parse_rewards,
     score,
 )
-from fusedrl.trainer.step import accumulate_gradients, collate, loss_normalizer
+from fusedrl.trainer.step import (
+    accumulate_gradients,
+    collate,
+    loss_normalizer,
+    plain_lm_head,
+    token_logprobs,
+)
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -74,8 +80,9 @@ def test_cli_rejects_bad_values(capsys):
 
 # --- data -------------------------------------------------------------------------------------
 def test_prompt_stream_is_a_seeded_epoch_permutation():
-    prompts = PromptSet(rows=[{"prompt": str(i)} for i in range(7)],
-                        token_ids=[[i] for i in range(7)])
+    prompts = PromptSet(
+        rows=[{"prompt": str(i)} for i in range(7)], token_ids=[[i] for i in range(7)]
+    )
     first = prompts.take(0, 7, seed=3)
     assert sorted(first) == list(range(7))  # one epoch visits every prompt once
     assert prompts.take(0, 10, seed=3)[:7] == first
@@ -90,8 +97,10 @@ def test_sum_task_answers_are_right():
 
 
 def test_dataset_files_and_missing_columns(tmp_path):
-    rows = [{"question": "1+1", "solution": "2", "level": 1},
-            {"question": "2+3", "solution": "5", "level": 2}]
+    rows = [
+        {"question": "1+1", "solution": "2", "level": 1},
+        {"question": "2+3", "solution": "5", "level": 2},
+    ]
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("\n".join(json.dumps(r) for r in rows))
     loaded = load_rows(str(jsonl), "question", "solution")
@@ -113,10 +122,19 @@ def test_builtin_rewards():
     assert final_answer(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
     assert final_answer("it is 3, no 42") == "42" and final_answer("none") is None
     assert math_reward(["p"] * 3, [r"\boxed{0.5}", "the answer is 7", "8"], ["1/2", "7", "7"]) == [
-        1.0, 1.0, 0.0]
+        1.0,
+        1.0,
+        0.0,
+    ]
     assert format_reward(["p"] * 3, [r"x \boxed{1}", r"\boxed{1}\boxed{2}", "1"]) == [1.0, 0.0, 0.0]
     assert arith_reward(["p"] * 6, ["7", "7 7", "78", "8", "zz", " 12\n"], ["7"] * 5 + ["12"]) == [
-        1.0, 0.5, 0.25, 0.25, 0.0, 1.0]  # exact > the answer, running on > wrong digits > none
+        1.0,
+        0.5,
+        0.25,
+        0.25,
+        0.0,
+        1.0,
+    ]  # exact > the answer, running on > wrong digits > none
 
 
 def bad_reward(prompts, completions, **_):
@@ -132,7 +150,9 @@ def half_reward(prompts, completions, **_):
 def test_weighted_rewards_and_none():
     rewards = parse_rewards("arith=2,tests.test_trainer_units:half_reward=0.5")
     assert [(r.name, r.weight) for r in rewards] == [
-        ("arith", 2.0), ("tests.test_trainer_units:half_reward", 0.5)]
+        ("arith", 2.0),
+        ("tests.test_trainer_units:half_reward", 0.5),
+    ]
     total, means = score(rewards, ["a", "skip"], ["7", "x"], {"answer": ["7", "7"]})
     assert total == [2.0 + 0.25, 0.0]  # None leaves the function out for that sample
     assert means == {"arith": 0.5, "tests.test_trainer_units:half_reward": 0.5}
@@ -140,8 +160,11 @@ def test_weighted_rewards_and_none():
 
 def test_a_failing_reward_names_the_function_and_the_prompt():
     rewards = parse_rewards("tests.test_trainer_units:bad_reward")
-    with pytest.raises(RuntimeError, match=r"'tests.test_trainer_units:bad_reward' raised "
-                                           r"KeyError.*prompt: 'boom here'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"'tests.test_trainer_units:bad_reward' raised "
+        r"KeyError.*prompt: 'boom here'",
+    ):
         score(rewards, ["fine", "boom here"], ["1", "2"], {})
 
 
@@ -189,8 +212,9 @@ def test_a_reward_that_applies_to_no_sample_is_an_error():
 def test_reward_modules_from_the_working_directory_and_their_errors(tmp_path, monkeypatch):
     """The console script finds `module:function` in the working directory, as `python -m`
     does; a module that fails to import is named with its error."""
-    (tmp_path / "my_rewards_ok.py").write_text("def fn(prompts, completions, **_):\n"
-                                               "    return [1.0] * len(prompts)\n")
+    (tmp_path / "my_rewards_ok.py").write_text(
+        "def fn(prompts, completions, **_):\n    return [1.0] * len(prompts)\n"
+    )
     (tmp_path / "my_rewards_broken.py").write_text("def fn(:\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
@@ -208,10 +232,14 @@ def _nan(prompts, completions, **_):
 # --- batching and gradients -------------------------------------------------------------------
 def _tiny_batch(n=6, seed=0, vocab=37):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (int(k),), generator=g).tolist()
-               for k in torch.randint(2, 6, (n,), generator=g)]
-    completions = [torch.randint(3, vocab, (int(k),), generator=g).tolist()
-                   for k in torch.randint(0, 5, (n,), generator=g)]
+    prompts = [
+        torch.randint(3, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 6, (n,), generator=g)
+    ]
+    completions = [
+        torch.randint(3, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(0, 5, (n,), generator=g)
+    ]
     advantages = torch.randn(n, generator=g)
     logps = [(-torch.rand(len(c), generator=g)).tolist() for c in completions]
     rows = torch.ones(n, dtype=torch.bool)
@@ -223,7 +251,7 @@ def test_collate_layout():
     batch, prompts, completions = _tiny_batch()
     P = batch.prompt_len
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        assert batch.input_ids[i, P - len(p):P].tolist() == p
+        assert batch.input_ids[i, P - len(p) : P].tolist() == p
         assert batch.labels[i, : len(c)].tolist() == c
         assert batch.attention_mask[i].sum() == len(p) + len(c)
         expected = len(c) if i != 1 else 0
@@ -252,12 +280,40 @@ def test_micro_batches_sum_to_the_minibatch_gradient(preset):
     assert grads[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_fused_lm_head_equals_the_logits_path(preset):
+    """--fused-lm-head (hidden states + head, no logits) gives the logits path's gradients of
+    every parameter, its metrics and its old / ref log-probs, with micro-batches."""
+    cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
+    batch, _, _ = _tiny_batch(n=5)
+    grads, metrics, logps = [], [], []
+    for lm_head in (False, True):
+        model = _tiny_model()
+        assert plain_lm_head(model) is model.lm_head
+        logps.append(token_logprobs(model, batch, cfg, 2, None, "torch", lm_head=lm_head))
+        metrics.append(accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logps[1], logps[0], rtol=1e-5, atol=1e-6)
+    for key, value in metrics[0].items():
+        torch.testing.assert_close(metrics[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert grads[0].abs().sum() > 0
+
+
+def test_plain_lm_head_refuses_scaled_logits():
+    model = _tiny_model()
+    model.config.final_logit_softcapping = 30.0
+    assert plain_lm_head(model) is None
+    assert plain_lm_head(torch.nn.Linear(3, 2)) is None
+
+
 def test_all_masked_minibatch_gives_zero_gradient():
     batch, _, _ = _tiny_batch(n=4)
     batch.mask.zero_()
     model = _tiny_model()
-    metrics = accumulate_gradients(model, batch, fusedrl.LossConfig.preset("dapo"), 2, None,
-                                   "torch")
+    metrics = accumulate_gradients(
+        model, batch, fusedrl.LossConfig.preset("dapo"), 2, None, "torch"
+    )
     assert torch.isfinite(metrics["loss"]) and metrics["loss"] == 0
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
 

@@ -190,6 +190,31 @@ def test_parity_with_trl_compute_loss(loss_type, level, beta, model_dir, tokeniz
 
 
 @pytest.mark.parametrize(
+    "loss_type, level, beta", [("dapo", "token", 0.0), ("grpo", "sequence", 0.04)]
+)
+def test_parity_with_the_fused_lm_head(loss_type, level, beta, model_dir, tokenizer, tmp_path):
+    """fused_lm_head=True: the loss from hidden states and the head, TRL's numbers."""
+    extra = {"use_bias_correction_kl": False} if beta else {}
+    args = _args(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, **extra)
+    trl_trainer = _trainer(GRPOTrainer, model_dir, tokenizer, args)
+    fused_trainer = _trainer(FusedGRPOTrainer, model_dir, tokenizer, args)
+    fused_trainer.fused_lm_head = True
+    inputs = _inputs(trl_trainer.model, loss_type, beta)
+    _assert_same(trl_trainer, fused_trainer, inputs)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        ref, ref_ent, _ = trl_trainer._get_per_token_logps_and_entropies(
+            trl_trainer.model, ids, mask, T, compute_entropy=True
+        )
+        ours, ent, _ = fused_trainer._get_per_token_logps_and_entropies(
+            fused_trainer.model, ids, mask, T, compute_entropy=True
+        )
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
     "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 )
 def test_parity_with_vllm_importance_sampling(mode, model_dir, tokenizer, tmp_path):

@@ -84,6 +84,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # forward (autocast) and vLLM dtype; auto = bf16 on GPU, fp32 on CPU
     backend: str = "auto"  # fusedrl backend
+    fused_lm_head: bool = True  # loss from hidden states + LM head, no logits (plain heads)
     # --- output ---------------------------------------------------------------------------
     out: str = "runs/fusedrl"
     save_every: int = 20
@@ -230,6 +231,9 @@ HELP = {
     "seed": "Seed of the prompt stream, sampling and model initialisation.",
     "dtype": f"Compute dtype, one of {list(DTYPES)} (auto: bf16 on GPU, fp32 on CPU).",
     "backend": f"fusedrl loss backend, one of {list(BACKENDS)}.",
+    "fused_lm_head": "Compute the loss from the hidden states and the LM head, never the "
+    "[tokens x vocab] logits (fusedrl.linear_policy_loss), when the head is a plain linear "
+    "layer and one process trains; --no-fused-lm-head materialises the logits.",
     "out": "Run directory (metrics, checkpoints, plots, final_model).",
     "save_every": "Checkpoint every N steps (and at the last step).",
     "keep_last": "Checkpoints kept.",

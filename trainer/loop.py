@@ -55,7 +55,7 @@ from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score
 from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
-from .step import Batch, accumulate_gradients, collate, token_logprobs
+from .step import Batch, accumulate_gradients, collate, plain_lm_head, token_logprobs
 
 TINY_LR = 2e-4
 MODEL_LR = 1e-6
@@ -204,6 +204,10 @@ class Trainer:
             self.ref_model = shard(copy.deepcopy(model).to(self.env.device).eval(), self.env)
             self.ref_model.requires_grad_(False)
         self.model = shard(model.to(self.env.device), self.env)
+        # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
+        self.lm_head = (
+            cfg.fused_lm_head and self.env.world_size == 1 and plain_lm_head(model) is not None
+        )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
                                            weight_decay=cfg.weight_decay)
@@ -363,13 +367,13 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         if reuse:
             batch.old_logp = token_logprobs(self.model, batch, lcfg, mb, self._autocast(),
-                                            cfg.backend)
+                                            cfg.backend, lm_head=self.lm_head)
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
                 metrics["logp_diff_vllm"] = diff.sum() / batch.mask.sum().clamp_min(1)
         if self.ref_model is not None:
             batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, mb, self._autocast(),
-                                            cfg.backend)
+                                            cfg.backend, lm_head=self.lm_head)
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * warmup
@@ -382,7 +386,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 mini = batch.rows(slice(lo, hi))
                 step_metrics = accumulate_gradients(self.model, mini, lcfg, mb, self._autocast(),
-                                                    cfg.backend)
+                                                    cfg.backend, lm_head=self.lm_head)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
                 if hasattr(grad_norm, "full_tensor"):

@@ -17,6 +17,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig
+from fusedrl.linear import plain_lm_head
 
 from .distributed import max_over_ranks, sum_over_ranks, world_size
 
@@ -55,15 +56,21 @@ class Batch:
     def to(self, device: torch.device) -> Batch:
         moved = {
             f.name: getattr(self, f.name).to(device)
-            if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+            else getattr(self, f.name)
             for f in fields(self)
         }
         return Batch(**moved)
 
 
-def collate(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
-            loss_rows: torch.Tensor, rollout_logps: list[list[float]] | None, pad_id: int
-            ) -> Batch:
+def collate(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    advantages: torch.Tensor,
+    loss_rows: torch.Tensor,
+    rollout_logps: list[list[float]] | None,
+    pad_id: int,
+) -> Batch:
     """Left-pad prompts and right-pad completions into one [B, P + T] batch."""
     n = len(prompts)
     prompt_len = max(len(p) for p in prompts)
@@ -114,6 +121,35 @@ def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None) -
     return out.logits[:, :width]
 
 
+def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
+    """(hidden [B, T, H], weight, bias) whose head(hidden) are completion_logits: the body's last
+    hidden states at the positions that predict the completion (a strided view) and the head's
+    parameters in the hidden states' dtype (as autocast would cast them for the matmul)."""
+    head = plain_lm_head(model)
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
+    width = batch.labels.shape[1]
+    device_type = batch.input_ids.device.type
+    ctx = (
+        torch.autocast(device_type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        out = model.base_model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+    hidden = out.last_hidden_state[:, -(width + 1) : -1]
+    bias = None if head.bias is None else head.bias.to(hidden.dtype)
+    return hidden, head.weight.to(hidden.dtype), bias
+
+
+def _linear_backend(backend: str) -> str:
+    return backend if backend in fusedrl.LINEAR_BACKENDS else "auto"
+
+
 def loss_normalizer(cfg: LossConfig, mask: torch.Tensor) -> torch.Tensor:
     """This rank's share of the aggregation denominator (fusedrl.reference.aggregate's rule)."""
     if cfg.loss == "gmpo" or cfg.agg == "seq-mean-token-sum-norm":
@@ -131,14 +167,29 @@ def micro_batches(n_rows: int, micro_batch_size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def token_logprobs(model, batch: Batch, cfg: LossConfig, micro_batch_size: int,
-                   autocast_dtype: torch.dtype | None, backend: str) -> torch.Tensor:
-    """Log-probs of the completion tokens under `model` with the fused no-grad kernel."""
+def token_logprobs(
+    model,
+    batch: Batch,
+    cfg: LossConfig,
+    micro_batch_size: int,
+    autocast_dtype: torch.dtype | None,
+    backend: str,
+    lm_head: bool = False,
+) -> torch.Tensor:
+    """Log-probs of the completion tokens under `model` with the fused no-grad kernel (from the
+    hidden states and the head, without logits, when `lm_head`)."""
     out = torch.zeros(batch.labels.shape, device=batch.labels.device)
     for rows in micro_batches(len(batch), micro_batch_size):
         sub = batch.rows(_nonempty(rows, len(batch)))
-        logits = completion_logits(model, sub, autocast_dtype)
-        logp, _ = fusedrl.token_logprobs(logits, sub.labels, cfg.temperature, backend=backend)
+        if lm_head:
+            hidden, weight, bias = completion_hidden(model, sub, autocast_dtype)
+            logp, _ = fusedrl.linear_token_logprobs(
+                hidden, weight, sub.labels, cfg.temperature, bias=bias,
+                backend=_linear_backend(backend),
+            )  # fmt: skip
+        else:
+            logits = completion_logits(model, sub, autocast_dtype)
+            logp, _ = fusedrl.token_logprobs(logits, sub.labels, cfg.temperature, backend=backend)
         if rows.stop > rows.start:
             out[rows, : logp.shape[1]] = logp
     return out
@@ -150,10 +201,20 @@ def _nonempty(rows: slice, n_rows: int) -> slice:
     return rows if rows.stop > rows.start else slice(max(n_rows - 1, 0), max(n_rows, 1))
 
 
-def accumulate_gradients(model, batch: Batch, cfg: LossConfig, micro_batch_size: int,
-                         autocast_dtype: torch.dtype | None, backend: str,
-                         normalizer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def accumulate_gradients(
+    model,
+    batch: Batch,
+    cfg: LossConfig,
+    micro_batch_size: int,
+    autocast_dtype: torch.dtype | None,
+    backend: str,
+    normalizer: torch.Tensor | None = None,
+    lm_head: bool = False,
+) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
+
+    `lm_head`: the loss from the body's hidden states and the LM head
+    (fusedrl.linear_policy_loss), so that the [B, T, V] logits never exist.
 
     `normalizer` defaults to the all-reduced count of the minibatch, so the gradients summed over
     micro-batches and ranks equal the single-process gradient of the whole minibatch.
@@ -168,13 +229,22 @@ def accumulate_gradients(model, batch: Batch, cfg: LossConfig, micro_batch_size:
         sub = batch.rows(_nonempty(rows, len(batch)))
         if empty:
             sub.mask = torch.zeros_like(sub.mask)
-        logits = completion_logits(model, sub, autocast_dtype)
-        out = fusedrl.policy_loss(
-            logits, sub.labels, sub.advantages, sub.mask,
+        rows_args = dict(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
-            config=cfg, normalizer=normalizer, inplace=True, backend=backend,
-            return_entropy=True,
-        )
+            config=cfg, normalizer=normalizer, return_entropy=True,
+        )  # fmt: skip
+        if lm_head:
+            hidden, weight, bias = completion_hidden(model, sub, autocast_dtype)
+            out = fusedrl.linear_policy_loss(
+                hidden, weight, sub.labels, sub.advantages, sub.mask, bias=bias,
+                backend=_linear_backend(backend), **rows_args,
+            )  # fmt: skip
+        else:
+            logits = completion_logits(model, sub, autocast_dtype)
+            out = fusedrl.policy_loss(
+                logits, sub.labels, sub.advantages, sub.mask, inplace=True, backend=backend,
+                **rows_args,
+            )  # fmt: skip
         (out.loss * scale).backward()
         weight = sub.mask.sum()
         weight_total = weight_total + weight

@@ -42,6 +42,7 @@ with warnings.catch_warnings():
 
 import fusedrl
 from fusedrl import LossConfig
+from fusedrl.linear import plain_lm_head
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 # TRL options (name -> the value under which fusedrl reproduces TRL exactly).
@@ -138,10 +139,42 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
 class FusedGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with per-token log-probs and the loss from fusedrl's fused kernels."""
 
-    def __init__(self, *args: Any, fused_backend: str = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fused_backend: str = "auto", fused_lm_head: bool = False, **kwargs: Any
+    ) -> None:
+        """`fused_lm_head=True` (as `use_liger_loss` does for Liger) computes log-probs and the
+        loss from the body's hidden states and the LM head with `fusedrl.linear_policy_loss`:
+        the [B, T, V] logits are never made. It needs a plain linear head and one process (the
+        loss calls the head itself, which DDP/FSDP wrappers would not see)."""
         super().__init__(*args, **kwargs)
         self.fused_config = loss_config_from_trl(self.args)
         self.fused_backend = fused_backend
+        self.fused_lm_head = fused_lm_head
+        if fused_lm_head:
+            if self.accelerator.num_processes > 1:
+                raise ValueError(
+                    "fused_lm_head=True needs a single process: under DDP/FSDP the LM head must "
+                    "be called through the wrapped model"
+                )
+            if plain_lm_head(self.accelerator.unwrap_model(self.model)) is None:
+                raise ValueError(
+                    "fused_lm_head=True needs a plain nn.Linear LM head with no logit scaling or "
+                    "soft-capping (model.get_output_embeddings())"
+                )
+
+    def _linear_backend(self) -> str:
+        return self.fused_backend if self.fused_backend in fusedrl.LINEAR_BACKENDS else "auto"
+
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        """(hidden [B, T, H], head weight, head bias) whose head(hidden) are the completion
+        logits: the body's last hidden states at the predicting positions (a view)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        head = plain_lm_head(unwrapped)
+        with self.accelerator.autocast():
+            outputs = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = outputs.last_hidden_state[:, :-1][:, -logits_to_keep:]
+        bias = None if head.bias is None else head.bias.to(hidden.dtype)
+        return hidden, head.weight.to(hidden.dtype), bias
 
     # -------------------------------------------------------------------------- logits
     def _completion_logits(
@@ -188,6 +221,22 @@ class FusedGRPOTrainer(GRPOTrainer):
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
+            if self.fused_lm_head:
+                hidden, weight, bias = self._completion_hidden(
+                    model, input_ids[rows], attention_mask[rows], logits_to_keep
+                )
+                logp, entropy = fusedrl.linear_token_logprobs(
+                    hidden,
+                    weight,
+                    input_ids[rows, -logits_to_keep:],
+                    temperature=self.temperature,
+                    return_entropy=compute_entropy,
+                    bias=bias,
+                    backend=self._linear_backend(),
+                )
+                logps.append(logp)
+                entropies.append(entropy)
+                continue
             logits, _ = self._completion_logits(
                 model, input_ids[rows], attention_mask[rows], logits_to_keep
             )
@@ -233,9 +282,17 @@ class FusedGRPOTrainer(GRPOTrainer):
         mask = (
             completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         )
-        logits, aux_loss = self._completion_logits(
-            model, input_ids, attention_mask, logits_to_keep, self.aux_loss_enabled
-        )
+        # The router aux loss comes from the model's own forward: that path keeps the logits.
+        use_lm_head = self.fused_lm_head and not self.aux_loss_enabled
+        if use_lm_head:
+            hidden, weight, bias = self._completion_hidden(
+                model, input_ids, attention_mask, logits_to_keep
+            )
+            aux_loss = None
+        else:
+            logits, aux_loss = self._completion_logits(
+                model, input_ids, attention_mask, logits_to_keep, self.aux_loss_enabled
+            )
 
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
@@ -243,19 +300,24 @@ class FusedGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         old_logp = inputs.get("old_per_token_logps")
         ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        out = fusedrl.policy_loss(
-            logits,
-            completion_ids,
-            inputs["advantages"],
-            mask,
+        loss_args = dict(
             old_logp=old_logp,
             ref_logp=ref_logp,
             config=self.fused_config,
             normalizer=self._normalizer(inputs, completion_ids.size(0), mode),
             is_weights=is_weights,
             return_entropy=True,
-            backend=self.fused_backend,
         )
+        if use_lm_head:
+            out = fusedrl.linear_policy_loss(
+                hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
+                backend=self._linear_backend(), **loss_args,
+            )  # fmt: skip
+        else:
+            out = fusedrl.policy_loss(
+                logits, completion_ids, inputs["advantages"], mask, backend=self.fused_backend,
+                **loss_args,
+            )  # fmt: skip
         loss = out.loss
         # TRL scales every term but the dapo/cispo policy loss (whose normaliser already holds the
         # accumulation steps) for gradient accumulation; eval does not accumulate.
