@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent(
         hidden = torch.randn(n, h, generator=g, requires_grad=True)
         weight = (0.1 * torch.randn(v, h, generator=g)).requires_grad_(True)
         labels = torch.randint(0, v, (n,), generator=g)
-        return hidden, weight, (labels, torch.randn(n, generator=g), torch.ones(n, dtype=torch.bool))
+        mask = torch.ones(n, dtype=torch.bool)
+        return hidden, weight, (labels, torch.randn(n, generator=g), mask)
     def step(hidden, weight, rows):
         if materialise:  # the logits path, for contrast: [N, V] fp32 logits and their gradient
             out = fusedrl.policy_loss(hidden @ weight.T, *rows, config=cfg, backend="torch")
