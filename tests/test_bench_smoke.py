@@ -336,3 +336,16 @@ def test_run_gpu_sh_refuses_when_torch_sees_no_gpu(tmp_path):
     assert "no GPU visible to torch" in proc.stderr
     assert "torch.cuda.is_available() is False" in proc.stderr
     assert not out.exists()
+
+
+def test_bench_linear_smoke(tmp_path):
+    """bench/bench_linear.py runs on CPU (tiny shapes) and writes its JSON; not a measurement."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_linear
+
+    assert bench_linear.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "linear-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
+    impls = {row["impl"] for row in result["rows"]}
+    assert {"fused", "logits"} <= impls
+    assert all(row["ms"] > 0 and row["gemm_tflops"] > 0 for row in result["rows"])

@@ -1,0 +1,156 @@
+"""The LM-head loss against its alternatives: time, the GEMM rate and peak memory, one run.
+
+    python bench/bench_linear.py                 # GPU: the issue's grid, bf16, DAPO
+    python bench/bench_linear.py --smoke         # tiny shapes, any device: not a measurement
+
+For each (N, H, V): forward + backward of
+- `fused`: fusedrl.linear_policy_loss (Triton on CUDA, the torch backend elsewhere);
+- `logits`: hidden @ W.T materialised, then fusedrl.policy_loss in place;
+- `liger`: Liger-Kernel's chunked LigerFusedLinearGRPOLoss (token-mean loss, its dapo), if
+  installed;
+and the dense bf16 GEMM rate of [N, H] @ [H, V] measured in the same run. `gemm_fraction` is the
+three GEMMs of the loss (6·N·H·V flops) per second over that rate (the fused path does 8·N·H·V:
+the logits twice). Peak memory is above the inputs (CUDA only). Medians over the repetitions;
+inputs rotate over a few copies so that no run reads another's cache. JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import _bench, _device_name, _git_commit, peak_memory_above_inputs  # noqa: E402
+
+import fusedrl  # noqa: E402
+
+GRID = {"N": (8192, 32768), "H": (2048, 4096), "V": (128256, 151936)}
+SMOKE_GRID = {"N": (64,), "H": (32,), "V": (1031,)}
+COPIES = 2
+
+
+def _inputs(n, h, v, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) / h**0.5).to(device, dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(device, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    return hidden, weight, labels, adv
+
+
+def _liger_loss():
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearGRPOLoss(
+        beta=0.0, loss_type="bnpo", use_ref_model=False, compiled=torch.cuda.is_available()
+    )
+
+
+def make_step(impl, tensors, cfg, backend):
+    hidden, weight, labels, adv = tensors
+    mask = torch.ones_like(labels, dtype=torch.bool)
+
+    def leaves():
+        return hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+
+    if impl == "fused":
+
+        def step():
+            h, w = leaves()
+            out = fusedrl.linear_policy_loss(h, w, labels, adv, mask, config=cfg, backend=backend)
+            return torch.autograd.grad(out.loss, (h, w))
+
+    elif impl == "logits":
+
+        def step():
+            h, w = leaves()
+            logits = h @ w.T
+            out = fusedrl.policy_loss(logits, labels, adv, mask, config=cfg, inplace=True)
+            return torch.autograd.grad(out.loss, (h, w))
+
+    else:
+        liger = _liger_loss()
+        if liger is None:
+            return None
+
+        def step():
+            h, w = leaves()
+            loss, _ = liger(h[None], w, labels[None], mask[None].long(), adv[:1])
+            return torch.autograd.grad(loss, (h, w))
+
+    return step
+
+
+def gemm_tflops(n, h, v, dtype, device, warmup_ms, rep_ms) -> float:
+    a = torch.randn(n, h, device=device, dtype=dtype)
+    b = torch.randn(h, v, device=device, dtype=dtype)
+    ms = _bench(lambda: a @ b, device, warmup_ms, rep_ms)[0]
+    return 2 * n * h * v / (ms * 1e-3) / 1e12
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=500)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "auto"
+    grid = SMOKE_GRID if args.smoke else GRID
+    if args.smoke:
+        args.warmup_ms, args.rep_ms = 1, 5
+    cfg = fusedrl.LossConfig.preset("dapo")
+    rows = []
+    print(f"{'N':>6} {'H':>5} {'V':>7} {'impl':>7} {'ms':>9} {'gemm %':>7} {'peak MiB':>9}")
+    for n, h, v in itertools.product(grid["N"], grid["H"], grid["V"]):
+        rate = gemm_tflops(n, h, v, dtype, device, args.warmup_ms, args.rep_ms)
+        copies = [_inputs(n, h, v, dtype, device, seed) for seed in range(COPIES)]
+        for impl in ("fused", "logits", "liger"):
+            steps = [make_step(impl, c, cfg, backend) for c in copies]
+            if steps[0] is None:
+                continue
+            turn = itertools.cycle(steps)
+            try:
+                ms = _bench(lambda t=turn: next(t)(), device, args.warmup_ms, args.rep_ms)[0]
+                peak = peak_memory_above_inputs(steps[0], device)
+            except torch.OutOfMemoryError:
+                rows.append({"N": n, "H": h, "V": v, "impl": impl, "error": "out of memory"})
+                continue
+            fraction = 6 * n * h * v / (ms * 1e-3) / 1e12 / rate
+            rows.append(
+                {"N": n, "H": h, "V": v, "impl": impl, "ms": ms, "gemm_tflops": rate,
+                 "gemm_fraction": fraction, "peak_bytes_above_inputs": peak}
+            )  # fmt: skip
+            mib = "-" if peak is None else f"{peak / 2**20:.0f}"
+            print(f"{n:>6} {h:>5} {v:>7} {impl:>7} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
+    result = {
+        "benchmark": "linear_policy_loss",
+        "smoke": args.smoke,
+        "note": "smoke run, not a measurement" if args.smoke else "",
+        "device": _device_name(device),
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "linear-smoke.json" if args.smoke else f"linear-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
