@@ -67,7 +67,10 @@ def gradients(
     want_x, want_w, want_b = want[0], want[1], want[2] and bias is not None
     # The rows as [N, H], masked ones zeroed: their gradient rows are 0, but 0 x NaN padding is
     # NaN in dW's GEMM.
-    rows = torch.where(lin.rows.valid.reshape(-1, 1), hidden.reshape(n_rows, hidden_size), 0)
+    rows = None
+    if want_w:
+        valid = lin.rows.valid.reshape(-1, 1)
+        rows = torch.where(valid, hidden.reshape(n_rows, hidden_size), 0)
     dx = torch.empty(n_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     acc = torch.float32
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None

@@ -100,17 +100,17 @@ def collate(
     )
 
 
+def _autocast(batch: Batch, autocast_dtype: torch.dtype | None):
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype)
+
+
 def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """[B, T, V] logits that predict the completion tokens: a strided view, never copied."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.labels.shape[1]
-    device_type = batch.input_ids.device.type
-    ctx = (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with ctx:
+    with _autocast(batch, autocast_dtype):
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -128,13 +128,7 @@ def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
     head = plain_lm_head(model)
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.labels.shape[1]
-    device_type = batch.input_ids.device.type
-    ctx = (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with ctx:
+    with _autocast(batch, autocast_dtype):
         out = model.base_model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
