@@ -1,25 +1,24 @@
 """The LM-head loss never holds [N, V]: peak memory measured, not assumed (issue: N = 8192,
 V = 32768, H = 128 adds less than a quarter of one fp32 copy of the logits, 1 GiB).
 
-As in tests/test_memory.py, a fresh process reads its peak RSS (ru_maxrss) before and after one
-forward + backward of fusedrl.linear_policy_loss with the torch backend.
+As in tests/test_memory.py, a fresh process measures the peak of one forward + backward of
+fusedrl.linear_policy_loss with the torch backend (tests/peak_memory.py).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from .peak_memory import peak_extra_bytes
 
 N, V, H = 8192, 32768, 128
 FP32_LOGITS_BYTES = N * V * 4  # 1 GiB
 
 SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys
+    import sys
     import torch
     import fusedrl
     torch.set_num_threads(2)
@@ -40,23 +39,13 @@ SCRIPT = textwrap.dedent(
         return torch.autograd.grad(out.loss, (hidden, weight))
     step(*inputs(64, 257, {H}))
     hidden, weight, rows = inputs({N}, {V}, {H})
-    kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    before = kib()
-    grads = step(hidden, weight, rows)
-    print(json.dumps({{"extra_bytes": (kib() - before) * 1024}}))
+    grads = measure(lambda: step(hidden, weight, rows))
     """
 ).format(N=N, V=V, H=H)
 
 
 def _peak_extra(path: str) -> int:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, path],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])["extra_bytes"]
+    return peak_extra_bytes(SCRIPT, path, timeout=900)
 
 
 @pytest.mark.slow

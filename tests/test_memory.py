@@ -1,17 +1,15 @@
 """The torch backend never materialises fp32 copies of [N, V]: peak memory is measured, not assumed.
 
-Each case runs in a fresh process and reads the process's peak RSS (ru_maxrss) before and after
-one forward + backward, so the number is the real high-water mark of the call.
+Each case runs in a fresh process (tests/peak_memory.py): the number is the real peak of the call.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from .peak_memory import peak_extra_bytes
 
 N, V = 2048, 32771  # bf16 logits: 134 MB; one fp32 copy: 268 MB
 LOGITS_BYTES = N * V * 2
@@ -19,7 +17,7 @@ FP32_COPY_BYTES = N * V * 4
 
 SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys
+    import sys
     import torch
     import fusedrl
     from fusedrl import reference, torch_backend
@@ -39,23 +37,13 @@ SCRIPT = textwrap.dedent(
         return torch.autograd.grad(out.loss, logits)[0]
     step(*call(64, 257))
     logits, args = call({N}, {V})
-    kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    before = kib()
-    grad = step(logits, args)
-    print(json.dumps({{"extra_bytes": (kib() - before) * 1024}}))
+    grad = measure(lambda: step(logits, args))
     """
 ).format(N=N, V=V)
 
 
 def _peak_extra(impl: str, inplace: bool) -> int:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, impl, str(int(inplace))],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])["extra_bytes"]
+    return peak_extra_bytes(SCRIPT, impl, str(int(inplace)))
 
 
 @pytest.mark.slow

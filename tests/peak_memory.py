@@ -1,0 +1,48 @@
+"""Peak host memory of one call, measured in a fresh process.
+
+The script handed to `peak_extra_bytes` builds its inputs, then calls `measure(fn)`; `measure`
+resets the kernel's high-water mark (`/proc/self/clear_refs` 5) once the inputs exist and prints
+VmHWM after `fn()` minus VmRSS before it. Resetting matters: building the inputs can peak higher
+than the call itself (randn in bf16 passes through fp32), and ru_maxrss would hide the call under
+that earlier peak. Kernels without a resettable peak fall back to ru_maxrss, which can only
+undercount.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+MEASURE = '''
+import json as _json, resource as _resource
+
+def _status_kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+def measure(fn):
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before, peak = _status_kib("VmRSS"), lambda: _status_kib("VmHWM")
+    except OSError:
+        peak = lambda: _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+        before = peak()
+    result = fn()
+    print(_json.dumps({"extra_bytes": (peak() - before) * 1024}))
+    return result
+'''
+
+
+def peak_extra_bytes(script: str, *args: str, timeout: int = 600) -> int:
+    """Run `script` (which calls `measure(fn)` once) in a fresh process; the call's extra bytes."""
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE + script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])["extra_bytes"]
