@@ -80,8 +80,8 @@ def policy_loss(
             count for seq-* modes): pass the global count under data parallel x grad accumulation.
         inplace: write d(loss)/d(logits) into the logits buffer (the logits are destroyed).
         backend: "auto" | "triton" | "cuda" | "torch".
-        return_entropy: also compute the per-token entropy (always computed when
-            config.entropy_coef != 0).
+        return_entropy: also compute the per-token entropy (always computed when the loss reads
+            it: config.entropy_coef != 0 or config.top_entropy_quantile < 1).
         is_weights: precomputed train/inference IS weights ([B, T], [B, 1] or [B]; detached) that
             multiply the per-token policy loss, for trainers that compute them elsewhere (verl's
             rollout_is_weights, TRL's importance_sampling_ratio). Exclusive with

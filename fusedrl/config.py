@@ -13,7 +13,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-LOSSES = ("ppo", "cispo", "sapo", "gmpo", "dcpo", "pg")
+LOSSES = ("ppo", "cispo", "sapo", "gmpo", "dcpo", "pg", "luspo", "vespo")
+# The PPO clipped objective (LUSPO differs from PPO only in its defaults: a sequence ratio and a
+# per-sequence token sum).
+PPO_CLIPPED = ("ppo", "luspo")
 RATIO_LEVELS = ("token", "sequence")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KLS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
@@ -47,6 +50,8 @@ def _check_positive(field: str, value: Any, *, above: float = 0.0) -> None:
 _NUMERIC_FIELDS = (
     "eps_low", "eps_high", "dual_clip_c", "delta", "sapo_tau_pos", "sapo_tau_neg", "dcpo_r_max",
     "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
+    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
+    "top_entropy_quantile",
 )  # fmt: skip
 
 
@@ -58,11 +63,12 @@ class LossConfig:
     (PPO, GRPO, CISPO, ...), 3e-4 / 4e-4 for ``ratio_level="sequence"`` (GSPO), 0.4 / 0.4 for GMPO
     (a log-ratio range) and 0.16 / 0.2 for DCPO. After construction they always hold numbers.
     ``is_cap_low=None`` means ``1 / is_cap`` for the mask modes (verl's default) and no lower
-    bound for the truncate modes.
+    bound for the truncate modes. ``ratio_level`` / ``agg`` left as ``None`` take ``"token"`` /
+    ``"token-mean"``, except for LUSPO: ``"sequence"`` / ``"seq-mean-token-sum"``.
     """
 
     loss: str = "ppo"
-    ratio_level: str = "token"
+    ratio_level: str | None = None
     eps_low: float | None = None
     eps_high: float | None = None
     dual_clip_c: float | None = None
@@ -70,7 +76,7 @@ class LossConfig:
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     dcpo_r_max: float = 10.0
-    agg: str = "token-mean"
+    agg: str | None = None
     norm_constant: float | None = None
     kl: str | None = None
     beta: float = 0.0
@@ -79,6 +85,21 @@ class LossConfig:
     is_correction: str | None = None
     is_cap: float = 2.0
     is_cap_low: float | None = None
+    # VESPO's gamma weight phi(w) = exp(lambda + k log w - lambda w) of the sequence ratio w, with
+    # (k, lambda) by the sign of the advantage (TRL's defaults).
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # The KL term times the ratio pi / pi_old (DeepSeek-V3.2; TRL's use_bias_correction_kl).
+    kl_bias_correction: bool = False
+    # DeepSeek-V3.2's off-policy sequence mask: a sequence whose mean KL(rollout || policy) exceeds
+    # this drops its negative-advantage tokens from the policy term (TRL's
+    # off_policy_mask_threshold). None: off.
+    off_policy_mask: float | None = None
+    # Only the tokens in the top `top_entropy_quantile` share of entropy (over the call's valid
+    # tokens) train the policy term and the entropy bonus (TRL's top_entropy_quantile). 1: all.
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
@@ -87,6 +108,11 @@ class LossConfig:
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
                 object.__setattr__(self, field, float(value))
         _check_choice("loss", self.loss, LOSSES)
+        if self.ratio_level is None:
+            object.__setattr__(self, "ratio_level", "sequence" if self.loss == "luspo" else "token")
+        if self.agg is None:
+            agg = "seq-mean-token-sum" if self.loss == "luspo" else "token-mean"
+            object.__setattr__(self, "agg", agg)
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _check_choice("agg", self.agg, AGGS)
         if self.kl is not None:
@@ -101,7 +127,7 @@ class LossConfig:
             object.__setattr__(self, "eps_high", default_high)
         _check_positive("eps_low", self.eps_low)
         _check_positive("eps_high", self.eps_high)
-        if self.loss in ("ppo", "cispo") and self.eps_low >= 1:
+        if self.loss in (*PPO_CLIPPED, "cispo") and self.eps_low >= 1:
             raise ValueError(
                 f"LossConfig.eps_low={self.eps_low!r} must be < 1 for loss={self.loss!r}: "
                 "the lower ratio bound 1 - eps_low would not be positive"
@@ -142,6 +168,8 @@ class LossConfig:
         if not math.isfinite(self.entropy_coef):
             raise ValueError(f"LossConfig.entropy_coef must be finite, got {self.entropy_coef!r}")
 
+        self._check_corrections()
+
         if self.norm_constant is not None:
             if self.agg != "seq-mean-token-sum-norm":
                 raise ValueError(
@@ -150,12 +178,46 @@ class LossConfig:
                 )
             _check_positive("norm_constant", self.norm_constant)
 
+    def _check_corrections(self) -> None:
+        for field in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check_positive(field, getattr(self, field))
+        if not isinstance(self.kl_bias_correction, bool):
+            raise ValueError(
+                f"LossConfig.kl_bias_correction must be a bool, got {self.kl_bias_correction!r}"
+            )
+        if self.off_policy_mask is not None:
+            _check_positive("off_policy_mask", self.off_policy_mask, above=-math.inf)
+            if self.off_policy_mask < 0:
+                raise ValueError(
+                    f"LossConfig.off_policy_mask must be >= 0 (a KL threshold), "
+                    f"got {self.off_policy_mask!r}"
+                )
+            if self.loss == "gmpo":
+                raise ValueError(
+                    "LossConfig.off_policy_mask masks tokens of the policy term, but loss='gmpo' "
+                    "has one term per sequence"
+                )
+        q = self.top_entropy_quantile
+        _check_positive("top_entropy_quantile", q)
+        if q > 1:
+            raise ValueError(f"LossConfig.top_entropy_quantile must be in (0, 1], got {q!r}")
+        if q < 1 and self.loss == "gmpo":
+            raise ValueError(
+                "LossConfig.top_entropy_quantile masks tokens of the policy term, but loss='gmpo' "
+                "has one term per sequence"
+            )
+        if self.loss == "vespo" and (self.is_correction or "").startswith("sequence"):
+            raise ValueError(
+                f"LossConfig.is_correction={self.is_correction!r}: loss='vespo' folds per-token "
+                "IS weights into its sequence weight; use 'token_truncate' or 'token_mask'"
+            )
+
     def _check_variant_options(self) -> None:
         """Reject combinations that have no meaning rather than silently ignoring a knob."""
-        if self.ratio_level == "sequence" and self.loss != "ppo":
+        if self.ratio_level == "sequence" and self.loss not in PPO_CLIPPED:
             raise ValueError(
                 f"LossConfig.ratio_level='sequence' (GSPO) clips a sequence ratio with the PPO "
-                f"objective and needs loss='ppo', got loss={self.loss!r}"
+                f"objective and needs loss='ppo' or 'luspo', got loss={self.loss!r}"
                 + (
                     " (GMPO is sequence-level by construction: use ratio_level='token')"
                     if self.loss == "gmpo"
@@ -163,14 +225,17 @@ class LossConfig:
                 )
             )
         if self.dual_clip_c is not None:
-            if self.loss != "ppo":
+            if self.loss not in PPO_CLIPPED:
                 raise ValueError(
-                    f"LossConfig.dual_clip_c applies to loss='ppo' only, got loss={self.loss!r}"
+                    f"LossConfig.dual_clip_c applies to loss='ppo' / 'luspo' only, "
+                    f"got loss={self.loss!r}"
                 )
             _check_positive("dual_clip_c", self.dual_clip_c, above=1.0)
         if self.delta is not None:
-            if self.loss != "ppo":
-                raise ValueError(f"LossConfig.delta applies to loss='ppo' only, got {self.loss!r}")
+            if self.loss not in PPO_CLIPPED:
+                raise ValueError(
+                    f"LossConfig.delta applies to loss='ppo' / 'luspo' only, got {self.loss!r}"
+                )
             _check_positive("delta", self.delta, above=1.0)
             if self.delta <= 1 + self.eps_high and self.ratio_level == "token":
                 raise ValueError(
@@ -197,13 +262,21 @@ class LossConfig:
 
     @property
     def is_sequence_level(self) -> bool:
-        """True when the loss of a token depends on other tokens of its sequence: the fused kernels
-        then need a per-sequence reduction between a logp pass and a gradient pass."""
+        """True when the loss of a token depends on other tokens of its sequence (or, for
+        top_entropy_quantile, of the batch): the fused kernels then need a reduction between a
+        logp pass and a gradient pass."""
         return (
             self.ratio_level == "sequence"
-            or self.loss == "gmpo"
+            or self.loss in ("gmpo", "vespo")
             or (self.is_correction or "").startswith("sequence")
+            or self.off_policy_mask is not None
+            or self.top_entropy_quantile < 1
         )
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The loss reads the entropy (bonus, or the top-entropy token selection)."""
+        return self.entropy_coef != 0.0 or self.top_entropy_quantile < 1
 
     @property
     def uses_old_logp(self) -> bool:
@@ -254,4 +327,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dcpo": dict(loss="dcpo", eps_low=0.16, eps_high=0.2, dcpo_r_max=10.0, agg="token-mean"),
     # REINFORCE / GPG: -A logp, on-policy.
     "pg": dict(loss="pg", agg="token-mean"),
+    # LUSPO: GSPO's clipped sequence ratio, each sequence's token losses summed (not averaged), so
+    # long sequences are not down-weighted; mean over sequences.
+    "luspo": dict(
+        loss="luspo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-sum"
+    ),
+    # VESPO: REINFORCE weighted by a gamma function of the sequence ratio (no hard clip);
+    # token-mean (TRL aggregates it as dapo).
+    "vespo": dict(loss="vespo", agg="token-mean"),
 }

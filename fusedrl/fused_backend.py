@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import LossInputs
-from .config import LossConfig
+from .config import PPO_CLIPPED, LossConfig
 from .token_terms import (
     TokenTerms,
     aggregation_weights,
@@ -118,7 +118,8 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
     # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
     is_weight = resolve_is_weights(old, inp, cfg)
     low = high = None
-    if cfg.loss in ("ppo", "cispo", "dcpo"):
+    loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
+    if loss in ("ppo", "cispo", "dcpo"):
         low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
     args = (
         inp.labels,
@@ -131,7 +132,7 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
         low,
         high,
         cfg.temperature,
-        cfg.loss,
+        loss,
         cfg.dual_clip_c,
         cfg.delta,
         cfg.sapo_tau_pos,
@@ -148,6 +149,8 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     if cfg.is_sequence_level:
         return True
+    if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
+        return True
     # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
     # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
     return inp.old_logp is None and (cfg.loss == "dcpo" or cfg.is_correction is not None)
@@ -162,7 +165,7 @@ def policy_loss(
     grad_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
-    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    need_entropy = need_entropy or cfg.needs_entropy
     if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None

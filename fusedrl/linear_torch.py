@@ -165,7 +165,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
     """logp, entropy, the [B, T] terms (loss, metrics) and the gradients flagged in `want`."""
     inp = lin.rows
-    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    need_entropy = need_entropy or cfg.needs_entropy
     if any(want) and not needs_two_passes(inp, cfg):
         derivatives = _token_level_derivatives(lin, cfg)
         logp, entropy, grads = sweep(

@@ -106,7 +106,7 @@ def gradients(
 def policy_loss(
     lin: LinearInputs, cfg: LossConfig, need_entropy: bool, want: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
-    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    need_entropy = need_entropy or cfg.needs_entropy
     logp, lse, entropy = stats(lin, cfg.temperature)
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
     grads = None

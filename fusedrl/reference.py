@@ -16,6 +16,8 @@ softmax (so a NaN in a padded row cannot leak) and their labels by 0.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._inputs import LossInputs, check_labels, check_logits, check_temperature, prepare_loss_inputs
@@ -194,6 +196,72 @@ def _gmpo(
     return per_seq.sum() / n_seq
 
 
+def _ratio(logp: torch.Tensor, old: torch.Tensor, inp: LossInputs, cfg: LossConfig):
+    """pi / pi_old per token, or GSPO's sequence ratio (value s_i = exp(mean_t log-ratio),
+    gradient s_i * grad logp_t per token)."""
+    log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if cfg.ratio_level == "sequence":
+        seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1.0)
+        seq_log_ratio = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
+        seq_log_ratio = (seq_log_ratio / seq_len).detach()
+        log_ratio = torch.clamp(logp - logp.detach() + seq_log_ratio, max=SEQ_LOG_RATIO_MAX)
+    return log_ratio.exp()
+
+
+def _vespo(logp, old, adv, w, inp, cfg, metrics) -> torch.Tensor:
+    """VESPO (TRL's get_gamma_weights): -phi A logp, phi = e^lam w^k e^(-lam w) of the sequence
+    ratio w (log w clamped to [log 1e-8, 20], per-token IS weights multiplied in), no gradient."""
+    floor = math.log(1e-8)
+    with torch.no_grad():
+        token_log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_w = torch.where(inp.valid, token_log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
+        if w is not None:
+            log_is = torch.clamp(w.log(), floor, LOG_RATIO_CLAMP)
+            log_w = log_w + torch.where(inp.valid, log_is, 0.0).sum(-1, keepdim=True)
+        log_w = torch.clamp(log_w, floor, LOG_RATIO_CLAMP)
+        positive = adv >= 0
+        k = torch.where(positive, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(positive, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        phi = (math.e**lam) * log_w.exp() ** k * torch.exp(-lam * log_w.exp())
+        phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    metrics["vespo_phi_mean"] = masked_mean(phi.expand_as(logp), inp)
+    return -phi * adv * logp
+
+
+def _off_policy_mask(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
+    """DeepSeek-V3.2: keep a token if A >= 0 or its sequence's mean (sampler - policy) log-prob
+    gap is at most the threshold; the sampler is rollout_logp when given, else old."""
+    sampler = inp.rollout_logp if inp.rollout_logp is not None else old
+    gap = (sampler - logp.detach()).nan_to_num(nan=0.0)
+    w = torch.where(inp.valid, inp.mask, 0.0)
+    mean_gap = (torch.where(inp.valid, gap, 0.0) * w).sum(-1, keepdim=True)
+    mean_gap = mean_gap / w.sum(-1, keepdim=True).clamp_min(1.0)
+    keep = (adv >= 0) | (mean_gap <= cfg.off_policy_mask)
+    _masked_share(metrics, "off_policy_masked", ~keep, inp)
+    return keep.float()
+
+
+def _top_entropy_mask(entropy, inp, cfg, metrics) -> torch.Tensor:
+    """TRL's get_high_entropy_mask: entropy >= the (1 - rho) quantile of the counted tokens."""
+    counted = inp.valid & (inp.mask > 0)
+    values = entropy.detach()[counted].float()
+    if values.numel() == 0:
+        keep = torch.zeros_like(counted)
+    else:
+        keep = (entropy.detach() >= torch.quantile(values, 1 - cfg.top_entropy_quantile)) & counted
+    metrics["entropy_masked"] = masked_mean((~keep).float(), inp)
+    return keep.float()
+
+
+def _masked_share(metrics: dict, name: str, dropped: torch.Tensor, inp: LossInputs) -> None:
+    """Share of counted tokens dropped, and of non-empty sequences with a token dropped."""
+    metrics[name] = masked_mean(dropped.float(), inp)
+    counted = inp.valid & (inp.mask > 0)
+    seqs = [(row_drop & row).any() for row_drop, row in zip(dropped, counted) if row.any()]
+    share = torch.stack(seqs).float().mean() if seqs else torch.zeros(())
+    metrics[name + "_seqs"] = share.to(inp.mask.device)
+
+
 def _clipped_objective(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -203,14 +271,7 @@ def _clipped_objective(
     metrics: dict,
 ) -> torch.Tensor:
     """Per-token loss of the ratio variants (ppo, dcpo, cispo, sapo; token or sequence ratio)."""
-    log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if cfg.ratio_level == "sequence":
-        # GSPO: value s_i = exp(mean_t log-ratio), gradient s_i * grad logp_t (per token).
-        seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1.0)
-        seq_log_ratio = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
-        seq_log_ratio = (seq_log_ratio / seq_len).detach()
-        log_ratio = torch.clamp(logp - logp.detach() + seq_log_ratio, max=SEQ_LOG_RATIO_MAX)
-    ratio = log_ratio.exp()
+    ratio = _ratio(logp, old, inp, cfg)
     low, high = ratio_bounds(old, cfg)
 
     metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
@@ -270,7 +331,7 @@ def policy_loss(
         normalizer,
         is_weights,
     )
-    need_entropy = return_entropy or cfg.entropy_coef != 0.0
+    need_entropy = return_entropy or cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
     logp, entropy = _log_softmax_stats(safe_logits, inp.labels, cfg.temperature, need_entropy)
     old = inp.old_logp if inp.old_logp is not None else logp.detach()
@@ -284,24 +345,36 @@ def policy_loss(
     }
 
     w = resolve_is_weights(old, inp, cfg)
+    top_entropy = None
+    if cfg.top_entropy_quantile < 1:
+        top_entropy = _top_entropy_mask(entropy, inp, cfg, metrics)
     if cfg.loss == "gmpo":
         loss = _gmpo(logp, old, adv, w, inp, cfg, metrics)
         per_token = torch.zeros_like(logp)
     else:
         if cfg.loss == "pg":
             per_token = -adv * logp
+        elif cfg.loss == "vespo":
+            per_token = _vespo(logp, old, adv, w, inp, cfg, metrics)
         else:
             per_token = _clipped_objective(logp, old, adv, inp, cfg, metrics)
-        if w is not None:
+        if cfg.off_policy_mask is not None:
+            per_token = per_token * _off_policy_mask(logp, old, adv, inp, cfg, metrics)
+        if top_entropy is not None:
+            per_token = per_token * top_entropy
+        if w is not None and cfg.loss != "vespo":  # VESPO has its IS weights inside phi
             per_token = per_token * w
         loss = zero
     if inp.ref_logp is not None:
         kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3")
         metrics["kl"] = masked_mean(kl.detach(), inp)
         if cfg.beta > 0:
+            if cfg.kl_bias_correction:  # KL(pi || ref) under samples of pi_old: times the ratio
+                kl = kl * _ratio(logp, old, inp, cfg)
             per_token = per_token + cfg.beta * kl
     if cfg.entropy_coef != 0.0:
-        per_token = per_token - cfg.entropy_coef * entropy
+        bonus = entropy if top_entropy is None else entropy * top_entropy
+        per_token = per_token - cfg.entropy_coef * bonus
     loss = loss + aggregate(per_token, inp, cfg)
 
     add_token_metrics(

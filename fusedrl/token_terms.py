@@ -21,6 +21,7 @@ per-token derivative is agg_w * d(per-token loss)/d(logp).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ LOG_RATIO_CLAMP = 20.0  # |log(pi / pi_old)| before exp (verl), also the IS log-
 SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio, from above (verl)
 KL_LOG_CLAMP = 20.0  # k3: |ref - logp|
 KL_VALUE_CLAMP = 10.0  # k3: |estimate|
+VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's sequence log-weight (and each IS log-weight), below
 
 
 def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
@@ -165,8 +167,9 @@ def kl_and_grad(
     return value, grad * _inside(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
 
 
-def _ratio_terms(logp, old, adv, inp, cfg, metrics):
-    """Per-token loss and d/dlogp for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
+def _ratio(logp, old, inp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance ratio per token and its derivative in logp: pi / pi_old, or GSPO's
+    sequence ratio s (value s, gradient s * grad logp_t: GSPO-token's convention)."""
     raw_log_ratio = logp - old
     log_ratio = torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.ratio_level == "sequence":
@@ -175,10 +178,14 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics):
         seq_lr = seq_lr.expand_as(logp)
         # value exp(min(seq_lr, 10)); gradient s * grad logp unless the clamp is active.
         ratio = torch.clamp(seq_lr, max=SEQ_LOG_RATIO_MAX).exp()
-        dratio = ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float()
-    else:
-        ratio = log_ratio.exp()
-        dratio = ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return ratio, ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float()
+    ratio = log_ratio.exp()
+    return ratio, ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _ratio_terms(logp, old, adv, inp, cfg, metrics):
+    """Per-token loss and d/dlogp for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
+    ratio, dratio = _ratio(logp, old, inp, cfg)
     low, high = ratio_bounds(old, cfg)
     metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
     metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
@@ -242,6 +249,69 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
     return coef.sum(), coef * weighted / seq_len * d_min
 
 
+def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
+    """VESPO: -phi(w_seq) A logp with phi detached; w_seq = the sequence's product of token ratios
+    (times its per-token IS weights), phi(w) = exp(lambda + k log w - lambda w), (k, lambda) by
+    the sign of A."""
+    log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
+    if w is not None:  # an IS weight of 0 (masked by token_mask) counts as log 1e-8
+        log_is = torch.clamp(torch.log(w), VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        log_w = log_w + torch.where(inp.valid, log_is, 0.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    metrics["vespo_phi_mean"] = masked_mean(phi, inp)
+    return -phi * adv * logp, -phi * adv
+
+
+def masked_quantile(x: torch.Tensor, selected: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(x[selected], q) (linear interpolation) without a host sync or its size
+    limit: the selected values sort first, the rank is a tensor. +inf when none is selected."""
+    values = torch.where(selected, x.float(), math.inf).flatten().sort().values
+    count = selected.sum()
+    pos = q * (count - 1).clamp_min(0).float()
+    lo, hi = pos.floor().long().reshape(1), pos.ceil().long().reshape(1)
+    v_lo, v_hi = values.index_select(0, lo), values.index_select(0, hi)
+    value = v_lo + (v_hi - v_lo) * (pos - lo.float())
+    return torch.where(count > 0, value.reshape(()), math.inf)
+
+
+def _share_of_sequences(dropped: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+    """Share of the non-empty sequences with at least one dropped counted token."""
+    counted = inp.valid & (inp.mask > 0)
+    nonempty = counted.any(-1)
+    hit = (dropped & counted).any(-1) & nonempty
+    return hit.float().sum() / nonempty.float().sum().clamp_min(1.0)
+
+
+def _off_policy_keep(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: 0 on the negative-advantage tokens of sequences
+    whose mean (rollout - current) log-prob gap exceeds cfg.off_policy_mask."""
+    sampled = inp.rollout_logp if inp.rollout_logp is not None else old
+    gap = torch.nan_to_num(sampled - logp, nan=0.0)
+    weights = torch.where(inp.valid, inp.mask, 0.0)
+    seq_gap = (torch.where(inp.valid, gap, 0.0) * weights).sum(-1, keepdim=True)
+    seq_gap = seq_gap / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    keep = (adv >= 0) | (seq_gap <= cfg.off_policy_mask)
+    metrics["off_policy_masked"] = masked_mean(~keep, inp)
+    metrics["off_policy_masked_seqs"] = _share_of_sequences(~keep, inp)
+    return keep.float()
+
+
+def _top_entropy_keep(entropy, inp, cfg, metrics) -> torch.Tensor:
+    """1 on the tokens whose entropy is at least the (1 - rho) quantile of the call's counted
+    tokens (rho = cfg.top_entropy_quantile), 0 elsewhere."""
+    counted = inp.valid & (inp.mask > 0)
+    threshold = masked_quantile(entropy, counted, 1.0 - cfg.top_entropy_quantile)
+    keep = (entropy >= threshold) & counted
+    metrics["entropy_masked"] = masked_mean(~keep, inp)
+    return keep.float()
+
+
 @torch.no_grad()
 def token_terms(
     logp: torch.Tensor,
@@ -265,6 +335,9 @@ def token_terms(
     w = resolve_is_weights(old, inp, cfg)
 
     loss = zero
+    entropy_keep = None
+    if cfg.top_entropy_quantile < 1:
+        entropy_keep = _top_entropy_keep(entropy, inp, cfg, metrics)
     if cfg.loss == "gmpo":
         loss, dlogp = _gmpo_terms(logp, old, adv, w, inp, cfg, metrics)
         per_token = torch.zeros_like(logp)
@@ -272,20 +345,32 @@ def token_terms(
     else:
         if cfg.loss == "pg":
             per_token, dper_token = -adv * logp, -adv
+        elif cfg.loss == "vespo":  # the IS weights are inside phi, not a factor
+            per_token, dper_token = _vespo_terms(logp, old, adv, w, inp, cfg, metrics)
         else:
             per_token, dper_token = _ratio_terms(logp, old, adv, inp, cfg, metrics)
-        if w is not None:
+        if cfg.off_policy_mask is not None:
+            keep = _off_policy_keep(logp, old, adv, inp, cfg, metrics)
+            per_token, dper_token = per_token * keep, dper_token * keep
+        if entropy_keep is not None:
+            per_token, dper_token = per_token * entropy_keep, dper_token * entropy_keep
+        if w is not None and cfg.loss != "vespo":
             per_token, dper_token = per_token * w, dper_token * w
         dlogp = torch.zeros_like(logp)
     if inp.ref_logp is not None:
         kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3")
         metrics["kl"] = masked_mean(kl, inp)
         if cfg.beta > 0:
+            if cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
+                ratio, dratio = _ratio(logp, old, inp, cfg)
+                kl, dkl = kl * ratio, dkl * ratio + kl * dratio
             per_token, dper_token = per_token + cfg.beta * kl, dper_token + cfg.beta * dkl
     dentropy = None
     if cfg.entropy_coef != 0.0:
-        per_token = per_token - cfg.entropy_coef * entropy
-        dentropy = torch.where(inp.valid, -cfg.entropy_coef * agg_w, 0.0)
+        bonus = entropy if entropy_keep is None else entropy * entropy_keep
+        bonus_w = agg_w if entropy_keep is None else agg_w * entropy_keep
+        per_token = per_token - cfg.entropy_coef * bonus
+        dentropy = torch.where(inp.valid, -cfg.entropy_coef * bonus_w, 0.0)
 
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)

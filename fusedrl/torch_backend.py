@@ -204,7 +204,7 @@ def policy_loss(
     inp: LossInputs, cfg: LossConfig, need_entropy: bool, grad_out: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Pass 1, the [B, T] terms, and (when `grad_out` is given) pass 2 into `grad_out`."""
-    need_entropy = need_entropy or cfg.entropy_coef != 0.0
+    need_entropy = need_entropy or cfg.needs_entropy
     logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
     terms = token_terms(logp, entropy, inp, cfg)
     if grad_out is not None:

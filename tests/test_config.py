@@ -54,7 +54,32 @@ def test_preset_values():
         "gmpo",
         "dcpo",
         "pg",
+        "luspo",
+        "vespo",
     }
+    luspo = LossConfig.preset("luspo")
+    assert (luspo.loss, luspo.ratio_level, luspo.agg) == ("luspo", "sequence", "seq-mean-token-sum")
+    vespo = LossConfig.preset("vespo")
+    assert (vespo.vespo_k_pos, vespo.vespo_lambda_pos) == (2.0, 3.0)  # TRL's defaults
+    assert (vespo.vespo_k_neg, vespo.vespo_lambda_neg) == (3.0, 2.0)
+
+
+def test_luspo_defaults_to_a_sequence_ratio_summed_per_sequence():
+    cfg = LossConfig(loss="luspo")
+    assert (cfg.ratio_level, cfg.agg, cfg.eps_low, cfg.eps_high) == (
+        "sequence", "seq-mean-token-sum", 3e-4, 4e-4,
+    )  # fmt: skip
+    token = LossConfig(loss="luspo", ratio_level="token", agg="token-mean")
+    assert (token.ratio_level, token.agg, token.eps_low) == ("token", "token-mean", 0.2)
+    assert LossConfig(loss="luspo", delta=2.0, dual_clip_c=3.0).delta == 2.0
+
+
+def test_corrections_off_by_default():
+    cfg = LossConfig()
+    assert not cfg.kl_bias_correction and cfg.off_policy_mask is None
+    assert cfg.top_entropy_quantile == 1.0 and not cfg.needs_entropy
+    assert LossConfig(top_entropy_quantile=0.2).needs_entropy
+    assert LossConfig(entropy_coef=0.01).needs_entropy
 
 
 def test_variant_dependent_eps_defaults():
@@ -118,6 +143,18 @@ def test_unknown_preset():
         (dict(loss="cispo", ratio_level="sequence"), "ratio_level"),
         (dict(loss="gmpo", ratio_level="sequence"), "ratio_level"),
         (dict(loss="gmpo", is_correction="token_truncate"), "is_correction"),
+        (dict(loss="vespo", is_correction="sequence_truncate"), "is_correction"),
+        (dict(loss="vespo", vespo_k_pos=0.0), "vespo_k_pos"),
+        (dict(loss="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),
+        (dict(loss="vespo", vespo_lambda_pos=float("nan")), "vespo_lambda_pos"),
+        (dict(kl_bias_correction=1), "kl_bias_correction"),
+        (dict(off_policy_mask=-0.1), "off_policy_mask"),
+        (dict(off_policy_mask=float("inf")), "off_policy_mask"),
+        (dict(loss="gmpo", off_policy_mask=0.1), "off_policy_mask"),
+        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+        (dict(loss="gmpo", top_entropy_quantile=0.5), "top_entropy_quantile"),
+        (dict(loss="vespo", delta=2.0), "delta"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
@@ -138,6 +175,10 @@ def test_all_choices_accepted():
 
 def test_is_sequence_level():
     assert LossConfig.preset("gspo").is_sequence_level
+    assert LossConfig.preset("luspo").is_sequence_level
+    assert LossConfig.preset("vespo").is_sequence_level  # phi of the whole sequence's ratio
+    assert LossConfig(off_policy_mask=0.1).is_sequence_level
+    assert LossConfig(top_entropy_quantile=0.5).is_sequence_level  # a quantile of the batch
     assert LossConfig.preset("gmpo").is_sequence_level
     assert LossConfig(is_correction="sequence_mask").is_sequence_level
     assert not LossConfig.preset("dapo").is_sequence_level

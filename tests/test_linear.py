@@ -117,7 +117,10 @@ def test_every_preset_fp32(name, backend):
         batch=4, time=9, seed=3, per_token_adv=name == "gspo_token", old_noise=0.5
     )
     ours, _ = assert_matches_reference(data, LossConfig.preset(name), backend)
-    if LossConfig.preset(name).loss != "pg":  # the clip branches acted
+    loss = LossConfig.preset(name).loss
+    if loss == "vespo":  # no clip: a smooth weight of the sequence ratio, which acted
+        assert 0 < ours.metrics["vespo_phi_mean"] != 1
+    elif loss != "pg":  # the clip branches acted
         assert ours.metrics["clip_low"] > 0 or ours.metrics["clip_high"] > 0
 
 
