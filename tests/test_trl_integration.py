@@ -171,11 +171,15 @@ def _assert_same(trl_trainer, fused_trainer, inputs):
     return metrics
 
 
-CASES = [
-    (lt, "token", beta)
-    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-    for beta in (0.0, 0.04)
-] + [("grpo", "sequence", beta) for beta in (0.0, 0.04)]
+CASES = (
+    [
+        (lt, "token", beta)
+        for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+        for beta in (0.0, 0.04)
+    ]
+    + [("grpo", "sequence", beta) for beta in (0.0, 0.04)]
+    + [("luspo", "sequence", beta) for beta in (0.0, 0.04)]
+)
 
 
 @pytest.mark.parametrize("loss_type, level, beta", CASES)
@@ -187,6 +191,59 @@ def test_parity_with_trl_compute_loss(loss_type, level, beta, model_dir, tokeniz
     trl_trainer = _trainer(GRPOTrainer, model_dir, tokenizer, args)
     fused_trainer = _trainer(FusedGRPOTrainer, model_dir, tokenizer, args)
     _assert_same(trl_trainer, fused_trainer, _inputs(trl_trainer.model, loss_type, beta))
+
+
+# Each option on data where it acts: a bias-corrected KL (ratios away from 1), sequences that
+# drifted from the sampler with both advantage signs, half the tokens below the entropy quantile.
+CORRECTIONS = {
+    "bias_corrected_kl": ("dapo", dict(beta=0.04, use_bias_correction_kl=True)),
+    "bias_corrected_kl_grpo": ("grpo", dict(beta=0.04, use_bias_correction_kl=True)),
+    "off_policy_mask": ("grpo", dict(off_policy_mask_threshold=0.05)),
+    "off_policy_mask_vespo": ("vespo", dict(off_policy_mask_threshold=0.05)),
+    "top_entropy_quantile": ("dapo", dict(top_entropy_quantile=0.5)),
+    "top_entropy_quantile_luspo": ("luspo", dict(top_entropy_quantile=0.3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+@pytest.mark.parametrize("with_sampler_logps", [False, True])
+def test_parity_with_trl_corrections(name, with_sampler_logps, model_dir, tokenizer, tmp_path):
+    loss_type, options = CORRECTIONS[name]
+    if with_sampler_logps and "off_policy_mask_threshold" not in options:
+        pytest.skip("only the off-policy mask reads the sampler's log-probs")
+    args = _args(tmp_path, loss_type=loss_type, **options)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    inputs = _inputs(trainers[0].model, loss_type, options.get("beta", 0.0), seed=4)
+    inputs["advantages"] = torch.tensor([-1.0, 0.7, -0.4, 0.2])
+    gen = torch.Generator().manual_seed(5)
+    inputs["old_per_token_logps"][0] += 0.6  # sequence 0 drifted from the old policy
+    if with_sampler_logps:  # ... but not from the sampler; sequence 2 did (gaps ~ -0.4, 0.6)
+        gap = torch.tensor([-1.0, 0.3, 0.6, 0.0])[:, None] + 0.01 * torch.randn(B, T, generator=gen)
+        inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + gap
+    _assert_same(*trainers, inputs)
+    config = trainers[1].fused_config
+    assert config.kl_bias_correction == options.get("use_bias_correction_kl", False)
+    assert config.off_policy_mask == options.get("off_policy_mask_threshold")
+    assert config.top_entropy_quantile == options.get("top_entropy_quantile", 1.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_parity_vespo_with_vllm_importance_sampling(mode, model_dir, tokenizer, tmp_path):
+    """VESPO folds TRL's per-token IS ratios into its sequence weight instead of multiplying."""
+    args = _args(tmp_path, loss_type="vespo", vllm_importance_sampling_mode=mode,
+                 vllm_importance_sampling_clip_max=1.3)  # fmt: skip
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    inputs = _inputs(trainers[0].model, "vespo", 0.0, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    ratio = torch.exp(0.1 * torch.randn(B, T, generator=gen)) * inputs["completion_mask"]
+    ratio = ratio + (1 - inputs["completion_mask"])  # TRL's ratio is 1 on padding
+    ratio = ratio.clamp(max=1.3) if mode.endswith("truncate") else ratio * (ratio <= 1.3)
+    inputs["importance_sampling_ratio"] = ratio
+    for trainer in trainers:
+        trainer.use_vllm = True
+        trainer.vllm_importance_sampling_correction = True
+    metrics = _assert_same(*trainers, inputs)
+    assert 0 < metrics["vespo/phi_seq_mean"][0] != 1
 
 
 @pytest.mark.parametrize(
@@ -315,18 +372,19 @@ def test_import_does_not_print_trl_vllm_version_warning():
 @pytest.mark.parametrize(
     "option, value",
     [
-        ("loss_type", "luspo"),
-        ("top_entropy_quantile", 0.5),
-        ("off_policy_mask_threshold", 0.5),
         ("entropy_coef", 0.01),
+        ("use_adaptive_entropy", True),
     ],
 )
 def test_unsupported_options_are_named(option, value, tmp_path):
     args = _args(tmp_path, **{option: value})
     with pytest.raises(ValueError, match=option):
         loss_config_from_trl(args)
+    sequence_bias_corrected = _args(
+        tmp_path, beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
+    )
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
-        loss_config_from_trl(_args(tmp_path, beta=0.04, use_bias_correction_kl=True))
+        loss_config_from_trl(sequence_bias_corrected)
 
 
 def test_mapping_values(tmp_path):

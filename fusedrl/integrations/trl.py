@@ -44,11 +44,12 @@ import fusedrl
 from fusedrl import LossConfig
 from fusedrl.linear import plain_lm_head
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# Loss types whose denominator is TRL's token count num_items_in_batch (already holding the
+# gradient-accumulation steps); the others are divided by the accumulation steps.
+TOKEN_COUNT_LOSSES = ("dapo", "cispo", "vespo")
 # TRL options (name -> the value under which fusedrl reproduces TRL exactly).
 UNSUPPORTED = {
-    "top_entropy_quantile": 1.0,
-    "off_policy_mask_threshold": None,
     "use_adaptive_entropy": False,
     "entropy_coef": 0.0,
 }
@@ -66,11 +67,6 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
                 f"GRPOConfig.{name}={value!r} is not supported by fusedrl's TRL integration "
                 f"(supported: {name}={neutral!r})"
             )
-    if args.beta != 0.0 and getattr(args, "use_bias_correction_kl", False):
-        raise ValueError(
-            "GRPOConfig.use_bias_correction_kl=True (KL multiplied by the IS ratio) with beta > 0 "
-            "is not supported by fusedrl's TRL integration; set use_bias_correction_kl=False"
-        )
     loss_type = args.loss_type
     if loss_type not in SUPPORTED_LOSS_TYPES:
         raise ValueError(
@@ -80,10 +76,17 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     level = args.importance_sampling_level
     if level not in ("token", "sequence"):
         raise ValueError(f"GRPOConfig.importance_sampling_level={level!r} is not supported")
-    if level == "sequence" and loss_type not in ("grpo", "sapo"):
+    bias_corrected_kl = args.beta != 0.0 and getattr(args, "use_bias_correction_kl", False)
+    if bias_corrected_kl and level == "sequence":
+        raise ValueError(
+            "GRPOConfig.use_bias_correction_kl=True with importance_sampling_level='sequence': "
+            "TRL differentiates the KL through the whole sequence ratio, fusedrl's sequence "
+            "ratio carries each token's own gradient (GSPO-token); use the token level"
+        )
+    if level == "sequence" and loss_type not in ("grpo", "sapo", "luspo", "vespo"):
         raise ValueError(
             f"GRPOConfig.importance_sampling_level='sequence' with loss_type={loss_type!r}: "
-            "fusedrl supports sequence-level ratios with loss_type 'grpo' (GSPO)"
+            "fusedrl supports sequence-level ratios with loss_type 'grpo' (GSPO) and 'luspo'"
         )
     if level == "sequence" and loss_type == "sapo":
         raise ValueError(
@@ -93,7 +96,24 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     kl = "k3" if args.beta != 0.0 else None
-    common = dict(temperature=args.temperature, beta=args.beta, kl=kl)
+    common = dict(
+        temperature=args.temperature,
+        beta=args.beta,
+        kl=kl,
+        kl_bias_correction=bias_corrected_kl,
+        off_policy_mask=getattr(args, "off_policy_mask_threshold", None),
+        top_entropy_quantile=getattr(args, "top_entropy_quantile", 1.0),
+    )
+    if loss_type == "vespo":  # its sequence weight reads token ratios whatever the level
+        return LossConfig(
+            loss="vespo",
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            agg="token-mean",
+            **common,
+        )
     if loss_type == "cispo":
         if eps_high <= 1.0:
             raise ValueError(
@@ -120,12 +140,13 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
         "bnpo": "token-mean",
         "dapo": "token-mean",
         "dr_grpo": "seq-mean-token-sum-norm",
+        "luspo": "seq-mean-token-sum",
     }[loss_type]
     extra: dict[str, Any] = {}
     if loss_type == "dr_grpo":
         extra["norm_constant"] = float(args.max_completion_length)
     return LossConfig(
-        loss="ppo",
+        loss="luspo" if loss_type == "luspo" else "ppo",
         ratio_level=level,
         eps_low=eps_low,
         eps_high=eps_high,
@@ -253,10 +274,10 @@ class FusedGRPOTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------- loss
     def _normalizer(self, inputs, batch: int, mode: str):
-        """TRL's denominators: global token count (dapo/cispo) or all B sequences (grpo, sapo,
-        dr_grpo; TRL averages over every sequence, empty ones included)."""
+        """TRL's denominators: global token count (dapo/cispo/vespo) or all B sequences (grpo,
+        sapo, dr_grpo, luspo; TRL averages over every sequence, empty ones included)."""
         loss_type = self.loss_type
-        if loss_type in ("dapo", "cispo"):
+        if loss_type in TOKEN_COUNT_LOSSES:
             tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 # num_items_in_batch counts the whole generation batch (steps_per_generation
@@ -297,12 +318,23 @@ class FusedGRPOTrainer(GRPOTrainer):
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weights = inputs["importance_sampling_ratio"]
+        if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
+            raise ValueError(
+                "GRPOConfig.top_entropy_quantile < 1 under several processes: TRL takes the "
+                "entropy quantile over every process's tokens, fusedrl over this process's"
+            )
         mode = "train" if self.model.training else "eval"
         old_logp = inputs.get("old_per_token_logps")
         ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        # The off-policy mask measures the drift from the sampler (TRL: sampling_per_token_logps,
+        # else the old log-probs).
+        rollout_logp = None
+        if self.off_policy_mask_threshold is not None:
+            rollout_logp = inputs.get("sampling_per_token_logps")
         loss_args = dict(
             old_logp=old_logp,
             ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
             config=self.fused_config,
             normalizer=self._normalizer(inputs, completion_ids.size(0), mode),
             is_weights=is_weights,
@@ -319,19 +351,21 @@ class FusedGRPOTrainer(GRPOTrainer):
                 **loss_args,
             )  # fmt: skip
         loss = out.loss
-        # TRL scales every term but the dapo/cispo policy loss (whose normaliser already holds the
-        # accumulation steps) for gradient accumulation; eval does not accumulate.
+        # TRL scales every term but the dapo/cispo/vespo policy loss (whose normaliser already holds
+        # the accumulation steps) for gradient accumulation; eval does not accumulate.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type not in ("dapo", "cispo"):
+        if self.loss_type not in TOKEN_COUNT_LOSSES:
             loss = loss / accumulation
         if aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             aux = self.accelerator.gather_for_metrics(aux_loss.detach())
             self._metrics[mode]["aux_loss"].append(aux.mean().item())
-        self._log_trl_metrics(mode, out, mask, inputs["advantages"], old_logp, ref_logp)
+        self._log_trl_metrics(mode, out, mask, inputs["advantages"], old_logp, ref_logp, is_weights)
         return loss
 
-    def _log_trl_metrics(self, mode, out, mask, advantages, old_logp, ref_logp) -> None:
+    def _log_trl_metrics(
+        self, mode, out, mask, advantages, old_logp, ref_logp, is_weights=None
+    ) -> None:
         """The metrics TRL's `_compute_loss` logs, with TRL's formulas and reductions (token-
         weighted means over all processes; per-sequence clip fractions gathered, then NaN-min/max,
         NaN being a sequence with no token), from the fused per-token log-probs and entropies."""
@@ -359,13 +393,27 @@ class FusedGRPOTrainer(GRPOTrainer):
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         if self.beta != 0.0:
-            # k3, unclamped as TRL writes it (use_bias_correction_kl is rejected with beta > 0)
+            # k3, unclamped as TRL writes it, times the ratio when bias-corrected (token level)
             kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * ratio
             metrics["kl"].append(global_masked_mean(kl))
         metrics["entropy"].append(global_masked_mean(out.entropy))
         if self.loss_type == "cispo":
             clipped = (ratio > self.epsilon_high) & (advantages > 0)
             metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
+        elif self.loss_type == "vespo":
+            phi = self.get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=logp - (logp if old_logp is None else old_logp),
+                mask=mask,
+                importance_sampling_ratio=is_weights,
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )
+            metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         elif self.loss_type != "sapo":
             low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
             high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
