@@ -7,6 +7,7 @@ job must raise the accuracy; a run resumed from its checkpoint must reproduce it
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -160,6 +161,21 @@ def test_dupo_sas_and_sequence_level_loss(default_run, tmp_path):
                         "--dupo", "true", "--max-steps", "2", "--model",
                         str(default_run / "base_model"), "--micro-batch-size", "16"))
     assert len(read_metrics(out)) == 2
+
+
+def test_vespo_with_every_rollout_correction(default_run, tmp_path):
+    """VESPO, the bias-corrected KL, the off-policy mask against vLLM's log-probs and the
+    top-entropy selection, through the CLI: the run trains and logs what each correction did."""
+    out = tmp_path / "vespo"
+    check(fusedrl_train("--out", str(out), "--preset", "vespo", "--kl", "k3", "--beta", "0.01",
+                        "--kl-bias-correction", "--off-policy-mask", "0.0",
+                        "--top-entropy-quantile", "0.5", "--ppo-epochs", "2", "--max-steps", "2",
+                        "--model", str(default_run / "base_model")))
+    records = read_metrics(out)
+    assert len(records) == 2
+    for name in ("vespo_phi_mean", "off_policy_masked", "entropy_masked"):
+        assert all(math.isfinite(r[name]) for r in records), name
+    assert 0 < records[-1]["entropy_masked"] < 1
 
 
 def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):

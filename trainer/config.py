@@ -26,7 +26,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLLOUTS = ("auto", "vllm", "hf")
 # LossConfig fields a run may override on top of its preset (None = the preset's value).
 LOSS_OVERRIDES = ("eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
-                  "entropy_coef", "is_correction", "is_cap", "is_cap_low")
+                  "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
+                  "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
+                  "vespo_k_neg", "vespo_lambda_neg")
 
 
 @dataclass
@@ -65,6 +67,13 @@ class TrainConfig:
     is_correction: str | None = None
     is_cap: float | None = None
     is_cap_low: float | None = None
+    kl_bias_correction: bool | None = None
+    off_policy_mask: float | None = None
+    top_entropy_quantile: float | None = None
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, oversample to refill
     max_num_gen_batches: int = 4  # oversampling rounds before training on what was kept
     dupo: bool = False  # DUPO: refill dropped groups by duplicating kept ones
@@ -213,6 +222,16 @@ HELP = {
     "is_correction": f"Train/inference IS correction, one of {list(IS_CORRECTIONS)}; unset: off.",
     "is_cap": "Upper bound of the IS weights; unset: the preset's (2).",
     "is_cap_low": "Lower bound of the IS weights; unset: 1 / is_cap for the mask modes.",
+    "kl_bias_correction": "Multiply the KL term by the ratio pi / pi_old (DeepSeek-V3.2); "
+    "unset: off.",
+    "off_policy_mask": "DeepSeek-V3.2's off-policy sequence mask: negative-advantage sequences "
+    "whose mean log-prob gap to vLLM's exceeds this do not train; unset: off.",
+    "top_entropy_quantile": "Only the top share of tokens by entropy (within each micro-batch) "
+    "train, in (0, 1]; unset: 1, all.",
+    "vespo_k_pos": "VESPO's gamma shape k for A >= 0 (--preset vespo); unset: 2.",
+    "vespo_lambda_pos": "VESPO's gamma rate lambda for A >= 0; unset: 3.",
+    "vespo_k_neg": "VESPO's gamma shape k for A < 0; unset: 3.",
+    "vespo_lambda_neg": "VESPO's gamma rate lambda for A < 0; unset: 2.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

@@ -553,7 +553,7 @@ class Trainer:
 def describe_loss(lcfg: LossConfig) -> str:
     """The loss in one line: variant, ratio level, clip range, aggregation, KL, extras."""
     parts = [lcfg.loss + (" (sequence ratio)" if lcfg.ratio_level == "sequence" else "")]
-    if lcfg.loss in ("ppo", "cispo", "dcpo", "gmpo"):
+    if lcfg.loss in ("ppo", "luspo", "cispo", "dcpo", "gmpo"):
         parts.append(f"clip {lcfg.eps_low:g}/{lcfg.eps_high:g}")
     if lcfg.dual_clip_c is not None:
         parts.append(f"dual clip {lcfg.dual_clip_c:g}")
@@ -563,6 +563,12 @@ def describe_loss(lcfg: LossConfig) -> str:
         parts.append(f"entropy bonus {lcfg.entropy_coef:g}")
     if lcfg.is_correction:
         parts.append(f"IS {lcfg.is_correction} cap {lcfg.is_cap:g}")
+    if lcfg.kl_bias_correction and lcfg.beta > 0:
+        parts.append("KL x ratio")
+    if lcfg.off_policy_mask is not None:
+        parts.append(f"off-policy mask {lcfg.off_policy_mask:g}")
+    if lcfg.top_entropy_quantile < 1:
+        parts.append(f"top {lcfg.top_entropy_quantile:g} entropy tokens")
     return ", ".join(parts)
 
 
