@@ -98,7 +98,8 @@ class LossConfig:
     # off_policy_mask_threshold). None: off.
     off_policy_mask: float | None = None
     # Only the tokens in the top `top_entropy_quantile` share of entropy (over the call's valid
-    # tokens) train the policy term and the entropy bonus (TRL's top_entropy_quantile). 1: all.
+    # tokens) train the policy term and the entropy bonus (TRL's top_entropy_quantile). 1: all;
+    # 0: the highest-entropy token.
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
@@ -198,9 +199,9 @@ class LossConfig:
                     "has one term per sequence"
                 )
         q = self.top_entropy_quantile
-        _check_positive("top_entropy_quantile", q)
-        if q > 1:
-            raise ValueError(f"LossConfig.top_entropy_quantile must be in (0, 1], got {q!r}")
+        _check_positive("top_entropy_quantile", q, above=-math.inf)
+        if not 0 <= q <= 1:  # 0: only the highest-entropy token(s) train (TRL's range)
+            raise ValueError(f"LossConfig.top_entropy_quantile must be in [0, 1], got {q!r}")
         if q < 1 and self.loss == "gmpo":
             raise ValueError(
                 "LossConfig.top_entropy_quantile masks tokens of the policy term, but loss='gmpo' "

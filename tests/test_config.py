@@ -151,7 +151,7 @@ def test_unknown_preset():
         (dict(off_policy_mask=-0.1), "off_policy_mask"),
         (dict(off_policy_mask=float("inf")), "off_policy_mask"),
         (dict(loss="gmpo", off_policy_mask=0.1), "off_policy_mask"),
-        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=-0.1), "top_entropy_quantile"),
         (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
         (dict(loss="gmpo", top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(loss="vespo", delta=2.0), "delta"),

@@ -169,13 +169,13 @@ def test_off_policy_mask_is_trls():
 
 # ------------------------------------------------------------------- top-entropy token selection
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("rho", [0.2, 0.5])
+@pytest.mark.parametrize("rho", [0.0, 0.2, 0.5])
 def test_top_entropy_quantile_trains_the_high_entropy_tokens(backend, rho):
     data, _ = _data(seed=9)
     data["logits"] = data["logits"] * torch.rand(6, 7, 1) * 3  # entropies spread out
     cfg = LossConfig(top_entropy_quantile=rho, entropy_coef=0.05, is_correction="token_truncate")
     ref = _compare(data, cfg, backend)
-    assert 1 - rho - 0.1 < ref.metrics["entropy_masked"] < 1 - rho + 0.1
+    assert 1 - rho - 0.1 < ref.metrics["entropy_masked"] < 1 - rho + 0.1  # rho = 0: one token
     with torch.no_grad():
         _, entropy = reference.token_logprobs(data["logits"], data["labels"], return_entropy=True)
     counted = data["mask"]

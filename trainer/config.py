@@ -227,7 +227,7 @@ HELP = {
     "off_policy_mask": "DeepSeek-V3.2's off-policy sequence mask: negative-advantage sequences "
     "whose mean log-prob gap to vLLM's exceeds this do not train; unset: off.",
     "top_entropy_quantile": "Only the top share of tokens by entropy (within each micro-batch) "
-    "train, in (0, 1]; unset: 1, all.",
+    "train, in [0, 1]; unset: 1, all.",
     "vespo_k_pos": "VESPO's gamma shape k for A >= 0 (--preset vespo); unset: 2.",
     "vespo_lambda_pos": "VESPO's gamma rate lambda for A >= 0; unset: 3.",
     "vespo_k_neg": "VESPO's gamma shape k for A < 0; unset: 3.",
