@@ -262,6 +262,39 @@ def _masked_share(metrics: dict, name: str, dropped: torch.Tensor, inp: LossInpu
     metrics[name + "_seqs"] = share.to(inp.mask.device)
 
 
+def _mismatch_metrics(metrics: dict, logp, w, inp: LossInputs) -> None:
+    """KL(rollout || trainer) (k1, k3), chi-square of the trainer / rollout ratios per token and
+    per sequence (verl's rollout_corr formulas, with the pass's own log-probs as the trainer's),
+    and the effective sample size and masked shares of the IS weights."""
+    if inp.rollout_logp is not None:
+        counted = inp.valid & (inp.mask > 0)
+        # float64 and expm1: the chi-square is a small difference of terms near 1.
+        gap = torch.where(counted, logp.double() - inp.rollout_logp.double(), 0.0).nan_to_num()
+        x = torch.clamp(gap, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        m = torch.where(counted, inp.mask.double(), 0.0)
+
+        def mean(v):
+            return ((v * m).sum() / m.sum().clamp_min(1e-8)).float()
+
+        metrics["mismatch_kl_k1"] = mean(-gap)
+        metrics["mismatch_kl_k3"] = mean(x.exp() - x - 1)
+        metrics["mismatch_chi2_token"] = mean(torch.expm1(2 * x))
+        per_seq = [
+            torch.expm1(2 * torch.clamp(row_gap.sum(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            for row_gap, row in zip(gap, counted)
+            if row.any()
+        ]
+        chi2_seq = torch.stack(per_seq).mean() if per_seq else torch.zeros(())
+        metrics["mismatch_chi2_seq"] = chi2_seq.float().to(logp.device)
+    if w is not None:
+        w = w.expand_as(logp).float()
+        normalised = w / masked_mean(w, inp).clamp_min(1e-8)
+        second_moment = masked_mean(normalised * normalised, inp)
+        ess = 1 / second_moment if second_moment > 0 else torch.zeros(())
+        metrics["is_ess"] = ess.float().to(logp.device)
+        _masked_share(metrics, "is_masked", w == 0, inp)
+
+
 def _clipped_objective(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -380,6 +413,7 @@ def policy_loss(
     add_token_metrics(
         metrics, old, logp.detach(), None if entropy is None else entropy.detach(), w, inp
     )
+    _mismatch_metrics(metrics, logp.detach(), w, inp)
 
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))

@@ -312,6 +312,41 @@ def _top_entropy_keep(entropy, inp, cfg, metrics) -> torch.Tensor:
     return keep.float()
 
 
+def add_mismatch_metrics(
+    metrics: dict, logp: torch.Tensor, w: torch.Tensor | None, inp: LossInputs
+) -> None:
+    """Train/inference mismatch from the pass's own log-probs: KL(rollout || trainer) by k1 and
+    k3, the chi-square divergence of the token and sequence ratios trainer / rollout (verl's
+    rollout_corr metrics), and the IS weights' effective sample size and masked shares."""
+    if inp.rollout_logp is not None:
+        # fp64, and expm1 rather than exp - 1: chi-square is a small difference of large terms.
+        log_rho = torch.where(inp.valid, logp.double() - inp.rollout_logp.double(), 0.0)
+        log_rho = torch.nan_to_num(log_rho, nan=0.0)  # tokens the engine could not score
+        clamped = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weights = torch.where(inp.valid, inp.mask.double(), 0.0)
+        total = weights.sum().clamp_min(1e-8)
+
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return ((x * weights).sum() / total).float()
+
+        metrics["mismatch_kl_k1"] = mean(-log_rho)
+        metrics["mismatch_kl_k3"] = mean(torch.expm1(clamped) - clamped)
+        metrics["mismatch_chi2_token"] = mean(torch.expm1(2.0 * clamped))
+        counted = inp.valid & (inp.mask > 0)
+        nonempty = counted.any(-1)
+        seq_log_rho = torch.where(counted, log_rho, 0.0).sum(-1)
+        seq_chi2 = torch.expm1(2.0 * seq_log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        n_seq = nonempty.double().sum().clamp_min(1.0)
+        metrics["mismatch_chi2_seq"] = (torch.where(nonempty, seq_chi2, 0.0).sum() / n_seq).float()
+    if w is not None:
+        w = w.expand_as(logp).float()
+        mean_w = masked_mean(w, inp)
+        second = masked_mean((w / mean_w.clamp_min(1e-8)).square(), inp)
+        metrics["is_ess"] = torch.where(second > 0, 1.0 / second.clamp_min(1e-30), 0.0)
+        metrics["is_masked"] = masked_mean(w == 0, inp)
+        metrics["is_masked_seqs"] = _share_of_sequences(w == 0, inp)
+
+
 @torch.no_grad()
 def token_terms(
     logp: torch.Tensor,
@@ -376,4 +411,5 @@ def token_terms(
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
     add_token_metrics(metrics, old, logp, entropy, w, inp)
+    add_mismatch_metrics(metrics, logp, w, inp)
     return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)

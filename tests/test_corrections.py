@@ -25,12 +25,12 @@ def _data(seed=0, batch=6, time=7, vocab=137):
     return data, logp
 
 
-def _compare(data, cfg, backend):
+def _compare(data, cfg, backend, **kwargs):
     ours, grad = run_loss(
         lambda *a, **k: fusedrl.policy_loss(*a, backend=backend, **k),
-        data, cfg, return_entropy=True,
+        data, cfg, return_entropy=True, **kwargs,
     )  # fmt: skip
-    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True, **kwargs)
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
     assert set(ours.metrics) == set(ref.metrics)
@@ -209,3 +209,35 @@ def test_masked_quantile_is_torch_quantile(count, q):
         assert got == float("inf")
     else:
         torch.testing.assert_close(got, torch.quantile(x[selected], q))
+
+
+# ------------------------------------------------------------------------- mismatch metrics
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatch_metrics_vanish_without_a_mismatch_and_grow_with_it(backend):
+    data, logp = _data(seed=11)
+    data["old_logp"] = None
+    data["rollout_logp"] = logp.clone()
+    out, _ = run_loss(lambda *a, **k: fusedrl.policy_loss(*a, backend=backend, **k), data,
+                      LossConfig())  # fmt: skip
+    for name in ("mismatch_kl_k1", "mismatch_kl_k3", "mismatch_chi2_token", "mismatch_chi2_seq"):
+        assert abs(out.metrics[name]) < 1e-5, name
+    data["rollout_logp"] = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator())
+    ref = _compare(data, LossConfig(), backend)
+    assert ref.metrics["mismatch_kl_k3"] > 0 and ref.metrics["mismatch_chi2_seq"] > 0
+    gap = (data["rollout_logp"] - logp)[data["mask"]]
+    assert ref.metrics["mismatch_kl_k1"].item() == pytest.approx(gap.mean().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_effective_sample_size_and_masked_share_of_the_is_weights(backend):
+    data, _ = _data(seed=12)
+    counted = data["mask"]
+    weights = torch.ones(counted.shape)
+    weights[0] = 0.0  # one whole sequence masked by its IS weight
+    data["rollout_logp"] = None
+    ref = _compare(data, LossConfig(), backend, is_weights=weights)
+    share = counted[0].sum() / counted.sum()
+    assert ref.metrics["is_masked"].item() == pytest.approx(share.item())
+    assert ref.metrics["is_masked_seqs"].item() == pytest.approx(1 / 5)
+    # weights 0 or 1: E[w^2] / E[w]^2 = 1 / (1 - share), so ESS = 1 - share
+    assert ref.metrics["is_ess"].item() == pytest.approx(1 - share.item(), rel=1e-5)

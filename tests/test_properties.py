@@ -46,6 +46,12 @@ def configs(draw):
     return LossConfig(**kwargs)
 
 
+def _metric_atol(key: str) -> float:
+    # chi-square means exp(2 log rho) - 1 over tokens: logp's last-bit differences (~1e-6) come
+    # back multiplied by 2 rho^2 (up to ~e^2 on these inputs) in a value that can be near 0.
+    return 2e-5 if key.startswith("mismatch_chi2") else 1e-6
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     cfg=configs(),
@@ -73,7 +79,9 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
     for key in ref.metrics:
-        torch.testing.assert_close(ours.metrics[key], ref.metrics[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            ours.metrics[key], ref.metrics[key], atol=_metric_atol(key), rtol=1e-5, msg=key
+        )
 
 
 @needs_interpreter
