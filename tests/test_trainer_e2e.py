@@ -173,7 +173,8 @@ def test_vespo_with_every_rollout_correction(default_run, tmp_path):
                         "--model", str(default_run / "base_model")))
     records = read_metrics(out)
     assert len(records) == 2
-    for name in ("vespo_phi_mean", "off_policy_masked", "entropy_masked"):
+    for name in ("vespo_phi_mean", "off_policy_masked", "entropy_masked", "mismatch_kl_k3",
+                 "mismatch_chi2_seq"):  # the mismatch to the engine's log-probs, logged
         assert all(math.isfinite(r[name]) for r in records), name
     assert 0 < records[-1]["entropy_masked"] < 1
 

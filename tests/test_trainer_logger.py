@@ -20,7 +20,8 @@ def _rows(steps=6):
             "entropy": None if step == 2 else 0.5, "response_len_mean": 3.0,
             "truncated_frac": 0.0, "clipfrac": 0.001 * step, "clip_high": 0.002,
             "clip_low": 0.0, "kl": 0.0, "is_weight_mean": 1.0 + 1e-4 * step,
-            "loss": 0.1, "step_time": 0.2, "lr": 2e-4,
+            "loss": 0.1, "step_time": 0.2, "lr": 2e-4, "mismatch_kl_k1": 1e-3 * step,
+            "mismatch_kl_k3": 2e-3, "is_masked": 0.0, "entropy_masked": 0.8,
         })  # fmt: skip
     return rows
 
@@ -33,6 +34,9 @@ def test_panels_show_what_the_run_has(tmp_path):
     assert panels["clip fractions"] == ["clipfrac", "clip_high"]  # clip_low stays at its default
     assert "IS weight mean" in panels and "KL to the reference" not in panels
     assert "truncated share" not in panels and "entropy" in panels  # a None is skipped
+    mismatch = panels["train/inference mismatch: KL(vLLM || trainer)"]
+    assert mismatch == ["mismatch_kl_k1", "mismatch_kl_k3"]
+    assert panels["tokens dropped by a correction"] == ["entropy_masked"]  # is_masked: default
     assert (plot(tmp_path) or tmp_path / "missing").stat().st_size > 10_000
 
 

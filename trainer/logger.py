@@ -18,11 +18,16 @@ PANELS = (
     ("clip fractions", ("clipfrac", "clip_low", "clip_high", "dual_clipfrac")),
     ("KL to the reference", ("kl",)),
     ("IS weight mean", ("is_weight_mean",)),
+    ("train/inference mismatch: KL(vLLM || trainer)", ("mismatch_kl_k1", "mismatch_kl_k3")),
+    ("train/inference mismatch: chi-square", ("mismatch_chi2_token", "mismatch_chi2_seq")),
+    ("IS weights: effective sample size", ("is_ess",)),
+    ("tokens dropped by a correction", ("is_masked", "off_policy_masked", "entropy_masked")),
+    ("VESPO weight mean", ("vespo_phi_mean",)),
 )
 # Values the loop fills in when a run has no such term: a metric that never leaves its default
 # is not plotted (a flat KL of 0 in a run without KL says nothing).
 DEFAULTS = {"kl": 0.0, "is_weight_mean": 1.0, "dual_clipfrac": 0.0, "clip_low": 0.0,
-            "clip_high": 0.0, "truncated_frac": 0.0}
+            "clip_high": 0.0, "truncated_frac": 0.0, "is_masked": 0.0}
 # TensorBoard groups by the tag's prefix; metrics.jsonl keeps the flat names.
 TB_GROUPS = {
     "rollout": ("reward_mean", "reward_std", "accuracy", "frac_zero_std", "response_len_mean",
