@@ -4,13 +4,16 @@
     python bench/bench_linear.py --smoke         # tiny shapes, any device: not a measurement
 
 For each (N, H, V): forward + backward of
-- `fused`: fusedrl.linear_policy_loss (Triton on CUDA, the torch backend elsewhere);
+- `fused`: fusedrl.linear_policy_loss (Triton on CUDA, the torch backend elsewhere); on CUDA in
+  both Triton designs (fusedrl.linear_triton): `fused:gemm` (cuBLAS logits chunks, the fused
+  row kernel, cuBLAS dX / dW: 6·N·H·V flops) and `fused:on-chip` (logits tiles in registers,
+  made twice: 8·N·H·V);
 - `logits`: hidden @ W.T materialised, then fusedrl.policy_loss in place;
 - `liger`: Liger-Kernel's chunked LigerFusedLinearGRPOLoss (token-mean loss, its dapo), if
   installed;
 and the dense bf16 GEMM rate of [N, H] @ [H, V] measured in the same run. `gemm_fraction` is the
-three GEMMs of the loss (6·N·H·V flops) per second over that rate (the fused path does 8·N·H·V:
-the logits twice). Peak memory is above the inputs (CUDA only). Medians over the repetitions;
+three GEMMs of the loss (6·N·H·V flops) per second over that rate, whatever a design does.
+Peak memory is above the inputs (CUDA only). Medians over the repetitions;
 inputs rotate over a few copies so that no run reads another's cache. JSON under bench/results/.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import _bench, _device_name, _git_commit, peak_memory_above_inputs  # noqa: E402
 
 import fusedrl  # noqa: E402
+from fusedrl import linear_triton  # noqa: E402
 
 GRID = {"N": (8192, 32768), "H": (2048, 4096), "V": (128256, 151936)}
 SMOKE_GRID = {"N": (64,), "H": (32,), "V": (1031,)}
@@ -61,9 +66,12 @@ def make_step(impl, tensors, cfg, backend):
     def leaves():
         return hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
 
-    if impl == "fused":
+    if impl.startswith("fused"):
+        design = impl.partition(":")[2]
 
         def step():
+            if design:
+                os.environ[linear_triton.DESIGN_ENV] = design
             h, w = leaves()
             out = fusedrl.linear_policy_loss(h, w, labels, adv, mask, config=cfg, backend=backend)
             return torch.autograd.grad(out.loss, (h, w))
@@ -111,11 +119,14 @@ def main(argv=None) -> int:
         args.warmup_ms, args.rep_ms = 1, 5
     cfg = fusedrl.LossConfig.preset("dapo")
     rows = []
-    print(f"{'N':>6} {'H':>5} {'V':>7} {'impl':>7} {'ms':>9} {'gemm %':>7} {'peak MiB':>9}")
+    print(f"{'N':>6} {'H':>5} {'V':>7} {'impl':>13} {'ms':>9} {'gemm %':>7} {'peak MiB':>9}")
     for n, h, v in itertools.product(grid["N"], grid["H"], grid["V"]):
         rate = gemm_tflops(n, h, v, dtype, device, args.warmup_ms, args.rep_ms)
         copies = [_inputs(n, h, v, dtype, device, seed) for seed in range(COPIES)]
-        for impl in ("fused", "logits", "liger"):
+        fused = ["fused"]
+        if device.type == "cuda":
+            fused = [f"fused:{design}" for design in linear_triton.DESIGNS]
+        for impl in (*fused, "logits", "liger"):
             steps = [make_step(impl, c, cfg, backend) for c in copies]
             if steps[0] is None:
                 continue
@@ -132,7 +143,7 @@ def main(argv=None) -> int:
                  "gemm_fraction": fraction, "peak_bytes_above_inputs": peak}
             )  # fmt: skip
             mib = "-" if peak is None else f"{peak / 2**20:.0f}"
-            print(f"{n:>6} {h:>5} {v:>7} {impl:>7} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
+            print(f"{n:>6} {h:>5} {v:>7} {impl:>13} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
     result = {
         "benchmark": "linear_policy_loss",
         "smoke": args.smoke,

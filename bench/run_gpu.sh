@@ -4,8 +4,9 @@
 #   bash bench/run_gpu.sh tests   [OUTDIR]  # tests/test_gpu.py: Triton backend, then CUDA backend
 #   bash bench/run_gpu.sh bench   [OUTDIR]  # bench/bench_loss.py (BENCH_MATRIX=full|small), plot
 #   bash bench/run_gpu.sh profile [OUTDIR]  # ncu DRAM bytes of the fused kernels -> ncu-<gpu>.json
+#   bash bench/run_gpu.sh linear  [OUTDIR]  # bench/bench_linear.py: the LM-head loss, both designs
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
-#   bash bench/run_gpu.sh all     [OUTDIR]  # the four above (bench on the small matrix)
+#   bash bench/run_gpu.sh all     [OUTDIR]  # the five above (bench on the small matrix)
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -46,13 +47,13 @@
 set -euo pipefail
 
 usage() {
-  sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,9p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | steps | all) ;;
+  tests | bench | profile | linear | steps | all) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -294,6 +295,12 @@ stage_profile() {
     --csv "${csvs[@]}" --out "$OUTDIR/ncu-$SLUG.json"
 }
 
+stage_linear() {
+  # The grid (N x H x V, 8 shapes) against materialised logits and Liger's chunked loss.
+  step linear:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_linear.log" \
+    "$PY" bench/bench_linear.py --out "$OUTDIR"
+}
+
 stage_steps() {
   if skip_unless steps:train_step transformers; then
     step steps:train_step 270 "$PREFIX-bench_train_step.log" \
@@ -319,6 +326,7 @@ case "$STAGE" in
   tests) stage_tests ;;
   bench) stage_bench full ;;
   profile) stage_profile ;;
+  linear) stage_linear ;;
   steps) stage_steps ;;
   all)
     stage_tests
@@ -326,6 +334,8 @@ case "$STAGE" in
     stage_bench small
     start_stage
     stage_profile
+    start_stage
+    stage_linear
     start_stage
     stage_steps
     ;;

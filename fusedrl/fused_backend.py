@@ -111,9 +111,10 @@ def token_logprobs(
     return logp, entropy if return_entropy else None
 
 
-def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
-    """One kernel: logp, entropy and the gradient; the aggregation weight and IS weight, which
-    do not depend on the logits, are [B, T] inputs."""
+def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
+    """The arguments of the fused op after the logits (FUSED_ARGS): per-token [B, T] tensors,
+    then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
+    they are computed here for the whole batch (and may be sliced into row chunks)."""
     old = inp.old_logp
     # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
     is_weight = resolve_is_weights(old, inp, cfg)
@@ -121,7 +122,7 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
     if loss in ("ppo", "cispo", "dcpo"):
         low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
-    args = (
+    return (
         inp.labels,
         inp.valid,
         inp.advantages,
@@ -141,6 +142,11 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
         cfg.beta,
         cfg.entropy_coef,
     )
+
+
+def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
+    """One kernel: logp, entropy and the gradient."""
+    args = fused_token_args(inp, cfg)
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args)
     return ops.fused_token_loss(inp.logits, grad_out, *args)

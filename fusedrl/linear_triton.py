@@ -1,34 +1,64 @@
-"""`backend="triton"` of the LM-head loss: `fusedrl.kernels.linear_loss` plus cuBLAS GEMMs.
+"""`backend="triton"` of the LM-head loss: cuBLAS GEMMs around the fused row kernels.
 
-Every preset takes the same three steps, none of which holds [N, V]:
+Two designs; neither ever holds [N, V]. `FUSEDRL_LINEAR_DESIGN` picks one (read at each call, so
+that bench/bench_linear.py measures both in one run):
 
-1. the stats kernel: logits tiles made on chip, folded into logp, lse and entropy per row;
-2. `token_terms` on the [B, T] scalars: the loss, the metrics and d(loss)/d(logp), d(loss)/d(H);
-3. per chunk of rows (GRAD_CHUNK_BYTES of gradient): the gradient kernel recomputes the tiles
-   and writes the chunk's d(loss)/d(logits) G; dX = G @ W and dW += G.T @ X (fp32 accumulation
-   across chunks for fp32 heads; one rounding per chunk in the head's dtype otherwise).
+- "gemm" (default): cuBLAS makes the logits one chunk of rows at a time ([C, V] in the hidden
+  states' dtype, GRAD_CHUNK_BYTES at most, the buffer reused); the row kernels of `policy_loss`
+  read the chunk and write its d(loss)/d(logits) G over it; cuBLAS takes dX = G @ W and
+  dW += G.T @ X. Token-level losses need one sweep: each token's derivative depends only on its
+  own logp / entropy and on weights computed before the sweep (aggregation, IS, bounds), so the
+  fused kernel gives a chunk's G right after its logits: 2 + 4 = 6·N·H·V flops, the minimum, all
+  in cuBLAS. Sequence-level losses sweep twice (logp first, then G): 8·N·H·V. No-grad log-probs:
+  2·N·H·V. The chunk's extra traffic (write C x V, then read it twice) is small against its GEMM
+  (H / 2 multiply-adds per byte).
+- "on-chip": `fusedrl.kernels.linear_loss` makes each logits tile in registers (tl.dot) and folds
+  it into logp / lse / entropy at once; the gradient kernel makes the tiles again and writes a
+  chunk's G for the cuBLAS GEMMs: 2 + 2 + 4 = 8·N·H·V flops with a gradient, for every loss, and
+  no [C, V] buffer in the no-grad path.
 
-That is 2 + 2 + 4 = 8·N·H·V flops (the logits twice, then the two gradient GEMMs).
+The bf16 logits of "gemm" are rounded to bf16 once (as the model's own LM head would round them);
+"on-chip" keeps them in fp32.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import torch
 
 from .config import LossConfig
+from .fused_backend import fused_token_args, needs_two_passes
 from .linear_torch import LinearGrads, LinearInputs
 from .token_terms import TokenTerms, token_terms
 
-# Largest d(loss)/d(logits) chunk, in bytes: 256 MiB is 16 x 8 MiB rows of bf16 at V = 151936...
-# about 880 rows, enough to keep the GEMMs near their peak rate while far below [N, V].
+DESIGNS = ("gemm", "on-chip")
+DESIGN_ENV = "FUSEDRL_LINEAR_DESIGN"
+
+# Largest logits / d(loss)/d(logits) chunk, in bytes: 256 MiB is 883 rows of bf16 at V = 151936,
+# enough to keep the GEMMs near their peak rate while far below [N, V].
 GRAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _kernels():
+def design() -> str:
+    name = os.environ.get(DESIGN_ENV, "gemm")
+    if name not in DESIGNS:
+        raise ValueError(f"{DESIGN_ENV}={name!r} is not one of {DESIGNS}")
+    return name
+
+
+def _on_chip_kernels():
     from fusedrl.kernels import check_triton_version, linear_loss
 
     check_triton_version()
     return linear_loss
+
+
+def _row_ops():
+    from . import triton_backend
+
+    return triton_backend.OPS
 
 
 def _check_dtype(lin: LinearInputs) -> None:
@@ -39,16 +69,131 @@ def _check_dtype(lin: LinearInputs) -> None:
         )
 
 
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A [B, T] per-token tensor as [1, N], so that [:, start:stop] is a chunk of flat rows."""
+    return t.reshape(1, -1) if isinstance(t, torch.Tensor) else t
+
+
+def _cut(t, start: int, stop: int):
+    return t[:, start:stop] if isinstance(t, torch.Tensor) else t
+
+
+def _masked_rows(lin: LinearInputs) -> torch.Tensor:
+    """The hidden states as [N, H] with masked rows zeroed: whatever padding they hold (NaN), their
+    logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM)."""
+    hidden = lin.hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
+
+
+def _chunk_rows(n_rows: int, vocab: int, elem_bytes: int) -> int:
+    return max(1, min(n_rows, GRAD_CHUNK_BYTES // max(1, vocab * elem_bytes)))
+
+
+def _logits_chunks(
+    lin: LinearInputs, rows: torch.Tensor
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, logits [1, stop - start, V]) of consecutive row chunks, made by cuBLAS in one
+    reused buffer: a chunk is valid until the next one is made."""
+    weight, bias = lin.weight, lin.bias
+    n_rows, vocab = rows.shape[0], weight.shape[0]
+    size = _chunk_rows(n_rows, vocab, rows.element_size())
+    buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
+    for start in range(0, n_rows, size):
+        stop = min(n_rows, start + size)
+        out = buffer[: stop - start]
+        if bias is None:
+            torch.mm(rows[start:stop], weight.t(), out=out)
+        else:
+            torch.addmm(bias, rows[start:stop], weight.t(), out=out)
+        yield start, stop, out.unsqueeze(0)
+
+
+class _GradSums:
+    """dX written chunk by chunk, dW and db accumulated in fp32 over the chunks' G."""
+
+    def __init__(self, lin: LinearInputs, rows: torch.Tensor, want: tuple[bool, bool, bool]):
+        self.lin, self.rows = lin, rows
+        weight, bias = lin.weight, lin.bias
+        acc = torch.float32
+        self.dx = torch.empty_like(rows) if want[0] else None
+        self.dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want[1] else None
+        want_b = want[2] and bias is not None
+        self.db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+
+    def add(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        """grad: d(loss)/d(logits) of rows [start, stop), [n, V] in the head's dtype."""
+        if self.dx is not None:
+            torch.mm(grad, self.lin.weight, out=self.dx[start:stop])
+        if self.dw is not None:
+            if grad.dtype == self.dw.dtype:
+                self.dw.addmm_(grad.t(), self.rows[start:stop])
+            else:  # one rounding per chunk in the head's dtype, then fp32 accumulation
+                self.dw += grad.t() @ self.rows[start:stop]
+        if self.db is not None:
+            self.db += grad.sum(0, dtype=self.db.dtype)
+
+    def result(self) -> LinearGrads:
+        lin = self.lin
+        return LinearGrads(
+            hidden=None if self.dx is None else self.dx.view(lin.hidden.shape),
+            weight=None if self.dw is None else self.dw.to(lin.weight.dtype),
+            bias=None if self.db is None else self.db.to(lin.bias.dtype),
+        )
+
+
 def stats(lin: LinearInputs, temperature: float):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows)."""
     _check_dtype(lin)
-    return _kernels().linear_stats(
-        lin.hidden, lin.weight, lin.bias, lin.rows.labels, lin.rows.valid, temperature
-    )
+    if design() == "on-chip":
+        return _on_chip_kernels().linear_stats(
+            lin.hidden, lin.weight, lin.bias, lin.rows.labels, lin.rows.valid, temperature
+        )
+    ops = _row_ops()
+    labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
+    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
+    for start, stop, logits in _logits_chunks(lin, _masked_rows(lin)):
+        chunk = ops.logprobs_fwd(
+            logits, _cut(labels, start, stop), _cut(valid, start, stop), temperature
+        )
+        for whole, part in zip(out, chunk):
+            whole[:, start:stop] = part
+    shape = lin.rows.labels.shape
+    return tuple(t.view(shape) for t in out)
 
 
-def _chunk_rows(vocab: int, elem_bytes: int) -> int:
-    return max(1, GRAD_CHUNK_BYTES // max(1, vocab * elem_bytes))
+def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
+    """(start, stop, d(loss)/d(logits) [n, V]) of consecutive row chunks, tiles made on chip."""
+    kernels = _on_chip_kernels()
+    n_rows, vocab = rows.shape[0], lin.weight.shape[0]
+    size = _chunk_rows(n_rows, vocab, rows.element_size())
+    buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
+    dlogp = dlogp.float().contiguous()
+    dentropy = None if dentropy is None else dentropy.float().contiguous()
+    for start in range(0, n_rows, size):
+        stop = min(n_rows, start + size)
+        grad = buffer[: stop - start]
+        kernels.linear_logits_grad(
+            lin.hidden, lin.weight, lin.bias, lin.rows.labels, lse, entropy, dlogp, dentropy,
+            temperature, start, grad,
+        )  # fmt: skip
+        yield start, stop, grad
+
+
+def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
+    """(start, stop, d(loss)/d(logits) [n, V]) of consecutive row chunks: cuBLAS logits, then the
+    gradient kernel writes G over them."""
+    ops = _row_ops()
+    labels, lse, entropy = _flat(lin.rows.labels), _flat(lse), _flat(entropy)
+    dlogp = _flat(dlogp).float()
+    dentropy = None if dentropy is None else _flat(dentropy).float()
+    for start, stop, logits in _logits_chunks(lin, rows):
+        ops.logits_grad(
+            logits, _cut(labels, start, stop), _cut(lse, start, stop),
+            _cut(entropy, start, stop), _cut(dlogp, start, stop),
+            _cut(dentropy, start, stop), temperature, logits,
+        )  # fmt: skip
+        yield start, stop, logits[0]
 
 
 def gradients(
@@ -60,53 +205,43 @@ def gradients(
     dentropy: torch.Tensor | None,
     want: tuple[bool, bool, bool],
 ) -> LinearGrads:
-    kernels = _kernels()
-    hidden, weight, bias = lin.hidden, lin.weight, lin.bias
-    batch, time, hidden_size = hidden.shape
-    n_rows, vocab = batch * time, weight.shape[0]
-    want_x, want_w, want_b = want[0], want[1], want[2] and bias is not None
-    # The rows as [N, H], masked ones zeroed: their gradient rows are 0, but 0 x NaN padding is
-    # NaN in dW's GEMM.
-    rows = None
-    if want_w:
-        valid = lin.rows.valid.reshape(-1, 1)
-        rows = torch.where(valid, hidden.reshape(n_rows, hidden_size), 0)
-    dx = torch.empty(n_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    acc = torch.float32
-    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-    db = torch.zeros(vocab, dtype=acc, device=weight.device) if want_b else None
-    chunk = min(n_rows, _chunk_rows(vocab, hidden.element_size()))
-    grad = torch.empty(max(chunk, 1), vocab, dtype=hidden.dtype, device=hidden.device)
-    labels = lin.rows.labels
-    dlogp = dlogp.float().contiguous()
-    dentropy = None if dentropy is None else dentropy.float().contiguous()
-    for start in range(0, n_rows, max(chunk, 1)):
-        stop = min(n_rows, start + chunk)
-        g = grad[: stop - start]
-        kernels.linear_logits_grad(
-            hidden, weight, bias, labels, lse, entropy, dlogp, dentropy, temperature, start, g
+    rows = _masked_rows(lin)
+    sums = _GradSums(lin, rows, want)
+    chunks = _grad_chunks_on_chip if design() == "on-chip" else _grad_chunks_gemm
+    for start, stop, grad in chunks(lin, rows, temperature, lse, entropy, dlogp, dentropy):
+        sums.add(start, stop, grad)
+    return sums.result()
+
+
+def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]):
+    """Token-level losses, "gemm": per chunk, cuBLAS logits -> the fused loss kernel (logp,
+    entropy, G written over the logits) -> cuBLAS dX, dW."""
+    ops = _row_ops()
+    args = [_flat(a) for a in fused_token_args(lin.rows, cfg)]
+    rows = _masked_rows(lin)
+    sums = _GradSums(lin, rows, want)
+    shape = lin.rows.labels.shape
+    logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
+    flat_logp, flat_entropy = _flat(logp), _flat(entropy)
+    for start, stop, logits in _logits_chunks(lin, rows):
+        chunk = [_cut(a, start, stop) for a in args]
+        flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
+            logits, *chunk
         )
-        if want_x:
-            torch.mm(g, weight, out=dx[start:stop])
-        if want_w:
-            if g.dtype == acc:
-                dw.addmm_(g.t(), rows[start:stop])
-            else:
-                dw += g.t() @ rows[start:stop]
-        if want_b:
-            db += g.sum(0, dtype=acc)
-    return LinearGrads(
-        hidden=dx.view(hidden.shape) if want_x else None,
-        weight=None if dw is None else dw.to(weight.dtype),
-        bias=None if db is None else db.to(bias.dtype),
-    )
+        sums.add(start, stop, logits[0])
+    return logp, entropy, sums.result()
 
 
 @torch.no_grad()
 def policy_loss(
     lin: LinearInputs, cfg: LossConfig, need_entropy: bool, want: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
+    _check_dtype(lin)
     need_entropy = need_entropy or cfg.needs_entropy
+    if any(want) and design() == "gemm" and not needs_two_passes(lin.rows, cfg):
+        logp, entropy, grads = _one_sweep(lin, cfg, want)
+        entropy = entropy if need_entropy else None
+        return logp, entropy, token_terms(logp, entropy, lin.rows, cfg), grads
     logp, lse, entropy = stats(lin, cfg.temperature)
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
     grads = None

@@ -11,21 +11,31 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, linear_torch, reference, torch_backend
+from fusedrl import LossConfig, linear_torch, linear_triton, reference, torch_backend
 
 from .conftest import ALL_PRESETS, needs_interpreter
 from .test_backends import OPTIONS
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# The Triton backend in both designs (linear_triton.DESIGNS): cuBLAS logits chunks, and tiles on
+# chip.
+BACKENDS = [
+    "torch",
+    pytest.param("triton:gemm", marks=needs_interpreter),
+    pytest.param("triton:on-chip", marks=needs_interpreter),
+]
 ATOL = RTOL = 1e-5
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    if request.param == "torch":
-        # Blocks of a few rows, so that every call sweeps several blocks and a partial last one.
+    """The backend's name; every call sweeps several row blocks / chunks and a partial last one."""
+    name, _, design = request.param.partition(":")
+    if name == "torch":
         monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 5 * 1031)
-    return request.param
+    else:
+        monkeypatch.setenv(linear_triton.DESIGN_ENV, design)
+        monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 1031 * 4)
+    return name
 
 
 def make_linear_batch(
@@ -253,7 +263,7 @@ def test_bf16_against_the_float64_truth(name, backend):
     cfg = LossConfig.preset(name).replace(entropy_coef=0.01)
     ours, grads = run_linear(data, cfg, backend)
     truth, truth_grads = run_reference(data, cfg, dtype=torch.float64)
-    # The logits are rounded to bf16 at most once (torch backend) or kept in fp32 (Triton).
+    # The logits are rounded to bf16 at most once (torch, gemm) or kept in fp32 (on-chip).
     torch.testing.assert_close(ours.loss.double(), truth.loss, atol=2e-2, rtol=2e-2)
     for g, tg in zip(grads, truth_grads):
         assert g.dtype == torch.bfloat16
@@ -297,3 +307,40 @@ def test_torch_backend_sweeps_token_level_once_and_sequence_level_twice(monkeypa
     calls.clear()
     run_linear(data, LossConfig.preset("gspo"), "torch")
     assert calls == [False, True]
+
+
+@needs_interpreter
+def test_triton_gemm_design_makes_the_logits_once_for_token_level_losses(monkeypatch):
+    """The "gemm" design: one sweep of cuBLAS logits chunks for token-level losses (6·N·H·V
+    flops), two for sequence-level ones; chunks of a few rows, so that each sweep has several."""
+    monkeypatch.setenv(linear_triton.DESIGN_ENV, "gemm")
+    monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 8 * 1031 * 4)
+    sweeps = []
+    real = linear_triton._logits_chunks
+
+    def counted(lin, rows):
+        sweeps.append(0)
+        for chunk in real(lin, rows):
+            sweeps[-1] += 1
+            yield chunk
+
+    monkeypatch.setattr(linear_triton, "_logits_chunks", counted)
+    data = make_linear_batch(seed=17)  # 21 rows: chunks of 8, 8 and 5
+    run_linear(data, LossConfig.preset("dapo"), "triton")
+    assert sweeps == [3]
+    sweeps.clear()
+    run_linear(data, LossConfig.preset("gspo"), "triton")
+    assert sweeps == [3, 3]
+    sweeps.clear()
+    with torch.no_grad():
+        h, w, labels = data["hidden"], data["weight"], data["labels"]
+        fusedrl.linear_token_logprobs(h, w, labels, backend="triton")
+    assert sweeps == [3]
+
+
+@needs_interpreter
+def test_unknown_triton_design_is_named(monkeypatch):
+    monkeypatch.setenv(linear_triton.DESIGN_ENV, "tiles")
+    data = make_linear_batch(seed=18)
+    with pytest.raises(ValueError, match="FUSEDRL_LINEAR_DESIGN='tiles' is not one of"):
+        run_linear(data, LossConfig.preset("dapo"), "triton")
