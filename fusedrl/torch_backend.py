@@ -53,19 +53,38 @@ def row_blocks(
             yield b * time + t0, tuple(t[b, t0 : t0 + rows] for t in tensors)
 
 
+# Batch invariance: ATen sums a lone long row in pieces across threads, several rows a row per
+# thread, so a row's sum would depend on how many rows share its block. Sums of fixed pieces of
+# SUM_PIECE elements, then of the pieces and the tail, add in one order whatever the block holds.
+SUM_PIECE = 512
+
+
+def row_sum(values: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> [n]: each row's sum, bitwise independent of n and of the other rows."""
+    rows, vocab = values.shape
+    whole = vocab - vocab % SUM_PIECE
+    total = values[:, :whole].reshape(rows, -1, SUM_PIECE).sum(-1).sum(-1)
+    if whole < vocab:
+        total = total + values[:, whole:].sum(-1)
+    return total
+
+
 def block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(block / temperature) in fp32 (fp64 for fp64 input) and its lse ([n, 1])."""
     scaled = block.double() if block.dtype == torch.float64 else block.float()
     if temperature != 1.0:
         scaled = scaled / temperature
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    top = scaled.amax(-1, keepdim=True)
+    # All -inf: lse = log(0) = -inf; a +inf: lse = +inf (block_stats turns it into NaN).
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    lse = torch.log(row_sum(torch.exp(scaled - shift)))[:, None] + shift
     return scaled - lse, lse
 
 
 def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
     probs = log_probs.exp()
     # -inf logits: p = 0 contributes 0 (not 0 * -inf).
-    return -torch.where(probs > 0, probs * log_probs, 0.0).sum(-1)
+    return -row_sum(torch.where(probs > 0, probs * log_probs, 0.0))
 
 
 def block_stats(

@@ -172,6 +172,26 @@ def test_batch_invariance_on_gpu(backend):
     assert torch.equal(full[3:4], alone)
 
 
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo", "cispo"])
+@FUSED
+def test_policy_loss_rows_are_batch_invariant_on_gpu(preset, backend):
+    """The contract of tests/test_batch_invariance.py, compiled: with a normalizer, a sequence's
+    logp, entropy and gradient rows are bitwise the same alone, moved or among others."""
+    data = _on_gpu(
+        make_batch(batch=6, time=40, vocab=151936, dtype=torch.bfloat16, seed=12, empty_rows=())
+    )
+    cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
+    rows = {}
+    for name, index in {"all": [0, 1, 2, 3, 4, 5], "moved": [5, 3], "alone": [3]}.items():
+        part = {k: v[torch.tensor(index, device="cuda")] for k, v in data.items()}
+        out, grad = run_loss(_impl(backend), part, cfg, normalizer=100.0, return_entropy=True)
+        at = index.index(3)
+        rows[name] = (out.logp[at], out.entropy[at], grad[at])
+    for name in ("moved", "alone"):
+        for what, a, b in zip(("logp", "entropy", "grad"), rows["all"], rows[name]):
+            assert torch.equal(a, b), f"{what} differs ({name})"
+
+
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
 @FUSED
 def test_torch_compile_inductor_fullgraph(preset, backend):
