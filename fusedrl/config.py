@@ -13,7 +13,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-LOSSES = ("ppo", "cispo", "sapo", "gmpo", "dcpo", "pg", "luspo", "vespo")
+LOSSES = (
+    "ppo", "cispo", "sapo", "gmpo", "dcpo", "pg", "luspo", "vespo",
+    "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro",
+)  # fmt: skip
+# verl's losses that only the [B, T] scalar code computes (`token_terms`): the fused kernels take
+# them in two passes (clip_cov / kl_cov need statistics over the whole call first).
+SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 # The PPO clipped objective (LUSPO differs from PPO only in its defaults: a sequence ratio and a
 # per-sequence token sum).
 PPO_CLIPPED = ("ppo", "luspo")
@@ -51,7 +57,8 @@ _NUMERIC_FIELDS = (
     "eps_low", "eps_high", "dual_clip_c", "delta", "sapo_tau_pos", "sapo_tau_neg", "dcpo_r_max",
     "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
-    "top_entropy_quantile",
+    "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+    "kl_cov_coef", "dppo_ratio_cap", "dro_beta",
 )  # fmt: skip
 
 
@@ -101,6 +108,23 @@ class LossConfig:
     # tokens) train the policy term and the entropy bonus (TRL's top_entropy_quantile). 1: all;
     # 0: the highest-entropy token.
     top_entropy_quantile: float = 1.0
+    # verl's Clip-Cov: of the unclipped tokens whose centred covariance (A - mean A)(logp - mean
+    # logp) lies in (clip_cov_lb, clip_cov_ub), max(1, int(clip_cov_ratio x tokens)) drawn at random
+    # get no gradient. clip_cov_seed: the draw's generator seed (None: torch's default generator).
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    clip_cov_seed: int | None = None
+    # verl's KL-Cov: the max(1, int(kl_cov_ratio x tokens)) tokens of largest covariance get
+    # kl_cov_coef x |logp - old| (verl's ppo_kl_coef) added to -A r.
+    kl_cov_ratio: float = 0.0002
+    kl_cov_coef: float = 0.1
+    # DPPO: eps_low / eps_high are the trust region's thresholds (probability difference for
+    # dppo_tv, binary KL for dppo_kl); the detached ratio is capped at dppo_ratio_cap (verl's
+    # clip_ratio_c).
+    dppo_ratio_cap: float = 3.0
+    # DRO: -A logp + dro_beta / 2 (logp - old)^2; required (> 0) for loss="dro".
+    dro_beta: float | None = None
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
@@ -170,6 +194,7 @@ class LossConfig:
             raise ValueError(f"LossConfig.entropy_coef must be finite, got {self.entropy_coef!r}")
 
         self._check_corrections()
+        self._check_scalar_losses()
 
         if self.norm_constant is not None:
             if self.agg != "seq-mean-token-sum-norm":
@@ -211,6 +236,38 @@ class LossConfig:
             raise ValueError(
                 f"LossConfig.is_correction={self.is_correction!r}: loss='vespo' folds per-token "
                 "IS weights into its sequence weight; use 'token_truncate' or 'token_mask'"
+            )
+
+    def _check_scalar_losses(self) -> None:
+        for field in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, field)
+            _check_positive(field, value)
+            if value > 1:
+                raise ValueError(f"LossConfig.{field} must be in (0, 1], got {value!r}")
+        for field in ("clip_cov_lb", "clip_cov_ub", "kl_cov_coef"):
+            _check_positive(field, getattr(self, field), above=-math.inf)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"LossConfig.clip_cov_lb={self.clip_cov_lb!r} must be < "
+                f"clip_cov_ub={self.clip_cov_ub!r}"
+            )
+        if self.clip_cov_seed is not None and (
+            isinstance(self.clip_cov_seed, bool) or not isinstance(self.clip_cov_seed, int)
+        ):
+            raise ValueError(
+                f"LossConfig.clip_cov_seed must be an int or None, got {self.clip_cov_seed!r}"
+            )
+        _check_positive("dppo_ratio_cap", self.dppo_ratio_cap)
+        if self.dro_beta is not None:
+            _check_positive("dro_beta", self.dro_beta)
+        elif self.loss == "dro":
+            raise ValueError("LossConfig.dro_beta must be set (> 0) for loss='dro'")
+        if self.loss in SCALAR_LOSSES and (
+            self.ratio_level == "sequence" or (self.is_correction or "").startswith("sequence")
+        ):
+            raise ValueError(
+                f"loss={self.loss!r} is a token-level loss (verl's); it takes no sequence "
+                "ratio or sequence IS correction"
             )
 
     def _check_variant_options(self) -> None:

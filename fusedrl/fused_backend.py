@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import LossInputs
-from .config import PPO_CLIPPED, LossConfig
+from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .token_terms import (
     TokenTerms,
     aggregation_weights,
@@ -153,7 +153,7 @@ def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
-    if cfg.is_sequence_level:
+    if cfg.is_sequence_level or cfg.loss in SCALAR_LOSSES:  # the kernels know neither
         return True
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
         return True

@@ -332,6 +332,74 @@ def _clipped_objective(
     return per_token
 
 
+def _select_flat(mask: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
+    """A mask of the `count` tokens of `mask` with the largest scores (ties: row-major order)."""
+    where = torch.nonzero(mask.flatten()).flatten()
+    chosen = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if where.numel() == 0:
+        return chosen.view(mask.shape)
+    order = torch.argsort(-scores.flatten()[where], stable=True)[:count]
+    chosen[where[order]] = True
+    return chosen.view(mask.shape)
+
+
+def _verl_objective(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
+    """Per-token loss of verl's clip_cov, kl_cov, dppo_tv, dppo_kl and dro (verl 0.9.1
+    core_algos.py), differentiated by autograd."""
+    counted = inp.valid & (inp.mask > 0)
+    n_counted = int(counted.sum())
+    log_ratio = logp - old
+    if cfg.loss == "dro":
+        return -(logp * adv - 0.5 * cfg.dro_beta * log_ratio**2)
+    if cfg.loss in ("dppo_tv", "dppo_kl"):
+        ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        truncated = torch.clamp(ratio, max=cfg.dppo_ratio_cap).detach()
+        p, p_old = torch.exp(logp), torch.exp(old)
+        if cfg.loss == "dppo_tv":
+            positive_ok = (p - p_old) <= cfg.eps_high
+            negative_ok = (p - p_old) >= -cfg.eps_low
+        else:
+            binary_kl = p_old * (old - logp) + (1 - p_old) * torch.log(
+                (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+            )
+            positive_ok = (binary_kl <= cfg.eps_high) | (p <= p_old)
+            negative_ok = (binary_kl <= cfg.eps_low) | (p >= p_old)
+        valid = torch.where(adv > 0, positive_ok, negative_ok).detach().float()
+        metrics["clipfrac"] = masked_mean(1.0 - valid, inp)
+        metrics["ratio_capped"] = masked_mean((ratio > cfg.dppo_ratio_cap).float() * valid, inp)
+        return -adv * truncated * logp * valid
+    ratio = torch.exp(log_ratio)
+    adv_c = torch.where(counted, adv, 0.0)
+    logp_c = torch.where(counted, logp.detach(), 0.0)
+    if cfg.loss == "kl_cov":
+        mean_adv = adv_c.sum() / max(n_counted, 1)
+        mean_logp = logp_c.sum() / max(n_counted, 1)
+        cov = (adv - mean_adv) * (logp.detach() - mean_logp)
+        k = max(1, int(n_counted * cfg.kl_cov_ratio))
+        chosen = _select_flat(counted, cov, k)
+        metrics["cov_selected"] = masked_mean(chosen, inp)
+        penalty = cfg.kl_cov_coef * torch.abs(log_ratio)
+        return torch.where(chosen, -adv * ratio + penalty, -adv * ratio)
+    # clip_cov: verl's masked means divide by count + 1e-8
+    mean_adv = adv_c.sum() / (n_counted + 1e-8)
+    mean_logp = logp_c.sum() / (n_counted + 1e-8)
+    cov = (adv - mean_adv) * (logp.detach() - mean_logp)
+    loss_1 = -adv * ratio
+    loss_2 = -adv * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    clipped_by_ppo = (loss_2 > loss_1) & counted
+    candidates = counted & ~clipped_by_ppo & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    generator = None
+    if cfg.clip_cov_seed is not None:
+        generator = torch.Generator(device=logp.device).manual_seed(cfg.clip_cov_seed)
+    keys = torch.rand(logp.shape, generator=generator, device=logp.device)
+    n_zeroed = max(int(cfg.clip_cov_ratio * n_counted), 1)
+    zeroed = _select_flat(candidates, -keys, n_zeroed)  # the smallest keys
+    metrics["clipfrac"] = masked_mean(zeroed, inp)
+    metrics["clip_low"] = masked_mean((ratio < 1 - cfg.eps_low) & (adv < 0), inp)
+    metrics["clip_high"] = masked_mean((ratio > 1 + cfg.eps_high) & (adv > 0), inp)
+    return torch.maximum(loss_1, loss_2) * (~zeroed).float()
+
+
 def policy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -389,6 +457,8 @@ def policy_loss(
             per_token = -adv * logp
         elif cfg.loss == "vespo":
             per_token = _vespo(logp, old, adv, w, inp, cfg, metrics)
+        elif cfg.loss in ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"):
+            per_token = _verl_objective(logp, old, adv, inp, cfg, metrics)
         else:
             per_token = _clipped_objective(logp, old, adv, inp, cfg, metrics)
         if cfg.off_policy_mask is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import LossInputs
-from .config import LossConfig
+from .config import SCALAR_LOSSES, LossConfig
 
 # ------------------------------------------------------------------ the backends' own semantics
 # What defines the losses besides the formulas below (clamps, ratio bounds, IS weights, masked
@@ -268,6 +268,84 @@ def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
     return -phi * adv * logp, -phi * adv
 
 
+def _counted_mean(x: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """Plain mean of x over the counted tokens (0 when there is none)."""
+    total = torch.where(counted, x.float(), 0.0).sum()
+    return total / counted.float().sum().clamp_min(1.0)
+
+
+def _ranked_first(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The `count` eligible tokens of smallest key (ties: the first in row-major order), as a
+    mask; `count` is a tensor, so that no host sync is needed."""
+    flat = torch.where(eligible, keys, math.inf).flatten()
+    order = torch.argsort(flat, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return eligible & (rank.view(keys.shape) < count)
+
+
+def _covariance(logp, adv, inp, counted, eps: float) -> torch.Tensor:
+    """verl's per-token covariance (A - mean A)(logp - mean logp), means over the counted tokens
+    (clip_cov divides by count + 1e-8, kl_cov by the count)."""
+    count = counted.float().sum()
+    denom = count + eps if eps else count.clamp_min(1.0)
+    mean_adv = torch.where(counted, adv, 0.0).sum() / denom
+    mean_logp = torch.where(counted, logp, 0.0).sum() / denom
+    return (adv - mean_adv) * (logp - mean_logp)
+
+
+def _verl_terms(logp, old, adv, inp, cfg, metrics):
+    """Per-token loss and d/dlogp of verl's clip_cov, kl_cov, dppo_tv, dppo_kl and dro."""
+    counted = inp.valid & (inp.mask > 0)
+    log_ratio = logp - old
+    if cfg.loss == "dro":
+        penalty = 0.5 * cfg.dro_beta * log_ratio.square()
+        return -adv * logp + penalty, -adv + cfg.dro_beta * log_ratio
+    if cfg.loss in ("dppo_tv", "dppo_kl"):
+        ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        weight = torch.clamp(ratio, max=cfg.dppo_ratio_cap)
+        prob, old_prob = logp.exp(), old.exp()
+        if cfg.loss == "dppo_tv":
+            up_ok = prob - old_prob <= cfg.eps_high
+            down_ok = prob - old_prob >= -cfg.eps_low
+        else:  # KL(Bernoulli(old_prob) || Bernoulli(prob)), verl's 1e-8 in the second term
+            kl = old_prob * (old - logp) + (1.0 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+            )
+            up_ok = (kl <= cfg.eps_high) | (prob <= old_prob)
+            down_ok = (kl <= cfg.eps_low) | (prob >= old_prob)
+        inside = torch.where(adv > 0, up_ok, down_ok).float()
+        metrics["clipfrac"] = masked_mean(1.0 - inside, inp)
+        metrics["ratio_capped"] = masked_mean((ratio > cfg.dppo_ratio_cap).float() * inside, inp)
+        return -adv * weight * logp * inside, -adv * weight * inside
+    ratio = log_ratio.exp()
+    if cfg.loss == "kl_cov":
+        cov = _covariance(logp, adv, inp, counted, eps=0.0)
+        count = (counted.float().sum() * cfg.kl_cov_ratio).floor().clamp_min(1.0)
+        picked = _ranked_first(-cov, counted, count).float()
+        metrics["cov_selected"] = masked_mean(picked, inp)
+        per_token = -adv * ratio + picked * cfg.kl_cov_coef * log_ratio.abs()
+        return per_token, -adv * ratio + picked * cfg.kl_cov_coef * torch.sign(log_ratio)
+    # clip_cov
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, low, high)
+    d_unclipped, d_clipped = -adv * ratio, -adv * ratio * _inside(ratio, low, high)
+    clipped_by_ppo = (clipped > unclipped) & counted
+    cov = _covariance(logp, adv, inp, counted, eps=1e-8)
+    candidates = counted & ~clipped_by_ppo & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    gen = None
+    if cfg.clip_cov_seed is not None:
+        gen = torch.Generator(device=logp.device).manual_seed(cfg.clip_cov_seed)
+    keys = torch.rand(logp.shape, generator=gen, device=logp.device)
+    count = (counted.float().sum() * cfg.clip_cov_ratio).floor().clamp_min(1.0)
+    keep = 1.0 - _ranked_first(keys, candidates, count).float()
+    metrics["clipfrac"] = masked_mean(1.0 - keep, inp)
+    metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
+    metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
+    per_token = torch.maximum(unclipped, clipped) * keep
+    return per_token, _select_max(unclipped, clipped, d_unclipped, d_clipped) * keep
+
+
 def masked_quantile(x: torch.Tensor, selected: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x[selected], q) (linear interpolation) without a host sync or its size
     limit: the selected values sort first, the rank is a tensor. +inf when none is selected."""
@@ -382,6 +460,8 @@ def token_terms(
             per_token, dper_token = -adv * logp, -adv
         elif cfg.loss == "vespo":  # the IS weights are inside phi, not a factor
             per_token, dper_token = _vespo_terms(logp, old, adv, w, inp, cfg, metrics)
+        elif cfg.loss in SCALAR_LOSSES:
+            per_token, dper_token = _verl_terms(logp, old, adv, inp, cfg, metrics)
         else:
             per_token, dper_token = _ratio_terms(logp, old, adv, inp, cfg, metrics)
         if cfg.off_policy_mask is not None:

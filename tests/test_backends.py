@@ -61,6 +61,19 @@ def test_every_preset_fp32(name, per_token_adv, backend):
     assert_matches_reference(data, LossConfig.preset(name), backend, rtol=rtol)
 
 
+VERL_LOSS_OPTIONS = {
+    "dro": LossConfig(loss="dro", dro_beta=0.3, kl="k3", beta=0.05),
+    "dppo_tv": LossConfig(loss="dppo_tv", eps_low=0.002, eps_high=0.002, dppo_ratio_cap=1.2),
+    "dppo_kl": LossConfig(loss="dppo_kl", eps_low=5e-4, eps_high=5e-4, dppo_ratio_cap=1.2),
+    "kl_cov": LossConfig(loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),
+    "clip_cov": LossConfig(
+        loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_cov_seed=3
+    ),
+    "clip_cov_seq_mean": LossConfig(
+        loss="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_seed=4,
+        agg="seq-mean-token-mean", entropy_coef=0.01,
+    ),  # fmt: skip
+}
 OPTIONS = {
     "dual_clip": LossConfig(dual_clip_c=1.5, eps_low=0.1),
     "delta": LossConfig(delta=1.25, eps_high=0.1),
@@ -92,6 +105,9 @@ OPTIONS = {
     "top_entropy_bonus_seq": LossConfig(
         top_entropy_quantile=0.4, entropy_coef=0.02, agg="seq-mean-token-mean"
     ),
+    # verl's losses, with thresholds that make every branch act on make_batch's data
+    # (tests/test_verl_losses.py asserts that they do).
+    **VERL_LOSS_OPTIONS,
 }
 
 

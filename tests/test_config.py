@@ -164,7 +164,7 @@ def test_invalid_values_name_the_field(kwargs, field):
 
 def test_all_choices_accepted():
     for loss in LOSSES:
-        LossConfig(loss=loss)
+        LossConfig(loss=loss, dro_beta=0.1 if loss == "dro" else None)
     for agg in AGGS:
         LossConfig(agg=agg)
     for kl in KLS:

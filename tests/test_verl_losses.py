@@ -1,0 +1,112 @@
+"""verl 0.9.1's clip_cov, kl_cov, dppo_tv, dppo_kl and dro in fusedrl's core (LossConfig.loss).
+
+Agreement with the reference is in test_backends / test_linear (VERL_LOSS_OPTIONS); parity with
+verl's own functions in test_verl_integration. Here: every branch acts on the test data, the
+selections take exactly the number of tokens verl takes, and the configs are validated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, reference
+
+from .conftest import make_batch, run_loss
+from .test_backends import VERL_LOSS_OPTIONS
+
+BRANCH_METRICS = {
+    "dppo_tv": ("clipfrac", "ratio_capped"),
+    "dppo_kl": ("clipfrac", "ratio_capped"),
+    "kl_cov": ("cov_selected",),
+    "clip_cov": ("clipfrac", "clip_low", "clip_high"),
+    "clip_cov_seq_mean": ("clipfrac",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BRANCH_METRICS))
+def test_every_branch_acts_on_the_option_data(name):
+    """The data of test_options_fp32 makes each masking branch act, and not on every token."""
+    data = make_batch(batch=4, time=9, vocab=523, seed=4, per_token_adv=True)
+    out, _ = run_loss(fusedrl.policy_loss, data, VERL_LOSS_OPTIONS[name], backend="torch")
+    for key in BRANCH_METRICS[name]:
+        assert 0 < out.metrics[key] < 1, (key, float(out.metrics[key]))
+
+
+def _counted(data):
+    return int(data["mask"].sum())
+
+
+def test_kl_cov_penalises_exactly_verls_number_of_tokens():
+    data = make_batch(batch=5, time=11, vocab=211, seed=7, empty_rows=(2,))
+    for ratio in (1e-4, 0.05, 0.3, 1.0):
+        cfg = LossConfig(loss="kl_cov", kl_cov_ratio=ratio)
+        out, _ = run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
+        n = _counted(data)
+        expected = max(1, int(n * ratio))
+        assert round(float(out.metrics["cov_selected"]) * n) == expected
+
+
+def test_clip_cov_zeroes_min_of_its_count_and_the_candidates():
+    """max(1, int(ratio x tokens)) tokens drawn among the candidates; all of them when fewer."""
+    data = make_batch(batch=5, time=11, vocab=211, seed=8, per_token_adv=True)
+    n = _counted(data)
+    wide = dict(loss="clip_cov", clip_cov_lb=-100.0, clip_cov_ub=100.0, clip_cov_seed=0)
+    few = run_loss(fusedrl.policy_loss, data, LossConfig(**wide, clip_cov_ratio=0.1))[0]
+    assert round(float(few.metrics["clipfrac"]) * n) == max(1, int(0.1 * n))
+    everything = run_loss(fusedrl.policy_loss, data, LossConfig(**wide, clip_cov_ratio=1.0))[0]
+    clipped_by_ppo = everything.metrics["clip_low"] + everything.metrics["clip_high"]
+    unclipped = n - round(float(clipped_by_ppo) * n)
+    assert round(float(everything.metrics["clipfrac"]) * n) == unclipped
+
+
+def test_clip_cov_draw_follows_its_seed():
+    data = make_batch(batch=4, time=9, vocab=211, seed=9, per_token_adv=True)
+    cfg = LossConfig(
+        loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-100.0, clip_cov_ub=100.0
+    )
+    grads = []
+    for seed in (1, 1, 2):
+        grads.append(run_loss(fusedrl.policy_loss, data, cfg.replace(clip_cov_seed=seed))[1])
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    # Without a seed, torch's default generator: the draw follows torch.manual_seed.
+    torch.manual_seed(5)
+    a = run_loss(fusedrl.policy_loss, data, cfg)[1]
+    torch.manual_seed(5)
+    b = run_loss(reference.policy_loss, data, cfg)[1]
+    torch.testing.assert_close(a, b)
+
+
+def test_dro_gradient_is_minus_advantage_plus_beta_log_ratio():
+    """d(loss)/d(logp) = (-A + beta (logp - old)) / tokens, through logp's own gradient."""
+    data = make_batch(batch=3, time=5, vocab=97, seed=10, per_token_adv=True)
+    cfg = LossConfig(loss="dro", dro_beta=0.7)
+    logits = data["logits"].double().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(logits, config=cfg, backend="torch", **args)
+    (ours,) = torch.autograd.grad(out.loss, logits)
+    leaf = logits.detach().clone().requires_grad_(True)
+    logp, _ = reference.token_logprobs(leaf, data["labels"])
+    mask = data["mask"].double()
+    dlogp = (-args["advantages"] + 0.7 * (logp.detach() - args["old_logp"])) * mask / mask.sum()
+    (expected,) = torch.autograd.grad((logp * dlogp).sum(), leaf)
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(loss="dro"), "dro_beta must be set"),
+        (dict(loss="dro", dro_beta=-1.0), "dro_beta must be > 0"),
+        (dict(loss="kl_cov", kl_cov_ratio=0.0), "kl_cov_ratio must be > 0"),
+        (dict(loss="clip_cov", clip_cov_ratio=2.0), "clip_cov_ratio must be in"),
+        (dict(loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb=5.0 must be <"),
+        (dict(loss="clip_cov", clip_cov_seed=1.5), "clip_cov_seed must be an int"),
+        (dict(loss="dppo_tv", dppo_ratio_cap=0.0), "dppo_ratio_cap must be > 0"),
+        (dict(loss="dro", dro_beta=0.1, is_correction="sequence_mask"), "token-level loss"),
+    ],
+)
+def test_bad_configs_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**changes)
