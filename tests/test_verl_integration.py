@@ -27,8 +27,20 @@ from fusedrl.integrations import verl as fverl  # noqa: E402
 
 B, T, V = 6, 11, 1031
 LENGTHS = (11, 4, 0, 9, 1, 7)  # ragged, one empty response
-# verl's defaults, clip-higher, and GSPO's narrow sequence-level range.
-CLIP = {"gspo": dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)}
+# verl's defaults, clip-higher, and GSPO's narrow sequence-level range; DPPO's thresholds are a
+# probability difference / a binary KL, narrow enough that tokens leave the trust region.
+CLIP = {
+    "gspo": dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+    "dppo_tv": dict(clip_ratio_low=0.02, clip_ratio_high=0.03, clip_ratio_c=1.5),
+    "dppo_kl": dict(clip_ratio_low=0.005, clip_ratio_high=0.01, clip_ratio_c=1.5),
+}
+# clip_cov with a ratio of 1 zeroes every candidate (verl's randperm then picks them all: no
+# draw to compare); kl_cov penalises a fifth of the tokens; DRO's beta.
+POLICY_LOSS = {
+    "clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=-0.2, clip_cov_ub=0.3),
+    "kl_cov": dict(kl_cov_ratio=0.2, ppo_kl_coef=0.5),
+    "dro": dict(dro_beta=0.4),
+}
 GLOBAL_INFO = dict(dp_size=2, batch_num_tokens=70, global_batch_size=10, loss_scale_factor=16)
 
 
@@ -42,7 +54,7 @@ def _actor(mode: str, **overrides) -> FSDPActorConfig:
         clip_ratio_c=3.0,
         tau_pos=1.0,
         tau_neg=1.05,
-        policy_loss=PolicyLossConfig(loss_mode=mode),
+        policy_loss=PolicyLossConfig(loss_mode=mode, **POLICY_LOSS.get(mode, {})),
     )
     kwargs.update(CLIP.get(mode, {}))
     kwargs.update(overrides)
@@ -205,7 +217,9 @@ def test_registered_names_and_replace_builtin():
     try:
         fverl.register(replace_builtin=True)
         assert core_algos.get_policy_loss_fn("vanilla") is fverl.POLICY_LOSSES["fusedrl_vanilla"]
-        assert core_algos.get_policy_loss_fn("kl_cov") is saved["kl_cov"]  # not ours: untouched
+        assert core_algos.get_policy_loss_fn("kl_cov") is fverl.POLICY_LOSSES["fusedrl_kl_cov"]
+        # not ours: untouched
+        assert core_algos.get_policy_loss_fn("bypass_mode") is saved["bypass_mode"]
     finally:
         core_algos.POLICY_LOSS_REGISTRY.clear()
         core_algos.POLICY_LOSS_REGISTRY.update(saved)
@@ -215,6 +229,28 @@ def test_registered_names_and_replace_builtin():
 def test_unsupported_loss_modes_raise(mode):
     with pytest.raises(ValueError, match=mode):
         fverl.loss_config_from_verl(_actor("vanilla"), loss_mode=mode)
+
+
+def test_clip_cov_draws_as_many_tokens_as_verl():
+    """At verl's default-sized ratio both draw max(1, int(ratio x tokens)) of the candidates at
+    random (verl by randperm, fusedrl by keys): the same count, not the same tokens."""
+    batch = _batch(seed=31)
+    config = _actor("clip_cov", policy_loss=PolicyLossConfig(
+        loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.2, clip_cov_ub=0.3
+    ))  # fmt: skip
+    run = {
+        name: _run(core_algos.get_policy_loss_fn(name), batch, "token-mean", config, None)
+        for name in ("clip_cov", "fusedrl_clip_cov")
+    }
+    theirs, ours = run["clip_cov"], run["fusedrl_clip_cov"]
+    tokens = int(batch["mask"].sum())
+    assert round(theirs[2]["actor/pg_clipfrac"] * tokens) == max(1, int(0.1 * tokens))
+    assert ours[2] == pytest.approx(theirs[2], rel=1e-6)
+
+
+def test_dro_needs_its_beta():
+    with pytest.raises(ValueError, match="dro_beta must be a positive value"):
+        fverl.loss_config_from_verl(_actor("dro", policy_loss=PolicyLossConfig(loss_mode="dro")))
 
 
 def test_unsupported_options_raise():

@@ -6,6 +6,10 @@ Two independent pieces, both switched on from a verl config (see docs/integratio
    `register_policy_loss`, one fused loss per verl mode that fusedrl reproduces exactly:
 
        fusedrl_vanilla  fusedrl_gspo  fusedrl_sapo  fusedrl_gpg  fusedrl_cispo  fusedrl_geo_mean
+       fusedrl_clip_cov  fusedrl_kl_cov  fusedrl_dppo_tv  fusedrl_dppo_kl  fusedrl_dro
+
+   (clip_cov draws its tokens with keys from torch's default generator where verl permutes the
+   candidates with torch.randperm: the same distribution, not the same draw, and no host sync.)
 
    Each has verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
    config, rollout_is_weights)`, reads the same config keys, honours `config.global_batch_info`
@@ -63,14 +67,14 @@ LOSS_MODES = {
     "gpg": "fusedrl_gpg",
     "cispo": "fusedrl_cispo",
     "geo_mean": "fusedrl_geo_mean",
+    "clip_cov": "fusedrl_clip_cov",
+    "kl_cov": "fusedrl_kl_cov",
+    "dppo_tv": "fusedrl_dppo_tv",
+    "dppo_kl": "fusedrl_dppo_kl",
+    "dro": "fusedrl_dro",
 }
 # verl modes with no fused counterpart, and why (the error message says it).
 UNSUPPORTED_LOSS_MODES = {
-    "clip_cov": "picks a random subset of tokens by covariance (randperm, host sync)",
-    "kl_cov": "picks the top-k tokens by covariance on the host",
-    "dppo_tv": "DPPO's probability-difference trust region is not a fusedrl variant",
-    "dppo_kl": "DPPO's binary-KL trust region is not a fusedrl variant",
-    "dro": "DRO's quadratic log-ratio penalty is not a fusedrl variant",
     "bypass_mode": "verl's trainer forces its own 'bypass_mode' loss; use the fused modes with "
     "the trainer's rollout_is_weights (decoupled mode) instead",
 }
@@ -83,7 +87,18 @@ LOSS_AGG_MODES = (
 )
 # verl clamps log(pi / pi_old) at +-20 in vanilla / sapo / cispo, but not in gspo / geo_mean; its
 # ppo_kl metric follows the mode's own log-ratio.
-_CLAMPED_PPO_KL = {"vanilla": True, "sapo": True, "cispo": True, "gspo": False, "geo_mean": False}
+_CLAMPED_PPO_KL = {
+    "vanilla": True, "sapo": True, "cispo": True, "gspo": False, "geo_mean": False,
+    "clip_cov": False, "kl_cov": False, "dppo_tv": True, "dppo_kl": True, "dro": False,
+}  # fmt: skip
+# The metric names each mode returns (verl 0.9.1): gpg none, kl_cov / dro ppo_kl only.
+_METRIC_KEYS = {
+    "gpg": (),
+    "kl_cov": ("actor/ppo_kl",),
+    "dro": ("actor/ppo_kl",),
+    "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl"),
+}
+_ALL_METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 _LOG_RATIO_CLAMP = 20.0
 # fusedrl backend of the log-prob / entropy drop-ins ("auto": Triton on CUDA, torch elsewhere).
 BACKEND = os.environ.get("FUSEDRL_VERL_BACKEND", "auto")
@@ -193,13 +208,50 @@ def loss_config_from_verl(
                 agg=_agg(loss_agg_mode),
                 norm_constant=norm_constant,
             )
-        # geo_mean: a mean over all rows, loss_agg_mode is not used.
-        return LossConfig(loss="gmpo", eps_low=eps_low, eps_high=eps_high)
+        if mode == "geo_mean":  # a mean over all rows, loss_agg_mode is not used
+            return LossConfig(loss="gmpo", eps_low=eps_low, eps_high=eps_high)
+        agg = _agg(loss_agg_mode)
+        return _scalar_loss_config(mode, config, eps_low, eps_high, agg, norm_constant)
     except ValueError as err:
         raise ValueError(
             f"verl actor config (loss_mode={loss_mode!r}, clip_ratio_low={eps_low}, "
             f"clip_ratio_high={eps_high}) is not supported by fusedrl: {err}"
         ) from err
+
+
+def _policy_loss_field(config: Any, key: str, fallback: float) -> float:
+    """config.policy_loss.<key>, with verl's in-function fallback when it is None."""
+    value = _get(_get(config, "policy_loss"), key)
+    return float(fallback if value is None else value)
+
+
+def _scalar_loss_config(mode, config, eps_low, eps_high, agg, norm_constant) -> LossConfig:
+    """clip_cov / kl_cov / dppo_tv / dppo_kl / dro with verl's config keys and fallbacks."""
+    common = dict(loss=mode, agg=agg, norm_constant=norm_constant)
+    if mode == "clip_cov":
+        return LossConfig(
+            **common, eps_low=eps_low, eps_high=eps_high,
+            clip_cov_ratio=_policy_loss_field(config, "clip_cov_ratio", 0.0002),
+            clip_cov_lb=_policy_loss_field(config, "clip_cov_lb", 1.0),
+            clip_cov_ub=_policy_loss_field(config, "clip_cov_ub", 5.0),
+        )  # fmt: skip
+    if mode == "kl_cov":
+        return LossConfig(
+            **common,
+            kl_cov_ratio=_policy_loss_field(config, "kl_cov_ratio", 0.0002),
+            kl_cov_coef=_policy_loss_field(config, "ppo_kl_coef", 1.0),
+        )
+    if mode == "dro":
+        beta = _get(_get(config, "policy_loss"), "dro_beta")
+        if beta is None or beta <= 0:
+            raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
+        return LossConfig(**common, dro_beta=float(beta))
+    # dppo_tv / dppo_kl: clip_ratio(_low / _high) are the trust region's thresholds; verl reads
+    # clip_ratio_c with a fallback of 20 (ActorConfig's default is 3).
+    return LossConfig(
+        **common, eps_low=eps_low, eps_high=eps_high,
+        dppo_ratio_cap=float(_get(config, "clip_ratio_c", 20.0)),
+    )  # fmt: skip
 
 
 def verl_normalizer(
@@ -312,13 +364,15 @@ def fused_policy_loss(
     )
     terms = token_terms(logp, None, inp, cfg)
     pg_loss = _LossFromLogp.apply(log_prob, terms.loss, terms.dlogp.to(log_prob.dtype))
-    if mode == "gpg":
+    keys = _METRIC_KEYS.get(mode, _ALL_METRIC_KEYS)
+    if not keys:
         return pg_loss, {}
 
     log_ratio = logp - old
     if _CLAMPED_PPO_KL[mode]:
         log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ppo_kl = _masked_mean(-log_ratio, mask)
+    # kl_cov reports the mean |log ratio| as its ppo_kl.
+    ppo_kl = _masked_mean(log_ratio.abs() if mode == "kl_cov" else -log_ratio, mask)
     zero = torch.zeros((), device=log_prob.device)
     if mode == "geo_mean":
         # verl counts any clipped log-ratio by the sign of the advantage (fusedrl's clip_low /
@@ -330,13 +384,15 @@ def fused_policy_loss(
     else:
         clipfrac = zero if mode == "sapo" else terms.metrics["clipfrac"]
         clipfrac_lower = terms.metrics["dual_clipfrac"] if mode == "vanilla" else zero
+        if mode in ("dppo_tv", "dppo_kl"):  # verl: valid tokens whose ratio passed the cap
+            clipfrac_lower = terms.metrics["ratio_capped"]
     metrics = {
         "actor/pg_clipfrac": clipfrac,
         "actor/ppo_kl": ppo_kl,
         "actor/pg_clipfrac_lower": clipfrac_lower,
     }
     # verl reports host floats (one sync per metric), and so does its logging downstream.
-    return pg_loss, {k: float(v) for k, v in metrics.items()}
+    return pg_loss, {k: float(metrics[k]) for k in keys}
 
 
 def _make_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
