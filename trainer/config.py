@@ -18,17 +18,18 @@ from pathlib import Path
 import yaml
 
 from fusedrl.api import BACKENDS
-from fusedrl.config import AGGS, IS_CORRECTIONS, KLS, PRESETS, LossConfig
+from fusedrl.config import AGGS, IS_CORRECTIONS, KLS, LOSSES, PRESETS, LossConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLLOUTS = ("auto", "vllm", "hf")
 # LossConfig fields a run may override on top of its preset (None = the preset's value).
-LOSS_OVERRIDES = ("eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
+LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
                   "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
                   "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
-                  "vespo_k_neg", "vespo_lambda_neg")
+                  "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
+                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "dro_beta")
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TrainConfig:
     # --- algorithm ------------------------------------------------------------------------
     preset: str = "dapo"
     advantage: str = "grpo"
+    loss: str | None = None
     eps_low: float | None = None
     eps_high: float | None = None
     dual_clip_c: float | None = None
@@ -74,6 +76,13 @@ class TrainConfig:
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None
     vespo_lambda_neg: float | None = None
+    clip_cov_ratio: float | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    kl_cov_ratio: float | None = None
+    kl_cov_coef: float | None = None
+    dppo_ratio_cap: float | None = None
+    dro_beta: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, oversample to refill
     max_num_gen_batches: int = 4  # oversampling rounds before training on what was kept
     dupo: bool = False  # DUPO: refill dropped groups by duplicating kept ones
@@ -232,6 +241,18 @@ HELP = {
     "vespo_lambda_pos": "VESPO's gamma rate lambda for A >= 0; unset: 3.",
     "vespo_k_neg": "VESPO's gamma shape k for A < 0; unset: 3.",
     "vespo_lambda_neg": "VESPO's gamma rate lambda for A < 0; unset: 2.",
+    "loss": f"The objective, one of {list(LOSSES)}, in place of the preset's (its clip range, "
+    "aggregation and KL stay); unset: the preset's.",
+    "clip_cov_ratio": "Clip-Cov (--loss clip_cov): share of tokens drawn among the covariance "
+    "outliers to get no gradient; unset: 0.0002.",
+    "clip_cov_lb": "Clip-Cov: lower covariance bound of the candidates; unset: 1.",
+    "clip_cov_ub": "Clip-Cov: upper covariance bound of the candidates; unset: 5.",
+    "kl_cov_ratio": "KL-Cov (--loss kl_cov): share of tokens of largest covariance that get the "
+    "|log ratio| penalty; unset: 0.0002.",
+    "kl_cov_coef": "KL-Cov: coefficient of the |log ratio| penalty; unset: 0.1.",
+    "dppo_ratio_cap": "DPPO (--loss dppo_tv / dppo_kl): cap of the detached ratio; unset: 3 "
+    "(--eps-low / --eps-high are then the trust region's thresholds).",
+    "dro_beta": "DRO (--loss dro): coefficient of the (log ratio)^2 / 2 penalty, required.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

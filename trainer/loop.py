@@ -553,8 +553,17 @@ class Trainer:
 def describe_loss(lcfg: LossConfig) -> str:
     """The loss in one line: variant, ratio level, clip range, aggregation, KL, extras."""
     parts = [lcfg.loss + (" (sequence ratio)" if lcfg.ratio_level == "sequence" else "")]
-    if lcfg.loss in ("ppo", "luspo", "cispo", "dcpo", "gmpo"):
+    if lcfg.loss in ("ppo", "luspo", "cispo", "dcpo", "gmpo", "clip_cov"):
         parts.append(f"clip {lcfg.eps_low:g}/{lcfg.eps_high:g}")
+    if lcfg.loss == "clip_cov":
+        parts.append(f"cov ({lcfg.clip_cov_lb:g}, {lcfg.clip_cov_ub:g}) x {lcfg.clip_cov_ratio:g}")
+    if lcfg.loss == "kl_cov":
+        parts.append(f"|log r| x {lcfg.kl_cov_coef:g} on top {lcfg.kl_cov_ratio:g} by cov")
+    if lcfg.loss in ("dppo_tv", "dppo_kl"):
+        region = f"{lcfg.eps_low:g}/{lcfg.eps_high:g}"
+        parts.append(f"trust region {region}, cap {lcfg.dppo_ratio_cap:g}")
+    if lcfg.loss == "dro":
+        parts.append(f"beta {lcfg.dro_beta:g}")
     if lcfg.dual_clip_c is not None:
         parts.append(f"dual clip {lcfg.dual_clip_c:g}")
     parts.append(lcfg.agg)
