@@ -218,7 +218,7 @@ def prepare_loss_inputs(
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
     flat_input = logits.dim() == 2
-    if flat_input and (config.agg != "token-mean" or config.is_sequence_level):
+    if flat_input and config.needs_sequences:
         last = "V" if source == "logits" else "H"
         raise ValueError(
             f"{source} of shape [N, {last}] carry no sequence boundaries, but config needs them "
@@ -271,6 +271,8 @@ def prepare_loss_inputs(
         raise ValueError(
             f"rollout_logp is required when config.is_correction={config.is_correction!r}"
         )
+    if config.rejection is not None and rollout is None:
+        raise ValueError(f"rollout_logp is required when config.rejection={config.rejection!r}")
 
     def as2d(t: torch.Tensor | None) -> torch.Tensor | None:
         # Masked positions may hold anything (NaN padding): zero them once here so that no

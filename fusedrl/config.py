@@ -28,6 +28,86 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-tok
 KLS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
+# verl's rollout rejection sampling (rollout_corr_helper.py): estimator of KL(rollout || train)
+# per token (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, r = pi_train / pi_rollout),
+# taken per token or aggregated per sequence (sum / mean / max).
+REJECTION_OPTIONS = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One rejection option: keep a token (or its whole sequence) while lower <= statistic <=
+    upper. k1 bounds are logs of verl's ratio bounds; k2 / k3 have an upper bound only."""
+
+    option: str
+    lower: float | None
+    upper: float
+
+    @property
+    def estimator(self) -> str:
+        return self.option[-2:]
+
+    @property
+    def reduction(self) -> str:
+        """"token", or the per-sequence reduction "sum" / "mean" / "max"."""
+        return "token" if self.option.startswith("token") else self.option.split("_")[1]
+
+
+def parse_rejection(options: str, threshold: Any) -> tuple[RejectionRule, ...]:
+    """verl's `rollout_rs` / `rollout_rs_threshold`: comma-chained options (duplicates dropped,
+    first kept), thresholds one per option by position or one for all; a k1 threshold is a ratio
+    range "lower_upper" or t for [1 / t, t], a k2 / k3 threshold one upper bound."""
+    names = []
+    for name in (part.strip() for part in options.split(",")):
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError(f"LossConfig.rejection={options!r} names no option")
+    for name in names:
+        _check_choice("rejection", name, REJECTION_OPTIONS)
+    if threshold is None:
+        raise ValueError(f"LossConfig.rejection={options!r} needs rejection_threshold")
+    if isinstance(threshold, bool) or not isinstance(threshold, (str, int, float)):
+        raise ValueError(
+            f"LossConfig.rejection_threshold must be a number or a string, got {threshold!r}"
+        )
+    specs = [threshold] if not isinstance(threshold, str) else threshold.split(",")
+    specs = [str(spec).strip() for spec in specs if str(spec).strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(
+            f"LossConfig.rejection_threshold={threshold!r} gives {len(specs)} thresholds for "
+            f"{len(names)} options {names}: give one, or one per option"
+        )
+    specs = specs * len(names) if len(specs) == 1 else specs
+    rules = []
+    for name, spec in zip(names, specs):
+        where = f"LossConfig.rejection_threshold {spec!r} of {name!r}"
+        try:
+            if name.endswith("k1"):
+                low_s, _, up_s = spec.partition("_") if "_" in spec else ("", "", spec)
+                upper = float(up_s)
+                lower = float(low_s) if low_s else (1.0 / upper if upper > 0 else 0.0)
+            elif "_" in spec:
+                raise ValueError(f"{where}: a k2 / k3 option takes one upper bound, not a range")
+            else:
+                lower, upper = None, float(spec)
+        except (ValueError, ZeroDivisionError) as err:
+            if str(err).startswith(where):
+                raise
+            raise ValueError(f"{where} is not a number or a 'lower_upper' range") from err
+        if not math.isfinite(upper) or upper <= 0 or (lower is not None and not lower > 0):
+            raise ValueError(f"{where}: bounds must be finite and > 0")
+        if lower is not None and lower > upper:
+            raise ValueError(f"{where}: the lower bound exceeds the upper one")
+        if lower is not None:  # k1 compares log-ratios
+            lower, upper = math.log(lower), math.log(upper)
+        rules.append(RejectionRule(name, lower, upper))
+    return tuple(rules)
+
+
 # Clip ranges when the caller does not give them: GSPO's sequence ratio is a geometric mean, so
 # its paper's range is ~1000x narrower; GMPO clips log-ratios (wider range, its paper's 0.4);
 # DCPO's paper uses 0.16 / 0.2 as the base of its probability-dependent bounds.
@@ -125,6 +205,12 @@ class LossConfig:
     dppo_ratio_cap: float = 3.0
     # DRO: -A logp + dro_beta / 2 (logp - old)^2; required (> 0) for loss="dro".
     dro_beta: float | None = None
+    # verl's rollout rejection sampling: tokens / sequences whose KL(rollout || old) estimate
+    # leaves the threshold leave the loss, denominators included (verl's rollout_rs and
+    # rollout_rs_threshold strings, e.g. "token_k1,seq_max_k3" and "0.5_2.0,0.1"). Needs
+    # rollout_logp; measured against old_logp (the current log-probs when there is none).
+    rejection: str | None = None
+    rejection_threshold: str | float | None = None
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
@@ -195,6 +281,12 @@ class LossConfig:
 
         self._check_corrections()
         self._check_scalar_losses()
+        if self.rejection is not None:
+            if not isinstance(self.rejection, str):
+                raise ValueError(f"LossConfig.rejection must be a string, got {self.rejection!r}")
+            parse_rejection(self.rejection, self.rejection_threshold)
+        elif self.rejection_threshold is not None:
+            raise ValueError("LossConfig.rejection_threshold is set but rejection is None")
 
         if self.norm_constant is not None:
             if self.agg != "seq-mean-token-sum-norm":
@@ -329,6 +421,22 @@ class LossConfig:
             or (self.is_correction or "").startswith("sequence")
             or self.off_policy_mask is not None
             or self.top_entropy_quantile < 1
+        )
+
+    @property
+    def rejection_rules(self) -> tuple[RejectionRule, ...]:
+        """The parsed `rejection` options (empty when off)."""
+        if self.rejection is None:
+            return ()
+        return parse_rejection(self.rejection, self.rejection_threshold)
+
+    @property
+    def needs_sequences(self) -> bool:
+        """The loss needs the [B, T] layout (sequence boundaries)."""
+        return (
+            self.agg != "token-mean"
+            or self.is_sequence_level
+            or any(rule.reduction != "token" for rule in self.rejection_rules)
         )
 
     @property

@@ -24,6 +24,7 @@ from .token_terms import (
     ratio_bounds,
     resolve_is_weights,
     token_terms,
+    with_rejection,
 )
 
 
@@ -116,8 +117,10 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
     they are computed here for the whole batch (and may be sliced into row chunks)."""
     old = inp.old_logp
-    # IS weights and DCPO bounds need old; on-policy (old = logp) such configs take two passes.
-    is_weight = resolve_is_weights(old, inp, cfg)
+    # IS weights, DCPO bounds and rejection need old; on-policy (old = logp) such configs take
+    # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
+    is_weight = resolve_is_weights(old, inp, cfg)  # on every sampled token, as verl
+    inp = with_rejection(inp, cfg)
     low = high = None
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
     if loss in ("ppo", "cispo", "dcpo"):
@@ -159,7 +162,9 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
         return True
     # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
     # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
-    return inp.old_logp is None and (cfg.loss == "dcpo" or cfg.is_correction is not None)
+    return inp.old_logp is None and (
+        cfg.loss == "dcpo" or cfg.is_correction is not None or cfg.rejection is not None
+    )
 
 
 @torch.no_grad()

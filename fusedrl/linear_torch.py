@@ -23,7 +23,13 @@ import torch
 from ._inputs import LossInputs
 from .config import LossConfig
 from .fused_backend import needs_two_passes
-from .token_terms import TokenTerms, aggregation_weights, resolve_is_weights, token_terms
+from .token_terms import (
+    TokenTerms,
+    aggregation_weights,
+    resolve_is_weights,
+    token_terms,
+    with_rejection,
+)
 from .torch_backend import block_grad, block_log_probs, block_stats, row_blocks
 
 
@@ -143,7 +149,7 @@ def _token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivativ
     """Per-token d(loss)/d(logp), d(loss)/d(H) of a block, with the weights that do not depend on
     the logits (aggregation, IS) computed once for the whole batch."""
     inp = lin.rows
-    agg = aggregation_weights(inp, cfg).reshape(1, -1)
+    agg = aggregation_weights(with_rejection(inp, cfg), cfg).reshape(1, -1)
     # One sweep only when these need no logp (fused_backend.needs_two_passes).
     is_w = resolve_is_weights(inp.old_logp, inp, cfg)
     flat_is = None if is_w is None else is_w.reshape(1, -1)

@@ -16,6 +16,7 @@ softmax (so a NaN in a padded row cannot leak) and their labels by 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -332,6 +333,36 @@ def _clipped_objective(
     return per_token
 
 
+def _rejection_sampling(old, inp: LossInputs, cfg: LossConfig, metrics: dict) -> LossInputs:
+    """verl's rollout rejection sampling: each option's statistic of KL(rollout || old), per
+    token or per sequence on the original mask; a token stays when every option keeps it."""
+    response = torch.where(inp.valid, inp.mask, 0.0)
+    log_r = torch.clamp(torch.where(inp.valid, old - inp.rollout_logp, 0.0), -20.0, 20.0)
+    per_token = {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": torch.exp(log_r) - 1.0 - log_r}
+    kept = torch.ones(response.shape, dtype=torch.bool, device=response.device)
+    for rule in cfg.rejection_rules:
+        values = per_token[rule.estimator]
+        if rule.reduction == "token":
+            statistic = values
+        else:
+            total = (values * response).sum(-1)
+            if rule.reduction == "mean":
+                total = total / (response.sum(-1) + 1e-8)
+            elif rule.reduction == "max":
+                filled = values.masked_fill(response == 0, float("-inf")).max(-1).values
+                total = torch.where(filled == float("-inf"), torch.zeros_like(filled), filled)
+            statistic = total[:, None].expand(response.shape)
+        option_keeps = statistic <= rule.upper
+        if rule.lower is not None:
+            option_keeps = option_keeps & (statistic >= rule.lower)
+        metrics[f"rs_{rule.option}_masked"] = masked_mean(~option_keeps, inp)
+        kept = kept & option_keeps
+    metrics["rs_masked"] = masked_mean(~kept, inp)
+    rows_hit = ((~kept) & (response > 0)).any(-1)
+    metrics["rs_masked_seqs"] = rows_hit.float().sum() / max(rows_hit.numel(), 1)
+    return dataclasses.replace(inp, mask=inp.mask * kept.float())
+
+
 def _select_flat(mask: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
     """A mask of the `count` tokens of `mask` with the largest scores (ties: row-major order)."""
     where = torch.nonzero(mask.flatten()).flatten()
@@ -445,7 +476,10 @@ def policy_loss(
         "dual_clipfrac": zero,
     }
 
-    w = resolve_is_weights(old, inp, cfg)
+    w = resolve_is_weights(old, inp, cfg)  # rejection leaves the IS weights alone (verl)
+    sampled = inp
+    if cfg.rejection is not None:
+        inp = _rejection_sampling(old, inp, cfg, metrics)
     top_entropy = None
     if cfg.top_entropy_quantile < 1:
         top_entropy = _top_entropy_mask(entropy, inp, cfg, metrics)
@@ -483,7 +517,7 @@ def policy_loss(
     add_token_metrics(
         metrics, old, logp.detach(), None if entropy is None else entropy.detach(), w, inp
     )
-    _mismatch_metrics(metrics, logp.detach(), w, inp)
+    _mismatch_metrics(metrics, logp.detach(), w, sampled)
 
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))

@@ -22,7 +22,7 @@ per-token derivative is agg_w * d(per-token loss)/d(logp).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -346,6 +346,50 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
     return per_token, _select_max(unclipped, clipped, d_unclipped, d_clipped) * keep
 
 
+def _rejection_statistics(old: torch.Tensor, inp: LossInputs) -> dict[str, torch.Tensor]:
+    """verl's per-token KL(rollout || old) estimates from log r = old - rollout, clamped at +-20."""
+    log_r = torch.where(inp.valid, old - inp.rollout_logp, 0.0)
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"k1": -log_r, "k2": 0.5 * log_r.square(), "k3": torch.expm1(log_r) - log_r}
+
+
+def with_rejection(
+    inp: LossInputs, cfg: LossConfig, old: torch.Tensor | None = None, metrics: dict | None = None
+) -> LossInputs:
+    """`inp` whose mask drops the tokens / sequences that cfg.rejection rejects (verl's rollout
+    rejection sampling); every option is measured on the original mask, and all must keep."""
+    rules = cfg.rejection_rules
+    if not rules:
+        return inp
+    old = inp.old_logp if old is None else old
+    stats = _rejection_statistics(old, inp)
+    counted = inp.valid & (inp.mask > 0)
+    weights = torch.where(inp.valid, inp.mask, 0.0)
+    keep = torch.ones_like(counted)
+    for rule in rules:
+        stat = stats[rule.estimator]
+        if rule.reduction == "sum":
+            stat = (stat * weights).sum(-1, keepdim=True)
+        elif rule.reduction == "mean":  # verl's masked mean: / (count + 1e-8)
+            stat = (stat * weights).sum(-1, keepdim=True) / (weights.sum(-1, keepdim=True) + 1e-8)
+        elif rule.reduction == "max":  # an empty sequence: 0
+            stat = torch.where(counted, stat, -math.inf).amax(-1, keepdim=True)
+            stat = torch.where(torch.isinf(stat), 0.0, stat)
+        ok = stat <= rule.upper  # NaN: rejected
+        if rule.lower is not None:
+            ok = ok & (stat >= rule.lower)
+        ok = ok.expand_as(counted)
+        keep = keep & ok
+        if metrics is not None:
+            metrics[f"rs_{rule.option}_masked"] = masked_mean(~ok, inp)
+    if metrics is not None:
+        metrics["rs_masked"] = masked_mean(~keep, inp)
+        # over every row, empty ones included (verl's rollout_rs_seq_masked_fraction)
+        hit = (~keep & counted).any(-1).float()
+        metrics["rs_masked_seqs"] = hit.sum() / max(hit.numel(), 1)
+    return replace(inp, mask=inp.mask * keep)
+
+
 def masked_quantile(x: torch.Tensor, selected: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x[selected], q) (linear interpolation) without a host sync or its size
     limit: the selected values sort first, the rank is a tensor. +inf when none is selected."""
@@ -436,16 +480,19 @@ def token_terms(
     """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
 
     `logp` / `entropy` must already be 0 on masked tokens (the backends skip those rows).
-    `agg_weights` (computed by the caller over the whole batch) lets a token-level loss be
-    evaluated on a slice of its tokens: the LM-head loss does, block by block.
+    `agg_weights` (computed by the caller over the whole batch, after `with_rejection`) lets a
+    token-level loss be evaluated on a slice of its tokens: the LM-head loss does, block by block.
     """
     logp = torch.where(inp.valid, logp, 0.0)
     old = inp.old_logp if inp.old_logp is not None else logp
     adv = inp.advantages
     zero = torch.zeros((), device=logp.device)
     metrics = {"clipfrac": zero, "clip_low": zero, "clip_high": zero, "dual_clipfrac": zero}
+    sampled = inp  # the mismatch metrics look at every sampled token, rejected ones too
+    if agg_weights is None:  # (given weights already leave the rejected tokens out)
+        inp = with_rejection(inp, cfg, old, metrics)
     agg_w = aggregation_weights(inp, cfg) if agg_weights is None else agg_weights
-    w = resolve_is_weights(old, inp, cfg)
+    w = resolve_is_weights(old, sampled, cfg)  # on every sampled token, as verl
 
     loss = zero
     entropy_keep = None
@@ -491,5 +538,5 @@ def token_terms(
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
     add_token_metrics(metrics, old, logp, entropy, w, inp)
-    add_mismatch_metrics(metrics, logp, w, inp)
+    add_mismatch_metrics(metrics, logp, w, sampled)
     return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)

@@ -61,6 +61,20 @@ def test_every_preset_fp32(name, per_token_adv, backend):
     assert_matches_reference(data, LossConfig.preset(name), backend, rtol=rtol)
 
 
+# verl's rollout rejection sampling, token and sequence options chained (tests/test_rejection.py
+# asserts that each option rejects some tokens, not all).
+REJECTION_OPTIONS = {
+    "rejection_token_seq": LossConfig(
+        rejection="token_k1,seq_mean_k3", rejection_threshold="0.7_1.4,0.05"
+    ),
+    "rejection_gspo": LossConfig.preset(
+        "gspo", rejection="seq_sum_k1,seq_max_k2,token_k3", rejection_threshold="0.5_1.9,0.2,0.1"
+    ),
+    "rejection_seq_is_entropy": LossConfig(
+        rejection="token_k2", rejection_threshold=0.05, is_correction="sequence_truncate",
+        is_cap=1.5, entropy_coef=0.01, agg="seq-mean-token-mean",
+    ),  # fmt: skip
+}
 VERL_LOSS_OPTIONS = {
     "dro": LossConfig(loss="dro", dro_beta=0.3, kl="k3", beta=0.05),
     "dppo_tv": LossConfig(loss="dppo_tv", eps_low=0.002, eps_high=0.002, dppo_ratio_cap=1.2),
@@ -108,6 +122,7 @@ OPTIONS = {
     # verl's losses, with thresholds that make every branch act on make_batch's data
     # (tests/test_verl_losses.py asserts that they do).
     **VERL_LOSS_OPTIONS,
+    **REJECTION_OPTIONS,
 }
 
 

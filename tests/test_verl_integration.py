@@ -18,7 +18,10 @@ import torch
 verl = pytest.importorskip("verl")
 
 from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights  # noqa: E402
+from verl.trainer.ppo.rollout_corr_helper import (  # noqa: E402
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 from verl.utils import torch_functional as verl_F  # noqa: E402
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 
@@ -251,6 +254,54 @@ def test_clip_cov_draws_as_many_tokens_as_verl():
 def test_dro_needs_its_beta():
     with pytest.raises(ValueError, match="dro_beta must be a positive value"):
         fverl.loss_config_from_verl(_actor("dro", policy_loss=PolicyLossConfig(loss_mode="dro")))
+
+
+REJECTION_CASES = [
+    ("token_k1", "0.8_1.25"),
+    ("token_k2", 0.02),
+    ("token_k3", "0.02"),
+    ("seq_sum_k1", "0.8_1.3"),
+    ("seq_sum_k2,seq_sum_k3", "0.2,0.1"),
+    ("seq_mean_k1", 1.2),
+    ("seq_mean_k2, seq_mean_k3", "0.02"),
+    ("seq_max_k2,seq_max_k3,token_k1,seq_max_k2", "0.3,0.2,0.7_1.5"),
+]
+
+
+@pytest.mark.parametrize(("options", "threshold"), REJECTION_CASES)
+def test_rejection_sampling_parity(options, threshold):
+    """LossConfig.rejection against verl's compute_rollout_rejection_mask on log r = old -
+    rollout: the loss equals fusedrl's loss on verl's modified mask, the masked shares equal
+    verl's metrics, and each case rejects some tokens but not all."""
+    batch = _batch(seed=41, beyond_clamp=False)
+    noise = torch.randn(B, T, generator=torch.Generator().manual_seed(3))
+    batch["rollout"] = batch["old"] + 0.3 * noise
+    verl_mask, verl_metrics = compute_rollout_rejection_mask(
+        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
+        rollout_rs=options, rollout_rs_threshold=threshold,
+    )  # fmt: skip
+    assert 0 < verl_mask.sum() < batch["mask"].sum()
+    cfg = fusedrl.LossConfig(rejection=options, rejection_threshold=threshold)
+    logits = torch.randn(B, T, 97, generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(5))
+    common = dict(labels=labels, advantages=batch["adv"], old_logp=batch["old"], backend="torch")
+    ours = fusedrl.policy_loss(
+        logits, mask=batch["mask"], rollout_logp=batch["rollout"], config=cfg, **common
+    )
+    plain = fusedrl.LossConfig()
+    by_mask = fusedrl.policy_loss(logits, mask=verl_mask.bool(), config=plain, **common)
+    torch.testing.assert_close(ours.loss, by_mask.loss)
+    assert float(ours.metrics["rs_masked"]) == pytest.approx(
+        verl_metrics["rollout_rs_masked_fraction"], abs=1e-6
+    )
+    assert float(ours.metrics["rs_masked_seqs"]) == pytest.approx(
+        verl_metrics["rollout_rs_seq_masked_fraction"], abs=1e-6
+    )
+    for rule in cfg.rejection_rules:
+        key = f"rollout_rs_{rule.option}_masked_fraction"
+        assert float(ours.metrics[f"rs_{rule.option}_masked"]) == pytest.approx(
+            verl_metrics[key], abs=1e-6
+        ), key
 
 
 def test_unsupported_options_raise():
