@@ -179,16 +179,21 @@ def test_vespo_with_every_rollout_correction(default_run, tmp_path):
     assert 0 < records[-1]["entropy_masked"] < 1
 
 
-def test_verl_clip_cov_through_the_cli(default_run, tmp_path):
-    """--loss picks one of verl's objectives on top of the preset; its knobs reach the loss."""
+def test_verl_clip_cov_and_rejection_through_the_cli(default_run, tmp_path):
+    """--loss picks one of verl's objectives on top of the preset, --rejection verl's rejection
+    sampling against vLLM's log-probs; their knobs reach the loss and their metrics the log."""
     out = tmp_path / "clip_cov"
     check(fusedrl_train("--out", str(out), "--loss", "clip_cov", "--clip-cov-ratio", "0.5",
                         "--clip-cov-lb", "-10", "--clip-cov-ub", "10", "--ppo-epochs", "2",
+                        "--rejection", "token_k1,seq_max_k3", "--rejection-threshold", "1.5,0.5",
                         "--max-steps", "2", "--model", str(default_run / "base_model")))
     records = read_metrics(out)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["clipfrac"] > 0  # tokens drawn among the covariance outliers
-    assert "clip_cov" in (out / "config.yaml").read_text()
+    for name in ("rs_masked", "rs_token_k1_masked", "rs_seq_max_k3_masked", "rs_masked_seqs"):
+        assert all(0 <= r[name] <= 1 for r in records), name
+    config = (out / "config.yaml").read_text()
+    assert "clip_cov" in config and "token_k1,seq_max_k3" in config
 
 
 def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):

@@ -29,7 +29,8 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
                   "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
                   "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
-                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "dro_beta")
+                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "dro_beta",
+                  "rejection", "rejection_threshold")
 
 
 @dataclass
@@ -83,6 +84,8 @@ class TrainConfig:
     kl_cov_coef: float | None = None
     dppo_ratio_cap: float | None = None
     dro_beta: float | None = None
+    rejection: str | None = None
+    rejection_threshold: str | None = None
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, oversample to refill
     max_num_gen_batches: int = 4  # oversampling rounds before training on what was kept
     dupo: bool = False  # DUPO: refill dropped groups by duplicating kept ones
@@ -253,6 +256,10 @@ HELP = {
     "dppo_ratio_cap": "DPPO (--loss dppo_tv / dppo_kl): cap of the detached ratio; unset: 3 "
     "(--eps-low / --eps-high are then the trust region's thresholds).",
     "dro_beta": "DRO (--loss dro): coefficient of the (log ratio)^2 / 2 penalty, required.",
+    "rejection": "verl's rollout rejection sampling against vLLM's log-probs: comma-chained "
+    "options token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3; unset: off.",
+    "rejection_threshold": "Thresholds of --rejection in verl's format: one, or one per option "
+    "(k1: a ratio range 'lower_upper' or t for [1/t, t]; k2 / k3: an upper bound).",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

@@ -21,7 +21,8 @@ PANELS = (
     ("train/inference mismatch: KL(vLLM || trainer)", ("mismatch_kl_k1", "mismatch_kl_k3")),
     ("train/inference mismatch: chi-square", ("mismatch_chi2_token", "mismatch_chi2_seq")),
     ("IS weights: effective sample size", ("is_ess",)),
-    ("tokens dropped by a correction", ("is_masked", "off_policy_masked", "entropy_masked")),
+    ("tokens dropped by a correction",
+     ("is_masked", "off_policy_masked", "entropy_masked", "rs_masked")),
     ("VESPO weight mean", ("vespo_phi_mean",)),
 )
 # Values the loop fills in when a run has no such term: a metric that never leaves its default

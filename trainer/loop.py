@@ -576,6 +576,8 @@ def describe_loss(lcfg: LossConfig) -> str:
         parts.append("KL x ratio")
     if lcfg.off_policy_mask is not None:
         parts.append(f"off-policy mask {lcfg.off_policy_mask:g}")
+    if lcfg.rejection is not None:
+        parts.append(f"rejection {lcfg.rejection} @ {lcfg.rejection_threshold}")
     if lcfg.top_entropy_quantile < 1:
         parts.append(f"top {lcfg.top_entropy_quantile:g} entropy tokens")
     return ", ".join(parts)
