@@ -12,6 +12,7 @@ from ._autograd import attach_grad
 from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
 from .config import LossConfig
 from .output import LossOutput
+from .sampling import SamplingMask, check_sampling
 
 BACKENDS = ("auto", "triton", "cuda", "torch")
 
@@ -22,10 +23,19 @@ def _triton_usable(device: torch.device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _resolve_backend(backend: str, device: torch.device):
-    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere)."""
+def _resolve_backend(backend: str, device: torch.device, sampling: SamplingMask | None = None):
+    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere; the
+    torch backend for sampling-mask replay, which only it implements so far)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if sampling is not None and sampling.active:
+        if backend in ("triton", "cuda"):
+            raise ValueError(
+                f"sampling-mask replay (top_k / top_p / min_p) runs in backend='torch' only so "
+                f"far, got backend={backend!r}: the Triton / CUDA kernels have no on-chip "
+                "select yet; use backend='torch' or 'auto'"
+            )
+        return torch_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
     if backend == "triton":
@@ -104,7 +114,7 @@ def policy_loss(
         normalizer,
         is_weights,
     )
-    impl = _resolve_backend(backend, inp.logits.device)
+    impl = _resolve_backend(backend, inp.logits.device, cfg.sampling)
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
@@ -151,20 +161,27 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
     Under `torch.no_grad()` this is the fast path for old / reference log-probs: no gradient state
-    is kept. logits [B, T, V] or [N, V]; labels of the same leading shape.
+    is kept. logits [B, T, V] or [N, V]; labels of the same leading shape. `top_k` / `top_p` /
+    `min_p`: vLLM's sampling filters of the rollouts; logp and the entropy are then taken over
+    the set the engine sampled from (its processed log-probs; `fusedrl.sampling`).
     """
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
     temperature = check_temperature(temperature)
-    impl = _resolve_backend(backend, logits.device)
+    sampling = check_sampling(top_k, top_p, min_p)
+    impl = _resolve_backend(backend, logits.device, sampling)
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels
-    logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy)
+    extra = {"sampling": sampling} if sampling.active else {}
+    logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy, **extra)
     if flat:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]

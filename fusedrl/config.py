@@ -13,6 +13,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from .sampling import SamplingMask, check_sampling
+
 LOSSES = (
     "ppo", "cispo", "sapo", "gmpo", "dcpo", "pg", "luspo", "vespo",
     "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro",
@@ -138,7 +140,7 @@ _NUMERIC_FIELDS = (
     "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
     "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-    "kl_cov_coef", "dppo_ratio_cap", "dro_beta",
+    "kl_cov_coef", "dppo_ratio_cap", "dro_beta", "top_p", "min_p",
 )  # fmt: skip
 
 
@@ -211,6 +213,11 @@ class LossConfig:
     # rollout_logp; measured against old_logp (the current log-probs when there is none).
     rejection: str | None = None
     rejection_threshold: str | float | None = None
+    # Sampling-mask replay: vLLM's top_k / top_p / min_p of the rollouts, so that logp and the
+    # entropy are taken over the set the engine sampled from (its processed log-probs). None: off.
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
@@ -218,6 +225,10 @@ class LossConfig:
             value = getattr(self, field)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
                 object.__setattr__(self, field, float(value))
+        for field in ("top_k", "clip_cov_seed"):  # numpy / torch integers: plain ints
+            value = getattr(self, field)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, field, int(value))
         _check_choice("loss", self.loss, LOSSES)
         if self.ratio_level is None:
             object.__setattr__(self, "ratio_level", "sequence" if self.loss == "luspo" else "token")
@@ -281,6 +292,7 @@ class LossConfig:
 
         self._check_corrections()
         self._check_scalar_losses()
+        check_sampling(self.top_k, self.top_p, self.min_p, where="LossConfig")
         if self.rejection is not None:
             if not isinstance(self.rejection, str):
                 raise ValueError(f"LossConfig.rejection must be a string, got {self.rejection!r}")
@@ -422,6 +434,12 @@ class LossConfig:
             or self.off_policy_mask is not None
             or self.top_entropy_quantile < 1
         )
+
+    @property
+    def sampling(self) -> SamplingMask | None:
+        """The sampling filters to replay, or None when none is active."""
+        mask = check_sampling(self.top_k, self.top_p, self.min_p)
+        return mask if mask.active else None
 
     @property
     def rejection_rules(self) -> tuple[RejectionRule, ...]:

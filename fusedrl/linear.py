@@ -103,6 +103,11 @@ def linear_policy_loss(
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
     cfg = config if config is not None else LossConfig()
+    if cfg.sampling is not None:
+        raise ValueError(
+            "linear_policy_loss does not replay sampling masks (config top_k / top_p / min_p) "
+            "yet: materialise the logits and use fusedrl.policy_loss with backend='torch'"
+        )
     inp = prepare_loss_inputs(
         hidden,
         labels,

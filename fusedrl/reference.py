@@ -31,11 +31,41 @@ KL_LOG_CLAMP = 20.0  # verl k3: clamp ref - logp
 KL_VALUE_CLAMP = 10.0  # verl k3: clamp the estimate
 
 
+def _vllm_sampling_set(scaled, labels, top_k, top_p, min_p) -> torch.Tensor:
+    """The tokens vLLM's V1 sampler keeps, on temperature-scaled logits [..., V], in its order:
+    min_p on the probabilities, then top_k (ties kept), then top_p on the renormalised rest
+    (ascending cumulative sum <= 1 - p dropped, the largest kept); the sampled label always."""
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    z = scaled.detach()
+    if min_p is not None and min_p > 0:
+        probs = torch.softmax(z, -1)
+        keep &= probs >= probs.amax(-1, keepdim=True) * min_p
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = torch.topk(z.masked_fill(~keep, float("-inf")), top_k, -1).values[..., -1:]
+        keep &= z >= kth
+    if top_p is not None and top_p < 1:
+        masked = z.masked_fill(~keep, float("-inf"))
+        ordered, order = torch.sort(masked, -1)  # ascending
+        cumulative = torch.softmax(ordered, -1).cumsum(-1)
+        dropped = cumulative <= 1 - top_p
+        dropped[..., -1] = False
+        keep &= ~torch.zeros_like(dropped).scatter(-1, order, dropped)
+    label_slot = torch.zeros_like(keep).scatter(-1, labels.long().clamp_min(0).unsqueeze(-1), True)
+    return keep | label_slot
+
+
 def _log_softmax_stats(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    sampling: tuple = (None, None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # fp64 stays fp64 so the oracle itself can be gradchecked; everything else computes in fp32.
     scaled = (logits.double() if logits.dtype == torch.float64 else logits.float()) / temperature
+    if any(v is not None for v in sampling):
+        kept = _vllm_sampling_set(scaled, labels, *sampling)
+        scaled = scaled.masked_fill(~kept, float("-inf"))
     log_probs = torch.log_softmax(scaled, dim=-1)
     logp = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     # A +inf logit makes the row's distribution undefined: say so with NaN rather than a -inf
@@ -57,14 +87,19 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature)[labels] in fp32, optionally the entropy; differentiable.
+    With top_k / top_p / min_p, over the set vLLM's sampler kept (the rest at -inf).
 
     `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
     """
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
-    return _log_softmax_stats(logits, labels, check_temperature(temperature), return_entropy)
+    temperature = check_temperature(temperature)
+    return _log_softmax_stats(logits, labels, temperature, return_entropy, (top_k, top_p, min_p))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,7 +500,9 @@ def policy_loss(
     )
     need_entropy = return_entropy or cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
-    logp, entropy = _log_softmax_stats(safe_logits, inp.labels, cfg.temperature, need_entropy)
+    logp, entropy = _log_softmax_stats(
+        safe_logits, inp.labels, cfg.temperature, need_entropy, (cfg.top_k, cfg.top_p, cfg.min_p)
+    )
     old = inp.old_logp if inp.old_logp is not None else logp.detach()
     adv = inp.advantages
     zero = torch.zeros((), device=logp.device)

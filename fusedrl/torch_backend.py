@@ -20,6 +20,7 @@ import torch
 
 from ._inputs import LossInputs
 from .config import LossConfig
+from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
 
 # Rows per block are chosen so that one fp32 temporary of the block holds about this many elements
@@ -69,11 +70,19 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def block_log_probs(block: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(block / temperature) in fp32 (fp64 for fp64 input) and its lse ([n, 1])."""
+def block_log_probs(
+    block: torch.Tensor,
+    temperature: float,
+    labels: torch.Tensor | None = None,
+    sampling: SamplingMask | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(block / temperature) in fp32 (fp64 for fp64 input) and its lse ([n, 1]); with
+    an active `sampling`, over the set vLLM sampled from (`fusedrl.sampling`; needs `labels`)."""
     scaled = block.double() if block.dtype == torch.float64 else block.float()
     if temperature != 1.0:
         scaled = scaled / temperature
+    if sampling is not None and sampling.active:
+        scaled = apply_floor(scaled, sampling_floor(scaled, sampling), labels)
     top = scaled.amax(-1, keepdim=True)
     # All -inf: lse = log(0) = -inf; a +inf: lse = +inf (block_stats turns it into NaN).
     shift = torch.where(torch.isfinite(top), top, 0.0)
@@ -135,6 +144,7 @@ def forward_stats(
     temperature: float,
     need_entropy: bool,
     valid: torch.Tensor | None = None,
+    sampling: SamplingMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32."""
     batch, time, _ = logits.shape
@@ -143,7 +153,7 @@ def forward_stats(
     flat_labels = labels.reshape(-1)
     for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
-        log_probs, lse = block_log_probs(block, temperature)
+        log_probs, lse = block_log_probs(block, temperature, flat_labels[start:stop], sampling)
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy
         )
@@ -166,6 +176,7 @@ def write_logits_grad(
     dlogp: torch.Tensor,
     dentropy: torch.Tensor | None,
     out: torch.Tensor,
+    sampling: SamplingMask | None = None,
 ) -> None:
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]).
 
@@ -176,7 +187,7 @@ def write_logits_grad(
     flat_dent = None if dentropy is None else dentropy.reshape(-1)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        log_probs, _ = block_log_probs(block, temperature)
+        log_probs, _ = block_log_probs(block, temperature, flat_labels[start:stop], sampling)
         dent = None if flat_dent is None else flat_dent[start:stop]
         grad = block_grad(
             log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent
@@ -188,10 +199,12 @@ class _LogprobsFn(torch.autograd.Function):
     """token_logprobs with the logits kept by reference (no fp32 copy saved for backward)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, return_entropy):
-        logp, entropy = forward_stats(logits, labels, temperature, return_entropy)
+    def forward(ctx, logits, labels, temperature, return_entropy, sampling):
+        logp, entropy = forward_stats(
+            logits, labels, temperature, return_entropy, sampling=sampling
+        )
         ctx.save_for_backward(logits, labels)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.sampling = temperature, sampling
         return (logp, entropy) if return_entropy else (logp,)
 
     @staticmethod
@@ -205,18 +218,23 @@ class _LogprobsFn(torch.autograd.Function):
             grad_logp.float(),
             None if grad_entropy is None else grad_entropy.float(),
             grad,
+            ctx.sampling,
         )
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    sampling: SamplingMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable."""
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy)
+        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy, sampling)
         return (out[0], out[1]) if return_entropy else (out[0], None)
-    return forward_stats(logits, labels, temperature, return_entropy)
+    return forward_stats(logits, labels, temperature, return_entropy, sampling=sampling)
 
 
 def policy_loss(
@@ -224,10 +242,14 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Pass 1, the [B, T] terms, and (when `grad_out` is given) pass 2 into `grad_out`."""
     need_entropy = need_entropy or cfg.needs_entropy
-    logp, entropy = forward_stats(inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid)
+    sampling = cfg.sampling
+    logp, entropy = forward_stats(
+        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling
+    )
     terms = token_terms(logp, entropy, inp, cfg)
     if grad_out is not None:
         write_logits_grad(
-            inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out
-        )
+            inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out,
+            sampling,
+        )  # fmt: skip
     return logp, entropy, terms

