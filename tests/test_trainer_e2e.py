@@ -196,6 +196,18 @@ def test_verl_clip_cov_and_rejection_through_the_cli(default_run, tmp_path):
     assert "clip_cov" in config and "token_k1,seq_max_k3" in config
 
 
+def test_truncated_sampling_is_replayed_in_the_loss(default_run, tmp_path):
+    """--top-p < 1: the loss takes log-probs over the set vLLM sampled from, so on the first
+    epoch the trainer's log-probs are the engine's processed ones (KL(vLLM || trainer) ~ 0;
+    over the full vocabulary every token would be off by the log of the kept mass)."""
+    out = tmp_path / "top_p"
+    check(fusedrl_train("--out", str(out), "--top-p", "0.7", "--max-steps", "2",
+                        "--ppo-epochs", "1", "--model", str(default_run / "base_model")))
+    records = read_metrics(out)
+    assert len(records) == 2
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-3 and r["mismatch_kl_k3"] < 1e-4 for r in records)
+
+
 def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):
     data = tmp_path / "boom.jsonl"
     data.write_text(json.dumps({"prompt": "boom 1", "answer": "1"}) + "\n")

@@ -119,7 +119,10 @@ class TrainConfig:
 
     def loss_config(self) -> LossConfig:
         overrides = {k: getattr(self, k) for k in LOSS_OVERRIDES if getattr(self, k) is not None}
-        cfg = LossConfig.preset(self.preset, temperature=self.temperature, **overrides)
+        # The loss replays the rollouts' sampling mask: logp over the set vLLM sampled from.
+        top_p = self.top_p if self.top_p < 1 else None
+        cfg = LossConfig.preset(self.preset, temperature=self.temperature, top_p=top_p,
+                                **overrides)
         if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
             # Dr.GRPO divides by a constant: the generation budget.
             cfg = cfg.replace(norm_constant=float(self.max_tokens))

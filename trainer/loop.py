@@ -205,8 +205,10 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.model = shard(model.to(self.env.device), self.env)
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
+        # (The head's fused loss does not replay a truncated sampler's mask: logits then.)
         self.lm_head = (
             cfg.fused_lm_head and self.env.world_size == 1 and plain_lm_head(model) is not None
+            and self.loss_cfg.sampling is None
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
@@ -578,6 +580,8 @@ def describe_loss(lcfg: LossConfig) -> str:
         parts.append(f"off-policy mask {lcfg.off_policy_mask:g}")
     if lcfg.rejection is not None:
         parts.append(f"rejection {lcfg.rejection} @ {lcfg.rejection_threshold}")
+    if lcfg.sampling is not None:
+        parts.append(f"log-probs over the sampled set (top_p {lcfg.top_p:g})")
     if lcfg.top_entropy_quantile < 1:
         parts.append(f"top {lcfg.top_entropy_quantile:g} entropy tokens")
     return ", ".join(parts)

@@ -183,7 +183,10 @@ def token_logprobs(
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)
-            logp, _ = fusedrl.token_logprobs(logits, sub.labels, cfg.temperature, backend=backend)
+            logp, _ = fusedrl.token_logprobs(
+                logits, sub.labels, cfg.temperature, backend=backend,
+                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+            )  # fmt: skip
         if rows.stop > rows.start:
             out[rows, : logp.shape[1]] = logp
     return out
