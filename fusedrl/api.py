@@ -12,7 +12,7 @@ from ._autograd import attach_grad
 from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
 from .config import LossConfig
 from .output import LossOutput
-from .sampling import SamplingMask, check_sampling
+from .sampling import check_sampling
 
 BACKENDS = ("auto", "triton", "cuda", "torch")
 
@@ -23,19 +23,10 @@ def _triton_usable(device: torch.device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _resolve_backend(backend: str, device: torch.device, sampling: SamplingMask | None = None):
-    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere; the
-    torch backend for sampling-mask replay, which only it implements so far)."""
+def _resolve_backend(backend: str, device: torch.device):
+    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if sampling is not None and sampling.active:
-        if backend in ("triton", "cuda"):
-            raise ValueError(
-                f"sampling-mask replay (top_k / top_p / min_p) runs in backend='torch' only so "
-                f"far, got backend={backend!r}: the Triton / CUDA kernels have no on-chip "
-                "select yet; use backend='torch' or 'auto'"
-            )
-        return torch_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
     if backend == "triton":
@@ -114,7 +105,7 @@ def policy_loss(
         normalizer,
         is_weights,
     )
-    impl = _resolve_backend(backend, inp.logits.device, cfg.sampling)
+    impl = _resolve_backend(backend, inp.logits.device)
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
@@ -176,7 +167,7 @@ def token_logprobs(
     labels = check_labels(labels, logits, None)
     temperature = check_temperature(temperature)
     sampling = check_sampling(top_k, top_p, min_p)
-    impl = _resolve_backend(backend, logits.device, sampling)
+    impl = _resolve_backend(backend, logits.device)
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels

@@ -12,12 +12,13 @@ Each backend provides the same four ops (`FusedOps`); this module decides how to
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ._inputs import LossInputs
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
+from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
     TokenTerms,
     aggregation_weights,
@@ -26,6 +27,7 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
+from .torch_backend import row_blocks
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,14 @@ FUSED_ARGS = (
 
 
 class _LogprobsFn(torch.autograd.Function):
+    """`source` (default: the logits) is what the kernels read: the logits masked to a sampled
+    set; its gradient is the logits' (0 outside the set)."""
+
     @staticmethod
-    def forward(ctx, ops, logits, labels, temperature, return_entropy):
-        logp, lse, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
-        ctx.save_for_backward(logits, labels, lse, entropy)
+    def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None):
+        source = logits if source is None else source
+        logp, lse, entropy = ops.logprobs_fwd(source, labels, None, temperature)
+        ctx.save_for_backward(source, labels, lse, entropy)
         ctx.temperature = temperature
         ctx.ops = ops
         return (logp, entropy) if return_entropy else (logp,)
@@ -95,7 +101,35 @@ class _LogprobsFn(torch.autograd.Function):
         ctx.ops.logits_grad(
             logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad
         )
-        return None, grad, None, None, None
+        return None, grad, None, None, None, None
+
+
+# ------------------------------------------------------------------ sampling-mask replay
+# The kernels replay a sampled set by reading logits that hold -inf outside it: the set's floor
+# per row comes from `fusedrl.sampling` (torch.topk / sort on the device, a block of rows at a
+# time), then one masked write of the logits: into the gradient buffer, which the kernels then
+# overwrite in place, or into a block-sized buffer when there is no gradient.
+def _write_sampled_set(logits, labels, temperature, sampling, out) -> None:
+    """out = logits with -inf outside each row's sampled set (out may be logits)."""
+    flat_labels = labels.reshape(-1)
+    for start, (block, out_block) in row_blocks(logits, out):
+        stop = start + block.shape[0]
+        out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], temperature, sampling))
+
+
+def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
+    """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time."""
+    batch, time, _ = logits.shape
+    flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
+    out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
+    for start, (block,) in row_blocks(logits):
+        stop = start + block.shape[0]
+        masked = mask_to_sampled_set(block, flat[0][start:stop], temperature, sampling)
+        rows_valid = None if valid is None else flat[1][start:stop][None]
+        stats = ops.logprobs_fwd(masked[None], flat[0][start:stop][None], rows_valid, temperature)
+        for whole, part in zip(out, stats):
+            whole[start:stop] = part[0]
+    return tuple(t.view(batch, time) for t in out)
 
 
 def token_logprobs(
@@ -104,11 +138,20 @@ def token_logprobs(
     labels: torch.Tensor,
     temperature: float,
     return_entropy: bool,
+    sampling: SamplingMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    sampling = sampling if sampling is not None and sampling.active else None
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy)
+        source = None
+        if sampling is not None:  # one masked copy of the logits, kept for backward
+            source = torch.empty_like(logits)
+            _write_sampled_set(logits.detach(), labels, temperature, sampling, source)
+        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, source)
         return (out[0], out[1]) if return_entropy else (out[0], None)
-    logp, _, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
+    if sampling is not None:
+        logp, _, entropy = _sampled_stats(ops, logits, labels, None, temperature, sampling)
+    else:
+        logp, _, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
     return logp, entropy if return_entropy else None
 
 
@@ -177,6 +220,17 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
     need_entropy = need_entropy or cfg.needs_entropy
+    sampling = cfg.sampling
+    if sampling is not None:
+        if grad_out is None:
+            logp, _, entropy = _sampled_stats(
+                ops, inp.logits, inp.labels, inp.valid, cfg.temperature, sampling
+            )
+            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+            return logp, entropy if need_entropy else None, terms
+        # The masked logits go where the gradient will be written; the kernels then run in place.
+        _write_sampled_set(inp.logits, inp.labels, cfg.temperature, sampling, grad_out)
+        inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None

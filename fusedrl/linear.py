@@ -106,7 +106,7 @@ def linear_policy_loss(
     if cfg.sampling is not None:
         raise ValueError(
             "linear_policy_loss does not replay sampling masks (config top_k / top_p / min_p) "
-            "yet: materialise the logits and use fusedrl.policy_loss with backend='torch'"
+            "yet: materialise the logits and use fusedrl.policy_loss"
         )
     inp = prepare_loss_inputs(
         hidden,

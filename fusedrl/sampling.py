@@ -90,8 +90,23 @@ def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor
     return floor
 
 
+def kept(scaled: torch.Tensor, floor: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[n, V] bool: the sampled set of each row (at or above its floor) and the row's label."""
+    columns = torch.arange(scaled.shape[-1], device=scaled.device)
+    return (scaled >= floor[:, None]) | (columns == labels.clamp_min(0)[:, None])
+
+
 def apply_floor(scaled: torch.Tensor, floor: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The scaled logits with every token below its row's floor at -inf, except the label."""
-    columns = torch.arange(scaled.shape[-1], device=scaled.device)
-    kept = (scaled >= floor[:, None]) | (columns == labels.clamp_min(0)[:, None])
-    return torch.where(kept, scaled, -math.inf)
+    return torch.where(kept(scaled, floor, labels), scaled, -math.inf)
+
+
+@torch.no_grad()
+def mask_to_sampled_set(
+    block: torch.Tensor, labels: torch.Tensor, temperature: float, sampling: SamplingMask
+) -> torch.Tensor:
+    """[n, V] logits (any float dtype) -> the same with -inf outside the sampled set: what the
+    fused kernels read to replay the mask (their -inf entries get p = 0 and no gradient)."""
+    scaled = block.float() / temperature
+    keep = kept(scaled, sampling_floor(scaled, sampling), labels)
+    return torch.where(keep, block, -math.inf)
