@@ -86,8 +86,15 @@ def _masked_rows(lin: LinearInputs) -> torch.Tensor:
     return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
 
 
-def _chunk_rows(n_rows: int, vocab: int, elem_bytes: int) -> int:
-    return max(1, min(n_rows, GRAD_CHUNK_BYTES // max(1, vocab * elem_bytes)))
+def _chunks(rows: torch.Tensor, vocab: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, [stop - start, V] slice of one reused buffer in the rows' dtype) of
+    consecutive row chunks of GRAD_CHUNK_BYTES at most: a slice is valid until the next one."""
+    n_rows = rows.shape[0]
+    size = max(1, min(n_rows, GRAD_CHUNK_BYTES // max(1, vocab * rows.element_size())))
+    buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
+    for start in range(0, n_rows, size):
+        stop = min(n_rows, start + size)
+        yield start, stop, buffer[: stop - start]
 
 
 def _logits_chunks(
@@ -96,12 +103,7 @@ def _logits_chunks(
     """(start, stop, logits [1, stop - start, V]) of consecutive row chunks, made by cuBLAS in one
     reused buffer: a chunk is valid until the next one is made."""
     weight, bias = lin.weight, lin.bias
-    n_rows, vocab = rows.shape[0], weight.shape[0]
-    size = _chunk_rows(n_rows, vocab, rows.element_size())
-    buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
-    for start in range(0, n_rows, size):
-        stop = min(n_rows, start + size)
-        out = buffer[: stop - start]
+    for start, stop, out in _chunks(rows, weight.shape[0]):
         if bias is None:
             torch.mm(rows[start:stop], weight.t(), out=out)
         else:
@@ -165,14 +167,9 @@ def stats(lin: LinearInputs, temperature: float):
 def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     """(start, stop, d(loss)/d(logits) [n, V]) of consecutive row chunks, tiles made on chip."""
     kernels = _on_chip_kernels()
-    n_rows, vocab = rows.shape[0], lin.weight.shape[0]
-    size = _chunk_rows(n_rows, vocab, rows.element_size())
-    buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
     dlogp = dlogp.float().contiguous()
     dentropy = None if dentropy is None else dentropy.float().contiguous()
-    for start in range(0, n_rows, size):
-        stop = min(n_rows, start + size)
-        grad = buffer[: stop - start]
+    for start, stop, grad in _chunks(rows, lin.weight.shape[0]):
         kernels.linear_logits_grad(
             lin.hidden, lin.weight, lin.bias, lin.rows.labels, lse, entropy, dlogp, dentropy,
             temperature, start, grad,

@@ -68,16 +68,15 @@ def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor
     floor = torch.full((rows,), -math.inf, dtype=scaled.dtype, device=scaled.device)
     if rows == 0 or not sampling.active:
         return floor
-    top = scaled.amax(-1)
     if sampling.min_p is not None and sampling.min_p > 0:
         # p_v >= min_p max p  <=>  z_v - max z >= log(min_p)
-        floor = torch.maximum(floor, top + math.log(sampling.min_p))
-    k = None if sampling.top_k is None or sampling.top_k >= vocab else sampling.top_k
+        floor = torch.maximum(floor, scaled.amax(-1) + math.log(sampling.min_p))
+    values = None  # the candidates in descending order: the top k (or, for top_p, every token)
+    if sampling.top_k is not None and sampling.top_k < vocab:
+        values = scaled.topk(sampling.top_k, -1).values
+        floor = torch.maximum(floor, values[:, -1])
     if sampling.top_p is not None and sampling.top_p < 1:
-        # The candidates in descending order: the top k, or the whole row.
-        values = scaled.topk(k, -1).values if k is not None else scaled.sort(-1, True).values
-        if k is not None:
-            floor = torch.maximum(floor, values[:, -1])
+        values = scaled.sort(-1, True).values if values is None else values
         values = torch.where(values >= floor[:, None], values, -math.inf)
         ascending = values.flip(-1)
         mass = torch.softmax(ascending, -1).cumsum(-1)
@@ -85,8 +84,6 @@ def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor
         drop[:, -1] = False  # the largest is always kept
         kept_min = torch.where(drop, math.inf, ascending).amin(-1)
         floor = torch.maximum(floor, kept_min)
-    elif k is not None:
-        floor = torch.maximum(floor, scaled.topk(k, -1).values[:, -1])
     return floor
 
 

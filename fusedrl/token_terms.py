@@ -268,12 +268,6 @@ def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
     return -phi * adv * logp, -phi * adv
 
 
-def _counted_mean(x: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-    """Plain mean of x over the counted tokens (0 when there is none)."""
-    total = torch.where(counted, x.float(), 0.0).sum()
-    return total / counted.float().sum().clamp_min(1.0)
-
-
 def _ranked_first(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The `count` eligible tokens of smallest key (ties: the first in row-major order), as a
     mask; `count` is a tensor, so that no host sync is needed."""
@@ -329,7 +323,7 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
     # clip_cov
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, low, high)
-    d_unclipped, d_clipped = -adv * ratio, -adv * ratio * _inside(ratio, low, high)
+    d_unclipped, d_clipped = unclipped, unclipped * _inside(ratio, low, high)  # d r = r d logp
     clipped_by_ppo = (clipped > unclipped) & counted
     cov = _covariance(logp, adv, inp, counted, eps=1e-8)
     candidates = counted & ~clipped_by_ppo & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
