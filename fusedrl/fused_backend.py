@@ -38,6 +38,9 @@ class FusedOps:
     logits_grad: Callable  # (logits, labels, lse, entropy, dlogp, dentropy?, temperature, out)
     fused_token_loss: Callable  # (logits, grad, *FUSED_ARGS) -> (logp, entropy)
     fused_token_loss_inplace: Callable  # (logits, *FUSED_ARGS) -> (logp, entropy)
+    # (logits, labels, out, temperature, top_k, top_p, min_p): out = logits masked to the sampled
+    # sets, found on chip (kernels/sampling.py); None: torch.topk / sort a block at a time.
+    sampled_set: Callable | None = None
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -105,12 +108,18 @@ class _LogprobsFn(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ sampling-mask replay
-# The kernels replay a sampled set by reading logits that hold -inf outside it: the set's floor
-# per row comes from `fusedrl.sampling` (torch.topk / sort on the device, a block of rows at a
-# time), then one masked write of the logits: into the gradient buffer, which the kernels then
-# overwrite in place, or into a block-sized buffer when there is no gradient.
-def _write_sampled_set(logits, labels, temperature, sampling, out) -> None:
+# The kernels replay a sampled set by reading logits that hold -inf outside it, written once:
+# into the gradient buffer, which the kernels then overwrite in place, or into a block-sized
+# buffer when there is no gradient. The backend's `sampled_set` kernel finds each row's set on
+# chip (a radix select, kernels/sampling.py) as it writes; without one, `fusedrl.sampling` finds
+# it with torch.topk / sort, a block of rows at a time.
+def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
     """out = logits with -inf outside each row's sampled set (out may be logits)."""
+    if ops.sampled_set is not None:
+        ops.sampled_set(
+            logits, labels, out, temperature, sampling.top_k, sampling.top_p, sampling.min_p
+        )
+        return
     flat_labels = labels.reshape(-1)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
@@ -122,11 +131,16 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
+    masked = None
     for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
-        masked = mask_to_sampled_set(block, flat[0][start:stop], temperature, sampling)
+        rows_labels = flat[0][start:stop][None]
+        if masked is None or masked.shape[1] < block.shape[0]:
+            masked = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
+        rows_masked = masked[:, : block.shape[0]]
+        _write_sampled_set(ops, block[None], rows_labels, temperature, sampling, rows_masked)
         rows_valid = None if valid is None else flat[1][start:stop][None]
-        stats = ops.logprobs_fwd(masked[None], flat[0][start:stop][None], rows_valid, temperature)
+        stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, temperature)
         for whole, part in zip(out, stats):
             whole[start:stop] = part[0]
     return tuple(t.view(batch, time) for t in out)
@@ -145,7 +159,7 @@ def token_logprobs(
         source = None
         if sampling is not None:  # one masked copy of the logits, kept for backward
             source = torch.empty_like(logits)
-            _write_sampled_set(logits.detach(), labels, temperature, sampling, source)
+            _write_sampled_set(ops, logits.detach(), labels, temperature, sampling, source)
         out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, source)
         return (out[0], out[1]) if return_entropy else (out[0], None)
     if sampling is not None:
@@ -229,7 +243,7 @@ def policy_loss(
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
-        _write_sampled_set(inp.logits, inp.labels, cfg.temperature, sampling, grad_out)
+        _write_sampled_set(ops, inp.logits, inp.labels, cfg.temperature, sampling, grad_out)
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)

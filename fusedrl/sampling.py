@@ -76,10 +76,20 @@ def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor
         values = scaled.topk(sampling.top_k, -1).values
         floor = torch.maximum(floor, values[:, -1])
     if sampling.top_p is not None and sampling.top_p < 1:
-        values = scaled.sort(-1, True).values if values is None else values
+        whole_row = values is None
+        values = scaled.sort(-1, True).values if whole_row else values
         values = torch.where(values >= floor[:, None], values, -math.inf)
         ascending = values.flip(-1)
-        mass = torch.softmax(ascending, -1).cumsum(-1)
+        weights = torch.exp(ascending - values[:, :1])
+        mass = weights.cumsum(-1)
+        total = mass[:, -1:]
+        if not whole_row:
+            # vLLM renormalises over every token left, ties with the k-th largest beyond the k
+            # that topk took included: they come first in ascending order (they equal the least).
+            candidates = torch.where(scaled >= floor[:, None], scaled, -math.inf)
+            total = torch.exp(candidates - values[:, :1]).sum(-1, keepdim=True)
+            mass = mass + (total - mass[:, -1:]).clamp_min(0)
+        mass = mass / total
         drop = mass <= 1.0 - sampling.top_p
         drop[:, -1] = False  # the largest is always kept
         kept_min = torch.where(drop, math.inf, ascending).amin(-1)

@@ -17,10 +17,10 @@ from .fused_backend import FUSED_ARGS, FusedOps
 
 def _kernels():
     # Imported lazily: importing triton is slow and fails on machines without it.
-    from fusedrl.kernels import check_triton_version, logprobs, token_loss
+    from fusedrl.kernels import check_triton_version, logprobs, sampling, token_loss
 
     check_triton_version()
-    return logprobs, token_loss
+    return logprobs, token_loss, sampling
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -28,8 +28,7 @@ def _kernels():
 def logprobs_fwd(
     logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logprobs, _ = _kernels()
-    return logprobs.logprobs_forward(logits, labels, valid, temperature)
+    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature)
 
 
 @torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
@@ -43,8 +42,20 @@ def logits_grad(
     temperature: float,
     out: torch.Tensor,
 ) -> None:
-    logprobs, _ = _kernels()
-    logprobs.logits_backward(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)
+    _kernels()[0].logits_backward(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)
+
+
+@torch.library.custom_op("fusedrl::sampled_set", mutates_args=("out",))
+def sampled_set(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    out: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+) -> None:
+    _kernels()[2].write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p)
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
@@ -73,6 +84,6 @@ fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 
 
 # ------------------------------------------------------------------------------ backends
-OPS = FusedOps(logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace)
+OPS = FusedOps(logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace, sampled_set)
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

@@ -95,7 +95,7 @@ def launch_kernels() -> dict[str, object]:
 def _example_launches() -> Iterator[Callable[[], None]]:
     """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
     runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
-    from fusedrl.kernels import linear_loss, logprobs, scale, token_loss
+    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss
 
     batch, time, vocab = 2, 3, EXAMPLE_VOCAB
     logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
@@ -107,6 +107,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         logits, labels, rows, rows, rows, rows, 1.0, torch.empty_like(logits)
     )
     yield lambda: scale.scale_rows_unless_one(logits, torch.ones(()))
+    yield lambda: sampling.write_sampled_set(logits, labels, logits, 1.0, 50, 0.9, 0.05)
     yield lambda: token_loss.fused_token_loss(
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,

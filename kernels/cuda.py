@@ -10,6 +10,7 @@ Without a CUDA device (or without nvcc for the JIT build) it raises a RuntimeErr
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from pathlib import Path
 
@@ -59,7 +60,18 @@ def load(verbose: bool = False):
         ops.cuda_logits_grad.default,
         ops.cuda_fused_token_loss.default,
         ops.cuda_fused_token_loss_inplace.default,
+        _triton_sampled_set(),
     )
+
+
+def _triton_sampled_set():
+    """The sampled-set select is a Triton kernel (csrc/ has none): used where triton is
+    installed, else fusedrl.sampling's torch select."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from fusedrl.triton_backend import sampled_set
+
+    return sampled_set
 
 
 def _jit_build(verbose: bool) -> None:

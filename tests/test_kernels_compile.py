@@ -110,7 +110,7 @@ def test_every_variant_compiles(compiled, triton):
     results = compiled[triton]
     kernels = {r["kernel"] for r in results}
     assert {"_fused_token_loss_kernel", "_logprobs_fwd_kernel", "_logits_grad_kernel"} <= kernels
-    assert {"_linear_stats_kernel", "_linear_logits_grad_kernel"} <= kernels
+    assert {"_linear_stats_kernel", "_linear_logits_grad_kernel", "_sampled_set_kernel"} <= kernels
     assert {r["arch"] for r in results} == {"sm_80", "sm_90"}
     assert {r["dtype"] for r in results} == {"bf16", "fp16", "fp32"}
     failures = _failures(results, lambda r: "error" in r, lambda r: r["error"])
@@ -133,10 +133,11 @@ def test_no_local_memory(compiled, triton):
 
 @pytest.mark.parametrize("triton", TRITONS)
 def test_registers_within_the_occupancy_budget(compiled, triton):
-    """Each kernel module's own budget: two row-sweep programs per SM, one GEMM program."""
+    """Each kernel module's own budget: two row-sweep (or select) programs per SM, one GEMM
+    program."""
     results = _ok(compiled, triton)
     assert all(r["registers"] > 0 for r in results)
-    assert {r["family"] for r in results} == {"row_sweep", "gemm"}
+    assert {r["family"] for r in results} == {"row_sweep", "gemm", "select"}
     failures = _failures(
         results,
         lambda r: r["registers"] > r["register_budget"],

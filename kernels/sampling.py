@@ -1,0 +1,258 @@
+"""Sampling-mask replay on chip: each row's sampled set found by a radix select, written masked.
+
+vLLM's sampler keeps, per row, the tokens that survive min_p, then top_k, then top_p on the
+renormalised rest (`fusedrl.sampling` has the exact rules). Each filter keeps a prefix of the row
+in descending logit order, so the set is {v : key(x_v) >= K and x_v / T >= min_y} for one key K
+and one min_p bound per row. This kernel finds both without sorting and writes the row with -inf
+outside the set (the label and NaN kept), which the unchanged row kernels then read in place.
+
+The key is the logit's fp32 bit pattern mapped to a uint32 whose order is the values' order; x/T
+is monotone in x, so the keys of the raw logits serve every temperature. K is the largest key
+whose candidates at or above it weigh at least a target: a count (top_k: the k-th largest) or a
+share of the candidates' probability mass (top_p: the smallest kept token is the first whose
+larger ones weigh less than p). A radix select finds it RADIX_BITS of key per pass, most
+significant first, with a running suffix sum per digit: no sort, no scratch memory, no atomics.
+Passes over each row of B-bit logits (bf16 16 bits of key, fp16 20, fp32 32):
+
+- the row max (min_p, top_p): 1;
+- top_k: B / RADIX_BITS (bf16: 4), counting;
+- top_p: B / RADIX_BITS (bf16: 4), summing exp(y - max) of the candidates;
+- the masked write: 1 read and 1 write.
+
+Only the first read and the write are HBM traffic when the rows in flight fit in L2 (the launcher
+sizes the persistent grid as the fused kernel does); each select pass costs RADIX compares and
+adds per element, so with top_k and top_p set the kernel is compute-bound, not memory-bound:
+docs/losses.md has the cost against the plain kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import max_registers, persistent_programs
+from .rows import LOG2E, row_offset
+
+RADIX_BITS = tl.constexpr(2)
+RADIX = tl.constexpr(4)
+# A tile of the select passes: each thread keeps RADIX running sums per element it holds
+# (4 at 8 warps: 16 registers), summed over the tiles in registers and reduced once per pass.
+# Interpreted: small tiles, so that the tests' odd vocabularies take several and a partial one.
+GPU_BLOCK_V = 1024
+SELECT_WARPS = 8
+INTERPRETED_BLOCK_V = 256
+# Its loops are compute-bound selects, not the row sweeps whose SASS budgets aot checks.
+KERNEL_FAMILY = "select"
+# The key of -inf: every key at or below it stands for "no threshold" (they are -inf and NaNs).
+NEG_INF_KEY = tl.constexpr(0x007FFFFF)
+# How far (in ulps) min_y x T may be from the min_p floor: 2 roundings, ~1 ulp each.
+MIN_P_STEPS = tl.constexpr(4)
+
+
+def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
+    return GPU_BLOCK_V if device.type == "cuda" else INTERPRETED_BLOCK_V
+
+
+def launch_options(block: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Two programs per SM (as `persistent_programs` assumes): 128 registers a thread."""
+    return {"num_warps": SELECT_WARPS, "maxnreg": max_registers(SELECT_WARPS)}
+
+
+@triton.jit
+def _order_key(x):
+    """The uint32 key of fp32 x: its bits with the sign bit set, or all inverted when negative,
+    so that keys compare as the values do (-0 and +0 share a key; NaN sorts above +inf)."""
+    bits = (x + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value of an order key (the inverse of key = bits | sign, or ~bits when the sign
+    is set), -inf for the keys at or below -inf's: `x >= _key_value(K)` is then `key(x) >= K`
+    for every x but NaN (kept apart by the callers)."""
+    bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
+    return tl.where(key <= NEG_INF_KEY, -float("inf"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _min_p_floor_key(x_max, temperature, log_min_p):
+    """The key of the smallest x with x / T >= max x / T + log(min_p) (p >= min_p max p, as vLLM
+    computes it), so that min_p is one more floor on the keys. min_y x T lands within a few
+    ulps of it: step to it by keys (adjacent keys are adjacent floats)."""
+    min_y = tl.math.div_rn(x_max, temperature) + log_min_p
+    key = _order_key(min_y * temperature)
+    for _ in tl.static_range(MIN_P_STEPS):
+        key = tl.where(tl.math.div_rn(_key_value(key), temperature) < min_y, key + 1, key)
+    for _ in tl.static_range(MIN_P_STEPS):
+        key = tl.where(tl.math.div_rn(_key_value(key - 1), temperature) >= min_y, key - 1, key)
+    return key
+
+
+@triton.jit
+def _radix_select(
+    row_ptr,
+    vocab,
+    target,
+    floor_key,
+    y_max2,
+    scale2,
+    WEIGHTED: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The largest key K such that the candidates at or above it weigh >= target: counting (the
+    target-th largest logit of the row), or WEIGHTED (target x the total probability mass of the
+    candidates, the x >= the value of floor_key). One pass per RADIX_BITS of key, most
+    significant first: the RADIX keys prefix + d 2^shift are compared as values (no key is built
+    per element), and the largest d whose candidates at or above weigh >= target is kept.
+
+    Tiles are [1, BLOCK_V], so that the [RADIX, BLOCK_V] running sums are the tile broadcast in
+    each thread's registers (a 1-D tile would be re-laid out through shared memory, with
+    barriers, on every trip); they are reduced across threads once per pass."""
+    offs = tl.arange(0, BLOCK_V)[None, :]
+    digits = tl.arange(0, RADIX)
+    floor_value = _key_value(floor_key)
+    prefix = floor_key & 0  # uint32 0
+    for p in tl.static_range(KEY_BITS // RADIX_BITS):
+        shift = 32 - (p + 1) * RADIX_BITS  # constexpr: p is
+        # Digit 0 always qualifies (its candidates are those of the prefix): its threshold is
+        # -inf, so its sum is the candidates' total (the weighted target's denominator).
+        bounds = tl.where(digits == 0, -float("inf"), _key_value(prefix | (digits << shift)))
+        sums = tl.zeros([RADIX, BLOCK_V], tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=-float("inf"))
+            x = x.to(tl.float32)
+            if WEIGHTED:
+                # 0 off the candidates and at -inf (outside the row)
+                weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
+                sums += tl.where(x >= bounds[:, None], weights, 0.0)
+            else:
+                sums += tl.where(x >= bounds[:, None], 1.0, 0.0)
+        at_or_above = tl.sum(sums, axis=1)
+        if p == 0:
+            if WEIGHTED:
+                target = target * tl.sum(tl.where(digits == 0, at_or_above, 0.0), axis=0)
+        chosen = tl.max(tl.where(at_or_above >= target, digits, 0), axis=0)
+        prefix = prefix | (chosen.to(tl.uint32) << shift)
+    return prefix
+
+
+@triton.jit
+def _sampled_set_kernel(
+    logits_ptr,
+    labels_ptr,
+    out_ptr,
+    rows,
+    time,
+    vocab,
+    stride_b,
+    stride_t,
+    out_stride_b,
+    out_stride_t,
+    temperature,
+    scale2,
+    top_k,
+    top_p,
+    log_min_p,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Significant bits of the fp32 key: sign, exponent and the input's mantissa, in whole digits.
+    MANTISSA: tl.constexpr = logits_ptr.dtype.element_ty.fp_mantissa_width
+    KEY_BITS: tl.constexpr = (9 + MANTISSA + RADIX_BITS - 1) // RADIX_BITS * RADIX_BITS
+    offs = tl.arange(0, BLOCK_V)
+    for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
+        row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
+        y_max2 = 0.0
+        floor_key = tl.zeros([], tl.uint32)
+        if HAS_MIN_P or HAS_TOP_P:
+            x_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
+            for start in range(0, vocab, BLOCK_V):
+                in_row = start + offs < vocab
+                x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
+                x_max = tl.maximum(x_max, x.to(tl.float32))
+            x_max_row = tl.max(x_max, axis=0)
+            y_max2 = x_max_row * scale2
+            if HAS_MIN_P:
+                floor_key = _min_p_floor_key(x_max_row, temperature, log_min_p)
+        if HAS_TOP_K:
+            # The k-th largest of the whole row: where min_p left fewer than k, its floor is
+            # the higher one (vLLM's top_k runs on the min_p-masked logits).
+            top_k_key = _radix_select(
+                row_ptr, vocab, top_k, floor_key, y_max2, scale2, False, KEY_BITS, BLOCK_V
+            )
+            floor_key = tl.maximum(floor_key, top_k_key)
+        if HAS_TOP_P:
+            floor_key = _radix_select(
+                row_ptr, vocab, top_p, floor_key, y_max2, scale2, True, KEY_BITS, BLOCK_V
+            )
+        floor_value = _key_value(floor_key)
+        label = tl.maximum(tl.load(labels_ptr + row), 0)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            in_row = idx < vocab
+            x = tl.load(row_ptr + idx, mask=in_row, other=0.0, eviction_policy="evict_first")
+            x32 = x.to(tl.float32)
+            keep = x32 >= floor_value
+            # The label stays (the engine's logits differ from ours in the last bits); NaN stays
+            # so that a corrupt row still reads as NaN downstream.
+            keep = keep | (idx == label) | (x32 != x32)
+            out = tl.where(keep, x, -float("inf")).to(out_ptr.dtype.element_ty)
+            tl.store(out_row + idx, out, mask=in_row, eviction_policy="evict_first")
+
+
+def write_sampled_set(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    out: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+) -> None:
+    """out = [B, T, V] logits with -inf outside each row's sampled set (out may be logits; vocab
+    contiguous, any batch/time strides). The filters are off when None (top_k >= V, top_p = 1,
+    min_p = 0 are off too)."""
+    batch, time, vocab = logits.shape
+    rows = batch * time
+    has_top_k = top_k is not None and top_k < vocab
+    has_top_p = top_p is not None and top_p < 1
+    has_min_p = min_p is not None and min_p > 0
+    if rows == 0:
+        return
+    if not (has_top_k or has_top_p or has_min_p):
+        if out.data_ptr() != logits.data_ptr():
+            out.copy_(logits)
+        return
+    block = block_size(vocab, logits.device, logits.element_size())
+    programs = persistent_programs(rows, vocab * logits.element_size(), logits.device)
+    _sampled_set_kernel[(programs,)](
+        logits,
+        labels.contiguous(),
+        out,
+        rows,
+        time,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        out.stride(0),
+        out.stride(1),
+        float(temperature),
+        LOG2E.value / temperature,
+        float(top_k) if has_top_k else 0.0,
+        float(top_p) if has_top_p else 1.0,
+        math.log(min_p) if has_min_p else 0.0,
+        HAS_TOP_K=has_top_k,
+        HAS_TOP_P=has_top_p,
+        HAS_MIN_P=has_min_p,
+        BLOCK_V=block,
+        **launch_options(block, logits.element_size()),
+    )

@@ -1,0 +1,187 @@
+"""The on-chip sampled-set kernel (kernels/sampling.py) on the interpreter.
+
+It writes the logits with -inf outside each row's sampled set. The kept set is checked against
+the reference's `_vllm_sampling_set` (written from vLLM's sampler: softmax, topk, sort) and the
+written tensor bit for bit against `fusedrl.sampling` (torch.topk / sort), on odd shapes where
+each filter, the order between them, ties, banned tokens and NaN rows all act.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedrl.reference import _vllm_sampling_set
+from fusedrl.sampling import SamplingMask, mask_to_sampled_set
+
+from .conftest import needs_interpreter
+
+pytestmark = needs_interpreter
+
+VOCAB = 1031  # 5 interpreted tiles of 256, the last partial
+
+
+def _write(logits, labels, temperature, top_k=None, top_p=None, min_p=None, out=None):
+    from fusedrl.kernels.sampling import write_sampled_set
+
+    out = torch.full_like(logits, 7.0) if out is None else out
+    write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p)
+    return out
+
+
+def _inputs(seed, dtype=torch.float32, batch=3, time=5, vocab=VOCAB, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(batch, time, vocab, generator=gen)).to(dtype)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    return logits, labels
+
+
+def _kept(out):
+    return out != -math.inf
+
+
+def _reference_kept(logits, labels, temperature, top_k, top_p, min_p):
+    keep = _vllm_sampling_set(logits.float() / temperature, labels, top_k, top_p, min_p)
+    return keep & (logits != -math.inf)
+
+
+def _assert_same_set(out, logits, labels, temperature, top_k=None, top_p=None, min_p=None):
+    """The kernel's set is the reference's, except that ties at the top_p boundary are all kept
+    (vLLM's unstable sort keeps an arbitrary part of them; bf16 logits tie often)."""
+    expected = _reference_kept(logits, labels, temperature, top_k, top_p, min_p)
+    extra = _kept(out) & ~expected
+    assert not (expected & ~_kept(out)).any(), "the kernel dropped a token vLLM keeps"
+    for b, t, v in extra.nonzero().tolist():
+        row_expected = expected[b, t].clone()
+        row_expected[labels[b, t].clamp_min(0)] = False  # the label may sit below the set
+        assert logits[b, t, v] == logits[b, t][row_expected].min(), "an extra token, not a tie"
+
+
+# (temperature, top_k, top_p, min_p)
+FILTERS = {
+    "top_k": (1.0, 7, None, None),
+    "top_k_hot": (0.6, 40, None, None),
+    "top_p": (1.0, None, 0.9, None),
+    "top_p_cold": (1.7, None, 0.5, None),
+    "min_p": (0.7, None, None, 0.05),
+    "top_k_top_p": (1.0, 30, 0.8, None),
+    "all": (0.8, 20, 0.9, 0.05),
+    "min_p_binds": (1.0, 200, None, 0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(FILTERS))
+def test_kept_set_matches_the_reference_and_the_torch_select(name, dtype):
+    temperature, top_k, top_p, min_p = FILTERS[name]
+    logits, labels = _inputs(seed=len(name), dtype=dtype)
+    labels[0, 0] = -100  # an ignored position: its "label" is token 0
+    out = _write(logits, labels, temperature, top_k, top_p, min_p)
+    _assert_same_set(out, logits, labels, temperature, top_k, top_p, min_p)
+    assert torch.equal(out[_kept(out)], logits[_kept(out)])  # kept logits are copied unchanged
+    torch_select = mask_to_sampled_set(
+        logits.view(-1, VOCAB), labels.view(-1), temperature, SamplingMask(top_k, top_p, min_p)
+    )
+    assert torch.equal(out, torch_select.view_as(out))
+    kept = _kept(out).sum(-1)
+    assert (kept < VOCAB).all() and (kept >= 1).all()  # every row masked something
+    if name == "min_p_binds":  # fewer than top_k survive min_p: min_p's floor decides
+        assert (kept < top_k).any()
+
+
+def test_ties_at_the_top_k_boundary_are_all_kept_and_renormalised_over():
+    """vLLM keeps every logit equal to the k-th largest, and top_p then renormalises over all
+    of them (fusedrl.sampling's topk takes only k: it must count the others' mass too)."""
+    logits, labels = _inputs(seed=3, batch=2, time=2)
+    kth = logits.topk(5, -1).values[..., 4:5]
+    logits[..., :6] = kth  # six more copies of the 5th largest value (one row's own included)
+    out = _write(logits, labels, 1.0, top_k=5)
+    assert (_kept(out).sum(-1) > 5).all()
+    _assert_same_set(out, logits, labels, 1.0, top_k=5)
+    for top_p in (0.6, 0.8, 0.9, 0.95):
+        out = _write(logits, labels, 1.0, top_k=5, top_p=top_p)
+        _assert_same_set(out, logits, labels, 1.0, top_k=5, top_p=top_p)
+        torch_select = mask_to_sampled_set(
+            logits.view(-1, VOCAB), labels.view(-1), 1.0, SamplingMask(5, top_p, None)
+        )
+        assert torch.equal(out, torch_select.view_as(out))
+
+
+def test_banned_tokens_and_rows_with_fewer_than_k_candidates():
+    logits, labels = _inputs(seed=4, batch=2, time=3)
+    logits[..., ::2] = -math.inf  # half the vocab banned
+    logits[1, 2, 10:] = -math.inf  # a row with 5 finite logits left: top_k=50 keeps all of them
+    labels[1, 2] = 1
+    out = _write(logits, labels, 1.0, top_k=50)
+    assert _kept(out)[1, 2].sum() == torch.isfinite(logits[1, 2]).sum() == 5
+    _assert_same_set(out, logits, labels, 1.0, top_k=50)
+    out = _write(logits, labels, 1.0, top_k=50, top_p=0.95)
+    assert _kept(out)[1, 2].sum() < 5  # top_p drops some of the five
+    _assert_same_set(out, logits, labels, 1.0, top_k=50, top_p=0.95)
+
+
+def test_the_label_is_kept_outside_the_set():
+    logits, labels = _inputs(seed=5)
+    labels = logits.argmin(-1)  # the least likely token of every row
+    out = _write(logits, labels, 1.0, top_k=3, top_p=0.5, min_p=0.1)
+    assert torch.equal(out.gather(-1, labels[..., None]), logits.gather(-1, labels[..., None]))
+    assert (_kept(out).sum(-1) >= 2).all()  # the label and the top token
+
+
+def test_a_nan_row_stays_nan():
+    logits, labels = _inputs(seed=6, batch=1, time=3)
+    logits[0, 1, 17] = math.nan
+    out = _write(logits, labels, 1.0, top_k=5, top_p=0.9, min_p=0.05)
+    assert out[0, 1, 17].isnan()  # the row's log-softmax then reads NaN, as without the mask
+    rows = slice(0, 3, 2)  # the other rows are unaffected
+    _assert_same_set(out[:, rows], logits[:, rows], labels[:, rows], 1.0, 5, 0.9, 0.05)
+
+
+def test_in_place_and_on_a_strided_slice():
+    """[B, P+T, V] logits sliced to [B, T, V] (batch and time strides, no copy), written in
+    place and into a separate buffer."""
+    full, labels = _inputs(seed=7, time=9)
+    logits = full[:, 4:]
+    labels = labels[:, 4:]
+    expected = _write(logits.contiguous(), labels.contiguous(), 0.9, top_k=10, top_p=0.8)
+    separate = _write(logits, labels, 0.9, top_k=10, top_p=0.8)
+    assert torch.equal(separate, expected)
+    before = full[:, :4].clone()
+    _write(logits, labels, 0.9, top_k=10, top_p=0.8, out=logits)
+    assert torch.equal(logits, expected) and torch.equal(full[:, :4], before)
+
+
+def test_filters_that_are_off_copy_the_row():
+    logits, labels = _inputs(seed=8)
+    for kwargs in (dict(top_k=VOCAB), dict(top_p=1.0), dict(min_p=0.0), {}):
+        assert torch.equal(_write(logits, labels, 1.0, **kwargs), logits)
+    out = _write(logits[:, :0], labels[:, :0], 1.0, top_k=3)  # no rows: nothing to do
+    assert out.shape == (3, 0, VOCAB)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.9, 1.7])
+def test_min_p_boundary_to_the_ulp(temperature):
+    """Logits at each float within 3 ulps of min_y x T: exactly those with x / T >= min_y (as
+    vLLM computes it, in fp32) are kept, although min_y x T itself rounds to either side."""
+    logits, labels = _inputs(seed=9, batch=4, time=8)
+    min_p = 0.05
+    min_y = logits.amax(-1) / temperature + math.log(min_p)
+    guess = (min_y * temperature)[..., None]
+    below, above = guess, guess
+    neighbours = [guess]
+    for _ in range(3):
+        below = torch.nextafter(below, torch.tensor(-math.inf))
+        above = torch.nextafter(above, torch.tensor(math.inf))
+        neighbours = [below, *neighbours, above]
+    logits[..., 100:107] = torch.cat(neighbours, -1)
+    labels[:] = 0
+    out = _write(logits, labels, temperature, min_p=min_p)
+    expected = logits / temperature >= min_y[..., None]
+    expected[..., 0] = True
+    assert torch.equal(_kept(out), expected)
+    inside = expected[..., 100:107].sum(-1)
+    assert ((inside > 0) & (inside < 7)).all()  # the boundary falls among the neighbours
+    # The guess is off by an ulp in some row: the kernel's steps to the boundary acted.
+    assert (inside != 4).any()
