@@ -6,7 +6,8 @@
 #   bash bench/run_gpu.sh profile [OUTDIR]  # ncu DRAM bytes of the fused kernels -> ncu-<gpu>.json
 #   bash bench/run_gpu.sh linear  [OUTDIR]  # bench/bench_linear.py: the LM-head loss, both designs
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
-#   bash bench/run_gpu.sh all     [OUTDIR]  # the five above (bench on the small matrix)
+#   bash bench/run_gpu.sh sampling [OUTDIR] # bench/bench_sampling.py: sampled-set select costs
+#   bash bench/run_gpu.sh all     [OUTDIR]  # the six above (bench on the small matrix)
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -47,13 +48,13 @@
 set -euo pipefail
 
 usage() {
-  sed -n '4,9p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,10p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | linear | steps | all) ;;
+  tests | bench | profile | linear | steps | sampling | all) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -301,6 +302,12 @@ stage_linear() {
     "$PY" bench/bench_linear.py --out "$OUTDIR"
 }
 
+stage_sampling() {
+  # The on-chip select of the sampled sets against the torch route and the plain fused loss.
+  step sampling:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_sampling.log" \
+    "$PY" bench/bench_sampling.py --out "$OUTDIR"
+}
+
 stage_steps() {
   if skip_unless steps:train_step transformers; then
     step steps:train_step 270 "$PREFIX-bench_train_step.log" \
@@ -328,6 +335,7 @@ case "$STAGE" in
   profile) stage_profile ;;
   linear) stage_linear ;;
   steps) stage_steps ;;
+  sampling) stage_sampling ;;
   all)
     stage_tests
     start_stage
@@ -338,5 +346,7 @@ case "$STAGE" in
     stage_linear
     start_stage
     stage_steps
+    start_stage
+    stage_sampling
     ;;
 esac

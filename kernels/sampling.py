@@ -2,27 +2,29 @@
 
 vLLM's sampler keeps, per row, the tokens that survive min_p, then top_k, then top_p on the
 renormalised rest (`fusedrl.sampling` has the exact rules). Each filter keeps a prefix of the row
-in descending logit order, so the set is {v : key(x_v) >= K and x_v / T >= min_y} for one key K
-and one min_p bound per row. This kernel finds both without sorting and writes the row with -inf
-outside the set (the label and NaN kept), which the unchanged row kernels then read in place.
+in descending logit order, so the set is {v : key(x_v) >= K} for one key K per row. This kernel
+finds K without sorting and writes the row with -inf outside the set (the label and NaN kept),
+which the unchanged row kernels then read in place.
 
 The key is the logit's fp32 bit pattern mapped to a uint32 whose order is the values' order; x/T
 is monotone in x, so the keys of the raw logits serve every temperature. K is the largest key
 whose candidates at or above it weigh at least a target: a count (top_k: the k-th largest) or a
 share of the candidates' probability mass (top_p: the smallest kept token is the first whose
 larger ones weigh less than p). A radix select finds it RADIX_BITS of key per pass, most
-significant first, with a running suffix sum per digit: no sort, no scratch memory, no atomics.
-Passes over each row of B-bit logits (bf16 16 bits of key, fp16 20, fp32 32):
+significant first, comparing each logit with RADIX thresholds as values: no sort, no scratch
+memory, no atomics. min_p is one more floor on the keys. Passes over each row of B-bit logits
+(B = 16 for bf16, 20 for fp16, 32 for fp32):
 
 - the row max (min_p, top_p): 1;
-- top_k: B / RADIX_BITS (bf16: 4), counting;
-- top_p: B / RADIX_BITS (bf16: 4), summing exp(y - max) of the candidates;
+- top_k: B / RADIX_BITS (bf16: 8), counting;
+- top_p: B / RADIX_BITS (bf16: 8), summing exp(y - max) of the candidates, less the passes whose
+  digits the floor so far and the row max already share (usually 3 or 4 after top_k or min_p);
 - the masked write: 1 read and 1 write.
 
 Only the first read and the write are HBM traffic when the rows in flight fit in L2 (the launcher
-sizes the persistent grid as the fused kernel does); each select pass costs RADIX compares and
-adds per element, so with top_k and top_p set the kernel is compute-bound, not memory-bound:
-docs/losses.md has the cost against the plain kernel.
+sizes the persistent grid as the fused kernel does); each select pass issues a compare, a select
+and an add per threshold and element, so with top_k or top_p the kernel is bound by its
+instruction issue, not by memory: docs/losses.md has the cost against the plain kernel.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def _radix_select(
     vocab,
     target,
     floor_key,
+    top_key,
     y_max2,
     scale2,
     WEIGHTED: tl.constexpr,
@@ -110,6 +113,10 @@ def _radix_select(
     significant first: the RADIX keys prefix + d 2^shift are compared as values (no key is built
     per element), and the largest d whose candidates at or above weigh >= target is kept.
 
+    K lies in [floor_key, top_key] (top_key: the row max's key, or the largest key), or matters
+    only there, so the leading digits the two share are K's: those passes are skipped (top_p
+    after top_k or min_p typically skips a third to a half of them).
+
     Tiles are [1, BLOCK_V], so that the [RADIX, BLOCK_V] running sums are the tile broadcast in
     each thread's registers (a 1-D tile would be re-laid out through shared memory, with
     barriers, on every trip); they are reduced across threads once per pass."""
@@ -117,27 +124,33 @@ def _radix_select(
     digits = tl.arange(0, RADIX)
     floor_value = _key_value(floor_key)
     prefix = floor_key & 0  # uint32 0
+    scaled = False  # WEIGHTED: target not yet multiplied by the candidates' total
     for p in tl.static_range(KEY_BITS // RADIX_BITS):
         shift = 32 - (p + 1) * RADIX_BITS  # constexpr: p is
-        # Digit 0 always qualifies (its candidates are those of the prefix): its threshold is
-        # -inf, so its sum is the candidates' total (the weighted target's denominator).
-        bounds = tl.where(digits == 0, -float("inf"), _key_value(prefix | (digits << shift)))
-        sums = tl.zeros([RADIX, BLOCK_V], tl.float32)
-        for start in range(0, vocab, BLOCK_V):
-            x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=-float("inf"))
-            x = x.to(tl.float32)
+        if (floor_key >> shift) == (top_key >> shift):
+            prefix = (floor_key >> shift) << shift
+        else:
+            # Digit 0 always qualifies (its candidates are those of the prefix): its threshold
+            # is -inf, so its sum is the candidates' total (the weighted target's denominator).
+            bounds = tl.where(digits == 0, -float("inf"), _key_value(prefix | (digits << shift)))
+            sums = tl.zeros([RADIX, BLOCK_V], tl.float32)
+            for start in range(0, vocab, BLOCK_V):
+                in_row = start + offs < vocab
+                x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
+                x = x.to(tl.float32)
+                if WEIGHTED:
+                    # 0 off the candidates and at -inf (outside the row)
+                    weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
+                    sums += tl.where(x >= bounds[:, None], weights, 0.0)
+                else:
+                    sums += tl.where(x >= bounds[:, None], 1.0, 0.0)
+            at_or_above = tl.sum(sums, axis=1)
             if WEIGHTED:
-                # 0 off the candidates and at -inf (outside the row)
-                weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
-                sums += tl.where(x >= bounds[:, None], weights, 0.0)
-            else:
-                sums += tl.where(x >= bounds[:, None], 1.0, 0.0)
-        at_or_above = tl.sum(sums, axis=1)
-        if p == 0:
-            if WEIGHTED:
-                target = target * tl.sum(tl.where(digits == 0, at_or_above, 0.0), axis=0)
-        chosen = tl.max(tl.where(at_or_above >= target, digits, 0), axis=0)
-        prefix = prefix | (chosen.to(tl.uint32) << shift)
+                total = tl.sum(tl.where(digits == 0, at_or_above, 0.0), axis=0)
+                target = tl.where(scaled, target, target * total)
+                scaled = True
+            chosen = tl.max(tl.where(at_or_above >= target, digits, 0), axis=0)
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
     return prefix
 
 
@@ -173,6 +186,7 @@ def _sampled_set_kernel(
         out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
         y_max2 = 0.0
         floor_key = tl.zeros([], tl.uint32)
+        top_key = floor_key | 0xFFFFFFFF  # the largest key, until the row max is known
         if HAS_MIN_P or HAS_TOP_P:
             x_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
             for start in range(0, vocab, BLOCK_V):
@@ -181,18 +195,20 @@ def _sampled_set_kernel(
                 x_max = tl.maximum(x_max, x.to(tl.float32))
             x_max_row = tl.max(x_max, axis=0)
             y_max2 = x_max_row * scale2
+            top_key = _order_key(x_max_row)
             if HAS_MIN_P:
                 floor_key = _min_p_floor_key(x_max_row, temperature, log_min_p)
         if HAS_TOP_K:
             # The k-th largest of the whole row: where min_p left fewer than k, its floor is
-            # the higher one (vLLM's top_k runs on the min_p-masked logits).
+            # the higher one (vLLM's top_k runs on the min_p-masked logits). So only a K above
+            # min_p's floor matters, and the search may start from that floor's leading digits.
             top_k_key = _radix_select(
-                row_ptr, vocab, top_k, floor_key, y_max2, scale2, False, KEY_BITS, BLOCK_V
+                row_ptr, vocab, top_k, floor_key, top_key, y_max2, scale2, False, KEY_BITS, BLOCK_V
             )
             floor_key = tl.maximum(floor_key, top_k_key)
         if HAS_TOP_P:
             floor_key = _radix_select(
-                row_ptr, vocab, top_p, floor_key, y_max2, scale2, True, KEY_BITS, BLOCK_V
+                row_ptr, vocab, top_p, floor_key, top_key, y_max2, scale2, True, KEY_BITS, BLOCK_V
             )
         floor_value = _key_value(floor_key)
         label = tl.maximum(tl.load(labels_ptr + row), 0)

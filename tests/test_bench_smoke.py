@@ -349,3 +349,22 @@ def test_bench_linear_smoke(tmp_path):
     impls = {row["impl"] for row in result["rows"]}
     assert {"fused", "logits"} <= impls
     assert all(row["ms"] > 0 and row["gemm_tflops"] > 0 for row in result["rows"])
+
+
+@needs_interpreter
+def test_bench_sampling_smoke(tmp_path):
+    """bench/bench_sampling.py runs on CPU (the select kernel interpreted) and writes its JSON,
+    every filter setting timed both ways; not a measurement."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_sampling
+
+    assert bench_sampling.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "sampling-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
+    timed = {(row.get("filters"), row["impl"]) for row in result["rows"] if row["ms"] > 0}
+    for name in bench_sampling.FILTERS:
+        assert {(name, "select:kernel"), (name, "select:torch")} <= timed
+    assert (None, "loss:plain") in timed
+    passes = {row["filters"]: row["kernel_row_reads"] for row in result["rows"]
+              if row["impl"] == "select:kernel"}  # fmt: skip
+    assert passes["min_p=0.05"] == 2 and passes["top_k=50,top_p=0.9"] == 18

@@ -299,6 +299,36 @@ def test_linear_policy_loss_designs(dtype, preset, design, monkeypatch):
         assert rel < (1e-4 if exact else 2e-2), float(rel)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "filters", [(50, None, None), (None, 0.9, None), (None, None, 0.05), (50, 0.9, 0.05)]
+)
+def test_sampled_set_kernel_against_the_torch_select(filters, dtype):
+    """The compiled radix select (kernels/sampling.py) writes what fusedrl.sampling's torch.topk /
+    sort route writes, at a real vocab. top_k and min_p compare values only: bit for bit. top_p
+    sums probabilities in another order: a token at the boundary may flip, in a few rows."""
+    from fusedrl.kernels.sampling import write_sampled_set
+    from fusedrl.sampling import SamplingMask, mask_to_sampled_set
+
+    top_k, top_p, min_p = filters
+    gen = torch.Generator().manual_seed(17)
+    logits = (2.0 * torch.randn(3, 97, 151936, generator=gen)).to("cuda", dtype)
+    labels = torch.randint(0, 151936, (3, 97), generator=gen).cuda()
+    out = torch.empty_like(logits)
+    write_sampled_set(logits, labels, out, 0.7, top_k, top_p, min_p)
+    expected = mask_to_sampled_set(
+        logits.view(-1, 151936), labels.view(-1), 0.7, SamplingMask(top_k, top_p, min_p)
+    ).view_as(logits)
+    kept, expected_kept = out != -float("inf"), expected != -float("inf")
+    assert (kept.sum(-1) < 151936).all()  # every row masked something
+    assert torch.equal(out[kept], logits[kept])
+    if top_p is None:
+        assert torch.equal(kept, expected_kept)
+    else:
+        flips = (kept != expected_kept).sum(-1)
+        assert flips.max() <= 2 and (flips > 0).float().mean() <= 0.05, flips
+
+
 @pytest.mark.parametrize("grad", [False, True])
 @FUSED
 def test_sampling_mask_replay_at_real_vocab(backend, grad):

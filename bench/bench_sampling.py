@@ -1,0 +1,183 @@
+"""Sampling-mask replay: the cost of finding and writing each row's sampled set, one run.
+
+    python bench/bench_sampling.py            # GPU: N = 16384, V in {32000, 151936}, bf16
+    python bench/bench_sampling.py --smoke    # tiny shapes, any device: not a measurement
+
+For each vLLM filter setting (min_p, top_k, top_p and together), the time to write the logits
+masked to the sampled sets (what the fused backends do before their unchanged kernels run in
+place), two ways:
+- `select:kernel`: kernels/sampling.py, the on-chip radix select (one launch; the row's first
+  read and the write go to HBM, the select passes are served from L2);
+- `select:torch`: fusedrl.sampling, torch.topk / sort / where a block of rows at a time (the
+  route the backends take without the kernel);
+next to `loss:plain`, the DAPO loss fused kernel in place without a mask (forward + backward:
+the logits read once and the gradient written over them), and the device copy bandwidth. The
+table gives each select in ms and as a multiple of `loss:plain`: replaying the mask in the loss
+costs select + plain. `passes` is the most reads of each row the kernel makes (top_p skips the
+passes whose digits are already known; the traffic model is in the kernel's docstring and
+docs/losses.md). Medians; inputs rotate over copies; JSON under
+bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import _bench, _device_name, _git_commit, copy_bandwidth_gbps  # noqa: E402
+
+import fusedrl  # noqa: E402
+from fusedrl import fused_backend  # noqa: E402
+from fusedrl.sampling import SamplingMask  # noqa: E402
+
+GRID = {"N": (16384,), "V": (32000, 151936)}
+SMOKE_GRID = {"N": (4,), "V": (1031,)}
+COPIES = 2
+# (top_k, top_p, min_p): the settings people sample with.
+FILTERS = {
+    "min_p=0.05": (None, None, 0.05),
+    "top_k=50": (50, None, None),
+    "top_p=0.9": (None, 0.9, None),
+    "top_k=50,top_p=0.9": (50, 0.9, None),
+    "all": (50, 0.9, 0.05),
+}
+KEY_BITS = {torch.bfloat16: 16, torch.float16: 20, torch.float32: 32}
+RADIX_BITS = 2
+
+
+def kernel_passes(dtype: torch.dtype, top_k, top_p, min_p) -> int:
+    """The most reads of each row by the select kernel: the max (min_p, top_p), the radix passes
+    of top_k and of top_p (top_p skips some), the write."""
+    select = KEY_BITS[dtype] // RADIX_BITS
+    return (
+        int(min_p is not None or top_p is not None)
+        + select * (top_k is not None)
+        + select * (top_p is not None)
+        + 1
+    )
+
+
+def _inputs(n, v, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    # LM-like rows: a few large logits over a broad low tail.
+    logits = (torch.randn(1, n, v, generator=g) * 2.0).to(device, dtype)
+    labels = torch.randint(0, v, (1, n), generator=g).to(device)
+    return logits, labels
+
+
+def _torch_ops():
+    """The Triton backend's ops without the select kernel: fusedrl.sampling's torch route."""
+    from dataclasses import replace
+
+    from fusedrl import triton_backend
+
+    return replace(triton_backend.OPS, sampled_set=None)
+
+
+def make_select(impl, tensors, sampling: SamplingMask):
+    logits, labels = tensors
+    out = torch.empty_like(logits)
+    if impl == "select:kernel":
+        from fusedrl.kernels.sampling import write_sampled_set
+
+        return lambda: write_sampled_set(
+            logits, labels, out, 1.0, sampling.top_k, sampling.top_p, sampling.min_p
+        )
+    ops = _torch_ops()
+    return lambda: fused_backend._write_sampled_set(ops, logits, labels, 1.0, sampling, out)
+
+
+def make_plain_loss(tensors, cfg):
+    logits, labels = tensors
+    buffer = logits.clone()
+    adv = torch.randn(labels.shape, device=logits.device)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+
+    def step():
+        # In place: the buffer holds the previous call's gradient, which the kernel reads as
+        # logits: the same bytes, the same work.
+        leaf = buffer.detach().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, inplace=True)
+        torch.autograd.grad(out.loss, leaf)
+
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=400)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    grid = SMOKE_GRID if args.smoke else GRID
+    if args.smoke:
+        args.warmup_ms, args.rep_ms = 1, 5
+    bandwidth = copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
+    cfg = fusedrl.LossConfig.preset("dapo")
+    rows = []
+    print(
+        f"copy bandwidth {bandwidth:.0f} GB/s" + ("  (smoke run, not a measurement)" * args.smoke)
+    )
+    print(f"{'N':>6} {'V':>7} {'filters':>20} {'impl':>14} {'ms':>9} {'x plain':>8} {'passes':>6}")
+    for n, v in itertools.product(grid["N"], grid["V"]):
+        copies = [_inputs(n, v, dtype, device, seed) for seed in range(COPIES)]
+        plain_steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])
+        plain = _bench(lambda s=plain_steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
+        floor_ms = 2 * n * v * dtype.itemsize / (bandwidth * 1e9) * 1e3
+        rows.append({"N": n, "V": v, "impl": "loss:plain", "ms": plain, "floor_1r1w_ms": floor_ms})
+        print(f"{n:>6} {v:>7} {'-':>20} {'loss:plain':>14} {plain:>9.3f} {1:>8.2f} {1:>6}")
+        for name, (top_k, top_p, min_p) in FILTERS.items():
+            sampling = SamplingMask(top_k, top_p, min_p)
+            for impl in ("select:kernel", "select:torch"):
+                steps = itertools.cycle([make_select(impl, c, sampling) for c in copies])
+                try:
+                    ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
+                except torch.OutOfMemoryError:
+                    rows.append({"N": n, "V": v, "filters": name, "impl": impl, "error": "OOM"})
+                    continue
+                passes = (
+                    kernel_passes(dtype, top_k, top_p, min_p) if impl == "select:kernel" else None
+                )
+                rows.append(
+                    {"N": n, "V": v, "filters": name, "impl": impl, "ms": ms,
+                     "x_plain_loss": ms / plain, "kernel_row_reads": passes}
+                )  # fmt: skip
+                shown = "-" if passes is None else str(passes)
+                print(
+                    f"{n:>6} {v:>7} {name:>20} {impl:>14} {ms:>9.3f} {ms / plain:>8.2f} {shown:>6}"
+                )
+    result = {
+        "benchmark": "sampling_select",
+        "smoke": args.smoke,
+        "note": "smoke run, not a measurement" if args.smoke else "",
+        "device": _device_name(device),
+        "dtype": str(dtype),
+        "copy_bandwidth_gbps": round(bandwidth, 1),
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = "sampling-smoke.json" if args.smoke else f"sampling-{stamp}.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / name}")
+    if args.smoke:
+        print("smoke run, not a measurement")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
