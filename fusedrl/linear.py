@@ -26,6 +26,7 @@ from ._inputs import (
 from .config import LossConfig
 from .linear_torch import LinearInputs
 from .output import LossOutput
+from .sampling import check_sampling
 
 LINEAR_BACKENDS = ("auto", "triton", "torch")
 
@@ -103,11 +104,6 @@ def linear_policy_loss(
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
     cfg = config if config is not None else LossConfig()
-    if cfg.sampling is not None:
-        raise ValueError(
-            "linear_policy_loss does not replay sampling masks (config top_k / top_p / min_p) "
-            "yet: materialise the logits and use fusedrl.policy_loss"
-        )
     inp = prepare_loss_inputs(
         hidden,
         labels,
@@ -124,7 +120,11 @@ def linear_policy_loss(
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     lin = LinearInputs(
-        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
+        hidden=inp.logits,
+        weight=weight,
+        bias=bias,
+        rows=dataclasses.replace(inp, logits=None),
+        sampling=cfg.sampling,
     )
     impl = _resolve_backend(backend, hidden.device)
     want = _wanted(hidden, weight, bias)
@@ -172,21 +172,28 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
 
     Differentiable w.r.t. hidden, weight and bias (backward recomputes the logits tile by tile);
     under `torch.no_grad()` it is the memory-light path for old / reference log-probs.
+    `top_k` / `top_p` / `min_p`: over the set vLLM sampled from, as in `fusedrl.token_logprobs`.
     """
     hidden = check_logits(hidden, name="hidden")
     weight, bias = check_lm_head(weight, bias, hidden)
     labels = check_labels(labels, hidden, None, vocab=weight.shape[0], source="hidden")
     temperature = check_temperature(temperature)
+    sampling = check_sampling(top_k, top_p, min_p)
     impl = _resolve_backend(backend, hidden.device)
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = labels.unsqueeze(0) if flat else labels
-    lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
+    lin = linear_torch.logprob_inputs(
+        hidden3, weight, bias, labels2, sampling if sampling.active else None
+    )
     want = _wanted(hidden, weight, bias)
     if any(want):
         out = _LinearLogprobsFn.apply(

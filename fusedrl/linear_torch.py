@@ -23,6 +23,7 @@ import torch
 from ._inputs import LossInputs
 from .config import LossConfig
 from .fused_backend import needs_two_passes
+from .sampling import SamplingMask
 from .token_terms import (
     TokenTerms,
     aggregation_weights,
@@ -42,6 +43,8 @@ class LinearInputs:
     bias: torch.Tensor | None  # [V]
     rows: LossInputs  # every per-token tensor as [B, T] (rows.logits is None)
     saved_stats: tuple | None = None  # (lse, entropy) kept by a backend for backward
+    # vLLM's top_k / top_p / min_p: logp and entropy over the sampled sets (None: the vocab)
+    sampling: SamplingMask | None = None
 
 
 @dataclass
@@ -102,7 +105,10 @@ def sweep(
         live = valid[start:stop, None]
         # Masked rows may hold anything (NaN padding): zero them so that they reach no sum.
         h = torch.where(live, blocks[0], 0.0)
-        log_probs, lse = block_log_probs(torch.nn.functional.linear(h, weight, bias), temperature)
+        logits = torch.nn.functional.linear(h, weight, bias)
+        log_probs, lse = block_log_probs(
+            logits, temperature, flat_labels[start:stop], lin.sampling
+        )
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy
         )
@@ -206,7 +212,11 @@ def backward(
 
 
 def logprob_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    sampling: SamplingMask | None = None,
 ) -> LinearInputs:
     """LinearInputs of `linear_token_logprobs`: every row counts, no loss fields."""
     ones = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
@@ -223,7 +233,7 @@ def logprob_inputs(
         normalizer=None,
         flat_input=False,
     )
-    return LinearInputs(hidden=hidden, weight=weight, bias=bias, rows=rows)
+    return LinearInputs(hidden=hidden, weight=weight, bias=bias, rows=rows, sampling=sampling)
 
 
 def token_logprobs(

@@ -41,10 +41,15 @@ DESIGN_ENV = "FUSEDRL_LINEAR_DESIGN"
 GRAD_CHUNK_BYTES = 256 * 2**20
 
 
-def design() -> str:
+def design(lin: LinearInputs | None = None) -> str:
     name = os.environ.get(DESIGN_ENV, "gemm")
     if name not in DESIGNS:
         raise ValueError(f"{DESIGN_ENV}={name!r} is not one of {DESIGNS}")
+    if name == "on-chip" and lin is not None and lin.sampling is not None:
+        raise ValueError(
+            f"{DESIGN_ENV}=on-chip does not replay sampling masks (top_k / top_p / min_p): its "
+            "logits tiles never exist as whole rows; unset it (the 'gemm' design replays them)"
+        )
     return name
 
 
@@ -98,17 +103,26 @@ def _chunks(rows: torch.Tensor, vocab: int) -> Iterator[tuple[int, int, torch.Te
 
 
 def _logits_chunks(
-    lin: LinearInputs, rows: torch.Tensor
+    lin: LinearInputs, rows: torch.Tensor, temperature: float
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(start, stop, logits [1, stop - start, V]) of consecutive row chunks, made by cuBLAS in one
-    reused buffer: a chunk is valid until the next one is made."""
+    reused buffer: a chunk is valid until the next one is made. With `lin.sampling`, masked in
+    place to the sampled sets (-inf elsewhere) by the select kernel, which the row kernels read
+    as they read any logits."""
     weight, bias = lin.weight, lin.bias
+    sampling, labels = lin.sampling, _flat(lin.rows.labels)
     for start, stop, out in _chunks(rows, weight.shape[0]):
         if bias is None:
             torch.mm(rows[start:stop], weight.t(), out=out)
         else:
             torch.addmm(bias, rows[start:stop], weight.t(), out=out)
-        yield start, stop, out.unsqueeze(0)
+        logits = out.unsqueeze(0)
+        if sampling is not None:
+            _row_ops().sampled_set(
+                logits, _cut(labels, start, stop), logits, temperature,
+                sampling.top_k, sampling.top_p, sampling.min_p,
+            )  # fmt: skip
+        yield start, stop, logits
 
 
 class _GradSums:
@@ -147,14 +161,14 @@ class _GradSums:
 def stats(lin: LinearInputs, temperature: float):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows)."""
     _check_dtype(lin)
-    if design() == "on-chip":
+    if design(lin) == "on-chip":
         return _on_chip_kernels().linear_stats(
             lin.hidden, lin.weight, lin.bias, lin.rows.labels, lin.rows.valid, temperature
         )
     ops = _row_ops()
     labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
-    for start, stop, logits in _logits_chunks(lin, _masked_rows(lin)):
+    for start, stop, logits in _logits_chunks(lin, _masked_rows(lin), temperature):
         chunk = ops.logprobs_fwd(
             logits, _cut(labels, start, stop), _cut(valid, start, stop), temperature
         )
@@ -184,7 +198,7 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     labels, lse, entropy = _flat(lin.rows.labels), _flat(lse), _flat(entropy)
     dlogp = _flat(dlogp).float()
     dentropy = None if dentropy is None else _flat(dentropy).float()
-    for start, stop, logits in _logits_chunks(lin, rows):
+    for start, stop, logits in _logits_chunks(lin, rows, temperature):
         ops.logits_grad(
             logits, _cut(labels, start, stop), _cut(lse, start, stop),
             _cut(entropy, start, stop), _cut(dlogp, start, stop),
@@ -204,7 +218,7 @@ def gradients(
 ) -> LinearGrads:
     rows = _masked_rows(lin)
     sums = _GradSums(lin, rows, want)
-    chunks = _grad_chunks_on_chip if design() == "on-chip" else _grad_chunks_gemm
+    chunks = _grad_chunks_on_chip if design(lin) == "on-chip" else _grad_chunks_gemm
     for start, stop, grad in chunks(lin, rows, temperature, lse, entropy, dlogp, dentropy):
         sums.add(start, stop, grad)
     return sums.result()
@@ -220,7 +234,7 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     shape = lin.rows.labels.shape
     logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
     flat_logp, flat_entropy = _flat(logp), _flat(entropy)
-    for start, stop, logits in _logits_chunks(lin, rows):
+    for start, stop, logits in _logits_chunks(lin, rows, cfg.temperature):
         chunk = [_cut(a, start, stop) for a in args]
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
             logits, *chunk
@@ -235,7 +249,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
     _check_dtype(lin)
     need_entropy = need_entropy or cfg.needs_entropy
-    if any(want) and design() == "gemm" and not needs_two_passes(lin.rows, cfg):
+    if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg):
         logp, entropy, grads = _one_sweep(lin, cfg, want)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, lin.rows, cfg), grads

@@ -344,3 +344,77 @@ def test_unknown_triton_design_is_named(monkeypatch):
     data = make_linear_batch(seed=18)
     with pytest.raises(ValueError, match="FUSEDRL_LINEAR_DESIGN='tiles' is not one of"):
         run_linear(data, LossConfig.preset("dapo"), "triton")
+
+
+# ------------------------------------------------------------------------------ sampling masks
+# (temperature, top_k, top_p, min_p), replayed from the config (the reference masks the whole
+# logits with vLLM's rules; the backends a block / chunk of rows at a time).
+SAMPLING = {
+    "top_k": (1.0, 7, None, None),
+    "top_p": (0.7, None, 0.8, None),
+    "all": (0.8, 20, 0.9, 0.05),
+}
+
+
+def _sampled_batch(seed):
+    """Half the labels at the top of their rows (inside every filter's set), half anywhere
+    (mostly outside it: kept as the sampled label)."""
+    data = make_linear_batch(seed=seed)
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(data["hidden"], data["weight"], data["bias"])
+    data["labels"][:, ::2] = logits.argmax(-1)[:, ::2]
+    return data
+
+
+def _on_chip() -> bool:
+    import os
+
+    return os.environ.get(linear_triton.DESIGN_ENV) == "on-chip"
+
+
+@pytest.mark.parametrize("filters", sorted(SAMPLING))
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_sampling_mask_replay(preset, filters, backend):
+    temperature, top_k, top_p, min_p = SAMPLING[filters]
+    cfg = LossConfig.preset(preset).replace(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    data = _sampled_batch(seed=21)
+    if _on_chip():
+        with pytest.raises(ValueError, match="on-chip does not replay sampling masks"):
+            run_linear(data, cfg, backend)
+        return
+    ours, _ = assert_matches_reference(data, cfg, backend)
+    unmasked, _ = run_reference(data, cfg.replace(top_k=None, top_p=None, min_p=None))
+    valid = data["mask"]
+    assert (ours.logp[valid] > unmasked.logp[valid]).all()  # every row lost some mass
+
+
+def test_token_logprobs_replay_sampling_masks(backend):
+    data = _sampled_batch(seed=22)
+    kwargs = dict(top_k=20, top_p=0.9, min_p=0.05)
+    h, w, b = _leaves(data)
+    if _on_chip():
+        with pytest.raises(ValueError, match="on-chip does not replay sampling masks"):
+            fusedrl.linear_token_logprobs(h, w, data["labels"], bias=b, backend=backend, **kwargs)
+        return
+    logp, ent = fusedrl.linear_token_logprobs(
+        h, w, data["labels"], 0.8, True, bias=b, backend=backend, **kwargs
+    )
+    grads = torch.autograd.grad((logp + 0.3 * ent).sum(), (h, w, b))
+    rh, rw, rb = _leaves(data)
+    rlogp, rent = reference.token_logprobs(
+        torch.nn.functional.linear(rh, rw, rb), data["labels"], 0.8, True, **kwargs
+    )
+    ref_grads = torch.autograd.grad((rlogp + 0.3 * rent).sum(), (rh, rw, rb))
+    torch.testing.assert_close(logp, rlogp, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ent, rent, atol=ATOL, rtol=RTOL)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, atol=ATOL, rtol=RTOL)
+    with torch.no_grad():
+        nograd, _ = fusedrl.linear_token_logprobs(
+            h, w, data["labels"], 0.8, bias=b, backend=backend, **kwargs
+        )
+    torch.testing.assert_close(nograd, rlogp.detach(), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        fusedrl.linear_token_logprobs(h, w, data["labels"], top_k=0, backend=backend)

@@ -108,12 +108,6 @@ def test_ties_at_the_top_k_boundary_are_kept_and_the_label_always():
 
 def test_unsupported_paths_and_bad_values_are_named():
     logits, labels = _logits_and_sampled_labels(seed=4)
-    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
-    with pytest.raises(ValueError, match="linear_policy_loss does not replay sampling masks"):
-        fusedrl.linear_policy_loss(
-            h, w, torch.zeros(2, 3, dtype=torch.long), torch.ones(2), torch.ones(2, 3),
-            config=LossConfig(top_p=0.9),
-        )  # fmt: skip
     for kwargs, message in [
         (dict(top_k=0), "top_k must be an int >= 1"),
         (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),

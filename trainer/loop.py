@@ -205,10 +205,8 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.model = shard(model.to(self.env.device), self.env)
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
-        # (The head's fused loss does not replay a truncated sampler's mask: logits then.)
         self.lm_head = (
             cfg.fused_lm_head and self.env.world_size == 1 and plain_lm_head(model) is not None
-            and self.loss_cfg.sampling is None
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,

@@ -179,7 +179,8 @@ def token_logprobs(
             hidden, weight, bias = completion_hidden(model, sub, autocast_dtype)
             logp, _ = fusedrl.linear_token_logprobs(
                 hidden, weight, sub.labels, cfg.temperature, bias=bias,
-                backend=_linear_backend(backend),
+                backend=_linear_backend(backend), top_k=cfg.top_k, top_p=cfg.top_p,
+                min_p=cfg.min_p,
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)
