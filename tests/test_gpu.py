@@ -299,6 +299,38 @@ def test_linear_policy_loss_designs(dtype, preset, design, monkeypatch):
         assert rel < (1e-4 if exact else 2e-2), float(rel)
 
 
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_linear_policy_loss_replays_sampling_masks(preset):
+    """The gemm design masks each cuBLAS logits chunk with the select kernel: against the torch
+    backend (topk per block) in fp32 at a real vocab. top_k and min_p select by value, exactly
+    (top_p's sums are compared in test_sampled_set_kernel_against_the_torch_select)."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    batch, time, size, vocab = 3, 29, 128, 151936
+    hidden = torch.randn(batch, time, size, device="cuda", generator=gen)
+    weight = torch.randn(vocab, size, device="cuda", generator=gen) * (4.0 / size**0.5)
+    labels = torch.randint(0, vocab, (batch, time), device="cuda", generator=gen)
+    with torch.no_grad():
+        labels[:, ::2] = (hidden @ weight.T).argmax(-1)[:, ::2]
+    mask = torch.ones(batch, time, dtype=torch.bool, device="cuda")
+    adv = torch.randn(batch, device="cuda", generator=gen)
+    cfg = LossConfig.preset(preset).replace(temperature=0.8, top_k=50, min_p=0.02)
+
+    def run(backend):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fusedrl.linear_policy_loss(h, w, labels, adv, mask, config=cfg, backend=backend)
+        return out, torch.autograd.grad(out.loss, (h, w))
+
+    (ref, ref_grads), (out, grads) = run("torch"), run("triton")
+    torch.testing.assert_close(out.logp, ref.logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-4, rtol=1e-4)
+    for g, rg in zip(grads, ref_grads):
+        assert (g - rg).norm() / rg.norm() < 1e-4
+    plain = fusedrl.linear_policy_loss(
+        hidden, weight, labels, adv, mask, config=cfg.replace(top_k=None, min_p=None)
+    )
+    assert (out.logp > plain.logp).all()  # the mask acted on every row
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "filters", [(50, None, None), (None, 0.9, None), (None, None, 0.05), (50, 0.9, 0.05)]
