@@ -70,19 +70,31 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = block.double() if block.dtype == torch.float64 else block.float()
+    return scaled / temperature if temperature != 1.0 else scaled
+
+
+def block_floor(block: torch.Tensor, temperature: float, sampling: SamplingMask) -> torch.Tensor:
+    """[n] floors of a block's sampled sets (`fusedrl.sampling.sampling_floor`), so that a second
+    sweep over the same logits need not find them again (top_p sorts each row)."""
+    return sampling_floor(_scaled(block, temperature), sampling)
+
+
 def block_log_probs(
     block: torch.Tensor,
     temperature: float,
     labels: torch.Tensor | None = None,
     sampling: SamplingMask | None = None,
+    floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(block / temperature) in fp32 (fp64 for fp64 input) and its lse ([n, 1]); with
-    an active `sampling`, over the set vLLM sampled from (`fusedrl.sampling`; needs `labels`)."""
-    scaled = block.double() if block.dtype == torch.float64 else block.float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
+    an active `sampling`, over the set vLLM sampled from (`fusedrl.sampling`; needs `labels`),
+    whose floors are found here unless given (`block_floor`)."""
+    scaled = _scaled(block, temperature)
     if sampling is not None and sampling.active:
-        scaled = apply_floor(scaled, sampling_floor(scaled, sampling), labels)
+        floor = sampling_floor(scaled, sampling) if floor is None else floor
+        scaled = apply_floor(scaled, floor, labels)
     top = scaled.amax(-1, keepdim=True)
     # All -inf: lse = log(0) = -inf; a +inf: lse = +inf (block_stats turns it into NaN).
     shift = torch.where(torch.isfinite(top), top, 0.0)
@@ -145,15 +157,22 @@ def forward_stats(
     need_entropy: bool,
     valid: torch.Tensor | None = None,
     sampling: SamplingMask | None = None,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32."""
+    """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32. With
+    `sampling` and a [B * T] `floors` buffer, each row's floor is kept there for pass 2."""
     batch, time, _ = logits.shape
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if need_entropy else None
     flat_labels = labels.reshape(-1)
     for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
-        log_probs, lse = block_log_probs(block, temperature, flat_labels[start:stop], sampling)
+        floor = None
+        if floors is not None and sampling is not None:
+            floor = floors[start:stop] = block_floor(block, temperature, sampling)
+        log_probs, lse = block_log_probs(
+            block, temperature, flat_labels[start:stop], sampling, floor
+        )
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy
         )
@@ -177,8 +196,10 @@ def write_logits_grad(
     dentropy: torch.Tensor | None,
     out: torch.Tensor,
     sampling: SamplingMask | None = None,
+    floors: torch.Tensor | None = None,
 ) -> None:
-    """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]).
+    """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]);
+    `floors`: the sampled sets' floors that pass 1 kept (else found again).
 
     `out` may be `logits` itself (in-place): each block is read completely before it is written.
     """
@@ -187,7 +208,10 @@ def write_logits_grad(
     flat_dent = None if dentropy is None else dentropy.reshape(-1)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        log_probs, _ = block_log_probs(block, temperature, flat_labels[start:stop], sampling)
+        floor = None if floors is None else floors[start:stop]
+        log_probs, _ = block_log_probs(
+            block, temperature, flat_labels[start:stop], sampling, floor
+        )
         dent = None if flat_dent is None else flat_dent[start:stop]
         grad = block_grad(
             log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent
@@ -195,21 +219,30 @@ def write_logits_grad(
         out_block.copy_(grad)
 
 
+def _floors_buffer(logits: torch.Tensor, sampling: SamplingMask | None) -> torch.Tensor | None:
+    """[B * T] fp32/fp64 floors of pass 1, for pass 2 (None without an active sampling mask)."""
+    if sampling is None or not sampling.active:
+        return None
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.empty(logits.shape[0] * logits.shape[1], dtype=dtype, device=logits.device)
+
+
 class _LogprobsFn(torch.autograd.Function):
     """token_logprobs with the logits kept by reference (no fp32 copy saved for backward)."""
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, return_entropy, sampling):
+        floors = _floors_buffer(logits, sampling)
         logp, entropy = forward_stats(
-            logits, labels, temperature, return_entropy, sampling=sampling
+            logits, labels, temperature, return_entropy, sampling=sampling, floors=floors
         )
-        ctx.save_for_backward(logits, labels)
+        ctx.save_for_backward(logits, labels, floors)
         ctx.temperature, ctx.sampling = temperature, sampling
         return (logp, entropy) if return_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
-        logits, labels = ctx.saved_tensors
+        logits, labels, floors = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         write_logits_grad(
             logits,
@@ -219,6 +252,7 @@ class _LogprobsFn(torch.autograd.Function):
             None if grad_entropy is None else grad_entropy.float(),
             grad,
             ctx.sampling,
+            floors,
         )
         return grad, None, None, None, None
 
@@ -243,13 +277,14 @@ def policy_loss(
     """Pass 1, the [B, T] terms, and (when `grad_out` is given) pass 2 into `grad_out`."""
     need_entropy = need_entropy or cfg.needs_entropy
     sampling = cfg.sampling
+    floors = _floors_buffer(inp.logits, sampling) if grad_out is not None else None
     logp, entropy = forward_stats(
-        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling
+        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling, floors
     )
     terms = token_terms(logp, entropy, inp, cfg)
     if grad_out is not None:
         write_logits_grad(
             inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out,
-            sampling,
+            sampling, floors,
         )  # fmt: skip
     return logp, entropy, terms

@@ -181,3 +181,26 @@ def test_processed_logprobs_of_vllm_are_reproduced(vllm_rollouts):
         engine = torch.tensor([rollout["logprobs"]])
         torch.testing.assert_close(logp, engine, atol=1e-4, rtol=1e-4, msg=name)
         assert (plain - engine).abs().max() > 1e-2, f"{name}: the filter did not act"
+
+
+def test_torch_backend_finds_each_floor_once(monkeypatch):
+    """Pass 1 keeps each row's floor for pass 2 (top_p alone sorts every row: once is enough)."""
+    from fusedrl import torch_backend
+
+    calls = []
+    real = torch_backend.sampling_floor
+    monkeypatch.setattr(
+        torch_backend, "sampling_floor", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
+    logits, labels = _logits_and_sampled_labels(seed=5)
+    data = make_batch(seed=5)
+    data["logits"], data["labels"] = logits.clone().requires_grad_(True), labels
+    cfg = LossConfig.preset("dapo").replace(top_p=0.8)
+    run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
+    assert calls == [8, 8, 5]
+    calls.clear()
+    ours = logits.clone().requires_grad_(True)
+    logp, _ = fusedrl.token_logprobs(ours, labels, 1.0, backend="torch", top_p=0.8)
+    logp.sum().backward()
+    assert calls == [8, 8, 5]
