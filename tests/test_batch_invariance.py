@@ -122,3 +122,25 @@ def test_policy_loss_rows_with_a_normalizer(backend, name, inplace):
     per_batch = _watched_rows(results, list(BATCHES.values()))
     assert per_batch[0][2].abs().sum() > 0, "the watched sequence must get a gradient"
     _assert_all_equal(per_batch, ("logp", "entropy", "grad"))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_sampling_mask_replay_rows(backend, inplace):
+    """The sampled sets are found per row (torch: per block of rows; Triton: the select kernel
+    per program): a row's set, and so its results, do not depend on its neighbours."""
+    pool = _pool(seed=4)
+    cfg = LossConfig.preset("dapo").replace(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
+    results = []
+    for rows in BATCHES.values():
+        data = _take(pool, rows)
+        logits = data.pop("logits").clone().requires_grad_(True)
+        work = logits.clone() if inplace else logits
+        out = fusedrl.policy_loss(
+            work, **data, config=cfg, normalizer=12.0, backend=backend, inplace=inplace,
+            return_entropy=True,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        results.append((out.logp, out.entropy, grad))
+    per_batch = _watched_rows(results, list(BATCHES.values()))
+    assert (per_batch[0][2] == 0).sum() > per_batch[0][2].numel() // 2  # the mask acted
+    _assert_all_equal(per_batch, ("logp", "entropy", "grad"))
