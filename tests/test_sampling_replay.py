@@ -167,7 +167,10 @@ def vllm_rollouts(tmp_path_factory):
     return model.eval(), json.loads(out.read_text())
 
 
-def test_processed_logprobs_of_vllm_are_reproduced(vllm_rollouts):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_processed_logprobs_of_vllm_are_reproduced(vllm_rollouts, backend):
+    """torch (topk / sort) and Triton (the on-chip radix select, interpreted) both reproduce the
+    engine's processed log-probs of the tokens it sampled."""
     model, rollouts = vllm_rollouts
     for (name, (temperature, top_k, top_p, min_p)), rollout in zip(FILTERS.items(), rollouts):
         prompt, ids = rollout["prompt"], rollout["ids"]
@@ -175,7 +178,7 @@ def test_processed_logprobs_of_vllm_are_reproduced(vllm_rollouts):
             logits = model(torch.tensor([prompt + ids])).logits[:, len(prompt) - 1 : -1]
         labels = torch.tensor([ids])
         logp, _ = fusedrl.token_logprobs(
-            logits, labels, temperature, top_k=top_k, top_p=top_p, min_p=min_p, backend="torch"
+            logits, labels, temperature, top_k=top_k, top_p=top_p, min_p=min_p, backend=backend
         )
         plain, _ = fusedrl.token_logprobs(logits, labels, temperature, backend="torch")
         engine = torch.tensor([rollout["logprobs"]])
