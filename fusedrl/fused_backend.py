@@ -126,13 +126,19 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
         out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], temperature, sampling))
 
 
+# Rows of a masked copy without a gradient, with the select kernel: 256 MiB of bf16, enough rows
+# (883 at V = 151936) to fill the GPU; the torch route keeps its fp32 block size.
+SAMPLED_CHUNK_ELEMENTS = 1 << 27
+
+
 def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
     """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time."""
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
     masked = None
-    for start, (block,) in row_blocks(logits):
+    elements = SAMPLED_CHUNK_ELEMENTS if ops.sampled_set is not None else None
+    for start, (block,) in row_blocks(logits, elements=elements):
         stop = start + block.shape[0]
         rows_labels = flat[0][start:stop][None]
         if masked is None or masked.shape[1] < block.shape[0]:

@@ -29,18 +29,19 @@ BLOCK_ELEMENTS = 1 << 22
 
 
 def row_blocks(
-    *tensors: torch.Tensor, vocab: int | None = None
+    *tensors: torch.Tensor, vocab: int | None = None, elements: int | None = None
 ) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
     """(first flat row, [n, X] views of each tensor) over [B, T, X] tensors, never copying them.
 
-    Blocks hold about BLOCK_ELEMENTS elements of a [n, vocab] fp32 temporary (vocab: the last
-    dimension unless given, as for hidden states whose logits are only made block by block).
+    Blocks hold about `elements` (default BLOCK_ELEMENTS) elements of a [n, vocab] temporary
+    (vocab: the last dimension unless given, as for hidden states whose logits are only made
+    block by block).
     A [B, P+T, X] slice cannot be flattened to [B*T, X] without a copy, so when any tensor is
     such a view all of them are walked sequence by sequence (the blocks must line up).
     """
     batch, time, _ = tensors[0].shape
     vocab = tensors[0].shape[-1] if vocab is None else vocab
-    rows = max(1, BLOCK_ELEMENTS // max(vocab, 1))
+    rows = max(1, (BLOCK_ELEMENTS if elements is None else elements) // max(vocab, 1))
     try:
         flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
     except RuntimeError:

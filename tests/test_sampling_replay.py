@@ -207,3 +207,22 @@ def test_torch_backend_finds_each_floor_once(monkeypatch):
     logp, _ = fusedrl.token_logprobs(ours, labels, 1.0, backend="torch", top_p=0.8)
     logp.sum().backward()
     assert calls == [8, 8, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_chunks_of_a_strided_slice(backend, monkeypatch):
+    """Without a gradient the masked copy is made a chunk of rows at a time (the select kernel's
+    chunks, the torch route's blocks): chunks of 5 rows over a [B, P+T, V] slice, which cannot
+    be flattened and is walked sequence by sequence, with a partial last chunk."""
+    from fusedrl import fused_backend, torch_backend
+
+    monkeypatch.setattr(fused_backend, "SAMPLED_CHUNK_ELEMENTS", 5 * 1031)
+    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 5 * 1031)
+    full, labels = _logits_and_sampled_labels(seed=6, time=11)
+    logits, labels = full[:, 4:], labels[:, 4:]
+    kwargs = dict(top_k=30, top_p=0.8, min_p=0.02)
+    with torch.no_grad():
+        logp, ent = fusedrl.token_logprobs(logits, labels, 0.9, True, backend, **kwargs)
+    ref_logp, ref_ent = reference.token_logprobs(logits, labels, 0.9, True, **kwargs)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
