@@ -338,7 +338,8 @@ def test_linear_policy_loss_replays_sampling_masks(preset):
 def test_sampled_set_kernel_against_the_torch_select(filters, dtype):
     """The compiled radix select (kernels/sampling.py) writes what fusedrl.sampling's torch.topk /
     sort route writes, at a real vocab. top_k and min_p compare values only: bit for bit. top_p
-    sums probabilities in another order: a token at the boundary may flip, in a few rows."""
+    sums probabilities in another order: in a few rows the boundary value (with its ties, many
+    in bf16) may be in one set and not the other, and nothing else may differ."""
     from fusedrl.kernels.sampling import write_sampled_set
     from fusedrl.sampling import SamplingMask, mask_to_sampled_set
 
@@ -357,8 +358,11 @@ def test_sampled_set_kernel_against_the_torch_select(filters, dtype):
     if top_p is None:
         assert torch.equal(kept, expected_kept)
     else:
-        flips = (kept != expected_kept).sum(-1)
-        assert flips.max() <= 2 and (flips > 0).float().mean() <= 0.05, flips
+        flipped = kept != expected_kept
+        assert flipped.any(-1).float().mean() <= 0.1, flipped.sum(-1)
+        union = (kept | expected_kept).scatter(-1, labels[..., None], False)
+        boundary = torch.where(union, logits.float(), float("inf")).amin(-1, keepdim=True)
+        assert (logits.float() == boundary)[flipped].all(), "a flip away from the boundary"
 
 
 @pytest.mark.parametrize("grad", [False, True])
