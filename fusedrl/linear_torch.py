@@ -31,7 +31,7 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
-from .torch_backend import block_grad, block_log_probs, block_stats, row_blocks
+from .torch_backend import block_floor, block_grad, block_log_probs, block_stats, row_blocks
 
 
 @dataclass
@@ -45,6 +45,8 @@ class LinearInputs:
     saved_stats: tuple | None = None  # (lse, entropy) kept by a backend for backward
     # vLLM's top_k / top_p / min_p: logp and entropy over the sampled sets (None: the vocab)
     sampling: SamplingMask | None = None
+    # [B * T] floors of the sampled sets, found by the first sweep for the second
+    saved_floors: torch.Tensor | None = None
 
 
 @dataclass
@@ -99,6 +101,9 @@ def sweep(
     dx, dw, db = _grad_buffers(lin, want) if derivatives is not None else (None, None, None)
     valid = lin.rows.valid.reshape(-1)
     flat_labels = labels.reshape(-1)
+    find_floors = lin.sampling is not None and lin.saved_floors is None
+    if find_floors:
+        lin.saved_floors = torch.empty(batch * time, dtype=acc, device=hidden.device)
     tensors = (hidden,) if dx is None else (hidden, dx)
     for start, blocks in row_blocks(*tensors, vocab=vocab):
         stop = start + blocks[0].shape[0]
@@ -106,8 +111,13 @@ def sweep(
         # Masked rows may hold anything (NaN padding): zero them so that they reach no sum.
         h = torch.where(live, blocks[0], 0.0)
         logits = torch.nn.functional.linear(h, weight, bias)
+        floor = None
+        if lin.sampling is not None:
+            floor = lin.saved_floors[start:stop]
+            if find_floors:
+                floor.copy_(block_floor(logits, temperature, lin.sampling))
         log_probs, lse = block_log_probs(
-            logits, temperature, flat_labels[start:stop], lin.sampling
+            logits, temperature, flat_labels[start:stop], lin.sampling, floor
         )
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy

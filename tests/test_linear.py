@@ -418,3 +418,23 @@ def test_token_logprobs_replay_sampling_masks(backend):
     torch.testing.assert_close(nograd, rlogp.detach(), atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="top_k must be an int >= 1"):
         fusedrl.linear_token_logprobs(h, w, data["labels"], top_k=0, backend=backend)
+
+
+def test_torch_backend_finds_each_sampling_floor_once(monkeypatch):
+    """Sequence-level losses sweep twice and token_logprobs' backward sweeps again: the floors of
+    the first sweep serve the second (top_p alone sorts every row)."""
+    calls = []
+    real = torch_backend.sampling_floor
+    monkeypatch.setattr(
+        torch_backend, "sampling_floor", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
+    data = _sampled_batch(seed=23)
+    cfg = LossConfig.preset("gspo").replace(top_p=0.8)
+    run_linear(data, cfg, "torch")
+    assert calls == [8, 8, 5]
+    calls.clear()
+    h, w, b = _leaves(data)
+    logp, _ = fusedrl.linear_token_logprobs(h, w, data["labels"], bias=b, top_p=0.8)
+    logp.sum().backward()
+    assert calls == [8, 8, 5]
