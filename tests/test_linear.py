@@ -318,9 +318,9 @@ def test_triton_gemm_design_makes_the_logits_once_for_token_level_losses(monkeyp
     sweeps = []
     real = linear_triton._logits_chunks
 
-    def counted(lin, rows):
+    def counted(lin, rows, temperature):
         sweeps.append(0)
-        for chunk in real(lin, rows):
+        for chunk in real(lin, rows, temperature):
             sweeps[-1] += 1
             yield chunk
 
