@@ -185,3 +185,20 @@ def test_min_p_boundary_to_the_ulp(temperature):
     assert ((inside > 0) & (inside < 7)).all()  # the boundary falls among the neighbours
     # The guess is off by an ulp in some row: the kernel's steps to the boundary acted.
     assert (inside != 4).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_floors_among_negative_logits(dtype):
+    """All logits negative: the keys are the inverted bits, whose low bits (below a bf16 / fp16
+    mantissa) are ones, so the select's prefix sits just below the floor's value, never on
+    another logit's."""
+    logits, labels = _inputs(seed=10, dtype=torch.float32, scale=2.0)
+    logits = (logits - 30.0).to(dtype)
+    for top_k, top_p, min_p in [(500, None, None), (None, 0.95, None), (300, 0.9, 0.001)]:
+        out = _write(logits, labels, 0.9, top_k, top_p, min_p)
+        expected = mask_to_sampled_set(
+            logits.view(-1, VOCAB), labels.view(-1), 0.9, SamplingMask(top_k, top_p, min_p)
+        )
+        assert torch.equal(out, expected.view_as(out))
+        kept = _kept(out).sum(-1)
+        assert (kept > 1).all() and (kept < VOCAB).all()
