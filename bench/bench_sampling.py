@@ -48,18 +48,19 @@ FILTERS = {
     "top_k=50,top_p=0.9": (50, 0.9, None),
     "all": (50, 0.9, 0.05),
 }
-KEY_BITS = {torch.bfloat16: 16, torch.float16: 20, torch.float32: 32}
-RADIX_BITS = 2
+KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
+COUNT_BITS, MASS_BITS = 8, 2  # kernels/sampling.py: top_k's and top_p's bits of key a pass
 
 
 def kernel_passes(dtype: torch.dtype, top_k, top_p, min_p) -> int:
     """The most reads of each row by the select kernel: the max (min_p, top_p), the radix passes
-    of top_k and of top_p (top_p skips some), the write."""
-    select = KEY_BITS[dtype] // RADIX_BITS
+    of top_k and of top_p (either may skip some), the write."""
+    count = -(-KEY_BITS[dtype] // COUNT_BITS)
+    mass = -(-KEY_BITS[dtype] // MASS_BITS)
     return (
         int(min_p is not None or top_p is not None)
-        + select * (top_k is not None)
-        + select * (top_p is not None)
+        + count * (top_k is not None)
+        + mass * (top_p is not None)
         + 1
     )
 

@@ -10,21 +10,23 @@ The key is the logit's fp32 bit pattern mapped to a uint32 whose order is the va
 is monotone in x, so the keys of the raw logits serve every temperature. K is the largest key
 whose candidates at or above it weigh at least a target: a count (top_k: the k-th largest) or a
 share of the candidates' probability mass (top_p: the smallest kept token is the first whose
-larger ones weigh less than p). A radix select finds it RADIX_BITS of key per pass, most
-significant first, comparing each logit with RADIX thresholds as values: no sort, no scratch
-memory, no atomics. min_p is one more floor on the keys. Passes over each row of B-bit logits
-(B = 16 for bf16, 20 for fp16, 32 for fp32):
+larger ones weigh less than p). Radix selects find it, most significant digit first, with no
+sort, no scratch memory in HBM and no global atomics: top_k counts 8 bits of key a pass in
+shared memory (`tl.histogram`); top_p compares each logit with 4 thresholds a pass (2 bits), as
+values. min_p is one more floor on the keys. Passes over each row of B-bit logits (B = 16 for
+bf16, 20 for fp16, 32 for fp32):
 
 - the row max (min_p, top_p): 1;
-- top_k: B / RADIX_BITS (bf16: 8), counting;
-- top_p: B / RADIX_BITS (bf16: 8), summing exp(y - max) of the candidates, less the passes whose
-  digits the floor so far and the row max already share (usually 3 or 4 after top_k or min_p);
+- top_k: B / 8 rounded up (bf16: 2), counting;
+- top_p: B / 2 (bf16: 8), summing exp(y - max) of the candidates;
 - the masked write: 1 read and 1 write.
 
-Only the first read and the write are HBM traffic when the rows in flight fit in L2 (the launcher
-sizes the persistent grid as the fused kernel does); each select pass issues a compare, a select
-and an add per threshold and element, so with top_k or top_p the kernel is bound by its
-instruction issue, not by memory: docs/losses.md has the cost against the plain kernel.
+A select skips the passes whose digits the floor so far and the row max already share (top_p
+after top_k or min_p: usually 3 or 4 of its 8). Only the first read and the write are HBM
+traffic when the rows in flight fit in L2 (the launcher sizes the persistent grid as the fused
+kernel does); top_p's passes issue a compare, a select and an add per threshold and element, so
+with top_p the kernel is bound by its instruction issue, not by memory: docs/losses.md has the
+cost against the plain kernel.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ import triton.language as tl
 from .logprobs import max_registers, persistent_programs
 from .rows import LOG2E, row_offset
 
+# top_p: 2 bits of key a pass, each logit compared with 4 thresholds as values (a compare, select
+# and add each). top_k: 8 bits a pass, counted in shared memory by tl.histogram.
 RADIX_BITS = tl.constexpr(2)
 RADIX = tl.constexpr(4)
+COUNT_BITS = tl.constexpr(8)
+COUNT_RADIX = tl.constexpr(256)
 # A tile of the select passes: each thread keeps RADIX running sums per element it holds
 # (4 at 8 warps: 16 registers), summed over the tiles in registers and reduced once per pass.
 # Interpreted: small tiles, so that the tests' odd vocabularies take several and a partial one.
@@ -95,27 +101,69 @@ def _min_p_floor_key(x_max, temperature, log_min_p):
 
 
 @triton.jit
-def _radix_select(
+def _count_select(
     row_ptr,
     vocab,
-    target,
+    k,
+    floor_key,
+    top_key,
+    KEY_BITS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The largest key K with at least k logits at or above it (the k-th largest), or one at or
+    below floor_key when fewer than k lie at or above that floor. COUNT_BITS of key per pass,
+    most significant first: the logits whose key matches the digits chosen so far are counted
+    by their next digit (`tl.histogram`: shared-memory counters), and the largest digit with at
+    least k at or above it, those above the prefix included, is taken.
+
+    K lies in [floor_key, top_key] or matters only there (the caller takes the larger of K and
+    floor_key), so the leading digits the two share are K's: those passes are skipped, and no
+    logit lies above their prefix."""
+    offs = tl.arange(0, BLOCK_V)
+    digits = tl.arange(0, COUNT_RADIX)
+    prefix = floor_key & 0  # uint32 0
+    above = 0  # logits whose key is above the prefix's range
+    for p in tl.static_range(KEY_BITS // COUNT_BITS):
+        shift = 32 - (p + 1) * COUNT_BITS  # constexpr: p is
+        if (floor_key >> shift) == (top_key >> shift):
+            prefix = (floor_key >> shift) << shift
+        else:
+            counts = tl.zeros([COUNT_RADIX], tl.int32)
+            for start in range(0, vocab, BLOCK_V):
+                in_row = start + offs < vocab
+                x = tl.load(row_ptr + start + offs, mask=in_row, other=0.0)
+                keys = _order_key(x.to(tl.float32))
+                if p > 0:
+                    high = shift + COUNT_BITS
+                    in_row = in_row & ((keys >> high) == (prefix >> high))
+                digit = ((keys >> shift) & (COUNT_RADIX - 1)).to(tl.int32)
+                counts += tl.histogram(digit, COUNT_RADIX, mask=in_row)
+            # at_or_above[d]: the matching logits with digit >= d, plus those above the prefix
+            at_or_above = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+            chosen = tl.max(tl.where(at_or_above >= k, digits, 0), axis=0)
+            above += tl.sum(tl.where(digits > chosen, counts, 0), axis=0)
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
+    return prefix
+
+
+@triton.jit
+def _mass_select(
+    row_ptr,
+    vocab,
+    top_p,
     floor_key,
     top_key,
     y_max2,
     scale2,
-    WEIGHTED: tl.constexpr,
     KEY_BITS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """The largest key K such that the candidates at or above it weigh >= target: counting (the
-    target-th largest logit of the row), or WEIGHTED (target x the total probability mass of the
-    candidates, the x >= the value of floor_key). One pass per RADIX_BITS of key, most
-    significant first: the RADIX keys prefix + d 2^shift are compared as values (no key is built
-    per element), and the largest d whose candidates at or above weigh >= target is kept.
-
-    K lies in [floor_key, top_key] (top_key: the row max's key, or the largest key), or matters
-    only there, so the leading digits the two share are K's: those passes are skipped (top_p
-    after top_k or min_p typically skips a third to a half of them).
+    """The largest key K whose candidates (the logits >= the value of floor_key) at or above it
+    hold at least top_p of the candidates' probability mass. RADIX_BITS of key per pass, most
+    significant first: each logit is compared, as a value, with the RADIX keys prefix + d 2^shift
+    (no key is built per element) and adds its exp(y - max y) to the sums of those it reaches;
+    the largest d whose sum reaches the target is kept. Passes whose digits floor_key and
+    top_key (the row max's) share are skipped, as in `_count_select`.
 
     Tiles are [1, BLOCK_V], so that the [RADIX, BLOCK_V] running sums are the tile broadcast in
     each thread's registers (a 1-D tile would be re-laid out through shared memory, with
@@ -124,31 +172,26 @@ def _radix_select(
     digits = tl.arange(0, RADIX)
     floor_value = _key_value(floor_key)
     prefix = floor_key & 0  # uint32 0
-    scaled = False  # WEIGHTED: target not yet multiplied by the candidates' total
+    target = top_p * 0.0  # top_p x the candidates' total, once a pass has summed it
     for p in tl.static_range(KEY_BITS // RADIX_BITS):
         shift = 32 - (p + 1) * RADIX_BITS  # constexpr: p is
         if (floor_key >> shift) == (top_key >> shift):
             prefix = (floor_key >> shift) << shift
         else:
             # Digit 0 always qualifies (its candidates are those of the prefix): its threshold
-            # is -inf, so its sum is the candidates' total (the weighted target's denominator).
+            # is -inf, so its sum is the candidates' total (the target's denominator).
             bounds = tl.where(digits == 0, -float("inf"), _key_value(prefix | (digits << shift)))
             sums = tl.zeros([RADIX, BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
                 in_row = start + offs < vocab
                 x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
                 x = x.to(tl.float32)
-                if WEIGHTED:
-                    # 0 off the candidates and at -inf (outside the row)
-                    weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
-                    sums += tl.where(x >= bounds[:, None], weights, 0.0)
-                else:
-                    sums += tl.where(x >= bounds[:, None], 1.0, 0.0)
+                # 0 off the candidates and at -inf (outside the row)
+                weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
+                sums += tl.where(x >= bounds[:, None], weights, 0.0)
             at_or_above = tl.sum(sums, axis=1)
-            if WEIGHTED:
-                total = tl.sum(tl.where(digits == 0, at_or_above, 0.0), axis=0)
-                target = tl.where(scaled, target, target * total)
-                scaled = True
+            total = tl.sum(tl.where(digits == 0, at_or_above, 0.0), axis=0)
+            target = tl.where(target == 0.0, top_p * total, target)
             chosen = tl.max(tl.where(at_or_above >= target, digits, 0), axis=0)
             prefix = prefix | (chosen.to(tl.uint32) << shift)
     return prefix
@@ -179,6 +222,7 @@ def _sampled_set_kernel(
     # Significant bits of the fp32 key: sign, exponent and the input's mantissa, in whole digits.
     MANTISSA: tl.constexpr = logits_ptr.dtype.element_ty.fp_mantissa_width
     KEY_BITS: tl.constexpr = (9 + MANTISSA + RADIX_BITS - 1) // RADIX_BITS * RADIX_BITS
+    COUNT_KEY_BITS: tl.constexpr = (9 + MANTISSA + COUNT_BITS - 1) // COUNT_BITS * COUNT_BITS
     offs = tl.arange(0, BLOCK_V)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
         row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
@@ -202,13 +246,13 @@ def _sampled_set_kernel(
             # The k-th largest of the whole row: where min_p left fewer than k, its floor is
             # the higher one (vLLM's top_k runs on the min_p-masked logits). So only a K above
             # min_p's floor matters, and the search may start from that floor's leading digits.
-            top_k_key = _radix_select(
-                row_ptr, vocab, top_k, floor_key, top_key, y_max2, scale2, False, KEY_BITS, BLOCK_V
+            top_k_key = _count_select(
+                row_ptr, vocab, top_k, floor_key, top_key, COUNT_KEY_BITS, BLOCK_V
             )
             floor_key = tl.maximum(floor_key, top_k_key)
         if HAS_TOP_P:
-            floor_key = _radix_select(
-                row_ptr, vocab, top_p, floor_key, top_key, y_max2, scale2, True, KEY_BITS, BLOCK_V
+            floor_key = _mass_select(
+                row_ptr, vocab, top_p, floor_key, top_key, y_max2, scale2, KEY_BITS, BLOCK_V
             )
         floor_value = _key_value(floor_key)
         label = tl.maximum(tl.load(labels_ptr + row), 0)
@@ -263,7 +307,7 @@ def write_sampled_set(
         out.stride(1),
         float(temperature),
         LOG2E.value / temperature,
-        float(top_k) if has_top_k else 0.0,
+        int(top_k) if has_top_k else 0,
         float(top_p) if has_top_p else 1.0,
         math.log(min_p) if has_min_p else 0.0,
         HAS_TOP_K=has_top_k,
