@@ -119,6 +119,7 @@ def sweep(
         log_probs, lse = block_log_probs(
             logits, temperature, flat_labels[start:stop], lin.sampling, floor
         )
+        del logits  # log_probs replaces it: one [n, V] block less at the peak
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy
         )
