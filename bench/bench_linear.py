@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import _bench, _device_name, _git_commit, peak_memory_above_inputs  # noqa: E402
+from bench_loss import _bench, peak_memory_above_inputs, write_run_json  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl import linear_triton  # noqa: E402
@@ -144,22 +142,7 @@ def main(argv=None) -> int:
             )  # fmt: skip
             mib = "-" if peak is None else f"{peak / 2**20:.0f}"
             print(f"{n:>6} {h:>5} {v:>7} {impl:>13} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
-    result = {
-        "benchmark": "linear_policy_loss",
-        "smoke": args.smoke,
-        "note": "smoke run, not a measurement" if args.smoke else "",
-        "device": _device_name(device),
-        "dtype": str(dtype),
-        "torch": torch.__version__,
-        "commit": _git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "linear-smoke.json" if args.smoke else f"linear-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    (out / name).write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / name}")
+    write_run_json(args.out, "linear", "linear_policy_loss", args.smoke, device, dtype, rows)
     return 0
 
 

@@ -507,6 +507,28 @@ def _write(args, meta: dict, rows_by_op: dict[str, list], quiet: bool = False) -
             print(f"wrote {path}")
 
 
+def write_run_json(out_dir, stem: str, benchmark: str, smoke: bool, device, dtype, rows, **extra):
+    """The JSON of a one-table benchmark (bench_linear.py, bench_sampling.py): what ran where, then
+    its rows, as `<stem>-smoke.json` or `<stem>-<date>-<time>.json` under `out_dir`."""
+    result = {
+        "benchmark": benchmark,
+        "smoke": smoke,
+        "note": SMOKE_NOTE if smoke else "",
+        "device": _device_name(device),
+        "dtype": str(dtype),
+        **extra,
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{stem}-smoke.json" if smoke else f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / name}")
+
+
 def _version(module: str) -> str | None:
     try:
         return __import__(module).__version__

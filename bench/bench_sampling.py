@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import _bench, _device_name, _git_commit, copy_bandwidth_gbps  # noqa: E402
+from bench_loss import SMOKE_NOTE, _bench, copy_bandwidth_gbps, write_run_json  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl import fused_backend  # noqa: E402
@@ -157,26 +155,12 @@ def main(argv=None) -> int:
                 print(
                     f"{n:>6} {v:>7} {name:>20} {impl:>14} {ms:>9.3f} {ms / plain:>8.2f} {shown:>6}"
                 )
-    result = {
-        "benchmark": "sampling_select",
-        "smoke": args.smoke,
-        "note": "smoke run, not a measurement" if args.smoke else "",
-        "device": _device_name(device),
-        "dtype": str(dtype),
-        "copy_bandwidth_gbps": round(bandwidth, 1),
-        "torch": torch.__version__,
-        "commit": _git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = "sampling-smoke.json" if args.smoke else f"sampling-{stamp}.json"
-    (out / name).write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / name}")
+    write_run_json(
+        args.out, "sampling", "sampling_select", args.smoke, device, dtype, rows,
+        copy_bandwidth_gbps=round(bandwidth, 1),
+    )  # fmt: skip
     if args.smoke:
-        print("smoke run, not a measurement")
+        print(SMOKE_NOTE)
     return 0
 
 

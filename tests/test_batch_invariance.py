@@ -102,12 +102,8 @@ def test_token_logprobs_and_their_gradient(backend, vocab, monkeypatch):
 INVARIANT_PRESETS = sorted(set(ALL_PRESETS))
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("name", INVARIANT_PRESETS)
-def test_policy_loss_rows_with_a_normalizer(backend, name, inplace):
-    pool = _pool(seed=3)
-    cfg = LossConfig.preset(name)
-    cfg = cfg.replace(entropy_coef=0.01, beta=0.02, kl=cfg.kl or "k3")
+def _policy_loss_watched_rows(pool, cfg, backend, inplace):
+    """(logp, entropy, grad) of the watched sequence in each batch, with a fixed normalizer."""
     results = []
     for rows in BATCHES.values():
         data = _take(pool, rows)
@@ -119,7 +115,15 @@ def test_policy_loss_rows_with_a_normalizer(backend, name, inplace):
         )  # fmt: skip
         (grad,) = torch.autograd.grad(out.loss, logits)
         results.append((out.logp, out.entropy, grad))
-    per_batch = _watched_rows(results, list(BATCHES.values()))
+    return _watched_rows(results, list(BATCHES.values()))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", INVARIANT_PRESETS)
+def test_policy_loss_rows_with_a_normalizer(backend, name, inplace):
+    cfg = LossConfig.preset(name)
+    cfg = cfg.replace(entropy_coef=0.01, beta=0.02, kl=cfg.kl or "k3")
+    per_batch = _policy_loss_watched_rows(_pool(seed=3), cfg, backend, inplace)
     assert per_batch[0][2].abs().sum() > 0, "the watched sequence must get a gradient"
     _assert_all_equal(per_batch, ("logp", "entropy", "grad"))
 
@@ -128,19 +132,7 @@ def test_policy_loss_rows_with_a_normalizer(backend, name, inplace):
 def test_sampling_mask_replay_rows(backend, inplace):
     """The sampled sets are found per row (torch: per block of rows; Triton: the select kernel
     per program): a row's set, and so its results, do not depend on its neighbours."""
-    pool = _pool(seed=4)
     cfg = LossConfig.preset("dapo").replace(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
-    results = []
-    for rows in BATCHES.values():
-        data = _take(pool, rows)
-        logits = data.pop("logits").clone().requires_grad_(True)
-        work = logits.clone() if inplace else logits
-        out = fusedrl.policy_loss(
-            work, **data, config=cfg, normalizer=12.0, backend=backend, inplace=inplace,
-            return_entropy=True,
-        )  # fmt: skip
-        (grad,) = torch.autograd.grad(out.loss, logits)
-        results.append((out.logp, out.entropy, grad))
-    per_batch = _watched_rows(results, list(BATCHES.values()))
+    per_batch = _policy_loss_watched_rows(_pool(seed=4), cfg, backend, inplace)
     assert (per_batch[0][2] == 0).sum() > per_batch[0][2].numel() // 2  # the mask acted
     _assert_all_equal(per_batch, ("logp", "entropy", "grad"))
