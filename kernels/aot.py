@@ -2,12 +2,12 @@
 
 The Triton interpreter (how the tests run the kernels on CPU) accepts code that the compiler
 rejects, so a kernel can pass every CPU test and fail on its first call on a GPU. This module
-compiles each variant the launchers can produce down to a cubin for sm_80 / sm_90, with the
-ptxas Triton ships, and reads its registers, local memory (spills) and SASS with the cuobjdump
-Triton ships. `tests/test_kernels_compile.py` asserts on the result; kernel engineers read the
-table:
+compiles each variant the launchers can produce down to a cubin for sm_80 / sm_90 / sm_100 /
+sm_120, with the ptxas Triton ships, and reads its registers, local memory (spills) and SASS with
+the cuobjdump Triton ships. `tests/test_kernels_compile.py` asserts on the result; kernel
+engineers read the table:
 
-    python -m fusedrl.kernels.aot [--arch 80 90] [--json out.json]
+    python -m fusedrl.kernels.aot [--arch 80 90 100 120] [--json out.json]
 
 Variants come from the launchers themselves, never from a copied list:
 - each launcher (`EXAMPLE_LAUNCHES`) is called once on small CPU tensors with its kernel swapped
@@ -44,7 +44,9 @@ import torch
 # tile sizes are those block_size() picks for them. 32003 is odd: no divisibility specialisation.
 VOCABS = (32000, 128256, 151936, 262144, 32003)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ARCHS = (80, 90)
+# Ampere, Hopper, and Blackwell: datacenter (B200/GB200, sm_100) and consumer/workstation (RTX 50,
+# RTX PRO 6000, sm_120). The ptxas of every supported Triton (3.6: CUDA 12.8) targets all four.
+ARCHS = (80, 90, 100, 120)
 # The shape the example launches use: strides and vocab are then those of a real model's logits.
 EXAMPLE_VOCAB = 151936
 # Constexprs a launcher derives from the device: the example launches run on CPU tensors, so the
@@ -329,6 +331,87 @@ def sass_loops(sass: str) -> list[dict]:
     return loops
 
 
+_REGISTER = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
+_BRANCH_TARGET = re.compile(r"(?:\S+,\s*)?`?\(?(0x[0-9a-f]+)")
+
+
+def _registers(text: str) -> set[tuple[str, int]]:
+    """Registers named in an operand list, general (R) and uniform (UR): R6.64 names R6, R7."""
+    regs = set()
+    for kind, number, pair in _REGISTER.findall(text):
+        regs.add((kind, int(number)))
+        if pair:
+            regs.add((kind, int(number) + 1))
+    return regs
+
+
+def label_gather(sass: str) -> int | None:
+    """Index (in `_SASS_LINE` order) of the load of the label's logit: the first global load
+    whose address derives from the 64-bit labels load, by forward register data flow in program
+    order (a register written from untainted sources is clean again). None if there is none."""
+    code = _SASS_LINE.findall(sass)
+    tainted: set[tuple[str, int]] = set()
+    for i, (_, _, op, rest) in enumerate(code):
+        operands = rest.split(",")
+        if op.startswith("LDG") and tainted:
+            address = rest[rest.rfind("[") :]  # not the cache-policy desc[URx]
+            if _registers(address) & tainted:
+                return i
+        if op.startswith("LDG") and ".64" in op and not tainted:
+            tainted = _registers(operands[0])  # the labels (int64): the gather's index
+            continue
+        if not tainted or op.startswith(("ST", "BRA", "BAR", "EXIT", "ISETP", "FSETP")):
+            continue
+        dest = _registers(operands[0])
+        if not dest:
+            continue
+        wide = ".WIDE" in op or ".64" in op
+        if wide:
+            dest |= {(kind, number + 1) for kind, number in dest}
+        if _registers(",".join(operands[1:])) & tainted:
+            tainted |= dest
+        else:
+            tainted -= dest
+    return None
+
+
+def stores_before_barrier(sass: str, start: int) -> list[int]:
+    """Addresses of the global stores that some path from instruction `start` reaches without
+    passing a barrier (BAR.SYNC), walking the control flow (fall-through, branch targets)."""
+    code = _SASS_LINE.findall(sass)
+    index = {int(addr, 16): i for i, (addr, _, _, _) in enumerate(code)}
+    seen, pending, hits = set(), [start + 1], []
+    while pending:
+        i = pending.pop()
+        if i in seen or i >= len(code):
+            continue
+        seen.add(i)
+        addr, predicate, op, rest = code[i]
+        if op.startswith("BAR.SYNC") and not predicate:
+            continue
+        if op.startswith(("STG", "ST.")):
+            hits.append(int(addr, 16))
+        if op.startswith("BRA") and (m := _BRANCH_TARGET.match(rest.strip())):
+            pending.append(index.get(int(m.group(1), 16), len(code)))
+            if not predicate:
+                continue
+        if op in ("EXIT", "RET") and not predicate:
+            continue
+        pending.append(i + 1)
+    return sorted(hits)
+
+
+def label_store_order(sass: str) -> dict:
+    """The in-place hazard check of a row kernel: when the gradient overwrites the logits, the
+    label's logit must be read by every thread before any thread stores into the row, i.e. no
+    path from the label's load reaches a global store without a barrier in between."""
+    gather = label_gather(sass)
+    if gather is None:
+        return {"label_load": None, "stores_before_barrier": []}
+    address = int(_SASS_LINE.findall(sass)[gather][0], 16)
+    return {"label_load": address, "stores_before_barrier": stores_before_barrier(sass, gather)}
+
+
 # Issue budget of the main loops, in warp-instructions per row element (loop body / elements per
 # thread per trip / 32). The floor of the fused loss moves 4 bytes per bf16 element (1R + 1W); at
 # an H100's ~3 TB/s that is 0.75e12 elements/s, against 132 SMs x 4 schedulers x ~1.75 GHz =
@@ -336,23 +419,24 @@ def sass_loops(sass: str) -> list[dict]:
 # Half of that (0.6 for both sweeps) leaves them idle half the time, so memory stays the bound.
 # tests/test_kernels_compile.py (Triton) and tests/test_cuda_build.py (csrc/) hold the kernels
 # to it.
-SWEEP_BUDGET = {"stats": 0.30, "grad": 0.32}
+SWEEP_BUDGET = {"stats": 0.30, "grad": 0.32, "grad_unaligned_out": 0.30}
 FUSED_BUDGET = 0.60
 
 
 def loop_role(loop: dict) -> str:
     """What a row-sweep loop does, from its memory instructions: `stats` (reads the row),
-    `grad` (reads it and writes the gradient 128-bit), `grad_unaligned_out` (the gradient does
-    not share the logits' alignment: scalar stores), `zeros`, or `remainder` (masked tiles)."""
+    `grad` (reads it and writes the gradient, both 128-bit), `grad_unaligned_out` (the gradient
+    does not share the logits' alignment: the tiles follow the gradient's, whose stores stay
+    128-bit, and the loads are 16-bit), `zeros`, or `remainder` (masked tiles)."""
     wide_load = any(op.endswith(".128") for op in {**loop["loads"], **loop.get("shared_loads", {})})
-    wide_store = any(op.endswith(".128") for op in loop["stores"])
+    wide_stores = bool(loop["stores"]) and all(op.endswith(".128") for op in loop["stores"])
     if wide_load and not loop["stores"]:
         return "stats"
-    if wide_load and wide_store and all(op.endswith(".128") for op in loop["stores"]):
+    if wide_load and wide_stores:
         return "grad"
-    if wide_load:
+    if wide_load or (wide_stores and loop["loads"]):
         return "grad_unaligned_out"
-    if not loop["loads"] and wide_store:
+    if not loop["loads"] and wide_stores:
         return "zeros"
     return "remainder"
 
@@ -433,6 +517,8 @@ def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda 
                     elem_bytes = DTYPES[variant.dtype].itemsize
                     loops = sass_loops(report["sass"])
                     report["loops"] = with_costs(loops, per_thread, elem_bytes)
+                if result["family"] == "row_sweep":
+                    report["label_store_order"] = label_store_order(report["sass"])
                 if not keep_sass(variant, arch):
                     report.pop("sass")
                 result.update(report)

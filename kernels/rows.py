@@ -52,6 +52,17 @@ def exp2(x, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def to_fp32(x):
+    """x in fp32. bf16 is the upper half of an fp32, so one shift per element converts it: the
+    generic conversion of a 16-bit load packs pairs into registers and unpacks them again (three
+    instructions per element), which the issue budget of the gradient loops cannot afford."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def scaled(x, scale2):
     """y = x * scale2 in fp32, clamped below at FLOOR (NaN stays NaN)."""
     return tl.maximum(x.to(tl.float32) * scale2, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -196,13 +207,20 @@ def row_stats(
     They are >= 1 (the reference's own term) and finite unless some logit exceeds it by more than
     ~110 / log2(e) x T, i.e. the label's probability is below ~1e-33, or the row holds NaN / inf:
     then, and only then, the row is read again by the exact online softmax. NaN when the row holds
-    a NaN or +inf logit, or no logit above FLOOR: the callers surface it as a NaN logp.
+    a NaN or +inf logit, or no logit above FLOOR (all -inf): the callers surface it as a NaN logp
+    and entropy, as the reference does.
     """
     ref = scaled(ref_logit, scale2)
     total, sum_d = _sums_from_reference(row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, BLOCK_V)
     lse2 = ref + tl.log2(total)
     mean_y = ref + sum_d / total
-    if (total == float("inf")) | (tl.abs(sum_d) == float("inf")) | (mean_y != mean_y):
+    # A label logit at or below FLOOR (-inf) has p = 0, and sums relative to it mean nothing:
+    # they overflow when some logit is above FLOOR, and when none is (an all -inf row) every term
+    # is 2^FLOOR = 0, or 2^0 = 1 for logits that scale to FLOOR exactly (FLOOR - FLOOR = 0: a
+    # finite lse). So such rows always take the exact path, which returns the label's -inf or
+    # the row's NaN, instead of hanging the NaN on 0 / 0 (compiled, `/` is div.full.f32).
+    overflow = (total == float("inf")) | (tl.abs(sum_d) == float("inf"))
+    if (ref <= FLOOR) | overflow | (mean_y != mean_y):
         # Half tiles: its three running vectors then take no more registers than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
         lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, HALF_BLOCK_V)
@@ -213,7 +231,7 @@ def row_stats(
 def _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr):
     """p (k0 + k1 log2 p): the gradient of one tile except the label's one-hot term. A -inf logit
     gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one."""
-    log2_p = x.to(tl.float32) * scale2 - lse2
+    log2_p = to_fp32(x) * scale2 - lse2
     if WITH_ENTROPY:
         log2_p = tl.maximum(log2_p, FLOOR, propagate_nan=tl.PropagateNan.ALL)
         return exp2(log2_p, FAST_EXP2) * (k0 + k1 * log2_p)
@@ -225,7 +243,8 @@ def _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY: tl.constexpr, FAST_EXP2: t
 def _grad_tiles(
     in_ptr,
     out_ptr,
-    full_tiles,
+    first_tile,
+    end_tile,
     scale2,
     lse2,
     k0,
@@ -233,19 +252,28 @@ def _grad_tiles(
     EVICT: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     FAST_EXP2: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """The unmasked tiles of sweep 2, last first, each tile's load issued a trip ahead."""
+    """Unmasked tiles [first_tile, end_tile) of sweep 2, last first. With PREFETCH each tile's
+    load is issued a trip ahead and carried over the loop's back edge in fp32 (converted at once:
+    16-bit values carried as such are packed into pairs for the trip and unpacked again)."""
     offs = tl.arange(0, BLOCK_V)
-    x = tl.load(in_ptr + (full_tiles - 1) * BLOCK_V + offs, eviction_policy=EVICT)
-    for i in range(0, full_tiles):
-        start = (full_tiles - 1 - i) * BLOCK_V
-        # The next tile down (the first tile again on the last trip: an L1 hit).
-        x_next = tl.load(in_ptr + tl.maximum(start - BLOCK_V, 0) + offs, eviction_policy=EVICT)
+    if PREFETCH:
+        x = to_fp32(tl.load(in_ptr + (end_tile - 1) * BLOCK_V + offs, eviction_policy=EVICT))
+    for i in range(first_tile, end_tile):
+        start = (end_tile - 1 - i + first_tile) * BLOCK_V
+        if PREFETCH:
+            # The next tile down (the first tile again on the last trip: an L1 hit).
+            next_start = tl.maximum(start - BLOCK_V, first_tile * BLOCK_V)
+            x_next = to_fp32(tl.load(in_ptr + next_start + offs, eviction_policy=EVICT))
+        else:
+            x = tl.load(in_ptr + start + offs, eviction_policy=EVICT)
         grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
         grad = grad.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + start + offs, grad, eviction_policy="evict_first")
-        x = x_next
+        if PREFETCH:
+            x = x_next
 
 
 @triton.jit
@@ -270,35 +298,56 @@ def write_row_grad(
 
     With log2_p = y - lse2 this is p (k0 + k1 log2_p) + onehot dlogp / T, k0 = -(dlogp + dH H) / T
     and k1 = -dH ln2 / T, so the loop has no compare with the label: its entry is stored once
-    after the sweep (after a barrier, since another thread's vector store covered it), from the
-    label logit the caller loaded before anything was written (`out_ptr` may equal `row_ptr`).
+    after the sweep, from `label_logit`, which the caller loaded from the row before this call.
+
+    In place (`out_ptr` == `row_ptr`) the row is overwritten while being read, so two orderings
+    are enforced here by a barrier each, whatever the caller did before:
+    - on entry: every warp has its copy of the label logit before any warp stores into the row
+      (without it, a warp running ahead could overwrite the label's element before warp 0, whose
+      copy feeds the label's store, has read it; tests/test_kernels_compile.py checks in the SASS
+      that no store follows the label's load without a barrier between);
+    - before the label's store: every other store that covered the label's element is done.
+
+    The tiles follow the gradient row's 16-byte alignment, so its stores are 128-bit. When the
+    logits row is aligned alike (always in place, and for any V that is a multiple of 8) its
+    loads are 128-bit too; otherwise (odd V read from a [B, P+T, V] slice into a separately
+    allocated gradient) they are 16-bit loads in the same register layout as the stores: Triton
+    then needs no shared-memory relayout (with its two barriers per tile) between the two, and
+    the split loads of a 16-byte vector hit the same L1 lines.
 
     The row is walked last tile first: sweep 1 just streamed it front to back, so its tail is the
     part most likely to be still in L2. Loads are the last use of the logits (EVICT), gradient
     stores are never read again here: both evict-first, to keep L2 for rows still to be re-read.
     """
+    tl.debug_barrier()
     lse2 = lse * LOG2E
     k0 = -(dlogp + dentropy * entropy) * inv_temperature
     k1 = -dentropy * LN2 * inv_temperature
     out_ty = out_ptr.dtype.element_ty
-    head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
-    out_head, _, out_body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
-    tail_start = head + full_tiles * BLOCK_V
-    for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
-        roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
+    head, _, _ = row_layout(row_ptr, vocab, BLOCK_V)
+    out_head, full_tiles, out_body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
+    tail_start = out_head + full_tiles * BLOCK_V
+    for r in range(0, remainder_tiles(out_head, tail_start, vocab, BLOCK_V)):
+        roffs, in_row = remainder_offsets(r, out_head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=0.0, eviction_policy=EVICT)
         grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
         tl.store(out_ptr + roffs, grad.to(out_ty), mask=in_row, eviction_policy="evict_first")
-    # The gradient rows share the logits' alignment (always in place, and for any V that is a
-    # multiple of 8): 128-bit stores too. Otherwise (odd V, a separately allocated gradient) the
-    # stores are scalar; the loads stay 128-bit.
     if full_tiles > 0:
         if out_head == head:
-            _grad_tiles(body_ptr, out_body_ptr, full_tiles, scale2, lse2, k0, k1,
-                        EVICT, WITH_ENTROPY, FAST_EXP2, BLOCK_V)  # fmt: skip
+            body_ptr = tl.multiple_of(row_ptr + out_head, 16)
+            _grad_tiles(body_ptr, out_body_ptr, 0, full_tiles, scale2, lse2, k0, k1,
+                        EVICT, WITH_ENTROPY, FAST_EXP2, True, BLOCK_V)  # fmt: skip
         else:
-            _grad_tiles(body_ptr, out_ptr + head, full_tiles, scale2, lse2, k0, k1,
-                        EVICT, WITH_ENTROPY, FAST_EXP2, BLOCK_V)  # fmt: skip
+            # Unaligned input: its 16-bit loads are not carried over the back edge (see
+            # _grad_tiles), and two tiles a trip share the trip's fixed cost (counter, addresses,
+            # the stores' cache policy); an odd last tile goes alone.
+            pairs = full_tiles // 2
+            _grad_tiles(row_ptr + out_head, out_body_ptr, 0, pairs, scale2, lse2, k0, k1,
+                        EVICT, WITH_ENTROPY, FAST_EXP2, False, 2 * BLOCK_V)  # fmt: skip
+            if full_tiles % 2 != 0:
+                _grad_tiles(row_ptr + out_head, out_body_ptr, full_tiles - 1, full_tiles,
+                            scale2, lse2, k0, k1, EVICT, WITH_ENTROPY, FAST_EXP2, False,
+                            BLOCK_V)  # fmt: skip
     # The label's entry: the same p-term plus the one-hot term, stored after every other write.
     label_log2_p = scaled(label_logit, scale2) - lse2
     label_p = tl.exp2(label_log2_p)
@@ -306,7 +355,8 @@ def write_row_grad(
     if WITH_ENTROPY:
         label_grad += label_p * k1 * label_log2_p
     tl.debug_barrier()
-    tl.store(out_ptr + label, label_grad.to(out_ty))
+    if label >= 0:  # else the label is in another rank's vocab slice (tensor parallelism)
+        tl.store(out_ptr + label, label_grad.to(out_ty))
 
 
 @triton.jit
