@@ -215,3 +215,34 @@ def test_gpu_launch_shape(vocab, elem_bytes):
     assert maxnreg == 255 or (maxnreg + 8) * 32 * warps * logprobs.MIN_CTAS_PER_SM > (
         logprobs.REGISTERS_PER_SM
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_of_rows_whose_label_is_elsewhere(dtype):
+    """A negative label (tensor parallelism: the label is in another rank's vocab slice) gets the
+    softmax terms only; the rows with a label get the one-hot term too, at every alignment."""
+    from fusedrl.kernels import logprobs
+
+    logits, labels = _rows(131, 3, dtype, seed=5)
+    labels[0, 1] = -1
+    labels[1, 0] = -1
+    gen = torch.Generator().manual_seed(6)
+    dlogp = torch.randn(labels.shape, generator=gen)
+    dentropy = torch.randn(labels.shape, generator=gen)
+    temperature = 0.8
+    z = logits.double() / temperature
+    log_p = torch.log_softmax(z, -1)
+    p = log_p.exp()
+    entropy = -(p * torch.where(p > 0, log_p, 0.0)).sum(-1)
+    lse = torch.logsumexp(z, -1)
+    onehot = torch.zeros_like(z)
+    owned = labels >= 0
+    onehot[owned] = torch.nn.functional.one_hot(labels[owned], z.shape[-1]).double()
+    entropy_term = p * torch.where(p > 0, log_p + entropy[..., None], 0.0)
+    expected = (dlogp[..., None] * (onehot - p) - dentropy[..., None] * entropy_term) / temperature
+    out = torch.empty_like(logits)
+    logprobs.logits_backward(
+        logits, labels, lse.float(), entropy.float(), dlogp, dentropy, temperature, out
+    )
+    # Rows (0, 0) and (0, 2) precede the label-less rows: a store at label -1 would land in them.
+    _assert_grad_close(out.double(), expected, dtype)
