@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import launches_on
+
 # GPU tiles: a [64 x 128] fp32 accumulator over 8 warps (32 registers a thread) with H in slices
 # of 64 (a 128-byte row of bf16 per load). Interpreted: small tiles, so that the tests' odd
 # shapes (H = 24, V = 1031) cover several tiles and partial last ones on every axis.
@@ -203,6 +205,7 @@ def _head_args(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
 
 
+@launches_on("hidden")
 def linear_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -230,6 +233,7 @@ def linear_stats(
     return tuple(out)
 
 
+@launches_on("hidden")
 def linear_logits_grad(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import launches_on
 from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
 # Vocab tiles. On a GPU a tile is one 16-byte vector per thread of a 16-warp program (4096 bf16
@@ -82,7 +83,9 @@ def persistent_programs(rows: int, row_bytes: int, device: torch.device) -> int:
     """
     if device.type != "cuda":
         return max(1, min(rows, INTERPRETED_PROGRAMS))
-    sms, l2_bytes = _sms_and_l2(device.index if device.index is not None else 0)
+    # A tensor's device always has an index; a bare torch.device("cuda") means the current one.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms, l2_bytes = _sms_and_l2(index)
     per_sm = max(1, min(MIN_CTAS_PER_SM, l2_bytes // max(1, row_bytes * sms)))
     return max(1, min(rows, sms * per_sm))
 
@@ -159,12 +162,13 @@ def _logits_grad_kernel(
         dentropy = tl.load(dentropy_ptr + row)
     if (dlogp != 0) | (dentropy != 0):
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        # label < 0: the label lies outside this row (a vocab-parallel slice): no one-hot term.
         label = tl.load(labels_ptr + row)
         write_row_grad(
             row_ptr,
             out_row,
             label,
-            tl.load(row_ptr + label),
+            tl.load(row_ptr + tl.maximum(label, 0)),
             vocab,
             inv_temperature,
             scale2,
@@ -181,6 +185,7 @@ def _logits_grad_kernel(
         write_row_zeros(out_row, vocab, BLOCK_V)
 
 
+@launches_on("logits")
 def logprobs_forward(
     logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,6 +221,7 @@ def logprobs_forward(
     return logp, lse, entropy
 
 
+@launches_on("logits")
 def logits_backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -226,7 +232,9 @@ def logits_backward(
     temperature: float,
     out: torch.Tensor,
 ) -> None:
-    """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place)."""
+    """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place). A negative
+    label means the row's label is not in these logits (tensor parallelism: another rank holds
+    its vocab slice): the row gets the softmax terms only, no one-hot term."""
     batch, time, vocab = logits.shape
     if batch * time == 0:
         return

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import launches_on
 from .logprobs import max_registers, persistent_programs
 from .rows import LOG2E, row_offset
 
@@ -269,6 +270,7 @@ def _sampled_set_kernel(
             tl.store(out_row + idx, out, mask=in_row, eviction_policy="evict_first")
 
 
+@launches_on("logits")
 def write_sampled_set(
     logits: torch.Tensor,
     labels: torch.Tensor,

@@ -10,10 +10,13 @@ costs one launch and no gradient traffic, and any other factor costs one pass.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from .device import launches_on
 from .logprobs import block_size, launch_options
 from .rows import remainder_offsets, remainder_tiles, row_layout, row_offset
 
@@ -44,21 +47,52 @@ def _scale_rows_unless_one_kernel(
             tl.store(row_ptr + roffs, (g * scale).to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
+def _as_rows(grad: torch.Tensor) -> torch.Tensor | None:
+    """`grad` as [B, T, V] rows over the same memory (V its last dim), or None where no view
+    has rows the kernel can walk: a last dim that is not contiguous, a broadcast (stride-0) dim
+    whose rows share elements, or leading dims that merge into no two strides."""
+    if grad.dim() == 0:
+        return grad.view(1, 1, 1)
+    vocab = grad.shape[-1]
+    if vocab > 1 and grad.stride(-1) != 1:
+        return None
+    if any(stride == 0 and size > 1 for size, stride in zip(grad.shape, grad.stride())):
+        return None
+    leading = grad.shape[:-1]
+    for split in range(len(leading) + 1):
+        try:
+            return grad.view(math.prod(leading[:split]), math.prod(leading[split:]), vocab)
+        except RuntimeError:  # these dims do not merge into one stride: try the next split
+            continue
+    return None
+
+
+@launches_on("grad")
 def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
-    """grad *= scale in place, rows of [N, V] or [B, T, V] (vocab contiguous, any other strides);
-    `scale` is a one-element tensor on grad's device, read on the device (no host sync)."""
-    grad3 = grad.unsqueeze(0) if grad.dim() == 2 else grad
-    batch, time, vocab = grad3.shape
-    if batch * time == 0:
+    """grad *= scale in place, for a gradient of any shape (0-D to N-D: the [B, T, V] logits,
+    the [V, H] weight, the [V] bias of the LM head); `scale` is a one-element tensor on grad's
+    device, read on the device (no host sync). Any view whose last dim is contiguous runs as
+    rows of that dim, without a copy; a gradient no view can walk is multiplied by torch, still
+    in place (the autograd node hands its own buffer on)."""
+    if scale.numel() != 1:
+        raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
+    if scale.device != grad.device:
+        raise ValueError(f"scale is on {scale.device}, the gradient on {grad.device}")
+    if grad.numel() == 0:
         return
+    rows = _as_rows(grad)
+    if rows is None:
+        grad.mul_(scale.reshape(()))
+        return
+    batch, time, vocab = rows.shape
     block = block_size(vocab, grad.device, grad.element_size())
     _scale_rows_unless_one_kernel[(batch * time,)](
-        grad3,
+        rows,
         scale.reshape(1).float(),
         time,
         vocab,
-        grad3.stride(0),
-        grad3.stride(1),
+        rows.stride(0),
+        rows.stride(1),
         BLOCK_V=block,
         **launch_options(block, grad.element_size()),
     )

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import launches_on
 from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
 from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
 
@@ -223,6 +224,7 @@ def _fused_token_loss_kernel(
             tl.store(entropy_ptr + row, 0.0)
 
 
+@launches_on("logits")
 def fused_token_loss(
     logits: torch.Tensor,
     grad: torch.Tensor,
