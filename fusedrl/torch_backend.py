@@ -112,9 +112,12 @@ def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
 def block_stats(
     log_probs: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, need_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp of `labels` and the entropy of a block's rows; NaN for rows holding +inf."""
-    # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf.
-    corrupt = lse.squeeze(-1) == float("inf")
+    """logp of `labels` and the entropy of a block's rows; NaN for rows holding +inf and for
+    rows with no logit above -inf."""
+    # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf. All
+    # -inf (lse = -inf): no distribution, NaN as in the reference and the kernels, where
+    # `entropy_of` alone would sum no term and say 0.
+    corrupt = lse.squeeze(-1).abs() == float("inf")
     logp = torch.where(corrupt, float("nan"), log_probs.gather(-1, labels[:, None]).squeeze(-1))
     if not need_entropy:
         return logp, None
@@ -132,11 +135,16 @@ def block_grad(
     """d(loss)/d(logits) of a block, fp32, from per-row dlogp / dentropy ([n]).
 
     Rows whose dlogp and dentropy are 0 (masked) get exact zeros even if their logits are NaN.
+    A label outside [0, V) gets no one-hot term: under tensor parallelism the block is a vocab
+    slice and another rank holds the label.
     """
     probs = log_probs.exp()
     g_logp = dlogp[:, None].to(log_probs.dtype)
     grad = -g_logp * probs
-    grad.scatter_add_(-1, labels[:, None], g_logp)
+    here = (labels >= 0) & (labels < grad.shape[-1])
+    grad.scatter_add_(
+        -1, torch.where(here, labels, 0)[:, None], torch.where(here[:, None], g_logp, 0.0)
+    )
     live = g_logp != 0
     if dentropy is not None:
         if entropy is None:
@@ -198,9 +206,13 @@ def write_logits_grad(
     out: torch.Tensor,
     sampling: SamplingMask | None = None,
     floors: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> None:
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]);
-    `floors`: the sampled sets' floors that pass 1 kept (else found again).
+    `floors`: the sampled sets' floors that pass 1 kept (else found again). `lse` / `entropy`
+    ([B, T], no sampling): the rows' own, given when `logits` is a vocab slice of them (tensor
+    parallelism; labels < 0 are then in another slice), else found from `logits`.
 
     `out` may be `logits` itself (in-place): each block is read completely before it is written.
     """
@@ -210,13 +222,18 @@ def write_logits_grad(
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
         floor = None if floors is None else floors[start:stop]
-        log_probs, _ = block_log_probs(
-            block, temperature, flat_labels[start:stop], sampling, floor
-        )
+        if lse is None:
+            log_probs, _ = block_log_probs(
+                block, temperature, flat_labels[start:stop], sampling, floor
+            )
+        else:
+            log_probs = _scaled(block, temperature) - lse.reshape(-1)[start:stop, None]
         dent = None if flat_dent is None else flat_dent[start:stop]
+        rows_entropy = None if entropy is None else entropy.reshape(-1)[start:stop]
         grad = block_grad(
-            log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent
-        )
+            log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent,
+            rows_entropy,
+        )  # fmt: skip
         out_block.copy_(grad)
 
 

@@ -526,3 +526,35 @@ def test_logits_to_loss_parity(mode, agg, is_level):
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref_loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(leaf.grad, ref_grad, rtol=1e-4, atol=1e-6 * scale)
+
+
+# --- issue 29 item 9 ---
+
+
+@pytest.mark.parametrize("option", ["token_k1", "seq_sum_k1", "seq_mean_k1"])
+def test_rejection_parity_on_the_lower_bound(option):
+    """tests/test_exact_bounds.py's data, whose k1 statistic equals the lower bound to the bit in
+    some kept token or sequence: verl's own mask is the one written out there (so `>` for `>=`
+    on either side fails a test), and LossConfig.rejection gives verl's loss and metrics."""
+    from .test_exact_bounds import REJECTION_BOUNDS, rejection_batch
+
+    data, cfg, keep = rejection_batch(option)
+    verl_mask, verl_metrics = compute_rollout_rejection_mask(
+        log_ratio=data["old_logp"] - data["rollout_logp"], response_mask=data["mask"].float(),
+        rollout_rs=option, rollout_rs_threshold=REJECTION_BOUNDS[option][0],
+    )  # fmt: skip
+    assert torch.equal(verl_mask.bool(), data["mask"] & keep.bool())
+    args = {k: v for k, v in data.items() if k not in ("logits", "mask", "rollout_logp")}
+    ours = fusedrl.policy_loss(
+        data["logits"], mask=data["mask"], rollout_logp=data["rollout_logp"], config=cfg,
+        backend="torch", **args,
+    )  # fmt: skip
+    by_mask = fusedrl.policy_loss(
+        data["logits"], mask=verl_mask.bool(), config=fusedrl.LossConfig(), backend="torch", **args
+    )
+    torch.testing.assert_close(ours.loss, by_mask.loss)
+    assert float(ours.metrics["rs_masked"]) == pytest.approx(
+        verl_metrics["rollout_rs_masked_fraction"], abs=1e-6
+    )
+    key = f"rollout_rs_{option}_masked_fraction"
+    assert float(ours.metrics[f"rs_{option}_masked"]) == pytest.approx(verl_metrics[key], abs=1e-6)

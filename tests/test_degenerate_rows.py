@@ -1,0 +1,211 @@
+"""A valid row whose logits are all -inf has no distribution: every backend says NaN.
+
+The promise (kernels/rows.py `row_stats`, and fusedrl.reference, whose log_softmax of such a row
+is NaN): logp and entropy are NaN for that row, the loss is NaN, and nothing else changes: the
+other rows keep their values and gradients, and masked rows, whatever they hold, stay exact
+zeros with a zero gradient. Checked on the torch backend and the Triton kernels (interpreted;
+tests/test_gpu.py runs them compiled, and the CUDA backend) against the reference, in fp32 and
+bf16, for a token-level loss with and without a KL term, a sequence-level one, token_logprobs,
+with sampling-mask replay off and on, and the LM-head loss with an all -inf bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, linear_triton, reference, torch_backend
+
+from .conftest import make_batch, needs_interpreter, run_loss
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+DEGENERATE = (0, 1)  # valid, all -inf
+MASKED = (1, 2)  # masked (the whole of sequence 1 is), all -inf too
+# vLLM's filters of the rollouts: the sampled set of an all -inf row is the row itself. (top_k
+# and min_p: top_p's select takes 16 passes over an fp32 row, slow when interpreted.)
+SAMPLING = {"off": {}, "on": dict(top_k=20, min_p=0.05)}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        logprobs = pytest.importorskip("fusedrl.kernels.logprobs")
+        # 64-wide tiles: a row of 131 spans two whole tiles and a remainder, so the all -inf
+        # row runs the unmasked loop, the masked remainder and the exact fallback.
+        monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+    else:  # blocks of 4 rows: the degenerate row shares its block with finite ones
+        monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)
+    return request.param
+
+
+def _batch(dtype):
+    data = make_batch(batch=3, time=5, vocab=131, dtype=dtype, seed=29, per_token_adv=True)
+    data["mask"][0, :3] = True  # the degenerate row and two finite ones are valid
+    data["mask"][1] = False
+    data["logits"][DEGENERATE] = -math.inf
+    data["logits"][MASKED] = -math.inf
+    assert data["mask"][DEGENERATE] and not data["mask"][MASKED]
+    return data
+
+
+def _call(backend):
+    def call(*args, **kwargs):
+        return fusedrl.policy_loss(*args, backend=backend, **kwargs)
+
+    return call
+
+
+def _assert_degenerate_row(logp, entropy):
+    assert torch.isnan(logp[DEGENERATE]) and torch.isnan(entropy[DEGENERATE])
+    assert logp[MASKED] == 0 and entropy[MASKED] == 0
+
+
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered")  # numpy (interp.)
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_says_nan_for_an_all_inf_row(dtype, preset, sampling, backend):
+    """dapo: one fused kernel (Triton); grpo: the same with its k3 KL term and seq-mean
+    aggregation; gspo: two passes and a sequence ratio. Replay writes the masked copy first."""
+    data = _batch(dtype)
+    cfg = LossConfig.preset(preset, temperature=0.9, **SAMPLING[sampling])
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    _assert_degenerate_row(ref.logp, ref.entropy)  # the oracle's own answer
+    assert torch.isnan(ref.loss)
+    for inplace in (False, True):
+        given = dict(data, logits=data["logits"].clone())
+        ours, grad = run_loss(_call(backend), given, cfg, return_entropy=True, inplace=inplace)
+        _assert_degenerate_row(ours.logp, ours.entropy)
+        assert torch.isnan(ours.loss)
+        # Every other row: the reference's values (NaN only where it has NaN).
+        tol = dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.logp, ref.logp, equal_nan=True, **tol)
+        torch.testing.assert_close(ours.entropy, ref.entropy, equal_nan=True, **tol)
+        # The NaN row's gradient is NaN, never a quiet finite one. (The reference's is what
+        # autograd makes of NaN: NaN, or 0 where replay's masked_fill cut the row, so it is
+        # not compared there.)
+        assert torch.isnan(grad[DEGENERATE]).all()
+        assert (grad[MASKED] == 0).all() and (grad[1] == 0).all()
+        compared = torch.ones(data["labels"].shape, dtype=torch.bool)
+        compared[DEGENERATE] = False
+        if preset == "gspo":  # a NaN sequence ratio: its other tokens' gradient is undefined too
+            compared[DEGENERATE[0]] = False
+        grad_tol = dict(atol=1e-6, rtol=2e-2) if dtype == torch.bfloat16 else tol
+        torch.testing.assert_close(grad[compared].float(), ref_grad[compared].float(), **grad_tol)
+        assert torch.isfinite(grad[2]).all() and (grad[2] != 0).any()  # a sequence that trains
+    with torch.no_grad():  # two passes, the masked rows skipped by the kernels' `valid`
+        args = {k: v for k, v in data.items() if k != "logits"}
+        fast = fusedrl.policy_loss(
+            data["logits"], **args, config=cfg, backend=backend, return_entropy=True
+        )
+    _assert_degenerate_row(fast.logp, fast.entropy)
+    torch.testing.assert_close(fast.logp, ref.logp, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered")
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_says_nan_for_an_all_inf_row(dtype, sampling, backend):
+    data = _batch(dtype)
+    logits, labels = data["logits"], data["labels"]
+    kwargs = dict(temperature=0.9, return_entropy=True, **SAMPLING[sampling])
+    ref_x = logits.detach().requires_grad_(True)
+    ref_logp, ref_ent = reference.token_logprobs(ref_x, labels, **kwargs)
+    x = logits.detach().requires_grad_(True)
+    logp, ent = fusedrl.token_logprobs(x, labels, backend=backend, **kwargs)
+    # token_logprobs has no mask: the all -inf row at MASKED is degenerate here as well.
+    for values in (ref_logp, ref_ent, logp, ent):
+        assert torch.isnan(values[DEGENERATE]) and torch.isnan(values[MASKED])
+    torch.testing.assert_close(logp, ref_logp, equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, equal_nan=True, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(2, *labels.shape, generator=torch.Generator().manual_seed(3))
+    finite = ~torch.isnan(ref_logp)  # the degenerate rows' gradient is NaN, as their values
+    (grad,) = torch.autograd.grad((logp * weights[0] + ent * weights[1])[finite].sum(), x)
+    (ref_grad,) = torch.autograd.grad(
+        (ref_logp * weights[0] + ref_ent * weights[1])[finite].sum(), ref_x
+    )
+    tol = dict(atol=1e-6, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad[finite].float(), ref_grad[finite].float(), **tol)
+    with torch.no_grad():
+        fast, fast_ent = fusedrl.token_logprobs(logits, labels, backend=backend, **kwargs)
+    torch.testing.assert_close(fast, ref_logp, equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_ent, ref_ent, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+LINEAR_BACKENDS = [
+    "torch",
+    pytest.param("triton:gemm", marks=needs_interpreter),
+    pytest.param("triton:on-chip", marks=needs_interpreter),
+]
+
+
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered")
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "token_logprobs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_with_an_all_inf_bias(dtype, preset, backend, monkeypatch):
+    """hidden @ W.T + b is all -inf in every row only when b is: then every valid row is NaN
+    (both Triton designs: the row kernels on cuBLAS chunks, and the on-chip tiles) and every
+    masked row 0, with a zero gradient w.r.t. its hidden state."""
+    name, _, design = backend.partition(":")
+    if design:
+        monkeypatch.setenv(linear_triton.DESIGN_ENV, design)
+    gen = torch.Generator().manual_seed(31)
+    hidden = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_(True)
+    weight = (0.4 * torch.randn(131, 24, generator=gen)).to(dtype)
+    bias = torch.full((131,), -math.inf, dtype=dtype)
+    labels = torch.randint(0, 131, (2, 5), generator=gen)
+    logits = torch.nn.functional.linear(hidden.detach(), weight, bias)
+    if preset == "token_logprobs":
+        logp, ent = fusedrl.linear_token_logprobs(
+            hidden, weight, labels, 0.9, True, bias=bias, backend=name
+        )
+        ref_logp, ref_ent = reference.token_logprobs(logits, labels, 0.9, True)
+        assert torch.isnan(ref_logp).all() and torch.isnan(ref_ent).all()
+        assert torch.isnan(logp).all() and torch.isnan(ent).all()
+        return
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    args = dict(
+        advantages=torch.randn(2, generator=gen), mask=mask,
+        old_logp=-2.0 - torch.rand(2, 5, generator=gen), config=LossConfig.preset(preset),
+        return_entropy=True,
+    )  # fmt: skip
+    ref = reference.policy_loss(logits, labels, **args)
+    out = fusedrl.linear_policy_loss(hidden, weight, labels, **args, bias=bias, backend=name)
+    for result in (ref, out):
+        assert torch.isnan(result.logp[mask]).all() and torch.isnan(result.entropy[mask]).all()
+        assert (result.logp[~mask] == 0).all() and (result.entropy[~mask] == 0).all()
+        assert torch.isnan(result.loss)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    assert torch.isnan(grad[mask]).all() and (grad[~mask] == 0).all()
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero|overflow) encountered")
+def test_a_row_at_floor_reads_as_no_logit_above_it(monkeypatch):
+    """The Triton sweeps count logits at or below FLOOR (kernels/rows.py) as p = 0, so a row of
+    them has no logit above FLOOR: NaN, as an all -inf row. Logits that scale to FLOOR exactly
+    (here -1e20 at T = log2(e): y = x exactly) are the case where sweep 1's offsets from the
+    label, FLOOR - FLOOR, are 0 rather than clamped: without the label check its sums were V
+    ones, a finite lse, a finite logp and an entropy of 0. An all -inf row clamps to 2^FLOOR = 0
+    instead and reaches the fallback through 0 / 0; both now take the exact path on purpose."""
+    from fusedrl.kernels import logprobs, rows
+
+    monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+    temperature = math.log2(math.e)  # scale2 = LOG2E / T = 1: y = x, no rounding
+    floor = torch.tensor(rows.FLOOR.value, dtype=torch.float32)
+    logits = torch.randn(2, 3, 131, generator=torch.Generator().manual_seed(2))
+    logits[0, 1] = floor  # fp32: bf16 has no value that lands on FLOOR exactly
+    assert logits[0, 1, 0] * (rows.LOG2E.value / temperature) == floor
+    labels = torch.randint(0, 131, (2, 3), generator=torch.Generator().manual_seed(3))
+    logp, ent = fusedrl.token_logprobs(logits, labels, temperature, True, backend="triton")
+    assert torch.isnan(logp[0, 1]) and torch.isnan(ent[0, 1])
+    ref_logp, ref_ent = reference.token_logprobs(logits, labels, temperature, True)
+    others = torch.ones(2, 3, dtype=torch.bool)
+    others[0, 1] = False
+    torch.testing.assert_close(logp[others], ref_logp[others], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[others], ref_ent[others], atol=1e-5, rtol=1e-5)
