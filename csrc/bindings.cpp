@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "fused_loss.h"
 
@@ -21,8 +22,8 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
+DType dtype_of(at::ScalarType type, const char* name) {
+  switch (type) {
     case at::kFloat:
       return DType::kFloat32;
     case at::kHalf:
@@ -30,8 +31,7 @@ DType dtype_of(const at::Tensor& t, const char* name) {
     case at::kBFloat16:
       return DType::kBFloat16;
     default:
-      TORCH_CHECK(false, "fusedrl: ", name, " must be float32, float16 or bfloat16, got ",
-                  t.scalar_type());
+      TORCH_CHECK(false, "fusedrl: ", name, " must be float32, float16 or bfloat16, got ", type);
   }
   return DType::kFloat32;  // unreachable
 }
@@ -48,38 +48,52 @@ RowLayout layout_of(const at::Tensor& t, const char* name) {
   return RowLayout{t.size(0) * t.size(1), t.size(1), t.size(2), t.stride(0), t.stride(1)};
 }
 
-// A per-token tensor: [B, T] like labels, on the same device; returned as contiguous fp32.
-at::Tensor per_token(const at::Tensor& t, const at::Tensor& labels, const char* name) {
+// Every tensor argument on the logits' device (type and index): the kernels run there and would
+// otherwise dereference another device's pointers (an illegal address, or silent peer traffic).
+void check_device(const at::Tensor& t, const at::Tensor& logits, const char* name) {
+  TORCH_CHECK(t.device() == logits.device(), "fusedrl: ", name, " is on ", t.device(),
+              " but logits are on ", logits.device(),
+              "; every tensor argument must be on the logits' device");
+}
+
+// A per-token tensor: [B, T] like labels, on the logits' device; returned as contiguous fp32.
+at::Tensor per_token(const at::Tensor& t, const at::Tensor& labels, const at::Tensor& logits,
+                     const char* name) {
+  check_device(t, logits, name);
   TORCH_CHECK(t.sizes() == labels.sizes(), "fusedrl: ", name, " shape ", t.sizes(),
               " must equal labels shape ", labels.sizes());
-  TORCH_CHECK(t.device() == labels.device(), "fusedrl: ", name, " is on ", t.device(),
-              " but labels are on ", labels.device());
   return t.to(at::kFloat).contiguous();
 }
 
 std::optional<at::Tensor> per_token(const std::optional<at::Tensor>& t, const at::Tensor& labels,
-                                    const char* name) {
+                                    const at::Tensor& logits, const char* name) {
   if (!t.has_value()) return std::nullopt;
-  return per_token(*t, labels, name);
+  return per_token(*t, labels, logits, name);
 }
 
 const float* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// The current stream of the logits' device (not of the caller's current device).
+cudaStream_t stream_of(const at::Tensor& logits) {
+  return c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
+}
+
 at::Tensor checked_labels(const at::Tensor& labels, const at::Tensor& logits) {
+  check_device(labels, logits, "labels");
   TORCH_CHECK(labels.scalar_type() == at::kLong, "fusedrl: labels must be int64, got ",
               labels.scalar_type());
   TORCH_CHECK(labels.dim() == 2 && labels.size(0) == logits.size(0) &&
                   labels.size(1) == logits.size(1),
               "fusedrl: labels shape ", labels.sizes(), " must be [B, T] of logits ",
               logits.sizes());
-  TORCH_CHECK(labels.device() == logits.device(), "fusedrl: labels are on ", labels.device(),
-              " but logits are on ", logits.device());
   return labels.contiguous();
 }
 
-at::Tensor checked_valid(const at::Tensor& valid, const at::Tensor& labels) {
+at::Tensor checked_valid(const at::Tensor& valid, const at::Tensor& labels,
+                         const at::Tensor& logits) {
+  check_device(valid, logits, "valid");
   TORCH_CHECK(valid.sizes() == labels.sizes(), "fusedrl: valid shape ", valid.sizes(),
               " must equal labels shape ", labels.sizes());
   return valid.to(at::kChar).contiguous();
@@ -109,21 +123,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(
     const at::Tensor& logits, const at::Tensor& labels_in, const std::optional<at::Tensor>& valid,
     double temperature) {
   const RowLayout layout = layout_of(logits, "logits");
+  // The launch on the logits' device and that device's current stream, whatever device is
+  // current in the caller (allocations follow logits.options() regardless).
+  const c10::cuda::CUDAGuard device_guard(logits.device());
   const at::Tensor labels = checked_labels(labels_in, logits);
-  const c10::cuda::CUDAGuard guard(logits.device());
   auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty(labels.sizes(), opts);
   at::Tensor lse = at::empty(labels.sizes(), opts);
   at::Tensor entropy = at::empty(labels.sizes(), opts);
   std::optional<at::Tensor> valid_c;
-  if (valid.has_value()) valid_c = checked_valid(*valid, labels);
+  if (valid.has_value()) valid_c = checked_valid(*valid, labels, logits);
   check_launch(launch_logprobs_forward(
-                   logits.data_ptr(), dtype_of(logits, "logits"), layout,
+                   logits.data_ptr(), dtype_of(logits.scalar_type(), "logits"), layout,
                    labels.data_ptr<int64_t>(),
                    valid_c.has_value() ? valid_c->data_ptr<int8_t>() : nullptr,
                    static_cast<float>(1.0 / temperature), logp.data_ptr<float>(),
-                   lse.data_ptr<float>(), entropy.data_ptr<float>(),
-                   c10::cuda::getCurrentCUDAStream()),
+                   lse.data_ptr<float>(), entropy.data_ptr<float>(), stream_of(logits)),
                "logprobs_forward");
   return {logp, lse, entropy};
 }
@@ -132,21 +147,22 @@ void logits_grad(const at::Tensor& logits, const at::Tensor& labels_in, const at
                  const at::Tensor& entropy, const at::Tensor& dlogp,
                  const std::optional<at::Tensor>& dentropy, double temperature, at::Tensor out) {
   const RowLayout layout = layout_of(logits, "logits");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  check_device(out, logits, "out");
   const RowLayout out_layout = layout_of(out, "out");
   TORCH_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type(),
               "fusedrl: out must match logits in shape and dtype");
   const at::Tensor labels = checked_labels(labels_in, logits);
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor lse_c = per_token(lse, labels, "lse");
-  const at::Tensor entropy_c = per_token(entropy, labels, "entropy");
-  const at::Tensor dlogp_c = per_token(dlogp, labels, "dlogp");
-  const auto dentropy_c = per_token(dentropy, labels, "dentropy");
-  check_launch(launch_logits_grad(logits.data_ptr(), out.data_ptr(), dtype_of(logits, "logits"),
-                                  layout, out_layout, labels.data_ptr<int64_t>(),
-                                  lse_c.data_ptr<float>(), entropy_c.data_ptr<float>(),
-                                  dlogp_c.data_ptr<float>(), data_or_null(dentropy_c),
-                                  static_cast<float>(1.0 / temperature),
-                                  c10::cuda::getCurrentCUDAStream()),
+  const at::Tensor lse_c = per_token(lse, labels, logits, "lse");
+  const at::Tensor entropy_c = per_token(entropy, labels, logits, "entropy");
+  const at::Tensor dlogp_c = per_token(dlogp, labels, logits, "dlogp");
+  const auto dentropy_c = per_token(dentropy, labels, logits, "dentropy");
+  check_launch(launch_logits_grad(logits.data_ptr(), out.data_ptr(),
+                                  dtype_of(logits.scalar_type(), "logits"), layout, out_layout,
+                                  labels.data_ptr<int64_t>(), lse_c.data_ptr<float>(),
+                                  entropy_c.data_ptr<float>(), dlogp_c.data_ptr<float>(),
+                                  data_or_null(dentropy_c),
+                                  static_cast<float>(1.0 / temperature), stream_of(logits)),
                "logits_grad");
 }
 
@@ -160,19 +176,20 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
     std::optional<double> delta, double tau_pos, double tau_neg,
     const std::optional<std::string>& kl, double beta, double entropy_coef) {
   const RowLayout layout = layout_of(logits, "logits");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  check_device(grad, logits, "grad");
   const RowLayout grad_layout = layout_of(grad, "grad");
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type(),
               "fusedrl: grad must match logits in shape and dtype");
   const at::Tensor labels = checked_labels(labels_in, logits);
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor valid_c = checked_valid(valid, labels);
-  const at::Tensor adv_c = per_token(advantages, labels, "advantages");
-  const auto old_c = per_token(old_logp, labels, "old_logp");
-  const auto ref_c = per_token(ref_logp, labels, "ref_logp");
-  const auto is_c = per_token(is_weight, labels, "is_weight");
-  const at::Tensor agg_c = per_token(agg_weight, labels, "agg_weight");
-  const auto low_c = per_token(low, labels, "low");
-  const auto high_c = per_token(high, labels, "high");
+  const at::Tensor valid_c = checked_valid(valid, labels, logits);
+  const at::Tensor adv_c = per_token(advantages, labels, logits, "advantages");
+  const auto old_c = per_token(old_logp, labels, logits, "old_logp");
+  const auto ref_c = per_token(ref_logp, labels, logits, "ref_logp");
+  const auto is_c = per_token(is_weight, labels, logits, "is_weight");
+  const at::Tensor agg_c = per_token(agg_weight, labels, logits, "agg_weight");
+  const auto low_c = per_token(low, labels, logits, "low");
+  const auto high_c = per_token(high, labels, logits, "high");
   const int kl_kind = kl_code(kl, beta);
   TORCH_CHECK(kl_kind == 0 || ref_c.has_value(), "fusedrl: ref_logp is required when beta > 0");
   const TokenLossParams params{loss_code(loss),
@@ -195,9 +212,9 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
   at::Tensor logp = at::empty(labels.sizes(), opts);
   at::Tensor entropy = at::empty(labels.sizes(), opts);
   check_launch(launch_fused_token_loss(logits.data_ptr(), grad.data_ptr(),
-                                       dtype_of(logits, "logits"), layout, grad_layout, inputs,
-                                       params, logp.data_ptr<float>(), entropy.data_ptr<float>(),
-                                       c10::cuda::getCurrentCUDAStream()),
+                                       dtype_of(logits.scalar_type(), "logits"), layout,
+                                       grad_layout, inputs, params, logp.data_ptr<float>(),
+                                       entropy.data_ptr<float>(), stream_of(logits)),
                "fused_token_loss");
   return {logp, entropy};
 }
@@ -213,6 +230,19 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss_inplace(
   return fused_token_loss(logits, logits, labels, valid, advantages, old_logp, ref_logp,
                           is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
                           tau_pos, tau_neg, kl, beta, entropy_coef);
+}
+
+// [available, ptx_version, binary_version, max_dynamic_smem, attribute_sets] of the one-read
+// cluster kernel for `dtype` on `device` (fused_loss.h, ClusterKernelInfo): which of the two
+// fused kernels the loaded code lets launch_fused_token_loss choose there.
+std::vector<int64_t> cluster_kernel_info(c10::Device device, c10::ScalarType dtype) {
+  TORCH_CHECK(device.is_cuda(), "fusedrl: device must be a CUDA device, got ", device);
+  const c10::cuda::CUDAGuard device_guard(device);
+  ClusterKernelInfo info{};
+  check_launch(query_cluster_kernel(dtype_of(dtype, "dtype"), &info),
+               "query_cluster_kernel");
+  return {info.available ? 1 : 0, info.ptx_version, info.binary_version, info.max_dynamic_smem,
+          info.attribute_sets};
 }
 
 }  // namespace
@@ -237,6 +267,9 @@ TORCH_LIBRARY(fusedrl, m) {
         ") -> (Tensor, Tensor)");
   m.def("cuda_fused_token_loss_inplace(Tensor(a!) logits, " FUSEDRL_FUSED_ARGS
         ") -> (Tensor, Tensor)");
+  // No tensor argument, so no dispatch key: one kernel for every backend.
+  m.def("cuda_cluster_kernel_info(Device device, ScalarType dtype) -> int[]",
+        &fusedrl::cluster_kernel_info);
 }
 
 TORCH_LIBRARY_IMPL(fusedrl, CUDA, m) {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "fused_loss.h"
 
@@ -277,11 +278,15 @@ __device__ RowStats row_stats(const T* row, int vocab, float inv_temperature, fl
   }
   const float2 sums = block_sum2(acc.s, acc.t);
   const float mean_d = sums.y / sums.x;
-  if (sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {  // uniform over the block
+  // A reference at kFloor (a label logit of -inf, or one that scales to kFloor) says nothing
+  // about the row: its offsets would all be 0 and count each element as p = 1.
+  if (acc.ref > kFloor && sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {
     return {(acc.ref + log2f(sums.x)) * kLn2, (acc.ref + mean_d) * kLn2};
   }
   const Stats st = row_stats_online(row, vocab, inv_temperature);
-  const float lse = st.m == kInf ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
+  // No logit above kFloor (all -inf): no distribution, NaN as in the Triton kernels.
+  const bool undefined = st.m == kInf || st.m * kLog2e <= kFloor;
+  const float lse = undefined ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
   return {lse, st.t / st.s};
 }
 
@@ -543,6 +548,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 // shared memory.
 constexpr int kClusterSize = 8;       // portable cluster size
 constexpr int kClusterThreads = 256;  // per CTA
+// The oldest (virtual) architecture whose code has the cluster kernel's body: thread-block
+// clusters and distributed shared memory exist from sm_90 on. A macro, for the #if in the kernel.
+#define FUSEDRL_CLUSTER_ARCH 90
 
 namespace cg = cooperative_groups;
 
@@ -631,7 +639,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     fused_token_loss_cluster_kernel(const T* logits, T* grad, RowLayout layout,
                                     RowLayout grad_layout, TokenLossInputs in,
                                     TokenLossParams params, float* logp_out, float* entropy_out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= FUSEDRL_CLUSTER_ARCH * 10
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const bool last_rank = rank == kClusterSize - 1;
@@ -673,7 +681,8 @@ __global__ void __launch_bounds__(kClusterThreads)
     const float2 sums = cluster_sum2(cluster, &partial, block_sum2(acc.s, acc.t));
     float lse, mean_z;
     const float mean_d = sums.y / sums.x;
-    if (sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {  // uniform over the cluster
+    // uniform over the cluster; a reference at kFloor says nothing about the row (see row_stats)
+    if (acc.ref > kFloor && sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {
       lse = (acc.ref + log2f(sums.x)) * kLn2;
       mean_z = (acc.ref + mean_d) * kLn2;
     } else {  // the exact online softmax, from the on-chip slices
@@ -702,7 +711,8 @@ __global__ void __launch_bounds__(kClusterThreads)
       __syncthreads();
       const float scale = st.s == 0.f ? 0.f : expf(st.m - safe_max(row_max));
       const float2 total = cluster_sum2(cluster, &partial_st, make_float2(st.s * scale, st.t * scale));
-      lse = row_max == kInf ? __int_as_float(0x7fc00000) : safe_max(row_max) + logf(total.x);
+      const bool undefined = row_max == kInf || row_max * kLog2e <= kFloor;  // see row_stats
+      lse = undefined ? __int_as_float(0x7fc00000) : safe_max(row_max) + logf(total.x);
       mean_z = total.y / total.x;
     }
     if (threadIdx.x == 0) {
@@ -730,7 +740,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     cluster.sync();  // no CTA rewrites `partial` or its slice while another still reads them
   }
 #else
-  __trap();  // launched only on sm_90+ (launch_fused_token_loss checks the device)
+  __trap();  // never launched: see cluster_state, which checks the loaded code's version
 #endif
 }
 
@@ -740,20 +750,94 @@ int64_t cluster_smem_bytes(int64_t vocab, int64_t bytes) {
   return (packs + kClusterSize - 1) / kClusterSize * 16;
 }
 
-// The one-read kernel when the device is sm_90+, its slices fit shared memory, and
-// FUSEDRL_CUDA_ONE_READ is not "0" (set it to time the two-sweep kernel on the same GPU).
-bool use_cluster_kernel(int64_t vocab, int64_t bytes, int* max_smem) {
+// ------------------------------------------------------------------------------ kernel choice
+// Whether the cluster kernel may run is a fact about the code the driver loaded for it, not about
+// the device: its body exists only in code compiled for a virtual architecture >= compute_90
+// (the #if above); everywhere else it is __trap(), which kills the CUDA context. Checking the
+// device's compute capability is not enough: an extension built for `8.0+PTX` has no sm_90 cubin,
+// so on an H100 the driver JIT-compiles the compute_80 PTX for sm_90, and the cluster kernel it
+// gets is the trap. Nor is the code's binary version: that JIT code reports binaryVersion 90 (the
+// SASS target), as does a cubin built with arch=compute_80,code=sm_90. What decides is the
+// version `__CUDA_ARCH__` had, and cudaFuncGetAttributes reports it for the code loaded on the
+// current device as ptxVersion (the virtual architecture the function was compiled from). So
+// the cluster kernel is chosen only when its own ptxVersion is >= 90 and the device launches
+// clusters (binaryVersion >= 90 is checked too, at no cost: it cannot be lower than ptxVersion).
+// A query, not a launch: nothing runs that could trap, and it is made once per device.
+// tests/test_cuda_build.py proves on object code, image by image, that the cluster kernel has a
+// body exactly where the image's virtual architecture is >= compute_90, and runs this choice
+// against a stub CUDA runtime.
+struct ClusterState {
+  bool usable = false;
+  int ptx_version = 0;       // of the loaded cluster kernel (0: the query failed)
+  int binary_version = 0;
+  int max_dynamic_smem = 0;  // the kernel's dynamic shared memory attribute, set at its maximum
+  int attribute_sets = 0;    // cudaFuncSetAttribute calls for it on this device
+};
+
+// Devices per process whose state is kept; a device beyond it gets the two-sweep kernel.
+constexpr int kMaxDevices = 128;
+
+// Once per kernel and device: function attributes are per device (context), so is the dynamic
+// shared memory limit, which is set here at its maximum (the opt-in limit less the kernel's
+// static shared memory) so that no launch has to set it again.
+ClusterState probe_cluster_kernel(const void* kernel, int device) {
+  ClusterState s;
+  cudaFuncAttributes attr{};
+  int cluster_launch = 0, optin = 0;
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    // The runtime keeps the error as the last one: cleared, so that the two-sweep kernel's
+    // launch reports its own (a module with no image for this device fails there too).
+    (void)cudaGetLastError();
+    return s;
+  }
+  s.ptx_version = attr.ptxVersion;
+  s.binary_version = attr.binaryVersion;
+  if (cluster_launch == 0 || attr.ptxVersion < FUSEDRL_CLUSTER_ARCH ||
+      attr.binaryVersion < FUSEDRL_CLUSTER_ARCH) {
+    return s;
+  }
+  const int max_dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
+  ++s.attribute_sets;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return s;
+  }
+  s.usable = true;
+  s.max_dynamic_smem = max_dynamic;
+  return s;
+}
+
+template <typename T>
+const ClusterState& cluster_state(int device) {
+  static std::once_flag once[kMaxDevices];
+  static ClusterState state[kMaxDevices];
+  static const ClusterState none;
+  if (device < 0 || device >= kMaxDevices) return none;
+  std::call_once(once[device], [device] {
+    state[device] = probe_cluster_kernel(
+        reinterpret_cast<const void*>(fused_token_loss_cluster_kernel<T>), device);
+  });
+  return state[device];
+}
+
+// The one-read kernel when its loaded code has the body (cluster_state), its slices fit shared
+// memory, and FUSEDRL_CUDA_ONE_READ is not "0" (set it to time the two-sweep kernel on the same
+// GPU). The current device is the tensors' (bindings.cpp holds a guard).
+template <typename T>
+bool use_cluster_kernel(int64_t vocab) {
   const char* env = std::getenv("FUSEDRL_CUDA_ONE_READ");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
     return false;
   }
-  // Static shared memory of the kernel (a few hundred bytes) stays below this margin.
-  return major >= 9 && cluster_smem_bytes(vocab, bytes) + 4096 <= *max_smem;
+  const ClusterState& s = cluster_state<T>(device);
+  return s.usable && cluster_smem_bytes(vocab, sizeof(T)) <= s.max_dynamic_smem;
 }
 
 template <typename T>
@@ -762,9 +846,6 @@ cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout
                            float* entropy, cudaStream_t stream) {
   const auto kernel = fused_token_loss_cluster_kernel<T>;
   const int64_t smem = cluster_smem_bytes(layout.vocab, sizeof(T));
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -778,7 +859,7 @@ cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout
   config.numAttrs = 1;
   int active = 0;  // clusters that fit on the GPU at once: the grid, rows permitting
   config.gridDim = dim3(kClusterSize);
-  err = cudaOccupancyMaxActiveClusters(&active, kernel, &config);
+  cudaError_t err = cudaOccupancyMaxActiveClusters(&active, kernel, &config);
   if (err != cudaSuccess) return err;
   const int64_t clusters = layout.rows < active ? layout.rows : (active > 0 ? active : 1);
   config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
@@ -857,8 +938,7 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
   if (layout.rows == 0) return cudaSuccess;
   return dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    int max_smem = 0;
-    if (use_cluster_kernel(layout.vocab, sizeof(T), &max_smem)) {
+    if (use_cluster_kernel<T>(layout.vocab)) {
       const cudaError_t err = launch_cluster(static_cast<const T*>(logits), static_cast<T*>(grad),
                                              layout, grad_layout, inputs, params, logp, entropy,
                                              stream);
@@ -869,6 +949,18 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
         static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs, params,
         logp, entropy);
     return cudaGetLastError();
+  });
+}
+
+cudaError_t query_cluster_kernel(DType dtype, ClusterKernelInfo* info) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  return dispatch(dtype, [&](auto tag) {
+    const ClusterState& s = cluster_state<decltype(tag)>(device);
+    *info = ClusterKernelInfo{s.usable, s.ptx_version, s.binary_version, s.max_dynamic_smem,
+                              s.attribute_sets};
+    return cudaSuccess;
   });
 }
 

@@ -69,4 +69,20 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
                                     TokenLossParams params, float* logp, float* entropy,
                                     cudaStream_t stream);
 
+// How launch_fused_token_loss chooses between its two kernels on the current device for `dtype`
+// (see cluster_state in fused_loss.cu): `available` when the loaded code of the one-read cluster
+// kernel was compiled for compute_90+ (ptx_version, binary_version: cudaFuncAttributes of that
+// code) and the device launches clusters; it then runs for rows whose slices fit
+// max_dynamic_smem bytes, unless FUSEDRL_CUDA_ONE_READ=0. attribute_sets counts the
+// cudaFuncSetAttribute calls made for it on this device (one at most: set once, at the maximum).
+struct ClusterKernelInfo {
+  bool available;
+  int ptx_version;
+  int binary_version;
+  int max_dynamic_smem;
+  int attribute_sets;
+};
+
+cudaError_t query_cluster_kernel(DType dtype, ClusterKernelInfo* info);
+
 }  // namespace fusedrl

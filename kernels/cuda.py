@@ -22,6 +22,15 @@ OP_NAMES = (
     "cuda_logits_grad",
     "cuda_fused_token_loss",
     "cuda_fused_token_loss_inplace",
+    "cuda_cluster_kernel_info",
+)
+# The fields of cuda_cluster_kernel_info (csrc/fused_loss.h, ClusterKernelInfo).
+CLUSTER_INFO_FIELDS = (
+    "available",
+    "ptx_version",
+    "binary_version",
+    "max_dynamic_smem",
+    "attribute_sets",
 )
 
 
@@ -62,6 +71,28 @@ def load(verbose: bool = False):
         ops.cuda_fused_token_loss_inplace.default,
         _triton_sampled_set(),
     )
+
+
+def cluster_kernel_info(device=None, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Which fused kernel `backend="cuda"` can run on `device` (default: the current one) for
+    logits of `dtype`: `available` when the loaded code of the one-read cluster kernel was
+    compiled for compute_90+ (`ptx_version`, `binary_version`: what the driver reports for that
+    code) and the GPU launches clusters; rows whose slices fit `max_dynamic_smem` bytes then take
+    it, the others (and every row where it is not available) the two-sweep kernel.
+    `attribute_sets` counts the shared-memory attribute settings made for it (one per device)."""
+    load()
+    device = torch.device("cuda" if device is None else device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    values = torch.ops.fusedrl.cuda_cluster_kernel_info(device, dtype)
+    info = dict(zip(CLUSTER_INFO_FIELDS, values, strict=True))
+    info["available"] = bool(info["available"])
+    return info
+
+
+def cluster_kernel_available(device=None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the one-read cluster kernel can run on `device` (see `cluster_kernel_info`)."""
+    return cluster_kernel_info(device, dtype)["available"]
 
 
 def _triton_sampled_set():

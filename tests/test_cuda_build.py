@@ -1,15 +1,21 @@
-"""The CUDA extension builds: every .cu in csrc/ compiles to object code for sm_80 and sm_90 (no
-link, no GPU), and the torch bindings pass a compiler syntax check. Skipped only without nvcc.
-The GPU correctness suite of the CUDA backend is tests/test_gpu.py (backend="cuda")."""
+"""The CUDA extension builds: every .cu in csrc/ compiles to object code for sm_80, sm_90 and, where
+this nvcc has them (12.8+), Blackwell's sm_100 and sm_120 (no link, no GPU), with no spill and
+within the instruction budget of the Triton kernels; the torch bindings pass a compiler syntax
+check; and the launcher's host code, linked with a stub CUDA runtime, chooses the sm_90+ cluster
+kernel only where the code a driver would load has its body. Skipped only without nvcc (an arch's
+tests: without that arch in nvcc). The GPU correctness suite of the CUDA backend is
+tests/test_gpu.py (backend="cuda")."""
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import json
 import os
 import re
 import shutil
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,9 +23,47 @@ import torch
 
 from fusedrl.fused_backend import FUSED_ARGS
 
+from .cuda_images import cluster_arch, find_cuobjdump, images, loaded_image
+
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+# The SASS targets of the objects, each compiled from its own virtual architecture. sm_100
+# (B200, GB200) and sm_120 (RTX 50xx, RTX PRO 6000 Blackwell) need nvcc 12.8+; with an older nvcc
+# their tests skip and say so, and the others still run.
+#
+# The budgets (no spill; fusedrl.kernels.aot.SWEEP_BUDGET and FUSED_BUDGET) apply to every arch
+# unchanged, but FUSED_BUDGET's margin does not carry over to B200. It is half of an H100's
+# parity between issue and memory (1.2 warp-instructions per bf16 element). A B200 moves
+# ~7.7 TB/s (1.9e12 elements/s at 4 bytes each) against 148 SMs x 4 schedulers x ~1.98 GHz =
+# 1.17e12 warp-instructions/s: parity at ~0.61, so 0.6 there only keeps the kernels from being
+# issue-bound, with no margin (sm_100 measures 0.46-0.49 for both sweeps: ~80% of parity). Half of
+# B200 parity (0.30) would take about half the instructions per element, a kernel change to be
+# decided by B200 timings; until then sm_100 is held to the same numbers. On sm_120 (RTX 5090:
+# 1.8 TB/s, 170 SMs at ~2.4 GHz, parity ~3.6) the budget keeps a wide margin.
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+
+
+@functools.cache
+def _nvcc_codes() -> frozenset[str]:
+    """The real architectures this nvcc compiles for (`nvcc --list-gpu-code`)."""
+    result = subprocess.run([NVCC, "--list-gpu-code"], capture_output=True, text=True)
+    return frozenset(result.stdout.split()) if result.returncode == 0 else frozenset()
+
+
+def _built_archs() -> list[str]:
+    return [arch for arch in ARCHS if arch in _nvcc_codes()]
+
+
+def _needs_arch(arch: str) -> None:
+    if arch not in _nvcc_codes():
+        version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+        release = re.search(r"release ([\d.]+)", version)
+        pytest.skip(
+            f"nvcc {release.group(1) if release else '?'} cannot compile for {arch} "
+            "(sm_100 and sm_120 need CUDA 12.8+)"
+        )
 
 
 def _cuda_include() -> Path:
@@ -38,18 +82,25 @@ def _cuda_include() -> Path:
 
 @pytest.fixture(scope="module")
 def objects(tmp_path_factory):
-    """source name -> object file for sm_80 + sm_90, compiled once per test run."""
+    """source name -> object file for every arch of ARCHS this nvcc has, compiled once per run."""
     built: dict[str, Path] = {}
 
     def build(source: str) -> Path:
         if source not in built:
-            built[source] = _compile(source, tmp_path_factory.mktemp("cu"))
+            codes = [(f"compute_{arch[3:]}", arch) for arch in _built_archs()]
+            built[source] = _compile(source, tmp_path_factory.mktemp("cu"), codes)
         return built[source]
 
     return build
 
 
-def _compile(source: str, tmp_path: Path) -> Path:
+def _compile(source: str, tmp_path: Path, codes: list[tuple[str, str]]) -> Path:
+    """nvcc -c of csrc/<source> for (virtual arch, code) pairs: code=sm_XX for SASS, compute_XX
+    for PTX. nvcc compiles each pair on its own, over --threads 0 (every core)."""
+    out = tmp_path / (source + ".o")
+    gencode = [
+        arg for virtual, code in codes for arg in ("-gencode", f"arch={virtual},code={code}")
+    ]
     cmd = [
         NVCC,
         "-c",
@@ -57,31 +108,34 @@ def _compile(source: str, tmp_path: Path) -> Path:
         "-std=c++17",
         "-Werror",
         "all-warnings",
+        "--threads",
+        "0",
         "-I",
         str(CSRC),
-        "-gencode",
-        "arch=compute_80,code=sm_80",
-        "-gencode",
-        "arch=compute_90,code=sm_90",
+        *gencode,
         str(CSRC / source),
         "-o",
-        str(tmp_path / (source + ".o")),
+        str(out),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert (tmp_path / (source + ".o")).stat().st_size > 0
-    return tmp_path / (source + ".o")
+    assert out.stat().st_size > 0
+    return out
 
 
 @needs_nvcc
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
-def test_cu_compiles_for_sm80_and_sm90(source, objects):
-    usage = _resource_usage(objects(source))
-    assert {arch for arch, _, _ in usage} == {"sm_80", "sm_90"}
-    for arch, function, fields in usage:
+def test_cu_compiles_for_every_arch(source, arch, objects):
+    """No spill in any kernel: a spill is per-thread local-memory traffic on the bus these
+    kernels are bound by. The register bound itself is each kernel's __launch_bounds__ (64 for
+    the two-sweep kernels: 2 blocks of 512 threads per SM), which ptxas must meet by spilling."""
+    _needs_arch(arch)
+    usage = [row for row in _resource_usage(objects(source)) if row[0] == arch]
+    assert usage, f"no {arch} code in {source}"
+    for _, function, fields in usage:
         print(f"{arch} {fields['REG']:>3} regs {fields['LOCAL']:>3} B local  {function}")
-    # A spill is per-thread local-memory traffic on the bus these kernels are bound by.
     spills = [
         f"{arch} {function}: LOCAL {fields['LOCAL']} B, STACK {fields['STACK']} B"
         for arch, function, fields in usage
@@ -92,7 +146,7 @@ def test_cu_compiles_for_sm80_and_sm90(source, objects):
 
 @needs_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
     """The same static check as the Triton kernels' (tests/test_kernels_compile.py), from the
     extension's SASS: per kernel and dtype, the sweep-1 loop (the cheaper stats loop: the other is
@@ -101,6 +155,7 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
     fusedrl.kernels.aot.SWEEP_BUDGET; the fused kernel's two sweeps within FUSED_BUDGET."""
     from fusedrl.kernels.aot import FUSED_BUDGET, SWEEP_BUDGET, sass_loops, with_costs
 
+    _needs_arch(arch)
     sass = subprocess.run(
         [_cuobjdump(), "-sass", "-arch", arch, str(objects("fused_loss.cu"))],
         capture_output=True, text=True, check=True,
@@ -116,8 +171,8 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
         dtype = "bf16" if "bfloat16" in name else "fp16" if "__half" in name else "fp32"
         elem_bytes = 4 if dtype == "fp32" else 2
         assert kernel, name
-        if kernel.group(1) == "fused_token_loss_cluster" and arch == "sm_80":
-            continue  # sm_90 only (thread-block clusters): a trap on sm_80
+        if kernel.group(1) == "fused_token_loss_cluster" and int(arch[3:]) < cluster_arch():
+            continue  # thread-block clusters exist from sm_90 on: before, the kernel is a trap
         loops = with_costs(sass_loops(text), 16 // elem_bytes, elem_bytes)
         stats = [loop for loop in loops if loop["role"] == "stats"]
         grads = [loop for loop in loops if loop["role"] == "grad"]
@@ -144,21 +199,10 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
 
 
 def _cuobjdump() -> str:
-    """The toolkit's cuobjdump (beside the real nvcc, which may hide behind a wrapper script),
-    else one on PATH, else the one Triton ships."""
-    candidates = [Path(NVCC).resolve().parent / "cuobjdump"]
-    text = Path(NVCC).resolve().read_bytes()[:4096]
-    if match := re.search(rb"exec\s+(\S+/)nvcc\b", text):
-        candidates.append(Path(match.group(1).decode()) / "cuobjdump")
-    if shutil.which("cuobjdump"):
-        candidates.append(Path(shutil.which("cuobjdump")))
-    if importlib.util.find_spec("triton") is not None:
-        triton_dir = Path(importlib.util.find_spec("triton").origin).parent
-        candidates.append(triton_dir / "backends" / "nvidia" / "bin" / "cuobjdump")
-    for path in candidates:
-        if path.exists():
-            return str(path)
-    pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    path = find_cuobjdump(NVCC)
+    if path is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    return path
 
 
 def _resource_usage(obj: Path) -> list[tuple[str, str, dict[str, int]]]:
@@ -179,6 +223,194 @@ def _resource_usage(obj: Path) -> list[tuple[str, str, dict[str, int]]]:
             function = None
     assert rows, f"no kernel found by cuobjdump in {obj}:\n{out[-2000:]}"
     return rows
+
+
+# ------------------------------------------------------------------ which fused kernel runs
+# Builds of fused_loss.cu that a wheel or a JIT build may ship, as the objects holding their
+# images (nvcc compiles every -gencode on its own: a build's images are the union of its parts').
+VARIANTS = {
+    "sm_80": [("compute_80", "sm_80")],
+    "compute_80": [("compute_80", "compute_80")],  # PTX only
+    # An sm_90 cubin compiled from compute_80: what the driver JITs from compute_80 PTX on an
+    # H100, made offline so that its SASS can be read.
+    "compute_80->sm_90": [("compute_80", "sm_90")],
+}
+BUILDS = {
+    "sm_80": ["sm_80"],
+    "compute_80 (PTX only)": ["compute_80"],
+    "8.0+PTX": ["sm_80", "compute_80"],  # TORCH_CUDA_ARCH_LIST="8.0+PTX": the issue's case
+    "sm_80 + compute_80->sm_90": ["sm_80", "compute_80->sm_90"],
+    "every arch": ["every arch"],  # the objects of the tests above
+    "every arch + compute_80 PTX": ["every arch", "compute_80"],
+}
+# The GPUs the stub runtime plays: compute capability -> (cluster launch, opt-in shared memory per
+# block in bytes), as such devices report them.
+GPUS = {
+    80: (0, 166912),  # A100
+    86: (0, 101376),  # A10, RTX 3090
+    90: (1, 232448),  # H100, H200
+    100: (1, 232448),  # B200, GB200
+    120: (1, 101376),  # RTX 5090, RTX PRO 6000
+}
+BF16, FP32, FP16 = 2, 0, 1  # fusedrl::DType
+STUB_STATIC_SMEM = 1440  # kStaticSmem of tests/cuda_stub_runtime.cpp
+
+
+@pytest.fixture(scope="module")
+def variant_objects(objects, tmp_path_factory):
+    """name -> object of fused_loss.cu: the VARIANTS and "every arch" (the objects fixture's),
+    compiled side by side."""
+    with ThreadPoolExecutor(len(VARIANTS)) as pool:
+        futures = {
+            name: pool.submit(_compile, "fused_loss.cu", tmp_path_factory.mktemp("variant"), codes)
+            for name, codes in VARIANTS.items()
+        }
+        built = {"every arch": objects("fused_loss.cu")}
+        built.update({name: future.result() for name, future in futures.items()})
+    return built
+
+
+@pytest.fixture(scope="module")
+def builds(variant_objects):
+    """build name -> its images (tests/cuda_images.Image)."""
+    dump = _cuobjdump()
+    found = {name: images(path, dump) for name, path in variant_objects.items()}
+    return {build: [i for part in parts for i in found[part]] for build, parts in BUILDS.items()}
+
+
+@pytest.fixture(scope="module")
+def stub_runtime(variant_objects, tmp_path_factory):
+    """tests/cuda_stub_runtime.cpp linked with fused_loss.cu's object instead of libcudart: the
+    launchers' host code (the same in every build; the sm_80 object's is linked) run against a
+    stub runtime. Returns run(commands) -> one dict per command."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("stub") / "stub_runtime"
+    source = Path(__file__).with_name("cuda_stub_runtime.cpp")
+    cmd = [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-pthread", f"-I{_cuda_include()}",
+           f"-I{CSRC}", str(source), str(variant_objects["sm_80"]), "-o", str(exe)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def run(commands: list[str]) -> list[dict]:
+        out = subprocess.run(
+            [str(exe)], input="\n".join(commands) + "\n", capture_output=True, text=True,
+            timeout=60, check=True,
+        ).stdout  # fmt: skip
+        return [json.loads(line) for line in out.splitlines()]
+
+    return run
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_cluster_kernel_has_a_body_exactly_in_code_compiled_for_compute_90(builds):
+    """Image by image, the one-read cluster kernel is real code iff the image was compiled from a
+    virtual architecture >= compute_90: what cudaFuncAttributes.ptxVersion reports for loaded
+    code, the launcher's test. Neither the GPU's compute capability nor the code's binary version
+    would do: an sm_90 cubin compiled from compute_80 (as the driver JITs compute_80 PTX on an
+    H100) holds the trap. Every arch from sm_90 on (sm_100 and sm_120 included) has the body."""
+    rows = []
+    for build, found in builds.items():
+        assert found, f"{build}: no image of fused_loss.cu found"
+        for image in found:
+            rows.append(f"{build:<28} {image}")
+            assert image.cluster_body == (image.virtual >= cluster_arch()), rows[-1]
+    print("\n" + "\n".join(rows))
+    jit_like = [i for i in builds["sm_80 + compute_80->sm_90"] if i.arch == 90]
+    assert [(i.virtual, i.cluster_body) for i in jit_like] == [(80, False)]
+    new = [i for i in builds["every arch"] if i.arch >= cluster_arch()]
+    assert {f"sm_{i.arch}" for i in new} == {a for a in _built_archs() if int(a[3:]) >= 90}
+    assert all(i.cluster_body for i in new)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_launcher_picks_the_cluster_kernel_only_where_the_loaded_code_has_it(builds, stub_runtime):
+    """launch_fused_token_loss (the real host code, against the stub runtime) for every build on
+    every GPU of GPUS that can run it, told what the driver reports for the image it loads there
+    (tests/cuda_images.loaded_image): the cluster kernel iff the GPU launches clusters and that
+    image's cluster kernel has its body, else the two-sweep kernel; never the trap; rows too
+    long for shared memory on the two-sweep kernel; each launch on the stream it was given. The
+    issue's case (8.0+PTX on an H100: binary version 90, the trap) is among them."""
+    commands, cases = [], []
+    for build, found in builds.items():
+        for gpu, (cluster_launch, optin) in GPUS.items():
+            loaded = loaded_image(found, gpu)
+            if loaded is None:
+                continue  # no image runs there: nothing to choose
+            device, body = len(cases), int(loaded.image.cluster_body)
+            commands.append(
+                f"device {device} {cluster_launch} {optin} {loaded.ptx_version} "
+                f"{loaded.binary_version} {body}"
+            )
+            commands += [f"launch {device} {dtype} 151936" for dtype in (BF16, BF16, FP32, FP16)]
+            commands += [f"launch {device} {BF16} {1 << 22}", f"info {device} {BF16}"]
+            cases.append((build, gpu, loaded, bool(cluster_launch) and loaded.image.cluster_body))
+    per_case = len(commands) // len(cases)
+    results = stub_runtime(commands)
+    assert len(results) == len(commands)
+    failures = []
+    for i, (build, gpu, loaded, cluster) in enumerate(cases):
+        _, *launches, too_long, info = results[i * per_case : (i + 1) * per_case]
+        label = (
+            f"{build} on sm_{gpu} (ptxVersion {loaded.ptx_version}, binaryVersion "
+            f"{loaded.binary_version}, cluster kernel {'body' if cluster else 'trap/none'})"
+        )
+        print(f"{label}: {launches[0]['kernel']}")
+        want = "cluster" if cluster else "two_sweep"
+        for launch in launches:
+            if launch["kernel"] != want or launch["trapped"] or launch["error"]:
+                failures.append(f"{label}: wanted {want}, got {launch}")
+        if too_long["kernel"] != "two_sweep" or too_long["error"]:
+            failures.append(f"{label}, V = 2^22: {too_long}")
+        if not all(launch["stream_ok"] for launch in [*launches, too_long]):
+            failures.append(f"{label}: a launch not on the stream it was given")
+        versions = (info["available"], info["ptx_version"], info["binary_version"])
+        if versions != (cluster, loaded.ptx_version, loaded.binary_version):
+            failures.append(f"{label}: query_cluster_kernel says {info}")
+    hazard = [c for c in cases if c[0] == "8.0+PTX" and c[1] == 90]
+    assert [(c[2].binary_version, c[2].image.cluster_body) for c in hazard] == [(90, False)]
+    assert not failures, "\n".join(failures)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_cluster_kernel_attribute_set_once_per_device_at_its_maximum(stub_runtime):
+    """The cluster kernel's dynamic shared memory limit is raised once per device and dtype, to
+    the opt-in maximum less its static shared memory, whatever the vocab of later launches; never
+    where its code is the trap. FUSEDRL_CUDA_ONE_READ=0 selects the two-sweep kernel."""
+    optin = 232448
+    commands = [
+        f"device 0 1 {optin} 90 90 1",  # H100, sm_90 code
+        f"device 1 1 {optin} 90 90 1",  # a second H100
+        f"device 2 1 {optin} 80 90 0",  # H100, 8.0+PTX
+        *(f"launch 0 {BF16} {vocab}" for vocab in (1000, 151936, 50000, 262144, 151936)),
+        *(f"launch 0 {FP32} {vocab}" for vocab in (151936, 1000)),
+        *(f"launch 1 {BF16} 151936" for _ in range(3)),
+        *(f"launch 2 {BF16} 151936" for _ in range(3)),
+        "env 0",
+        f"launch 0 {BF16} 151936",
+        "env -",
+        f"launch 0 {BF16} 151936",
+        f"info 0 {BF16}",
+        f"info 2 {BF16}",
+    ]
+    results = stub_runtime(commands)[3:]
+    bf16, fp32, second, ptx80 = results[:5], results[5:7], results[7:10], results[10:13]
+    env_off, env_on, info, info_ptx80 = results[14], results[16], results[17], results[18]
+    maximum = optin - STUB_STATIC_SMEM
+    for launch in bf16 + fp32 + second:
+        assert launch["kernel"] == "cluster" and launch["max_dynamic_smem"] == maximum, launch
+    # The stub counts every cudaFuncSetAttribute call on a device: one per dtype launched there.
+    assert [launch["attribute_sets"] for launch in bf16 + fp32] == [1] * 5 + [2] * 2
+    assert [launch["attribute_sets"] for launch in second] == [1] * 3
+    assert all(r["kernel"] == "two_sweep" and r["attribute_sets"] == 0 for r in ptx80), ptx80
+    assert env_off["kernel"] == "two_sweep" and env_on["kernel"] == "cluster"
+    assert env_on["attribute_sets"] == 2
+    assert info["available"] and info["attribute_sets"] == 1 and info["max_dynamic_smem"] == maximum
+    assert not info_ptx80["available"] and info_ptx80["attribute_sets"] == 0
 
 
 @needs_nvcc
