@@ -383,3 +383,601 @@ def test_sampling_mask_replay_at_real_vocab(backend, grad):
     for ours, ref in zip(results[backend], results["torch"]):
         if ours is not None:
             torch.testing.assert_close(ours.float(), ref.float(), atol=2e-5, rtol=1e-3)
+
+
+# --- issue 29 items 2 and 5 ---
+
+
+@pytest.mark.parametrize("preset", ["gspo", "dapo"])
+@FUSED
+def test_inplace_gradient_is_bitwise_the_out_of_place_one(preset, backend):
+    """The in-place race: the gradient overwrites the row it reads, and the label's entry is
+    computed from the label's logit. At V = 262144 (bf16) every row is whole tiles (no remainder
+    loop and its barriers), and labels = V - 1 put the label in the tile the sweep stores first:
+    a warp running ahead would overwrite it before it is read. 100 repetitions, bitwise."""
+    vocab, rows = 262144, 64
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
+    labels = torch.full((rows,), vocab - 1, device="cuda")
+    adv = torch.randn(rows, device="cuda", generator=gen)
+    mask = torch.ones(rows, dtype=torch.bool, device="cuda")
+    cfg = LossConfig.preset(preset)
+    kwargs = dict(config=cfg, backend=backend)
+    with torch.no_grad():
+        old = fusedrl.token_logprobs(logits, labels, backend=backend) + 0.05
+    leaf = logits.clone().requires_grad_(True)
+    out = fusedrl.policy_loss(leaf, labels, adv, mask, old_logp=old, **kwargs)
+    (expected,) = torch.autograd.grad(out.loss, leaf)
+    assert expected[:, -1].abs().min() > 0  # the label's entry carries the one-hot term
+    for _ in range(100):
+        leaf = logits.clone().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, old_logp=old, inplace=True, **kwargs)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        assert grad.data_ptr() == leaf.data_ptr()
+        assert torch.equal(grad, expected)
+
+
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+@FUSED
+def test_gradient_aligned_unlike_the_logits(preset, backend):
+    """An odd V read from a [B, P+T, V] slice (TRL's call) into a separately allocated gradient:
+    the rows of the two start at different offsets within a 16-byte vector, so the gradient loop
+    walks the gradient's tiles with 16-bit loads. Against the reference in fp32."""
+    vocab, prompt, time = 32003, 5, 40
+    data = _on_gpu(make_batch(batch=4, time=time, vocab=vocab, dtype=torch.bfloat16, seed=30))
+    full = torch.randn(4, prompt + time, vocab, device="cuda", dtype=torch.bfloat16)
+    full[:, prompt:] = data["logits"]
+    data["logits"] = full[:, prompt:]
+    cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
+    ours, grad = run_loss(_impl(backend), data, cfg)
+    ref, expected = run_loss(reference.policy_loss, {**data, "logits": data["logits"].float()}, cfg)
+    # Most rows of the gradient start at another offset within a 16-byte vector than the logits'.
+    logits_rows = data["logits"].data_ptr() + 2 * (
+        torch.arange(4)[:, None] * data["logits"].stride(0)
+        + torch.arange(time)[None, :] * data["logits"].stride(1)
+    )
+    grad_rows = grad.data_ptr() + 2 * (
+        torch.arange(4)[:, None] * grad.stride(0) + torch.arange(time)[None, :] * grad.stride(1)
+    )
+    assert (logits_rows % 16 != grad_rows % 16).float().mean() > 0.5
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), expected.float(), atol=1e-6, rtol=2e-2)
+
+
+# --- issue 29 item 8 ---
+
+
+@pytest.mark.parametrize("sampling", ["off", "on"])
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo", "token_logprobs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FUSED
+def test_an_all_inf_row_is_nan_compiled(dtype, preset, sampling, backend):
+    """A valid all -inf row has no distribution: NaN logp and entropy, as the reference says,
+    where the compiled sweeps differ from the interpreted ones (ex2.approx.ftz, div.full.f32,
+    FFMA; the CUDA cluster kernel's on-chip fallback). Masked rows stay 0 with a zero gradient;
+    the other rows keep the reference's values. tests/test_degenerate_rows.py runs the same on
+    CPU (torch, Triton interpreted)."""
+    inf = float("inf")
+    data = make_batch(batch=3, time=9, vocab=32003, dtype=dtype, seed=33, per_token_adv=True)
+    data["mask"][0, :3] = True
+    data["mask"][1] = False
+    data["logits"][0, 1] = -inf  # valid
+    data["logits"][1, 2] = -inf  # masked
+    data = _on_gpu(data)
+    # top_k and min_p: the reference keeps ties at the boundary as the kernels do (top_p: not).
+    filters = dict(top_k=50, min_p=0.01) if sampling == "on" else {}
+    tol = dict(atol=1e-4, rtol=1e-5)
+    if preset == "token_logprobs":
+        kwargs = dict(temperature=0.9, return_entropy=True, **filters)
+        ref_logp, ref_ent = reference.token_logprobs(data["logits"], data["labels"], **kwargs)
+        for grad in (False, True):
+            leaf = data["logits"].clone().requires_grad_(grad)
+            logp, ent = fusedrl.token_logprobs(leaf, data["labels"], backend=backend, **kwargs)
+            for values in (ref_logp, ref_ent, logp, ent):
+                assert torch.isnan(values[0, 1]) and torch.isnan(values[1, 2])
+            torch.testing.assert_close(logp, ref_logp, equal_nan=True, **tol)
+            torch.testing.assert_close(ent, ref_ent, equal_nan=True, **tol)
+        return
+    cfg = LossConfig.preset(preset, temperature=0.9, **filters)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    assert torch.isnan(ref.logp[0, 1]) and torch.isnan(ref.entropy[0, 1])
+    for inplace in (False, True):
+        given = dict(data, logits=data["logits"].clone())
+        ours, grad = run_loss(_impl(backend), given, cfg, return_entropy=True, inplace=inplace)
+        assert torch.isnan(ours.logp[0, 1]) and torch.isnan(ours.entropy[0, 1])
+        assert ours.logp[1, 2] == 0 and ours.entropy[1, 2] == 0 and torch.isnan(ours.loss)
+        torch.testing.assert_close(ours.logp, ref.logp, equal_nan=True, **tol)
+        torch.testing.assert_close(ours.entropy, ref.entropy, equal_nan=True, **tol)
+        assert torch.isnan(grad[0, 1]).all() and (grad[1] == 0).all()
+        # GSPO: sequence 0's ratio is NaN, so its other tokens' gradient is undefined too.
+        compared = torch.ones(data["labels"].shape, dtype=torch.bool, device="cuda")
+        compared[0, 1] = False
+        if preset == "gspo":
+            compared[0] = False
+        torch.testing.assert_close(
+            grad[compared].float(), ref_grad[compared].float(), atol=1e-6, rtol=2e-2
+        )
+
+
+@FUSED
+def test_a_row_at_floor_is_nan_compiled(backend):
+    """Logits at or below FLOOR count as p = 0 (kernels/rows.py, csrc's kFloor), so a row of
+    them is NaN. -1e20 at T = log2(e) scales to FLOOR exactly, and the compiled sweep's FFMA
+    gives offsets FLOOR - FLOOR = 0 from the label (2^0 = 1 per element: a finite lse) unless
+    the label check sends the row to the exact path, whose row max at FLOOR says NaN."""
+    temperature = 1.4426950408889634  # log2(e): scale2 = 1, y = x
+    logits = torch.randn(2, 3, 32003, device="cuda")
+    logits[0, 1] = -1e20
+    labels = torch.randint(0, 32003, (2, 3), device="cuda")
+    logp, ent = fusedrl.token_logprobs(logits, labels, temperature, True, backend=backend)
+    assert torch.isnan(logp[0, 1]) and torch.isnan(ent[0, 1])
+    ref_logp, ref_ent = reference.token_logprobs(logits, labels, temperature, True)
+    others = torch.ones(2, 3, dtype=torch.bool, device="cuda")
+    others[0, 1] = False
+    torch.testing.assert_close(logp[others], ref_logp[others], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent[others], ref_ent[others], atol=1e-4, rtol=1e-5)
+
+
+# --- issue 29 item 1 ---
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+@pytest.mark.parametrize("design", ["gemm", "on-chip"])
+def test_linear_policy_loss_trains_the_lm_head_bias(design, preset, factor, monkeypatch):
+    """A trainable LM-head bias (TRL and the trainer pass head.bias): backward hands its [V]
+    gradient, with hidden's [B, T, H] and weight's [V, H], to the device-side scaling, which took
+    [B, T, V] only and raised on the bias. Every gradient against the torch backend, with the loss
+    the terminal node (factor 1: the kernel leaves them alone) and behind an upstream factor (2:
+    the kernel scales each)."""
+    from fusedrl import linear_triton
+
+    monkeypatch.setenv(linear_triton.DESIGN_ENV, design)
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    batch, time, size, vocab = 3, 37, 200, 32003
+    hidden = torch.randn(batch, time, size, device="cuda", generator=gen)
+    weight = torch.randn(vocab, size, device="cuda", generator=gen) * (2.0 / size**0.5)
+    bias = 0.5 * torch.randn(vocab, device="cuda", generator=gen)
+    labels = torch.randint(0, vocab, (batch, time), device="cuda", generator=gen)
+    mask = torch.ones(batch, time, dtype=torch.bool, device="cuda")
+    mask[1, 20:] = False
+    adv = torch.randn(batch, device="cuda", generator=gen)
+    with torch.no_grad():
+        logp, _ = fusedrl.linear_token_logprobs(hidden, weight, labels, bias=bias, backend="torch")
+    old = logp + 0.3 * torch.randn(batch, time, device="cuda", generator=gen)
+    cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
+
+    def run(backend):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        out = fusedrl.linear_policy_loss(
+            leaves[0], leaves[1], labels, adv, mask, old_logp=old, config=cfg, bias=leaves[2],
+            backend=backend,
+        )  # fmt: skip
+        (factor * out.loss).backward()
+        return out, [t.grad for t in leaves]
+
+    ref, ref_grads = run("torch")
+    out, grads = run("triton")
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-4, rtol=1e-4)
+    for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert g is not None and g.shape == rg.shape, name
+        rel = (g - rg).norm() / rg.norm()
+        assert rel < 1e-4, (name, float(rel))
+
+
+# --- issue 29 item 3 ---
+
+
+def _results_on(device: torch.device, case: str) -> tuple[torch.Tensor, ...]:
+    """Outputs and gradients of one call of `case` on inputs made on the CPU and moved to
+    `device`, with an upstream factor of 2 (so the scaling kernel runs too)."""
+    data = make_batch(batch=3, time=17, vocab=32003, dtype=torch.bfloat16, seed=21, device=device)
+    rows = {k: v for k, v in data.items() if k not in ("logits", "rollout_logp")}
+    logits = data["logits"].clone().requires_grad_(True)
+    if case in ("dapo", "gspo"):
+        cfg = LossConfig.preset(case).replace(entropy_coef=0.01)
+        out = fusedrl.policy_loss(logits, config=cfg, backend="triton", return_entropy=True, **rows)
+        (grad,) = torch.autograd.grad(2 * out.loss, logits)
+        return out.loss, out.logp, out.entropy, grad
+    if case == "token_logprobs":  # with top_k: the sampled-set kernel too
+        logp, entropy = fusedrl.token_logprobs(
+            logits, data["labels"], temperature=0.7, return_entropy=True, backend="triton",
+            top_k=50,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(2 * (logp + 0.1 * entropy).sum(), logits)
+        return logp, entropy, grad
+    gen = torch.Generator().manual_seed(22)
+    head = [torch.randn(3, 17, 64, generator=gen), 0.25 * torch.randn(32003, 64, generator=gen)]
+    head.append(torch.randn(32003, generator=gen))
+    leaves = [t.to(device).requires_grad_(True) for t in head]
+    cfg = LossConfig.preset("dapo")
+    out = fusedrl.linear_policy_loss(
+        leaves[0], leaves[1], bias=leaves[2], config=cfg, backend="triton", **rows
+    )
+    return out.loss, out.logp, *torch.autograd.grad(2 * out.loss, leaves)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize(
+    "case", ["dapo", "gspo", "token_logprobs", "linear:gemm", "linear:on-chip"]
+)
+def test_kernels_launch_on_the_tensors_device(case, monkeypatch):
+    """Inputs on cuda:1 while cuda:0 is current: Triton launches on the current device, so
+    without the launchers' device guard every kernel ran on device 0 with device-1 pointers (an
+    illegal address) and the persistent grids were sized from device 0. The results equal those
+    of the same call on cuda:0 (bit for bit: the same kernels on the same GPU model), and the
+    current device is 0 again after each call."""
+    if case.startswith("linear:"):
+        from fusedrl import linear_triton
+
+        monkeypatch.setenv(linear_triton.DESIGN_ENV, case.split(":")[1])
+    results = {}
+    with torch.cuda.device(0):
+        for index in (0, 1):
+            results[index] = _results_on(torch.device("cuda", index), case)
+            torch.cuda.synchronize(index)  # an illegal address surfaces here at the latest
+            assert torch.cuda.current_device() == 0
+    for a, b in zip(results[0], results[1], strict=True):
+        assert a.device == torch.device("cuda", 0) and b.device == torch.device("cuda", 1)
+        assert torch.equal(a.cpu(), b.cpu()), case
+
+
+# --- issue 29 item 4 ---
+# The CUDA extension's bindings and its choice of fused kernel. The bindings cannot be built
+# without a CUDA torch, so their checks are tested here; the choice is also tested on the CPU,
+# against a stub runtime (tests/test_cuda_build.py).
+_CUDA_OP_TENSORS = {
+    "cuda_logprobs_fwd": ("labels", "valid"),
+    "cuda_logits_grad": ("labels", "lse", "entropy", "dlogp", "dentropy", "out"),
+    "cuda_fused_token_loss": tuple(
+        "grad labels valid advantages old_logp ref_logp is_weight agg_weight low high".split()
+    ),
+}
+
+
+def _cuda_op_arguments(op: str, device, vocab: int = 1031) -> dict:
+    """Keyword arguments of a `torch.ops.fusedrl` op (its schema's names), every tensor given."""
+    gen = torch.Generator(device=device).manual_seed(29)
+    shape = (2, 3)
+
+    def per_token(low=-1.0, high=1.0):
+        return low + (high - low) * torch.rand(shape, device=device, generator=gen)
+
+    logits = torch.randn(*shape, vocab, device=device, dtype=torch.bfloat16, generator=gen)
+    labels = torch.randint(0, vocab, shape, device=device, generator=gen)
+    valid = torch.ones(shape, dtype=torch.bool, device=device)
+    if op == "cuda_logprobs_fwd":
+        return dict(logits=logits, labels=labels, valid=valid, temperature=1.0)
+    if op == "cuda_logits_grad":
+        return dict(
+            logits=logits, labels=labels, lse=per_token(5, 8), entropy=per_token(0, 3),
+            dlogp=per_token(), dentropy=per_token(), temperature=1.0, out=torch.empty_like(logits),
+        )  # fmt: skip
+    return dict(
+        logits=logits, grad=torch.empty_like(logits), labels=labels, valid=valid,
+        advantages=per_token(), old_logp=per_token(-8, -5), ref_logp=per_token(-8, -5),
+        is_weight=per_token(0.5, 1), agg_weight=per_token(0, 0.1), low=per_token(0.7, 0.8),
+        high=per_token(1.2, 1.3), temperature=1.0, loss="ppo", dual_clip_c=None, delta=None,
+        tau_pos=1.0, tau_neg=1.05, kl="k3", beta=0.1, entropy_coef=0.01,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("other", ["cpu", "cuda:1"])
+@pytest.mark.parametrize(
+    "op, name", [(op, name) for op, names in _CUDA_OP_TENSORS.items() for name in names]
+)
+def test_cuda_op_argument_on_another_device_is_named(op, name, other):
+    """Every tensor argument of the CUDA ops must be on the logits' device (type and index): the
+    kernels would read another device's memory through its pointers. The error names the
+    argument and both devices; with all of them on the logits' device the same call runs."""
+    import re
+
+    from fusedrl.kernels import cuda
+
+    if other == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    cuda.load()
+    fn = getattr(torch.ops.fusedrl, op)
+    args = _cuda_op_arguments(op, "cuda:0")
+    fn(**args)
+    torch.cuda.synchronize()
+    args[name] = args[name].to(other)
+    message = f"fusedrl: {name} is on {other} but logits are on cuda:0"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        fn(**args)
+
+
+# Every other argument check of csrc/bindings.cpp: (op, changed arguments, the message's start).
+# Only check_launch's ("launching ... failed") is left out: it takes a failing launch.
+_CUDA_BAD_ARGUMENTS = [
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].cpu()},
+     "fusedrl: logits must be a CUDA tensor, got device cpu"),
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"][0]},
+     "fusedrl: logits must be [B, T, V], got shape [3, 1031]"),
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"][..., :0]},
+     "fusedrl: logits has an empty vocab dimension"),
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].new_empty(0, 3, 1 << 30)},
+     "fusedrl: logits has a vocab dimension of 1073741824; at most 1073741823 is supported"),
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].mT.contiguous().mT},
+     "fusedrl: logits must be contiguous in its vocab dimension, got strides [3093, 1, 3]"),
+    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].double()},
+     "fusedrl: logits must be float32, float16 or bfloat16, got Double"),
+    ("cuda_logprobs_fwd", lambda a: {"labels": a["labels"].int()},
+     "fusedrl: labels must be int64, got Int"),
+    ("cuda_logprobs_fwd", lambda a: {"labels": a["labels"][:, :2]},
+     "fusedrl: labels shape [2, 2] must be [B, T] of logits [2, 3, 1031]"),
+    ("cuda_logprobs_fwd", lambda a: {"valid": a["valid"][:, :2]},
+     "fusedrl: valid shape [2, 2] must equal labels shape [2, 3]"),
+    ("cuda_logits_grad", lambda a: {"out": a["out"].float()},
+     "fusedrl: out must match logits in shape and dtype"),
+    ("cuda_logits_grad", lambda a: {"lse": a["lse"][:, :2]},
+     "fusedrl: lse shape [2, 2] must equal labels shape [2, 3]"),
+    ("cuda_fused_token_loss", lambda a: {"grad": a["grad"][:, :2]},
+     "fusedrl: grad must match logits in shape and dtype"),
+    ("cuda_fused_token_loss", lambda a: {"loss": "gspo"},
+     "fusedrl: loss 'gspo' has no token-level CUDA kernel"),
+    ("cuda_fused_token_loss", lambda a: {"kl": "k9"}, "fusedrl: unknown kl estimator 'k9'"),
+    ("cuda_fused_token_loss", lambda a: {"ref_logp": None},
+     "fusedrl: ref_logp is required when beta > 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("op, change, message", _CUDA_BAD_ARGUMENTS)
+def test_cuda_op_bad_argument_message(op, change, message):
+    """The bindings' checks, with the message that names the argument (they cannot be reached
+    without a CUDA build of torch, so they are tested here and not on the CPU)."""
+    import re
+
+    from fusedrl.kernels import cuda
+
+    cuda.load()
+    args = _cuda_op_arguments(op, "cuda:0")
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        getattr(torch.ops.fusedrl, op)(**args)
+
+
+def test_cuda_cluster_kernel_info_checks_its_arguments():
+    from fusedrl.kernels import cuda
+
+    cuda.load()
+    with pytest.raises(RuntimeError, match="fusedrl: device must be a CUDA device, got cpu"):
+        torch.ops.fusedrl.cuda_cluster_kernel_info(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fusedrl: dtype must be float32, float16 or bfloat16"):
+        torch.ops.fusedrl.cuda_cluster_kernel_info(torch.device("cuda:0"), torch.int32)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("op", list(_CUDA_OP_TENSORS))
+def test_cuda_ops_launch_on_the_logits_device_and_its_current_stream(op):
+    """Inputs on cuda:1 while cuda:0 is current, and a side stream current on cuda:1: each op
+    launches on device 1 (device-0 launches with device-1 pointers are an illegal address), on
+    that stream (its inputs are written there behind a sleep: another stream would read them
+    too early), gives the results of the same call on cuda:0 bit for bit, and leaves device 0
+    current."""
+    from fusedrl.kernels import cuda
+
+    cuda.load()
+    fn = getattr(torch.ops.fusedrl, op)
+
+    def outputs(device):
+        args = _cuda_op_arguments(op, device)
+        result = fn(**args)
+        written = [args[k] for k in ("grad", "out") if k in args]
+        return [*(result if isinstance(result, tuple | list) else ()), *written]
+
+    expected = [t.cpu() for t in outputs("cuda:0")]
+    side = torch.cuda.Stream(device=1)
+    side.wait_stream(torch.cuda.current_stream(1))
+    with torch.cuda.stream(side):  # side becomes device 1's current stream (and 1 current)
+        # The inputs are written behind a ~10 ms sleep on the side stream: a launch on any
+        # other stream of device 1 would read them before they exist.
+        torch.cuda._sleep(1 << 24)
+        with torch.cuda.device(0):  # device 0 current; device 1 keeps side as its stream
+            got = outputs("cuda:1")
+            assert torch.cuda.current_device() == 0
+    side.synchronize()
+    for a, b in zip(expected, got, strict=True):
+        assert b.device == torch.device("cuda", 1) and torch.equal(a, b.cpu())
+
+
+def test_cuda_fused_loss_captures_in_a_cuda_graph():
+    """torch.cuda.graph captures on its own stream: an op that launched on any other stream (the
+    legacy default one, say) fails the capture, or leaves the replay without its kernel. Replayed
+    on new inputs, the captured op gives what a direct call gives."""
+    from fusedrl.kernels import cuda
+
+    cuda.load()
+    fn = torch.ops.fusedrl.cuda_fused_token_loss
+    args = _cuda_op_arguments("cuda_fused_token_loss", "cuda:0", vocab=151936)
+    fn(**args)  # the first call sets the cluster kernel's attribute: outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(**args)
+    fresh = _cuda_op_arguments("cuda_fused_token_loss", "cuda:0", vocab=151936)
+    fresh["logits"].mul_(1.5)
+    fresh["advantages"].neg_()
+    for key in ("logits", "advantages"):
+        args[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = fn(**fresh)
+    for a, b in zip(captured, expected, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(args["grad"], fresh["grad"])
+
+
+def _extension_library():
+    """The shared library the process loaded the CUDA ops from: fusedrl._C when prebuilt, else
+    the JIT build (fusedrl.kernels.cuda._jit_build)."""
+    import sys
+    from pathlib import Path
+
+    from fusedrl.kernels import cuda
+
+    if "fusedrl._C" in sys.modules:
+        return Path(sys.modules["fusedrl._C"].__file__)
+    return cuda.cache_dir() / "fusedrl_cuda.so"
+
+
+def _ran_kernels(fn) -> set[str]:
+    """Names of the CUDA kernels `fn()` launched (the profiler's CUPTI trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_cluster_kernel_choice_matches_the_loaded_code(dtype):
+    """What cuda_cluster_kernel_info reports, and the kernel that runs, against the images of
+    the loaded library (cuobjdump) and the image a driver loads on this GPU
+    (tests/cuda_images.loaded_image): the one-read cluster kernel iff that image's cluster kernel
+    has its body (compiled for compute_90+) on a GPU with clusters (sm_90+); the versions are
+    those of that image; the shared-memory attribute is set once, at the opt-in maximum less the
+    kernel's static shared memory, however many launches follow; rows too long for shared memory
+    take the two-sweep kernel."""
+    from fusedrl.kernels import cuda
+
+    from .cuda_images import find_cuobjdump, images, loaded_image
+
+    cuda.load()
+    dump = find_cuobjdump()
+    if dump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton) to read the loaded library")
+    major, minor = torch.cuda.get_device_capability()
+    loaded = loaded_image(images(_extension_library(), dump), 10 * major + minor)
+    assert loaded is not None, "the loaded library has no image for this GPU"
+    cluster = major >= 9 and loaded.image.cluster_body
+    fn = torch.ops.fusedrl.cuda_fused_token_loss
+    small = _cuda_op_arguments("cuda_fused_token_loss", "cuda:0", vocab=151936)
+    small = {k: (v.to(dtype) if k in ("logits", "grad") else v) for k, v in small.items()}
+    names = set()
+    for _ in range(3):
+        names |= _ran_kernels(lambda: fn(**small))
+    info = cuda.cluster_kernel_info("cuda:0", dtype)
+    print(f"{_extension_library()}: {loaded}; {info}")
+    assert info["available"] == cluster, info
+    assert (info["ptx_version"], info["binary_version"]) == (
+        loaded.ptx_version,
+        loaded.binary_version,
+    ), info
+    ran_cluster = any("fused_token_loss_cluster_kernel" in n for n in names)
+    ran_two_sweep = any("fused_token_loss_kernel" in n for n in names)
+    assert (ran_cluster, ran_two_sweep) == (cluster, not cluster), names
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    if cluster:
+        assert info["attribute_sets"] == 1  # after 3 launches
+        assert 0 < optin - info["max_dynamic_smem"] <= 4096, (optin, info)
+        huge = _cuda_op_arguments("cuda_fused_token_loss", "cuda:0", vocab=optin * 8)
+        huge = {k: (v.to(dtype) if k in ("logits", "grad") else v) for k, v in huge.items()}
+        huge_names = _ran_kernels(lambda: fn(**huge))
+        assert not any("fused_token_loss_cluster_kernel" in n for n in huge_names), huge_names
+        assert cuda.cluster_kernel_info("cuda:0", dtype)["attribute_sets"] == 1
+    else:
+        assert info["attribute_sets"] == 0 and info["max_dynamic_smem"] == 0, info
+
+
+_PTX_ONLY_BUILD = """
+import json, sys
+import torch
+import fusedrl
+from fusedrl import LossConfig
+from fusedrl.kernels import cuda
+from tests.conftest import make_batch
+
+cuda._jit_build(verbose=False)  # this build, not a prebuilt fusedrl._C
+info = cuda.cluster_kernel_info("cuda:0", torch.bfloat16)
+data = make_batch(batch=4, time=9, vocab=151936, dtype=torch.bfloat16, seed=4)
+data = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
+cfg = LossConfig.preset("dapo")
+results = {}
+for backend in ("cuda", "torch"):
+    logits = data["logits"].detach().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(logits, config=cfg, backend=backend, **args)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    torch.cuda.synchronize()  # a trap surfaces here at the latest
+    results[backend] = (out.loss.float(), grad.float())
+loss_error = (results["cuda"][0] - results["torch"][0]).abs().item()
+grad_error = (results["cuda"][1] - results["torch"][1]).abs().max().item()
+print(json.dumps({**info, "loss_error": loss_error, "grad_error": grad_error}))
+"""
+
+
+@pytest.mark.slow
+def test_cuda_extension_built_for_8_0_ptx_runs_the_two_sweep_kernel(tmp_path):
+    """The issue's case: the extension built for `8.0+PTX` (no sm_90 cubin; the driver JITs the
+    compute_80 PTX, whose cluster kernel is the trap) on an sm_90+ GPU. Before the fix the device's
+    compute capability chose the cluster kernel and the trap lost the CUDA context; now the
+    loaded code's ptxVersion (80) rules it out and the two-sweep kernel gives the torch backend's
+    loss and gradient. A fresh process: the ops of one build register once per process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the hazard needs an sm_90+ GPU (before, the device's arch chose the kernel)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0+PTX", "FUSEDRL_CUDA_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", _PTX_ONLY_BUILD], cwd=root, env=env, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    major, minor = torch.cuda.get_device_capability()
+    assert report["ptx_version"] == 80 and report["binary_version"] == 10 * major + minor, report
+    assert not report["available"] and report["attribute_sets"] == 0, report
+    assert report["loss_error"] <= 1e-4 and report["grad_error"] <= 1e-3, report
+
+
+# --- issue 29 item 9 ---
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.75])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FUSED
+def test_top_p_exact_bound_compiled(dtype, top_p, backend):
+    """tests/test_exact_bounds.py's rows (every cumulative mass exact in binary, one of them
+    exactly 1 - top_p) through the compiled select kernel, which the CUDA backend replays with
+    too. Its weights are exp2 of the integers -k (ex2.approx, exact for integers) and its target
+    top_p x a power of two: the kept set is vLLM's to the token, as on the CPU."""
+    from .test_exact_bounds import top_p_rows, vllm_kept
+
+    logits, labels, temperature = top_p_rows(dtype)
+    expected = vllm_kept(logits, temperature, top_p)  # vLLM's rule on the CPU, exact
+    processed = torch.where(expected, logits.float() / temperature, -float("inf"))
+    processed = processed.log_softmax(-1)
+    expected_logp = processed.gather(-1, labels[..., None])[..., 0]
+    logits, labels = logits.cuda(), labels.cuda()
+    logp, _ = fusedrl.token_logprobs(logits, labels, temperature, backend=backend, top_p=top_p)
+    torch.testing.assert_close(logp.cpu(), expected_logp, atol=1e-6, rtol=1e-6)
+    if backend == "triton":
+        from fusedrl.kernels import sampling
+
+        out = torch.empty_like(logits)
+        sampling.write_sampled_set(logits, labels, out, temperature, None, top_p, None)
+        assert torch.equal((out != -float("inf")).cpu(), expected)
+
+
+@pytest.mark.parametrize("option", ["token_k1", "seq_sum_k1", "seq_mean_k1"])
+@FUSED
+def test_rejection_lower_bound_on_gpu(option, backend):
+    """A k1 statistic equal to the lower bound (tests/test_exact_bounds.py) is kept on CUDA
+    tensors as on the CPU (fp32 compares with the bound rounded to fp32)."""
+    from .test_exact_bounds import rejection_batch
+
+    data, cfg, keep = rejection_batch(option)
+    data = _on_gpu(data)
+    kept = data["mask"] & keep.cuda().bool()
+    ours, grad = run_loss(_impl(backend), data, cfg)
+    plain = dict(data, mask=kept, rollout_logp=None)
+    by_mask, mask_grad = run_loss(_impl(backend), plain, LossConfig())
+    torch.testing.assert_close(ours.loss, by_mask.loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, mask_grad, atol=1e-6, rtol=1e-6)

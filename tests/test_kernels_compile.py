@@ -43,7 +43,7 @@ def _run_aot(pythonpath: Path | None, out: Path) -> subprocess.CompletedProcess:
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "fusedrl.kernels.aot", "--json", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=2400)
 
 
 @pytest.fixture(scope="session")
