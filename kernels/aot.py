@@ -7,7 +7,9 @@ sm_120, with the ptxas Triton ships, and reads its registers, local memory (spil
 the cuobjdump Triton ships. `tests/test_kernels_compile.py` asserts on the result; kernel
 engineers read the table:
 
-    python -m fusedrl.kernels.aot [--arch 80 90 100 120] [--json out.json]
+    python -m fusedrl.kernels.aot [--arch 80 90 100 120] [--json out.json] [--quick]
+
+(`--quick`: each kernel's base configuration only, the check `make test-install` runs.)
 
 Variants come from the launchers themselves, never from a copied list:
 - each launcher (`EXAMPLE_LAUNCHES`) is called once on small CPU tensors with its kernel swapped
@@ -180,12 +182,14 @@ def variants(launch: Launch) -> list[Variant]:
     example vocab in bf16, every constexpr on its own and every pair of codes crossed."""
     kernel = launch.kernel
     module = sys.modules[kernel.__module__]
-    # Fixed constexprs (tile sizes) take the module's GPU values and are not swept.
-    fixed = getattr(module, "AOT_CONSTEXPRS", {})
+    # Constexprs that follow the dtype (a module's `DTYPE_CONSTEXPRS`: name -> function of the
+    # torch dtype; the LM-head kernels' tiles and fp32 products) take each dtype's GPU value, as
+    # the launcher gives it, and are not swept.
+    follows_dtype = getattr(module, "DTYPE_CONSTEXPRS", {})
     names = [
         p.name
         for p in kernel.params
-        if p.is_constexpr and p.name != "BLOCK_V" and p.name not in fixed
+        if p.is_constexpr and p.name != "BLOCK_V" and p.name not in follows_dtype
     ]
     base = {n: CUDA_CONSTEXPRS.get(n, launch.kwargs[n]) for n in names}
     choices = {n: constexpr_values(kernel, n) for n in names}
@@ -204,7 +208,8 @@ def variants(launch: Launch) -> list[Variant]:
     for config, vocab, dtype in configs:
         elem_bytes = DTYPES[dtype].itemsize
         block = module.block_size(vocab, torch.device("cuda"), elem_bytes)
-        constexprs = tuple(config.items()) + tuple(fixed.items()) + (("BLOCK_V", block),)
+        by_dtype = tuple((n, rule(DTYPES[dtype])) for n, rule in follows_dtype.items())
+        constexprs = tuple(config.items()) + by_dtype + (("BLOCK_V", block),)
         options = tuple(module.launch_options(block, elem_bytes).items())
         out.append(Variant(kernel.__name__, dtype, constexprs, options, vocab))
     return list(dict.fromkeys(out))
@@ -477,13 +482,24 @@ def _family(kernel, warps: int) -> dict:
     return {"family": getattr(module, "KERNEL_FAMILY", "row_sweep"), "register_budget": budget}
 
 
-def compile_all(archs=ARCHS, keep_sass: Callable[[Variant, int], bool] = lambda v, a: False):
-    """Compile every variant of every launch kernel; yields one result dict per (variant, arch).
-    A variant that fails to compile yields its error instead of raising."""
+def base_variant(launch: Launch) -> Variant:
+    """The launch's base configuration: bf16 at the example vocab, every constexpr as a CUDA
+    device gets it (the first such entry of `variants`)."""
+    return next(v for v in variants(launch) if v.dtype == "bf16" and v.vocab == EXAMPLE_VOCAB)
+
+
+def compile_all(
+    archs=ARCHS,
+    keep_sass: Callable[[Variant, int], bool] = lambda v, a: False,
+    quick: bool = False,
+):
+    """Compile every variant of every launch kernel (`quick`: its base configuration only);
+    yields one result dict per (variant, arch). A variant that fails to compile yields its error
+    instead of raising."""
     import triton
 
     for launch in record_launches():
-        for variant in variants(launch):
+        for variant in [base_variant(launch)] if quick else variants(launch):
             for arch in archs:
                 result = {
                     "kernel": variant.kernel,
@@ -534,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sass-vocab", type=int, default=EXAMPLE_VOCAB,
         help="keep the SASS of the base bf16 variants at this vocab (in the JSON)",
     )  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="the base configuration of each kernel only (bf16, example vocab): an install check",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -544,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     failures = 0
     print(f"{'kernel variant':<110} {'arch':>5} {'regs':>4} {'local':>5}  loads/stores")
-    for r in compile_all(tuple(args.arch), keep):
+    for r in compile_all(tuple(args.arch), keep, quick=args.quick):
         results.append(r)
         if "error" in r:
             failures += 1

@@ -28,11 +28,13 @@ from .device import launches_on
 # shapes (H = 24, V = 1031) cover several tiles and partial last ones on every axis.
 GPU_TILES = {"BLOCK_M": 64, "BLOCK_H": 64}
 GPU_BLOCK_V = 128
+# fp32 inputs multiply in full fp32 on the CUDA cores (not tensor cores), whose operand tiles
+# live in registers: [32 x 64] tiles in slices of 32, or ptxas spills (at [64 x 128] x 64: 255
+# registers and a stack frame on every arch; [32 x 64] x 32 holds 80-148 and none).
+FP32_GPU_TILES = {"BLOCK_M": 32, "BLOCK_H": 32}
+FP32_GPU_BLOCK_V = 64
 INTERPRETED_TILES = {"BLOCK_M": 16, "BLOCK_H": 16}
 INTERPRETED_BLOCK_V = 64
-# What `fusedrl.kernels.aot` compiles for a GPU (the example launches run on CPU tensors): these
-# tiles, and UPCAST_DOT off only (the interpreter's workaround is never launched on a GPU).
-AOT_CONSTEXPRS = GPU_TILES
 UPCAST_DOT_CODES = {"cuda": False}
 
 
@@ -46,13 +48,34 @@ def max_registers(warps: int) -> int:
     return min(255, 65536 // (MIN_CTAS_PER_SM * 32 * warps))
 
 
-def tiles(device: torch.device) -> dict[str, int]:
-    return dict(GPU_TILES if device.type == "cuda" else INTERPRETED_TILES)
+def fp32_exact(dtype: torch.dtype) -> bool:
+    """fp32 inputs get full fp32 products (not TF32): the reference's precision."""
+    return dtype == torch.float32
+
+
+def gpu_tiles(dtype: torch.dtype) -> dict[str, int]:
+    return dict(FP32_GPU_TILES if fp32_exact(dtype) else GPU_TILES)
+
+
+# Constexprs that follow the input dtype: fusedrl.kernels.aot compiles each dtype with the value
+# its launch gets (and never a pair no launch makes, such as fp32 inputs with TF32 products).
+# UPCAST_DOT is compiled off only (the interpreter's workaround is never launched on a GPU).
+DTYPE_CONSTEXPRS = {
+    "FP32_EXACT": fp32_exact,
+    "BLOCK_M": lambda dtype: gpu_tiles(dtype)["BLOCK_M"],
+    "BLOCK_H": lambda dtype: gpu_tiles(dtype)["BLOCK_H"],
+}
+
+
+def tiles(device: torch.device, dtype: torch.dtype) -> dict[str, int]:
+    return gpu_tiles(dtype) if device.type == "cuda" else dict(INTERPRETED_TILES)
 
 
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
-    """The vocab tile (BLOCK_V)."""
-    return GPU_BLOCK_V if device.type == "cuda" else INTERPRETED_BLOCK_V
+    """The vocab tile (BLOCK_V): see FP32_GPU_TILES."""
+    if device.type != "cuda":
+        return INTERPRETED_BLOCK_V
+    return FP32_GPU_BLOCK_V if elem_bytes == 4 else GPU_BLOCK_V
 
 
 def launch_options(block: int, elem_bytes: int = 2) -> dict[str, int]:
@@ -220,13 +243,13 @@ def linear_stats(
     out = [torch.empty(batch, time, dtype=torch.float32, device=hidden.device) for _ in range(3)]
     if n_rows == 0:
         return tuple(out)
-    sizes = tiles(hidden.device)
+    sizes = tiles(hidden.device, hidden.dtype)
     block_v = block_size(weight.shape[0], hidden.device, hidden.element_size())
     grid = (triton.cdiv(n_rows, sizes["BLOCK_M"]),)
     _linear_stats_kernel[grid](
         *_head_args(hidden, weight, bias), labels.contiguous(), valid.contiguous(), *out,
         n_rows, weight.shape[0], hidden_size, 1.0 / temperature,
-        HAS_BIAS=bias is not None, FP32_EXACT=hidden.dtype == torch.float32,
+        HAS_BIAS=bias is not None, FP32_EXACT=fp32_exact(hidden.dtype),
         UPCAST_DOT=hidden.device.type != "cuda", BLOCK_V=block_v, **sizes,
         **launch_options(block_v),
     )  # fmt: skip
@@ -252,7 +275,7 @@ def linear_logits_grad(
     n_rows = min(batch * time, first_row + out.shape[0])
     if n_rows <= first_row:
         return
-    sizes = tiles(hidden.device)
+    sizes = tiles(hidden.device, hidden.dtype)
     vocab = weight.shape[0]
     block_v = block_size(vocab, hidden.device, hidden.element_size())
     grid = (triton.cdiv(n_rows - first_row, sizes["BLOCK_M"]), triton.cdiv(vocab, block_v))
@@ -261,6 +284,6 @@ def linear_logits_grad(
         dlogp.contiguous(), dlogp if dentropy is None else dentropy.contiguous(), out,
         out.stride(0), first_row, n_rows, vocab, hidden_size, 1.0 / temperature,
         HAS_BIAS=bias is not None, HAS_DENTROPY=dentropy is not None,
-        FP32_EXACT=hidden.dtype == torch.float32, UPCAST_DOT=hidden.device.type != "cuda",
+        FP32_EXACT=fp32_exact(hidden.dtype), UPCAST_DOT=hidden.device.type != "cuda",
         BLOCK_V=block_v, **sizes, **launch_options(block_v),
     )  # fmt: skip
