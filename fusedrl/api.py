@@ -64,6 +64,9 @@ def policy_loss(
     backend: str = "auto",
     return_entropy: bool = False,
     is_weights: torch.Tensor | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -87,11 +90,33 @@ def policy_loss(
             multiply the per-token policy loss, for trainers that compute them elsewhere (verl's
             rollout_is_weights, TRL's importance_sampling_ratio). Exclusive with
             config.is_correction.
+        tp_group: a torch.distributed process group over which the vocabulary is sharded
+            (tensor parallelism, docs/tensor_parallel.md): `logits` is then this rank's slice
+            [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
+            every rank; the gradient is this rank's slice. One header all-gather of 14 int64 per
+            rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
+            backward. backend="cuda" and config.top_k / top_p / min_p are not supported yet.
+            A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.
+        vocab_start: the first global token id of this rank's slice (default: the sum of the
+            lower ranks' V_r); given on every rank or on none.
+        vocab_size: the true vocabulary size (default: the sum of the slices); columns at global
+            ids >= vocab_size are padding: they do not count and get a zero gradient.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
-        entropy: [B, T] fp32 or None, metrics: dict of 0-dim fp32 tensors; no host sync).
+        entropy: [B, T] fp32 or None, metrics: dict of 0-dim fp32 tensors; no host sync
+        without tp_group).
     """
+    from .tp.dtensor import wants_tensor_parallel
+
+    if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        from . import tp
+
+        return tp.policy_loss(
+            logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
+            normalizer, inplace, backend, return_entropy, is_weights,
+            tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+        )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
         logits,
@@ -155,6 +180,9 @@ def token_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
@@ -162,7 +190,20 @@ def token_logprobs(
     is kept. logits [B, T, V] or [N, V]; labels of the same leading shape. `top_k` / `top_p` /
     `min_p`: vLLM's sampling filters of the rollouts; logp and the entropy are then taken over
     the set the engine sampled from (its processed log-probs; `fusedrl.sampling`).
+
+    `tp_group`, `vocab_start`, `vocab_size`: vocab-sharded logits, as in `policy_loss`
+    (docs/tensor_parallel.md); the gradient is this rank's slice, its backward communicates
+    nothing. top_k / top_p / min_p are not supported with them yet.
     """
+    from .tp.dtensor import wants_tensor_parallel
+
+    if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        from . import tp
+
+        return tp.token_logprobs(
+            logits, labels, temperature, return_entropy, backend, top_k, top_p, min_p,
+            tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+        )  # fmt: skip
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
     temperature = check_temperature(temperature)

@@ -87,6 +87,10 @@ def linear_policy_loss(
     backend: str = "auto",
     return_entropy: bool = False,
     is_weights: torch.Tensor | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_input_grad: bool = True,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -98,11 +102,26 @@ def linear_policy_loss(
         return_entropy, is_weights: as in `fusedrl.policy_loss`.
         bias: [V] or None.
         backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
+        tp_group, vocab_start, vocab_size: a vocab-sharded LM head (tensor parallelism,
+            docs/tensor_parallel.md): `weight` / `bias` are this rank's rows [V_r, H] / [V_r],
+            `hidden` and the labels (global token ids) are replicated; as in `policy_loss`.
+            Runs the torch backend (cuBLAS blocks on CUDA) for now.
+        reduce_input_grad: with tp_group, sum the [N, H] gradient of `hidden` over the group in
+            backward (one all-reduce); False leaves each rank its part (Megatron's
+            column-parallel convention, where the caller reduces).
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
+    if tp_group is not None or vocab_start is not None or vocab_size is not None:
+        from .tp import linear as tp_linear
+
+        return tp_linear.linear_policy_loss(
+            hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
+            normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
+            vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
+        )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
         hidden,
@@ -175,13 +194,27 @@ def linear_token_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_input_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
 
     Differentiable w.r.t. hidden, weight and bias (backward recomputes the logits tile by tile);
     under `torch.no_grad()` it is the memory-light path for old / reference log-probs.
     `top_k` / `top_p` / `min_p`: over the set vLLM sampled from, as in `fusedrl.token_logprobs`.
+    `tp_group`, `vocab_start`, `vocab_size`, `reduce_input_grad`: a vocab-sharded LM head, as in
+    `linear_policy_loss`.
     """
+    if tp_group is not None or vocab_start is not None or vocab_size is not None:
+        from .tp import linear as tp_linear
+
+        return tp_linear.linear_token_logprobs(
+            hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
+            min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+            reduce_input_grad=reduce_input_grad,
+        )  # fmt: skip
     hidden = check_logits(hidden, name="hidden")
     weight, bias = check_lm_head(weight, bias, hidden)
     labels = check_labels(labels, hidden, None, vocab=weight.shape[0], source="hidden")

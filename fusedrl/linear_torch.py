@@ -89,9 +89,17 @@ def sweep(
     need_entropy: bool,
     derivatives: RowDerivatives | None = None,
     want: tuple[bool, bool, bool] = (False, False, False),
+    *,
+    lse_out: torch.Tensor | None = None,
+    whole_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, LinearGrads | None]:
     """One pass over the vocab: logp [B, T] and entropy of every row, and with `derivatives` the
-    gradients of the inputs flagged in `want` (hidden, weight, bias)."""
+    gradients of the inputs flagged in `want` (hidden, weight, bias).
+
+    When `weight` is a vocab slice of the head (tensor parallelism, fusedrl/tp): `lse_out`
+    ([B * T]) receives each row's lse over the slice; given `whole_rows` = (lse, entropy) [B, T]
+    of the whole rows, the gradient is the slice of the whole rows' (labels < 0: in another
+    slice), and logp / entropy are left at 0."""
     hidden, weight, bias = lin.hidden, lin.weight, lin.bias
     batch, time, _ = hidden.shape
     vocab = weight.shape[0]
@@ -120,12 +128,18 @@ def sweep(
             logits, temperature, flat_labels[start:stop], lin.sampling, floor
         )
         del logits  # log_probs replaces it: one [n, V] block less at the peak
-        block_logp, block_entropy = block_stats(
-            log_probs, lse, flat_labels[start:stop], need_entropy
-        )
-        logp[start:stop] = torch.where(live[:, 0], block_logp, 0.0)
-        if entropy is not None:
-            entropy[start:stop] = torch.where(live[:, 0], block_entropy, 0.0)
+        if lse_out is not None:
+            lse_out[start:stop] = lse[:, 0]
+        if whole_rows is not None:
+            log_probs += lse - whole_rows[0].reshape(-1)[start:stop, None]
+            block_entropy = whole_rows[1].reshape(-1)[start:stop]
+        else:
+            block_logp, block_entropy = block_stats(
+                log_probs, lse, flat_labels[start:stop], need_entropy
+            )
+            logp[start:stop] = torch.where(live[:, 0], block_logp, 0.0)
+            if entropy is not None:
+                entropy[start:stop] = torch.where(live[:, 0], block_entropy, 0.0)
         if derivatives is None:
             continue
         dlogp, dentropy = derivatives(start, stop, logp[start:stop], block_entropy)
@@ -210,8 +224,10 @@ def backward(
     dlogp: torch.Tensor,
     dentropy: torch.Tensor | None,
     want: tuple[bool, bool, bool],
+    whole_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> LinearGrads:
-    """The gradient sweep for known per-token dlogp / dentropy ([B, T])."""
+    """The gradient sweep for known per-token dlogp / dentropy ([B, T]); `whole_rows`: see
+    `sweep`."""
     flat_dlogp = dlogp.reshape(-1).float()
     flat_dent = None if dentropy is None else dentropy.reshape(-1).float()
 
@@ -219,7 +235,8 @@ def backward(
         return flat_dlogp[start:stop], None if flat_dent is None else flat_dent[start:stop]
 
     need_entropy = flat_dent is not None
-    return sweep(lin, labels, temperature, need_entropy, derivatives, want)[2]
+    out = sweep(lin, labels, temperature, need_entropy, derivatives, want, whole_rows=whole_rows)
+    return out[2]
 
 
 def logprob_inputs(

@@ -296,9 +296,9 @@ def test_torch_backend_sweeps_token_level_once_and_sequence_level_twice(monkeypa
     calls = []
     real = linear_torch.sweep
 
-    def counted(lin, labels, temperature, need_entropy, derivatives=None, want=(False,) * 3):
+    def counted(lin, labels, temperature, need_entropy, derivatives=None, want=(False,) * 3, **kw):
         calls.append(derivatives is not None)
-        return real(lin, labels, temperature, need_entropy, derivatives, want)
+        return real(lin, labels, temperature, need_entropy, derivatives, want, **kw)
 
     monkeypatch.setattr(linear_torch, "sweep", counted)
     data = make_linear_batch(seed=16)

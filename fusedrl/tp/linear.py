@@ -1,0 +1,270 @@
+"""`linear_policy_loss` and `linear_token_logprobs` with a vocab-sharded LM head: `weight` is this
+rank's rows [V_r, H] (and `bias` its [V_r]), `hidden` is replicated.
+
+The rows' statistics come from the torch LM-head backend's sweep over this rank's weight rows
+(the logits exist a block of rows at a time, as without tensor parallelism), then the same single
+all-gather and merge as for logits (`rows.whole_row_stats`). The gradient sweep runs with the
+whole rows' lse and entropy and gives this rank's dW, db and its part of dX; the [N, H] input
+gradient is summed over the group in backward (one all-reduce), unless reduce_input_grad=False
+(Megatron's column-parallel convention: the caller reduces it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import linear as single
+from .. import linear_torch
+from .._inputs import (
+    check_labels,
+    check_lm_head,
+    check_logits,
+    check_temperature,
+    prepare_loss_inputs,
+)
+from ..config import LossConfig
+from ..output import LossOutput
+from ..sampling import SamplingMask, check_sampling
+from ..token_terms import token_terms
+from .comm import sum_grad_over_group
+from .dtensor import local_value
+from .header import (
+    NO_LIMIT,
+    agree,
+    check_vocab_arguments,
+    range_unchecked,
+    seeded,
+    unseeded_pick,
+)
+from .loss import group_size
+from .ops import refuse_unsupported
+from .rows import whole_row_stats
+from .shard import VocabShard
+
+
+def _refuse(backend: str, sampling: SamplingMask | None) -> None:
+    if backend == "triton":
+        raise NotImplementedError(
+            "the LM-head loss with tp_group runs its torch backend for now (its blocks are "
+            "cuBLAS GEMMs on CUDA): pass backend='torch' or 'auto'"
+        )
+    if backend not in single.LINEAR_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {single.LINEAR_BACKENDS}")
+    refuse_unsupported(backend, sampling)
+
+
+def _head_rows(weight, bias, vocab_start, vocab_size):
+    """A group of one: the head's token rows, for the single-process call."""
+    check_vocab_arguments(vocab_start, vocab_size)
+    if vocab_start not in (None, 0):
+        raise ValueError(f"vocab_start={vocab_start} with a single rank: its slice starts at 0")
+    rows = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if vocab_size is None or rows is None or vocab_size == rows:
+        return weight, bias
+    if vocab_size > rows:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the LM head")
+    return weight[:vocab_size], None if bias is None else bias[:vocab_size]
+
+
+def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
+    """The LM-head inputs restricted to this rank's token rows (views)."""
+    bias = None if lin.bias is None else lin.bias[: shard.width]
+    return dataclasses.replace(lin, weight=lin.weight[: shard.width], bias=bias)
+
+
+def _slice_stats(lin: linear_torch.LinearInputs, local: torch.Tensor, temperature: float):
+    """(logp_r, lse_r, entropy_r) [B, T] of this rank's token rows of the head."""
+    lse = torch.empty(local.numel(), dtype=torch.float32, device=local.device)
+    logp, entropy, _ = linear_torch.sweep(lin, local, temperature, True, lse_out=lse)
+    return logp, lse.view(local.shape), entropy
+
+
+def _padded(grad: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """A gradient of the token rows, with zero rows for the padding (they are no tokens)."""
+    if grad is None or grad.shape[0] == rows:
+        return grad
+    return torch.cat([grad, grad.new_zeros(rows - grad.shape[0], *grad.shape[1:])])
+
+
+def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows):
+    local = shard.local_labels(labels, missing=-1)
+    if shard.width == 0:  # only padding rows here: no part of dX, zero dW and db
+        hidden = lin.hidden
+        dx = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        grads = linear_torch.LinearGrads(dx if want[0] else None, None, None)
+        weight_grad = lin.weight.new_zeros(rows, lin.weight.shape[1]) if want[1] else None
+        bias_grad = lin.bias.new_zeros(rows) if want[2] and lin.bias is not None else None
+        return dataclasses.replace(grads, weight=weight_grad, bias=bias_grad)
+    part = _slice_inputs(lin, shard)
+    grads = linear_torch.backward(
+        part, local, temperature, dlogp, dentropy, want, whole_rows=(lse, entropy)
+    )
+    return dataclasses.replace(
+        grads, weight=_padded(grads.weight, rows), bias=_padded(grads.bias, rows)
+    )
+
+
+def linear_policy_loss(
+    hidden,
+    weight,
+    labels,
+    advantages,
+    mask,
+    old_logp=None,
+    ref_logp=None,
+    rollout_logp=None,
+    config: LossConfig | None = None,
+    normalizer=None,
+    bias=None,
+    backend: str = "auto",
+    return_entropy: bool = False,
+    is_weights=None,
+    *,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_input_grad: bool = True,
+) -> LossOutput:
+    cfg = config if config is not None else LossConfig()
+    _refuse(backend, cfg.sampling if isinstance(cfg, LossConfig) else None)
+    per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
+    labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
+        local_value, per_token
+    )
+    if group_size(tp_group) == 1:
+        weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
+        return single.linear_policy_loss(
+            hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
+            backend=backend, return_entropy=return_entropy, is_weights=is_weights,
+        )  # fmt: skip
+
+    def local_checks():
+        inp = prepare_loss_inputs(
+            hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
+            cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden",
+        )  # fmt: skip
+        check_lm_head(weight, bias, hidden)
+        return inp
+
+    inp, shard, seed = agree(
+        tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
+        labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
+        call=repr(cfg), draw_seed=unseeded_pick(cfg),
+    )  # fmt: skip
+    cfg = seeded(cfg, seed)
+    lin = linear_torch.LinearInputs(
+        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
+    )
+    want = single._wanted(hidden, weight, bias)
+    need_entropy = return_entropy or cfg.needs_entropy
+    with torch.no_grad():
+        part = _slice_inputs(lin, shard)
+        logp, lse, entropy = whole_row_stats(
+            lambda local: _slice_stats(part, local, cfg.temperature),
+            inp.labels, inp.valid, shard, tp_group,
+        )  # fmt: skip
+        terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+        loss = terms.loss
+        if any(want):
+            grads = _slice_grads(
+                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, cfg.temperature,
+                shard, want, weight.shape[0],
+            )  # fmt: skip
+    if any(want):
+        if want[0] and reduce_input_grad:
+            hidden = sum_grad_over_group(hidden, tp_group)
+        loss = single._attach(loss, hidden, weight, bias, inp.flat_input, want, grads)
+    entropy = entropy if need_entropy else None
+    if inp.flat_input:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """logp (and the entropy) through a vocab-sharded LM head; backward sweeps this rank's rows
+    again and sums dX over the group (unless told not to)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, lin, shard, group, temperature, want, reduce):
+        part = _slice_inputs(lin, shard)
+        labels = lin.rows.labels
+        logp, lse, entropy = whole_row_stats(
+            lambda local: _slice_stats(part, local, temperature), labels, None, shard, group
+        )
+        ctx.stats = (lin, shard, group, temperature, want, reduce, lse, entropy, hidden.shape)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        lin, shard, group, temperature, want, reduce, lse, entropy, shape = ctx.stats
+        grads = _slice_grads(
+            lin, lin.rows.labels, lse, entropy, grad_logp.float(), grad_entropy.float(),
+            temperature, shard, want, lin.weight.shape[0],
+        )  # fmt: skip
+        dx = grads.hidden
+        if dx is not None:
+            dx = dx.view(shape)
+            if reduce:
+                torch.distributed.all_reduce(dx, group=group)
+        return dx, grads.weight, grads.bias, None, None, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden,
+    weight,
+    labels,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    bias=None,
+    backend: str = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    *,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_input_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _refuse(backend, check_sampling(top_k, top_p, min_p))
+    labels = local_value(labels)
+    if group_size(tp_group) == 1:
+        weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
+        return single.linear_token_logprobs(
+            hidden, weight, labels, temperature, return_entropy, bias, backend
+        )
+
+    def local_checks():
+        checked = check_logits(hidden, name="hidden")
+        check_lm_head(weight, bias, checked)
+        ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT, source="hidden")
+        return ids, check_temperature(temperature)
+
+    (ids, temperature), shard, _ = agree(
+        tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
+        labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
+        call=f"linear_token_logprobs temperature={temperature!r}",
+    )  # fmt: skip
+    flat = hidden.dim() == 2
+    hidden3 = hidden.unsqueeze(0) if flat else hidden
+    labels2 = ids.unsqueeze(0) if flat else ids
+    lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
+    want = single._wanted(hidden, weight, bias)
+    if any(want):
+        logp, entropy = _LinearLogprobs.apply(
+            hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad
+        )
+    else:
+        part = _slice_inputs(lin, shard)
+        logp, _, entropy = whole_row_stats(
+            lambda local: _slice_stats(part, local, temperature), labels2, None, shard, tp_group
+        )
+    entropy = entropy if return_entropy else None
+    if flat:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return logp, entropy

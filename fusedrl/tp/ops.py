@@ -1,0 +1,94 @@
+"""The two row ops the tensor-parallel path needs from a backend, on a vocab slice.
+
+- `stats(logits, labels, valid, temperature) -> (logp, lse, entropy)`: each [B, T] fp32, of the
+  slice alone; `labels` are column indices in the slice (any column where the label is not
+  there: only the owner's logp is used); rows where `valid` is False give 0.
+- `grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)`: the slice of
+  d(loss)/d(logits) from the whole row's lse and entropy; a label < 0 is in another rank's slice
+  (no one-hot term here).
+
+The Triton backend's `logprobs_fwd` / `logits_grad` ops are exactly these; the torch backend gets
+them from its block helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import torch_backend
+from ..sampling import SamplingMask
+
+
+@dataclass(frozen=True)
+class SliceOps:
+    stats: Callable
+    grad: Callable
+
+
+@torch.no_grad()
+def _torch_stats(logits, labels, valid, temperature):
+    batch, time, _ = logits.shape
+    logp, lse, entropy = (
+        torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    flat_labels = labels.reshape(-1)
+    for start, (block,) in torch_backend.row_blocks(logits):
+        stop = start + block.shape[0]
+        log_probs, block_lse = torch_backend.block_log_probs(block, temperature)
+        logp[start:stop], entropy[start:stop] = torch_backend.block_stats(
+            log_probs, block_lse, flat_labels[start:stop], True
+        )
+        lse[start:stop] = block_lse.squeeze(-1)
+    out = tuple(t.view(batch, time) for t in (logp, lse, entropy))
+    if valid is None:
+        return out
+    # Masked rows may hold anything (NaN padding): they must not reach the all-gather.
+    return tuple(torch.where(valid, t, 0.0) for t in out)
+
+
+def _torch_grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+    torch_backend.write_logits_grad(
+        logits, labels, temperature, dlogp, dentropy, out, lse=lse, entropy=entropy
+    )
+
+
+TORCH = SliceOps(_torch_stats, _torch_grad)
+
+WORKING_BACKENDS = "backend='triton' (CUDA tensors), 'torch', or 'auto'"
+
+
+def refuse_unsupported(backend: str, sampling: SamplingMask | None) -> None:
+    """NotImplementedError for what has no tensor-parallel path yet. Decided from the arguments
+    alone, so every rank raises it, before any collective."""
+    if backend == "cuda":
+        raise NotImplementedError(
+            "backend='cuda' (the csrc/ extension) has no tensor-parallel path yet: with "
+            f"tp_group use {WORKING_BACKENDS}"
+        )
+    if sampling is not None and sampling.active:
+        names = [
+            f"{name}={value!r}"
+            for name, value in (
+                ("top_k", sampling.top_k),
+                ("top_p", sampling.top_p),
+                ("min_p", sampling.min_p),
+            )  # fmt: skip
+            if value is not None
+        ]
+        raise NotImplementedError(
+            f"sampling-mask replay ({', '.join(names)}) with tp_group is not implemented yet: "
+            "the sampled set of a vocab-sharded row needs a radix select whose digit histograms "
+            "are summed over the group. Replay it without tp_group, or drop the filter"
+        )
+
+
+def slice_ops(backend: str, device: torch.device) -> SliceOps:
+    from ..api import _resolve_backend
+
+    impl = _resolve_backend(backend, device)
+    if impl is torch_backend:
+        return TORCH
+    return SliceOps(impl.OPS.logprobs_fwd, impl.OPS.logits_grad)

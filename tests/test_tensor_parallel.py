@@ -1,0 +1,823 @@
+"""Tensor parallelism (fusedrl/tp, issue 25) on CPU: gloo worlds of 2 and 3 processes.
+
+Each world is spawned once (process start-up dominates) and runs every case below; each rank
+saves what it computed, and the tests compare it with the single-process call on the whole
+logits (run by rank 0 in the same world, same backend) and with fusedrl.reference:
+
+- loss, logp, entropy and metrics on every rank, each rank's gradient slice (padding: zeros),
+  for policy_loss / token_logprobs on logit slices and DTensor logits, and for the LM-head forms
+  on the head's rows (d/dhidden summed over the group, or left in parts on request);
+- the outputs are the same bits on every rank;
+- the collectives: forward = the header + one all-gather of 3 fp32 per token; backward none
+  (the LM-head forms: one all-reduce of d/dhidden);
+- a group of one gives the single-process result bit for bit;
+- bad input raises the same error on every rank, and the world goes on to the next case (no
+  hang: the process group has a timeout, the parent a deadline).
+
+The vocab is split unevenly (1031 = 400 + 331 + 300, and 600 + 431), by explicit vocab_start in
+a permuted order, with padding columns holding NaN / huge values that must not count, and with a
+rank whose slice is only padding. Triton runs under the interpreter on a small vocab (67).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import fusedrl
+import fusedrl.tp
+from fusedrl import LossConfig, reference
+
+from .conftest import make_batch
+
+WORLDS = (2, 3)
+SPLITS = {  # uneven slices of the true vocabulary
+    (2, 1031): (600, 431),
+    (3, 1031): (400, 331, 300),
+    (2, 67): (40, 27),
+    (3, 67): (30, 20, 17),
+}
+PADDING = 9  # columns Megatron-style padding adds to the last rank ("padded" layout)
+DEADLINE_S = 420  # for a whole world; a hang shows up as the gloo timeout first
+GLOO_TIMEOUT_S = 60
+MESH: list = []  # the worker's 1-D device mesh over its world (for the DTensor cases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str = "loss"  # "loss" | "logprobs" | "tp1" | "bad"
+    backend: str = "torch"
+    preset: str = "dapo"
+    overrides: tuple = ()  # LossConfig overrides, as (key, value) pairs
+    layout: str = "uneven"  # "uneven" | "start" | "padded" | "padded_rank"
+    batch: int = 3
+    time: int = 7
+    dtype: torch.dtype = torch.float32
+    flat: bool = False
+    inplace: bool = False
+    return_entropy: bool = False
+    temperature: float = 1.0
+    nan_padding: bool = False  # masked tokens hold NaN logits (make_batch)
+    per_token_adv: bool = False
+    inputs: str = ""  # a named change to the inputs (see _edit_inputs)
+    expect_error: str = ""  # "bad" cases: the error's type name
+    oracle: bool = True  # the single-process call gives the same numbers (not so for a random pick)
+
+    @property
+    def vocab(self) -> int:
+        return 67 if self.backend == "triton" else 1031
+
+    def config(self) -> LossConfig:
+        return LossConfig.preset(self.preset, **dict(self.overrides))
+
+
+TRITON = dict(backend="triton", batch=2, time=4)
+CASES = [
+    # token-level, sequence-level and clip_cov-style selections, with the corrections on
+    Case("dapo"),
+    Case("grpo_kl_entropy_temperature", preset="grpo", return_entropy=True, per_token_adv=True,
+         overrides=(("entropy_coef", 0.01), ("temperature", 0.7))),
+    Case("gspo_sequence_is", preset="gspo",
+         overrides=(("is_correction", "sequence_truncate"), ("is_cap", 1.2))),
+    Case("clip_cov", overrides=(("loss", "clip_cov"), ("clip_cov_seed", 7),
+                                ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0))),
+    Case("kl_cov_rejection_is", overrides=(
+        ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
+        ("rejection_threshold", "0.75_1.3"), ("is_correction", "token_truncate"))),
+    # vocab layouts
+    Case("dapo_vocab_start", layout="start"),
+    Case("grpo_padded_nan_rows", preset="grpo", layout="padded", nan_padding=True,
+         overrides=(("entropy_coef", 0.01),)),
+    Case("dapo_padding_only_rank", layout="padded_rank", return_entropy=True),
+    # input forms
+    Case("grpo_dtensor", preset="grpo", layout="dtensor", return_entropy=True),
+    Case("logprobs_dtensor", kind="logprobs", layout="dtensor", return_entropy=True),
+    Case("dapo_flat", flat=True, per_token_adv=True),
+    Case("dapo_inplace", inplace=True),
+    Case("dapo_bf16", dtype=torch.bfloat16),
+    Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
+    Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
+    Case("logprobs_padded", kind="logprobs", layout="padded", return_entropy=True),
+    # degenerate rows: a slice of only -inf (drops out), a whole row of -inf (NaN)
+    Case("logprobs_dead_slices", kind="logprobs", return_entropy=True, inputs="dead"),
+    # clip_cov's random pick with no seed: every rank must still pick the same tokens
+    Case("clip_cov_unseeded", oracle=False, overrides=(
+        ("loss", "clip_cov"), ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0))),
+    # Triton (interpreter): small rows in several vocab tiles
+    Case("triton_dapo_is_entropy", **TRITON, return_entropy=True, overrides=(
+        ("entropy_coef", 0.01), ("is_correction", "token_truncate"), ("is_cap", 1.2))),
+    Case("triton_gspo", **TRITON, preset="gspo"),
+    Case("triton_grpo_padded_inplace", **TRITON, preset="grpo", layout="padded", inplace=True),
+    Case("triton_kl_cov_vocab_start", **TRITON, layout="start", overrides=(
+        ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
+        ("rejection_threshold", "0.75_1.3"))),
+    Case("triton_logprobs", **TRITON, kind="logprobs", return_entropy=True),
+    # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
+    Case("linear_dapo", kind="linear", return_entropy=True),
+    Case("linear_gspo_padded", kind="linear", preset="gspo", layout="padded",
+         overrides=(("entropy_coef", 0.01),)),
+    Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
+    Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
+    Case("linear_logprobs_start", kind="linear_logprobs", layout="start"),
+    # a group of one: the single-process result, bit for bit
+    Case("tp1_dapo", kind="tp1", return_entropy=True),
+    Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),
+    Case("tp1_triton_gspo", kind="tp1", **TRITON, preset="gspo"),
+    Case("tp1_triton_dapo", kind="tp1", **TRITON, return_entropy=True),  # the fused kernel
+    Case("tp1_logprobs", kind="tp1", inputs="logprobs"),
+    Case("tp1_linear_padded", kind="tp1", inputs="linear", layout="padded", preset="grpo"),
+    # bad input: the same error on every rank, and the world goes on
+    Case("bad_label_on_one_rank", kind="bad", inputs="label_too_big_rank0",
+         expect_error="TensorParallelInputError"),
+    Case("bad_negative_label", kind="bad", inputs="label_negative",
+         expect_error="TensorParallelInputError"),
+    Case("bad_labels_differ", kind="bad", inputs="labels_differ",
+         expect_error="TensorParallelInputError"),
+    Case("bad_vocab_size_too_big", kind="bad", inputs="vocab_size_too_big",
+         expect_error="TensorParallelInputError"),
+    Case("bad_vocab_start_overlap", kind="bad", inputs="start_overlap",
+         expect_error="TensorParallelInputError"),
+    Case("bad_vocab_start_gap", kind="bad", inputs="start_gap",
+         expect_error="TensorParallelInputError"),
+    Case("bad_vocab_start_some_ranks", kind="bad", inputs="start_rank0_only",
+         expect_error="TensorParallelInputError"),
+    Case("bad_batch_differs", kind="bad", inputs="batch_differs",
+         expect_error="TensorParallelInputError"),
+    Case("bad_time_differs", kind="bad", inputs="time_differs",
+         expect_error="TensorParallelInputError"),
+    Case("bad_config_differs", kind="bad", inputs="config_differs",
+         expect_error="TensorParallelInputError"),
+    Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
+         expect_error="TensorParallelInputError"),
+    Case("bad_local_error_on_last_rank", kind="bad", inputs="advantages_shape_last_rank",
+         expect_error="local"),
+    Case("bad_sampling_replay", kind="bad", overrides=(("top_k", 50),),
+         expect_error="NotImplementedError"),
+    Case("bad_backend_cuda", kind="bad", inputs="backend_cuda",
+         expect_error="NotImplementedError"),
+    Case("bad_linear_backend_triton", kind="bad", inputs="linear_triton",
+         expect_error="NotImplementedError"),
+    Case("bad_linear_label", kind="bad", inputs="linear_label_too_big_rank0",
+         expect_error="TensorParallelInputError"),
+]  # fmt: skip
+BY_NAME = {case.name: case for case in CASES}
+assert len(BY_NAME) == len(CASES)
+
+
+# ------------------------------------------------------------------------------ the layouts
+def layout(case: Case, world: int) -> tuple[list[int], list[int], dict]:
+    """(starts, sizes) of every rank's slice, and the vocab keywords of the call."""
+    split = list(SPLITS[(world, case.vocab)])
+    if case.layout == "dtensor":  # torch's Shard(-1): torch.chunk's sizes
+        sizes = [c.numel() for c in torch.arange(case.vocab).chunk(world)]
+        return [sum(sizes[:r]) for r in range(world)], sizes, {}
+    if case.layout == "uneven":
+        return [sum(split[:r]) for r in range(world)], split, {}
+    if case.layout == "start":  # rank r holds block world-1-r: slices out of rank order
+        sizes = split[::-1]
+        starts = [sum(split[: world - 1 - r]) for r in range(world)]
+        return starts, sizes, {"vocab_start": "per rank"}
+    if case.layout == "padded":
+        sizes = split[:-1] + [split[-1] + PADDING]
+    elif case.layout == "padded_rank":  # the last rank holds only padding
+        sizes = split[:-2] + [split[-2] + split[-1], PADDING]
+    else:
+        raise AssertionError(case.layout)
+    return [sum(sizes[:r]) for r in range(world)], sizes, {"vocab_size": case.vocab}
+
+
+def rank_slice(full: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Columns [start, start + size) of the vocab-padded logits: past the true vocabulary,
+    garbage (NaN and 1e4) that would poison or dominate any row it leaked into."""
+    real = full[..., start : start + size]
+    pad = size - real.shape[-1]
+    if pad == 0:
+        return real.clone()
+    garbage = torch.full((*full.shape[:-1], pad), 1e4, dtype=full.dtype)
+    garbage[..., ::2] = float("nan")
+    return torch.cat([real, garbage], dim=-1)
+
+
+def case_inputs(case: Case) -> dict:
+    data = make_batch(batch=case.batch, time=case.time, vocab=case.vocab, dtype=case.dtype,
+                      seed=11, per_token_adv=case.per_token_adv or case.flat,
+                      with_nan_padding=case.nan_padding)  # fmt: skip
+    if case.inputs == "all_masked":
+        data["mask"] = torch.zeros_like(data["mask"])
+    if case.flat:
+        data = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items()}
+    return data
+
+
+def dead_rows(whole: dict, data: dict, world: int, case: Case) -> tuple[dict, dict]:
+    """Row (0, 0): rank 0's slice all -inf, the label elsewhere; (0, 1): every logit -inf;
+    (0, 2): rank 0's slice all -inf and the label in it (its logp is -inf)."""
+    starts, sizes, _ = layout(case, world)
+    logits, labels = whole["logits"].clone(), data["labels"].clone()
+    first = slice(starts[0], starts[0] + sizes[0])
+    logits[0, 0, first] = float("-inf")
+    labels[0, 0] = case.vocab - 1
+    logits[0, 1] = float("-inf")
+    logits[0, 2, first] = float("-inf")
+    labels[0, 2] = starts[0] + 5
+    return {"logits": logits}, dict(data, labels=labels)
+
+
+# ------------------------------------------------------------------------------ the worker
+COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast",
+    "broadcast_object_list", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+class CollectiveLog:
+    """Counts the calls of torch.distributed's collectives (the outermost, when one calls
+    another), with the dtype and size of the tensors each was given."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self._depth = 0
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(name, getattr(dist, name)))
+
+    def _counted(self, name, fn):
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                self.calls.append((name, [(str(t.dtype), t.numel()) for t in tensors]))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def take(self) -> list:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _detached(out) -> dict:
+    return {
+        "loss": out.loss.detach(),
+        "logp": out.logp,
+        "entropy": out.entropy,
+        "metrics": {k: v.detach() for k, v in out.metrics.items()},
+    }
+
+
+def _upstream(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    shape = data["labels"].shape
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _logprobs_kind(case: Case) -> bool:
+    return case.kind in ("logprobs", "linear_logprobs") or case.inputs == "logprobs"
+
+
+def _linear_kind(case: Case) -> bool:
+    return case.kind.startswith("linear") or case.inputs == "linear"
+
+
+def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, **tp):
+    """Run `fn` (a policy_loss or token_logprobs form, fused or reference) on leaf copies of
+    `inputs` ({"logits"} or {"hidden", "weight", "bias"}); return its outputs, the gradients of
+    `inputs` and the collectives of the forward and of the backward."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    head = [leaves["logits"]] if "logits" in leaves else [leaves["hidden"], leaves["weight"]]
+    if "bias" in leaves:
+        tp["bias"] = leaves["bias"]
+    args = {k: v for k, v in data.items() if k != "logits"}
+    if _logprobs_kind(case):
+        logp, entropy = fn(*head, args["labels"], case.temperature, case.return_entropy, **tp)
+        fwd = log.take() if log else []
+        up_logp, up_entropy = _upstream(data)
+        total = (logp * up_logp).sum() + (0 if entropy is None else (entropy * up_entropy).sum())
+        out = {"logp": logp.detach(), "entropy": None if entropy is None else entropy.detach()}
+    else:
+        if case.inplace and fn is not reference.policy_loss:
+            tp["inplace"] = True
+        result = fn(*head, config=case.config(), return_entropy=case.return_entropy, **args, **tp)
+        fwd = log.take() if log else []
+        total, out = result.loss, _detached(result)
+    grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
+    for name, grad in grads.items():
+        if fusedrl.tp.dtensor.is_dtensor(grad):
+            assert grad.placements == leaves[name].placements
+            grads[name] = grad.to_local()
+    return out, grads, fwd, (log.take() if log else [])
+
+
+def _fused(case: Case):
+    linear = _linear_kind(case)
+    if _logprobs_kind(case):
+        fn = fusedrl.linear_token_logprobs if linear else fusedrl.token_logprobs
+    else:
+        fn = fusedrl.linear_policy_loss if linear else fusedrl.policy_loss
+
+    def call(*args, **kwargs):
+        return fn(*args, backend=case.backend, **kwargs)
+
+    return call
+
+
+def _reference(case: Case):
+    fn = reference.token_logprobs if _logprobs_kind(case) else reference.policy_loss
+    if not _linear_kind(case):
+        return fn
+
+    def call(hidden, weight, *args, bias=None, **kwargs):
+        return fn(torch.nn.functional.linear(hidden, weight, bias), *args, **kwargs)
+
+    return call
+
+
+def _tp_keywords(case: Case, world: int, rank: int, group) -> dict:
+    starts, _, extra = layout(case, world)
+    keywords = {"tp_group": group}
+    if "vocab_start" in extra:
+        keywords["vocab_start"] = starts[rank]
+    if "vocab_size" in extra:
+        keywords["vocab_size"] = extra["vocab_size"]
+    if case.inputs == "no_input_reduce":
+        keywords["reduce_input_grad"] = False
+    return keywords
+
+
+HIDDEN = 16
+
+
+def whole_inputs(case: Case) -> tuple[dict, dict]:
+    """(the whole {"logits"} or LM head {"hidden", "weight", "bias"}, the per-token inputs)."""
+    data = case_inputs(case)
+    logits = data.pop("logits")
+    if not _linear_kind(case):
+        return {"logits": logits}, data
+    gen = torch.Generator().manual_seed(13)
+    head = {
+        "hidden": torch.randn(case.batch, case.time, HIDDEN, generator=gen),
+        "weight": 0.5 * torch.randn(case.vocab, HIDDEN, generator=gen),
+        "bias": 0.1 * torch.randn(case.vocab, generator=gen),
+    }
+    with torch.no_grad():  # old / ref / rollout near this head's log-probs, as make_batch does
+        made = torch.nn.functional.linear(head["hidden"], head["weight"], head["bias"])
+        logp, _ = reference.token_logprobs(made, data["labels"])
+    data["old_logp"] = logp + 0.3 * torch.randn(logp.shape, generator=gen)
+    data["ref_logp"] = logp + 0.2 * torch.randn(logp.shape, generator=gen)
+    data["rollout_logp"] = data["old_logp"] + 0.3 * torch.randn(logp.shape, generator=gen)
+    return head, data
+
+
+def rank_inputs(whole: dict, start: int, size: int) -> dict:
+    """This rank's part: its logits columns, or its LM-head rows (hidden is replicated)."""
+    if "logits" in whole:
+        return {"logits": rank_slice(whole["logits"], start, size)}
+    return {
+        "hidden": whole["hidden"],
+        "weight": rank_slice(whole["weight"].t(), start, size).t().contiguous(),
+        "bias": rank_slice(whole["bias"], start, size),
+    }
+
+
+def run_parallel(case: Case, world: int, rank: int, group, log: CollectiveLog) -> dict:
+    whole, data = whole_inputs(case)
+    if case.inputs == "dead":
+        whole, data = dead_rows(whole, data, world, case)
+    starts, sizes, _ = layout(case, world)
+    if case.name == "clip_cov_unseeded":
+        torch.manual_seed(1000 + rank)  # ranks' generators differ, as they may in a real job
+    mine = rank_inputs(whole, starts[rank], sizes[rank])
+    keywords = _tp_keywords(case, world, rank, group)
+    if case.layout == "dtensor":  # no tp_group: the DTensor's mesh says it
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mine = {"logits": distribute_tensor(whole["logits"], MESH[0], [Shard(-1)])}
+        assert mine["logits"].to_local().shape[-1] == sizes[rank]
+        keywords = {}
+        log.take()  # distributing is the test's doing
+    out, grads, fwd, bwd = _call(_fused(case), case, mine, data, log, **keywords)
+    result = dict(out, grads=grads, fwd=fwd, bwd=bwd, start=starts[rank], size=sizes[rank])
+    result["case"] = case.name
+    if rank == 0 and case.oracle:  # the single-process truth, once
+        result["single"] = _call(_fused(case), case, whole, data, None)[:2]
+        as_fp32 = {k: v.float() for k, v in whole.items()}
+        result["reference"] = _call(_reference(case), case, as_fp32, data, None)[:2]
+    return result
+
+
+def run_group_of_one(case: Case, rank: int, groups: list) -> dict:
+    """The same call with a group of one (this rank alone) and without any group."""
+    whole, data = whole_inputs(case)
+    keywords = {"tp_group": groups[rank]}
+    alone = whole
+    if case.layout == "padded":  # padding on the single rank, vocab_size says so
+        alone = rank_inputs(whole, 0, case.vocab + PADDING)
+        keywords["vocab_size"] = case.vocab
+    alone_out = _call(_fused(case), case, alone, data, None, **keywords)[:2]
+    plain_out = _call(_fused(case), case, whole, data, None)[:2]
+    return {"alone": alone_out, "plain": plain_out}
+
+
+def _bad_call(case: Case, world: int, rank: int, group) -> None:
+    """A dapo call on the standard inputs with one thing wrong (case.inputs)."""
+    data = case_inputs(case)
+    starts, sizes, _ = layout(case, world)
+    what = case.inputs
+    if what == "batch_differs" and rank == world - 1:
+        data = {k: v[:-1] for k, v in data.items()}
+    if what == "time_differs" and rank == world - 1:
+        data = {k: v[:, :-1] if v.dim() > 1 else v for k, v in data.items()}
+    if what.endswith("label_too_big_rank0") and rank == 0:
+        data["labels"] = data["labels"].clone()
+        data["labels"][0, 0] = case.vocab  # a counted token (mask[0, 0] is set)
+    if what == "label_negative":
+        data["labels"] = data["labels"].clone()
+        data["labels"][0, 0] = -7
+    if what == "labels_differ" and rank == 1:
+        data["labels"] = data["labels"].clone()
+        data["labels"][0, 0] = (data["labels"][0, 0] + 1) % case.vocab
+    if what == "advantages_shape_last_rank" and rank == world - 1:
+        data["advantages"] = data["advantages"][:-1]
+    keywords = {"tp_group": group}
+    if what == "vocab_size_too_big":
+        keywords["vocab_size"] = case.vocab + 5
+    if what == "start_overlap":
+        keywords["vocab_start"] = starts[rank] - (1 if rank == world - 1 else 0)
+    if what == "start_gap":
+        keywords["vocab_start"] = starts[rank] + (1 if rank == world - 1 else 0)
+    if what == "start_rank0_only" and rank == 0:
+        keywords["vocab_start"] = 0
+    mine = rank_slice(data["logits"], starts[rank], sizes[rank])
+    if what == "logprobs_label_too_big":
+        labels = data["labels"].clone()
+        labels[-1, -1] = case.vocab + 3
+        fusedrl.token_logprobs(mine, labels, backend="torch", **keywords)
+        return
+    if what.startswith("linear"):
+        head = whole_inputs(Case("head", inputs="linear"))[0]
+        part = rank_inputs(head, starts[rank], sizes[rank])
+        args = {k: v for k, v in data.items() if k != "logits"}
+        backend = "triton" if what == "linear_triton" else "torch"
+        fusedrl.linear_policy_loss(part["hidden"], part["weight"], bias=part["bias"],
+                                   backend=backend, **args, **keywords)  # fmt: skip
+        return
+    config = case.config()
+    if what == "config_differs" and rank == 1:
+        config = config.replace(eps_high=0.3)
+    backend = "cuda" if what == "backend_cuda" else case.backend
+    args = {k: v for k, v in data.items() if k != "logits"}
+    fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
+
+
+def run_bad(case: Case, world: int, rank: int, group, log: CollectiveLog) -> dict:
+    try:
+        _bad_call(case, world, rank, group)
+        error = None
+    except Exception as err:
+        error = (type(err).__name__, str(err))
+    return {"error": error, "calls": log.take()}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
+    )
+    from fusedrl.kernels import logprobs
+
+    logprobs.MAX_BLOCK_V_INTERPRETED = 16  # rows of several tiles and a partial last one
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    MESH.append(init_device_mesh("cpu", (world,)))
+    log = CollectiveLog()
+    log.install()
+    results = {}
+    for case in CASES:
+        try:
+            if case.kind == "bad":
+                results[case.name] = run_bad(case, world, rank, dist.group.WORLD, log)
+            elif case.kind == "tp1":
+                results[case.name] = run_group_of_one(case, rank, groups)
+            else:
+                results[case.name] = run_parallel(case, world, rank, dist.group.WORLD, log)
+        except Exception:
+            results[case.name] = {"crash": traceback.format_exc()}
+        log.take()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ the parent
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, out_dir: str) -> list[dict]:
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # the children inherit it (CPU tensors only there)
+    try:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir), nprocs=world,
+                                 join=False, start_method="spawn")  # fmt: skip
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.terminate()
+            pytest.fail(f"the tensor-parallel world of {world} hung past {DEADLINE_S} s")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = _spawn(world, str(tmp_path_factory.mktemp(f"tp{world}")))
+        return cache[world]
+
+    return get
+
+
+def _results(worlds, world: int, name: str) -> list[dict]:
+    per_rank = [rank_results[name] for rank_results in worlds(world)]
+    for rank, result in enumerate(per_rank):
+        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+    return per_rank
+
+
+def _cases(*kinds: str, oracle: bool | None = None) -> list:
+    return [
+        pytest.param(c.name, id=c.name)
+        for c in CASES
+        if c.kind in kinds and (oracle is None or c.oracle == oracle)
+    ]
+
+
+PARALLEL = _cases("loss", "logprobs", "linear", "linear_logprobs")
+ORACLE_CASES = _cases("loss", "logprobs", "linear", "linear_logprobs", oracle=True)
+
+
+def _tolerances(case: Case) -> dict:
+    if case.dtype == torch.bfloat16:  # both sides round the same fp32 values to bf16
+        return dict(atol=1e-5, rtol=1e-2)
+    return dict(atol=1e-5, rtol=1e-4)
+
+
+def _assert_outputs_close(ours: dict, truth: dict, tol: dict, what: str) -> None:
+    for key in ("loss", "logp", "entropy"):
+        if key not in truth or truth[key] is None:
+            assert ours.get(key) is None, f"{what}: {key} should be None"
+            continue
+        torch.testing.assert_close(ours[key], truth[key], equal_nan=True, **tol,
+                                   msg=lambda m, k=key: f"{what} {k}: {m}")  # fmt: skip
+    for key, value in truth.get("metrics", {}).items():
+        torch.testing.assert_close(ours["metrics"][key], value, equal_nan=True, **tol,
+                                   msg=lambda m, k=key: f"{what} metric {k}: {m}")  # fmt: skip
+
+
+def _grad_slice(full_grad: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """The single-process gradient of a rank's columns; its padding columns get 0."""
+    part = full_grad[..., start : start + size]
+    pad = size - part.shape[-1]
+    return torch.cat([part, part.new_zeros(*part.shape[:-1], pad)], dim=-1) if pad else part
+
+
+def _rank_grad(name: str, full: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """A rank's share of the single-process gradient of input `name`: its logits columns, its
+    LM-head rows, or all of hidden's (replicated: each rank gets the sum over the group)."""
+    if name == "weight":
+        return _grad_slice(full.t(), start, size).t()
+    return full if name == "hidden" else _grad_slice(full, start, size)
+
+
+def _assert_grads_close(per_rank: list, truth: dict, tol: dict, what: str) -> None:
+    for name, full in truth.items():
+        mine = [result["grads"][name] for result in per_rank]
+        if name == "hidden" and BY_NAME[per_rank[0]["case"]].inputs == "no_input_reduce":
+            mine = [sum(mine)] * len(mine)  # each rank holds its part: the caller sums them
+        for rank, (result, grad) in enumerate(zip(per_rank, mine)):
+            expected = _rank_grad(name, full, result["start"], result["size"])
+            torch.testing.assert_close(grad.float(), expected.float(), equal_nan=True, **tol,
+                                       msg=lambda m, r=rank, n=name:
+                                       f"rank {r} d/d{n} vs {what}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ORACLE_CASES)
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_single_process_and_reference(worlds, world, name):
+    case = BY_NAME[name]
+    per_rank = _results(worlds, world, name)
+    single_out, single_grads = per_rank[0]["single"]
+    ref_out, ref_grads = per_rank[0]["reference"]
+    tol = _tolerances(case)
+    grad_tol = dict(atol=1e-6, rtol=1e-4) if case.dtype == torch.float32 else tol
+    # the oracle agrees with the single-process call, so the comparisons below mean something
+    _assert_outputs_close(single_out, ref_out | {"metrics": {}}, tol, "single vs reference")
+    for key, grad in single_grads.items():
+        torch.testing.assert_close(grad.float(), ref_grads[key], equal_nan=True, **grad_tol)
+    for truth, grads, what in ((single_out, single_grads, "single"), (ref_out, ref_grads, "ref")):
+        truth = truth if what == "single" else truth | {"metrics": {}}
+        for rank, result in enumerate(per_rank):
+            _assert_outputs_close(result, truth, tol, f"rank {rank} vs {what}")
+        _assert_grads_close(per_rank, grads, grad_tol, what)
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+@pytest.mark.parametrize("world", WORLDS)
+def test_outputs_are_the_same_bits_on_every_rank(worlds, world, name):
+    per_rank = _results(worlds, world, name)
+    first = per_rank[0]
+    for rank, result in enumerate(per_rank[1:], start=1):
+        for key in ("loss", "logp", "entropy"):
+            if first.get(key) is None:
+                assert result.get(key) is None
+                continue
+            assert torch.equal(result[key].nan_to_num(), first[key].nan_to_num()), (rank, key)
+            assert torch.equal(result[key].isnan(), first[key].isnan()), (rank, key)
+        for key, value in first.get("metrics", {}).items():
+            assert torch.equal(result["metrics"][key], value), (rank, key)
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_collective_forward_none_backward(worlds, world, name):
+    """Forward: the header (14 int64) and one all-gather of PARTIALS fp32 per token. Backward:
+    nothing, except the LM-head forms' one all-reduce of the [N, H] input gradient."""
+    case = BY_NAME[name]
+    for rank, result in enumerate(_results(worlds, world, name)):
+        assert len(result["fwd"]) == 2, (rank, result["fwd"])
+        header, data = result["fwd"]
+        assert header[1][-1] == ("torch.int64", 14), (rank, header)
+        tokens = result["logp"].numel()
+        assert data[1][-1] == ("torch.float32", fusedrl.tp.PARTIALS * tokens), (rank, data)
+        assert fusedrl.tp.PARTIALS <= 4
+        expected_bwd = []
+        if _linear_kind(case) and case.inputs != "no_input_reduce":
+            expected_bwd = [("all_reduce", [("torch.float32", tokens * HIDDEN)])]
+        assert result["bwd"] == expected_bwd, (rank, result["bwd"])
+        assert "loss" not in result or torch.isfinite(result["loss"])
+
+
+def test_padding_and_degenerate_rows_behave(worlds):
+    """What the comparisons above take for granted: padding gets exactly 0, an all-masked batch
+    gives loss 0 and a zero gradient, a slice of only -inf drops out, a row of only -inf gives
+    NaN, and clip_cov really picks tokens."""
+    for world in WORLDS:
+        for result in _results(worlds, world, "grpo_padded_nan_rows"):
+            width = 1031 - result["start"]
+            assert not result["grads"]["logits"][..., width:].any()
+        for result in _results(worlds, world, "linear_gspo_padded"):
+            width = 1031 - result["start"]
+            assert not result["grads"]["weight"][width:].any()
+            assert not result["grads"]["bias"][width:].any()
+        only_padding = _results(worlds, world, "dapo_padding_only_rank")[-1]
+        assert not only_padding["grads"]["logits"].any()
+        for result in _results(worlds, world, "all_masked"):
+            assert result["loss"] == 0 and not result["grads"]["logits"].any()
+        for result in _results(worlds, world, "logprobs_dead_slices"):
+            logp, entropy = result["logp"][0], result["entropy"][0]
+            assert torch.isfinite(logp[0]) and torch.isfinite(entropy[0])
+            assert logp[1].isnan() and entropy[1].isnan()
+            assert logp[2] == float("-inf") and torch.isfinite(entropy[2])
+        for result in _results(worlds, world, "clip_cov"):
+            assert 0 < result["metrics"]["clipfrac"] < 1
+
+
+@pytest.mark.parametrize("name", _cases("tp1"))
+def test_group_of_one_is_single_process_bit_for_bit(worlds, name):
+    for result in _results(worlds, 2, name):
+        (alone, alone_grads), (plain, plain_grads) = result["alone"], result["plain"]
+        for key in ("loss", "logp", "entropy"):
+            if plain.get(key) is None:
+                assert alone.get(key) is None
+                continue
+            assert torch.equal(alone[key], plain[key]), key
+        for key, value in plain.get("metrics", {}).items():
+            assert torch.equal(alone["metrics"][key], value), key
+        for key, plain_grad in plain_grads.items():  # padding columns / rows get 0
+            width = plain_grad.shape[0 if key == "weight" else -1]
+            rows = alone_grads[key].t() if key == "weight" else alone_grads[key]
+            plain_rows = plain_grad.t() if key == "weight" else plain_grad
+            assert torch.equal(rows[..., :width], plain_rows), key
+            assert not rows[..., width:].any(), key
+
+
+@pytest.mark.parametrize("name", _cases("bad"))
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
+    case = BY_NAME[name]
+    per_rank = _results(worlds, world, name)
+    errors = [result["error"] for result in per_rank]
+    assert all(error is not None for error in errors), errors
+    calls = [result["calls"] for result in per_rank]
+    if case.expect_error == "local":  # its own error there, a pointer to it everywhere else
+        assert errors[-1][0] == "ValueError" and "advantages" in errors[-1][1], errors
+        for error in errors[:-1]:
+            assert error[0] == "TensorParallelInputError", errors
+            assert f"rank(s) [{world - 1}] rejected their inputs" in error[1], errors
+    else:
+        assert {error for error in errors} == {errors[0]}, errors  # the same on every rank
+        assert errors[0][0] == case.expect_error, errors
+    if case.expect_error == "NotImplementedError":  # decided before any collective
+        assert calls == [[]] * world, calls
+        hint = {"bad_sampling_replay": "top_k=50", "bad_backend_cuda": "backend='triton'"}
+        assert hint.get(name, "backend='torch'") in errors[0][1], errors
+    else:  # the header, and nothing after it
+        assert all(len(c) == 1 for c in calls), calls
+
+
+def test_bad_input_messages_name_the_problem(worlds):
+    expected = {
+        "bad_label_on_one_rank": "labels must be global token ids in [0, 1031) where mask is set",
+        "bad_negative_label": "found -7",
+        "bad_labels_differ": "disagree on the labels",
+        "bad_vocab_size_too_big": "but vocab_size is 1036",
+        "bad_vocab_start_overlap": "overlap",
+        "bad_vocab_start_gap": "leave a gap",
+        "bad_vocab_start_some_ranks": "give it on every rank or on none",
+        "bad_batch_differs": "disagree on the token shape",
+        "bad_time_differs": "disagree on the token shape",
+        "bad_config_differs": "disagree on the settings",
+        "bad_logprobs_label": "found 1034",
+        "bad_linear_label": "labels must be global token ids in [0, 1031)",
+    }
+    for name, phrase in expected.items():
+        error = _results(worlds, 3, name)[0]["error"]
+        assert phrase in error[1], (name, error)
+
+
+# ------------------------------------------------------------------------------ the merge alone
+def _slice_partials(z: torch.Tensor, labels: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """[world, N, 3] partials of fp64 rows split at `bounds`, as each rank would send them."""
+    parts = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        piece = z[:, lo:hi]
+        lse = torch.logsumexp(piece, -1)
+        log_p = piece - lse[:, None]
+        entropy = -torch.where(log_p.exp() > 0, log_p.exp() * log_p, 0.0).sum(-1)
+        local = (labels - lo).clamp(0, hi - lo - 1)
+        logp = log_p.gather(-1, local[:, None]).squeeze(-1)
+        parts.append(fusedrl.tp.merge.pack(logp, lse, entropy))
+    return torch.stack(parts)
+
+
+def test_merge_of_slices_is_the_whole_row():
+    gen = torch.Generator().manual_seed(3)
+    z = (3.0 * torch.randn(9, 50, generator=gen, dtype=torch.float64)) + 40.0
+    labels = torch.randint(0, 50, (9,), generator=gen)
+    z[1, 20:35] = float("-inf")  # the middle slice holds no mass: it drops out
+    z[2, :] = float("-inf")  # no distribution at all: NaN
+    z[3, 7] = float("inf")  # NaN, as single-process
+    z[4, 40] = float("nan")
+    z[5, labels[5]] = float("-inf")  # a label of probability 0: logp -inf
+    bounds = [0, 20, 35, 50]
+    owners = torch.bucketize(labels, torch.tensor(bounds[1:-1]), right=True)
+    logp, lse, entropy = fusedrl.tp.merge.merge(_slice_partials(z, labels, bounds), owners)
+    log_p = torch.log_softmax(z, -1)
+    want_entropy = -torch.where(log_p.exp() > 0, log_p.exp() * log_p, 0.0).sum(-1)
+    want_logp = log_p.gather(-1, labels[:, None]).squeeze(-1)
+    for row in (2, 3, 4):
+        want_logp[row] = want_entropy[row] = float("nan")
+    torch.testing.assert_close(logp, want_logp.float(), equal_nan=True, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy.float(), equal_nan=True, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(lse[[0, 1, 5, 6]], torch.logsumexp(z, -1)[[0, 1, 5, 6]].float())
+
+
+def test_merge_of_one_slice_is_that_slice_bit_for_bit():
+    gen = torch.Generator().manual_seed(4)
+    logp, lse, entropy = (torch.randn(40, generator=gen) for _ in range(3))
+    gathered = fusedrl.tp.merge.pack(logp, lse, entropy)[None]
+    merged = fusedrl.tp.merge.merge(gathered, torch.zeros(40, dtype=torch.long))
+    for got, want in zip(merged, (logp, lse, entropy)):
+        assert torch.equal(got, want)
