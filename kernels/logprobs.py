@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
+from .rows import LOG2E, logp_of, row_offset, row_stats, write_row_grad, write_row_zeros
 
 # Vocab tiles. On a GPU a tile is one 16-byte vector per thread of a 16-warp program (4096 bf16
 # or 2048 fp32 elements): sweep 1 keeps two fp32 running sums per element slot in registers and
@@ -124,7 +124,7 @@ def _logprobs_fwd_kernel(
         lse, mean_z = row_stats(
             row_ptr, vocab, scale2, label_logit, "evict_first", FAST_EXP2, BLOCK_V
         )
-        tl.store(logp_ptr + row, label_logit.to(tl.float32) * inv_temperature - lse)
+        tl.store(logp_ptr + row, logp_of(label_logit, inv_temperature, lse))
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)
     else:

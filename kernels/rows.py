@@ -185,8 +185,12 @@ def _stats_online(
     weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
     total = tl.sum(sum_exp * weight, axis=0)
     lse2 = row_max + tl.log2(total)
-    lse2 = tl.where((row_max == float("inf")) | (row_max <= FLOOR), float("nan"), lse2)
-    return lse2, tl.sum(sum_exp_y * weight, axis=0) / total
+    # No logit above FLOOR: no probability mass, lse -inf (a vocab-parallel slice with no mass
+    # then drops out of the merge; a whole row of them gives a NaN logp and entropy downstream).
+    lse2 = tl.where(row_max <= FLOOR, -float("inf"), lse2)
+    lse2 = tl.where(row_max == float("inf"), float("nan"), lse2)
+    mean_y = tl.where(row_max <= FLOOR, float("nan"), tl.sum(sum_exp_y * weight, axis=0) / total)
+    return lse2, mean_y
 
 
 @triton.jit
@@ -206,9 +210,10 @@ def row_stats(
     sums are taken relative to it instead of a running max, which is what makes sweep 1 cheap.
     They are >= 1 (the reference's own term) and finite unless some logit exceeds it by more than
     ~110 / log2(e) x T, i.e. the label's probability is below ~1e-33, or the row holds NaN / inf:
-    then, and only then, the row is read again by the exact online softmax. NaN when the row holds
-    a NaN or +inf logit, or no logit above FLOOR (all -inf): the callers surface it as a NaN logp
-    and entropy, as the reference does.
+    then, and only then, the row is read again by the exact online softmax. lse is NaN when the
+    row holds a NaN or +inf logit, -inf when it has no logit above FLOOR (all -inf: no mass), and
+    the mean then NaN: the callers surface both as a NaN logp (`logp_of`) and entropy, as the
+    reference does.
     """
     ref = scaled(ref_logit, scale2)
     total, sum_d = _sums_from_reference(row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, BLOCK_V)
@@ -225,6 +230,14 @@ def row_stats(
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
         lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, HALF_BLOCK_V)
     return lse2 * LN2, mean_y * LN2
+
+
+@triton.jit
+def logp_of(label_logit, inv_temperature, lse):
+    """The label's log-prob; NaN for a row with no mass (lse -inf), whose label logit may be a
+    finite value at FLOOR that would otherwise give +inf."""
+    logp = label_logit.to(tl.float32) * inv_temperature - lse
+    return tl.where(lse == -float("inf"), float("nan"), logp)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .device import launches_on
 from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
-from .rows import LOG2E, row_offset, row_stats, write_row_grad, write_row_zeros
+from .rows import LOG2E, logp_of, row_offset, row_stats, write_row_grad, write_row_zeros
 
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
@@ -178,7 +178,7 @@ def _fused_token_loss_kernel(
                 row_ptr, vocab, scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
             )
             entropy = lse - mean_z
-            logp = label_logit.to(tl.float32) * inv_temperature - lse
+            logp = logp_of(label_logit, inv_temperature, lse)
             if not HAS_OLD:
                 old = logp
             d_token = policy_dlogp(

@@ -121,6 +121,8 @@ CASES = [
         ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
         ("rejection_threshold", "0.75_1.3"))),
     Case("triton_logprobs", **TRITON, kind="logprobs", return_entropy=True),
+    Case("triton_logprobs_dead_slices", **TRITON, kind="logprobs", return_entropy=True,
+         inputs="dead"),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
     Case("linear_dapo", kind="linear", return_entropy=True),
     Case("linear_gspo_padded", kind="linear", preset="gspo", layout="padded",
@@ -705,7 +707,9 @@ def test_padding_and_degenerate_rows_behave(worlds):
         assert not only_padding["grads"]["logits"].any()
         for result in _results(worlds, world, "all_masked"):
             assert result["loss"] == 0 and not result["grads"]["logits"].any()
-        for result in _results(worlds, world, "logprobs_dead_slices"):
+        dead = [*_results(worlds, world, "logprobs_dead_slices")]
+        dead += _results(worlds, world, "triton_logprobs_dead_slices")
+        for result in dead:
             logp, entropy = result["logp"][0], result["entropy"][0]
             assert torch.isfinite(logp[0]) and torch.isfinite(entropy[0])
             assert logp[1].isnan() and entropy[1].isnan()
