@@ -337,6 +337,8 @@ def sass_loops(sass: str) -> list[dict]:
 
 
 _REGISTER = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
+# Opcodes that write a register pair: IMAD.WIDE, IADD.64, IMNMX.S64, ...
+_WIDE_DEST = re.compile(r"\.WIDE\b|\.[SU]?64\b")
 _BRANCH_TARGET = re.compile(r"(?:\S+,\s*)?`?\(?(0x[0-9a-f]+)")
 
 
@@ -363,17 +365,21 @@ def label_gather(sass: str) -> int | None:
             if _registers(address) & tainted:
                 return i
         if op.startswith("LDG") and ".64" in op and not tainted:
-            tainted = _registers(operands[0])  # the labels (int64): the gather's index
+            # the labels (int64, a register pair): the gather's index
+            tainted = {(kind, n + d) for kind, n in _registers(operands[0]) for d in (0, 1)}
             continue
-        if not tainted or op.startswith(("ST", "BRA", "BAR", "EXIT", "ISETP", "FSETP")):
+        # Stores and branches write no register; compares (xSETP) and R2P write predicates only.
+        if not tainted or op.startswith(("ST", "BRA", "BAR", "EXIT", "R2P")) or "SETP" in op:
             continue
-        dest = _registers(operands[0])
-        if not dest:
+        # The destination is the first register operand: some opcodes name predicates first
+        # (sm_120's `IMNMX.S64 PT, PT, R2, RZ, R24, ...`).
+        first = next((i for i, o in enumerate(operands) if _registers(o)), None)
+        if first is None:
             continue
-        wide = ".WIDE" in op or ".64" in op
-        if wide:
+        dest = _registers(operands[first])
+        if _WIDE_DEST.search(op):
             dest |= {(kind, number + 1) for kind, number in dest}
-        if _registers(",".join(operands[1:])) & tainted:
+        if _registers(",".join(operands[first + 1 :])) & tainted:
             tainted |= dest
         else:
             tainted -= dest

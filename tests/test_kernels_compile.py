@@ -129,10 +129,20 @@ def _ok(compiled, triton):
 def test_no_local_memory(compiled, triton):
     failures = _failures(
         _ok(compiled, triton),
-        lambda r: r["local_bytes"] or r["stack_bytes"],
+        lambda r: r["local_bytes"] or r["stack_bytes"] > _stack_allowed(r),
         lambda r: f"{r['local_bytes']} B local, {r['stack_bytes']} B stack (spills)",
     )
     assert not failures, "\n".join(failures)
+
+
+# The one known spill: Triton 3.6's sm_120 build of the fused loss at the 64-register cap keeps
+# one 8-byte value on the stack (Triton 3.9 does not; docs/benchmarks.md). Bounded, not waived.
+KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 8}
+
+
+def _stack_allowed(r: dict) -> int:
+    version = ".".join(r["triton"].split(".")[:2])
+    return KNOWN_STACK_BYTES.get((r["kernel"], r["arch"], version), 0)
 
 
 @pytest.mark.parametrize("triton", TRITONS)
@@ -150,6 +160,9 @@ def test_registers_within_the_occupancy_budget(compiled, triton):
     assert not failures, "\n".join(failures)
 
 
+# The kernels that write a gradient into a separately allocated buffer, which may be aligned
+# unlike the logits (the scale kernel rewrites its own rows: always aligned alike).
+GRADIENT_KERNELS = ("_logits_grad_kernel", "_fused_token_loss_kernel")
 # Hopper and both Blackwells are held to the same SASS budgets (sm_80 compiles and keeps its
 # registers, but its SASS is not what anyone benchmarks today).
 SASS_ARCHS = ("sm_90", "sm_100", "sm_120")
@@ -210,7 +223,7 @@ def test_static_performance_budget(compiled, triton):
         # The gradient loop for rows whose gradient buffer is aligned unlike the logits (an odd V
         # read from a [B, P+T, V] slice: the usual TRL call) is held to the same rules.
         unaligned = [loop for loop in r["loops"] if loop["role"] == "grad_unaligned_out"]
-        if grads and not unaligned:
+        if r["kernel"] in GRADIENT_KERNELS and not unaligned:
             failures.append(f"{r['variant']} {r['arch']}: no grad_unaligned_out loop found")
         checked = ([fast] if fast else []) + grads + unaligned
         for loop in checked:
