@@ -7,7 +7,8 @@
 #   bash bench/run_gpu.sh linear  [OUTDIR]  # bench/bench_linear.py: the LM-head loss, both designs
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
 #   bash bench/run_gpu.sh sampling [OUTDIR] # bench/bench_sampling.py: sampled-set select costs
-#   bash bench/run_gpu.sh all     [OUTDIR]  # the six above (bench on the small matrix)
+#   bash bench/run_gpu.sh tp      [OUTDIR]  # bench/bench_tp.py: vocab-sharded logits, 2+ GPUs
+#   bash bench/run_gpu.sh all     [OUTDIR]  # the seven above (bench on the small matrix)
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -41,20 +42,21 @@
 #
 # Environment: PYTHON (default python3), STAGE_BUDGET (seconds per stage), BENCH_MATRIX (full |
 # small; `bench` defaults to full, `all` to small), BENCH_ARGS (extra bench_loss.py arguments,
-# e.g. "--N 4096" to run the full matrix in slices), NCU (path of ncu).
+# e.g. "--N 4096" to run the full matrix in slices), NCU (path of ncu), TP_ARGS (extra
+# bench_tp.py arguments, e.g. "--tp 2").
 #
 # The full matrix may not fit in one stage: bench_loss.py rewrites its JSON after every case, so a
 # run cut short by the budget keeps what it measured ("complete": false in the JSON).
 set -euo pipefail
 
 usage() {
-  sed -n '4,10p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,11p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | linear | steps | sampling | all) ;;
+  tests | bench | profile | linear | steps | sampling | tp | all) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -329,6 +331,22 @@ stage_steps() {
   fi
 }
 
+stage_tp() {
+  # The loss on vocab-sharded logits, one process per GPU over NCCL (tp = 2, 4, 8 up to the GPUs
+  # there are), against Megatron's / verl's eager all-reduces and against tp = 1. One GPU: the
+  # stage says so and is skipped (not a failure); bench_tp.py would say the same.
+  local gpus
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if ((gpus < 2)); then
+    echo "=== tp:bench: SKIPPED, tensor parallelism needs 2 or more GPUs; this machine has $gpus"
+    record tp:bench "SKIPPED (needs 2+ GPUs, found $gpus)" 0 "-"
+    return 0
+  fi
+  # shellcheck disable=SC2086  # TP_ARGS is a list of arguments
+  step tp:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_tp.log" \
+    "$PY" bench/bench_tp.py --out "$OUTDIR" ${TP_ARGS:-}
+}
+
 case "$STAGE" in
   tests) stage_tests ;;
   bench) stage_bench full ;;
@@ -336,6 +354,7 @@ case "$STAGE" in
   linear) stage_linear ;;
   steps) stage_steps ;;
   sampling) stage_sampling ;;
+  tp) stage_tp ;;
   all)
     stage_tests
     start_stage
@@ -348,5 +367,7 @@ case "$STAGE" in
     stage_steps
     start_stage
     stage_sampling
+    start_stage
+    stage_tp
     ;;
 esac

@@ -368,3 +368,59 @@ def test_bench_sampling_smoke(tmp_path):
     passes = {row["filters"]: row["kernel_row_reads"] for row in result["rows"]
               if row["impl"] == "select:kernel"}  # fmt: skip
     assert passes["min_p=0.05"] == 2 and passes["top_k=50,top_p=0.9"] == 12
+
+
+def test_bench_tp_smoke(tmp_path):
+    """bench/bench_tp.py --smoke: 2 gloo processes on CPU, every op and impl at tp = 2 and 1,
+    its JSON marked smoke. Not a measurement; what is checked is what the run counts and
+    compares: the collectives of one call (fusedrl: the header and one all-gather; Megatron's
+    log-probs: 3 all-reduces; verl's log-probs + entropy: 6) and that the eager baselines and
+    the tp = 1 call agree with the fused tensor-parallel one."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_tp.py"), "--smoke", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stdout.splitlines()
+    assert SMOKE_NOTE in lines[0] and lines[-1] == SMOKE_NOTE
+    result = json.loads((tmp_path / "tp-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == SMOKE_NOTE and result["tp"] == [2]
+    rows = {(r["op"], r["impl"], r["preset"], r["tp"]): r for r in result["rows"]}
+    ops = [("token_logprobs_fwd", None, "megatron-eager", 3),
+           ("logp_entropy_fwd_bwd", None, "verl-eager", 6),
+           ("policy_loss_fwd_bwd", "dapo", "megatron-eager", 3),
+           ("policy_loss_fwd_bwd", "gspo", "megatron-eager", 3)]  # fmt: skip
+    assert len(rows) == len(result["rows"]) == 4 * len(ops)
+    tokens = result["N"]
+    for op, preset, eager, reduces in ops:
+        fused = rows[(op, "fusedrl", preset, 2)]
+        assert sum(fused["collectives"].values()) == 2, fused["collectives"]
+        assert fused["comm_bytes_per_token"] == (14 * 8 + 3 * 4 * tokens) / tokens
+        assert fused["V_rank"] == result["V"] // 2
+        peer = rows[(op, eager, preset, 2)]
+        assert peer["collectives"] == {"all_reduce": reduces}
+        assert peer["comm_bytes_per_token"] == 4 * reduces
+        for row in (peer, rows[(op, "fusedrl", preset, 1)], rows[(op, eager, preset, 1)]):
+            diffs = {k: row[k] for k in row if k.endswith("_max_diff") and row[k] is not None}
+            assert "logp_max_diff" in diffs, row
+            assert all(d < 1e-4 for d in diffs.values()), (op, row["impl"], row["tp"], diffs)
+        assert all(r["ms"] > 0 for r in (fused, peer))
+    assert "grad_max_diff" in rows[("policy_loss_fwd_bwd", "megatron-eager", "gspo", 1)]
+
+
+def test_bench_tp_skips_without_two_gpus(monkeypatch, capsys, tmp_path):
+    bench_tp = _load("bench_tp")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench_tp.main(["--out", str(tmp_path)]) == 0
+    assert "skipped: tensor parallelism needs 2 or more GPUs, found 1" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_run_gpu_sh_knows_the_tp_stage(tmp_path):
+    """`tp` is a stage: without a GPU it is refused like the others (not an unknown stage)."""
+    env = _fake_bin(tmp_path, 'echo "NVIDIA-SMI has failed" >&2; exit 9')
+    proc = _run_gpu(["tp", str(tmp_path / "x")], env)
+    assert proc.returncode == 3 and "refusing to run" in proc.stderr, proc.stderr
+    assert "bash bench/run_gpu.sh tp" in _run_gpu(["--help"], env).stdout

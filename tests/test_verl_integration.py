@@ -3,7 +3,8 @@
 verl's own policy losses (`core_algos.get_policy_loss_fn(mode)`) and ours on the same random
 inputs, fp32: same loss (1e-5 relative), same gradient w.r.t. log_prob (1e-4 relative), same
 metrics; and the log-prob / entropy drop-ins against `verl.utils.torch_functional`, gradients
-included, then both halves together from the logits."""
+included, then both halves together from the logits; and the Megatron (tensor-parallel) drop-ins
+in spawned gloo worlds (see their section below)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl.integrations import verl as fverl  # noqa: E402
+
+from .test_tensor_parallel import CollectiveLog, _free_port, rank_slice  # noqa: E402
 
 B, T, V = 6, 11, 1031
 LENGTHS = (11, 4, 0, 9, 1, 7)  # ragged, one empty response
@@ -558,3 +561,502 @@ def test_rejection_parity_on_the_lower_bound(option):
     )
     key = f"rollout_rs_{option}_masked_fraction"
     assert float(ours.metrics[f"rs_{option}_masked"]) == pytest.approx(verl_metrics[key], abs=1e-6)
+
+
+# ------------------------------------------------ verl's Megatron helpers on vocab-sharded logits
+# One spawned world of 3 gloo processes runs every case below twice: over ranks {0, 1} and over
+# all three (the world of 2 is a subgroup: one spawn, three interpreter start-ups). Each rank
+# saves what it computed; the tests compare it with
+# - the single-process result on the gathered logits (rank 0, fusedrl's own drop-ins): values,
+#   and each rank's gradient slice;
+# - verl's own helpers: verl/utils/megatron/tensor_parallel.py of verl 0.9.1, the installed file
+#   itself, run with stand-ins for what it imports from megatron, which is not installed here:
+#   `parallel_state.get_tensor_model_parallel_group()` (the test's gloo group) and
+#   `tensor_parallel.vocab_parallel_cross_entropy` (Megatron's formulas, as bench/bench_tp.py's
+#   eager baseline writes them: megatron/core/tensor_parallel/cross_entropy.py). The
+#   `torch.compile` of verl's entropy (a fused multiply-sum) runs eagerly.
+# Megatron's layout is even slices (rank r from r * V / tp): verl's helpers are compared there;
+# uneven slices and padded vocabularies against the single-process result only.
+TP_V = 1032  # even over 2 and 3 ranks
+TP_UNEVEN = {2: (600, 432), 3: (400, 332, 300)}
+TP_TRUE_V = 1025  # the padded case: 1025 tokens padded to 1032 columns (Megatron pads so)
+TP_B, TP_T, TP_H = 4, 6, 16
+TP_DEADLINE_S = 420
+
+
+def _tp_sizes(world: int, layout: str) -> list[int]:
+    return list(TP_UNEVEN[world]) if layout == "uneven" else [TP_V // world] * world
+
+
+# name: (what runs, token shape, layout, dtype); "linear" cases take the LM head's rows.
+TP_CASES = {
+    "logprobs_rmpad": ("logprobs", (TP_B * TP_T,), "even", torch.float32),
+    "entropy_thd": ("entropy", (1, TP_B * TP_T), "even", torch.float32),
+    "entropy_chunking": ("entropy_chunking", (TP_B, TP_T), "even", torch.float32),
+    "together": ("together", (TP_B, TP_T), "even", torch.float32),
+    "together_bf16": ("together", (TP_B, TP_T), "even", torch.bfloat16),
+    "together_default_group": ("together_default_group", (TP_B, TP_T), "even", torch.float32),
+    "together_uneven": ("together", (TP_B, TP_T), "uneven", torch.float32),
+    "together_padded": ("together", (TP_B, TP_T), "padded", torch.float32),
+    "linear_none": ("linear", (TP_B, TP_T), "even", torch.float32),
+    "linear_mean_uneven": ("linear_mean", (TP_B, TP_T), "uneven", torch.float32),
+    "bad_label": ("bad_label", (TP_B, TP_T), "even", torch.float32),
+}
+
+
+def _tp_inputs(name: str) -> dict:
+    """The whole logits (or LM head), labels and upstream gradients of a case, the same on every
+    rank (labels: true token ids; one row gets no upstream gradient)."""
+    kind, shape, layout, dtype = TP_CASES[name]
+    # The default-group case gets the explicit-group case's inputs: it must equal it bit for bit.
+    gen = torch.Generator().manual_seed(sum(map(ord, name.removesuffix("_default_group"))))
+    vocab = TP_TRUE_V if layout == "padded" else TP_V
+    data = {
+        "logits": (3.0 * torch.randn(*shape, TP_V, generator=gen)).to(dtype),
+        "labels": torch.randint(0, vocab, shape, generator=gen),
+        "w_logp": torch.randn(shape, generator=gen),
+        "w_ent": torch.randn(shape, generator=gen),
+        "hidden": torch.randn(*shape, TP_H, generator=gen),
+        "weight": 0.5 * torch.randn(TP_V, TP_H, generator=gen),
+    }
+    data["w_logp"].view(-1)[3] = data["w_ent"].view(-1)[3] = 0.0
+    if layout == "padded":  # the padding columns hold garbage that must not count
+        data["logits"][..., TP_TRUE_V::2] = float("nan")
+        data["logits"][..., TP_TRUE_V + 1 :: 2] = 1e4
+    return data
+
+
+def _megatron_stand_in(group_of):
+    """Modules `megatron`, `megatron.core`, `megatron.core.parallel_state` and
+    `megatron.core.tensor_parallel` with what verl's tensor_parallel.py and the drop-ins' default
+    group use, put in sys.modules (in a spawned child only)."""
+    import importlib.machinery
+    import types
+
+    from .test_bench_smoke import _load
+
+    bench_tp = _load("bench_tp")
+    modules = {}
+    for name in ("megatron", "megatron.core", "megatron.core.parallel_state",
+                 "megatron.core.tensor_parallel"):  # fmt: skip
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        modules[name] = module
+    state = modules["megatron.core.parallel_state"]
+    state.get_tensor_model_parallel_group = lambda: group_of[0]
+
+    def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
+        assert label_smoothing == 0.0
+        group = state.get_tensor_model_parallel_group()
+        return -bench_tp.MegatronLogProbs.apply(vocab_parallel_logits, target, group)
+
+    cross_entropy = modules["megatron.core.tensor_parallel"]
+    cross_entropy.vocab_parallel_cross_entropy = vocab_parallel_cross_entropy
+    modules["megatron"].core = modules["megatron.core"]
+    modules["megatron.core"].parallel_state = state
+    modules["megatron.core"].tensor_parallel = modules["megatron.core.tensor_parallel"]
+    sys.modules.update(modules)
+
+
+def _eager_compile(fn=None, **kwargs):
+    return fn if fn is not None else (lambda f: f)
+
+
+def _tp_run(fn, inputs: dict, labels, data, log, grad: bool = True) -> dict:
+    """`fn(**leaves, labels)` -> (logp or None, entropy or None); the outputs, the gradients of
+    the leaves under the upstream weights (None with grad=False: no backward), and the
+    collectives of forward and backward."""
+    leaves = {k: v.detach().clone().requires_grad_(grad) for k, v in inputs.items()}
+    logp, entropy = fn(*leaves.values(), labels)
+    fwd = log.take()
+    if not grad:
+        return {"logp": logp, "entropy": entropy, "fwd": fwd, "bwd": [], "grads": None}
+    total = 0.0
+    if logp is not None:  # a scalar (reduction="mean"): weighted by one of the weights
+        weight = data["w_logp"].reshape(-1)[0] if logp.dim() == 0 else data["w_logp"]
+        total = total + (logp.float() * weight.reshape(logp.shape)).sum()
+    if entropy is not None:
+        total = total + (entropy.float() * data["w_ent"].reshape(entropy.shape)).sum()
+    grads = torch.autograd.grad(total, list(leaves.values()))
+
+    def detach(t):
+        return None if t is None else t.detach()
+
+    return {"logp": detach(logp), "entropy": detach(entropy), "fwd": fwd, "bwd": log.take(),
+            "grads": dict(zip(leaves, grads))}  # fmt: skip
+
+
+def _tp_fns(kind: str, group, verl_tp, vocab_size):
+    """(ours, verl's or None, single-process) for a case kind."""
+    kw = {"group": group, "vocab_size": vocab_size}
+
+    def pair(logp_fn, entropy_fn):
+        return lambda x, labels: (logp_fn(x, labels), entropy_fn(x))
+
+    if kind == "logprobs":
+        return (
+            lambda x, y: (fverl.vocab_parallel_log_probs_from_logits(x, y, **kw), None),
+            lambda x, y: (verl_tp.vocab_parallel_log_probs_from_logits(x, y), None),
+            lambda x, y: (fverl.logprobs_from_logits(x, y), None),
+        )
+    if kind == "entropy":
+        return (
+            lambda x, y: (None, fverl.vocab_parallel_entropy(x, **kw)),
+            lambda x, y: (None, verl_tp.vocab_parallel_entropy(x)),
+            lambda x, y: (None, fverl.entropy_from_logits(x)),
+        )
+    if kind == "entropy_chunking":
+        return (
+            lambda x, y: (None, fverl.vocab_parallel_entropy_with_chunking(x, 4, **kw)),
+            lambda x, y: (None, verl_tp.vocab_parallel_entropy_with_chunking(x, chunk_size=4)),
+            lambda x, y: (None, fverl.entropy_from_logits(x)),
+        )
+
+    def verl_engine(x, labels):  # transformer_impl._lm_head_logits_processor's order
+        copy = x.clone()
+        entropy = verl_tp.vocab_parallel_entropy(x)
+        return verl_tp.vocab_parallel_log_probs_from_logits(copy, labels), entropy
+
+    if kind == "together_default_group":
+        kw["group"] = None  # megatron's (the stand-in's): the same group
+    return (
+        lambda x, y: fverl.vocab_parallel_log_probs_and_entropy(x, y, **kw),
+        verl_engine,
+        fverl.logprobs_and_entropy_from_logits,
+    )
+
+
+def _tp_case(name: str, world: int, rank: int, group, verl_tp, log) -> dict:
+    kind, shape, layout, dtype = TP_CASES[name]
+    data = _tp_inputs(name)
+    sizes = _tp_sizes(world, layout)
+    start = sum(sizes[:rank])
+    vocab_size = TP_TRUE_V if layout == "padded" else None
+    out = {"start": start, "size": sizes[rank]}
+    labels = data["labels"]
+    if kind.startswith("linear"):
+        reduction = "mean" if kind == "linear_mean" else "none"
+        weight = data["weight"][start : start + sizes[rank]]
+
+        def ours(h, w, y):
+            return fverl.linear_cross_entropy(h, w, y, 0.7, reduction, group)
+
+        out["ours"] = _tp_run(ours, {"hidden": data["hidden"], "weight": weight}, labels, data,
+                              log)  # fmt: skip
+        if rank == 0:
+            single = {"hidden": data["hidden"], "weight": data["weight"]}
+            out["single"] = _tp_run(
+                lambda h, w, y: fverl.linear_cross_entropy(h, w, y, 0.7, reduction), single,
+                labels, data, log,
+            )  # fmt: skip
+
+            def torch_ref(h, w, y):
+                logp = torch.log_softmax((h.double() @ w.double().T) / 0.7, -1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                picked = logp.gather(-1, y[..., None]).reshape(-1)
+                return picked.mean() if reduction == "mean" else picked, entropy.reshape(-1)
+
+            out["reference"] = _tp_run(torch_ref, single, labels, data, log)
+        return out
+    part = rank_slice(data["logits"], start, sizes[rank])
+    if kind == "bad_label":
+        if rank == 0:
+            labels = labels.clone()
+            labels[0, 0] = TP_V  # one past the vocabulary, on one rank only
+        try:
+            fverl.vocab_parallel_log_probs_and_entropy(part, labels, group=group)
+            out["error"] = None
+        except Exception as err:
+            out["error"] = (type(err).__name__, str(err))
+        out["calls"] = log.take()
+        return out
+    ours, theirs, single = _tp_fns(kind, group, verl_tp, vocab_size)
+    out["ours"] = _tp_run(ours, {"logits": part}, labels, data, log)
+    if layout == "even":
+        # verl 0.9.1's vocab_parallel_entropy_with_chunking cannot run backward over more than
+        # one chunk: each chunk's backward edits its saved logits view in place (sub_ / add_),
+        # which bumps the version counter that every chunk's view shares, and autograd then
+        # refuses the next chunk ("modified by an inplace operation"). Its values only.
+        grad = kind != "entropy_chunking"
+        out["verl"] = _tp_run(theirs, {"logits": part}, labels, data, log, grad=grad)
+    if rank == 0:
+        columns = data["logits"][..., : vocab_size or TP_V]
+        out["single"] = _tp_run(single, {"logits": columns}, labels, data, log)
+    return out
+
+
+def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    groups = {2: dist.new_group([0, 1]), 3: dist.group.WORLD}
+    group_of = [None]  # what megatron's parallel_state answers, per case
+    _megatron_stand_in(group_of)
+    torch.compile = _eager_compile
+    import verl.utils.megatron.tensor_parallel as verl_tp
+
+    log = CollectiveLog()
+    log.install()
+    results = {}
+    for size, group in groups.items():
+        if rank >= size:
+            continue
+        group_of[0] = group
+        for name in TP_CASES:
+            try:
+                results[(size, name)] = _tp_case(name, size, rank, group, verl_tp, log)
+            except Exception:
+                results[(size, name)] = {"crash": traceback.format_exc()}
+            log.take()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_world(tmp_path_factory):
+    import time
+
+    import torch.multiprocessing as mp
+
+    out_dir = str(tmp_path_factory.mktemp("verl_tp"))
+    ctx = mp.start_processes(_tp_worker, args=(3, _free_port(), out_dir), nprocs=3, join=False,
+                             start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + TP_DEADLINE_S
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.terminate()
+            pytest.fail(f"the gloo world hung past {TP_DEADLINE_S} s")
+    per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(3)]
+
+    def results(world: int, name: str) -> list[dict]:
+        out = [per_rank[rank][(world, name)] for rank in range(world)]
+        for rank, result in enumerate(out):
+            assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+        return out
+
+    return results
+
+
+def _tp_compare(mine: dict, truth: dict, tol: dict, what: str) -> None:
+    for key in ("logp", "entropy"):
+        if truth[key] is None:
+            assert mine[key] is None, (what, key)
+            continue
+        assert mine[key].dtype == torch.float32 and mine[key].shape == truth[key].shape, what
+        torch.testing.assert_close(mine[key], truth[key].to(mine[key].dtype), **tol,
+                                   msg=lambda m, k=key: f"{what} {k}: {m}")  # fmt: skip
+
+
+def _grad_columns(grad: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Columns [start, start + size) of a gradient over the true vocabulary, zeros past it."""
+    part = grad[..., start : start + size]
+    pad = size - part.shape[-1]
+    return torch.cat([part, part.new_zeros(*part.shape[:-1], pad)], -1) if pad else part
+
+
+TP_LOGITS_CASES = [n for n, c in TP_CASES.items() if not c[0].startswith(("linear", "bad"))]
+
+
+@pytest.mark.parametrize("name", TP_LOGITS_CASES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_megatron_helpers_match_single_process(tp_world, world, name):
+    """Every rank: the single-process values of the gathered logits, and its gradient slice (in
+    the logits' dtype; padding columns get 0); the same bits on every rank."""
+    _, _, layout, dtype = TP_CASES[name]
+    per_rank = tp_world(world, name)
+    single = per_rank[0]["single"]
+    bf16 = dtype == torch.bfloat16
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for rank, result in enumerate(per_rank):
+        ours = result["ours"]
+        _tp_compare(ours, single, tol, f"rank {rank} vs single-process")
+        grad = ours["grads"]["logits"]
+        assert grad.dtype == dtype and grad.shape[-1] == result["size"]
+        expected = _grad_columns(single["grads"]["logits"], result["start"], result["size"])
+        torch.testing.assert_close(grad.float(), expected.float(),
+                                   **(dict(rtol=1e-2, atol=1e-2) if bf16 else tol))  # fmt: skip
+        for key in ("logp", "entropy"):  # the same bits on every rank
+            if ours[key] is not None:
+                assert torch.equal(ours[key], per_rank[0]["ours"][key]), (rank, key)
+        assert not grad.reshape(-1, grad.shape[-1])[3].any()  # no upstream gradient there
+    if layout == "padded":
+        last = per_rank[-1]
+        width = TP_TRUE_V - last["start"]
+        assert not last["ours"]["grads"]["logits"][..., width:].any()
+        assert torch.isfinite(last["ours"]["entropy"]).all()
+
+
+@pytest.mark.parametrize("name", [n for n in TP_LOGITS_CASES if TP_CASES[n][2] == "even"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_megatron_helpers_match_verl(tp_world, world, name):
+    """verl's own helpers (stand-in megatron, see above) on the same slices: the same values and
+    gradient slices. verl's entropy is in the logits' dtype (bf16 here: bf16 tolerances)."""
+    _, _, _, dtype = TP_CASES[name]
+    bf16 = dtype == torch.bfloat16
+    for rank, result in enumerate(tp_world(world, name)):
+        ours, verls = result["ours"], result["verl"]
+        tol = dict(rtol=2e-2, atol=5e-2) if bf16 else dict(rtol=1e-5, atol=1e-5)
+        _tp_compare(ours, verls, tol, f"rank {rank} vs verl")
+        if verls["grads"] is None:  # entropy_chunking: see _tp_case
+            continue
+        mine, theirs = ours["grads"]["logits"], verls["grads"]["logits"]
+        assert mine.dtype == theirs.dtype == dtype and mine.shape == theirs.shape
+        torch.testing.assert_close(mine.float(), theirs.float(),
+                                   **(dict(rtol=2e-2, atol=2e-2) if bf16 else tol))  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_megatron_helpers_collectives(tp_world, world):
+    """Ours: the header and one all-gather of 3 fp32 per token in the forward, nothing in the
+    backward, whatever they return. verl's: 3 all-reduces per helper, 6 for both."""
+    verl_calls = {"logprobs_rmpad": 3, "entropy_thd": 3, "together": 6}
+    for name in TP_CASES:
+        if TP_CASES[name][0] == "bad_label":
+            continue
+        for rank, result in enumerate(tp_world(world, name)):
+            ours = result["ours"]
+            tokens = TP_B * TP_T
+            assert [call[0] for call in ours["fwd"]] == ["all_gather_into_tensor"] * 2 or [
+                call[0] for call in ours["fwd"]
+            ] == ["all_gather_single"] * 2, (name, rank, ours["fwd"])
+            assert ours["fwd"][0][1][-1] == ("torch.int64", 14), (name, ours["fwd"])
+            assert ours["fwd"][1][1][-1] == ("torch.float32", 3 * tokens), (name, ours["fwd"])
+            assert ours["bwd"] == [], (name, rank, ours["bwd"])
+            if name in verl_calls:
+                names = [call[0] for call in result["verl"]["fwd"]]
+                assert names == ["all_reduce"] * verl_calls[name], (name, names)
+
+
+def test_megatron_default_group_is_megatrons(tp_world):
+    """group=None: megatron's tensor-parallel group (here the stand-in's), bit for bit the
+    explicit group's result."""
+    for world in (2, 3):
+        for rank, (default, explicit) in enumerate(
+            zip(tp_world(world, "together_default_group"), tp_world(world, "together"))
+        ):
+            for key in ("logp", "entropy"):
+                assert torch.equal(default["ours"][key], explicit["ours"][key]), (world, rank)
+            assert torch.equal(default["ours"]["grads"]["logits"],
+                               explicit["ours"]["grads"]["logits"])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["linear_none", "linear_mean_uneven"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_linear_cross_entropy_drop_in(tp_world, world, name):
+    """verl's fused-kernel signature on the LM head's rows: the single-process values (and a
+    float64 torch reference), flat [N] (a scalar for reduction="mean"); d weight: this rank's
+    rows; d hidden: this rank's part, the parts summing to the single-process gradient."""
+    per_rank = tp_world(world, name)
+    single, ref = per_rank[0]["single"], per_rank[0]["reference"]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    _tp_compare(single, ref, tol, "single vs float64")
+    for rank, result in enumerate(per_rank):
+        ours = result["ours"]
+        _tp_compare(ours, single, tol, f"rank {rank}")
+        assert ours["entropy"].shape == (TP_B * TP_T,)
+        assert ours["logp"].shape == (() if name == "linear_mean_uneven" else (TP_B * TP_T,))
+        rows = single["grads"]["weight"][result["start"] : result["start"] + result["size"]]
+        torch.testing.assert_close(ours["grads"]["weight"], rows, **tol)
+    parts = [result["ours"]["grads"]["hidden"] for result in per_rank]
+    torch.testing.assert_close(sum(parts), single["grads"]["hidden"], **tol)
+    assert not torch.allclose(parts[0], single["grads"]["hidden"])  # a part, not the sum
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_megatron_bad_label_raises_on_every_rank(tp_world, world):
+    per_rank = tp_world(world, "bad_label")
+    errors = [result["error"] for result in per_rank]
+    assert errors[0] is not None and errors == [errors[0]] * world, errors
+    assert errors[0][0] == "TensorParallelInputError", errors
+    assert f"labels must be global token ids in [0, {TP_V})" in errors[0][1], errors
+    assert all(len(result["calls"]) == 1 for result in per_rank)  # the header, then nothing
+
+
+def test_megatron_helpers_need_a_group_without_megatron():
+    """Without megatron (as here) the default group cannot be found: a ValueError says to pass
+    group=, before any collective; patch_megatron says megatron is missing."""
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron is installed: the default group is megatron's")
+    logits, labels = _logits((B, T))
+    for call in (
+        lambda: fverl.vocab_parallel_log_probs_from_logits(logits, labels),
+        lambda: fverl.vocab_parallel_entropy(logits),
+        lambda: fverl.vocab_parallel_entropy_with_chunking(logits, 4),
+        lambda: fverl.vocab_parallel_log_probs_and_entropy(logits, labels),
+    ):
+        with pytest.raises(ValueError, match="pass group="):
+            call()
+    with pytest.raises(ImportError, match="needs megatron-core"):
+        fverl.patch_megatron()
+
+
+def test_linear_cross_entropy_single_process_and_bad_reduction():
+    """dist_process_group=None: the whole head on one rank; verl's reductions."""
+    gen = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(2, 5, 8, generator=gen), torch.randn(V, 8, generator=gen)
+    labels = torch.randint(0, V, (2, 5), generator=gen)
+    logp, entropy = fverl.linear_cross_entropy(hidden, weight, labels, 0.5)
+    ref = torch.log_softmax(hidden @ weight.T / 0.5, -1)
+    torch.testing.assert_close(logp, ref.gather(-1, labels[..., None]).reshape(-1))
+    torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1).reshape(-1))
+    total, _ = fverl.linear_cross_entropy(hidden, weight, labels, 0.5, "sum")
+    torch.testing.assert_close(total, logp.sum())
+    with pytest.raises(ValueError, match="Invalid reduction"):
+        fverl.linear_cross_entropy(hidden, weight, labels, 0.5, "max")
+
+
+def _patch_megatron_once(monkeypatch) -> None:
+    import types
+
+    _megatron_stand_in([None])
+    try:
+        import verl.utils.megatron.tensor_parallel as verl_tp
+
+        original = verl_tp.vocab_parallel_entropy
+        engine = types.ModuleType("verl._test_megatron_engine")
+        engine.vocab_parallel_entropy = original
+        engine.vocab_parallel_log_probs_from_logits = verl_tp.vocab_parallel_log_probs_from_logits
+        monkeypatch.setitem(sys.modules, engine.__name__, engine)
+        patched = fverl.patch_megatron()
+        assert "verl._test_megatron_engine.vocab_parallel_entropy" in patched
+        assert f"{fverl.MEGATRON_HELPERS}.vocab_parallel_entropy_with_chunking" in patched
+        assert engine.vocab_parallel_entropy is fverl.vocab_parallel_entropy
+        assert verl_tp.vocab_parallel_log_probs_from_logits is (
+            fverl.vocab_parallel_log_probs_from_logits
+        )
+        assert fverl.patch_megatron() == []  # idempotent
+        from verl.utils.kernel import linear_cross_entropy as lce
+
+        assert lce.linear_cross_entropy is not fverl.linear_cross_entropy
+        assert fverl.patch_megatron(fused_kernels=True) == [
+            f"{fverl.FUSED_KERNEL_MODULE}.linear_cross_entropy"
+        ]
+        assert lce.linear_cross_entropy is fverl.linear_cross_entropy
+    finally:
+        fverl.unpatch_megatron()
+        for name in list(sys.modules):
+            if name == "megatron" or name.startswith("megatron."):
+                del sys.modules[name]
+        sys.modules.pop(fverl.MEGATRON_HELPERS, None)
+    assert engine.vocab_parallel_entropy is original
+    assert verl_tp.vocab_parallel_entropy is original
+    assert lce.linear_cross_entropy is not fverl.linear_cross_entropy
+
+
+def test_patch_megatron(monkeypatch):
+    """patch_megatron rebinds verl's Megatron helpers (verl's own module, importable here with
+    the megatron stand-in) and the names a module bound from it (as the Megatron engine does);
+    unpatch_megatron restores them. Twice: the second time verl's module is imported afresh (new
+    function objects), and patching must still find them."""
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron is installed: no stand-in")
+    for _ in range(2):
+        _patch_megatron_once(monkeypatch)

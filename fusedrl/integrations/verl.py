@@ -1,6 +1,6 @@
 """Drop-in for verl (tested against verl 0.9.1): registry policy losses and fused log-probs/entropy.
 
-Two independent pieces, both switched on from a verl config (see docs/integrations.md):
+Three independent pieces, switched on from a verl config (see docs/integrations.md):
 
 1. Policy losses in verl's registry. Importing this module registers, with verl's own
    `register_policy_loss`, one fused loss per verl mode that fusedrl reproduces exactly:
@@ -24,6 +24,13 @@ Two independent pieces, both switched on from a verl config (see docs/integratio
    `verl.utils.torch_functional` and in every verl module that imported them by name) with
    `fusedrl.token_logprobs`: no fp32 copy and no softmax of [N, V] is kept for backward; the
    gradient is written per block of rows. Set `FUSEDRL_VERL_PATCH_ACTOR=1` to patch on import.
+
+3. verl's Megatron (tensor-parallel) helpers on vocab-sharded logits:
+   `vocab_parallel_log_probs_from_logits`, `vocab_parallel_entropy`,
+   `vocab_parallel_entropy_with_chunking` (verl.utils.megatron.tensor_parallel), both at once
+   (`vocab_parallel_log_probs_and_entropy`), and the fused-kernel `linear_cross_entropy`, with
+   verl's arguments, by fusedrl's tensor-parallel path (docs/tensor_parallel.md). `patch_megatron()`
+   installs them; `FUSEDRL_VERL_PATCH_MEGATRON=1` patches on import.
 
 Put the module on verl's import path of every worker with
 `actor_rollout_ref.model.external_lib=fusedrl.integrations.verl` (or the environment variable
@@ -497,6 +504,22 @@ _DROP_INS = {
 }
 
 
+def _rebind(swaps: list[tuple[Callable, Callable]]) -> list[str]:
+    """In `verl` and every loaded `verl.*` module, rebind each attribute that is `old` to `new`
+    (for each (old, new) of `swaps`). Returns the attributes rebound."""
+    by_id = {id(old): (old, new) for old, new in swaps}
+    rebound = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            pair = by_id.get(id(value))
+            if pair is not None and value is pair[0]:
+                setattr(module, attr, pair[1])
+                rebound.append(f"{mod_name}.{attr}")
+    return sorted(rebound)
+
+
 def patch_actor() -> list[str]:
     """Route verl's log-prob / entropy-from-logits path through fusedrl (idempotent).
 
@@ -508,31 +531,202 @@ def patch_actor() -> list[str]:
     """
     for name in _DROP_INS:
         _ORIGINALS.setdefault(name, getattr(verl_F, name))
-    originals = {id(fn): name for name, fn in _ORIGINALS.items()}
-    patched = []
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            name = originals.get(id(value))
-            if name is not None and value is _ORIGINALS[name]:
-                setattr(module, attr, _DROP_INS[name])
-                patched.append(f"{mod_name}.{attr}")
-    return sorted(patched)
+    return _rebind([(_ORIGINALS[name], _DROP_INS[name]) for name in _DROP_INS])
 
 
 def unpatch_actor() -> None:
     """Undo `patch_actor` (for tests and A/B runs in one process)."""
-    drop_ins = {id(fn): name for name, fn in _DROP_INS.items()}
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            name = drop_ins.get(id(value))
-            if name is not None and value is _DROP_INS[name] and name in _ORIGINALS:
-                setattr(module, attr, _ORIGINALS[name])
+    _rebind([(_DROP_INS[name], _ORIGINALS[name]) for name in _DROP_INS if name in _ORIGINALS])
+
+
+# --------------------------------------------- verl's Megatron helpers: vocab-sharded logits (TP)
+# verl's Megatron engine (verl/workers/engine/megatron/transformer_impl.py) computes log-probs and
+# entropy from the LM head's vocab-parallel output with the helpers of
+# verl/utils/megatron/tensor_parallel.py, over megatron's tensor-parallel group: Megatron's
+# vocab_parallel_cross_entropy (3 all-reduces per call) and its own entropy (3 more). The
+# drop-ins below take the same arguments and run fusedrl's tensor-parallel path instead: one
+# all-gather of a few floats per token in the forward, none in the backward (docs/
+# tensor_parallel.md). `group=None` is megatron's tensor-parallel group, as in verl.
+MEGATRON_HELPERS = "verl.utils.megatron.tensor_parallel"
+FUSED_KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
+
+
+def megatron_tp_group():
+    """megatron's tensor-parallel group: what verl's Megatron helpers all-reduce over."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError as err:
+        raise ValueError(
+            "fusedrl's verl Megatron helpers need the tensor-parallel process group: pass "
+            "group=... (megatron.core is not importable, so megatron's "
+            "parallel_state.get_tensor_model_parallel_group() cannot supply it)"
+        ) from err
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _vocab_parallel(logits, labels, group, vocab_size, entropy: bool):
+    """fusedrl.token_logprobs on this rank's vocab slice; (logp, entropy) of labels' shape."""
+    group = megatron_tp_group() if group is None else group
+    rows = _as_rows(logits)
+    shape = logits.shape[:-1]
+    if labels is None:  # entropy only: any id will do, 0 is in every vocabulary
+        labels = torch.zeros(shape, dtype=torch.long, device=logits.device)
+    logp, ent = fusedrl.token_logprobs(
+        rows, labels.reshape(rows.shape[:-1]), return_entropy=entropy, backend=BACKEND,
+        tp_group=group, vocab_size=vocab_size,
+    )  # fmt: skip
+    return logp.view(labels.shape), None if ent is None else ent.view(shape)
+
+
+@torch.compiler.disable
+def vocab_parallel_log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_size: int | None = None
+) -> torch.Tensor:
+    """verl's `vocab_parallel_log_probs_from_logits(logits, labels)`, fused.
+
+    logits: this rank's vocab slice `[..., V / tp]` (rank r holds global ids from r * V / tp, or
+    from the sum of the lower ranks' widths when the slices are uneven); labels: global token ids
+    of shape `logits.shape[:-1]`, the same on every rank. Returns the fp32 log-probs, labels'
+    shape, the same on every rank (Megatron's `-vocab_parallel_cross_entropy`); the gradient is
+    this rank's slice, in the logits' dtype. Unlike Megatron's, the logits are left intact.
+
+    `group`: the tensor-parallel process group (default: megatron's, as verl). `vocab_size`:
+    the true vocabulary, when the slices hold padding columns that must not count (Megatron's
+    own helper counts them; the default, the sum of the slices, does the same).
+    """
+    return _vocab_parallel(logits, labels, group, vocab_size, entropy=False)[0]
+
+
+@torch.compiler.disable
+def vocab_parallel_entropy(
+    vocab_parallel_logits: torch.Tensor, *, group=None, vocab_size: int | None = None
+) -> torch.Tensor:
+    """verl's `vocab_parallel_entropy(vocab_parallel_logits)`, fused: the entropy of the whole
+    rows, shape `logits.shape[:-1]`, fp32 (verl's has the logits' dtype), the same on every
+    rank; the gradient is this rank's slice. `group`, `vocab_size`: as in
+    `vocab_parallel_log_probs_from_logits`."""
+    return _vocab_parallel(vocab_parallel_logits, None, group, vocab_size, entropy=True)[1]
+
+
+def vocab_parallel_entropy_with_chunking(
+    vocab_parallel_logits: torch.Tensor,
+    chunk_size: int = 2048,
+    *,
+    group=None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """verl's `vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size)`, fused
+    (fusedrl already walks the rows in blocks; `chunk_size` is accepted and not needed)."""
+    return vocab_parallel_entropy(vocab_parallel_logits, group=group, vocab_size=vocab_size)
+
+
+@torch.compiler.disable
+def vocab_parallel_log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of vocab-sharded logits from one pass and one collective: what
+    verl's Megatron engine gets from `vocab_parallel_entropy` and then
+    `vocab_parallel_log_probs_from_logits` on a copy of the logits (6 all-reduces). Arguments and
+    results as those two."""
+    return _vocab_parallel(logits, labels, group, vocab_size, entropy=True)
+
+
+def _linear_backend(sharded: bool) -> str:
+    # The LM-head form has no "cuda" backend, and with a process group runs its torch backend.
+    if BACKEND == "cuda" or (sharded and BACKEND == "triton"):
+        return "auto"
+    return BACKEND
+
+
+@torch.compiler.disable
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+    *,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's fused-kernel `linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+    dist_process_group)` (verl/utils/kernel/linear_cross_entropy.py, the Megatron engine's
+    `use_fused_kernels=True` path), by `fusedrl.linear_token_logprobs`.
+
+    hidden `[..., H]` (replicated over the group), weight this rank's rows `[V / tp, H]`, labels
+    global ids of hidden's leading shape. Returns (log-probs, entropy), fp32, flattened to
+    `[N]`; with reduction "sum" / "mean" the log-probs are summed / averaged to a scalar (the
+    entropy stays per token), as verl's. `dist_process_group=None` is a whole head on one rank.
+    The gradient of `hidden` is this rank's part, not summed over the group (as verl's kernel:
+    the caller's Megatron region reduces it); `weight`'s is this rank's rows.
+    """
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"Invalid reduction: {reduction!r}: expected 'none', 'sum' or 'mean'")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    sharded = dist_process_group is not None
+    logp, entropy = fusedrl.linear_token_logprobs(
+        rows, weight, labels.reshape(-1), float(temperature), True,
+        backend=_linear_backend(sharded), tp_group=dist_process_group, vocab_size=vocab_size,
+        reduce_input_grad=False,
+    )  # fmt: skip
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+_MEGATRON_DROP_INS = {
+    "vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+    "vocab_parallel_entropy": vocab_parallel_entropy,
+    "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
+}
+_MEGATRON_ORIGINALS: dict[str, Callable] = {}
+
+
+def _megatron_swaps(fused_kernels: bool) -> list[tuple[str, str, Callable]]:
+    """(module, name, drop-in) of what patch_megatron replaces."""
+    swaps = [(MEGATRON_HELPERS, name, fn) for name, fn in _MEGATRON_DROP_INS.items()]
+    if fused_kernels:
+        swaps.append((FUSED_KERNEL_MODULE, "linear_cross_entropy", linear_cross_entropy))
+    return swaps
+
+
+def patch_megatron(fused_kernels: bool = False) -> list[str]:
+    """Route verl's Megatron log-prob / entropy helpers through fusedrl's tensor-parallel path
+    (idempotent): `vocab_parallel_log_probs_from_logits`, `vocab_parallel_entropy` and
+    `vocab_parallel_entropy_with_chunking` of verl.utils.megatron.tensor_parallel, in that module
+    and in every loaded `verl.*` module that bound them by name (the Megatron engine does). With
+    `fused_kernels=True`, also verl's `linear_cross_entropy` (the `use_fused_kernels=True` path).
+    Needs megatron (verl's module imports it). Returns what was patched.
+    """
+    import importlib
+
+    swaps = _megatron_swaps(fused_kernels)
+    for module_name in {module for module, _, _ in swaps}:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ImportError(
+                f"patch_megatron: verl's {module_name} does not import ({err}); it needs "
+                "megatron-core, which verl's Megatron backend installs"
+            ) from err
+        for mod, name, drop_in in swaps:
+            current = getattr(module, name) if mod == module_name else drop_in
+            if current is not drop_in:  # (taken again from a module imported afresh)
+                _MEGATRON_ORIGINALS[name] = current
+    return _rebind([(_MEGATRON_ORIGINALS[name], fn) for _, name, fn in swaps])
+
+
+def unpatch_megatron() -> None:
+    """Undo `patch_megatron`."""
+    swaps = _megatron_swaps(fused_kernels=True)
+    originals = _MEGATRON_ORIGINALS
+    _rebind([(fn, originals[name]) for _, name, fn in swaps if name in originals])
 
 
 register()
 if os.environ.get("FUSEDRL_VERL_PATCH_ACTOR", "0") == "1":
     patch_actor()
+if os.environ.get("FUSEDRL_VERL_PATCH_MEGATRON", "0") == "1":
+    patch_megatron()
