@@ -103,6 +103,7 @@ CASES = [
     Case("logprobs_dtensor", kind="logprobs", layout="dtensor", return_entropy=True),
     Case("dapo_flat", flat=True, per_token_adv=True),
     Case("dapo_inplace", inplace=True),
+    Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True),
     Case("dapo_bf16", dtype=torch.bfloat16),
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),

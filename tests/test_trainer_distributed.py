@@ -1,8 +1,12 @@
-"""Data parallel on CPU (2 processes, gloo, FSDP2): the gradient equals the single-process one.
+"""Data and tensor parallelism on CPU (2 processes, gloo).
 
-Each rank takes a different, uneven share of the same minibatch (4 and 3 sequences, micro-batches
-of one sequence, so rank 1 also runs a padding micro-batch to keep FSDP's collectives in step).
-The all-reduced normaliser makes the sum of the ranks' losses the loss of the whole minibatch.
+Data parallel (FSDP2): the gradient equals the single-process one. Each rank takes a different,
+uneven share of the same minibatch (4 and 3 sequences, micro-batches of one sequence, so rank 1
+also runs a padding micro-batch to keep FSDP's collectives in step). The all-reduced normaliser
+makes the sum of the ranks' losses the loss of the whole minibatch.
+
+Tensor parallel (`fusedrl-train --tp 2`, the LM head split over the vocabulary): whole runs of the
+trainer, whose first step's loss and gradient norm equal the one-process run's; a resumed run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch.multiprocessing as mp
 
 import fusedrl
 from fusedrl.trainer.distributed import DistEnv, shard
+from fusedrl.trainer.logger import read_metrics
+from fusedrl.trainer.loop import TINY_LR
 from fusedrl.trainer.step import accumulate_gradients
 
 from .test_trainer_units import _tiny_batch, _tiny_model
@@ -83,3 +89,110 @@ def test_distributed_gradient_equals_single_process(preset, distributed_grads):
     expected = _grads(model)
     assert expected.abs().sum() > 0
     torch.testing.assert_close(distributed_grads[preset], expected, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------ --tp
+# `fusedrl-train --tp 2` on 2 processes (gloo): one data-parallel rank of 2 tensor-parallel ranks,
+# the LM head split over the vocabulary (99 tokens: uneven slices of 50 and 49 rows), against the
+# same run in one process. Rollouts with transformers' generate (the head's logits gathered), a
+# KL term (the reference model is split too), 2 minibatches (old log-probs, then a second update).
+TP_RUN = ("--progress", "false", "--rollout", "hf", "--warmstart-steps", "0", "--seed", "3",
+          "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4",
+          "--minibatches", "2", "--beta", "0.04", "--kl", "k3", "--save-every", "1",
+          "--tensorboard", "false")  # fmt: skip
+RUN_DEADLINE_S = 300  # a hang (mismatched collectives) fails the test instead of the suite
+
+
+def _cli_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    from fusedrl.trainer.cli import main
+
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def fusedrl_train(world: int, *argv: str) -> None:
+    """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as spawned processes."""
+    import time
+
+    ctx = mp.spawn(_cli_worker, args=(world, _free_port(), list(argv)), nprocs=world,
+                   join=False)  # fmt: skip
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            raise AssertionError(f"fusedrl-train {' '.join(argv)} hung ({world} processes)")
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """{name: run directory}: one process (tp = 1), then tp = 2 with the fused LM head (each rank
+    its rows of the head, linear_policy_loss with the tp group) and with materialised logits
+    (ColwiseParallel's DTensor logits into policy_loss), from the same base model."""
+    root = tmp_path_factory.mktemp("tp")
+    fusedrl_train(1, *TP_RUN, "--out", str(root / "tp1"))
+    same = ("--model", str(root / "tp1" / "base_model"), "--lr", str(TINY_LR))
+    fusedrl_train(2, *TP_RUN, *same, "--tp", "2", "--out", str(root / "tp2"))
+    fusedrl_train(2, *TP_RUN, *same, "--tp", "2", "--no-fused-lm-head",
+                  "--out", str(root / "tp2_logits"))  # fmt: skip
+    return {name: root / name for name in ("tp1", "tp2", "tp2_logits")}
+
+
+@pytest.mark.parametrize("run", ["tp2", "tp2_logits"])
+def test_tensor_parallel_step_equals_one_process(tp_runs, run):
+    single, tp = read_metrics(tp_runs["tp1"]), read_metrics(tp_runs[run])
+    assert [r["step"] for r in tp] == [0, 1]
+    first, want = tp[0], single[0]
+    print(f"{run}: loss {first['loss']!r} vs {want['loss']!r}, grad_norm "
+          f"{first['grad_norm']!r} vs {want['grad_norm']!r}")
+    assert first["reward_mean"] == want["reward_mean"]  # the same samples
+    assert first["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert first["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert want["grad_norm"] > 0 and want["kl"] > 0
+    for key in ("kl", "entropy", "clipfrac", "response_len_mean"):
+        assert first[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    # Checkpoints hold whole tensors (the head's 99 rows), resumable at any --tp.
+    state = torch.load(tp_runs[run] / "checkpoints" / "step_000002" / "model.pt")
+    assert state["lm_head.weight"].shape[0] == 99
+    assert (tp_runs[run] / "final_model" / "config.json").exists()
+
+
+def test_tensor_parallel_run_resumes_exactly(tp_runs, tmp_path):
+    """A --tp 2 checkpoint (whole tensors) loaded back into the split head: the resumed step is
+    the uninterrupted run's, bit for bit."""
+    out = tmp_path / "resumed"
+    fusedrl_train(2, "--progress", "false", "--out", str(out),
+                  "--resume", str(tp_runs["tp2"] / "checkpoints" / "step_000001"))  # fmt: skip
+    times = ("step_time", "gen_time", "train_time")
+    resumed, reference = read_metrics(out), read_metrics(tp_runs["tp2"])[1:]
+    assert [r["step"] for r in resumed] == [1]
+    assert {k: v for k, v in resumed[0].items() if k not in times} == {
+        k: v for k, v in reference[0].items() if k not in times}
+
+
+def test_tensor_parallel_flags_fail_clearly(monkeypatch):
+    from fusedrl.tiny import tiny_llama
+    from fusedrl.trainer.config import parse_config
+    from fusedrl.trainer.distributed import check_tensor_parallel, setup
+
+    for argv, message in ((["--tp", "0"], "--tp: must be >= 1"),
+                          (["--tp", "2", "--top-p", "0.9"], "sampling mask"),
+                          (["--tp", "2", "--backend", "cuda"], "--backend cuda")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_config(argv)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"--tp 3 must divide the number of processes \(2;"):
+        setup(3)
+    model = tiny_llama(99, hidden_size=32, num_layers=1, num_heads=1, head_dim=32)
+    check_tensor_parallel(model, 2, 1)  # one data-parallel rank: uneven slices (50 + 49 rows)
+    with pytest.raises(ValueError, match="must split evenly over the 4 ranks"):
+        check_tensor_parallel(model, 2, 2)
+    check_tensor_parallel(tiny_llama(100, hidden_size=32, num_layers=1, num_heads=1,
+                                     head_dim=32), 2, 2)  # fmt: skip
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied
+    with pytest.raises(ValueError, match="ties its LM head"):
+        check_tensor_parallel(model, 2, 1)

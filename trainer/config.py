@@ -106,6 +106,7 @@ class TrainConfig:
     dtype: str = "auto"  # forward (autocast) and vLLM dtype; auto = bf16 on GPU, fp32 on CPU
     backend: str = "auto"  # fusedrl backend
     fused_lm_head: bool = True  # loss from hidden states + LM head, no logits (plain heads)
+    tp: int = 1  # tensor parallel ranks: the LM head split over the vocabulary (torchrun)
     # --- output ---------------------------------------------------------------------------
     out: str = "runs/fusedrl"
     save_every: int = 20
@@ -159,6 +160,13 @@ class TrainConfig:
              f"must be one of {ROLLOUTS}, got {self.rollout!r}")
         need(self.backend in BACKENDS, "backend",
              f"must be one of {BACKENDS}, got {self.backend!r}")
+        need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        # What fusedrl's tensor-parallel loss has no path for yet (docs/tensor_parallel.md).
+        need(self.tp == 1 or self.top_p == 1, "tp",
+             "--top-p < 1 replays the sampling mask in the loss, which has no tensor-parallel "
+             "path yet: use --tp 1 or --top-p 1")
+        need(self.tp == 1 or self.backend != "cuda", "tp",
+             "--backend cuda has no tensor-parallel path: use auto, triton or torch")
         need(self.prompts_per_step * self.group_size >= self.minibatches, "minibatches",
              f"{self.minibatches} minibatches need at least as many sequences per step "
              f"(prompts_per_step x group_size = {self.prompts_per_step * self.group_size})")
@@ -283,7 +291,11 @@ HELP = {
     "backend": f"fusedrl loss backend, one of {list(BACKENDS)}.",
     "fused_lm_head": "Compute the loss from the hidden states and the LM head, never the "
     "[tokens x vocab] logits (fusedrl.linear_policy_loss), when the head is a plain linear "
-    "layer and one process trains; --no-fused-lm-head materialises the logits.",
+    "layer and FSDP does not shard it (one data-parallel rank); --no-fused-lm-head "
+    "materialises the logits.",
+    "tp": "Tensor-parallel ranks (under torchrun; must divide the world size): the LM head is "
+    "split over the vocabulary on each group of tp ranks, the rest replicated on them, FSDP2 "
+    "over the world / tp data-parallel ranks.",
     "out": "Run directory (metrics, checkpoints, plots, final_model).",
     "save_every": "Checkpoint every N steps (and at the last step).",
     "keep_last": "Checkpoints kept.",

@@ -50,7 +50,18 @@ from fusedrl import LossConfig
 from . import checkpoint
 from .config import TrainConfig
 from .data import PromptSet, build_prompt_set, task_rows
-from .distributed import DistEnv, max_over_ranks, setup, shard, sum_over_ranks, teardown
+from .distributed import (
+    DistEnv,
+    average_replicated_grads,
+    broadcast_in_tp_group,
+    check_tensor_parallel,
+    clip_grad_norm,
+    max_over_ranks,
+    setup,
+    shard,
+    sum_over_ranks,
+    teardown,
+)
 from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score
@@ -142,11 +153,11 @@ def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.env: DistEnv = setup()
-        if cfg.prompts_per_step < self.env.world_size:
+        self.env: DistEnv = setup(cfg.tp)
+        if cfg.prompts_per_step < self.env.dp_size:
             raise ValueError(
                 f"--prompts-per-step {cfg.prompts_per_step} is below the number of data-parallel "
-                f"ranks ({self.env.world_size}): every rank needs at least one prompt"
+                f"ranks ({self.env.dp_size}): every rank needs at least one prompt"
             )
         self.run_dir = Path(cfg.out)
         if self.env.is_main:
@@ -199,14 +210,17 @@ class Trainer:
                 f"max_position_embeddings={limit}"
             )
         model.config.use_cache = False
+        check_tensor_parallel(model, cfg.tp, self.env.dp_size)
         self.ref_model = None
         if self.loss_cfg.beta > 0:
             self.ref_model = shard(copy.deepcopy(model).to(self.env.device).eval(), self.env)
             self.ref_model.requires_grad_(False)
         self.model = shard(model.to(self.env.device), self.env)
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
+        # Under --tp alone (one data-parallel rank) each rank holds its rows of the head: the
+        # fused loss takes them with the tp group.
         self.lm_head = (
-            cfg.fused_lm_head and self.env.world_size == 1 and plain_lm_head(model) is not None
+            cfg.fused_lm_head and self.env.dp_size == 1 and plain_lm_head(model) is not None
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
@@ -262,7 +276,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         positions = range(self.cursor, self.cursor + cfg.prompts_per_step)
         self.cursor += cfg.prompts_per_step
-        return list(positions)[env.rank :: env.world_size]
+        return list(positions)[env.dp_rank :: env.dp_size]  # the "tp" ranks share a slice
 
     def _generate_round(self) -> tuple[list[list[Sample]], torch.Tensor, dict, list[bool]]:
         cfg = self.cfg
@@ -290,12 +304,19 @@ class Trainer:
         # A few of the round's completions for TensorBoard's text tab (the first of each group).
         self.last_samples = [(str(rows[i]["prompt"]), texts[i], float(rewards[i]))
                              for i in range(0, len(samples), cfg.group_size)][:8]  # fmt: skip
+        # --tp: the ranks of a "tp" group must train on the same batch (the loss checks that the
+        # labels agree). Their engines sample the same prompts with the same seeds, but nothing
+        # makes two GPUs' samples or a user's reward function bit-identical: tp-rank 0's round
+        # is everyone's.
+        result = (groups, rewards, per_fn, correct, self.last_samples)
+        groups, rewards, per_fn, correct, self.last_samples = broadcast_in_tp_group(result,
+                                                                                   self.env)
         return groups, rewards, per_fn, correct
 
     def rollout(self) -> tuple[list[Sample], torch.Tensor, dict]:
         """Samples and rewards of the batch to train on, and the generation metrics."""
         cfg, G = self.cfg, self.cfg.group_size
-        wanted = len(range(self.env.rank, cfg.prompts_per_step, self.env.world_size))
+        wanted = len(range(self.env.dp_rank, cfg.prompts_per_step, self.env.dp_size))
         kept_groups: list[list[Sample]] = []
         kept_rewards: list[torch.Tensor] = []
         all_rewards, all_samples, per_fn_means, all_correct = [], [], {}, []
@@ -386,12 +407,11 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 mini = batch.rows(slice(lo, hi))
                 step_metrics = accumulate_gradients(self.model, mini, lcfg, mb, self._autocast(),
-                                                    cfg.backend, lm_head=self.lm_head)
+                                                    cfg.backend, lm_head=self.lm_head,
+                                                    dp_group=self.env.dp_group)  # fmt: skip
+                average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-                step_metrics["grad_norm"] = grad_norm
+                step_metrics["grad_norm"] = clip_grad_norm(self.model.parameters(), clip)
                 if not self._finite_update(step, step_metrics):
                     self.optimizer.zero_grad(set_to_none=True)
                     continue  # skipped (--skip-nonfinite-steps): no optimizer step
@@ -538,11 +558,12 @@ class Trainer:
         record = {"step": step}
         for group in by_device.values():
             stacked = torch.stack(list(group.values()))
-            # Under data parallelism every rank logs the mean over ranks (equal shares of prompts).
+            # Under data parallelism every rank logs the mean over ranks (equal shares of prompts;
+            # the "tp" ranks of a data-parallel rank hold the same values).
             stacked = sum_over_ranks(stacked) / self.env.world_size
             record.update(zip(group, stacked.tolist()))
-        if "loss" in record:  # each rank's loss is its share of the global loss: a sum
-            record["loss"] *= self.env.world_size
+        if "loss" in record:  # each data-parallel rank's loss is its share of the global loss
+            record["loss"] *= self.env.dp_size
         for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
                     "logp_diff_vllm"):
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import whole_logits, world_size
+
 
 @dataclass
 class Sample:
@@ -172,7 +174,8 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], indices: list[int], seeds: list[int],
                  cfg) -> list[list[Sample]]:
         """One batched `generate` for the round: prompts left-padded, G samples each, the RNG
-        seeded from the round's first seed (the same prompts give the same samples)."""
+        seeded from the round's first seed (the same prompts give the same samples). Under --tp
+        the LM head's vocabulary-sharded logits are gathered for sampling."""
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts],
                                  device=self.device)
@@ -185,13 +188,16 @@ class HFEngine:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seeds[0])
                 with torch.autocast(self.device.type, dtype=self.autocast,
-                                    enabled=self.autocast is not None):
+                                    enabled=self.autocast is not None), whole_logits(self.model):
                     out = self.model.generate(
                         input_ids, attention_mask=attention_mask, do_sample=True,
                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
                         max_new_tokens=cfg.max_tokens, num_return_sequences=cfg.group_size,
                         eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
                         output_scores=True, return_dict_in_generate=True, use_cache=True,
+                        # Every forward is collective under FSDP or --tp: a rank whose samples
+                        # all ended keeps stepping until every rank's have.
+                        synced_gpus=world_size() > 1,
                     )
                 logps = self.model.compute_transition_scores(out.sequences, out.scores,
                                                              normalize_logits=True)

@@ -5,7 +5,10 @@ view handed to fusedrl, which reads it once and writes the gradient once (in pla
 buffer is dead after the loss). Under data parallelism every rank divides by the same global
 normaliser (all-reduced token or sequence count of the minibatch), so the sum of the ranks'
 gradients is the gradient of the whole minibatch; FSDP averages over ranks, hence the loss is
-scaled by the world size.
+scaled by the world size. Under --tp the data-parallel ranks are those of the "dp" mesh dimension
+(the "tp" ranks of a row share one batch): the count is summed and the loss scaled over them only.
+With the LM head split over "tp", the logits are a DTensor sharded on the vocabulary, or, for the
+fused LM head, each rank holds its rows of the head; fusedrl's loss takes either as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig
 from fusedrl.linear import plain_lm_head
+from fusedrl.tp.dtensor import is_dtensor
 
 from .distributed import max_over_ranks, sum_over_ranks, world_size
 
@@ -107,7 +111,8 @@ def _autocast(batch: Batch, autocast_dtype: torch.dtype | None):
 
 
 def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """[B, T, V] logits that predict the completion tokens: a strided view, never copied."""
+    """[B, T, V] logits that predict the completion tokens: a strided view, never copied (under
+    --tp a DTensor sharded on V: each rank holds its slice)."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.labels.shape[1]
     with _autocast(batch, autocast_dtype):
@@ -121,10 +126,19 @@ def completion_logits(model, batch: Batch, autocast_dtype: torch.dtype | None) -
     return out.logits[:, :width]
 
 
+def _rows(param: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(this rank's rows, their group) of an LM-head parameter split over the vocabulary by --tp
+    (a DTensor; to_local() passes the gradient back to it); a plain one as it is, no group."""
+    if not is_dtensor(param):
+        return param, None
+    return param.to_local(), param.device_mesh.get_group()
+
+
 def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
-    """(hidden [B, T, H], weight, bias) whose head(hidden) are completion_logits: the body's last
-    hidden states at the positions that predict the completion (a strided view) and the head's
-    parameters in the hidden states' dtype (as autocast would cast them for the matmul)."""
+    """(hidden [B, T, H], weight, bias, tp_group) whose head(hidden) are completion_logits: the
+    body's last hidden states at the positions that predict the completion (a strided view) and
+    the head's parameters in the hidden states' dtype (as autocast would cast them for the
+    matmul). Under --tp: this rank's rows of the head and the group they are split over."""
     head = plain_lm_head(model)
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.labels.shape[1]
@@ -136,11 +150,14 @@ def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
             use_cache=False,
         )
     hidden = out.last_hidden_state[:, -(width + 1) : -1]
-    bias = None if head.bias is None else head.bias.to(hidden.dtype)
-    return hidden, head.weight.to(hidden.dtype), bias
+    weight, tp_group = _rows(head.weight)
+    bias = None if head.bias is None else _rows(head.bias)[0].to(hidden.dtype)
+    return hidden, weight.to(hidden.dtype), bias, tp_group
 
 
-def _linear_backend(backend: str) -> str:
+def _linear_backend(backend: str, tp_group) -> str:
+    if tp_group is not None and backend == "triton":
+        return "auto"  # the tensor-parallel LM-head loss runs its torch backend (cuBLAS blocks)
     return backend if backend in fusedrl.LINEAR_BACKENDS else "auto"
 
 
@@ -176,11 +193,11 @@ def token_logprobs(
     for rows in micro_batches(len(batch), micro_batch_size):
         sub = batch.rows(_nonempty(rows, len(batch)))
         if lm_head:
-            hidden, weight, bias = completion_hidden(model, sub, autocast_dtype)
+            hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
             logp, _ = fusedrl.linear_token_logprobs(
                 hidden, weight, sub.labels, cfg.temperature, bias=bias,
-                backend=_linear_backend(backend), top_k=cfg.top_k, top_p=cfg.top_p,
-                min_p=cfg.min_p,
+                backend=_linear_backend(backend, tp_group), top_k=cfg.top_k, top_p=cfg.top_p,
+                min_p=cfg.min_p, tp_group=tp_group,
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)
@@ -208,18 +225,20 @@ def accumulate_gradients(
     backend: str,
     normalizer: torch.Tensor | None = None,
     lm_head: bool = False,
+    dp_group=None,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
     `lm_head`: the loss from the body's hidden states and the LM head
     (fusedrl.linear_policy_loss), so that the [B, T, V] logits never exist.
 
-    `normalizer` defaults to the all-reduced count of the minibatch, so the gradients summed over
-    micro-batches and ranks equal the single-process gradient of the whole minibatch.
+    `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
+    data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
+    equal the single-process gradient of the whole minibatch.
     """
     if normalizer is None:
-        normalizer = sum_over_ranks(loss_normalizer(cfg, batch.mask)).clamp_min(1.0)
-    scale = float(world_size())
+        normalizer = sum_over_ranks(loss_normalizer(cfg, batch.mask), dp_group).clamp_min(1.0)
+    scale = float(world_size(dp_group))
     sums: dict[str, torch.Tensor] = {}
     weight_total = torch.zeros((), device=batch.mask.device)
     for rows in micro_batches(len(batch), micro_batch_size):
@@ -232,10 +251,12 @@ def accumulate_gradients(
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
         if lm_head:
-            hidden, weight, bias = completion_hidden(model, sub, autocast_dtype)
+            hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
+            # Under --tp the body is replicated: the loss sums the hidden states' gradient over
+            # the group (reduce_input_grad, its default), so every rank backpropagates the whole.
             out = fusedrl.linear_policy_loss(
                 hidden, weight, sub.labels, sub.advantages, sub.mask, bias=bias,
-                backend=_linear_backend(backend), **rows_args,
+                backend=_linear_backend(backend, tp_group), tp_group=tp_group, **rows_args,
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)

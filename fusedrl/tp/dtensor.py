@@ -5,11 +5,33 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 
 def _dtensor_type():
     # A DTensor exists only once its module is loaded: no import (and no cost) otherwise.
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
+
+
+class _LocalShard(torch.autograd.Function):
+    """A DTensor's local shard, whose gradient comes back as a DTensor with its placements, as
+    `DTensor.to_local()`'s does. to_local() returns a view made inside a custom Function, and
+    autograd forbids using such a view after an in-place write, which `inplace=True` does (it
+    writes the gradient into the logits): this shard is an alias of the storage, not a view."""
+
+    @staticmethod
+    def forward(ctx, dtensor):
+        ctx.spec = (dtensor.device_mesh, dtensor.placements, dtensor.shape, dtensor.stride())
+        return dtensor.to_local().detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
 
 def is_dtensor(x: object) -> bool:
@@ -46,7 +68,7 @@ def unwrap_logits(logits: object, tp_group) -> tuple[object, object]:
             f"DTensor logits must be sharded on the vocab (last) dimension over one mesh "
             f"dimension and replicated over the others, got placements {logits.placements}"
         )
-    return logits.to_local(), logits.device_mesh.get_group(vocab_dims[0])
+    return _LocalShard.apply(logits), logits.device_mesh.get_group(vocab_dims[0])
 
 
 def local_value(x: object) -> object:
