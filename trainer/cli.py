@@ -20,15 +20,35 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# What `pip install fusedrl` leaves out and `fusedrl[train]` brings (pyproject.toml), by module.
+TRAIN_EXTRA_MODULES = {"yaml", "tqdm", "transformers", "math_verify", "tensorboard",
+                       "matplotlib"}  # fmt: skip
+
+
+def _missing_train_extra(exc: ModuleNotFoundError) -> int:
+    """One line for a trainer dependency that a plain `pip install fusedrl` does not bring."""
+    if (exc.name or "").split(".")[0] not in TRAIN_EXTRA_MODULES:
+        raise exc
+    print(f"fusedrl-train: error: {exc.name} is not installed; the trainer's dependencies come "
+          "with `pip install 'fusedrl[train]'`", file=sys.stderr)  # fmt: skip
+    return 2
+
+
 def _main(argv: list[str] | None) -> int:
-    from .config import parse_config
+    try:
+        from .config import parse_config
+    except ModuleNotFoundError as exc:
+        return _missing_train_extra(exc)
 
     try:
         cfg = parse_config(argv)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
-    from .loop import Trainer
+    try:
+        from .loop import Trainer
+    except ModuleNotFoundError as exc:
+        return _missing_train_extra(exc)
     from .quiet import quiet_libraries
 
     quiet_libraries(cfg.verbose)
