@@ -47,6 +47,12 @@ class LinearInputs:
     sampling: SamplingMask | None = None
     # [B * T] floors of the sampled sets, found by the first sweep for the second
     saved_floors: torch.Tensor | None = None
+    # (logits block, temperature, sampling) -> the block's floors; tensor parallelism finds them
+    # over the group (fusedrl/tp/sampling.py)
+    find_floors: Callable = block_floor
+    # the vocab width that sizes the row blocks (None: the weight's rows); tensor parallelism
+    # gives every rank the widest slice's, so that the ranks' blocks (and collectives) line up
+    block_vocab: int | None = None
 
 
 @dataclass
@@ -102,7 +108,7 @@ def sweep(
     slice), and logp / entropy are left at 0."""
     hidden, weight, bias = lin.hidden, lin.weight, lin.bias
     batch, time, _ = hidden.shape
-    vocab = weight.shape[0]
+    vocab = weight.shape[0] if lin.block_vocab is None else lin.block_vocab
     acc = _accumulator_dtype(hidden)
     logp = torch.zeros(batch * time, dtype=acc, device=hidden.device)
     entropy = torch.zeros_like(logp) if need_entropy else None
@@ -123,7 +129,7 @@ def sweep(
         if lin.sampling is not None:
             floor = lin.saved_floors[start:stop]
             if find_floors:
-                floor.copy_(block_floor(logits, temperature, lin.sampling))
+                floor.copy_(lin.find_floors(logits, temperature, lin.sampling))
         log_probs, lse = block_log_probs(
             logits, temperature, flat_labels[start:stop], lin.sampling, floor
         )

@@ -98,7 +98,9 @@ def sampling_floor(scaled: torch.Tensor, sampling: SamplingMask) -> torch.Tensor
 
 
 def kept(scaled: torch.Tensor, floor: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[n, V] bool: the sampled set of each row (at or above its floor) and the row's label."""
+    """[n, V] bool: the sampled set of each row (at or above its floor) and the row's label (an
+    ignored position's negative label keeps token 0, as the kernels do; a label >= V keeps
+    nothing: under tensor parallelism it is on another rank)."""
     columns = torch.arange(scaled.shape[-1], device=scaled.device)
     return (scaled >= floor[:, None]) | (columns == labels.clamp_min(0)[:, None])
 

@@ -118,7 +118,10 @@ def block_stats(
     # -inf (lse = -inf): no distribution, NaN as in the reference and the kernels, where
     # `entropy_of` alone would sum no term and say 0.
     corrupt = lse.squeeze(-1).abs() == float("inf")
-    logp = torch.where(corrupt, float("nan"), log_probs.gather(-1, labels[:, None]).squeeze(-1))
+    # A label outside [0, V) is in another vocab slice (tensor parallelism): its logp here is
+    # never used.
+    picked = log_probs.gather(-1, labels.clamp(0, log_probs.shape[-1] - 1)[:, None]).squeeze(-1)
+    logp = torch.where(corrupt, float("nan"), picked)
     if not need_entropy:
         return logp, None
     return logp, torch.where(corrupt, float("nan"), entropy_of(log_probs))

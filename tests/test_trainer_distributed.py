@@ -95,11 +95,12 @@ def test_distributed_gradient_equals_single_process(preset, distributed_grads):
 # `fusedrl-train --tp 2` on 2 processes (gloo): one data-parallel rank of 2 tensor-parallel ranks,
 # the LM head split over the vocabulary (99 tokens: uneven slices of 50 and 49 rows), against the
 # same run in one process. Rollouts with transformers' generate (the head's logits gathered), a
-# KL term (the reference model is split too), 2 minibatches (old log-probs, then a second update).
+# KL term (the reference model is split too), 2 minibatches (old log-probs, then a second update),
+# top_p 0.9 (the loss replays the nucleus over the group).
 TP_RUN = ("--progress", "false", "--rollout", "hf", "--warmstart-steps", "0", "--seed", "3",
           "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4",
           "--minibatches", "2", "--beta", "0.04", "--kl", "k3", "--save-every", "1",
-          "--tensorboard", "false")  # fmt: skip
+          "--top-p", "0.9", "--tensorboard", "false")  # fmt: skip
 RUN_DEADLINE_S = 300  # a hang (mismatched collectives) fails the test instead of the suite
 
 
@@ -180,7 +181,6 @@ def test_tensor_parallel_flags_fail_clearly(monkeypatch):
     from fusedrl.trainer.distributed import check_tensor_parallel, setup
 
     for argv, message in ((["--tp", "0"], "--tp: must be >= 1"),
-                          (["--tp", "2", "--top-p", "0.9"], "sampling mask"),
                           (["--tp", "2", "--backend", "cuda"], "--backend cuda")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_config(argv)

@@ -162,9 +162,6 @@ class TrainConfig:
              f"must be one of {BACKENDS}, got {self.backend!r}")
         need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
         # What fusedrl's tensor-parallel loss has no path for yet (docs/tensor_parallel.md).
-        need(self.tp == 1 or self.top_p == 1, "tp",
-             "--top-p < 1 replays the sampling mask in the loss, which has no tensor-parallel "
-             "path yet: use --tp 1 or --top-p 1")
         need(self.tp == 1 or self.backend != "cuda", "tp",
              "--backend cuda has no tensor-parallel path: use auto, triton or torch")
         need(self.prompts_per_step * self.group_size >= self.minibatches, "minibatches",

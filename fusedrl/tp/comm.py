@@ -1,4 +1,4 @@
-"""The collectives of the tensor-parallel path: all of them go through `all_gather` here."""
+"""The collectives of the tensor-parallel path: all of them go through this module."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def all_gather(tensor: torch.Tensor, group, world: int) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, flat, group=group)
     return out.view(world, *tensor.shape)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """`tensor` reduced over the group in place (sampling-mask replay's histograms and maxima):
+    NCCL and gloo give every rank the same bits."""
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def header_device(group, like: object) -> torch.device:

@@ -26,8 +26,10 @@ from .._inputs import (
 )
 from ..config import LossConfig
 from ..output import LossOutput
-from ..sampling import SamplingMask, check_sampling
+from ..sampling import check_sampling
 from ..token_terms import token_terms
+from ..torch_backend import _scaled
+from . import sampling as tp_sampling
 from .comm import sum_grad_over_group
 from .dtensor import local_value
 from .header import (
@@ -44,7 +46,7 @@ from .rows import whole_row_stats
 from .shard import VocabShard
 
 
-def _refuse(backend: str, sampling: SamplingMask | None) -> None:
+def _refuse(backend: str) -> None:
     if backend == "triton":
         raise NotImplementedError(
             "the LM-head loss with tp_group runs its torch backend for now (its blocks are "
@@ -52,7 +54,7 @@ def _refuse(backend: str, sampling: SamplingMask | None) -> None:
         )
     if backend not in single.LINEAR_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {single.LINEAR_BACKENDS}")
-    refuse_unsupported(backend, sampling)
+    refuse_unsupported(backend)
 
 
 def _head_rows(weight, bias, vocab_start, vocab_size):
@@ -68,16 +70,48 @@ def _head_rows(weight, bias, vocab_start, vocab_size):
     return weight[:vocab_size], None if bias is None else bias[:vocab_size]
 
 
+def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling):
+    """`lin` for this rank's rows of the head: every rank's row blocks alike (the widest
+    slice's), and with `sampling` the sets' floors found over the group as the first sweep goes
+    (then kept in `lin` for the second)."""
+    widest = max(shard.width_of(r) for r in range(shard.world))
+    # Flat rows (a strided hidden, e.g. the completion positions of a sequence, would be walked
+    # sequence by sequence, a layout that could differ between ranks): a copy of [N, H] at most.
+    lin = dataclasses.replace(lin, hidden=lin.hidden.contiguous(), block_vocab=max(widest, 1))
+    if sampling is None or not sampling.active:
+        return lin
+    reduce = tp_sampling.group_reduce(group)
+
+    def find_floors(logits, temperature, mask):
+        scaled = _scaled(logits, temperature)
+        return tp_sampling.row_floors(scaled, mask, shard.vocab_size, reduce)
+
+    return dataclasses.replace(lin, sampling=sampling, find_floors=find_floors)
+
+
 def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
     """The LM-head inputs restricted to this rank's token rows (views)."""
     bias = None if lin.bias is None else lin.bias[: shard.width]
     return dataclasses.replace(lin, weight=lin.weight[: shard.width], bias=bias)
 
 
-def _slice_stats(lin: linear_torch.LinearInputs, local: torch.Tensor, temperature: float):
-    """(logp_r, lse_r, entropy_r) [B, T] of this rank's token rows of the head."""
+def _take_part_without_rows(lin, shard: VocabShard, group, temperature) -> None:
+    """A rank of only padding rows has no sweep, but the sets' floors are found over the group:
+    it runs their collectives with an empty slice, on the same row blocks as the others."""
+    if shard.width == 0 and lin.sampling is not None:
+        batch, time, _ = lin.hidden.shape
+        empty = lin.hidden.new_empty(batch, time, 0)
+        tp_sampling.slice_floors(empty, temperature, lin.sampling, shard, group)
+
+
+def _slice_stats(lin, part, labels, shard, temperature):
+    """(logp_r, lse_r, entropy_r) [B, T] of this rank's token rows of the head (`part`), the
+    labels as columns of the slice (`_columns`). The sets' floors, found by this sweep, are kept
+    in `lin` for the gradient sweep."""
+    local = _columns(labels, shard)
     lse = torch.empty(local.numel(), dtype=torch.float32, device=local.device)
-    logp, entropy, _ = linear_torch.sweep(lin, local, temperature, True, lse_out=lse)
+    logp, entropy, _ = linear_torch.sweep(part, local, temperature, True, lse_out=lse)
+    lin.saved_floors = part.saved_floors
     return logp, lse.view(local.shape), entropy
 
 
@@ -88,8 +122,15 @@ def _padded(grad: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return torch.cat([grad, grad.new_zeros(rows - grad.shape[0], *grad.shape[1:])])
 
 
+def _columns(labels: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The labels as columns of this rank's slice; past its last column where another rank holds
+    the label: no one-hot term, and a sampled set keeps no column for it (a negative label would
+    keep column 0, an ignored position's convention)."""
+    return shard.local_labels(labels, missing=shard.width)
+
+
 def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows):
-    local = shard.local_labels(labels, missing=-1)
+    local = _columns(labels, shard)
     if shard.width == 0:  # only padding rows here: no part of dX, zero dW and db
         hidden = lin.hidden
         dx = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -97,7 +138,7 @@ def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard,
         weight_grad = lin.weight.new_zeros(rows, lin.weight.shape[1]) if want[1] else None
         bias_grad = lin.bias.new_zeros(rows) if want[2] and lin.bias is not None else None
         return dataclasses.replace(grads, weight=weight_grad, bias=bias_grad)
-    part = _slice_inputs(lin, shard)
+    part = _slice_inputs(lin, shard)  # a rank of only padding rows gets no sweep (no collective)
     grads = linear_torch.backward(
         part, local, temperature, dlogp, dentropy, want, whole_rows=(lse, entropy)
     )
@@ -128,7 +169,7 @@ def linear_policy_loss(
     reduce_input_grad: bool = True,
 ) -> LossOutput:
     cfg = config if config is not None else LossConfig()
-    _refuse(backend, cfg.sampling if isinstance(cfg, LossConfig) else None)
+    _refuse(backend)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
     labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
         local_value, per_token
@@ -158,12 +199,14 @@ def linear_policy_loss(
     lin = linear_torch.LinearInputs(
         hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
     )
+    lin = _sharded(lin, shard, tp_group, cfg.sampling)
     want = single._wanted(hidden, weight, bias)
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
         part = _slice_inputs(lin, shard)
+        _take_part_without_rows(lin, shard, tp_group, cfg.temperature)
         logp, lse, entropy = whole_row_stats(
-            lambda local: _slice_stats(part, local, cfg.temperature),
+            lambda local: _slice_stats(lin, part, inp.labels, shard, cfg.temperature),
             inp.labels, inp.valid, shard, tp_group,
         )  # fmt: skip
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
@@ -192,9 +235,11 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, lin, shard, group, temperature, want, reduce):
         part = _slice_inputs(lin, shard)
         labels = lin.rows.labels
+        _take_part_without_rows(lin, shard, group, temperature)
         logp, lse, entropy = whole_row_stats(
-            lambda local: _slice_stats(part, local, temperature), labels, None, shard, group
-        )
+            lambda local: _slice_stats(lin, part, labels, shard, temperature),
+            labels, None, shard, group,
+        )  # fmt: skip
         ctx.stats = (lin, shard, group, temperature, want, reduce, lse, entropy, hidden.shape)
         return logp, entropy
 
@@ -230,13 +275,15 @@ def linear_token_logprobs(
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _refuse(backend, check_sampling(top_k, top_p, min_p))
+    _refuse(backend)
+    sampling = check_sampling(top_k, top_p, min_p)
     labels = local_value(labels)
     if group_size(tp_group) == 1:
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return single.linear_token_logprobs(
-            hidden, weight, labels, temperature, return_entropy, bias, backend
-        )
+            hidden, weight, labels, temperature, return_entropy, bias, backend,
+            top_k=top_k, top_p=top_p, min_p=min_p,
+        )  # fmt: skip
 
     def local_checks():
         checked = check_logits(hidden, name="hidden")
@@ -247,12 +294,13 @@ def linear_token_logprobs(
     (ids, temperature), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"linear_token_logprobs temperature={temperature!r}",
+        call=f"linear_token_logprobs temperature={temperature!r} {sampling}",
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = ids.unsqueeze(0) if flat else ids
-    lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
+    lin = _sharded(linear_torch.logprob_inputs(hidden3, weight, bias, labels2), shard,
+                   tp_group, sampling)  # fmt: skip
     want = single._wanted(hidden, weight, bias)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
@@ -260,9 +308,11 @@ def linear_token_logprobs(
         )
     else:
         part = _slice_inputs(lin, shard)
+        _take_part_without_rows(lin, shard, tp_group, temperature)
         logp, _, entropy = whole_row_stats(
-            lambda local: _slice_stats(part, local, temperature), labels2, None, shard, tp_group
-        )
+            lambda local: _slice_stats(lin, part, labels2, shard, temperature),
+            labels2, None, shard, tp_group,
+        )  # fmt: skip
     entropy = entropy if return_entropy else None
     if flat:
         logp = logp[0]

@@ -4,6 +4,10 @@ tp_group=...)` and `fusedrl.token_logprobs(..., tp_group=...)` run).
 Per call: the header (a few ints per rank, `header.py`), then one all-gather of PARTIALS fp32 per
 token per rank in the forward (`rows.whole_row_stats`); the [B, T] loss terms run unchanged on the
 replicated values, and the backward writes each rank's gradient slice with no communication.
+Sampling-mask replay (top_k / top_p / min_p) adds the radix selects of `sampling.py` before the
+sweeps (all-reduces of at most 256 values per token a pass), then reads the slice masked to the
+sampled set: written into the gradient buffer when there is one (as on one process), else a
+block of rows at a time.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from .._autograd import attach_grad
 from .._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
 from ..config import LossConfig
 from ..output import LossOutput
-from ..sampling import check_sampling
+from ..sampling import SamplingMask, check_sampling
 from ..token_terms import token_terms
+from ..torch_backend import row_blocks
 from .comm import group_rank_and_size
 from .dtensor import local_value, unwrap_logits
 from .header import (
@@ -29,6 +34,7 @@ from .header import (
 )
 from .ops import refuse_unsupported, slice_ops
 from .rows import whole_row_stats, write_slice_grad
+from .sampling import mask_slice, slice_floors
 
 
 def group_size(tp_group) -> int:
@@ -51,6 +57,41 @@ def token_columns(logits: object, vocab_start: object, vocab_size: object) -> to
     return logits[..., :vocab_size]
 
 
+class SampledSets:
+    """The rows' sampled sets on this rank's slice: each row's floor (found over the group) and
+    the labels as columns of the slice (< 0: on another rank), which are kept whatever their
+    value."""
+
+    def __init__(self, logits, labels, temperature, sampling: SamplingMask, shard, group):
+        self.temperature = temperature
+        self.labels = shard.local_labels(labels, missing=-1)
+        self.floors = slice_floors(shard.narrow(logits), temperature, sampling, shard, group)
+
+    def write(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out = the token columns `logits` with -inf outside the sets (out may be logits)."""
+        mask_slice(logits, self.labels, self.floors, self.temperature, out)
+
+    @torch.no_grad()
+    def stats(self, ops, logits, local, valid):
+        """ops.stats over the sets of [B, T, W] token columns, one masked block of rows at a
+        time (no buffer of the slice's size when there is no gradient to write)."""
+        batch, time, _ = logits.shape
+        out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
+        flat_local = local.reshape(-1)
+        flat_valid = None if valid is None else valid.reshape(-1)
+        flat_keep = self.labels.reshape(-1)
+        for start, (block,) in row_blocks(logits):
+            stop = start + block.shape[0]
+            masked = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
+            mask_slice(block[None], flat_keep[start:stop][None], self.floors[start:stop],
+                       self.temperature, masked)  # fmt: skip
+            rows_valid = None if flat_valid is None else flat_valid[start:stop][None]
+            part = ops.stats(masked, flat_local[start:stop][None], rows_valid, self.temperature)
+            for whole, rows in zip(out, part):
+                whole[start:stop] = rows[0]
+        return tuple(t.view(batch, time) for t in out)
+
+
 def policy_loss(
     logits,
     labels,
@@ -71,7 +112,7 @@ def policy_loss(
     vocab_size: int | None = None,
 ) -> LossOutput:
     cfg = config if config is not None else LossConfig()
-    refuse_unsupported(backend, cfg.sampling if isinstance(cfg, LossConfig) else None)
+    refuse_unsupported(backend)
     logits, tp_group = unwrap_logits(logits, tp_group)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
     labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
@@ -106,18 +147,30 @@ def policy_loss(
 
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
-        logp, lse, entropy = whole_row_stats(
-            lambda local: ops.stats(shard.narrow(inp.logits), local, inp.valid, cfg.temperature),
-            inp.labels, inp.valid, shard, tp_group,
-        )  # fmt: skip
-        terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
-        loss = terms.loss
+        source, grad = inp.logits, None
         if wants_grad:
             grad = inp.logits
             if not inplace:
                 grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        sets = None
+        if cfg.sampling is not None:
+            sets = SampledSets(inp.logits, inp.labels, cfg.temperature, cfg.sampling, shard,
+                               tp_group)  # fmt: skip
+            if grad is not None:  # the masked slice goes where the gradient will be written
+                sets.write(shard.narrow(inp.logits), shard.narrow(grad))
+                source = grad
+
+        def slice_stats(local):
+            if sets is not None and grad is None:
+                return sets.stats(ops, shard.narrow(source), local, inp.valid)
+            return ops.stats(shard.narrow(source), local, inp.valid, cfg.temperature)
+
+        logp, lse, entropy = whole_row_stats(slice_stats, inp.labels, inp.valid, shard, tp_group)
+        terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+        loss = terms.loss
+        if grad is not None:
             write_slice_grad(
-                ops, inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
+                ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
                 cfg.temperature, shard, grad,
             )  # fmt: skip
     if wants_grad:
@@ -131,20 +184,24 @@ def policy_loss(
     return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
 
-def _row_stats(logits, labels, ops, shard, group, temperature):
-    return whole_row_stats(
-        lambda local: ops.stats(shard.narrow(logits), local, None, temperature),
-        labels, None, shard, group,
-    )  # fmt: skip
+def _row_stats(logits, labels, ops, shard, group, temperature, sets=None):
+    def slice_stats(local):
+        if sets is not None:
+            return sets.stats(ops, shard.narrow(logits), local, None)
+        return ops.stats(shard.narrow(logits), local, None, temperature)
+
+    return whole_row_stats(slice_stats, labels, None, shard, group)
 
 
 class _Logprobs(torch.autograd.Function):
-    """logp (and the entropy) of vocab-sharded rows; backward writes this rank's slice alone."""
+    """logp (and the entropy) of vocab-sharded rows; backward writes this rank's slice alone.
+    `source`: the slice masked to the sampled sets, read in place of `logits` (replay)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ops, shard, group, temperature, return_entropy):
-        logp, lse, entropy = _row_stats(logits, labels, ops, shard, group, temperature)
-        ctx.save_for_backward(logits, labels, lse, entropy)
+    def forward(ctx, logits, labels, ops, shard, group, temperature, return_entropy, source):
+        source = logits if source is None else source
+        logp, lse, entropy = _row_stats(source, labels, ops, shard, group, temperature)
+        ctx.save_for_backward(source, labels, lse, entropy)
         ctx.ops, ctx.shard, ctx.temperature = ops, shard, temperature
         return (logp, entropy) if return_entropy else (logp,)
 
@@ -157,7 +214,7 @@ class _Logprobs(torch.autograd.Function):
             ctx.ops, logits, labels, lse, entropy, grad_logp.float(), dentropy, ctx.temperature,
             ctx.shard, grad,
         )  # fmt: skip
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -174,12 +231,14 @@ def token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    refuse_unsupported(backend, check_sampling(top_k, top_p, min_p))
+    refuse_unsupported(backend)
+    sampling = check_sampling(top_k, top_p, min_p)
     logits, tp_group = unwrap_logits(logits, tp_group)
     labels = local_value(labels)
     if group_size(tp_group) == 1:
         columns = token_columns(logits, vocab_start, vocab_size)
-        return api.token_logprobs(columns, labels, temperature, return_entropy, backend)
+        return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
+                                  top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
 
     def local_checks():
         checked = check_logits(logits)
@@ -189,16 +248,25 @@ def token_logprobs(
     (ids, temperature, ops), shard, _ = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"token_logprobs temperature={temperature!r}",
+        call=f"token_logprobs temperature={temperature!r} {sampling}",
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = ids.unsqueeze(0) if flat else ids
+    sets = None
+    if sampling.active:
+        sets = SampledSets(logits3.detach(), labels2, temperature, sampling, shard, tp_group)
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _Logprobs.apply(logits3, labels2, ops, shard, tp_group, temperature, return_entropy)
+        source = None
+        if sets is not None:  # one masked copy of the slice, kept for backward
+            source = torch.empty_like(logits3, requires_grad=False)
+            sets.write(shard.narrow(logits3.detach()), shard.narrow(source))
+        out = _Logprobs.apply(
+            logits3, labels2, ops, shard, tp_group, temperature, return_entropy, source
+        )
         logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
     else:
-        logp, _, entropy = _row_stats(logits3, labels2, ops, shard, tp_group, temperature)
+        logp, _, entropy = _row_stats(logits3, labels2, ops, shard, tp_group, temperature, sets)
         entropy = entropy if return_entropy else None
     if flat:
         logp = logp[0]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import torch_backend
-from ..sampling import SamplingMask
 
 
 @dataclass(frozen=True)
@@ -60,28 +59,13 @@ TORCH = SliceOps(_torch_stats, _torch_grad)
 WORKING_BACKENDS = "backend='triton' (CUDA tensors), 'torch', or 'auto'"
 
 
-def refuse_unsupported(backend: str, sampling: SamplingMask | None) -> None:
+def refuse_unsupported(backend: str) -> None:
     """NotImplementedError for what has no tensor-parallel path yet. Decided from the arguments
     alone, so every rank raises it, before any collective."""
     if backend == "cuda":
         raise NotImplementedError(
             "backend='cuda' (the csrc/ extension) has no tensor-parallel path yet: with "
             f"tp_group use {WORKING_BACKENDS}"
-        )
-    if sampling is not None and sampling.active:
-        names = [
-            f"{name}={value!r}"
-            for name, value in (
-                ("top_k", sampling.top_k),
-                ("top_p", sampling.top_p),
-                ("min_p", sampling.min_p),
-            )  # fmt: skip
-            if value is not None
-        ]
-        raise NotImplementedError(
-            f"sampling-mask replay ({', '.join(names)}) with tp_group is not implemented yet: "
-            "the sampled set of a vocab-sharded row needs a radix select whose digit histograms "
-            "are summed over the group. Replay it without tp_group, or drop the filter"
         )
 
 
