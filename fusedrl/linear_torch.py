@@ -31,7 +31,13 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
-from .torch_backend import block_floor, block_grad, block_log_probs, block_stats, row_blocks
+from .torch_backend import (
+    block_floor,
+    block_grad,
+    block_log_probs,
+    block_stats,
+    row_blocks,
+)
 
 
 @dataclass
@@ -53,6 +59,10 @@ class LinearInputs:
     # the vocab width that sizes the row blocks (None: the weight's rows); tensor parallelism
     # gives every rank the widest slice's, so that the ranks' blocks (and collectives) line up
     block_vocab: int | None = None
+    # backend="triton": (start, stop, logits [1, n, V], temperature) masks a chunk to its rows'
+    # sampled sets in place, instead of the select kernel (tensor parallelism: found over the
+    # group)
+    mask_chunk: Callable | None = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .config import LossConfig
 from .fused_backend import fused_token_args, needs_two_passes
 from .linear_torch import LinearGrads, LinearInputs
 from .token_terms import TokenTerms, token_terms
+from .torch_backend import block_rows
 
 DESIGNS = ("gemm", "on-chip")
 DESIGN_ENV = "FUSEDRL_LINEAR_DESIGN"
@@ -91,11 +92,23 @@ def _masked_rows(lin: LinearInputs) -> torch.Tensor:
     return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
 
 
-def _chunks(rows: torch.Tensor, vocab: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+def _chunk_rows(lin: LinearInputs, rows: torch.Tensor) -> int:
+    """Rows of a chunk: GRAD_CHUNK_BYTES of logits at most. With `lin.block_vocab` (tensor
+    parallelism) sized by that width on every rank, and a whole number of the torch backend's
+    row blocks, on which the sampled sets' selects run their collectives (fusedrl/tp)."""
+    vocab = lin.weight.shape[0] if lin.block_vocab is None else lin.block_vocab
+    size = max(1, GRAD_CHUNK_BYTES // max(1, vocab * rows.element_size()))
+    if lin.block_vocab is not None:
+        step = block_rows(lin.block_vocab)
+        size = max(step, size // step * step)
+    return size
+
+
+def _chunks(lin: LinearInputs, rows: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(start, stop, [stop - start, V] slice of one reused buffer in the rows' dtype) of
-    consecutive row chunks of GRAD_CHUNK_BYTES at most: a slice is valid until the next one."""
-    n_rows = rows.shape[0]
-    size = max(1, min(n_rows, GRAD_CHUNK_BYTES // max(1, vocab * rows.element_size())))
+    consecutive row chunks (`_chunk_rows`): a slice is valid until the next one."""
+    n_rows, vocab = rows.shape[0], lin.weight.shape[0]
+    size = max(1, min(n_rows, _chunk_rows(lin, rows)))
     buffer = torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
     for start in range(0, n_rows, size):
         stop = min(n_rows, start + size)
@@ -111,13 +124,15 @@ def _logits_chunks(
     as they read any logits."""
     weight, bias = lin.weight, lin.bias
     sampling, labels = lin.sampling, _flat(lin.rows.labels)
-    for start, stop, out in _chunks(rows, weight.shape[0]):
+    for start, stop, out in _chunks(lin, rows):
         if bias is None:
             torch.mm(rows[start:stop], weight.t(), out=out)
         else:
             torch.addmm(bias, rows[start:stop], weight.t(), out=out)
         logits = out.unsqueeze(0)
-        if sampling is not None:
+        if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
+            lin.mask_chunk(start, stop, logits, temperature)
+        elif sampling is not None:
             _row_ops().sampled_set(
                 logits, _cut(labels, start, stop), logits, temperature,
                 sampling.top_k, sampling.top_p, sampling.min_p,
@@ -183,7 +198,7 @@ def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     kernels = _on_chip_kernels()
     dlogp = dlogp.float().contiguous()
     dentropy = None if dentropy is None else dentropy.float().contiguous()
-    for start, stop, grad in _chunks(rows, lin.weight.shape[0]):
+    for start, stop, grad in _chunks(lin, rows):
         kernels.linear_logits_grad(
             lin.hidden, lin.weight, lin.bias, lin.rows.labels, lse, entropy, dlogp, dentropy,
             temperature, start, grad,

@@ -28,6 +28,11 @@ from .token_terms import TokenTerms, token_terms
 BLOCK_ELEMENTS = 1 << 22
 
 
+def block_rows(vocab: int, elements: int = BLOCK_ELEMENTS) -> int:
+    """Rows of a block of about `elements` elements of [rows, vocab]."""
+    return max(1, elements // max(vocab, 1))
+
+
 def row_blocks(
     *tensors: torch.Tensor, vocab: int | None = None, elements: int | None = None
 ) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
@@ -41,7 +46,7 @@ def row_blocks(
     """
     batch, time, _ = tensors[0].shape
     vocab = tensors[0].shape[-1] if vocab is None else vocab
-    rows = max(1, (BLOCK_ELEMENTS if elements is None else elements) // max(vocab, 1))
+    rows = block_rows(vocab, BLOCK_ELEMENTS if elements is None else elements)
     try:
         flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
     except RuntimeError:

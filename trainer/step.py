@@ -155,9 +155,7 @@ def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
     return hidden, weight.to(hidden.dtype), bias, tp_group
 
 
-def _linear_backend(backend: str, tp_group) -> str:
-    if tp_group is not None and backend == "triton":
-        return "auto"  # the tensor-parallel LM-head loss runs its torch backend (cuBLAS blocks)
+def _linear_backend(backend: str) -> str:
     return backend if backend in fusedrl.LINEAR_BACKENDS else "auto"
 
 
@@ -196,7 +194,7 @@ def token_logprobs(
             hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
             logp, _ = fusedrl.linear_token_logprobs(
                 hidden, weight, sub.labels, cfg.temperature, bias=bias,
-                backend=_linear_backend(backend, tp_group), top_k=cfg.top_k, top_p=cfg.top_p,
+                backend=_linear_backend(backend), top_k=cfg.top_k, top_p=cfg.top_p,
                 min_p=cfg.min_p, tp_group=tp_group,
             )  # fmt: skip
         else:
@@ -256,7 +254,7 @@ def accumulate_gradients(
             # the group (reduce_input_grad, its default), so every rank backpropagates the whole.
             out = fusedrl.linear_policy_loss(
                 hidden, weight, sub.labels, sub.advantages, sub.mask, bias=bias,
-                backend=_linear_backend(backend, tp_group), tp_group=tp_group, **rows_args,
+                backend=_linear_backend(backend), tp_group=tp_group, **rows_args,
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)

@@ -1,12 +1,13 @@
 """`linear_policy_loss` and `linear_token_logprobs` with a vocab-sharded LM head: `weight` is this
 rank's rows [V_r, H] (and `bias` its [V_r]), `hidden` is replicated.
 
-The rows' statistics come from the torch LM-head backend's sweep over this rank's weight rows
-(the logits exist a block of rows at a time, as without tensor parallelism), then the same single
-all-gather and merge as for logits (`rows.whole_row_stats`). The gradient sweep runs with the
-whole rows' lse and entropy and gives this rank's dW, db and its part of dX; the [N, H] input
-gradient is summed over the group in backward (one all-reduce), unless reduce_input_grad=False
-(Megatron's column-parallel convention: the caller reduces it).
+The rows' statistics come from the LM-head backend's sweep over this rank's weight rows (the
+logits exist a block of rows at a time, as without tensor parallelism: torch blocks, or with
+backend="triton" cuBLAS chunks read by the Triton row kernels), then the same single all-gather
+and merge as for logits (`rows.whole_row_stats`). The gradient sweep runs with the whole rows'
+lse and entropy and gives this rank's dW, db and its part of dX; the [N, H] input gradient is
+summed over the group in backward (one all-reduce), unless reduce_input_grad=False (Megatron's
+column-parallel convention: the caller reduces it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 import torch
 
 from .. import linear as single
-from .. import linear_torch
+from .. import linear_torch, linear_triton
 from .._inputs import (
     check_labels,
     check_lm_head,
@@ -47,14 +48,20 @@ from .shard import VocabShard
 
 
 def _refuse(backend: str) -> None:
-    if backend == "triton":
-        raise NotImplementedError(
-            "the LM-head loss with tp_group runs its torch backend for now (its blocks are "
-            "cuBLAS GEMMs on CUDA): pass backend='torch' or 'auto'"
-        )
     if backend not in single.LINEAR_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {single.LINEAR_BACKENDS}")
     refuse_unsupported(backend)
+
+
+def _backend(backend: str, hidden: torch.Tensor):
+    """The LM-head backend module (linear_torch or linear_triton), resolved as on one process."""
+    impl = single._resolve_backend(backend, hidden.device)
+    if impl is not linear_torch and linear_triton.design() == "on-chip":
+        raise NotImplementedError(
+            f"{linear_triton.DESIGN_ENV}=on-chip has no tensor-parallel path: its kernels make "
+            "the logits tiles of the whole head; unset it (the 'gemm' design runs with tp_group)"
+        )
+    return impl
 
 
 def _head_rows(weight, bias, vocab_start, vocab_size):
@@ -86,7 +93,33 @@ def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling)
         scaled = _scaled(logits, temperature)
         return tp_sampling.row_floors(scaled, mask, shard.vocab_size, reduce)
 
-    return dataclasses.replace(lin, sampling=sampling, find_floors=find_floors)
+    chunk_sets = _ChunkSets(lin.rows.labels, shard, group, sampling)
+    return dataclasses.replace(
+        lin, sampling=sampling, find_floors=find_floors, mask_chunk=chunk_sets
+    )
+
+
+class _ChunkSets:
+    """backend="triton": a chunk of cuBLAS logits masked in place to its rows' sampled sets, whose
+    floors are found over the group the first time the chunk is made (the statistics sweep) and
+    kept for the gradient sweep, which makes the same chunk again (the same bits: the same GEMM
+    on the same rows)."""
+
+    def __init__(self, labels: torch.Tensor, shard: VocabShard, group, sampling) -> None:
+        self.columns = shard.local_labels(labels, missing=-1).reshape(-1)
+        self.floors = torch.empty(self.columns.numel(), device=labels.device)
+        self.found = 0  # rows [0, found) have their floors
+        self.shard, self.group, self.sampling = shard, group, sampling
+
+    def __call__(self, start: int, stop: int, logits: torch.Tensor, temperature: float) -> None:
+        if stop > self.found:
+            self.floors[start:stop] = tp_sampling.slice_floors(
+                logits, temperature, self.sampling, self.shard, self.group
+            )
+            self.found = stop
+        tp_sampling.mask_slice(
+            logits, self.columns[start:stop][None], self.floors[start:stop], temperature, logits
+        )
 
 
 def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
@@ -104,10 +137,17 @@ def _take_part_without_rows(lin, shard: VocabShard, group, temperature) -> None:
         tp_sampling.slice_floors(empty, temperature, lin.sampling, shard, group)
 
 
-def _slice_stats(lin, part, labels, shard, temperature):
+def _with_labels(part: linear_torch.LinearInputs, labels: torch.Tensor):
+    return dataclasses.replace(part, rows=dataclasses.replace(part.rows, labels=labels))
+
+
+def _slice_stats(lin, part, labels, shard, temperature, impl):
     """(logp_r, lse_r, entropy_r) [B, T] of this rank's token rows of the head (`part`), the
     labels as columns of the slice (`_columns`). The sets' floors, found by this sweep, are kept
     in `lin` for the gradient sweep."""
+    if impl is linear_triton:  # the row kernels read the label's column only on its owner
+        local = shard.local_labels(labels, missing=0)
+        return linear_triton.stats(_with_labels(part, local), temperature)
     local = _columns(labels, shard)
     lse = torch.empty(local.numel(), dtype=torch.float32, device=local.device)
     logp, entropy, _ = linear_torch.sweep(part, local, temperature, True, lse_out=lse)
@@ -129,7 +169,8 @@ def _columns(labels: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return shard.local_labels(labels, missing=shard.width)
 
 
-def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows):
+def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows,
+                 impl):  # fmt: skip
     local = _columns(labels, shard)
     if shard.width == 0:  # only padding rows here: no part of dX, zero dW and db
         hidden = lin.hidden
@@ -139,9 +180,13 @@ def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard,
         bias_grad = lin.bias.new_zeros(rows) if want[2] and lin.bias is not None else None
         return dataclasses.replace(grads, weight=weight_grad, bias=bias_grad)
     part = _slice_inputs(lin, shard)  # a rank of only padding rows gets no sweep (no collective)
-    grads = linear_torch.backward(
-        part, local, temperature, dlogp, dentropy, want, whole_rows=(lse, entropy)
-    )
+    if impl is linear_triton:  # a label < 0: in another slice (no one-hot term)
+        part = _with_labels(part, shard.local_labels(labels, missing=-1))
+        grads = linear_triton.gradients(part, temperature, lse, entropy, dlogp, dentropy, want)
+    else:
+        grads = linear_torch.backward(
+            part, local, temperature, dlogp, dentropy, want, whole_rows=(lse, entropy)
+        )
     return dataclasses.replace(
         grads, weight=_padded(grads.weight, rows), bias=_padded(grads.bias, rows)
     )
@@ -188,9 +233,9 @@ def linear_policy_loss(
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden",
         )  # fmt: skip
         check_lm_head(weight, bias, hidden)
-        return inp
+        return inp, _backend(backend, inp.logits)
 
-    inp, shard, seed = agree(
+    (inp, impl), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
         call=repr(cfg), draw_seed=unseeded_pick(cfg),
@@ -206,7 +251,7 @@ def linear_policy_loss(
         part = _slice_inputs(lin, shard)
         _take_part_without_rows(lin, shard, tp_group, cfg.temperature)
         logp, lse, entropy = whole_row_stats(
-            lambda local: _slice_stats(lin, part, inp.labels, shard, cfg.temperature),
+            lambda local: _slice_stats(lin, part, inp.labels, shard, cfg.temperature, impl),
             inp.labels, inp.valid, shard, tp_group,
         )  # fmt: skip
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
@@ -214,7 +259,7 @@ def linear_policy_loss(
         if any(want):
             grads = _slice_grads(
                 lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, cfg.temperature,
-                shard, want, weight.shape[0],
+                shard, want, weight.shape[0], impl,
             )  # fmt: skip
     if any(want):
         if want[0] and reduce_input_grad:
@@ -232,15 +277,16 @@ class _LinearLogprobs(torch.autograd.Function):
     again and sums dX over the group (unless told not to)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, lin, shard, group, temperature, want, reduce):
+    def forward(ctx, hidden, weight, bias, lin, shard, group, temperature, want, reduce, impl):
         part = _slice_inputs(lin, shard)
         labels = lin.rows.labels
         _take_part_without_rows(lin, shard, group, temperature)
         logp, lse, entropy = whole_row_stats(
-            lambda local: _slice_stats(lin, part, labels, shard, temperature),
+            lambda local: _slice_stats(lin, part, labels, shard, temperature, impl),
             labels, None, shard, group,
         )  # fmt: skip
         ctx.stats = (lin, shard, group, temperature, want, reduce, lse, entropy, hidden.shape)
+        ctx.impl = impl
         return logp, entropy
 
     @staticmethod
@@ -248,14 +294,14 @@ class _LinearLogprobs(torch.autograd.Function):
         lin, shard, group, temperature, want, reduce, lse, entropy, shape = ctx.stats
         grads = _slice_grads(
             lin, lin.rows.labels, lse, entropy, grad_logp.float(), grad_entropy.float(),
-            temperature, shard, want, lin.weight.shape[0],
+            temperature, shard, want, lin.weight.shape[0], ctx.impl,
         )  # fmt: skip
         dx = grads.hidden
         if dx is not None:
             dx = dx.view(shape)
             if reduce:
                 torch.distributed.all_reduce(dx, group=group)
-        return dx, grads.weight, grads.bias, None, None, None, None, None, None
+        return dx, grads.weight, grads.bias, None, None, None, None, None, None, None
 
 
 def linear_token_logprobs(
@@ -289,9 +335,9 @@ def linear_token_logprobs(
         checked = check_logits(hidden, name="hidden")
         check_lm_head(weight, bias, checked)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT, source="hidden")
-        return ids, check_temperature(temperature)
+        return ids, check_temperature(temperature), _backend(backend, checked)
 
-    (ids, temperature), shard, _ = agree(
+    (ids, temperature, impl), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
         call=f"linear_token_logprobs temperature={temperature!r} {sampling}",
@@ -304,13 +350,14 @@ def linear_token_logprobs(
     want = single._wanted(hidden, weight, bias)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
-            hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad
-        )
+            hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad,
+            impl,
+        )  # fmt: skip
     else:
         part = _slice_inputs(lin, shard)
         _take_part_without_rows(lin, shard, tp_group, temperature)
         logp, _, entropy = whole_row_stats(
-            lambda local: _slice_stats(lin, part, labels2, shard, temperature),
+            lambda local: _slice_stats(lin, part, labels2, shard, temperature, impl),
             labels2, None, shard, tp_group,
         )  # fmt: skip
     entropy = entropy if return_entropy else None

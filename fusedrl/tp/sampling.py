@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..sampling import SamplingMask
-from ..torch_backend import BLOCK_ELEMENTS, _scaled, row_blocks
+from ..torch_backend import _scaled, block_rows, row_blocks
 from .comm import all_reduce
 from .shard import VocabShard
 
@@ -168,8 +168,7 @@ def group_reduce(group) -> Reduce:
 def rows_per_block(shard: VocabShard) -> int:
     """Rows of a select block: the same on every rank (the collectives must line up), sized by
     the widest slice as the torch backend sizes its blocks."""
-    widest = max(shard.width_of(r) for r in range(shard.world))
-    return max(1, BLOCK_ELEMENTS // max(widest, 1))
+    return block_rows(max(shard.width_of(r) for r in range(shard.world)))
 
 
 def _flat_rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
