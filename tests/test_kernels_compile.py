@@ -21,6 +21,8 @@ subprocess without TRITON_INTERPRET. Then, per variant and arch:
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -46,30 +48,101 @@ def _run_aot(pythonpath: Path | None, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=2400)
 
 
+# ------------------------------------------------------------------ the compiled results' cache
+# Compiling every variant for 4 archs with 2 Tritons keeps both cores of the CI machine busy for
+# about 12 minutes. Its results are a pure function of the kernels' sources (the launchers, the
+# variants and `aot` all live in kernels/) and of the Triton release (which ships its ptxas and
+# cuobjdump), so they are kept in tests/compiled/, keyed by a hash of exactly those: a change to
+# any kernel file, or another Triton, misses the cache and compiles everything again (then
+# rewrites the file, to be committed with the change). The assertions below run on the results
+# either way; FUSEDRL_COMPILE_CACHE=0 ignores the cache.
+CACHE_DIR = ROOT / "tests" / "compiled"
+
+
+def _triton_version(pythonpath: Path | None) -> str:
+    code = "import importlib.metadata as m; print(m.version('triton'))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def sources_key(triton_version: str, kernels: Path = ROOT / "kernels") -> str:
+    """What the compiled results depend on: every kernels/*.py file and the Triton release."""
+    digest = hashlib.sha256(f"triton {triton_version}\n".encode())
+    for path in sorted(kernels.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _cache_file(label: str) -> Path:
+    return CACHE_DIR / f"aot-{label}.json.gz"
+
+
+def _load_cached(label: str, key: str) -> list[dict] | None:
+    path = _cache_file(label)
+    if os.environ.get("FUSEDRL_COMPILE_CACHE") == "0" or not path.exists():
+        return None
+    stored = json.loads(gzip.decompress(path.read_bytes()))
+    return stored["results"] if stored["key"] == key else None
+
+
+def _store(label: str, key: str, results: list[dict]) -> None:
+    """The results without their SASS text (no assertion reads it; its summaries stay)."""
+    slim = [{k: v for k, v in r.items() if k != "sass"} for r in results]
+    CACHE_DIR.mkdir(exist_ok=True)
+    payload = json.dumps({"key": key, "results": slim}, sort_keys=True).encode()
+    _cache_file(label).write_bytes(gzip.compress(payload, mtime=0))
+
+
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory) -> dict[str, list[dict]]:
-    """{triton version label: results of `python -m fusedrl.kernels.aot`}, both run at once."""
+    """{triton version label: results of `python -m fusedrl.kernels.aot`}: from the cache when
+    the kernels and the Triton are those it was made from, else compiled (both at once)."""
     if not (OLDEST_DIR / "triton").is_dir():
         message = f"the oldest supported Triton is not installed in {OLDEST_DIR} (make test does)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
     runs = {"newest": None, "oldest": OLDEST_DIR}
-    dirs = {label: tmp_path_factory.mktemp(f"aot-{label}") for label in runs}
-    with ThreadPoolExecutor(len(runs)) as pool:
+    keys = {label: sources_key(_triton_version(path)) for label, path in runs.items()}
+    results = {label: _load_cached(label, keys[label]) for label in runs}
+    stale = {label: path for label, path in runs.items() if results[label] is None}
+    dirs = {label: tmp_path_factory.mktemp(f"aot-{label}") for label in stale}
+    with ThreadPoolExecutor(max(1, len(stale))) as pool:
         futures = {
             label: pool.submit(_run_aot, path, dirs[label] / "aot.json")
-            for label, path in runs.items()
+            for label, path in stale.items()
         }
         procs = {label: f.result() for label, f in futures.items()}
-    results = {}
     for label, proc in procs.items():
         out = dirs[label] / "aot.json"
         assert out.exists(), f"aot ({label} Triton) produced nothing:\n{proc.stderr[-4000:]}"
         results[label] = json.loads(out.read_text())
+        _store(label, keys[label], results[label])
         # The table, for the test log (pytest -s) and for the note.
         print(f"\n--- Triton {results[label][0]['triton']} ({label}) ---\n{proc.stdout}")
     return results
+
+
+def test_cache_key_covers_every_kernel_source(tmp_path):
+    """A changed kernel file, a new one, or another Triton must miss the cache."""
+    import shutil
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(ROOT / "kernels", kernels)
+    key = sources_key("3.9.0", kernels)
+    assert key == sources_key("3.9.0") and key != sources_key("3.6.0", kernels)
+    files = sorted(kernels.glob("*.py"))
+    assert {p.name for p in files} >= {"aot.py", "rows.py", "token_loss.py", "sampling.py"}
+    for path in files:
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        assert sources_key("3.9.0", kernels) != key, path.name
+        path.write_bytes(original)
+    (kernels / "new_kernel.py").write_text("")
+    assert sources_key("3.9.0", kernels) != key
 
 
 TRITONS = ["newest", "oldest"]
