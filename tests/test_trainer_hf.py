@@ -68,6 +68,13 @@ def test_resume_continues_the_same_job_and_says_so(hf_run, tmp_path):
                 "--max-steps", "11")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fusedrl-train: resumed from step 10" in proc.stdout
+    # the resumed run's base model (the KL reference) is copied, not warm-started again
+    assert "warm start:" not in proc.stdout
+    base = sorted(p.name for p in (hf_run / "base_model").iterdir())
+    assert base == sorted(p.name for p in (out / "base_model").iterdir())
+    for name in base:
+        copied, original = out / "base_model" / name, hf_run / "base_model" / name
+        assert copied.read_bytes() == original.read_bytes(), name
     assert "rollout: hf" in (out / "config.yaml").read_text()
     want = read_metrics(hf_run)[10]
     got = read_metrics(out)[0]

@@ -113,12 +113,31 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
     _remove(run_dir, present)
 
 
+def resumed_base_model(cfg: TrainConfig) -> Path | None:
+    """The base model of the run `--resume` continues (checkpoints/step_N/ -> its run), if any."""
+    if not cfg.resume or cfg.model is not None:
+        return None
+    ckpt = Path(cfg.resume)
+    for run in (ckpt, ckpt.parent.parent):
+        if (run / "base_model" / "config.json").exists():
+            return run / "base_model"
+    return None
+
+
 def prepare_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> str:
     """The model path: `--model`, or the tiny Llama + char tokenizer built once in the run dir
-    (warm-started on `rows`, the built-in task's, when that is the task: trainer/warmstart.py)."""
+    (warm-started on `rows`, the built-in task's, when that is the task: trainer/warmstart.py).
+    A run resumed into another --out copies the resumed run's base model (the KL reference is
+    that model, and the warm start need not run again)."""
     if cfg.model is not None:
         return cfg.model
     path = run_dir / "base_model"
+    source = resumed_base_model(cfg)
+    if not (path / "config.json").exists() and source is not None and source != path:
+        tmp = run_dir / ".base_model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        tmp.rename(path)
     if not (path / "config.json").exists():
         from fusedrl.tiny import char_tokenizer, tiny_llama
 
