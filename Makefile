@@ -49,6 +49,10 @@ train: $(STAMP)
 # another on one worker, and each file with a costly module fixture in a group of its own.
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+# OpenMP threads that spin while they wait for work (GNU OpenMP's default, in torch and in vLLM's
+# CPU engine) take the cores the other worker needs: sleeping instead cut the suite from 13:41 to
+# 11:14 on the 2-core machine (user time 25 -> 20 min).
+test test-quick: export OMP_WAIT_POLICY = PASSIVE
 test: $(STAMP) $(TRITON_OLDEST_STAMP)
 	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
