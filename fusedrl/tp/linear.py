@@ -81,10 +81,9 @@ def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling)
     """`lin` for this rank's rows of the head: every rank's row blocks alike (the widest
     slice's), and with `sampling` the sets' floors found over the group as the first sweep goes
     (then kept in `lin` for the second)."""
-    widest = max(shard.width_of(r) for r in range(shard.world))
     # Flat rows (a strided hidden, e.g. the completion positions of a sequence, would be walked
     # sequence by sequence, a layout that could differ between ranks): a copy of [N, H] at most.
-    lin = dataclasses.replace(lin, hidden=lin.hidden.contiguous(), block_vocab=max(widest, 1))
+    lin = dataclasses.replace(lin, hidden=lin.hidden.contiguous(), block_vocab=max(shard.widest, 1))
     if sampling is None or not sampling.active:
         return lin
     reduce = tp_sampling.group_reduce(group)

@@ -80,9 +80,12 @@ class SampledSets:
         flat_local = local.reshape(-1)
         flat_valid = None if valid is None else valid.reshape(-1)
         flat_keep = self.labels.reshape(-1)
+        buffer = None  # one masked block, reused
         for start, (block,) in row_blocks(logits):
             stop = start + block.shape[0]
-            masked = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
+            if buffer is None or buffer.shape[1] < block.shape[0]:
+                buffer = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
+            masked = buffer[:, : block.shape[0]]
             mask_slice(block[None], flat_keep[start:stop][None], self.floors[start:stop],
                        self.temperature, masked)  # fmt: skip
             rows_valid = None if flat_valid is None else flat_valid[start:stop][None]

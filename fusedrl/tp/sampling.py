@@ -168,7 +168,7 @@ def group_reduce(group) -> Reduce:
 def rows_per_block(shard: VocabShard) -> int:
     """Rows of a select block: the same on every rank (the collectives must line up), sized by
     the widest slice as the torch backend sizes its blocks."""
-    return block_rows(max(shard.width_of(r) for r in range(shard.world)))
+    return block_rows(shard.widest)
 
 
 def _flat_rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

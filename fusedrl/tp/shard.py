@@ -37,6 +37,11 @@ class VocabShard:
     def width_of(self, rank: int) -> int:
         return max(0, min(self.sizes[rank], self.vocab_size - self.starts[rank]))
 
+    @property
+    def widest(self) -> int:
+        """The most token columns any rank holds (what sizes row blocks alike on every rank)."""
+        return max(self.width_of(r) for r in range(self.world))
+
     def narrow(self, logits: torch.Tensor) -> torch.Tensor:
         """The token columns of this rank's slice: a view, never a copy (the kernels take any
         row stride)."""
