@@ -23,6 +23,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.warmup_ms, args.rep_ms = 1, 5
     cfg = fusedrl.LossConfig.preset("dapo")
-    rows = []
+    rows, started = [], time.strftime("%Y%m%d-%H%M%S")
     print(f"{'N':>6} {'H':>5} {'V':>7} {'impl':>13} {'ms':>9} {'gemm %':>7} {'peak MiB':>9}")
     for n, h, v in itertools.product(grid["N"], grid["H"], grid["V"]):
         rate = gemm_tflops(n, h, v, dtype, device, args.warmup_ms, args.rep_ms)
@@ -134,6 +135,14 @@ def main(argv=None) -> int:
                 peak = peak_memory_above_inputs(steps[0], device)
             except torch.OutOfMemoryError:
                 rows.append({"N": n, "H": h, "V": v, "impl": impl, "error": "out of memory"})
+                print(f"{n:>6} {h:>5} {v:>7} {impl:>13} out of memory")
+                continue
+            except Exception as exc:  # a peer that fails at a shape must not end the run
+                if impl.startswith("fused"):
+                    raise
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                rows.append({"N": n, "H": h, "V": v, "impl": impl, "error": error})
+                print(f"{n:>6} {h:>5} {v:>7} {impl:>13} FAILED ({error})")
                 continue
             fraction = 6 * n * h * v / (ms * 1e-3) / 1e12 / rate
             rows.append(
@@ -142,7 +151,11 @@ def main(argv=None) -> int:
             )  # fmt: skip
             mib = "-" if peak is None else f"{peak / 2**20:.0f}"
             print(f"{n:>6} {h:>5} {v:>7} {impl:>13} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
-    write_run_json(args.out, "linear", "linear_policy_loss", args.smoke, device, dtype, rows)
+        del copies
+        # Rewritten after every shape: a run cut short by its time limit keeps what it measured.
+        write_run_json(
+            args.out, "linear", "linear_policy_loss", args.smoke, device, dtype, rows, started
+        )
     return 0
 
 

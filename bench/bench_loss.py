@@ -507,9 +507,12 @@ def _write(args, meta: dict, rows_by_op: dict[str, list], quiet: bool = False) -
             print(f"wrote {path}")
 
 
-def write_run_json(out_dir, stem: str, benchmark: str, smoke: bool, device, dtype, rows, **extra):
+def write_run_json(
+    out_dir, stem: str, benchmark: str, smoke: bool, device, dtype, rows, started=None, **extra
+):
     """The JSON of a one-table benchmark (bench_linear.py, bench_sampling.py): what ran where, then
-    its rows, as `<stem>-smoke.json` or `<stem>-<date>-<time>.json` under `out_dir`."""
+    its rows, as `<stem>-smoke.json` or `<stem>-<date>-<time>.json` under `out_dir` (`started`, a
+    `time.strftime('%Y%m%d-%H%M%S')` stamp, names the file of a run rewritten as it goes)."""
     result = {
         "benchmark": benchmark,
         "smoke": smoke,
@@ -524,7 +527,8 @@ def write_run_json(out_dir, stem: str, benchmark: str, smoke: bool, device, dtyp
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{stem}-smoke.json" if smoke else f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = started or time.strftime("%Y%m%d-%H%M%S")
+    name = f"{stem}-smoke.json" if smoke else f"{stem}-{stamp}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     print(f"wrote {out / name}")
 

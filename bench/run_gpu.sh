@@ -40,7 +40,8 @@
 #     CUDA extension's JIT build, setuptools for the editable install, if the machine lacks them.
 #     The env file says what imports and which of nvcc / ninja / ncu are on PATH.
 #
-# Environment: PYTHON (default python3), STAGE_BUDGET (seconds per stage), BENCH_MATRIX (full |
+# Environment: PYTHON (default python3), STAGE_BUDGET (seconds per stage), TEST_WORKERS (pytest
+# processes of `tests`, default 4, with pytest-xdist), BENCH_MATRIX (full |
 # small; `bench` defaults to full, `all` to small), BENCH_ARGS (extra bench_loss.py arguments,
 # e.g. "--N 4096" to run the full matrix in slices), NCU (path of ncu), TP_ARGS (extra
 # bench_tp.py arguments, e.g. "--tp 2").
@@ -238,12 +239,18 @@ EOF
 # ------------------------------------------------------------------------------ stages
 stage_tests() {
   # The Triton backend first (the CUDA extension's JIT build must not eat its time), then the
-  # CUDA backend; no -x: every failure is reported, in one junit file per backend.
+  # CUDA backend; no -x: every failure is reported, in one junit file per backend. With
+  # pytest-xdist, TEST_WORKERS processes share the GPU (default 4), and a test that crashes its
+  # process is reported as failed instead of ending the run.
+  local workers=()
+  if "$PY" -c "import xdist" >/dev/null 2>&1; then workers=(-n "${TEST_WORKERS:-4}"); fi
   step tests:triton 330 "$PREFIX-test_gpu-triton.log" \
-    "$PY" -m pytest tests/test_gpu.py -k "not cuda" -q --durations=10 \
+    "$PY" -m pytest tests/test_gpu.py -k "not cuda" -q --durations=10 "${workers[@]}" \
     --junitxml "$PREFIX-test_gpu-triton.xml"
+  step tests:cuda-build 240 "$PREFIX-cuda_build.log" \
+    "$PY" -c "from fusedrl.kernels import cuda; cuda.load(verbose=True)"
   step tests:cuda 500 "$PREFIX-test_gpu-cuda.log" \
-    "$PY" -m pytest tests/test_gpu.py -k cuda -q --durations=10 \
+    "$PY" -m pytest tests/test_gpu.py -k cuda -q --durations=10 "${workers[@]}" \
     --junitxml "$PREFIX-test_gpu-cuda.xml"
 }
 

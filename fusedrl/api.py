@@ -17,10 +17,14 @@ from .sampling import check_sampling
 BACKENDS = ("auto", "triton", "cuda", "torch")
 
 
+# Looked up once: torch.compile cannot trace importlib (a graph break under fullgraph=True).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def _triton_usable(device: torch.device) -> bool:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def _resolve_backend(backend: str, device: torch.device):

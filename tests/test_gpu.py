@@ -276,14 +276,18 @@ def test_linear_policy_loss_designs(dtype, preset, design, monkeypatch):
     with torch.no_grad():
         logp, _ = fusedrl.linear_token_logprobs(full[:, prompt:], weight, labels, backend="torch")
     old = torch.where(mask, logp, 0) + 0.3 * torch.randn(batch, time, device="cuda", generator=gen)
+    # GSPO clips the sequence ratio at 1 -/+ 3e-4 / 4e-4: a per-sequence shift of 0.2 puts every
+    # sequence's mean log-ratio far outside it, where bf16 rounding (~1e-2) cannot flip the clip.
+    old += torch.tensor([0.2, -0.2, 0.2], device="cuda")[:, None]
+    ref_logp = old - 0.1 * torch.rand(batch, time, device="cuda", generator=gen)  # grpo's KL
     cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
 
     def run(backend, dt):
         h = full.to(dt).requires_grad_(True)
         w = weight.to(dt).requires_grad_(True)
         out = fusedrl.linear_policy_loss(
-            h[:, prompt:], w, labels, adv, mask, old_logp=old, config=cfg, backend=backend,
-            return_entropy=True,
+            h[:, prompt:], w, labels, adv, mask, old_logp=old, ref_logp=ref_logp, config=cfg,
+            backend=backend, return_entropy=True,
         )  # fmt: skip
         return out, torch.autograd.grad(out.loss, (h, w))
 
@@ -404,7 +408,7 @@ def test_inplace_gradient_is_bitwise_the_out_of_place_one(preset, backend):
     cfg = LossConfig.preset(preset)
     kwargs = dict(config=cfg, backend=backend)
     with torch.no_grad():
-        old = fusedrl.token_logprobs(logits, labels, backend=backend) + 0.05
+        old = fusedrl.token_logprobs(logits, labels, backend=backend)[0] + 0.05
     leaf = logits.clone().requires_grad_(True)
     out = fusedrl.policy_loss(leaf, labels, adv, mask, old_logp=old, **kwargs)
     (expected,) = torch.autograd.grad(out.loss, leaf)
