@@ -399,12 +399,13 @@ def test_inplace_gradient_is_bitwise_the_out_of_place_one(preset, backend):
     computed from the label's logit. At V = 262144 (bf16) every row is whole tiles (no remainder
     loop and its barriers), and labels = V - 1 put the label in the tile the sweep stores first:
     a warp running ahead would overwrite it before it is read. 100 repetitions, bitwise."""
-    vocab, rows = 262144, 64
+    vocab, shape = 262144, (4, 16)  # [B, T]: GSPO needs the sequences
     gen = torch.Generator(device="cuda").manual_seed(29)
-    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
-    labels = torch.full((rows,), vocab - 1, device="cuda")
-    adv = torch.randn(rows, device="cuda", generator=gen)
-    mask = torch.ones(rows, dtype=torch.bool, device="cuda")
+    logits = torch.randn(*shape, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
+    labels = torch.full(shape, vocab - 1, device="cuda")
+    # Positive: every row keeps a gradient (GSPO clips a sequence at ratio e^-0.05 when A < 0).
+    adv = 0.5 + torch.rand(shape[0], device="cuda", generator=gen)
+    mask = torch.ones(shape, dtype=torch.bool, device="cuda")
     cfg = LossConfig.preset(preset)
     kwargs = dict(config=cfg, backend=backend)
     with torch.no_grad():
@@ -412,7 +413,7 @@ def test_inplace_gradient_is_bitwise_the_out_of_place_one(preset, backend):
     leaf = logits.clone().requires_grad_(True)
     out = fusedrl.policy_loss(leaf, labels, adv, mask, old_logp=old, **kwargs)
     (expected,) = torch.autograd.grad(out.loss, leaf)
-    assert expected[:, -1].abs().min() > 0  # the label's entry carries the one-hot term
+    assert expected[..., -1].abs().min() > 0  # the label's entry carries the one-hot term
     for _ in range(100):
         leaf = logits.clone().requires_grad_(True)
         out = fusedrl.policy_loss(leaf, labels, adv, mask, old_logp=old, inplace=True, **kwargs)
