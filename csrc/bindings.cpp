@@ -17,6 +17,19 @@
 namespace fusedrl {
 namespace {
 
+// Numbers and shapes go into error messages as strings made here, never through an ostream:
+// JIT builds on a machine whose compiler is newer than the process's libstdc++ (the H100 image:
+// /opt/gcc) inline the newer ostream's integer formatting, which reads the older library's
+// locale facets at the wrong offsets and crashes (seen: a segfault in _M_insert<long> under
+// c10::str, 2026-11-25). std::to_string involves no locale.
+std::string num(int64_t value) { return std::to_string(value); }
+
+std::string dims(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fusedrl: launching ", what, " failed: ",
               cudaGetErrorString(err));
@@ -38,13 +51,14 @@ DType dtype_of(at::ScalarType type, const char* name) {
 
 RowLayout layout_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "fusedrl: ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.dim() == 3, "fusedrl: ", name, " must be [B, T, V], got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == 3, "fusedrl: ", name, " must be [B, T, V], got shape ",
+              dims(t.sizes()));
   TORCH_CHECK(t.size(2) > 0, "fusedrl: ", name, " has an empty vocab dimension");
   // In-row indices are 32-bit in the kernels (row offsets stay 64-bit).
   TORCH_CHECK(t.size(2) <= INT32_MAX / 2, "fusedrl: ", name, " has a vocab dimension of ",
-              t.size(2), "; at most ", INT32_MAX / 2, " is supported");
+              num(t.size(2)), "; at most ", num(INT32_MAX / 2), " is supported");
   TORCH_CHECK(t.size(2) == 1 || t.stride(2) == 1, "fusedrl: ", name,
-              " must be contiguous in its vocab dimension, got strides ", t.strides());
+              " must be contiguous in its vocab dimension, got strides ", dims(t.strides()));
   return RowLayout{t.size(0) * t.size(1), t.size(1), t.size(2), t.stride(0), t.stride(1)};
 }
 
@@ -60,8 +74,8 @@ void check_device(const at::Tensor& t, const at::Tensor& logits, const char* nam
 at::Tensor per_token(const at::Tensor& t, const at::Tensor& labels, const at::Tensor& logits,
                      const char* name) {
   check_device(t, logits, name);
-  TORCH_CHECK(t.sizes() == labels.sizes(), "fusedrl: ", name, " shape ", t.sizes(),
-              " must equal labels shape ", labels.sizes());
+  TORCH_CHECK(t.sizes() == labels.sizes(), "fusedrl: ", name, " shape ", dims(t.sizes()),
+              " must equal labels shape ", dims(labels.sizes()));
   return t.to(at::kFloat).contiguous();
 }
 
@@ -86,16 +100,16 @@ at::Tensor checked_labels(const at::Tensor& labels, const at::Tensor& logits) {
               labels.scalar_type());
   TORCH_CHECK(labels.dim() == 2 && labels.size(0) == logits.size(0) &&
                   labels.size(1) == logits.size(1),
-              "fusedrl: labels shape ", labels.sizes(), " must be [B, T] of logits ",
-              logits.sizes());
+              "fusedrl: labels shape ", dims(labels.sizes()), " must be [B, T] of logits ",
+              dims(logits.sizes()));
   return labels.contiguous();
 }
 
 at::Tensor checked_valid(const at::Tensor& valid, const at::Tensor& labels,
                          const at::Tensor& logits) {
   check_device(valid, logits, "valid");
-  TORCH_CHECK(valid.sizes() == labels.sizes(), "fusedrl: valid shape ", valid.sizes(),
-              " must equal labels shape ", labels.sizes());
+  TORCH_CHECK(valid.sizes() == labels.sizes(), "fusedrl: valid shape ", dims(valid.sizes()),
+              " must equal labels shape ", dims(labels.sizes()));
   return valid.to(at::kChar).contiguous();
 }
 

@@ -454,6 +454,52 @@ def test_cuda_op_schema_matches_the_triton_op():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def _top_level_split(text: str, opener: str) -> list[list[str]]:
+    """The comma-separated arguments of every `opener(...)` call in C++ `text` (string literals
+    and nested brackets respected)."""
+    calls, start = [], 0
+    while (start := text.find(opener + "(", start)) >= 0:
+        args, current, depth, quoted, i = [], "", 1, False, start + len(opener) + 1
+        while depth:
+            c = text[i]
+            if quoted:
+                quoted = c != '"' or text[i - 1] == "\\"
+            elif c == '"':
+                quoted = True
+            elif c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            if depth and not quoted and depth == 1 and c == ",":
+                args.append(current.strip())
+                current = ""
+            elif depth:
+                current += c
+            i += 1
+        calls.append([*args, current.strip()])
+        start = i
+    return calls
+
+
+# Message parts of the bindings' checks that format no number (a string, a name, a device, a
+# dtype); numbers and shapes go through the bindings' num() / dims() (std::to_string).
+_TEXT_PARTS = {"what", "cudaGetErrorString(err)", "name", "type", "t.device()", "logits.device()",
+               "labels.scalar_type()", "loss", "*kl", "device"}  # fmt: skip
+
+
+def test_bindings_format_no_number_through_an_ostream():
+    """Found on the H100 (bench/results/...-cuda-bad-argument-segfault-gdb.txt): an error message
+    that streamed a shape (`t.sizes()`) through c10::str segfaulted in the extension's inlined
+    ostream<<long, built by a compiler newer than the process's libstdc++. Every check's message
+    is made of string literals, known text parts and num()/dims() calls."""
+    checks = _top_level_split((CSRC / "bindings.cpp").read_text(), "TORCH_CHECK")
+    assert len(checks) >= 15
+    for args in checks:
+        for part in args[1:]:
+            ok = part.startswith('"') or part in _TEXT_PARTS or re.match(r"(num|dims)\(", part)
+            assert ok, f"TORCH_CHECK message part {part!r} formats through an ostream: {args}"
+
+
 def test_load_without_gpu_raises_clearly():
     from fusedrl.kernels import cuda
 
