@@ -78,6 +78,30 @@ def test_opcheck_fused_token_loss():
     torch.library.opcheck(triton_backend.fused_token_loss_inplace, (data["logits"].clone(), *args))
 
 
+def test_backend_dispatch_calls_no_importlib(monkeypatch):
+    """Found on the H100 (torch 2.11): dynamo refuses to trace importlib.util.find_spec, so a
+    lookup of triton inside the per-call dispatch broke torch.compile(fullgraph=True) (torch 2.13
+    on this machine traces it, so the test below could not see it). The lookup happens once, at
+    import: the hot path runs with find_spec gone."""
+    import importlib.util
+
+    data = make_batch(batch=2, time=3, vocab=67, seed=2)
+
+    def call():
+        return fusedrl.policy_loss(
+            data["logits"], data["labels"], data["advantages"], data["mask"],
+            old_logp=data["old_logp"], backend="triton",
+        )  # fmt: skip
+
+    call()  # the first call imports what torch's custom ops import lazily (dynamo looks up modules)
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("importlib.util.find_spec called on the hot path")
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_lookup)
+    assert torch.isfinite(call().loss)
+
+
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
 def test_torch_compile_fullgraph(preset):
     """policy_loss inside torch.compile(fullgraph=True): no graph break, same loss and gradient."""
