@@ -41,6 +41,7 @@ import ast
 import concurrent.futures
 import dataclasses
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -417,23 +418,70 @@ def _apply(data: bytes, edits: list[tuple[int, int, bytes]]) -> str:
     return bytes(out).decode()
 
 
+def _top_statement(parents, node: ast.AST) -> int:
+    """The index in the module's body of the statement that holds `node`."""
+    while True:
+        parent, _, index = parents[id(node)]
+        if isinstance(parent, ast.Module):
+            return index
+        node = parent
+
+
+def _statement_texts(body: list[ast.stmt], text: _Text) -> list[bytes]:
+    """The source text of each module-level statement, its decorators included."""
+    out = []
+    for stmt in body:
+        first = min([stmt, *getattr(stmt, "decorator_list", [])], key=lambda n: n.lineno)
+        out.append(text.data[text.offset(first.lineno, first.col_offset) : text.end(stmt)])
+    return out
+
+
+def _same_module(new_tree, new_text: _Text, top: int, expected: str, old_texts) -> bool:
+    """Whether the edited source parses to the mutated tree. Dumping the whole tree per mutant
+    took most of the generator's time: the statement with the edit is compared as a tree, the
+    others by their text (the same statement text parses to the same tree)."""
+    if len(new_tree.body) != len(old_texts):
+        return False
+    if ast.dump(new_tree.body[top]) != expected:
+        return False
+    new_texts = _statement_texts(new_tree.body, new_text)
+    return all(new_texts[i] == old_texts[i] for i in range(len(old_texts)) if i != top)
+
+
 def generate(source: str, path: str) -> list[Mutant]:
     """All mutants of one module, in source order (line, column, operator)."""
+    # Thousands of syntax trees, none of them cyclic garbage: in a process that holds torch's
+    # objects the collector's full passes cost as much as the parsing itself.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _generate(source, path)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _generate(source: str, path: str) -> list[Mutant]:
     text = _Text(source)
     tree = ast.parse(source)
     finder = _SiteFinder(text)
     finder.visit(tree)
     parents = _parents(tree)
+    statement_texts = _statement_texts(tree.body, text)
     mutants = []
     for site in finder.sites:
+        top = _top_statement(parents, site.node)
         restore = _substitute(parents, site.node, site.make(site.node))
         try:
-            expected = ast.dump(tree)
+            expected = ast.dump(tree.body[top])
             for edits in filter(None, [site.edits, site.alt_edits]):
                 edits = sorted(edits)
                 new_source = _apply(text.data, edits)
                 try:
-                    rewritten = ast.dump(ast.parse(new_source)) != expected
+                    new_tree = ast.parse(new_source)
+                    rewritten = not _same_module(
+                        new_tree, _Text(new_source), top, expected, statement_texts
+                    )
                 except SyntaxError:
                     rewritten = True
                 if not rewritten:
