@@ -52,7 +52,7 @@ COUNT_RADIX = tl.constexpr(256)
 # Interpreted: small tiles, so that the tests' odd vocabularies take several and a partial one.
 GPU_BLOCK_V = 1024
 SELECT_WARPS = 8
-INTERPRETED_BLOCK_V = 256
+INTERPRETED_BLOCK_V = 512
 # Its loops are compute-bound selects, not the row sweeps whose SASS budgets aot checks.
 KERNEL_FAMILY = "select"
 # The key of -inf: every key at or below it stands for "no threshold" (they are -inf and NaNs).

@@ -20,7 +20,7 @@ from .conftest import needs_interpreter
 
 pytestmark = needs_interpreter
 
-VOCAB = 1031  # 5 interpreted tiles of 256, the last partial
+VOCAB = 1031  # 3 interpreted tiles of 512, the last partial
 
 
 def _write(logits, labels, temperature, top_k=None, top_p=None, min_p=None, out=None):
