@@ -33,6 +33,8 @@ class LossInputs:
     is_weights: torch.Tensor | None  # [B, T] precomputed train/inference IS weights
     normalizer: torch.Tensor | float | None
     flat_input: bool  # caller passed [N, V] (one packed row of tokens, B = 1)
+    # [B, T, V] view of the reference policy's logits (kl="full" / "full_reverse"), no gradient
+    ref_logits: torch.Tensor | None = None
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -42,7 +44,7 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
         raise TypeError(
             f"{name} must be a floating tensor (bf16, fp16, fp32 or fp64), got dtype {logits.dtype}"
         )
-    last, axis = ("V", "vocab") if name == "logits" else ("H", "hidden")
+    last, axis = ("V", "vocab") if name.endswith("logits") else ("H", "hidden")
     if logits.dim() not in (2, 3):
         raise ValueError(
             f"{name} must be [B, T, {last}] or [N, {last}], got shape {tuple(logits.shape)}"
@@ -211,9 +213,11 @@ def prepare_loss_inputs(
     *,
     vocab: int | None = None,
     source: str = "logits",
+    ref_logits: object = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
-    [B, T, H] / [N, H] in place of the logits, which then never exist."""
+    [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
+    reference policy's logits of config.kl="full" / "full_reverse", the logits' shape."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -236,7 +240,8 @@ def prepare_loss_inputs(
     old = _per_token("old_logp", old_logp, shape, device)
     ref = _per_token("ref_logp", ref_logp, shape, device)
     rollout = _per_token("rollout_logp", rollout_logp, shape, device)
-    if config.beta > 0 and ref is None:
+    ref_logits3 = _check_ref_logits(ref_logits, logits, ref, config)
+    if config.beta > 0 and ref is None and not config.full_kl:
         raise ValueError(
             f"ref_logp is required when config.beta > 0 (beta={config.beta}, kl={config.kl!r})"
         )
@@ -294,7 +299,42 @@ def prepare_loss_inputs(
         is_weights=as2d(weights),
         normalizer=check_normalizer(normalizer, device),
         flat_input=flat_input,
+        ref_logits=ref_logits3,
     )
+
+
+def _check_ref_logits(
+    ref_logits: object, logits: torch.Tensor, ref_logp: torch.Tensor | None, config: LossConfig
+) -> torch.Tensor | None:
+    """The reference logits of the exact KL: required by it, refused without it (a tensor that
+    would be read by nothing is a caller's mistake), [B, T, V] like the logits, no gradient."""
+    if not config.full_kl:
+        if ref_logits is not None:
+            raise ValueError(
+                f"ref_logits is read only by config.kl='full' or 'full_reverse', got "
+                f"kl={config.kl!r}: set the KL, or pass ref_logp for a per-token estimator"
+            )
+        return None
+    if ref_logits is None:
+        raise ValueError(
+            f"ref_logits (the reference policy's logits, shaped like logits) is required when "
+            f"config.kl={config.kl!r}"
+        )
+    if ref_logp is not None:
+        raise ValueError(
+            f"ref_logp is not read when config.kl={config.kl!r} (the exact KL takes ref_logits): "
+            "pass one of them"
+        )
+    ref_logits = check_logits(ref_logits, name="ref_logits")
+    if tuple(ref_logits.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"ref_logits shape {tuple(ref_logits.shape)} must equal logits shape "
+            f"{tuple(logits.shape)}"
+        )
+    if ref_logits.device != logits.device:
+        raise ValueError(f"ref_logits is on {ref_logits.device} but logits are on {logits.device}")
+    ref_logits = ref_logits.detach()
+    return ref_logits.unsqueeze(0) if ref_logits.dim() == 2 else ref_logits
 
 
 def check_temperature(temperature: object) -> float:

@@ -71,6 +71,7 @@ def policy_loss(
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    ref_logits: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -105,6 +106,11 @@ def policy_loss(
             lower ranks' V_r); given on every rank or on none.
         vocab_size: the true vocabulary size (default: the sum of the slices); columns at global
             ids >= vocab_size are padding: they do not count and get a zero gradient.
+        ref_logits: the reference policy's logits, shaped like `logits` (no gradient), for the
+            exact KL over the vocabulary: config.kl="full" (KL(pi || pi_ref)) or "full_reverse"
+            (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed. The
+            torch backend computes it (backend="auto" picks it for this KL); the fused kernels
+            and tensor parallelism do not yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -114,6 +120,11 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        if ref_logits is not None or (config is not None and config.full_kl):
+            raise NotImplementedError(
+                "config.kl='full' / 'full_reverse' (ref_logits) under tensor parallelism is not "
+                "supported yet: gather the vocabulary or use a per-token KL estimator"
+            )
         from . import tp
 
         return tp.policy_loss(
@@ -133,8 +144,16 @@ def policy_loss(
         cfg,
         normalizer,
         is_weights,
+        ref_logits=ref_logits,
     )
     impl = _resolve_backend(backend, inp.logits.device)
+    if cfg.full_kl and impl is not torch_backend:
+        if backend != "auto":
+            raise ValueError(
+                f"config.kl={cfg.kl!r} (the exact KL from ref_logits) runs on backend='torch' "
+                f"only for now, got backend={backend!r}: pass backend='torch' or 'auto'"
+            )
+        impl = torch_backend
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
@@ -251,6 +270,7 @@ class PolicyLoss(torch.nn.Module):
         normalizer=None,
         return_entropy=False,
         is_weights=None,
+        ref_logits=None,
     ) -> LossOutput:
         return policy_loss(
             logits,
@@ -266,6 +286,7 @@ class PolicyLoss(torch.nn.Module):
             backend=self.backend,
             return_entropy=return_entropy,
             is_weights=is_weights,
+            ref_logits=ref_logits,
         )
 
     def extra_repr(self) -> str:

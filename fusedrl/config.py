@@ -27,7 +27,12 @@ SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 PPO_CLIPPED = ("ppo", "luspo")
 RATIO_LEVELS = ("token", "sequence")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KLS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
+# Per-token estimators of KL(pi || pi_ref) from the sampled token's log-probs (`ref_logp=`).
+KL_ESTIMATORS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
+# The exact KL over the whole vocabulary per token, from the reference policy's logits
+# (`ref_logits=`): KL(pi || pi_ref) ("full") or KL(pi_ref || pi) ("full_reverse").
+FULL_KLS = ("full", "full_reverse")
+KLS = KL_ESTIMATORS + FULL_KLS
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # verl's rollout rejection sampling (rollout_corr_helper.py): estimator of KL(rollout || train)
@@ -293,6 +298,17 @@ class LossConfig:
         self._check_corrections()
         self._check_scalar_losses()
         check_sampling(self.top_k, self.top_p, self.min_p, where="LossConfig")
+        if self.full_kl and self.kl_bias_correction:
+            raise ValueError(
+                f"LossConfig.kl_bias_correction corrects a KL estimated from samples of pi_old; "
+                f"kl={self.kl!r} is exact over the vocabulary and needs no correction"
+            )
+        if self.full_kl and check_sampling(self.top_k, self.top_p, self.min_p).active:
+            raise ValueError(
+                f"LossConfig.kl={self.kl!r} (over the whole vocabulary) with top_k / top_p / "
+                "min_p (a sampled set) is not supported yet: use a per-token estimator (k1, k3, "
+                "...) with the sampling filters"
+            )
         if self.rejection is not None:
             if not isinstance(self.rejection, str):
                 raise ValueError(f"LossConfig.rejection must be a string, got {self.rejection!r}")
@@ -456,6 +472,11 @@ class LossConfig:
             or self.is_sequence_level
             or any(rule.reduction != "token" for rule in self.rejection_rules)
         )
+
+    @property
+    def full_kl(self) -> bool:
+        """The KL term is exact over the vocabulary: it reads the reference's logits."""
+        return self.kl in FULL_KLS
 
     @property
     def needs_entropy(self) -> bool:

@@ -114,6 +114,12 @@ def linear_policy_loss(
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
+    if config is not None and config.full_kl:
+        raise NotImplementedError(
+            f"linear_policy_loss with config.kl={config.kl!r} (the exact KL, which needs the "
+            "reference head's logits) is not supported yet: use policy_loss with ref_logits, or "
+            "a per-token estimator (k1, k3, ...) with ref_logp"
+        )
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
         from .tp import linear as tp_linear
 

@@ -173,6 +173,23 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tenso
     return k2 - k2.detach() + forward.detach()
 
 
+def exact_kl(
+    logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float, kind: str
+) -> torch.Tensor:
+    """KL(pi || pi_ref) ("full") or KL(pi_ref || pi) ("full_reverse") summed over the vocabulary
+    per token, both distributions softmax(logits / temperature); differentiable in `logits`."""
+    upcast = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    log_pi = torch.log_softmax(logits.to(upcast) / temperature, dim=-1)
+    log_ref = torch.log_softmax(ref_logits.to(upcast) / temperature, dim=-1)
+    if kind == "full":
+        first, second = log_pi, log_ref
+    else:
+        first, second = log_ref, log_pi
+    weight = first.exp()
+    # sum_v P(v) (log P(v) - log Q(v)), with 0 log 0 = 0 where P cannot emit v
+    return torch.where(weight > 0, weight * (first - second), 0.0).sum(-1)
+
+
 def is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     """Train/inference importance weight exp(old - rollout), truncated or masked, detached."""
     log_w = torch.where(inp.valid, old - inp.rollout_logp, 0.0)
@@ -480,6 +497,7 @@ def policy_loss(
     backend: str | None = None,
     return_entropy: bool = False,
     is_weights: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
@@ -497,6 +515,7 @@ def policy_loss(
         cfg,
         normalizer,
         is_weights,
+        ref_logits=ref_logits,
     )
     need_entropy = return_entropy or cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
@@ -539,7 +558,14 @@ def policy_loss(
         if w is not None and cfg.loss != "vespo":  # VESPO has its IS weights inside phi
             per_token = per_token * w
         loss = zero
-    if inp.ref_logp is not None:
+    if cfg.kl in ("full", "full_reverse"):
+        safe_ref = torch.where(inp.valid.unsqueeze(-1), inp.ref_logits, 0.0)
+        kl = exact_kl(safe_logits, safe_ref, cfg.temperature, cfg.kl)
+        kl = torch.where(inp.valid, kl, 0.0)
+        metrics["kl"] = masked_mean(kl.detach(), inp)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
+    elif inp.ref_logp is not None:
         kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3")
         metrics["kl"] = masked_mean(kl.detach(), inp)
         if cfg.beta > 0:

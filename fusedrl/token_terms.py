@@ -114,6 +114,8 @@ class TokenTerms:
     dlogp: torch.Tensor  # [B, T] d(loss)/d(logp); 0 on masked tokens
     dentropy: torch.Tensor | None  # [B, T] d(loss)/d(H), None when there is no entropy term
     metrics: dict[str, torch.Tensor]
+    # [B, T] d(loss)/d(KL_t) of the exact KL (kl="full" / "full_reverse"), else None
+    dfull_kl: torch.Tensor | None = None
 
 
 def _inside(x: torch.Tensor, low, high) -> torch.Tensor:
@@ -470,10 +472,13 @@ def token_terms(
     inp: LossInputs,
     cfg: LossConfig,
     agg_weights: torch.Tensor | None = None,
+    full_kl: torch.Tensor | None = None,
 ) -> TokenTerms:
     """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
 
     `logp` / `entropy` must already be 0 on masked tokens (the backends skip those rows).
+    `full_kl`: each token's exact KL over the vocabulary (config.kl="full" / "full_reverse"),
+    whose d(loss)/d(KL_t) comes back as `dfull_kl` for the backend's pass over the logits.
     `agg_weights` (computed by the caller over the whole batch, after `with_rejection`) lets a
     token-level loss be evaluated on a slice of its tokens: the LM-head loss does, block by block.
     """
@@ -513,7 +518,16 @@ def token_terms(
         if w is not None and cfg.loss != "vespo":
             per_token, dper_token = per_token * w, dper_token * w
         dlogp = torch.zeros_like(logp)
-    if inp.ref_logp is not None:
+    dfull_kl = None
+    if cfg.full_kl:
+        # The exact KL is a function of the whole row, not of logp: its derivative goes to the
+        # backend as a per-token weight, d(loss)/d(KL_t) = beta x the token's aggregation weight.
+        kl = torch.where(inp.valid, full_kl, 0.0)
+        metrics["kl"] = masked_mean(kl, inp)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
+        dfull_kl = torch.where(inp.valid, cfg.beta * agg_w, 0.0)
+    elif inp.ref_logp is not None:
         kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3")
         metrics["kl"] = masked_mean(kl, inp)
         if cfg.beta > 0:
@@ -533,4 +547,6 @@ def token_terms(
 
     add_token_metrics(metrics, old, logp, entropy, w, inp)
     add_mismatch_metrics(metrics, logp, w, sampled)
-    return TokenTerms(loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics)
+    return TokenTerms(
+        loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics, dfull_kl=dfull_kl
+    )

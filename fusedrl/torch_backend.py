@@ -166,6 +166,26 @@ def block_grad(
     return torch.where(live, grad, 0.0)
 
 
+def full_kl_of(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """[n] exact KL per row over the vocabulary: KL(pi || ref) for "full", KL(ref || pi) for
+    "full_reverse" (0 log 0 = 0: a token one side cannot emit adds nothing there)."""
+    if kind == "full_reverse":
+        log_probs, ref_log_probs = ref_log_probs, log_probs
+    probs = log_probs.exp()
+    return row_sum(torch.where(probs > 0, probs * (log_probs - ref_log_probs), 0.0))
+
+
+def full_kl_grad(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """[n, V] d KL / d(logits / temperature): p (log p - log ref - KL) for "full", p - ref for
+    "full_reverse"."""
+    probs = log_probs.exp()
+    if kind == "full_reverse":
+        return probs - ref_log_probs.exp()
+    return torch.where(probs > 0, probs * (log_probs - ref_log_probs - kl[:, None]), 0.0)
+
+
 @torch.no_grad()
 def forward_stats(
     logits: torch.Tensor,
@@ -175,14 +195,20 @@ def forward_stats(
     valid: torch.Tensor | None = None,
     sampling: SamplingMask | None = None,
     floors: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
+    kl_kind: str | None = None,
+    full_kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32. With
-    `sampling` and a [B * T] `floors` buffer, each row's floor is kept there for pass 2."""
+    `sampling` and a [B * T] `floors` buffer, each row's floor is kept there for pass 2. With
+    `ref_logits` (and `kl_kind`), each row's exact KL goes into the [B * T] `full_kl` buffer,
+    from the same blocks."""
     batch, time, _ = logits.shape
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if need_entropy else None
     flat_labels = labels.reshape(-1)
-    for start, (block,) in row_blocks(logits):
+    pairs = row_blocks(logits) if ref_logits is None else row_blocks(logits, ref_logits)
+    for start, (block, *ref_block) in pairs:
         stop = start + block.shape[0]
         floor = None
         if floors is not None and sampling is not None:
@@ -196,6 +222,9 @@ def forward_stats(
         logp[start:stop] = block_logp
         if entropy is not None:
             entropy[start:stop] = block_entropy
+        if ref_block:
+            ref_log_probs, _ = block_log_probs(ref_block[0], temperature)
+            full_kl[start:stop] = full_kl_of(log_probs, ref_log_probs, kl_kind)
     logp = logp.view(batch, time)
     entropy = None if entropy is None else entropy.view(batch, time)
     if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak
@@ -216,8 +245,13 @@ def write_logits_grad(
     floors: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
+    kl_kind: str | None = None,
+    dfull_kl: torch.Tensor | None = None,
+    full_kl: torch.Tensor | None = None,
 ) -> None:
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]);
+    with `ref_logits`, plus dfull_kl x d KL_t / d(logits) of the exact KL (`full_kl`: [B, T]);
     `floors`: the sampled sets' floors that pass 1 kept (else found again). `lse` / `entropy`
     ([B, T], no sampling): the rows' own, given when `logits` is a vocab slice of them (tensor
     parallelism; labels < 0 are then in another slice), else found from `logits`.
@@ -227,7 +261,8 @@ def write_logits_grad(
     flat_labels = labels.reshape(-1)
     flat_dlogp = dlogp.reshape(-1)
     flat_dent = None if dentropy is None else dentropy.reshape(-1)
-    for start, (block, out_block) in row_blocks(logits, out):
+    tensors = (logits, out) if ref_logits is None else (logits, out, ref_logits)
+    for start, (block, out_block, *ref_block) in row_blocks(*tensors):
         stop = start + block.shape[0]
         floor = None if floors is None else floors[start:stop]
         if lse is None:
@@ -242,6 +277,12 @@ def write_logits_grad(
             log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent,
             rows_entropy,
         )  # fmt: skip
+        if ref_block:
+            weight = dfull_kl.reshape(-1)[start:stop, None]
+            ref_log_probs, _ = block_log_probs(ref_block[0], temperature)
+            kl = full_kl.reshape(-1)[start:stop]
+            kl_grad = full_kl_grad(log_probs, ref_log_probs, kl, kl_kind) / temperature
+            grad += torch.where(weight != 0, weight * kl_grad, 0.0)
         out_block.copy_(grad)
 
 
@@ -304,13 +345,22 @@ def policy_loss(
     need_entropy = need_entropy or cfg.needs_entropy
     sampling = cfg.sampling
     floors = _floors_buffer(inp.logits, sampling) if grad_out is not None else None
+    full_kl = None
+    if inp.ref_logits is not None:
+        full_kl = torch.empty(inp.labels.numel(), dtype=torch.float32, device=inp.logits.device)
     logp, entropy = forward_stats(
-        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling, floors
-    )
-    terms = token_terms(logp, entropy, inp, cfg)
+        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling, floors,
+        inp.ref_logits, cfg.kl, full_kl,
+    )  # fmt: skip
+    if full_kl is not None:
+        full_kl = torch.where(inp.valid, full_kl.view_as(logp), 0.0)
+    terms = token_terms(logp, entropy, inp, cfg, full_kl=full_kl)
     if grad_out is not None:
+        # beta = 0: the KL is a metric, its gradient term is zero and its pass is skipped.
+        with_kl = full_kl is not None and cfg.beta > 0
         write_logits_grad(
             inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out,
-            sampling, floors,
+            sampling, floors, ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
+            dfull_kl=terms.dfull_kl, full_kl=full_kl,
         )  # fmt: skip
     return logp, entropy, terms

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import fusedrl
 from fusedrl import LossConfig, reference
-from fusedrl.config import AGGS, KLS
+from fusedrl.config import AGGS, KL_ESTIMATORS
 
 from .conftest import make_batch, needs_interpreter, run_loss
 
@@ -32,7 +32,7 @@ def configs(draw):
     if loss == "ppo" and draw(st.booleans()):
         kwargs["dual_clip_c"] = draw(st.floats(1.1, 4.0))
     if draw(st.booleans()):
-        kwargs["kl"] = draw(st.sampled_from(KLS))
+        kwargs["kl"] = draw(st.sampled_from(KL_ESTIMATORS))  # kl="full": test_full_kl.py
         kwargs["beta"] = draw(st.floats(0.0, 0.5))
     if draw(st.booleans()):
         kwargs["entropy_coef"] = draw(st.floats(-0.1, 0.1))

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from fusedrl.api import BACKENDS
-from fusedrl.config import AGGS, IS_CORRECTIONS, KLS, LOSSES, PRESETS, LossConfig
+from fusedrl.config import AGGS, IS_CORRECTIONS, KL_ESTIMATORS, LOSSES, PRESETS, LossConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
@@ -136,6 +136,10 @@ class TrainConfig:
 
         need(self.preset in PRESETS, "preset",
              f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        need(self.kl is None or self.kl in KL_ESTIMATORS, "kl",
+             f"{self.kl!r}: the trainer takes a per-token estimator, one of {list(KL_ESTIMATORS)} "
+             "(the exact KL, 'full', is in fusedrl.policy_loss with ref_logits; not in the "
+             "trainer yet)")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
@@ -236,7 +240,7 @@ HELP = {
     "dual_clip_c": "Dual-clip cap for negative advantages (> 1); unset: the preset's.",
     "delta": "Upper cap of the unclipped ratio (> 1 + eps_high); unset: the preset's.",
     "agg": f"Loss aggregation, one of {list(AGGS)}; unset: the preset's.",
-    "kl": f"KL estimator, one of {list(KLS)}; unset: the preset's.",
+    "kl": f"KL estimator, one of {list(KL_ESTIMATORS)}; unset: the preset's.",
     "beta": "KL coefficient (a reference model is kept when > 0); unset: the preset's.",
     "entropy_coef": "Entropy bonus coefficient; unset: the preset's.",
     "is_correction": f"Train/inference IS correction, one of {list(IS_CORRECTIONS)}; unset: off.",
