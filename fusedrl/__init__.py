@@ -9,6 +9,7 @@ out.loss.backward()
 from . import advantages, reference
 from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
 from .config import PRESETS, LossConfig
+from .distill import DISTILL_KINDS, distill_loss
 from .linear import LINEAR_BACKENDS, linear_policy_loss, linear_token_logprobs
 from .output import LossOutput
 
@@ -16,12 +17,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "DISTILL_KINDS",
     "LINEAR_BACKENDS",
     "PRESETS",
     "LossConfig",
     "LossOutput",
     "PolicyLoss",
     "advantages",
+    "distill_loss",
     "linear_policy_loss",
     "linear_token_logprobs",
     "policy_loss",

@@ -591,3 +591,68 @@ def policy_loss(
         entropy=ent_out,
         metrics={k: v.detach() for k, v in metrics.items()},
     )
+
+
+# --------------------------------------------------------------------------------- distillation
+def distill_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kind: str,
+    beta: float,
+    temperature: float,
+) -> torch.Tensor:
+    """Per-token divergence of `fusedrl.distill_loss`, from the probabilities themselves: KL(s || q)
+    (reverse_kl), KL(q || s) (forward_kl), or beta KL(q || m) + (1 - beta) KL(s || m) with the
+    mixture m = beta q + (1 - beta) s (jsd; beta 0 and 1 are forward_kl and reverse_kl, as in
+    TRL's generalized_jsd_loss)."""
+    if kind == "jsd" and beta == 0.0:
+        kind = "forward_kl"
+    if kind == "jsd" and beta == 1.0:
+        kind = "reverse_kl"
+    upcast = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
+    s = torch.softmax(student_logits.to(upcast) / temperature, dim=-1)
+    q = torch.softmax(teacher_logits.to(upcast) / temperature, dim=-1)
+
+    def kl(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # sum_v p log(p / r), 0 log 0 = 0
+        return torch.where(p > 0, p * (torch.log(p) - torch.log(r)), 0.0).sum(-1)
+
+    if kind == "reverse_kl":
+        return kl(s, q)
+    if kind == "forward_kl":
+        return kl(q, s)
+    m = beta * q + (1.0 - beta) * s
+    return beta * kl(q, m) + (1.0 - beta) * kl(s, m)
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    inplace: bool = False,
+    backend: str | None = None,
+) -> LossOutput:
+    """`fusedrl.distill_loss` in plain autograd; `inplace` / `backend` are ignored."""
+    cfg = config if config is not None else LossConfig()
+    advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
+    inp = prepare_loss_inputs(
+        student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
+    )
+    teacher = teacher_logits.detach()
+    teacher = teacher.unsqueeze(0) if inp.flat_input else teacher
+    keep = inp.valid.unsqueeze(-1)
+    safe_student = torch.where(keep, inp.logits, 0.0)
+    safe_teacher = torch.where(keep, teacher, 0.0)
+    divergence = distill_divergence(safe_student, safe_teacher, kind, beta, temperature)
+    divergence = torch.where(inp.valid, divergence, 0.0)
+    loss = aggregate(divergence, inp, cfg)
+    logp, _ = _log_softmax_stats(safe_student, inp.labels, temperature, False)
+    logp = torch.where(inp.valid, logp.detach(), 0.0)
+    metric = masked_mean(divergence.detach(), inp)
+    unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
+    return LossOutput(loss=loss, logp=unflat(logp), entropy=None, metrics={"distill": metric})

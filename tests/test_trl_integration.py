@@ -1,10 +1,12 @@
 """fusedrl.integrations.trl against TRL itself: same loss, same parameter gradients and same logged
 metrics as `GRPOTrainer._compute_loss` on a real (tiny, random) Qwen2 model and a tiny Qwen2-MoE
-(router aux loss), and a real 2-step training run."""
+(router aux loss), and a real 2-step training run; `fusedrl.distill_loss` against GKD's
+`generalized_jsd_loss`."""
 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -14,11 +16,13 @@ import torch
 
 trl = pytest.importorskip("trl")
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD's loss, below
 
 from datasets import Dataset  # noqa: E402
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import fusedrl  # noqa: E402
 from fusedrl.integrations.trl import FusedGRPOTrainer, loss_config_from_trl  # noqa: E402
 from fusedrl.tiny import char_tokenizer, tiny_qwen2  # noqa: E402
 
@@ -440,3 +444,29 @@ def test_bench_trl_step_smoke(tmp_path):
     rows = json.loads(result.read_text())["rows"]
     assert [r["trainer"] for r in rows] == ["trl", "fusedrl"]
     assert all(r["step_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_distill_loss_equals_trl_generalized_jsd(beta, temperature):
+    """kind="jsd" is TRL's generalized JSD, beta's endpoints included; forward_kl and reverse_kl
+    are its beta = 0 and 1."""
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    from .test_distill import _inputs, _run
+
+    student, teacher, labels, mask = _inputs(seed=int(10 * beta))
+    trl_labels = torch.where(mask, labels, -100)
+    x = student.clone().requires_grad_(True)
+    theirs = GKDTrainer.generalized_jsd_loss(
+        x, teacher, trl_labels, beta=beta, temperature=temperature
+    )
+    (their_grad,) = torch.autograd.grad(theirs, x)
+    kinds = ["jsd"] + (["forward_kl"] if beta == 0 else ["reverse_kl"] if beta == 1 else [])
+    for kind in kinds:
+        ours, grad = _run(
+            fusedrl.distill_loss, student, teacher, labels, mask, kind=kind, beta=beta,
+            temperature=temperature,
+        )  # fmt: skip
+        torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(grad, their_grad, atol=1e-7, rtol=1e-5)

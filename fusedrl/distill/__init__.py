@@ -1,0 +1,143 @@
+"""Distillation from a teacher's logits, in one pass over both: `distill_loss`.
+
+On-policy distillation (GKD, Agarwal et al. 2023; the student's own samples scored by a teacher)
+trains the student toward the teacher's whole next-token distribution at every position. Per
+token, with s = softmax(student / T) and q = softmax(teacher / T):
+
+    reverse_kl   KL(s || q)  (mode-seeking; TRL's beta = 1)
+    forward_kl   KL(q || s)  (mass-covering; TRL's beta = 0)
+    jsd          beta KL(q || m) + (1 - beta) KL(s || m),  m = beta q + (1 - beta) s
+                 (the generalized JSD of GKD as TRL's `generalized_jsd_loss` and Liger's
+                 `LigerFusedLinearJSDLoss` define it, their beta = 0 / 1 endpoints included)
+
+aggregated over the masked tokens like the policy loss (`config.agg`, `normalizer`). The gradient
+to the student's logits is written while the loss is computed (the teacher's get none), so the
+backward pass reads nothing. docs/losses.md has the formulas and the peers' names.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .._autograd import attach_grad
+from .._inputs import check_logits, check_temperature, prepare_loss_inputs
+from ..api import _check_writable as check_writable
+from ..config import LossConfig
+from ..output import LossOutput
+
+DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd")
+DISTILL_BACKENDS = ("auto", "torch")
+
+
+def check_distill_args(kind: object, beta: object) -> float:
+    if kind not in DISTILL_KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {DISTILL_KINDS}")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta):
+        raise ValueError(f"beta must be a finite number in [0, 1], got {beta!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (the teacher's share of the mixture), got {beta}")
+    return float(beta)
+
+
+def check_teacher(teacher_logits: object, student_logits: torch.Tensor) -> torch.Tensor:
+    teacher_logits = check_logits(teacher_logits, name="teacher_logits")
+    if tuple(teacher_logits.shape) != tuple(student_logits.shape):
+        raise ValueError(
+            f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
+            f"{tuple(student_logits.shape)} (the same tokens over the same vocabulary)"
+        )
+    if teacher_logits.device != student_logits.device:
+        raise ValueError(
+            f"teacher_logits is on {teacher_logits.device} but student_logits are on "
+            f"{student_logits.device}"
+        )
+    return teacher_logits.detach()
+
+
+def distill_config(config: object) -> LossConfig:
+    """The aggregation of the per-token divergence: config.agg / norm_constant (token-mean by
+    default). The temperature is distill_loss's own argument."""
+    cfg = config if config is not None else LossConfig()
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
+    if cfg.temperature != 1.0:
+        raise ValueError(
+            f"config.temperature={cfg.temperature!r}: distill_loss takes its temperature as an "
+            "argument (temperature=), not from the config"
+        )
+    return cfg
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    inplace: bool = False,
+    backend: str = "auto",
+) -> LossOutput:
+    """The student-teacher divergence over the whole vocabulary, per token, aggregated.
+
+    Args:
+        student_logits: [B, T, V] or [N, V] (vocab contiguous; bf16 / fp16 / fp32 / fp64).
+        teacher_logits: the teacher's logits for the same tokens, the same shape; no gradient.
+        labels: [B, T] the sampled token ids (the student's log-prob of each is returned).
+        mask: [B, T] bool or float weights: the tokens that count.
+        kind: "reverse_kl", "forward_kl" or "jsd" (module docstring).
+        beta: jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: reverse_kl).
+        temperature: both distributions are softmax(logits / temperature).
+        config: a LossConfig whose `agg` (and `norm_constant`) aggregate the per-token
+            divergence (default token-mean, TRL's and Liger's normalisation).
+        normalizer: the aggregation's denominator, as in `policy_loss` (global token count).
+        inplace: write d(loss)/d(student_logits) into student_logits.
+        backend: "auto" or "torch" (the fused kernels do not compute it yet).
+
+    Returns:
+        LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
+        entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
+    """
+    from . import torch_rows
+
+    beta = check_distill_args(kind, beta)
+    temperature = check_temperature(temperature)
+    if backend not in DISTILL_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r}: distill_loss runs on {DISTILL_BACKENDS} for now (the fused "
+            "Triton / CUDA kernels do not compute it yet)"
+        )
+    cfg = distill_config(config)
+    student_logits = check_logits(student_logits, name="student_logits")
+    teacher = check_teacher(teacher_logits, student_logits)
+    # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
+    # distillation has no advantages.
+    advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
+    inp = prepare_loss_inputs(
+        student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
+    )
+    teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
+    wants_grad = student_logits.requires_grad and torch.is_grad_enabled()
+    grad = None
+    if wants_grad:
+        if inplace:
+            check_writable(student_logits)
+        grad = inp.logits if inplace else torch.empty_like(inp.logits)
+    with torch.no_grad():
+        loss, logp, divergence = torch_rows.distill(
+            inp, teacher3, kind, beta, temperature, cfg, grad
+        )
+    if wants_grad and inplace:
+        torch.autograd.graph.increment_version(student_logits)
+    if wants_grad:
+        loss = attach_grad(student_logits, loss, grad[0] if inp.flat_input else grad)
+    mean = (divergence * inp.mask).sum() / inp.mask.sum().clamp_min(1e-8)
+    if inp.flat_input:
+        logp = logp[0]
+    return LossOutput(loss=loss, logp=logp, entropy=None, metrics={"distill": mean})

@@ -1,0 +1,205 @@
+"""`fusedrl.distill_loss`: the student-teacher divergence over the vocabulary, in one pass.
+
+Against the peers on the same inputs (Liger's `LigerFusedLinearJSDLoss` through its CPU path
+here; TRL's `GKDTrainer.generalized_jsd_loss` in tests/test_trl_integration.py, beside the rest of
+TRL's imports), against the oracle (`fusedrl.reference`, written
+from the probabilities: it never forms log-softmax mixtures) on every aggregation, in place,
+[N, V] input, NaN padding and bf16 against the float64 truth; then the contracts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, reference
+
+KINDS = ("reverse_kl", "forward_kl", "jsd")
+
+
+def _inputs(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32, nan_padding=False):
+    gen = torch.Generator().manual_seed(seed)
+    student = 2.0 * torch.randn(batch, time, vocab, generator=gen)
+    teacher = student + 1.5 * torch.randn(batch, time, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    lengths = torch.randint(1, time + 1, (batch,), generator=gen)
+    mask = torch.arange(time)[None, :] < lengths[:, None]
+    mask[1] = False  # an empty sequence
+    if nan_padding:
+        student[~mask] = float("nan")
+        teacher[~mask] = float("nan")
+        labels[~mask] = -100
+    return student.to(dtype), teacher.to(dtype), labels, mask
+
+
+def _run(fn, student, *args, **kwargs):
+    x = student.clone().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    return out, grad
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_equals_liger_fused_linear_jsd(beta):
+    """Liger's LM-head JSD (soft loss only, its CPU path) on the same hidden states and heads:
+    the logits made by the same matmuls, the loss and the gradients to hidden and weight."""
+    chunked = pytest.importorskip("liger_kernel.chunked_loss")
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden, vocab = 13, 16, 37
+    h_student = torch.randn(tokens, hidden, generator=gen)
+    w_student = torch.randn(vocab, hidden, generator=gen) / 2
+    h_teacher = torch.randn(tokens, hidden, generator=gen)
+    w_teacher = torch.randn(vocab, hidden, generator=gen) / 2
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    mask = torch.rand(tokens, generator=gen) > 0.3
+    temperature = 0.9
+    liger = chunked.LigerFusedLinearJSDLoss(
+        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta, temperature=temperature,
+        compiled=False,
+    )  # fmt: skip
+    theirs_h, theirs_w = h_student.clone().requires_grad_(), w_student.clone().requires_grad_()
+    theirs = liger(theirs_h, theirs_w, h_teacher, w_teacher, torch.where(mask, labels, -100))
+    their_grads = torch.autograd.grad(theirs, (theirs_h, theirs_w))
+    ours_h, ours_w = h_student.clone().requires_grad_(), w_student.clone().requires_grad_()
+    ours = fusedrl.distill_loss(
+        ours_h @ ours_w.T, h_teacher @ w_teacher.T, labels, mask, kind="jsd", beta=beta,
+        temperature=temperature,
+    )  # fmt: skip
+    our_grads = torch.autograd.grad(ours.loss, (ours_h, ours_w))
+    torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=1e-5)
+    for got, want in zip(our_grads, their_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_oracle_is_the_definition_on_one_row():
+    student = torch.tensor([[[1.0, 0.0, -2.0]]], dtype=torch.float64)
+    teacher = torch.tensor([[[0.0, 2.0, 0.5]]], dtype=torch.float64)
+    s = torch.softmax(student[0, 0], -1).tolist()
+    q = torch.softmax(teacher[0, 0], -1).tolist()
+
+    def kl(a, b):
+        return sum(x * math.log(x / y) for x, y in zip(a, b))
+
+    m = [0.25 * y + 0.75 * x for x, y in zip(s, q)]
+    jsd = 0.25 * kl(q, m) + 0.75 * kl(s, m)
+    want = {"reverse_kl": kl(s, q), "forward_kl": kl(q, s), "jsd": jsd}
+    for kind, value in want.items():
+        got = reference.distill_divergence(student, teacher, kind, 0.25, 1.0)
+        assert got.item() == pytest.approx(value, rel=1e-12), kind
+
+
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("agg", AGGS)
+def test_torch_backend_equals_the_oracle(kind, agg):
+    student, teacher, labels, mask = _inputs(seed=AGGS.index(agg))
+    cfg = LossConfig(agg=agg)
+    kwargs = dict(kind=kind, beta=0.4, temperature=0.8, config=cfg)
+    ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
+    ours, grad = _run(fusedrl.distill_loss, student, teacher, labels, mask, **kwargs)
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        ours.metrics["distill"], ref.metrics["distill"], atol=1e-6, rtol=1e-5
+    )
+    assert ours.metrics["distill"] > 0.05  # the divergence acted
+    assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_in_place_flat_nan_padding_and_blocks(kind, monkeypatch):
+    from fusedrl import torch_backend
+
+    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)  # blocks split sequences
+    student, teacher, labels, mask = _inputs(seed=3, nan_padding=True)
+    kwargs = dict(kind=kind, beta=0.6, temperature=1.2)
+    ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
+    x = student.clone().requires_grad_(True)
+    work = x.clone()
+    out = fusedrl.distill_loss(work, teacher, labels, mask, inplace=True, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    assert torch.isfinite(grad).all() and torch.isfinite(out.loss)
+
+    ones = torch.ones(int(mask.sum()), dtype=torch.bool)
+    flat = (student[mask], teacher[mask], labels[mask], ones)
+    ours_flat, flat_grad = _run(fusedrl.distill_loss, *flat, **kwargs)
+    ref_flat, ref_flat_grad = _run(reference.distill_loss, *flat, **kwargs)
+    torch.testing.assert_close(ours_flat.loss, ref.loss, atol=1e-6, rtol=1e-5)  # token-mean
+    torch.testing.assert_close(flat_grad, ref_flat_grad, atol=1e-7, rtol=1e-5)
+    assert ours_flat.logp.shape == (int(mask.sum()),)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_against_the_float64_truth(kind):
+    student, teacher, labels, mask = _inputs(seed=9, dtype=torch.bfloat16)
+    kwargs = dict(kind=kind, beta=0.5)
+    exact, exact_grad = _run(
+        reference.distill_loss, student.double(), teacher.double(), labels, mask, **kwargs
+    )
+    ours, grad = _run(fusedrl.distill_loss, student, teacher, labels, mask, **kwargs)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.loss.double(), exact.loss, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(grad.double(), exact_grad, atol=1e-6, rtol=2**-8)
+
+
+def test_oracle_gradcheck():
+    gen = torch.Generator().manual_seed(1)
+    student = torch.randn(1, 2, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    teacher = torch.randn(1, 2, 5, dtype=torch.float64, generator=gen)
+    for kind in KINDS:
+        assert torch.autograd.gradcheck(
+            lambda x, k=kind: reference.distill_divergence(x, teacher, k, 0.3, 1.1), (student,)
+        )
+
+
+def test_all_masked_is_zero_and_the_teacher_gets_no_gradient():
+    student, teacher, labels, mask = _inputs(seed=2)
+    teacher = teacher.requires_grad_(True)
+    out, grad = _run(fusedrl.distill_loss, student, teacher, labels, torch.zeros_like(mask))
+    assert out.loss.item() == 0.0 and out.metrics["distill"].item() == 0.0
+    assert (grad == 0).all()
+    out, _ = _run(fusedrl.distill_loss, student, teacher, labels, mask)
+    assert not out.loss.requires_grad or teacher.grad is None
+    with pytest.raises(RuntimeError):  # the teacher is not in the graph
+        torch.autograd.grad(out.loss, teacher)
+
+
+def test_a_teacher_equal_to_the_student_gives_zero():
+    student, _, labels, mask = _inputs(seed=4)
+    for kind in KINDS:
+        out, grad = _run(fusedrl.distill_loss, student, student.clone(), labels, mask, kind=kind)
+        assert abs(out.loss.item()) < 1e-6 and grad.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(kind="kl"), ValueError, "kind='kl' is not one of"),
+        (dict(kind="jsd", beta=1.5), ValueError, "beta must be in \\[0, 1\\]"),
+        (dict(beta=float("nan")), ValueError, "beta must be a finite number"),
+        (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+        (dict(backend="triton"), ValueError, "distill_loss runs on"),
+        (dict(config=LossConfig(temperature=0.7)), ValueError, "takes its temperature as an"),
+        (dict(teacher_shape=(3, 7, 130)), ValueError, "teacher_logits shape .* must equal"),
+        (dict(teacher_dtype=torch.int32), TypeError, "teacher_logits must be a floating"),
+        (dict(labels_shape=(3, 6)), ValueError, "labels shape"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, message):
+    student, teacher, labels, mask = _inputs(seed=1)
+    if "teacher_shape" in kwargs:
+        teacher = torch.zeros(kwargs.pop("teacher_shape"))
+    if "teacher_dtype" in kwargs:
+        teacher = teacher.to(kwargs.pop("teacher_dtype"))
+    if "labels_shape" in kwargs:
+        labels = torch.zeros(kwargs.pop("labels_shape"), dtype=torch.long)
+    with pytest.raises(error, match=message):
+        fusedrl.distill_loss(student, teacher, labels, mask, **kwargs)
