@@ -7,8 +7,9 @@
 #   bash bench/run_gpu.sh linear  [OUTDIR]  # bench/bench_linear.py: the LM-head loss, both designs
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
 #   bash bench/run_gpu.sh sampling [OUTDIR] # bench/bench_sampling.py: sampled-set select costs
+#   bash bench/run_gpu.sh distill [OUTDIR]  # bench/bench_distill.py: two distributions per token
 #   bash bench/run_gpu.sh tp      [OUTDIR]  # bench/bench_tp.py: vocab-sharded logits, 2+ GPUs
-#   bash bench/run_gpu.sh all     [OUTDIR]  # the seven above (bench on the small matrix)
+#   bash bench/run_gpu.sh all     [OUTDIR]  # the eight above (bench on the small matrix)
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -51,13 +52,13 @@
 set -euo pipefail
 
 usage() {
-  sed -n '4,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,12p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | linear | steps | sampling | tp | all) ;;
+  tests | bench | profile | linear | steps | sampling | distill | tp | all) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -317,6 +318,13 @@ stage_sampling() {
     "$PY" bench/bench_sampling.py --out "$OUTDIR"
 }
 
+stage_distill() {
+  # distill_loss (the two-row kernels, the torch backend) against TRL's GKD loss, eager and
+  # compiled, at the 2R + 1W floor.
+  step distill:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_distill.log" \
+    "$PY" bench/bench_distill.py --out "$OUTDIR"
+}
+
 stage_steps() {
   if skip_unless steps:train_step transformers; then
     step steps:train_step 270 "$PREFIX-bench_train_step.log" \
@@ -361,6 +369,7 @@ case "$STAGE" in
   linear) stage_linear ;;
   steps) stage_steps ;;
   sampling) stage_sampling ;;
+  distill) stage_distill ;;
   tp) stage_tp ;;
   all)
     stage_tests
@@ -374,6 +383,8 @@ case "$STAGE" in
     stage_steps
     start_stage
     stage_sampling
+    start_stage
+    stage_distill
     start_stage
     stage_tp
     ;;

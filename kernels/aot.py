@@ -99,7 +99,7 @@ def launch_kernels() -> dict[str, object]:
 def _example_launches() -> Iterator[Callable[[], None]]:
     """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
     runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
-    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss
+    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss, two_rows
 
     batch, time, vocab = 2, 3, EXAMPLE_VOCAB
     logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
@@ -116,6 +116,11 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
     )  # fmt: skip
+    # Two distributions per token (distill_loss): the teacher's logits beside the student's.
+    yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
+    yield lambda: two_rows.two_rows_backward(
+        logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, torch.empty_like(logits)
+    )
     # The LM-head loss: [2, 3, H] hidden states and a [V, H] head (H = 64 keeps the example
     # small; a real H only changes integers that are multiples of 16 just the same).
     hidden = torch.zeros(batch, time, 64, dtype=torch.bfloat16)

@@ -95,15 +95,22 @@ def remainder_tiles(head, tail_start, vocab, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2: tl.constexpr):
-    """Per-slot online softmax update with one exp2: exp2(-|y - max|) is the new element's weight
-    when y <= max, else the factor that rescales the old sums (the new element's weight is 1)."""
+def accumulate_weighted(run_max, sum_exp, sum_exp_w, y, w, FAST_EXP2: tl.constexpr):
+    """Per-slot online softmax update of y with one exp2, and the running sum of 2^(y - max) w:
+    exp2(-|y - max|) is the new element's weight when y <= max, else the factor that rescales
+    the old sums (the new element's weight is 1)."""
     diff = y - run_max
     new_max = diff > 0
     t = exp2(-tl.abs(diff), FAST_EXP2)
     sum_exp = tl.where(new_max, sum_exp * t + 1.0, sum_exp + t)
-    sum_exp_y = tl.where(new_max, sum_exp_y * t + y, sum_exp_y + t * y)
-    return tl.maximum(run_max, y), sum_exp, sum_exp_y
+    sum_exp_w = tl.where(new_max, sum_exp_w * t + w, sum_exp_w + t * w)
+    return tl.maximum(run_max, y), sum_exp, sum_exp_w
+
+
+@triton.jit
+def _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2: tl.constexpr):
+    """The online softmax with the running sum of 2^(y - max) y (for the entropy)."""
+    return accumulate_weighted(run_max, sum_exp, sum_exp_y, y, y, FAST_EXP2)
 
 
 @triton.jit

@@ -424,3 +424,20 @@ def test_run_gpu_sh_knows_the_tp_stage(tmp_path):
     proc = _run_gpu(["tp", str(tmp_path / "x")], env)
     assert proc.returncode == 3 and "refusing to run" in proc.stderr, proc.stderr
     assert "bash bench/run_gpu.sh tp" in _run_gpu(["--help"], env).stdout
+
+
+def test_bench_distill_smoke(tmp_path):
+    """bench/bench_distill.py runs on CPU (the two-row kernels interpreted, TRL's eager loss) and
+    writes its JSON, every kind timed for each impl that runs here; not a measurement."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_distill
+
+    assert bench_distill.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "distill-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
+    timed = {(row["kind"], row["impl"]) for row in result["rows"] if row.get("ms", 0) > 0}
+    for kind in bench_distill.KINDS:
+        assert {(kind, "fusedrl-triton"), (kind, "fusedrl-torch"), (kind, "trl-eager")} <= timed
+    skipped = {row["impl"]: row["skipped"] for row in result["rows"] if "skipped" in row}
+    assert skipped == {"trl-compile": "torch.compile is timed on the GPU only"}
+    assert all(row["bytes_floor"] == 3 * 6 * 1031 * 2 for row in result["rows"] if "ms" in row)

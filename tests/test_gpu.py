@@ -986,3 +986,34 @@ def test_rejection_lower_bound_on_gpu(option, backend):
     by_mask, mask_grad = run_loss(_impl(backend), plain, LossConfig())
     torch.testing.assert_close(ours.loss, by_mask.loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, mask_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [32003, 151936])
+@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "jsd"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_distill_two_row_kernels_at_real_vocab(vocab, kind, inplace):
+    """kernels/two_rows.py compiled (ex2.approx, 2048-element tiles, odd and real vocabularies)
+    against the torch backend on the same bf16 logits: the loss, the student's logp, the
+    gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    student = (2.0 * torch.randn(3, 41, vocab, generator=gen, device="cuda")).bfloat16()
+    noise = torch.randn(student.shape, generator=gen, device="cuda")
+    teacher = (student.float() + noise).bfloat16()
+    labels = torch.randint(0, vocab, (3, 41), generator=gen, device="cuda")
+    mask = torch.rand(3, 41, generator=gen, device="cuda") > 0.2
+    mask[1] = False
+    outs = {}
+    for backend in ("torch", "triton"):
+        x = student.clone().requires_grad_(True)
+        work = x.clone() if inplace and backend == "triton" else x
+        out = fusedrl.distill_loss(
+            work, teacher, labels, mask, kind=kind, beta=0.3, temperature=0.9, backend=backend,
+            inplace=inplace and backend == "triton",
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(out.loss, x)
+        outs[backend] = (out, grad)
+    (ref, ref_grad), (ours, grad) = outs["torch"], outs["triton"]
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
+    assert (grad[~mask] == 0).all()

@@ -64,6 +64,8 @@ def test_the_launchers_are_found():
         "token_loss.fused_token_loss",
         "linear_loss.linear_stats",
         "linear_loss.linear_logits_grad",
+        "two_rows.two_rows_forward",
+        "two_rows.two_rows_backward",
     } <= set(LAUNCHERS)
 
 
@@ -71,7 +73,7 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
     """{launcher: call} of every launcher on [batch, time, vocab] logits (and the LM head's
     [batch, time, hidden] states, [vocab, hidden] weight, [vocab] bias) on `device`. Under
     FakeTensorMode nothing is allocated: the tests here look at the launches only."""
-    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss
+    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss, two_rows
 
     def zeros(*shape, dtype=torch.float32):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -114,6 +116,12 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             states, weight, bias, labels, valid, 1.0
         ),
         "linear_loss.linear_logits_grad": linear_grad,
+        "two_rows.two_rows_forward": lambda: two_rows.two_rows_forward(
+            logits, logits, labels, valid, 1.0, "jsd", 0.5
+        ),
+        "two_rows.two_rows_backward": lambda: two_rows.two_rows_backward(
+            logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, logits
+        ),
     }
 
 
@@ -427,7 +435,7 @@ def _far(space: torch.Tensor, base: int, values: torch.Tensor, dim: int, stride=
 def _far_launches(space, layout: str):
     """{launcher: (call on far-apart rows, call on compact copies)}: each returns its results.
     `layout`: whether the batch or the time dim of [B, T, ...] tensors holds the far rows."""
-    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss
+    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss, two_rows
 
     gen = torch.Generator().manual_seed(7)
     shape, dim = ((3, 1), 0) if layout == "batch" else ((1, 3), 1)
@@ -478,6 +486,13 @@ def _far_launches(space, layout: str):
             1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.01,
         ), grad)  # fmt: skip
 
+    def two_rows_pass(logits, out):
+        # The teacher is the student's own far view: a teacher row read from the wrong place
+        # makes a divergence where there is none.
+        stats = two_rows.two_rows_forward(logits, logits, labels, None, 1.0, "jsd", 0.4)
+        two_rows.two_rows_backward(logits, logits, *stats[1:], rows, 1.0, "jsd", 0.4, out)
+        return (*stats, out)
+
     def stats(hidden_states, weight, _):
         return linear_loss.linear_stats(hidden_states, weight, bias, head_labels, valid, 1.0)
 
@@ -498,6 +513,8 @@ def _far_launches(space, layout: str):
         "token_loss.fused_token_loss": logits_pair(fused),
         "linear_loss.linear_stats": linear_pair(stats),
         "linear_loss.linear_logits_grad": linear_pair(linear_grad),
+        "two_rows.two_rows_forward": logits_pair(two_rows_pass),
+        "two_rows.two_rows_backward": logits_pair(two_rows_pass),
     }
 
 

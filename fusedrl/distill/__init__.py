@@ -29,7 +29,15 @@ from ..config import LossConfig
 from ..output import LossOutput
 
 DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd")
-DISTILL_BACKENDS = ("auto", "torch")
+DISTILL_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolved_kind(kind: str, beta: float) -> str:
+    """jsd at beta = 0 / 1 is forward_kl / reverse_kl (TRL's endpoints; the mixture's logs would
+    take log 0 there)."""
+    if kind == "jsd" and beta in (0.0, 1.0):
+        return "forward_kl" if beta == 0.0 else "reverse_kl"
+    return kind
 
 
 def check_distill_args(kind: object, beta: object) -> float:
@@ -71,6 +79,27 @@ def distill_config(config: object) -> LossConfig:
     return cfg
 
 
+def _rows_module(backend: str, device: torch.device):
+    """triton_rows (the two-row kernels) for "triton", and for "auto" on CUDA; else torch_rows."""
+    from ..api import _triton_usable
+
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    if backend == "triton":
+        if not _triton_usable(device):
+            raise RuntimeError(
+                f"backend='triton' needs CUDA tensors (got {device.type}) and the triton "
+                "package; on CPU set TRITON_INTERPRET=1 before triton is imported, or use "
+                "backend='torch'"
+            )
+        from . import triton_rows
+
+        return triton_rows
+    from . import torch_rows
+
+    return torch_rows
+
+
 def distill_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -98,20 +127,19 @@ def distill_loss(
             divergence (default token-mean, TRL's and Liger's normalisation).
         normalizer: the aggregation's denominator, as in `policy_loss` (global token count).
         inplace: write d(loss)/d(student_logits) into student_logits.
-        backend: "auto" or "torch" (the fused kernels do not compute it yet).
+        backend: "auto" (Triton on CUDA, else torch), "triton" (the two-row kernels of
+            fusedrl.kernels.two_rows: one read of both rows forward, one backward) or "torch".
 
     Returns:
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
         entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
     """
-    from . import torch_rows
-
     beta = check_distill_args(kind, beta)
     temperature = check_temperature(temperature)
     if backend not in DISTILL_BACKENDS:
         raise ValueError(
-            f"backend={backend!r}: distill_loss runs on {DISTILL_BACKENDS} for now (the fused "
-            "Triton / CUDA kernels do not compute it yet)"
+            f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
+            "kernel yet)"
         )
     cfg = distill_config(config)
     student_logits = check_logits(student_logits, name="student_logits")
@@ -129,10 +157,9 @@ def distill_loss(
         if inplace:
             check_writable(student_logits)
         grad = inp.logits if inplace else torch.empty_like(inp.logits)
+    rows = _rows_module(backend, inp.logits.device)
     with torch.no_grad():
-        loss, logp, divergence = torch_rows.distill(
-            inp, teacher3, kind, beta, temperature, cfg, grad
-        )
+        loss, logp, divergence = rows.distill(inp, teacher3, kind, beta, temperature, cfg, grad)
     if wants_grad and inplace:
         torch.autograd.graph.increment_version(student_logits)
     if wants_grad:

@@ -23,15 +23,10 @@ from .._inputs import LossInputs
 from ..config import LossConfig
 from ..token_terms import aggregation_weights
 from ..torch_backend import block_log_probs, full_kl_grad, full_kl_of, row_blocks, row_sum
+from . import resolved_kind
 
 # kind -> the exact-KL direction of torch_backend ("full": KL(pi || ref), pi the student)
 _KL_DIRECTION = {"reverse_kl": "full", "forward_kl": "full_reverse"}
-
-
-def _resolved(kind: str, beta: float) -> str:
-    if kind == "jsd" and beta in (0.0, 1.0):
-        return "forward_kl" if beta == 0.0 else "reverse_kl"
-    return kind
 
 
 def _jsd(log_s: torch.Tensor, log_q: torch.Tensor, beta: float):
@@ -58,7 +53,7 @@ def distill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, the student's logp of the labels [B, T], the divergence per token [B, T]); writes
     d(loss)/d(student logits) into grad_out (which may be the student's logits)."""
-    kind = _resolved(kind, beta)
+    kind = resolved_kind(kind, beta)
     agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: known before the pass
     batch, time, _ = inp.logits.shape
     logp = torch.zeros(batch * time, dtype=torch.float32, device=inp.logits.device)

@@ -1,0 +1,42 @@
+"""distill_loss on the Triton backend: `fusedrl.kernels.two_rows` reads both rows once for the
+per-token divergence (and the student's log-prob of its label), the [B, T] aggregation weights
+are taken on the side, and a second kernel writes the student's gradient (jsd: one more sweep in
+the forward kernel, for log m). The kernels' formulas are in kernels/two_rows.py."""
+
+from __future__ import annotations
+
+import torch
+
+from .._inputs import LossInputs
+from ..config import LossConfig
+from ..token_terms import aggregation_weights
+from . import resolved_kind
+
+_KERNEL_KIND = {"reverse_kl": "kl", "forward_kl": "kl_rev", "jsd": "jsd"}
+
+
+def distill(
+    inp: LossInputs,
+    teacher: torch.Tensor,
+    kind: str,
+    beta: float,
+    temperature: float,
+    cfg: LossConfig,
+    grad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As torch_rows.distill: (loss, the student's logp [B, T], the divergence [B, T])."""
+    from ..kernels import two_rows
+
+    code = _KERNEL_KIND[resolved_kind(kind, beta)]
+    logp, lse_s, lse_q, value, aux = two_rows.two_rows_forward(
+        inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta
+    )
+    agg_w = torch.where(inp.valid, aggregation_weights(inp, cfg), 0.0)
+    divergence = torch.where(inp.valid, value, 0.0)
+    loss = (agg_w * divergence).sum()
+    if grad_out is not None:
+        two_rows.two_rows_backward(
+            inp.logits, teacher, lse_s, lse_q, value, aux, agg_w, temperature, code, beta,
+            grad_out,
+        )  # fmt: skip
+    return loss, torch.where(inp.valid, logp, 0.0), divergence
