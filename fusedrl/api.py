@@ -108,9 +108,9 @@ def policy_loss(
             ids >= vocab_size are padding: they do not count and get a zero gradient.
         ref_logits: the reference policy's logits, shaped like `logits` (no gradient), for the
             exact KL over the vocabulary: config.kl="full" (KL(pi || pi_ref)) or "full_reverse"
-            (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed. The
-            torch backend computes it (backend="auto" picks it for this KL); the fused kernels
-            and tensor parallelism do not yet.
+            (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed.
+            backend="triton" reads both rows once a pass (kernels/two_rows.py), "torch" blocks
+            of both; "cuda" and tensor parallelism refuse it for now.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -147,13 +147,6 @@ def policy_loss(
         ref_logits=ref_logits,
     )
     impl = _resolve_backend(backend, inp.logits.device)
-    if cfg.full_kl and impl is not torch_backend:
-        if backend != "auto":
-            raise ValueError(
-                f"config.kl={cfg.kl!r} (the exact KL from ref_logits) runs on backend='torch' "
-                f"only for now, got backend={backend!r}: pass backend='torch' or 'auto'"
-            )
-        impl = torch_backend
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:

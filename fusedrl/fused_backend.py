@@ -31,6 +31,17 @@ from .torch_backend import row_blocks
 
 
 @dataclass(frozen=True)
+class TwoRowOps:
+    """The two-row ops (kernels/two_rows.py): a student's (policy's) row beside a teacher's
+    (reference's). forward: (student, teacher, labels, valid?, temperature, kind, beta) ->
+    (logp, lse_s, lse_q, D, sum s g, entropy); grad: (student, teacher, lse_s, lse_q, D,
+    sum s g, weight, temperature, kind, beta, out, labels?, entropy?, dlogp?, dentropy?)."""
+
+    forward: Callable
+    grad: Callable
+
+
+@dataclass(frozen=True)
 class FusedOps:
     """The four ops of a fused backend (signatures of the fusedrl:: op schemas)."""
 
@@ -41,6 +52,9 @@ class FusedOps:
     # (logits, labels, out, temperature, top_k, top_p, min_p): out = logits masked to the sampled
     # sets, found on chip (kernels/sampling.py); None: torch.topk / sort a block at a time.
     sampled_set: Callable | None = None
+    # The two-row ops, for the exact KL to the reference (kl="full" / "full_reverse") and
+    # distillation; None: the backend has none.
+    two_rows: TwoRowOps | None = None
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -230,6 +244,37 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     )
 
 
+_KL_KERNEL_KIND = {"full": "kl", "full_reverse": "kl_rev"}
+
+
+def _with_exact_kl(
+    ops: FusedOps,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+    grad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
+    """The exact KL to the reference: pass 1 reads the policy's and the reference's rows once
+    (logp, entropy, lse of both, KL_t), the [B, T] terms, pass 2 reads both once and writes the
+    whole gradient (the policy's terms and beta x dKL_t): 2R + 1W of [N, V] in all."""
+    if ops.two_rows is None:
+        raise ValueError(
+            f"config.kl={cfg.kl!r} (the exact KL from ref_logits) has no kernel in this backend "
+            "(the CUDA extension): use backend='triton' or 'torch'"
+        )
+    kind = _KL_KERNEL_KIND[cfg.kl]
+    logp, lse, ref_lse, kl, _, entropy = ops.two_rows.forward(
+        inp.logits, inp.ref_logits, inp.labels, inp.valid, cfg.temperature, kind, 0.0
+    )
+    terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
+    if grad_out is not None:
+        ops.two_rows.grad(
+            inp.logits, inp.ref_logits, lse, ref_lse, kl, kl, terms.dfull_kl, cfg.temperature,
+            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy,
+        )  # fmt: skip
+    return logp, entropy if need_entropy else None, terms
+
+
 @torch.no_grad()
 def policy_loss(
     ops: FusedOps,
@@ -240,6 +285,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
     need_entropy = need_entropy or cfg.needs_entropy
+    if cfg.full_kl:
+        return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
     sampling = cfg.sampling
     if sampling is not None:
         if grad_out is None:

@@ -83,7 +83,69 @@ fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
 fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 
 
+# Two distributions per token (kernels/two_rows.py): the exact KL and distillation.
+def _two_rows_kernels():
+    from fusedrl.kernels import check_triton_version, two_rows
+
+    check_triton_version()
+    return two_rows
+
+
+@torch.library.custom_op("fusedrl::two_rows_fwd", mutates_args=())
+def two_rows_fwd(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor | None,
+    temperature: float,
+    kind: str,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _two_rows_kernels().two_rows_forward(
+        student, teacher, labels, valid, temperature, kind, beta
+    )
+
+
+@two_rows_fwd.register_fake
+def _(student, teacher, labels, valid, temperature, kind, beta):
+    return tuple(fused_backend._empty_rows_like(labels) for _ in range(6))
+
+
+@torch.library.custom_op("fusedrl::two_rows_grad", mutates_args=("out",))
+def two_rows_grad(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    lse_s: torch.Tensor,
+    lse_q: torch.Tensor,
+    value: torch.Tensor,
+    aux: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    kind: str,
+    beta: float,
+    out: torch.Tensor,
+    labels: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    dlogp: torch.Tensor | None,
+    dentropy: torch.Tensor | None,
+) -> None:
+    _two_rows_kernels().two_rows_backward(
+        student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, beta, out,
+        labels, entropy, dlogp, dentropy,
+    )  # fmt: skip
+
+
+@two_rows_grad.register_fake
+def _(student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, beta, out, *rest):
+    return None
+
+
+TWO_ROWS = fused_backend.TwoRowOps(two_rows_fwd, two_rows_grad)
+
+
 # ------------------------------------------------------------------------------ backends
-OPS = FusedOps(logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace, sampled_set)
+OPS = FusedOps(
+    logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace, sampled_set, TWO_ROWS
+)
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

@@ -119,8 +119,9 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
     yield lambda: two_rows.two_rows_backward(
-        logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, torch.empty_like(logits)
-    )
+        logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, torch.empty_like(logits),
+        labels, rows, rows, rows,
+    )  # fmt: skip
     # The LM-head loss: [2, 3, H] hidden states and a [V, H] head (H = 64 keeps the example
     # small; a real H only changes integers that are multiples of 16 just the same).
     hidden = torch.zeros(batch, time, 64, dtype=torch.bfloat16)

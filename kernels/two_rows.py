@@ -9,15 +9,18 @@ Per row, with s = softmax(x / T) and q = softmax(r / T) (x the student's logits,
                      dD/dx = s (g - sum s g) / T,  g = (1 - beta) (log s - log m)
 
 - `two_rows_forward` (one program per row): sweep 1 reads both rows once and keeps, per element
-  slot, each row's running (max, sum 2^(y - max)) and, for KIND 0 / 1, the sum of
-  2^(y - max) (y_s - y_q) weighted by the side whose expectation the KL takes, all in base 2
-  (y = x log2(e) / T): lse of both rows and D come out of the one read. jsd needs both lse's
-  before it can form log m, so a second sweep (the row pair again, from L2) sums D and
-  sum s g. Outputs per row: the student's logp of its label, both lse's, D and sum s g.
+  slot, each row's running (max, sum 2^(y - max)) and the expectations E_s[y_s], E_s[y_q],
+  E_q[y_q - y_s], all in base 2 (y = x log2(e) / T): lse of both rows, the student's entropy
+  and the KLs come out of the one read. jsd needs both lse's before it can form log m, so a
+  second sweep (the row pair again, from L2) sums D and sum s g. Outputs per row: the
+  student's logp of its label, both lse's, D, sum s g and the student's entropy.
 - `two_rows_backward` (one program per row): reads both rows once and writes w (dD/dx) where w is
-  the row's d(loss)/dD; rows with w = 0 get zeros without a read. The output may be the
-  student's logits (in place): each tile is read before the program writes it, and no element is
-  read by one program after another wrote it (there is no label gather in these rows).
+  the row's d(loss)/dD; with WITH_POLICY (a policy loss with the exact KL to its reference,
+  kl="full" / "full_reverse") also the policy's own terms, dlogp (onehot - s) / T and the
+  entropy bonus's dH dH/dx, so that the whole gradient is one write. Rows with nothing to write
+  get zeros without a read. The output may be the student's logits (in place): each thread reads
+  its elements before it writes them, and the label's one-hot is added where its element is,
+  with no gather of the label's logit that another thread could have overwritten.
 
 Floors: 2R + 1W of [N, V] for the forward + backward (3R + 1W for jsd when the rows in flight
 overflow L2). Their SASS budgets are not the row sweeps' (two loads per element, more state per
@@ -74,6 +77,19 @@ def _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_two(run_max, total, sum_a, sum_b, y, a, FAST_EXP2: tl.constexpr):
+    """`accumulate_weighted` with two running sums off one exp2: 2^(y - max) y and
+    2^(y - max) a."""
+    diff = y - run_max
+    new_max = diff > 0
+    t = exp2(-tl.abs(diff), FAST_EXP2)
+    total = tl.where(new_max, total * t + 1.0, total + t)
+    sum_a = tl.where(new_max, sum_a * t + y, sum_a + t * y)
+    sum_b = tl.where(new_max, sum_b * t + a, sum_b + t * a)
+    return tl.maximum(run_max, y), total, sum_a, sum_b
+
+
+@triton.jit
 def _merge(run_max, total, weighted, FAST_EXP2: tl.constexpr):
     """(lse2, E[w]) of a row from its slots (slots that saw nothing weigh 0)."""
     row_max = tl.max(run_max, axis=0)
@@ -102,6 +118,7 @@ def _two_rows_fwd_kernel(
     lse_q_ptr,
     value_ptr,
     aux_ptr,
+    entropy_ptr,
     time,
     vocab,
     s_stride_b,
@@ -128,21 +145,23 @@ def _two_rows_fwd_kernel(
         max_q = tl.full([BLOCK_V], -float("inf"), tl.float32)
         total_s = tl.zeros([BLOCK_V], tl.float32)
         total_q = tl.zeros([BLOCK_V], tl.float32)
-        cross_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) (y_s - y_q): E_s
+        own_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_s: E_s[y_s], the entropy
+        other_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_q: E_s[y_q]
         cross_q = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_q - max) (y_q - y_s): E_q
         for start in range(0, vocab, BLOCK_V):
             ys, yq, _ = _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V)
-            max_s, total_s, cross_s = accumulate_weighted(
-                max_s, total_s, cross_s, ys, ys - yq, FAST_EXP2
+            max_s, total_s, own_s, other_s = _accumulate_two(
+                max_s, total_s, own_s, other_s, ys, yq, FAST_EXP2
             )
             max_q, total_q, cross_q = accumulate_weighted(
                 max_q, total_q, cross_q, yq, yq - ys, FAST_EXP2
             )
-        lse2_s, mean_s = _merge(max_s, total_s, cross_s, FAST_EXP2)
+        lse2_s, mean_ys = _merge(max_s, total_s, own_s, FAST_EXP2)
+        _, mean_yq = _merge(max_s, total_s, other_s, FAST_EXP2)
         lse2_q, mean_q = _merge(max_q, total_q, cross_q, FAST_EXP2)
         aux = 0.0
         if KIND == 0:
-            value = (mean_s - lse2_s + lse2_q) * LN2
+            value = (mean_ys - mean_yq - lse2_s + lse2_q) * LN2
         elif KIND == 1:
             value = (mean_q - lse2_q + lse2_s) * LN2
         else:
@@ -166,12 +185,14 @@ def _two_rows_fwd_kernel(
         tl.store(lse_q_ptr + row, lse2_q * LN2)
         tl.store(value_ptr + row, value)
         tl.store(aux_ptr + row, aux)
+        tl.store(entropy_ptr + row, (lse2_s - mean_ys) * LN2)
     else:
         tl.store(logp_ptr + row, 0.0)
         tl.store(lse_s_ptr + row, 0.0)
         tl.store(lse_q_ptr + row, 0.0)
         tl.store(value_ptr + row, 0.0)
         tl.store(aux_ptr + row, 0.0)
+        tl.store(entropy_ptr + row, 0.0)
 
 
 @triton.jit
@@ -184,6 +205,10 @@ def _two_rows_grad_kernel(
     value_ptr,
     aux_ptr,
     weight_ptr,
+    labels_ptr,
+    entropy_ptr,
+    dlogp_ptr,
+    dentropy_ptr,
     time,
     vocab,
     s_stride_b,
@@ -198,13 +223,19 @@ def _two_rows_grad_kernel(
     log2_rest,
     one_minus_beta,
     KIND: tl.constexpr,
+    WITH_POLICY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
     weight = tl.load(weight_ptr + row)
     offs = tl.arange(0, BLOCK_V)
-    if weight != 0:
+    dlogp = 0.0
+    dentropy = 0.0
+    if WITH_POLICY:
+        dlogp = tl.load(dlogp_ptr + row)
+        dentropy = tl.load(dentropy_ptr + row)
+    if (weight != 0) | (dlogp != 0) | (dentropy != 0):
         s_row = s_ptr + row_offset(row, time, s_stride_b, s_stride_t)
         q_row = q_ptr + row_offset(row, time, q_stride_b, q_stride_t)
         lse2_s = tl.load(lse_s_ptr + row) * LOG2E
@@ -212,6 +243,13 @@ def _two_rows_grad_kernel(
         value = tl.load(value_ptr + row)
         aux = tl.load(aux_ptr + row)
         factor = weight * inv_temperature
+        label = 0
+        entropy = 0.0
+        if WITH_POLICY:
+            # The label's one-hot is added where its element is: no gather of the label's logit,
+            # so in place no thread reads an element another one has overwritten.
+            label = tl.load(labels_ptr + row)
+            entropy = tl.load(entropy_ptr + row)
         for start in range(0, vocab, BLOCK_V):
             ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V)
             ls2 = ys - lse2_s
@@ -225,6 +263,11 @@ def _two_rows_grad_kernel(
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)
                 grad = ps * (one_minus_beta * (ls2 - lm2) * LN2 - aux)
             grad = factor * grad
+            if WITH_POLICY:
+                # d logp / dx = (onehot - s) / T; d H / dx = -s (log s + H) / T
+                onehot = tl.where(start + offs == label, 1.0, 0.0)
+                policy = dlogp * (onehot - ps) - dentropy * ps * (ls2 * LN2 + entropy)
+                grad += policy * inv_temperature
             tl.store(out_row + start + offs, grad.to(out_ptr.dtype.element_ty), mask=in_row)
     else:
         zeros = tl.zeros([BLOCK_V], out_ptr.dtype.element_ty)
@@ -250,11 +293,12 @@ def two_rows_forward(
     beta: float = 0.5,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] student and teacher logits (vocab contiguous, any batch/time strides) ->
-    (student logp of labels, lse of student, lse of teacher, D, sum s g), each [B, T] fp32.
-    `kind`: "kl", "kl_rev" or "jsd" (0 < beta < 1). Masked rows (valid == 0) get zeros."""
+    (student logp of labels, lse of student, lse of teacher, D, sum s g, student entropy), each
+    [B, T] fp32. `kind`: "kl", "kl_rev" or "jsd" (0 < beta < 1). Masked rows (valid == 0) get
+    zeros."""
     batch, time, vocab = student.shape
     outs = tuple(
-        torch.empty(batch, time, dtype=torch.float32, device=student.device) for _ in range(5)
+        torch.empty(batch, time, dtype=torch.float32, device=student.device) for _ in range(6)
     )
     if batch * time == 0:
         return outs
@@ -300,13 +344,27 @@ def two_rows_backward(
     kind: str,
     beta: float,
     out: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    dlogp: torch.Tensor | None = None,
+    dentropy: torch.Tensor | None = None,
 ) -> None:
-    """out[b, t] = weight[b, t] dD/d(student[b, t]) ([B, T, V]; out may be `student`)."""
+    """out[b, t] = weight[b, t] dD/d(student[b, t]) ([B, T, V]; out may be `student`). With
+    `dlogp` (and labels, the forward's entropy, and dentropy or None), plus the policy loss's own
+    terms dlogp (onehot - s) / T + dentropy dH/dx: the whole gradient of a policy loss with the
+    exact KL in one pass over both rows."""
     batch, time, vocab = student.shape
     if batch * time == 0:
         return
     block = block_size(vocab, student.device, student.element_size())
     beta, log2_beta, log2_rest = _mixture_args(kind, beta)
+    with_policy = dlogp is not None
+    if with_policy:
+        dlogp = dlogp.float().contiguous()
+        dentropy = torch.zeros_like(dlogp) if dentropy is None else dentropy.float().contiguous()
+        labels, entropy = labels.contiguous(), entropy.contiguous()
+    else:  # placeholders, never read
+        labels = entropy = dlogp = dentropy = weight
     _two_rows_grad_kernel[(batch * time,)](
         student,
         teacher,
@@ -316,6 +374,10 @@ def two_rows_backward(
         value.contiguous(),
         aux.contiguous(),
         weight.float().contiguous(),
+        labels,
+        entropy,
+        dlogp,
+        dentropy,
         time,
         vocab,
         student.stride(0),
@@ -330,6 +392,7 @@ def two_rows_backward(
         log2_rest,
         1.0 - beta,
         KIND=KIND_CODES[kind],
+        WITH_POLICY=with_policy,
         BLOCK_V=block,
         **launch_options(block, student.element_size()),
     )

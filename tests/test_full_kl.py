@@ -1,7 +1,8 @@
 """The exact KL over the vocabulary (LossConfig.kl="full" / "full_reverse", `ref_logits=`).
 
 The oracle (`fusedrl.reference.exact_kl`) is checked against the definition on a hand-sized row
-and by float64 gradcheck; the backend against the oracle on branch-triggering batches (ragged and
+and by float64 gradcheck; the backends (torch; Triton's two-row kernels, interpreted) against the
+oracle on branch-triggering batches (ragged and
 empty sequences, NaN padding, every aggregation, temperatures, in place, [N, V] input, bf16
 against the float64 truth); then the contracts: beta = 0 is a metric only, an all-masked batch
 gives 0, and every misuse raises naming the argument.
@@ -105,14 +106,22 @@ CASES = {
 }
 
 
+# The torch backend's blocks; the two-row Triton kernels (interpreted, tiles of 128: the test
+# vocabulary of 131 takes a full and a partial one).
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_torch_backend_equals_the_oracle(case, kind):
+def test_backend_equals_the_oracle(case, kind, backend):
     preset, overrides = CASES[case]
     cfg = LossConfig.preset(preset, **overrides).replace(kl=kind, beta=0.25)
     data = _batch(seed=len(case))
-    ref, ref_grad = _run(reference.policy_loss, data, cfg)
-    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend="torch")
+    ref, ref_grad = _run(reference.policy_loss, data, cfg, return_entropy=True)
+    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend, return_entropy=True)
+    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.entropy, ref.entropy, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours.metrics["kl"], ref.metrics["kl"], atol=1e-6, rtol=1e-5)
@@ -124,8 +133,9 @@ def test_torch_backend_equals_the_oracle(case, kind):
     assert (grad[~data["mask"]] == 0).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_in_place_flat_input_and_nan_padding(kind, monkeypatch):
+def test_in_place_flat_input_and_nan_padding(kind, backend, monkeypatch):
     """In place (the gradient written over the logits, the reference's logits read beside them),
     [N, V] input, NaN in masked positions of both logits, and blocks of a few rows (a block
     boundary inside a sequence)."""
@@ -139,7 +149,7 @@ def test_in_place_flat_input_and_nan_padding(kind, monkeypatch):
     logits = data["logits"].clone().requires_grad_(True)
     work = logits.clone()
     args = {k: v for k, v in data.items() if k != "logits"}
-    out = fusedrl.policy_loss(work, **args, config=cfg, backend="torch", inplace=True)
+    out = fusedrl.policy_loss(work, **args, config=cfg, backend=backend, inplace=True)
     (grad,) = torch.autograd.grad(out.loss, logits)
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
@@ -155,24 +165,26 @@ def test_in_place_flat_input_and_nan_padding(kind, monkeypatch):
         "ref_logits": data["ref_logits"][valid],
     }
     ref_flat, ref_flat_grad = _run(reference.policy_loss, flat, cfg)
-    ours_flat, flat_grad = _run(fusedrl.policy_loss, flat, cfg, backend="torch")
+    ours_flat, flat_grad = _run(fusedrl.policy_loss, flat, cfg, backend=backend)
     torch.testing.assert_close(ours_flat.loss, ref_flat.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flat_grad, ref_flat_grad, atol=1e-6, rtol=1e-5)
     # token-mean over the same tokens: the packed call is the padded one
     torch.testing.assert_close(ours_flat.loss, ref.loss, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_bf16_against_the_float64_truth(kind):
+def test_bf16_against_the_float64_truth(kind, backend):
     cfg = LossConfig.preset("dapo").replace(kl=kind, beta=0.5)
     data = _batch(seed=11, dtype=torch.bfloat16)
     truth = {k: (v.double() if v.is_floating_point() else v) for k, v in data.items()}
     exact, exact_grad = _run(reference.policy_loss, truth, cfg)
-    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend="torch")
+    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend)
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(ours.loss.double(), exact.loss, atol=2e-5, rtol=2e-5)
-    # one bf16 rounding of the gradient (8 bits of mantissa)
-    torch.testing.assert_close(grad.double(), exact_grad, atol=1e-6, rtol=2**-8)
+    # one bf16 rounding of the gradient (the interpreter rounds toward zero: a whole ulp)
+    ulp = 2**-8 if backend == "torch" else 2**-7
+    torch.testing.assert_close(grad.double(), exact_grad, atol=1e-6, rtol=ulp)
 
 
 def test_beta_zero_is_a_metric_and_auto_picks_the_torch_backend():
@@ -188,12 +200,13 @@ def test_beta_zero_is_a_metric_and_auto_picks_the_torch_backend():
     assert with_metric.metrics["kl"] > 0.05
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_masked_batch_is_zero_with_zero_gradient(kind):
+def test_all_masked_batch_is_zero_with_zero_gradient(kind, backend):
     cfg = LossConfig.preset("grpo").replace(kl=kind, beta=0.1)
     data = _batch(seed=2)
     data["mask"] = torch.zeros_like(data["mask"])
-    out, grad = _run(fusedrl.policy_loss, data, cfg, backend="torch")
+    out, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend)
     assert out.loss.item() == 0.0 and out.metrics["kl"].item() == 0.0
     assert (grad == 0).all()
 
@@ -235,12 +248,23 @@ def test_misuse_is_named(change, error, message):
 
 
 @needs_interpreter
-def test_the_fused_backend_refuses_rather_than_drops_the_kl():
+def test_a_fused_backend_without_the_kernel_refuses_rather_than_drops_the_kl():
+    """The CUDA extension has no two-row kernel: its driver says so (run here with the Triton
+    ops minus that kernel, as the CUDA backend's ops are)."""
+    from dataclasses import replace
+
+    from fusedrl import fused_backend, triton_backend
+    from fusedrl._inputs import prepare_loss_inputs
+
     data = _batch(seed=1)
     cfg = LossConfig.preset("dapo").replace(kl="full", beta=0.1)
-    args = {k: v for k, v in data.items() if k != "logits"}
-    with pytest.raises(ValueError, match="runs on backend='torch' only for now"):
-        fusedrl.policy_loss(data["logits"], **args, config=cfg, backend="triton")
+    inp = prepare_loss_inputs(
+        data["logits"], data["labels"], data["advantages"], data["mask"], data["old_logp"],
+        None, None, cfg, None, ref_logits=data["ref_logits"],
+    )  # fmt: skip
+    ops = replace(triton_backend.OPS, two_rows=None)
+    with pytest.raises(ValueError, match="has no kernel in this backend"):
+        fused_backend.policy_loss(ops, inp, cfg, False, None)
 
 
 @pytest.mark.parametrize(
@@ -264,3 +288,20 @@ def test_unsupported_paths_say_so():
         fusedrl.linear_policy_loss(
             hidden, weight, data["labels"], data["advantages"], data["mask"], config=cfg
         )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_with_only_an_entropy_gradient(backend):
+    """beta = 0 (the KL a metric) and clipped tokens: a row whose only gradient is the entropy
+    bonus's must still be written (a kernel that skips rows without a policy or KL gradient
+    would leave it zero)."""
+    cfg = LossConfig.preset("dapo", entropy_coef=0.05).replace(kl="full")
+    data = _batch(seed=8)
+    data["old_logp"] = data["old_logp"] - 2.0  # ratios e^2 > 1 + eps_high: clipped where A > 0
+    data["advantages"] = data["advantages"].abs()
+    ref, ref_grad = _run(reference.policy_loss, data, cfg)
+    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend)
+    assert ref.metrics["clipfrac"] > 0.5  # the clip acted: those tokens have dlogp = 0
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    assert grad[data["mask"]].abs().amax(-1).min() > 0  # every counted row has a gradient

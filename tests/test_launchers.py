@@ -120,8 +120,9 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             logits, logits, labels, valid, 1.0, "jsd", 0.5
         ),
         "two_rows.two_rows_backward": lambda: two_rows.two_rows_backward(
-            logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, logits
-        ),
+            logits, logits, rows, rows, rows, rows, rows, 1.0, "kl", 0.5, logits,
+            labels, rows, rows, rows,
+        ),  # fmt: skip
     }
 
 
@@ -490,7 +491,7 @@ def _far_launches(space, layout: str):
         # The teacher is the student's own far view: a teacher row read from the wrong place
         # makes a divergence where there is none.
         stats = two_rows.two_rows_forward(logits, logits, labels, None, 1.0, "jsd", 0.4)
-        two_rows.two_rows_backward(logits, logits, *stats[1:], rows, 1.0, "jsd", 0.4, out)
+        two_rows.two_rows_backward(logits, logits, *stats[1:5], rows, 1.0, "jsd", 0.4, out)
         return (*stats, out)
 
     def stats(hidden_states, weight, _):

@@ -131,3 +131,45 @@ def test_torch_compile_fullgraph(preset):
     torch.testing.assert_close(loss, ref.loss)
     torch.testing.assert_close(clipfrac, ref.metrics["clipfrac"])
     torch.testing.assert_close(logits.grad, ref_grad)
+
+
+def test_opcheck_two_rows_ops():
+    """The two-row kernels (exact KL, distillation) as custom ops: schemas, fakes, mutation."""
+    data = make_batch(batch=2, time=3, vocab=67, seed=4)
+    student, labels, valid = data["logits"], data["labels"], data["mask"]
+    teacher = student + torch.randn_like(student)
+    for kind, beta in (("kl", 0.0), ("kl_rev", 0.0), ("jsd", 0.3)):
+        args = (student, teacher, labels, valid, 0.9, kind, beta)
+        torch.library.opcheck(triton_backend.two_rows_fwd, args)
+        _, lse_s, lse_q, value, aux, entropy = triton_backend.two_rows_fwd(*args)
+        rows = torch.rand(labels.shape)
+        torch.library.opcheck(
+            triton_backend.two_rows_grad,
+            (student, teacher, lse_s, lse_q, value, aux, rows, 0.9, kind, beta,
+             torch.empty_like(student), labels, entropy, rows, rows),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("kl", ["full", "full_reverse"])
+def test_torch_compile_fullgraph_with_the_exact_kl(kl):
+    """kl="full" through the two-row ops inside torch.compile(fullgraph=True): no graph break."""
+    data = make_batch(batch=2, time=4, vocab=67, seed=3)
+    ref_logits = data["logits"] + 0.5 * torch.randn_like(data["logits"])
+    cfg = LossConfig.preset("dapo").replace(kl=kl, beta=0.2)
+
+    def loss_fn(logits, labels, advantages, mask, old_logp, ref_logits):
+        out = fusedrl.policy_loss(
+            logits, labels, advantages, mask, old_logp=old_logp, config=cfg, backend="triton",
+            ref_logits=ref_logits,
+        )  # fmt: skip
+        return out.loss
+
+    args = (data["labels"], data["advantages"], data["mask"], data["old_logp"], ref_logits)
+    eager_logits = data["logits"].clone().requires_grad_(True)
+    eager = loss_fn(eager_logits, *args)
+    (eager_grad,) = torch.autograd.grad(eager, eager_logits)
+    compiled_logits = data["logits"].clone().requires_grad_(True)
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(compiled_logits, *args)
+    (compiled_grad,) = torch.autograd.grad(compiled, compiled_logits)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(compiled_grad, eager_grad)
