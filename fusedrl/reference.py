@@ -636,9 +636,16 @@ def distill_loss(
     normalizer: torch.Tensor | float | None = None,
     inplace: bool = False,
     backend: str | None = None,
+    advantages: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.distill_loss` in plain autograd; `inplace` / `backend` are ignored."""
     cfg = config if config is not None else LossConfig()
+    if kind == "sampled_reverse_kl":
+        return _sampled_reverse_kl(
+            student_logits, teacher_logits, labels, mask, beta, temperature, cfg, normalizer,
+            advantages, old_logp,
+        )  # fmt: skip
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     inp = prepare_loss_inputs(
         student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
@@ -656,3 +663,31 @@ def distill_loss(
     metric = masked_mean(divergence.detach(), inp)
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     return LossOutput(loss=loss, logp=unflat(logp), entropy=None, metrics={"distill": metric})
+
+
+def _sampled_reverse_kl(
+    student_logits, teacher_logits, labels, mask, beta, temperature, cfg, normalizer,
+    advantages, old_logp,
+) -> LossOutput:  # fmt: skip
+    """kind="sampled_reverse_kl": the policy loss of `cfg` with advantages
+    A_t - beta (log pi_old(y_t) - log pi_teacher(y_t)) (pi_old: old_logp, else the student)."""
+    cfg = dataclasses.replace(cfg, temperature=temperature)
+    valid = mask != 0
+    safe = torch.where(valid, labels, 0)
+    with torch.no_grad():
+        teacher_logp, _ = token_logprobs(teacher_logits.detach(), safe, temperature)
+        sampler = old_logp
+        if sampler is None:
+            sampler, _ = token_logprobs(student_logits.detach(), safe, temperature)
+        gap = torch.where(valid, sampler.float() - teacher_logp, 0.0)
+    if advantages is None:
+        advantages = torch.zeros_like(gap)
+    elif advantages.dim() == 1 and gap.dim() == 2:
+        advantages = advantages.float()[:, None].expand_as(gap)
+    out = policy_loss(
+        student_logits, labels, advantages - beta * gap, mask, old_logp=old_logp, config=cfg,
+        normalizer=normalizer,
+    )  # fmt: skip
+    weights = torch.where(valid, mask.float(), 0.0)
+    out.metrics["distill"] = (gap * weights).sum() / weights.sum().clamp_min(1e-8)
+    return out

@@ -220,3 +220,92 @@ def test_bad_arguments_are_named(kwargs, error, message):
         labels = torch.zeros(kwargs.pop("labels_shape"), dtype=torch.long)
     with pytest.raises(error, match=message):
         fusedrl.distill_loss(student, teacher, labels, mask, **kwargs)
+
+
+# ------------------------------------------------------------------ kind="sampled_reverse_kl"
+def _sampled_inputs(seed=5):
+    student, teacher, labels, mask = _inputs(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(student, -1).gather(-1, labels[..., None]).squeeze(-1)
+    old = logp + 0.3 * torch.randn(logp.shape, generator=gen)
+    advantages = torch.randn(labels.shape[0], generator=gen)
+    return student, teacher, labels, mask, old, advantages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "pg"])
+def test_sampled_reverse_kl_equals_the_oracle(preset, backend):
+    """The teacher's log-ratio on the sampled tokens as a negative advantage, with the RL
+    advantages and the preset's policy loss, against the oracle's composition."""
+    student, teacher, labels, mask, old, advantages = _sampled_inputs()
+    cfg = LossConfig(loss="pg") if preset == "pg" else LossConfig.preset(preset)
+    kwargs = dict(kind="sampled_reverse_kl", beta=0.7, config=cfg, advantages=advantages,
+                  old_logp=None if preset == "pg" else old)  # fmt: skip
+    ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
+    ours, grad = _run(
+        fusedrl.distill_loss, student, teacher, labels, mask, backend=backend, **kwargs
+    )
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(ours.metrics["distill"], ref.metrics["distill"])
+    # the teacher term acted: the gradient differs from the RL loss alone
+    _, rl_grad = _run(
+        fusedrl.distill_loss, student, teacher, labels, mask, **{**kwargs, "beta": 0.0}
+    )
+    assert (grad - rl_grad).abs().max() > 1e-4
+
+
+def test_sampled_reverse_kl_is_the_policy_loss_with_shifted_advantages():
+    """Written out: A'_t = A_t - beta (old_t - log softmax(teacher)[y_t]) in policy_loss."""
+    student, teacher, labels, mask, old, advantages = _sampled_inputs(seed=7)
+    cfg = LossConfig.preset("dapo")
+    teacher_logp = torch.log_softmax(teacher / 0.9, -1).gather(-1, labels[..., None])[..., 0]
+    shifted = advantages[:, None] - 0.4 * torch.where(mask, old - teacher_logp, 0.0)
+    want, want_grad = _run(
+        fusedrl.policy_loss, student, labels, shifted, mask, old_logp=old,
+        config=cfg.replace(temperature=0.9), backend="torch",
+    )  # fmt: skip
+    got, grad = _run(
+        fusedrl.distill_loss, student, teacher, labels, mask, kind="sampled_reverse_kl",
+        beta=0.4, temperature=0.9, config=cfg, advantages=advantages, old_logp=old,
+        backend="torch",
+    )  # fmt: skip
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(grad, want_grad)
+    gap = torch.where(mask, old - teacher_logp, 0.0)
+    torch.testing.assert_close(got.metrics["distill"], gap.sum() / mask.sum())
+
+
+def test_pure_on_policy_distillation_pulls_the_student_toward_the_teacher():
+    """No RL advantages and no old_logp (on-policy): one plain gradient step on the student's
+    logits lowers the sampled reverse KL to the teacher."""
+    student, teacher, labels, mask, _, _ = _sampled_inputs(seed=9)
+    logits = student.clone().requires_grad_(True)
+    out = fusedrl.distill_loss(
+        logits, teacher, labels, mask, kind="sampled_reverse_kl", beta=1.0,
+        config=LossConfig(loss="pg"), backend="torch",
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    stepped = student - 50.0 * grad
+    before = fusedrl.distill_loss(student, teacher, labels, mask, kind="sampled_reverse_kl")
+    after = fusedrl.distill_loss(stepped, teacher, labels, mask, kind="sampled_reverse_kl")
+    assert after.metrics["distill"] < before.metrics["distill"] - 1e-3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="jsd", advantages=torch.zeros(3)), "advantages is read only by"),
+        (dict(kind="reverse_kl", old_logp=torch.zeros(3, 7)), "old_logp is read only by"),
+        (dict(kind="sampled_reverse_kl", advantages=torch.zeros(4)), "advantages shape"),
+        (
+            dict(kind="sampled_reverse_kl", temperature=0.8, config=LossConfig(temperature=0.7)),
+            "config.temperature=0.7 differs from temperature=0.8",
+        ),
+    ],
+)
+def test_sampled_reverse_kl_arguments_are_named(kwargs, message):
+    student, teacher, labels, mask = _inputs(seed=1)
+    with pytest.raises(ValueError, match=message):
+        fusedrl.distill_loss(student, teacher, labels, mask, **kwargs)

@@ -55,7 +55,14 @@ def vllm_rollouts(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = folder / "rollouts.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # TORCHDYNAMO_DISABLE: vLLM's compile of one sampler helper, not examined here (eager gives
+    # the same values), costs seconds of imports per engine (tests/test_trainer_e2e.py)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
     requests = json.dumps(list(FILTERS.values()))
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_CHILD, str(folder), str(out), requests],

@@ -12,7 +12,8 @@ token, with s = softmax(student / T) and q = softmax(teacher / T):
 
 aggregated over the masked tokens like the policy loss (`config.agg`, `normalizer`). The gradient
 to the student's logits is written while the loss is computed (the teacher's get none), so the
-backward pass reads nothing. docs/losses.md has the formulas and the peers' names.
+backward pass reads nothing. `kind="sampled_reverse_kl"` is the policy-gradient form instead
+(sampled.py). docs/losses.md has the formulas and the peers' names.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from ..api import _check_writable as check_writable
 from ..config import LossConfig
 from ..output import LossOutput
 
-DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd")
+# The divergence over the whole vocabulary (one pass over both logits), or the teacher's log-ratio
+# on the sampled tokens as a negative advantage of the policy loss (sampled.py).
+FULL_DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd")
+DISTILL_KINDS = (*FULL_DISTILL_KINDS, "sampled_reverse_kl")
 DISTILL_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -44,10 +48,38 @@ def check_distill_args(kind: object, beta: object) -> float:
     if kind not in DISTILL_KINDS:
         raise ValueError(f"kind={kind!r} is not one of {DISTILL_KINDS}")
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta):
-        raise ValueError(f"beta must be a finite number in [0, 1], got {beta!r}")
-    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be a finite number, got {beta!r}")
+    if kind == "sampled_reverse_kl":
+        if beta < 0:
+            raise ValueError(f"beta (the teacher term's coefficient) must be >= 0, got {beta}")
+    elif not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (the teacher's share of the mixture), got {beta}")
     return float(beta)
+
+
+def check_sampled_args(kind: str, labels: object, advantages: object, old_logp: object) -> None:
+    """advantages / old_logp belong to kind="sampled_reverse_kl"; advantages there are [B] or
+    shaped like labels (the policy loss checks the rest)."""
+    if kind != "sampled_reverse_kl":
+        for name, value in (("advantages", advantages), ("old_logp", old_logp)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is read only by kind='sampled_reverse_kl' (the policy loss with "
+                    f"the teacher's log-ratio in its advantages), got kind={kind!r}"
+                )
+        return
+    if advantages is None or not isinstance(labels, torch.Tensor):
+        return
+    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
+        raise TypeError("advantages must be a floating torch.Tensor")
+    shape = tuple(labels.shape)
+    if tuple(advantages.shape) not in (shape, shape[:1]) or (
+        advantages.dim() == 1 and len(shape) == 1 and advantages.shape != labels.shape
+    ):
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} must be {shape} (per token) or "
+            f"{shape[:1]} (one per sequence)"
+        )
 
 
 def check_teacher(teacher_logits: object, student_logits: torch.Tensor) -> torch.Tensor:
@@ -112,23 +144,35 @@ def distill_loss(
     normalizer: torch.Tensor | float | None = None,
     inplace: bool = False,
     backend: str = "auto",
+    advantages: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The student-teacher divergence over the whole vocabulary, per token, aggregated.
+    """The student-teacher divergence over the whole vocabulary, per token, aggregated; or the
+    teacher's log-ratio on the sampled tokens as a negative advantage of a policy loss.
 
     Args:
         student_logits: [B, T, V] or [N, V] (vocab contiguous; bf16 / fp16 / fp32 / fp64).
         teacher_logits: the teacher's logits for the same tokens, the same shape; no gradient.
         labels: [B, T] the sampled token ids (the student's log-prob of each is returned).
         mask: [B, T] bool or float weights: the tokens that count.
-        kind: "reverse_kl", "forward_kl" or "jsd" (module docstring).
-        beta: jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: reverse_kl).
+        kind: "reverse_kl", "forward_kl" or "jsd" (module docstring), or
+            "sampled_reverse_kl": the policy loss of `config` with advantages
+            A_t - beta (old_logp_t - log pi_teacher(y_t)) (fusedrl/distill/sampled.py).
+        beta: jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: reverse_kl);
+            for sampled_reverse_kl the teacher term's coefficient (>= 0).
         temperature: both distributions are softmax(logits / temperature).
         config: a LossConfig whose `agg` (and `norm_constant`) aggregate the per-token
-            divergence (default token-mean, TRL's and Liger's normalisation).
+            divergence (default token-mean, TRL's and Liger's normalisation); for
+            sampled_reverse_kl the whole policy loss (preset, clip, IS, aggregation).
         normalizer: the aggregation's denominator, as in `policy_loss` (global token count).
         inplace: write d(loss)/d(student_logits) into student_logits.
         backend: "auto" (Triton on CUDA, else torch), "triton" (the two-row kernels of
             fusedrl.kernels.two_rows: one read of both rows forward, one backward) or "torch".
+        advantages: sampled_reverse_kl only: the RL advantages ([B] or [B, T]; None: 0, pure
+            distillation) to which the teacher term is added.
+        old_logp: sampled_reverse_kl only: the sampler's log-probs of `labels` (the rollouts'),
+            both the policy loss's old_logp and the k_t estimate's; None: on-policy, the
+            student's own (one more read of its logits).
 
     Returns:
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
@@ -141,9 +185,20 @@ def distill_loss(
             f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
             "kernel yet)"
         )
-    cfg = distill_config(config)
+    check_sampled_args(kind, labels, advantages, old_logp)
     student_logits = check_logits(student_logits, name="student_logits")
     teacher = check_teacher(teacher_logits, student_logits)
+    if kind == "sampled_reverse_kl":
+        from .sampled import sampled_reverse_kl
+
+        cfg = config if config is not None else LossConfig()
+        if not isinstance(cfg, LossConfig):
+            raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
+        return sampled_reverse_kl(
+            student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
+            backend, advantages, old_logp,
+        )  # fmt: skip
+    cfg = distill_config(config)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
     # distillation has no advantages.
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
