@@ -94,6 +94,19 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
         assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kl", "full", "--tp", "2"], "--kl: 'full' .* has no tensor-parallel path"),
+        (["--kl", "full_reverse", "--backend", "cuda"], "has no kernel in --backend cuda"),
+        (["--kl", "k4"], "--kl: one of"),
+    ],
+)
+def test_the_exact_kl_options_are_checked(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(flags).validate()
+
+
 # ------------------------------------------------------------------------------------ data
 @pytest.mark.parametrize(
     "name, text, message",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -104,3 +105,18 @@ def test_resume_into_another_architecture_is_a_clear_error(hf_run, tmp_path):
                 "--max-steps", "12")  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "the checkpoint does not fit the model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_exact_kl_to_the_reference(hf_run, tmp_path):
+    """--kl full: the reference's logits made a micro-batch at a time beside the policy's, the
+    exact KL over the vocabulary in the loss. It starts at 0 (the reference is the initial
+    policy), grows as the policy moves, and the run stays finite."""
+    out = tmp_path / "kl"
+    fusedrl_train("--out", str(out), "--model", str(hf_run / "base_model"), "--kl", "full",
+                  "--beta", "0.05", "--max-steps", "3", "--micro-batch-size", "32",
+                  "--warmstart-steps", "0", "--tensorboard", "false")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert abs(rows[0]["kl"]) < 1e-6 < rows[2]["kl"]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert "kl: full" in (out / "config.yaml").read_text()

@@ -18,7 +18,16 @@ from pathlib import Path
 import yaml
 
 from fusedrl.api import BACKENDS
-from fusedrl.config import AGGS, IS_CORRECTIONS, KL_ESTIMATORS, LOSSES, PRESETS, LossConfig
+from fusedrl.config import (
+    AGGS,
+    FULL_KLS,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    KLS,
+    LOSSES,
+    PRESETS,
+    LossConfig,
+)
 
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
@@ -136,10 +145,12 @@ class TrainConfig:
 
         need(self.preset in PRESETS, "preset",
              f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        need(self.kl is None or self.kl in KL_ESTIMATORS, "kl",
-             f"{self.kl!r}: the trainer takes a per-token estimator, one of {list(KL_ESTIMATORS)} "
-             "(the exact KL, 'full', is in fusedrl.policy_loss with ref_logits; not in the "
-             "trainer yet)")
+        need(self.kl is None or self.kl in KLS, "kl", f"one of {list(KLS)}, got {self.kl!r}")
+        need(self.kl not in FULL_KLS or self.tp == 1, "kl",
+             f"{self.kl!r} (the exact KL over the vocabulary) has no tensor-parallel path yet: use "
+             f"--tp 1 or an estimator, one of {list(KL_ESTIMATORS)}")
+        need(self.kl not in FULL_KLS or self.backend != "cuda", "kl",
+             f"{self.kl!r} has no kernel in --backend cuda: use auto, triton or torch")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
@@ -240,7 +251,9 @@ HELP = {
     "dual_clip_c": "Dual-clip cap for negative advantages (> 1); unset: the preset's.",
     "delta": "Upper cap of the unclipped ratio (> 1 + eps_high); unset: the preset's.",
     "agg": f"Loss aggregation, one of {list(AGGS)}; unset: the preset's.",
-    "kl": f"KL estimator, one of {list(KL_ESTIMATORS)}; unset: the preset's.",
+    "kl": f"KL to the reference: an estimator from the sampled token, one of "
+    f"{list(KL_ESTIMATORS)}, or the exact KL over the vocabulary, {list(FULL_KLS)} (the "
+    "reference's logits made a micro-batch at a time); unset: the preset's.",
     "beta": "KL coefficient (a reference model is kept when > 0); unset: the preset's.",
     "entropy_coef": "Entropy bonus coefficient; unset: the preset's.",
     "is_correction": f"Train/inference IS correction, one of {list(IS_CORRECTIONS)}; unset: off.",

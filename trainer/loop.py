@@ -231,7 +231,7 @@ class Trainer:
         model.config.use_cache = False
         check_tensor_parallel(model, cfg.tp, self.env.dp_size)
         self.ref_model = None
-        if self.loss_cfg.beta > 0:
+        if self.loss_cfg.beta > 0 or self.loss_cfg.full_kl:  # full: the "kl" metric at beta 0
             self.ref_model = shard(copy.deepcopy(model).to(self.env.device).eval(), self.env)
             self.ref_model.requires_grad_(False)
         self.model = shard(model.to(self.env.device), self.env)
@@ -411,7 +411,7 @@ class Trainer:
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
                 metrics["logp_diff_vllm"] = diff.sum() / batch.mask.sum().clamp_min(1)
-        if self.ref_model is not None:
+        if self.ref_model is not None and not lcfg.full_kl:
             batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, mb, self._autocast(),
                                             cfg.backend, lm_head=self.lm_head)
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -425,9 +425,11 @@ class Trainer:
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini = batch.rows(slice(lo, hi))
-                step_metrics = accumulate_gradients(self.model, mini, lcfg, mb, self._autocast(),
-                                                    cfg.backend, lm_head=self.lm_head,
-                                                    dp_group=self.env.dp_group)  # fmt: skip
+                step_metrics = accumulate_gradients(
+                    self.model, mini, lcfg, mb, self._autocast(), cfg.backend,
+                    lm_head=self.lm_head, dp_group=self.env.dp_group,
+                    ref_model=self.ref_model if lcfg.full_kl else None,
+                )  # fmt: skip
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 step_metrics["grad_norm"] = clip_grad_norm(self.model.parameters(), clip)

@@ -224,11 +224,14 @@ def accumulate_gradients(
     normalizer: torch.Tensor | None = None,
     lm_head: bool = False,
     dp_group=None,
+    ref_model=None,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
     `lm_head`: the loss from the body's hidden states and the LM head
     (fusedrl.linear_policy_loss), so that the [B, T, V] logits never exist.
+    `ref_model` (config.kl="full" / "full_reverse"): the reference's logits of each micro-batch,
+    made without gradient, for the exact KL; the policy's are then made too (logits path).
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -248,7 +251,15 @@ def accumulate_gradients(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
-        if lm_head:
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logits = completion_logits(ref_model, sub, autocast_dtype)
+            logits = completion_logits(model, sub, autocast_dtype)
+            out = fusedrl.policy_loss(
+                logits, sub.labels, sub.advantages, sub.mask, inplace=True, backend=backend,
+                ref_logits=ref_logits, **rows_args,
+            )  # fmt: skip
+        elif lm_head:
             hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
             # Under --tp the body is replicated: the loss sums the hidden states' gradient over
             # the group (reduce_input_grad, its default), so every rank backpropagates the whole.
