@@ -109,8 +109,8 @@ def policy_loss(
         ref_logits: the reference policy's logits, shaped like `logits` (no gradient), for the
             exact KL over the vocabulary: config.kl="full" (KL(pi || pi_ref)) or "full_reverse"
             (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed.
-            backend="triton" reads both rows once a pass (kernels/two_rows.py), "torch" blocks
-            of both; "cuda" and tensor parallelism refuse it for now.
+            backend="triton" reads both rows once a pass (kernels/two_rows.py; "cuda" runs the
+            same kernels), "torch" blocks of both; tensor parallelism refuses it for now.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,

@@ -260,7 +260,8 @@ def _with_exact_kl(
     if ops.two_rows is None:
         raise ValueError(
             f"config.kl={cfg.kl!r} (the exact KL from ref_logits) has no kernel in this backend "
-            "(the CUDA extension): use backend='triton' or 'torch'"
+            "(the CUDA extension takes Triton's two-row kernels, and triton is not installed): "
+            "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
     logp, lse, ref_lse, kl, _, entropy = ops.two_rows.forward(

@@ -89,6 +89,7 @@ def load(verbose: bool = False):
         ops.cuda_fused_token_loss.default,
         ops.cuda_fused_token_loss_inplace.default,
         _triton_sampled_set(),
+        _triton_two_rows(),
     )
 
 
@@ -122,6 +123,16 @@ def _triton_sampled_set():
     from fusedrl.triton_backend import sampled_set
 
     return sampled_set
+
+
+def _triton_two_rows():
+    """The two-row kernels (the exact KL to the reference, distillation) are Triton's too:
+    used where triton is installed; else the exact KL is refused with a message."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from fusedrl.triton_backend import TWO_ROWS
+
+    return TWO_ROWS
 
 
 def _jit_build(verbose: bool) -> None:

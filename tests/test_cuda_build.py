@@ -505,3 +505,19 @@ def test_load_without_gpu_raises_clearly():
 
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         cuda.load()
+
+
+def test_the_cuda_backend_takes_the_two_row_kernels_from_triton(monkeypatch):
+    """csrc/ has no two-row kernel: backend="cuda" runs the exact KL with Triton's (as it does the
+    sampled-set select) where triton is installed, and says it has none where it is not."""
+    import importlib.util
+
+    from fusedrl import triton_backend
+    from fusedrl.kernels import cuda
+
+    assert cuda._triton_two_rows() is triton_backend.TWO_ROWS
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    assert cuda._triton_two_rows() is None

@@ -1022,9 +1022,11 @@ def test_distill_two_row_kernels_at_real_vocab(vocab, kind, inplace):
 @pytest.mark.parametrize("kind", ["full", "full_reverse"])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace):
+@FUSED
+def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace, backend):
     """policy_loss with kl="full" on the compiled two-row kernels (the policy's terms and the
-    KL's in one gradient write) against the torch backend on the same bf16 logits."""
+    KL's in one gradient write; backend="cuda" takes Triton's) against the torch backend on the
+    same bf16 logits."""
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=2))
     gen = torch.Generator(device="cuda").manual_seed(4)
     noise = torch.randn(data["logits"].shape, generator=gen, device="cuda")
@@ -1032,17 +1034,17 @@ def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace):
     del data["ref_logp"]
     cfg = LossConfig.preset(preset, entropy_coef=0.01).replace(kl=kind, beta=0.1)
     results = {}
-    for backend in ("torch", "triton"):
+    for impl in ("torch", backend):
         logits = data["logits"].clone().requires_grad_(True)
-        work = logits.clone() if inplace and backend == "triton" else logits
+        work = logits.clone() if inplace and impl != "torch" else logits
         args = {k: v for k, v in data.items() if k != "logits"}
         out = fusedrl.policy_loss(
-            work, **args, config=cfg, backend=backend, return_entropy=True,
-            inplace=inplace and backend == "triton",
+            work, **args, config=cfg, backend=impl, return_entropy=True,
+            inplace=inplace and impl != "torch",
         )  # fmt: skip
         (grad,) = torch.autograd.grad(out.loss, logits)
-        results[backend] = (out, grad)
-    (ref, ref_grad), (ours, grad) = results["torch"], results["triton"]
+        results[impl] = (out, grad)
+    (ref, ref_grad), (ours, grad) = results["torch"], results[backend]
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.metrics["kl"], ref.metrics["kl"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.entropy, ref.entropy, atol=1e-3, rtol=1e-4)

@@ -98,13 +98,21 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
     "flags, message",
     [
         (["--kl", "full", "--tp", "2"], "--kl: 'full' .* has no tensor-parallel path"),
-        (["--kl", "full_reverse", "--backend", "cuda"], "has no kernel in --backend cuda"),
         (["--kl", "k4"], "--kl: one of"),
     ],
 )
 def test_the_exact_kl_options_are_checked(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_config(flags).validate()
+
+
+def test_the_exact_kl_on_the_cuda_backend_needs_triton(monkeypatch):
+    from fusedrl.trainer import config
+
+    parse_config(["--kl", "full", "--backend", "cuda"]).validate()  # triton is installed here
+    monkeypatch.setattr(config, "_triton_installed", lambda: False)
+    with pytest.raises(ValueError, match="--kl: 'full' with --backend cuda runs Triton's"):
+        parse_config(["--kl", "full", "--backend", "cuda"]).validate()
 
 
 # ------------------------------------------------------------------------------------ data

@@ -42,6 +42,12 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "rejection", "rejection_threshold")
 
 
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 @dataclass
 class TrainConfig:
     # --- model and data -------------------------------------------------------------------
@@ -149,8 +155,9 @@ class TrainConfig:
         need(self.kl not in FULL_KLS or self.tp == 1, "kl",
              f"{self.kl!r} (the exact KL over the vocabulary) has no tensor-parallel path yet: use "
              f"--tp 1 or an estimator, one of {list(KL_ESTIMATORS)}")
-        need(self.kl not in FULL_KLS or self.backend != "cuda", "kl",
-             f"{self.kl!r} has no kernel in --backend cuda: use auto, triton or torch")
+        need(self.kl not in FULL_KLS or self.backend != "cuda" or _triton_installed(), "kl",
+             f"{self.kl!r} with --backend cuda runs Triton's two-row kernels, and triton is not "
+             "installed: use --backend torch, or install triton")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
