@@ -8,8 +8,9 @@
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
 #   bash bench/run_gpu.sh sampling [OUTDIR] # bench/bench_sampling.py: sampled-set select costs
 #   bash bench/run_gpu.sh distill [OUTDIR]  # bench/bench_distill.py: two distributions per token
+#   bash bench/run_gpu.sh sweep   [OUTDIR]  # bench/sweep_fused.py: the fused kernel's launch shape
 #   bash bench/run_gpu.sh tp      [OUTDIR]  # bench/bench_tp.py: vocab-sharded logits, 2+ GPUs
-#   bash bench/run_gpu.sh all     [OUTDIR]  # the eight above (bench on the small matrix)
+#   bash bench/run_gpu.sh all     [OUTDIR]  # the nine above (bench on the small matrix)
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -52,13 +53,13 @@
 set -euo pipefail
 
 usage() {
-  sed -n '4,12p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | linear | steps | sampling | distill | tp | all) ;;
+  tests | bench | profile | linear | steps | sampling | distill | sweep | tp | all) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -325,6 +326,13 @@ stage_distill() {
     "$PY" bench/bench_distill.py --out "$OUTDIR"
 }
 
+stage_sweep() {
+  # The fused token-level kernel, unchanged, under other launch shapes (programs per SM x warps):
+  # which one closes the gap to the 1R + 1W floor (docs/benchmarks.md).
+  step sweep:fused "$((DEADLINE - SECONDS - 10))" "$PREFIX-sweep_fused.log" \
+    "$PY" bench/sweep_fused.py --out "$OUTDIR"
+}
+
 stage_steps() {
   if skip_unless steps:train_step transformers; then
     step steps:train_step 270 "$PREFIX-bench_train_step.log" \
@@ -370,6 +378,7 @@ case "$STAGE" in
   steps) stage_steps ;;
   sampling) stage_sampling ;;
   distill) stage_distill ;;
+  sweep) stage_sweep ;;
   tp) stage_tp ;;
   all)
     stage_tests
@@ -385,6 +394,8 @@ case "$STAGE" in
     stage_sampling
     start_stage
     stage_distill
+    start_stage
+    stage_sweep
     start_stage
     stage_tp
     ;;

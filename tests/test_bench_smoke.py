@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -441,3 +442,24 @@ def test_bench_distill_smoke(tmp_path):
     skipped = {row["impl"]: row["skipped"] for row in result["rows"] if "skipped" in row}
     assert skipped == {"trl-compile": "torch.compile is timed on the GPU only"}
     assert all(row["bytes_floor"] == 3 * 6 * 1031 * 2 for row in result["rows"] if "ms" in row)
+
+
+def test_sweep_fused_smoke(tmp_path):
+    """bench/sweep_fused.py runs every launch shape on CPU (interpreted: the shapes only change
+    GPU launches) and writes its JSON; and the shape it sets is undone after each one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sweep_fused
+
+    from fusedrl.kernels import logprobs, token_loss
+
+    before = (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM)
+    assert sweep_fused.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == before
+    result = json.loads((tmp_path / "sweep_fused-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
+    timed = {(row["programs_per_sm"], row["warps"]) for row in result["rows"] if row["ms"] > 0}
+    expected = {(None, None), *itertools.product(sweep_fused.PROGRAMS_PER_SM, sweep_fused.WARPS)}
+    assert timed == expected
+    with sweep_fused.launch_shape(3, 8):
+        assert (logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == (8, 3)
+        assert logprobs.max_registers(8) == 65536 // (3 * 32 * 8)

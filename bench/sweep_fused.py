@@ -1,0 +1,132 @@
+"""The fused token-level kernel's launch shape against the memory floor, one run.
+
+    python bench/sweep_fused.py            # GPU: N = 16384, V = 151936, bf16, dapo, in place
+    python bench/sweep_fused.py --smoke    # tiny shapes, any device: not a measurement
+
+The first H100 run put `_fused_token_loss_kernel` at 57.8% of its 1R + 1W floor with one
+512-thread program per SM (docs/benchmarks.md: ~8 KB of loads in flight per SM where Little's
+law wants ~14 KB). This sweep times the kernel, unchanged, under other launch shapes: programs
+per SM (the persistent grid; the L2 cap of `persistent_programs` lifted) x warps per program
+(the vocab tile follows: 16 bytes a thread), with the register cap that keeps that many programs
+resident. No kernel source changes, so the compile cache stays valid; the launcher's choice is
+the row `default`. Each row: median ms, % of the 1R + 1W floor at the copy bandwidth measured in
+the same run. JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import SMOKE_NOTE, _bench, copy_bandwidth_gbps, write_run_json  # noqa: E402
+
+import fusedrl  # noqa: E402
+
+SHAPE = {"N": 16384, "V": 151936}
+SMOKE_SHAPE = {"N": 6, "V": 1031}
+PROGRAMS_PER_SM = (1, 2, 3, 4)
+WARPS = (8, 16)
+COPIES = 2
+
+
+@contextlib.contextmanager
+def launch_shape(programs_per_sm: int | None, warps: int | None):
+    """The fused kernel launched with `programs_per_sm` programs per SM of `warps` warps (None:
+    the launcher's own choice), by swapping the launcher's sizing rules for the call."""
+    from fusedrl.kernels import logprobs, token_loss
+
+    saved = (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM)
+    try:
+        if programs_per_sm is not None:
+            logprobs.MIN_CTAS_PER_SM = programs_per_sm  # the register cap: that many resident
+
+            def programs(rows, row_bytes, device):
+                if device.type != "cuda":
+                    return saved[0](rows, row_bytes, device)
+                sms, _ = logprobs._sms_and_l2(device.index or torch.cuda.current_device())
+                return max(1, min(rows, sms * programs_per_sm))
+
+            token_loss.persistent_programs = programs
+        if warps is not None:
+            logprobs.MAX_WARPS = warps  # the tile: one 16-byte vector a thread
+        yield
+    finally:
+        token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM = saved
+
+
+def _inputs(n, v, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (torch.randn(1, n, v, generator=g) * 2.0).to(device, dtype)
+    labels = torch.randint(0, v, (1, n), generator=g).to(device)
+    return logits, labels
+
+
+def make_step(tensors, cfg):
+    logits, labels = tensors
+    buffer = logits.clone()
+    adv = torch.randn(labels.shape, device=logits.device)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+
+    def step():
+        # In place: the buffer holds the previous call's gradient, read as logits: the same
+        # bytes and work (bench_sampling.py's `loss:plain`).
+        leaf = buffer.detach().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, inplace=True)
+        torch.autograd.grad(out.loss, leaf)
+
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=400)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    if args.smoke:
+        args.warmup_ms, args.rep_ms = 1, 5
+    n, v = shape["N"], shape["V"]
+    bandwidth = copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
+    floor_ms = 2 * n * v * dtype.itemsize / (bandwidth * 1e9) * 1e3
+    cfg = fusedrl.LossConfig.preset("dapo")
+    copies = [_inputs(n, v, dtype, device, seed) for seed in range(COPIES)]
+    print(
+        f"N={n} V={v} bf16 dapo in place; copy bandwidth {bandwidth:.0f} GB/s, 1R+1W floor "
+        f"{floor_ms:.3f} ms" + ("  (smoke run, not a measurement)" * args.smoke)
+    )
+    print(f"{'programs/SM':>11} {'warps':>5} {'ms':>9} {'%floor':>7}")
+    rows = []
+    shapes = [(None, None), *itertools.product(PROGRAMS_PER_SM, WARPS)]
+    for per_sm, warps in shapes:
+        with launch_shape(per_sm, warps):
+            steps = itertools.cycle([make_step(c, cfg) for c in copies])
+            try:
+                ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
+            except Exception as err:  # noqa: BLE001 - a shape the compiler refuses is a result
+                rows.append({"programs_per_sm": per_sm, "warps": warps, "error": repr(err)})
+                print(f"{per_sm or 'default':>11} {warps or '-':>5} failed: {err!r}"[:200])
+                continue
+        pct = 100.0 * floor_ms / ms
+        rows.append({"programs_per_sm": per_sm, "warps": warps, "ms": ms, "pct_of_floor": pct})
+        print(f"{per_sm or 'default':>11} {warps or '-':>5} {ms:>9.3f} {pct:>6.1f}%")
+    write_run_json(
+        args.out, "sweep_fused", "fused_token_loss_launch_shape", args.smoke, device, dtype, rows,
+        copy_bandwidth_gbps=round(bandwidth, 1), N=n, V=v, floor_1r1w_ms=floor_ms,
+    )  # fmt: skip
+    if args.smoke:
+        print(SMOKE_NOTE)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
