@@ -147,29 +147,44 @@ def policy_loss(
         ref_logits=ref_logits,
     )
     impl = _resolve_backend(backend, inp.logits.device)
+
+    def compute(grad):
+        logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
+        return terms.loss, (logp, entropy, terms)
+
+    loss, (logp, entropy, terms) = with_known_grad(
+        logits, inp.logits, inplace, inp.flat_input, compute
+    )
+    if inp.flat_input:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+
+def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
+    """Runs `compute(grad)` without autograd, where `grad` is the buffer the backend writes
+    d(loss)/d(logits) into (the logits themselves when `inplace`; None when no gradient is
+    wanted), and returns (loss attached to `logits` with that gradient, what compute returned).
+    `compute` returns (loss, result); `logits3` is the [B, T, V] view of `logits`."""
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
         if inplace:
             _check_writable(logits)
-            grad = inp.logits
+            grad = logits3
         else:
-            grad = torch.empty(inp.logits.shape, dtype=logits.dtype, device=logits.device)
+            grad = torch.empty(logits3.shape, dtype=logits.dtype, device=logits.device)
     with torch.no_grad():
-        logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
+        loss, result = compute(grad)
     if wants_grad and inplace:
         # The kernels wrote through a raw pointer: tell autograd, so that a graph that saved the
         # logits (logits = x.exp(), say) raises at backward instead of using the gradient values.
         torch.autograd.graph.increment_version(logits)
-    loss = terms.loss
     if wants_grad:
         # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
         # that autograd hands the gradient buffer on without a copy.
-        loss = attach_grad(logits, loss, grad[0] if inp.flat_input else grad)
-    if inp.flat_input:
-        logp = logp[0]
-        entropy = None if entropy is None else entropy[0]
-    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+        loss = attach_grad(logits, loss, grad[0] if flat_input else grad)
+    return loss, result
 
 
 def _check_writable(logits: torch.Tensor) -> None:

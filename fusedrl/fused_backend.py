@@ -264,13 +264,13 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
-    logp, lse, ref_lse, kl, _, entropy = ops.two_rows.forward(
+    logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(
         inp.logits, inp.ref_logits, inp.labels, inp.valid, cfg.temperature, kind, 0.0
     )
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
     if grad_out is not None:
         ops.two_rows.grad(
-            inp.logits, inp.ref_logits, lse, ref_lse, kl, kl, terms.dfull_kl, cfg.temperature,
+            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, cfg.temperature,
             kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms

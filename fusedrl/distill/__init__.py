@@ -23,11 +23,11 @@ import numbers
 
 import torch
 
-from .._autograd import attach_grad
 from .._inputs import check_logits, check_temperature, prepare_loss_inputs
-from ..api import _check_writable as check_writable
+from ..api import with_known_grad
 from ..config import LossConfig
 from ..output import LossOutput
+from ..token_terms import masked_mean
 
 # The divergence over the whole vocabulary (one pass over both logits), or the teacher's log-ratio
 # on the sampled tokens as a negative advantage of the policy loss (sampled.py).
@@ -57,29 +57,16 @@ def check_distill_args(kind: object, beta: object) -> float:
     return float(beta)
 
 
-def check_sampled_args(kind: str, labels: object, advantages: object, old_logp: object) -> None:
-    """advantages / old_logp belong to kind="sampled_reverse_kl"; advantages there are [B] or
-    shaped like labels (the policy loss checks the rest)."""
-    if kind != "sampled_reverse_kl":
-        for name, value in (("advantages", advantages), ("old_logp", old_logp)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} is read only by kind='sampled_reverse_kl' (the policy loss with "
-                    f"the teacher's log-ratio in its advantages), got kind={kind!r}"
-                )
+def check_sampled_args(kind: str, advantages: object, old_logp: object) -> None:
+    """advantages / old_logp belong to kind="sampled_reverse_kl" (whose policy loss checks them)."""
+    if kind == "sampled_reverse_kl":
         return
-    if advantages is None or not isinstance(labels, torch.Tensor):
-        return
-    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
-        raise TypeError("advantages must be a floating torch.Tensor")
-    shape = tuple(labels.shape)
-    if tuple(advantages.shape) not in (shape, shape[:1]) or (
-        advantages.dim() == 1 and len(shape) == 1 and advantages.shape != labels.shape
-    ):
-        raise ValueError(
-            f"advantages shape {tuple(advantages.shape)} must be {shape} (per token) or "
-            f"{shape[:1]} (one per sequence)"
-        )
+    for name, value in (("advantages", advantages), ("old_logp", old_logp)):
+        if value is not None:
+            raise ValueError(
+                f"{name} is read only by kind='sampled_reverse_kl' (the policy loss with the "
+                f"teacher's log-ratio in its advantages), got kind={kind!r}"
+            )
 
 
 def check_teacher(teacher_logits: object, student_logits: torch.Tensor) -> torch.Tensor:
@@ -185,7 +172,7 @@ def distill_loss(
             f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
             "kernel yet)"
         )
-    check_sampled_args(kind, labels, advantages, old_logp)
+    check_sampled_args(kind, advantages, old_logp)
     student_logits = check_logits(student_logits, name="student_logits")
     teacher = check_teacher(teacher_logits, student_logits)
     if kind == "sampled_reverse_kl":
@@ -206,20 +193,17 @@ def distill_loss(
         student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
     )
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
-    wants_grad = student_logits.requires_grad and torch.is_grad_enabled()
-    grad = None
-    if wants_grad:
-        if inplace:
-            check_writable(student_logits)
-        grad = inp.logits if inplace else torch.empty_like(inp.logits)
     rows = _rows_module(backend, inp.logits.device)
-    with torch.no_grad():
+
+    def compute(grad):
         loss, logp, divergence = rows.distill(inp, teacher3, kind, beta, temperature, cfg, grad)
-    if wants_grad and inplace:
-        torch.autograd.graph.increment_version(student_logits)
-    if wants_grad:
-        loss = attach_grad(student_logits, loss, grad[0] if inp.flat_input else grad)
-    mean = (divergence * inp.mask).sum() / inp.mask.sum().clamp_min(1e-8)
+        return loss, (logp, divergence)
+
+    loss, (logp, divergence) = with_known_grad(
+        student_logits, inp.logits, inplace, inp.flat_input, compute
+    )
     if inp.flat_input:
         logp = logp[0]
-    return LossOutput(loss=loss, logp=logp, entropy=None, metrics={"distill": mean})
+    return LossOutput(
+        loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
+    )

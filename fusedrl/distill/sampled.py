@@ -20,6 +20,7 @@ import torch
 
 from ..config import LossConfig
 from ..output import LossOutput
+from ..token_terms import masked_mean
 
 
 def sampled_reverse_kl(
@@ -36,6 +37,7 @@ def sampled_reverse_kl(
     advantages: torch.Tensor | None,
     old_logp: torch.Tensor | None,
 ) -> LossOutput:
+    from .._inputs import prepare_loss_inputs
     from ..api import policy_loss, token_logprobs
 
     if cfg.temperature not in (1.0, temperature):
@@ -44,30 +46,30 @@ def sampled_reverse_kl(
             "the student's and the teacher's log-probs are taken at one temperature"
         )
     cfg = cfg.replace(temperature=temperature)
-    valid = mask.detach() != 0 if isinstance(mask, torch.Tensor) else mask
-    safe_labels = torch.where(valid, labels, 0) if isinstance(labels, torch.Tensor) else labels
-    fused = "auto" if backend == "auto" else backend
+    if advantages is None:  # pure distillation
+        advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
+    # The policy loss's own checks (labels, mask, advantages, old_logp), before any kernel runs:
+    # [B, T] tensors, masked labels made safe, per-sequence advantages broadcast.
+    inp = prepare_loss_inputs(
+        student_logits, labels, advantages, mask, old_logp, None, None, cfg, normalizer
+    )
+
+    def unflat(t: torch.Tensor) -> torch.Tensor:  # [1, N] back to the caller's [N]
+        return t[0] if inp.flat_input else t
+
     with torch.no_grad():
         teacher_logp, _ = token_logprobs(
-            teacher_logits.detach(), safe_labels, temperature, backend=fused
+            teacher_logits.detach(), unflat(inp.labels), temperature, backend=backend
         )
         sampler = old_logp
         if sampler is None:  # on-policy: the student's own log-probs, one more read
             sampler, _ = token_logprobs(
-                student_logits.detach(), safe_labels, temperature, backend=fused
+                student_logits.detach(), unflat(inp.labels), temperature, backend=backend
             )
-        gap = torch.where(valid, sampler.float() - teacher_logp, 0.0)
-    shape = gap.shape
-    if advantages is None:
-        base = torch.zeros(shape, device=gap.device)
-    elif advantages.dim() == 1 and len(shape) == 2:
-        base = advantages.float()[:, None].expand(shape)  # one per sequence
-    else:
-        base = advantages.float()
+        gap = torch.where(unflat(inp.valid), sampler.float() - teacher_logp, 0.0)
     out = policy_loss(
-        student_logits, labels, base - beta * gap, mask, old_logp=old_logp, config=cfg,
-        normalizer=normalizer, inplace=inplace, backend=backend,
+        student_logits, labels, unflat(inp.advantages) - beta * gap, mask, old_logp=old_logp,
+        config=cfg, normalizer=normalizer, inplace=inplace, backend=backend,
     )  # fmt: skip
-    weights = valid.float() * (mask.float() if mask.dtype != torch.bool else 1.0)
-    out.metrics["distill"] = (gap * weights).sum() / weights.sum().clamp_min(1e-8)
+    out.metrics["distill"] = masked_mean(gap.reshape(inp.mask.shape), inp)
     return out

@@ -80,5 +80,5 @@ def distill(
     valid = inp.valid.reshape(-1)
     divergence = torch.where(valid, divergence, 0.0).view(batch, time)
     logp = torch.where(valid, logp, 0.0).view(batch, time)
-    loss = torch.where(inp.valid, agg_w * divergence, 0.0).sum()
+    loss = (agg_w * divergence).sum()
     return loss, logp, divergence

@@ -32,7 +32,7 @@ def distill(
     logp, lse_s, lse_q, value, aux, _ = TWO_ROWS.forward(
         inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta
     )
-    agg_w = torch.where(inp.valid, aggregation_weights(inp, cfg), 0.0)
+    agg_w = aggregation_weights(inp, cfg)  # 0 off the counted tokens
     divergence = torch.where(inp.valid, value, 0.0)
     loss = (agg_w * divergence).sum()
     if grad_out is not None:
