@@ -17,7 +17,6 @@ above the inputs; JSON under bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import (  # noqa: E402
     SMOKE_NOTE,
     _bench,
-    copy_bandwidth_gbps,
+    one_table_setup,
     peak_memory_above_inputs,
     write_run_json,
 )
@@ -96,19 +95,13 @@ def skip_reason(impl: str, device: torch.device, smoke: bool) -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--warmup-ms", type=int, default=100)
-    parser.add_argument("--rep-ms", type=int, default=400)
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, bandwidth = one_table_setup(
+        __doc__,
+        argv,
+        lambda p: p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS),
+    )
     dtype = torch.bfloat16
     grid = SMOKE_GRID if args.smoke else GRID
-    if args.smoke:
-        args.warmup_ms, args.rep_ms = 1, 5
-    bandwidth = copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
     rows, impls = [], []
     for impl in args.impls:
         reason = skip_reason(impl, device, args.smoke)

@@ -533,6 +533,24 @@ def write_run_json(
     print(f"wrote {out / name}")
 
 
+def one_table_setup(doc: str, argv, add_arguments=None):
+    """(args, device, copy bandwidth GB/s) of a one-table benchmark (bench_sampling.py,
+    bench_distill.py, sweep_fused.py): --smoke (tiny shapes, any device, not a measurement),
+    --out, --warmup-ms, --rep-ms, and the script's own arguments."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=400)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.warmup_ms, args.rep_ms = 1, 5
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return args, device, copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
+
+
 def _version(module: str) -> str | None:
     try:
         return __import__(module).__version__

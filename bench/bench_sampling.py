@@ -21,7 +21,6 @@ bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import SMOKE_NOTE, _bench, copy_bandwidth_gbps, write_run_json  # noqa: E402
+from bench_loss import SMOKE_NOTE, _bench, one_table_setup, write_run_json  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl import fused_backend  # noqa: E402
@@ -110,18 +109,9 @@ def make_plain_loss(tensors, cfg):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--warmup-ms", type=int, default=100)
-    parser.add_argument("--rep-ms", type=int, default=400)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, bandwidth = one_table_setup(__doc__, argv)
     dtype = torch.bfloat16
     grid = SMOKE_GRID if args.smoke else GRID
-    if args.smoke:
-        args.warmup_ms, args.rep_ms = 1, 5
-    bandwidth = copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
     cfg = fusedrl.LossConfig.preset("dapo")
     rows = []
     print(

@@ -15,7 +15,6 @@ the same run. JSON under bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import sys
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import SMOKE_NOTE, _bench, copy_bandwidth_gbps, write_run_json  # noqa: E402
+from bench_loss import SMOKE_NOTE, _bench, one_table_setup, write_run_json  # noqa: E402
+from bench_sampling import _inputs, make_plain_loss  # noqa: E402  (the in-place DAPO step)
 
 import fusedrl  # noqa: E402
 
@@ -60,43 +60,11 @@ def launch_shape(programs_per_sm: int | None, warps: int | None):
         token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM = saved
 
 
-def _inputs(n, v, dtype, device, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    logits = (torch.randn(1, n, v, generator=g) * 2.0).to(device, dtype)
-    labels = torch.randint(0, v, (1, n), generator=g).to(device)
-    return logits, labels
-
-
-def make_step(tensors, cfg):
-    logits, labels = tensors
-    buffer = logits.clone()
-    adv = torch.randn(labels.shape, device=logits.device)
-    mask = torch.ones_like(labels, dtype=torch.bool)
-
-    def step():
-        # In place: the buffer holds the previous call's gradient, read as logits: the same
-        # bytes and work (bench_sampling.py's `loss:plain`).
-        leaf = buffer.detach().requires_grad_(True)
-        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, inplace=True)
-        torch.autograd.grad(out.loss, leaf)
-
-    return step
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: not a measurement")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--warmup-ms", type=int, default=100)
-    parser.add_argument("--rep-ms", type=int, default=400)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, bandwidth = one_table_setup(__doc__, argv)
     dtype = torch.bfloat16
     shape = SMOKE_SHAPE if args.smoke else SHAPE
-    if args.smoke:
-        args.warmup_ms, args.rep_ms = 1, 5
     n, v = shape["N"], shape["V"]
-    bandwidth = copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
     floor_ms = 2 * n * v * dtype.itemsize / (bandwidth * 1e9) * 1e3
     cfg = fusedrl.LossConfig.preset("dapo")
     copies = [_inputs(n, v, dtype, device, seed) for seed in range(COPIES)]
@@ -109,7 +77,7 @@ def main(argv=None) -> int:
     shapes = [(None, None), *itertools.product(PROGRAMS_PER_SM, WARPS)]
     for per_sm, warps in shapes:
         with launch_shape(per_sm, warps):
-            steps = itertools.cycle([make_step(c, cfg) for c in copies])
+            steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])
             try:
                 ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
             except Exception as err:  # noqa: BLE001 - a shape the compiler refuses is a result

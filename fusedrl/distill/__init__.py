@@ -99,24 +99,18 @@ def distill_config(config: object) -> LossConfig:
 
 
 def _rows_module(backend: str, device: torch.device):
-    """triton_rows (the two-row kernels) for "triton", and for "auto" on CUDA; else torch_rows."""
-    from ..api import _triton_usable
+    """triton_rows (the two-row kernels) where policy_loss's dispatch picks Triton ("triton", or
+    "auto" on CUDA), else torch_rows; "cuda" is refused before (csrc/ has no two-row kernel)."""
+    from .. import torch_backend
+    from ..api import _resolve_backend
 
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
-    if backend == "triton":
-        if not _triton_usable(device):
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors (got {device.type}) and the triton "
-                "package; on CPU set TRITON_INTERPRET=1 before triton is imported, or use "
-                "backend='torch'"
-            )
-        from . import triton_rows
+    if _resolve_backend(backend, device) is torch_backend:
+        from . import torch_rows
 
-        return triton_rows
-    from . import torch_rows
+        return torch_rows
+    from . import triton_rows
 
-    return torch_rows
+    return triton_rows
 
 
 def distill_loss(
