@@ -10,6 +10,7 @@ from . import advantages, reference
 from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
 from .config import PRESETS, LossConfig
 from .distill import DISTILL_KINDS, distill_loss
+from .distill.linear import linear_distill_loss
 from .linear import LINEAR_BACKENDS, linear_policy_loss, linear_token_logprobs
 from .output import LossOutput
 
@@ -25,6 +26,7 @@ __all__ = [
     "PolicyLoss",
     "advantages",
     "distill_loss",
+    "linear_distill_loss",
     "linear_policy_loss",
     "linear_token_logprobs",
     "policy_loss",

@@ -214,10 +214,12 @@ def prepare_loss_inputs(
     vocab: int | None = None,
     source: str = "logits",
     ref_logits: object = None,
+    ref_head: bool = False,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
-    reference policy's logits of config.kl="full" / "full_reverse", the logits' shape."""
+    reference policy's logits of config.kl="full" / "full_reverse", the logits' shape;
+    `ref_head`: the LM-head loss has the reference's head instead (checked by its caller)."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -240,7 +242,7 @@ def prepare_loss_inputs(
     old = _per_token("old_logp", old_logp, shape, device)
     ref = _per_token("ref_logp", ref_logp, shape, device)
     rollout = _per_token("rollout_logp", rollout_logp, shape, device)
-    ref_logits3 = _check_ref_logits(ref_logits, logits, ref, config)
+    ref_logits3 = _check_ref_logits(ref_logits, logits, ref, config, ref_head)
     if config.beta > 0 and ref is None and not config.full_kl:
         raise ValueError(
             f"ref_logp is required when config.beta > 0 (beta={config.beta}, kl={config.kl!r})"
@@ -304,7 +306,11 @@ def prepare_loss_inputs(
 
 
 def _check_ref_logits(
-    ref_logits: object, logits: torch.Tensor, ref_logp: torch.Tensor | None, config: LossConfig
+    ref_logits: object,
+    logits: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    config: LossConfig,
+    ref_head: bool = False,
 ) -> torch.Tensor | None:
     """The reference logits of the exact KL: required by it, refused without it (a tensor that
     would be read by nothing is a caller's mistake), [B, T, V] like the logits, no gradient."""
@@ -315,7 +321,9 @@ def _check_ref_logits(
                 f"kl={config.kl!r}: set the KL, or pass ref_logp for a per-token estimator"
             )
         return None
-    if ref_logits is None:
+    if ref_head:  # the LM-head loss: ref_weight (checked by linear_policy_loss) makes them
+        ref_logits = None
+    elif ref_logits is None:
         raise ValueError(
             f"ref_logits (the reference policy's logits, shaped like logits) is required when "
             f"config.kl={config.kl!r}"
@@ -325,6 +333,8 @@ def _check_ref_logits(
             f"ref_logp is not read when config.kl={config.kl!r} (the exact KL takes ref_logits): "
             "pass one of them"
         )
+    if ref_logits is None:
+        return None
     ref_logits = check_logits(ref_logits, name="ref_logits")
     if tuple(ref_logits.shape) != tuple(logits.shape):
         raise ValueError(
@@ -346,33 +356,42 @@ def check_temperature(temperature: object) -> float:
 
 
 def check_lm_head(
-    weight: object, bias: object, hidden: torch.Tensor
+    weight: object,
+    bias: object,
+    hidden: torch.Tensor,
+    names: tuple[str, str, str] = ("weight", "bias", "hidden"),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The LM head of `linear_policy_loss`: weight [V, H] and bias [V] (or None), on the hidden
-    states' device and in their dtype (as F.linear requires)."""
+    states' device and in their dtype (as F.linear requires). `names`: the arguments' names in
+    the messages (a teacher's or reference's head has its own)."""
+    weight_name, bias_name, hidden_name = names
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        raise TypeError(f"{weight_name} must be a torch.Tensor, got {type(weight).__name__}")
     hidden_size = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != hidden_size:
         raise ValueError(
-            f"weight must be [V, H] with H = {hidden_size} (the last dimension of hidden), got "
-            f"shape {tuple(weight.shape)}"
+            f"{weight_name} must be [V, H] with H = {hidden_size} (the last dimension of "
+            f"{hidden_name}), got shape {tuple(weight.shape)}"
         )
     if weight.shape[0] == 0:
-        raise ValueError(f"weight has an empty vocab dimension: shape {tuple(weight.shape)}")
-    for name, tensor in (("weight", weight), ("bias", bias)):
+        raise ValueError(f"{weight_name} has an empty vocab dimension: shape {tuple(weight.shape)}")
+    for name, tensor in ((weight_name, weight), (bias_name, bias)):
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
         if tensor.dtype != hidden.dtype:
             raise TypeError(
-                f"{name} dtype {tensor.dtype} must equal the dtype of hidden ({hidden.dtype})"
+                f"{name} dtype {tensor.dtype} must equal the dtype of {hidden_name} "
+                f"({hidden.dtype})"
             )
         if tensor.device != hidden.device:
-            raise ValueError(f"{name} is on {tensor.device} but hidden is on {hidden.device}")
+            raise ValueError(
+                f"{name} is on {tensor.device} but {hidden_name} is on {hidden.device}"
+            )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
-            f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (the rows of weight)"
+            f"{bias_name} shape {tuple(bias.shape)} must be ({weight.shape[0]},) (the rows of "
+            f"{weight_name})"
         )
     return weight, bias

@@ -54,7 +54,7 @@ def _resolve_backend(backend: str, device: torch.device):
     return linear_triton
 
 
-def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:
+def wanted_grads(hidden, weight, bias) -> tuple[bool, bool, bool]:
     if not torch.is_grad_enabled():
         return False, False, False
     return (
@@ -64,7 +64,7 @@ def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:
     )
 
 
-def _attach(loss, hidden, weight, bias, flat, want, grads):
+def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
     grad_hidden = grads.hidden
     if grad_hidden is not None and flat:
         grad_hidden = grad_hidden[0]
@@ -91,6 +91,9 @@ def linear_policy_loss(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
+    ref_weight: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -109,16 +112,34 @@ def linear_policy_loss(
         reduce_input_grad: with tp_group, sum the [N, H] gradient of `hidden` over the group in
             backward (one all-reduce); False leaves each rank its part (Megatron's
             column-parallel convention, where the caller reduces).
+        ref_weight: [V, H'], the reference policy's LM head, for config.kl="full" /
+            "full_reverse" (the exact KL over the vocabulary, as `policy_loss`'s ref_logits):
+            its logits are made a chunk of rows at a time beside the policy's, never whole
+            (fusedrl/distill/linear.py); no gradient.
+        ref_hidden: the reference model's hidden states for the same tokens ([B, T, H'] /
+            [N, H']); default `hidden` (a reference that differs only in its head).
+        ref_bias: [V] or None, the reference head's bias.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
-    if config is not None and config.full_kl:
+    full_kl = config is not None and config.full_kl
+    if not full_kl and (ref_weight is not None or ref_hidden is not None or ref_bias is not None):
+        raise ValueError(
+            "ref_weight / ref_hidden / ref_bias are read only by config.kl='full' or "
+            "'full_reverse' (the exact KL to the reference head): set the KL, or pass ref_logp "
+            "for a per-token estimator"
+        )
+    if full_kl and ref_weight is None:
+        raise ValueError(
+            f"ref_weight (the reference policy's LM head, [V, H]) is required when "
+            f"config.kl={config.kl!r}"
+        )
+    if full_kl and (tp_group is not None or vocab_start is not None or vocab_size is not None):
         raise NotImplementedError(
-            f"linear_policy_loss with config.kl={config.kl!r} (the exact KL, which needs the "
-            "reference head's logits) is not supported yet: use policy_loss with ref_logits, or "
-            "a per-token estimator (k1, k3, ...) with ref_logp"
+            f"config.kl={config.kl!r} (the exact KL to the reference head) under tensor "
+            "parallelism is not supported yet: use a per-token KL estimator with ref_logp"
         )
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
         from .tp import linear as tp_linear
@@ -142,8 +163,17 @@ def linear_policy_loss(
         is_weights,
         vocab=weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         source="hidden",
+        ref_head=full_kl,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
+    ref_head = None
+    if full_kl:
+        from .distill.linear import check_teacher_head
+
+        ref_head = check_teacher_head(
+            hidden if ref_hidden is None else ref_hidden, ref_weight, ref_bias, hidden,
+            weight.shape[0], ("ref_hidden", "ref_weight", "ref_bias"),
+        )  # fmt: skip
     lin = LinearInputs(
         hidden=inp.logits,
         weight=weight,
@@ -152,11 +182,19 @@ def linear_policy_loss(
         sampling=cfg.sampling,
     )
     impl = _resolve_backend(backend, hidden.device)
-    want = _wanted(hidden, weight, bias)
-    logp, entropy, terms, grads = impl.policy_loss(lin, cfg, return_entropy, want)
+    want = wanted_grads(hidden, weight, bias)
+    if ref_head is not None:
+        from .distill import two_row_ops
+        from .distill.linear import policy_loss_with_reference
+
+        ops = two_row_ops(backend, hidden.device)
+        result = policy_loss_with_reference(lin, ref_head, ops, cfg, return_entropy, want)
+    else:
+        result = impl.policy_loss(lin, cfg, return_entropy, want)
+    logp, entropy, terms, grads = result
     loss = terms.loss
     if any(want):
-        loss = _attach(loss, hidden, weight, bias, inp.flat_input, want, grads)
+        loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
@@ -233,7 +271,7 @@ def linear_token_logprobs(
     lin = linear_torch.logprob_inputs(
         hidden3, weight, bias, labels2, sampling if sampling.active else None
     )
-    want = _wanted(hidden, weight, bias)
+    want = wanted_grads(hidden, weight, bias)
     if any(want):
         out = _LinearLogprobsFn.apply(
             impl, lin, temperature, want, hidden, weight, bias, return_entropy

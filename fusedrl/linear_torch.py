@@ -97,6 +97,48 @@ def _accumulator_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
+def masked_rows(lin: LinearInputs) -> torch.Tensor:
+    """The hidden states as [N, H] with masked rows zeroed: whatever padding they hold (NaN), their
+    logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM)."""
+    hidden = lin.hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
+
+
+class GradSums:
+    """dX written chunk by chunk, dW and db accumulated in fp32 (fp64 for fp64 input) over the
+    chunks' d(loss)/d(logits), for the backends that make the logits a chunk of rows at a time."""
+
+    def __init__(self, lin: LinearInputs, rows: torch.Tensor, want: tuple[bool, bool, bool]):
+        self.lin, self.rows = lin, rows
+        weight, bias = lin.weight, lin.bias
+        acc = _accumulator_dtype(rows)
+        self.dx = torch.empty_like(rows) if want[0] else None
+        self.dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want[1] else None
+        want_b = want[2] and bias is not None
+        self.db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+
+    def add(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        """grad: d(loss)/d(logits) of rows [start, stop), [n, V] in the head's dtype."""
+        if self.dx is not None:
+            torch.mm(grad, self.lin.weight, out=self.dx[start:stop])
+        if self.dw is not None:
+            if grad.dtype == self.dw.dtype:
+                self.dw.addmm_(grad.t(), self.rows[start:stop])
+            else:  # one rounding per chunk in the head's dtype, then fp32 accumulation
+                self.dw += grad.t() @ self.rows[start:stop]
+        if self.db is not None:
+            self.db += grad.sum(0, dtype=self.db.dtype)
+
+    def result(self) -> LinearGrads:
+        lin = self.lin
+        return LinearGrads(
+            hidden=None if self.dx is None else self.dx.view(lin.hidden.shape),
+            weight=None if self.dw is None else self.dw.to(lin.weight.dtype),
+            bias=None if self.db is None else self.db.to(lin.bias.dtype),
+        )
+
+
 @torch.no_grad()
 def sweep(
     lin: LinearInputs,
@@ -192,7 +234,7 @@ def _rows_slice(inp: LossInputs, start: int, stop: int, **fields) -> LossInputs:
     return replace(inp, **sliced, rollout_logp=None, **fields)
 
 
-def _token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivatives:
+def token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivatives:
     """Per-token d(loss)/d(logp), d(loss)/d(H) of a block, with the weights that do not depend on
     the logits (aggregation, IS) computed once for the whole batch."""
     inp = lin.rows
@@ -220,7 +262,7 @@ def policy_loss(
     inp = lin.rows
     need_entropy = need_entropy or cfg.needs_entropy
     if any(want) and not needs_two_passes(inp, cfg):
-        derivatives = _token_level_derivatives(lin, cfg)
+        derivatives = token_level_derivatives(lin, cfg)
         logp, entropy, grads = sweep(
             lin, inp.labels, cfg.temperature, need_entropy, derivatives, want
         )

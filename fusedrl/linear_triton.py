@@ -30,7 +30,7 @@ import torch
 
 from .config import LossConfig
 from .fused_backend import fused_token_args, needs_two_passes
-from .linear_torch import LinearGrads, LinearInputs
+from .linear_torch import GradSums, LinearGrads, LinearInputs, masked_rows
 from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
 
@@ -84,14 +84,6 @@ def _cut(t, start: int, stop: int):
     return t[:, start:stop] if isinstance(t, torch.Tensor) else t
 
 
-def _masked_rows(lin: LinearInputs) -> torch.Tensor:
-    """The hidden states as [N, H] with masked rows zeroed: whatever padding they hold (NaN), their
-    logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM)."""
-    hidden = lin.hidden
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
-
-
 def _chunk_rows(lin: LinearInputs, rows: torch.Tensor) -> int:
     """Rows of a chunk: GRAD_CHUNK_BYTES of logits at most. With `lin.block_vocab` (tensor
     parallelism) sized by that width on every rank, and a whole number of the torch backend's
@@ -140,39 +132,6 @@ def _logits_chunks(
         yield start, stop, logits
 
 
-class _GradSums:
-    """dX written chunk by chunk, dW and db accumulated in fp32 over the chunks' G."""
-
-    def __init__(self, lin: LinearInputs, rows: torch.Tensor, want: tuple[bool, bool, bool]):
-        self.lin, self.rows = lin, rows
-        weight, bias = lin.weight, lin.bias
-        acc = torch.float32
-        self.dx = torch.empty_like(rows) if want[0] else None
-        self.dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want[1] else None
-        want_b = want[2] and bias is not None
-        self.db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
-
-    def add(self, start: int, stop: int, grad: torch.Tensor) -> None:
-        """grad: d(loss)/d(logits) of rows [start, stop), [n, V] in the head's dtype."""
-        if self.dx is not None:
-            torch.mm(grad, self.lin.weight, out=self.dx[start:stop])
-        if self.dw is not None:
-            if grad.dtype == self.dw.dtype:
-                self.dw.addmm_(grad.t(), self.rows[start:stop])
-            else:  # one rounding per chunk in the head's dtype, then fp32 accumulation
-                self.dw += grad.t() @ self.rows[start:stop]
-        if self.db is not None:
-            self.db += grad.sum(0, dtype=self.db.dtype)
-
-    def result(self) -> LinearGrads:
-        lin = self.lin
-        return LinearGrads(
-            hidden=None if self.dx is None else self.dx.view(lin.hidden.shape),
-            weight=None if self.dw is None else self.dw.to(lin.weight.dtype),
-            bias=None if self.db is None else self.db.to(lin.bias.dtype),
-        )
-
-
 def stats(lin: LinearInputs, temperature: float):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows)."""
     _check_dtype(lin)
@@ -183,7 +142,7 @@ def stats(lin: LinearInputs, temperature: float):
     ops = _row_ops()
     labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
-    for start, stop, logits in _logits_chunks(lin, _masked_rows(lin), temperature):
+    for start, stop, logits in _logits_chunks(lin, masked_rows(lin), temperature):
         chunk = ops.logprobs_fwd(
             logits, _cut(labels, start, stop), _cut(valid, start, stop), temperature
         )
@@ -231,8 +190,8 @@ def gradients(
     dentropy: torch.Tensor | None,
     want: tuple[bool, bool, bool],
 ) -> LinearGrads:
-    rows = _masked_rows(lin)
-    sums = _GradSums(lin, rows, want)
+    rows = masked_rows(lin)
+    sums = GradSums(lin, rows, want)
     chunks = _grad_chunks_on_chip if design(lin) == "on-chip" else _grad_chunks_gemm
     for start, stop, grad in chunks(lin, rows, temperature, lse, entropy, dlogp, dentropy):
         sums.add(start, stop, grad)
@@ -244,8 +203,8 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     entropy, G written over the logits) -> cuBLAS dX, dW."""
     ops = _row_ops()
     args = [_flat(a) for a in fused_token_args(lin.rows, cfg)]
-    rows = _masked_rows(lin)
-    sums = _GradSums(lin, rows, want)
+    rows = masked_rows(lin)
+    sums = GradSums(lin, rows, want)
     shape = lin.rows.labels.shape
     logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
     flat_logp, flat_entropy = _flat(logp), _flat(entropy)

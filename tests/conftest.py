@@ -97,3 +97,21 @@ def batch():
 
 
 ALL_PRESETS = fusedrl.LossConfig.presets()
+
+
+def numeric_gradient(fn, tensors, eps=1e-6):
+    """Central differences of the scalar fn(*tensors), element by element (float64)."""
+    grads = []
+    for t in tensors:
+        g = torch.zeros_like(t)
+        flat, gflat = t.view(-1), g.view(-1)
+        for i in range(flat.numel()):
+            saved = flat[i].item()
+            flat[i] = saved + eps
+            up = fn(*tensors).item()
+            flat[i] = saved - eps
+            down = fn(*tensors).item()
+            flat[i] = saved
+            gflat[i] = (up - down) / (2 * eps)
+        grads.append(g)
+    return grads

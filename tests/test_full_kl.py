@@ -280,14 +280,12 @@ def test_config_refuses_what_the_exact_kl_does_not_mean(kwargs, message):
 
 
 def test_unsupported_paths_say_so():
+    """Vocab-sharded logits (tensor parallelism) refuse the exact KL by name (the LM-head form,
+    linear_policy_loss(ref_weight=), is tests/test_linear_distill.py's)."""
     data = _batch(seed=1, batch=2, time=3, vocab=17)
     cfg = LossConfig.preset("dapo").replace(kl="full", beta=0.1)
-    hidden = torch.randn(2, 3, 8)
-    weight = torch.randn(17, 8)
-    with pytest.raises(NotImplementedError, match="linear_policy_loss with config.kl='full'"):
-        fusedrl.linear_policy_loss(
-            hidden, weight, data["labels"], data["advantages"], data["mask"], config=cfg
-        )
+    with pytest.raises(NotImplementedError, match="under tensor parallelism is not supported"):
+        fusedrl.policy_loss(**data, config=cfg, vocab_start=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

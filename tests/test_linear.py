@@ -13,7 +13,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, linear_torch, linear_triton, reference, torch_backend
 
-from .conftest import ALL_PRESETS, needs_interpreter
+from .conftest import ALL_PRESETS, needs_interpreter, numeric_gradient
 from .test_backends import OPTIONS
 
 # The Triton backend in both designs (linear_triton.DESIGNS): cuBLAS logits chunks, and tiles on
@@ -164,24 +164,6 @@ def test_without_bias_and_frozen_head(backend):
     assert grad.shape == h.shape and grad.abs().sum() > 0
 
 
-def _numeric_gradient(fn, tensors, eps=1e-6):
-    """Central differences of the scalar fn(*tensors), element by element (float64)."""
-    grads = []
-    for t in tensors:
-        g = torch.zeros_like(t)
-        flat, gflat = t.view(-1), g.view(-1)
-        for i in range(flat.numel()):
-            saved = flat[i].item()
-            flat[i] = saved + eps
-            up = fn(*tensors).item()
-            flat[i] = saved - eps
-            down = fn(*tensors).item()
-            flat[i] = saved
-            gflat[i] = (up - down) / (2 * eps)
-        grads.append(g)
-    return grads
-
-
 @pytest.mark.parametrize("name", ["dapo", "gspo", "gmpo", "sapo"])
 def test_gradient_against_finite_differences_float64(name):
     """The torch backend keeps fp64 in fp64, so its analytic gradients of hidden, weight and bias
@@ -197,7 +179,7 @@ def test_gradient_against_finite_differences_float64(name):
     leaves = _leaves(data)
     analytic = torch.autograd.grad(loss(*leaves), leaves)
     with torch.no_grad():
-        numeric = _numeric_gradient(loss, [t.detach().clone() for t in leaves])
+        numeric = numeric_gradient(loss, [t.detach().clone() for t in leaves])
     for a, n in zip(analytic, numeric):
         assert a.dtype == torch.float64 and n.abs().max() > 0
         torch.testing.assert_close(a, n, atol=1e-7, rtol=1e-5)

@@ -28,6 +28,7 @@ from ..api import with_known_grad
 from ..config import LossConfig
 from ..output import LossOutput
 from ..token_terms import masked_mean
+from .rows import distill as distill_rows
 
 # The divergence over the whole vocabulary (one pass over both logits), or the teacher's log-ratio
 # on the sampled tokens as a negative advantage of the policy loss (sampled.py).
@@ -98,19 +99,20 @@ def distill_config(config: object) -> LossConfig:
     return cfg
 
 
-def _rows_module(backend: str, device: torch.device):
-    """triton_rows (the two-row kernels) where policy_loss's dispatch picks Triton ("triton", or
-    "auto" on CUDA), else torch_rows; "cuda" is refused before (csrc/ has no two-row kernel)."""
+def two_row_ops(backend: str, device: torch.device):
+    """The two-row ops where policy_loss's dispatch picks Triton ("triton", or "auto" on CUDA):
+    the kernels of fusedrl.kernels.two_rows; else torch_rows' blocks ("cuda" is refused
+    before: csrc/ has no two-row kernel)."""
     from .. import torch_backend
     from ..api import _resolve_backend
 
     if _resolve_backend(backend, device) is torch_backend:
-        from . import torch_rows
+        from .torch_rows import TORCH_TWO_ROWS
 
-        return torch_rows
-    from . import triton_rows
+        return TORCH_TWO_ROWS
+    from ..triton_backend import TWO_ROWS
 
-    return triton_rows
+    return TWO_ROWS
 
 
 def distill_loss(
@@ -170,11 +172,9 @@ def distill_loss(
     student_logits = check_logits(student_logits, name="student_logits")
     teacher = check_teacher(teacher_logits, student_logits)
     if kind == "sampled_reverse_kl":
-        from .sampled import sampled_reverse_kl
+        from .sampled import check_sampled_config, sampled_reverse_kl
 
-        cfg = config if config is not None else LossConfig()
-        if not isinstance(cfg, LossConfig):
-            raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
+        cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
             student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
             backend, advantages, old_logp,
@@ -187,10 +187,13 @@ def distill_loss(
         student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
     )
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
-    rows = _rows_module(backend, inp.logits.device)
+    ops = two_row_ops(backend, inp.logits.device)
+    kind = resolved_kind(kind, beta)
 
     def compute(grad):
-        loss, logp, divergence = rows.distill(inp, teacher3, kind, beta, temperature, cfg, grad)
+        loss, logp, divergence = distill_rows(
+            ops, inp, teacher3, kind, beta, temperature, cfg, grad
+        )
         return loss, (logp, divergence)
 
     loss, (logp, divergence) = with_known_grad(

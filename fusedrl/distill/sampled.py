@@ -16,11 +16,54 @@ per-token reverse-KL advantage of Thinking Machines' "On-Policy Distillation", 2
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..config import LossConfig
 from ..output import LossOutput
 from ..token_terms import masked_mean
+
+
+def shifted_advantage_loss(
+    inp,
+    beta: float,
+    teacher_logp: Callable[[torch.Tensor], torch.Tensor],
+    student_logp: Callable[[torch.Tensor], torch.Tensor],
+    old_logp: torch.Tensor | None,
+    policy_loss: Callable[[torch.Tensor], LossOutput],
+) -> LossOutput:
+    """The policy loss on A - beta (log pi_old - log pi_teacher) of the sampled tokens.
+
+    `inp`: the policy loss's checked inputs (LossInputs); `teacher_logp(labels)` /
+    `student_logp(labels)`: log-probs of the caller's-shaped labels without gradient (from
+    logits or from a head); `policy_loss(advantages)`: the loss on the shifted advantages."""
+
+    def unflat(t: torch.Tensor) -> torch.Tensor:  # [1, N] back to the caller's [N]
+        return t[0] if inp.flat_input else t
+
+    labels = unflat(inp.labels)
+    with torch.no_grad():
+        sampler = old_logp
+        if sampler is None:  # on-policy: the student's own log-probs, one more read
+            sampler = student_logp(labels)
+        gap = torch.where(unflat(inp.valid), sampler.float() - teacher_logp(labels), 0.0)
+    out = policy_loss(unflat(inp.advantages) - beta * gap)
+    out.metrics["distill"] = masked_mean(gap.reshape(inp.mask.shape), inp)
+    return out
+
+
+def check_sampled_config(cfg: object, temperature: float) -> LossConfig:
+    """The policy loss's config at the distillation's temperature."""
+    cfg = cfg if cfg is not None else LossConfig()
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
+    if cfg.temperature not in (1.0, temperature):
+        raise ValueError(
+            f"config.temperature={cfg.temperature!r} differs from temperature={temperature!r}: "
+            "the student's and the teacher's log-probs are taken at one temperature"
+        )
+    return cfg.replace(temperature=temperature)
 
 
 def sampled_reverse_kl(
@@ -40,12 +83,6 @@ def sampled_reverse_kl(
     from .._inputs import prepare_loss_inputs
     from ..api import policy_loss, token_logprobs
 
-    if cfg.temperature not in (1.0, temperature):
-        raise ValueError(
-            f"config.temperature={cfg.temperature!r} differs from temperature={temperature!r}: "
-            "the student's and the teacher's log-probs are taken at one temperature"
-        )
-    cfg = cfg.replace(temperature=temperature)
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     # The policy loss's own checks (labels, mask, advantages, old_logp), before any kernel runs:
@@ -54,22 +91,16 @@ def sampled_reverse_kl(
         student_logits, labels, advantages, mask, old_logp, None, None, cfg, normalizer
     )
 
-    def unflat(t: torch.Tensor) -> torch.Tensor:  # [1, N] back to the caller's [N]
-        return t[0] if inp.flat_input else t
+    def logprobs(logits):
+        return lambda labels: token_logprobs(logits, labels, temperature, backend=backend)[0]
 
-    with torch.no_grad():
-        teacher_logp, _ = token_logprobs(
-            teacher_logits.detach(), unflat(inp.labels), temperature, backend=backend
-        )
-        sampler = old_logp
-        if sampler is None:  # on-policy: the student's own log-probs, one more read
-            sampler, _ = token_logprobs(
-                student_logits.detach(), unflat(inp.labels), temperature, backend=backend
-            )
-        gap = torch.where(unflat(inp.valid), sampler.float() - teacher_logp, 0.0)
-    out = policy_loss(
-        student_logits, labels, unflat(inp.advantages) - beta * gap, mask, old_logp=old_logp,
-        config=cfg, normalizer=normalizer, inplace=inplace, backend=backend,
+    def loss(shifted):
+        return policy_loss(
+            student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
+            normalizer=normalizer, inplace=inplace, backend=backend,
+        )  # fmt: skip
+
+    return shifted_advantage_loss(
+        inp, beta, logprobs(teacher_logits.detach()), logprobs(student_logits.detach()),
+        old_logp, loss,
     )  # fmt: skip
-    out.metrics["distill"] = masked_mean(gap.reshape(inp.mask.shape), inp)
-    return out

@@ -1,16 +1,17 @@
-"""distill_loss on the torch backend: blocks of rows of both logits, one read each, the student's
-gradient written from the same blocks (no fp32 copy of [N, V] beyond a block).
+"""The two-row ops on the torch backend: blocks of rows of both logits, one read each, with the
+signatures and outputs of the Triton kernels (kernels/two_rows.py), so that one driver serves
+both (`TORCH_TWO_ROWS`; rows.py, linear.py). Memory: O(block x V) fp32, never a copy of [N, V].
 
 Per row, with log s and log q the log-softmax of the student's and the teacher's logits / T:
 
-    reverse_kl   D = sum s (log s - log q)           dD/dz = s (log s - log q - D) / T
-    forward_kl   D = sum q (log q - log s)           dD/dz = (s - q) / T
-    jsd          log m = logaddexp(log s + log(1 - beta), log q + log beta)
-                 D = beta sum q (log q - log m) + (1 - beta) sum s (log s - log m)
-                 dD/ds = (1 - beta) (log s - log m)  (the terms in dm cancel: sum dm = 0), so
-                 dD/dz = s (g - sum s g) / T with g = (1 - beta) (log s - log m)
+    kl (reverse_kl)      D = sum s (log s - log q)          dD/dz = s (log s - log q - D) / T
+    kl_rev (forward_kl)  D = sum q (log q - log s)          dD/dz = (s - q) / T
+    jsd                  log m = logaddexp(log s + log(1 - beta), log q + log beta)
+                         D = beta sum q (log q - log m) + (1 - beta) sum s (log s - log m)
+                         dD/ds = (1 - beta) (log s - log m)  (the terms in dm cancel: sum dm = 0),
+                         so dD/dz = s (g - sum s g) / T with g = (1 - beta) (log s - log m)
 
-jsd with beta = 0 or 1 is forward_kl or reverse_kl (TRL's and Liger's endpoints).
+`aux` is sum s g for jsd (0 otherwise), as the kernels keep it between their two ops.
 """
 
 from __future__ import annotations
@@ -19,66 +20,133 @@ import math
 
 import torch
 
-from .._inputs import LossInputs
-from ..config import LossConfig
-from ..token_terms import aggregation_weights
-from ..torch_backend import block_log_probs, full_kl_grad, full_kl_of, row_blocks, row_sum
-from . import resolved_kind
+from ..fused_backend import TwoRowOps
+from ..torch_backend import (
+    block_grad,
+    block_log_probs,
+    entropy_of,
+    full_kl_grad,
+    full_kl_of,
+    row_blocks,
+    row_sum,
+)
 
-# kind -> the exact-KL direction of torch_backend ("full": KL(pi || ref), pi the student)
-_KL_DIRECTION = {"reverse_kl": "full", "forward_kl": "full_reverse"}
+# kernel kind -> the exact-KL direction of torch_backend ("full": KL(s || q))
+_KL_DIRECTION = {"kl": "full", "kl_rev": "full_reverse"}
+
+
+def _log_mixture(log_s: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    return torch.logaddexp(log_s + math.log1p(-beta), log_q + math.log(beta))
+
+
+def _jsd_g(log_s: torch.Tensor, log_m: torch.Tensor, beta: float) -> torch.Tensor:
+    """g = dD/ds of jsd (0 where s = 0: 0 log 0 = 0)."""
+    return torch.where(log_s > -float("inf"), (1.0 - beta) * (log_s - log_m), 0.0)
 
 
 def _jsd(log_s: torch.Tensor, log_q: torch.Tensor, beta: float):
-    """Per-row generalized JSD and its gradient in logits / T, 0 < beta < 1."""
-    log_m = torch.logaddexp(log_s + math.log1p(-beta), log_q + math.log(beta))
+    """Per-row generalized JSD and sum s g, 0 < beta < 1."""
+    log_m = _log_mixture(log_s, log_q, beta)
     s, q = log_s.exp(), log_q.exp()
     # 0 log 0 = 0: a token either distribution cannot emit adds nothing on that side
     teacher_side = row_sum(torch.where(q > 0, q * (log_q - log_m), 0.0))
     student_side = row_sum(torch.where(s > 0, s * (log_s - log_m), 0.0))
     value = beta * teacher_side + (1.0 - beta) * student_side
-    g = torch.where(s > 0, (1.0 - beta) * (log_s - log_m), 0.0)
-    grad = s * (g - row_sum(s * g)[:, None])
-    return value, grad
+    return value, row_sum(s * _jsd_g(log_s, log_m, beta))
 
 
-def distill(
-    inp: LossInputs,
+def _out_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 rows, as the kernels write; fp64 for fp64 logits (so that gradcheck can run)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def forward(
+    student: torch.Tensor,
     teacher: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor | None,
+    temperature: float,
     kind: str,
     beta: float,
-    temperature: float,
-    cfg: LossConfig,
-    grad_out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, the student's logp of the labels [B, T], the divergence per token [B, T]); writes
-    d(loss)/d(student logits) into grad_out (which may be the student's logits)."""
-    kind = resolved_kind(kind, beta)
-    agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: known before the pass
-    batch, time, _ = inp.logits.shape
-    logp = torch.zeros(batch * time, dtype=torch.float32, device=inp.logits.device)
-    divergence = torch.zeros_like(logp)
-    flat_w = agg_w.reshape(-1)
-    flat_labels = inp.labels.reshape(-1)
-    tensors = (inp.logits, teacher) if grad_out is None else (inp.logits, teacher, grad_out)
-    for start, (student_block, teacher_block, *out_block) in row_blocks(*tensors):
-        stop = start + student_block.shape[0]
-        log_s, _ = block_log_probs(student_block, temperature)
-        log_q, _ = block_log_probs(teacher_block, temperature)
+) -> tuple[torch.Tensor, ...]:
+    """[B, T, V] student and teacher logits -> (student logp of labels, lse of student, lse of
+    teacher, D, aux, student entropy), each [B, T]; masked rows (valid False) get zeros."""
+    batch, time, _ = student.shape
+    outs = [
+        torch.zeros(batch * time, dtype=_out_dtype(student), device=student.device)
+        for _ in range(6)
+    ]
+    logp, lse_s, lse_q, value, aux, entropy = outs
+    flat_labels = labels.reshape(-1)
+    for start, (s_block, q_block) in row_blocks(student, teacher):
+        stop = start + s_block.shape[0]
+        log_s, block_lse_s = block_log_probs(s_block, temperature)
+        log_q, block_lse_q = block_log_probs(q_block, temperature)
         if kind == "jsd":
-            value, grad = _jsd(log_s, log_q, beta)
+            value[start:stop], aux[start:stop] = _jsd(log_s, log_q, beta)
         else:
-            direction = _KL_DIRECTION[kind]
-            value = full_kl_of(log_s, log_q, direction)
-            grad = full_kl_grad(log_s, log_q, value, direction) if out_block else None
-        divergence[start:stop] = value
-        logp[start:stop] = log_s.gather(-1, flat_labels[start:stop, None]).squeeze(-1)
-        if out_block:
-            weight = flat_w[start:stop, None]
-            # masked rows (weight 0) get exact zeros, whatever their logits hold (NaN padding)
-            out_block[0].copy_(torch.where(weight != 0, weight * grad / temperature, 0.0))
-    valid = inp.valid.reshape(-1)
-    divergence = torch.where(valid, divergence, 0.0).view(batch, time)
-    logp = torch.where(valid, logp, 0.0).view(batch, time)
-    loss = (agg_w * divergence).sum()
-    return loss, logp, divergence
+            value[start:stop] = full_kl_of(log_s, log_q, _KL_DIRECTION[kind])
+        picked = flat_labels[start:stop].clamp(0, log_s.shape[-1] - 1)
+        logp[start:stop] = log_s.gather(-1, picked[:, None]).squeeze(-1)
+        lse_s[start:stop], lse_q[start:stop] = block_lse_s[:, 0], block_lse_q[:, 0]
+        entropy[start:stop] = entropy_of(log_s)
+    outs = [t.view(batch, time) for t in outs]
+    if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak
+        outs = [torch.where(valid, t, 0.0) for t in outs]
+    return tuple(outs)
+
+
+@torch.no_grad()
+def grad(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    lse_s: torch.Tensor,
+    lse_q: torch.Tensor,
+    value: torch.Tensor,
+    aux: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    kind: str,
+    beta: float,
+    out: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    dlogp: torch.Tensor | None = None,
+    dentropy: torch.Tensor | None = None,
+) -> None:
+    """out = weight x dD/d(student) ([B, T, V]; out may be `student`), plus with `dlogp` the
+    policy loss's own terms dlogp (onehot - s) / T + dentropy dH/dx. Rows with nothing to
+    write get exact zeros, whatever their logits hold."""
+    flat = [
+        None if t is None else t.reshape(-1)
+        for t in (value, aux, weight, labels, entropy, dlogp, dentropy)
+    ]
+    flat_value, flat_aux, flat_weight, flat_labels, flat_entropy, flat_dlogp, flat_dent = flat
+    for start, (s_block, q_block, out_block) in row_blocks(student, teacher, out):
+        stop = start + s_block.shape[0]
+        log_s, _ = block_log_probs(s_block, temperature)
+        log_q, _ = block_log_probs(q_block, temperature)
+        w = flat_weight[start:stop, None].to(log_s.dtype)
+        if kind == "jsd":
+            log_m = _log_mixture(log_s, log_q, beta)
+            d_value = log_s.exp() * (_jsd_g(log_s, log_m, beta) - flat_aux[start:stop, None])
+        else:
+            d_value = full_kl_grad(log_s, log_q, flat_value[start:stop], _KL_DIRECTION[kind])
+        block = w * d_value / temperature
+        live = w != 0
+        if flat_dlogp is not None:
+            block_dlogp = flat_dlogp[start:stop]
+            block_dent = None if flat_dent is None else flat_dent[start:stop]
+            block = block + block_grad(
+                log_s, flat_labels[start:stop], temperature, block_dlogp, block_dent,
+                flat_entropy[start:stop],
+            )  # fmt: skip
+            live = live | (block_dlogp != 0)[:, None]
+            if block_dent is not None:
+                live = live | (block_dent != 0)[:, None]
+        # masked rows (nothing to write) get exact zeros, whatever their logits hold (NaN)
+        out_block.copy_(torch.where(live, block, 0.0))
+
+
+TORCH_TWO_ROWS = TwoRowOps(forward, grad)

@@ -244,7 +244,7 @@ def linear_policy_loss(
         hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
     )
     lin = _sharded(lin, shard, tp_group, cfg.sampling)
-    want = single._wanted(hidden, weight, bias)
+    want = single.wanted_grads(hidden, weight, bias)
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
         part = _slice_inputs(lin, shard)
@@ -263,7 +263,7 @@ def linear_policy_loss(
     if any(want):
         if want[0] and reduce_input_grad:
             hidden = sum_grad_over_group(hidden, tp_group)
-        loss = single._attach(loss, hidden, weight, bias, inp.flat_input, want, grads)
+        loss = single.attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
     entropy = entropy if need_entropy else None
     if inp.flat_input:
         logp = logp[0]
@@ -346,7 +346,7 @@ def linear_token_logprobs(
     labels2 = ids.unsqueeze(0) if flat else ids
     lin = _sharded(linear_torch.logprob_inputs(hidden3, weight, bias, labels2), shard,
                    tp_group, sampling)  # fmt: skip
-    want = single._wanted(hidden, weight, bias)
+    want = single.wanted_grads(hidden, weight, bias)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
             hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad,

@@ -1,0 +1,334 @@
+"""Two LM heads, no [tokens x vocab] logits: `linear_distill_loss` and the exact KL of
+`linear_policy_loss(ref_weight=...)`.
+
+The student's (policy's) and the teacher's (reference's) logits are made a chunk of rows at a
+time by two GEMMs into two reused buffers ([C, V] each, in the hidden states' dtype, as the
+models' own heads would round them); the two-row ops (Triton kernels, or torch_rows' blocks)
+read both chunks once for the per-token divergence, the student's log-prob and entropy, and write
+d(loss)/d(student logits) over the student's chunk, which two more GEMMs turn into dX and dW.
+The teacher gets no gradient. Flops: 2·N·H·V per head forward, 4·N·H·V for dX and dW, so
+8·N·H·V for a token-level loss (one sweep); sequence-level policy losses sweep twice (12·N·H·V).
+Memory: the two chunk buffers (PAIR_CHUNK_BYTES together) and the [N, H] gradient, never [N, V].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from .._inputs import check_lm_head, check_logits
+from ..config import LossConfig
+from ..fused_backend import TwoRowOps, needs_two_passes
+from ..linear_torch import (
+    GradSums,
+    LinearGrads,
+    LinearInputs,
+    masked_rows,
+    token_level_derivatives,
+)
+from ..output import LossOutput
+from ..token_terms import (
+    TokenTerms,
+    aggregation_weights,
+    masked_mean,
+    token_terms,
+    with_rejection,
+)
+
+# Both heads' logits chunks together: 256 MiB (441 rows of each at V = 151936 in bf16).
+PAIR_CHUNK_BYTES = 256 * 2**20
+
+
+@dataclass
+class TeacherHead:
+    """The second distribution's hidden states and head (no gradient)."""
+
+    hidden: torch.Tensor  # [B, T, H'] (the student's leading shape)
+    weight: torch.Tensor  # [V, H']
+    bias: torch.Tensor | None  # [V]
+
+
+def check_teacher_head(
+    hidden: object,
+    weight: object,
+    bias: object,
+    student_hidden: torch.Tensor,
+    vocab: int,
+    names: tuple[str, str, str],
+) -> TeacherHead:
+    """The teacher's (reference's) head for the student's [B, T, H] (or [N, H]) hidden states:
+    the same leading shape and device, a head of the same vocabulary. `names`: (hidden,
+    weight, bias) argument names for the messages."""
+    hidden_name, weight_name, bias_name = names
+    hidden = check_logits(hidden, name=hidden_name)
+    if tuple(hidden.shape[:-1]) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(
+            f"{hidden_name} shape {tuple(hidden.shape)} must have the leading shape "
+            f"{tuple(student_hidden.shape[:-1])} of the student's hidden states (the same tokens)"
+        )
+    if hidden.device != student_hidden.device:
+        raise ValueError(
+            f"{hidden_name} is on {hidden.device} but the student's hidden states are on "
+            f"{student_hidden.device}"
+        )
+    weight, bias = check_lm_head(weight, bias, hidden, names=(weight_name, bias_name, hidden_name))
+    if weight.shape[0] != vocab:
+        raise ValueError(
+            f"{weight_name} has {weight.shape[0]} rows but the student's head has {vocab}: both "
+            "heads must cover the same vocabulary"
+        )
+    hidden3 = hidden.unsqueeze(0) if hidden.dim() == 2 else hidden
+    detach = None if bias is None else bias.detach()
+    return TeacherHead(hidden=hidden3.detach(), weight=weight.detach(), bias=detach)
+
+
+def _pair_chunks(
+    lin: LinearInputs, head: TeacherHead
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(start, stop, student logits [1, n, V], teacher logits [1, n, V]) of consecutive row
+    chunks, each made by one GEMM into a reused buffer: valid until the next chunk. Masked rows
+    of both hidden states are zeroed first (their padding may be NaN)."""
+    rows = masked_rows(lin)
+    valid = lin.rows.valid.reshape(-1, 1)
+    teacher_rows = torch.where(valid, head.hidden.reshape(-1, head.hidden.shape[-1]), 0)
+    n_rows, vocab = rows.shape[0], lin.weight.shape[0]
+    size = PAIR_CHUNK_BYTES // max(1, 2 * vocab * rows.element_size())
+    size = max(1, min(n_rows, size))
+    buffers = [torch.empty(size, vocab, dtype=rows.dtype, device=rows.device) for _ in "sq"]
+    heads = ((rows, lin.weight, lin.bias), (teacher_rows, head.weight, head.bias))
+    for start in range(0, n_rows, size):
+        stop = min(n_rows, start + size)
+        outs = []
+        for buffer, (x, weight, bias) in zip(buffers, heads):
+            out = buffer[: stop - start]
+            if bias is None:
+                torch.mm(x[start:stop], weight.t(), out=out)
+            else:
+                torch.addmm(bias, x[start:stop], weight.t(), out=out)
+            outs.append(out.unsqueeze(0))
+        yield start, stop, outs[0], outs[1]
+
+
+# (start, stop, logp [n], entropy [n]) of a chunk -> the policy loss's (dlogp, dentropy) of its
+# rows ([n] each; dentropy may be None)
+PolicyDerivatives = Callable[
+    [int, int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
+@torch.no_grad()
+def pair_sweep(
+    lin: LinearInputs,
+    head: TeacherHead,
+    ops: TwoRowOps,
+    code: str,
+    beta: float,
+    temperature: float,
+    want: tuple[bool, bool, bool],
+    weight: torch.Tensor | None = None,
+    policy: PolicyDerivatives | None = None,
+    saved: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], LinearGrads | None]:
+    """One pass over both heads' logits. Returns the two-row forward's six [B, T] rows (logp,
+    lse_s, lse_q, D, aux, entropy; `saved`: those of an earlier pass, not computed again) and,
+    when `want` asks for any, the gradients of `weight` [B, T] x D plus, with `policy`, the
+    policy loss's own terms."""
+    labels, valid = lin.rows.labels.reshape(1, -1), lin.rows.valid.reshape(1, -1)
+    shape = lin.rows.labels.shape
+    if saved is None:
+        # fp32 rows, as the kernels write; fp64 for fp64 input (so that gradcheck can run)
+        dtype = torch.float64 if lin.hidden.dtype == torch.float64 else torch.float32
+        stats = [torch.zeros_like(labels, dtype=dtype) for _ in range(6)]
+    else:
+        stats = [t.reshape(1, -1) for t in saved]
+    flat_weight = None if weight is None else weight.reshape(1, -1)
+    sums = GradSums(lin, masked_rows(lin), want) if any(want) else None
+    for start, stop, student, teacher in _pair_chunks(lin, head):
+        cut = [t[:, start:stop] for t in stats]
+        rows_labels = labels[:, start:stop]
+        if saved is None:
+            chunk = ops.forward(
+                student, teacher, rows_labels, valid[:, start:stop], temperature, code, beta
+            )
+            for whole, part in zip(cut, chunk):
+                whole.copy_(part)
+        if sums is None:
+            continue
+        logp, lse_s, lse_q, value, aux, entropy = cut
+        dlogp = dentropy = None
+        if policy is not None:
+            dlogp, dentropy = policy(start, stop, logp[0], entropy[0])
+            dlogp = dlogp.reshape(1, -1)
+            dentropy = None if dentropy is None else dentropy.reshape(1, -1)
+        ops.grad(
+            student, teacher, lse_s, lse_q, value, aux, flat_weight[:, start:stop], temperature,
+            code, beta, student, rows_labels if policy is not None else None,
+            entropy if policy is not None else None, dlogp, dentropy,
+        )  # fmt: skip
+        sums.add(start, stop, student[0])
+    return tuple(t.view(shape) for t in stats), None if sums is None else sums.result()
+
+
+_KL_CODE = {"full": "kl", "full_reverse": "kl_rev"}
+
+
+@torch.no_grad()
+def policy_loss_with_reference(
+    lin: LinearInputs,
+    head: TeacherHead,
+    ops: TwoRowOps,
+    cfg: LossConfig,
+    need_entropy: bool,
+    want: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
+    """`linear_policy_loss` with config.kl="full" / "full_reverse" against the reference head:
+    logp, entropy, the [B, T] terms and the gradients flagged in `want`. Token-level losses: one
+    sweep (the policy's per-token derivatives of a chunk right after its forward); the others:
+    a forward sweep, the terms, a gradient sweep."""
+    inp = lin.rows
+    need_entropy = need_entropy or cfg.needs_entropy
+    code = _KL_CODE[cfg.kl]
+    if any(want) and not needs_two_passes(inp, cfg):
+        agg = aggregation_weights(with_rejection(inp, cfg), cfg)
+        dfull_kl = torch.where(inp.valid, cfg.beta * agg, 0.0)
+        stats, grads = pair_sweep(
+            lin, head, ops, code, 0.0, cfg.temperature, want, dfull_kl,
+            # the exact KL's share goes to the kernel as its own weight (dfull_kl): the policy's
+            # per-token derivatives are those of the loss without it
+            token_level_derivatives(lin, cfg.replace(kl=None, beta=0.0)),
+        )  # fmt: skip
+    else:
+        stats, grads = pair_sweep(lin, head, ops, code, 0.0, cfg.temperature, (False,) * 3)
+    logp, kl, entropy = stats[0], stats[3], stats[5] if need_entropy else None
+    terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
+    if any(want) and grads is None:
+
+        def known(start, stop, logp, entropy):
+            dentropy = terms.dentropy
+            return (
+                terms.dlogp.reshape(-1)[start:stop],
+                None if dentropy is None else dentropy.reshape(-1)[start:stop],
+            )
+
+        _, grads = pair_sweep(
+            lin, head, ops, code, 0.0, cfg.temperature, want, terms.dfull_kl, known, saved=stats
+        )
+    return logp, entropy, terms, grads
+
+
+def linear_distill_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    config: LossConfig | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    advantages: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+) -> LossOutput:
+    """`fusedrl.distill_loss` of the logits `student_hidden @ student_weight.T + student_bias`
+    and `teacher_hidden @ teacher_weight.T + teacher_bias`, which are never stored whole.
+
+    Args:
+        student_hidden: [B, T, H] (a strided view is fine) or [N, H]; bf16 / fp16 / fp32 / fp64.
+        student_weight: [V, H], the student's LM head; its dtype and device.
+        teacher_hidden: the teacher's hidden states for the same tokens, [B, T, H'] / [N, H'];
+            no gradient.
+        teacher_weight: [V, H'], the teacher's LM head (the same vocabulary); no gradient.
+        labels, mask, kind, beta, temperature, config, normalizer, advantages, old_logp: as in
+            `fusedrl.distill_loss`.
+        student_bias, teacher_bias: [V] or None.
+        backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
+
+    Returns:
+        LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
+        student_weight and student_bias (each that requires grad).
+    """
+    from .._inputs import check_temperature, prepare_loss_inputs
+    from ..linear import LINEAR_BACKENDS, attach_linear_grads, linear_policy_loss, wanted_grads
+    from . import (
+        check_distill_args,
+        check_sampled_args,
+        distill_config,
+        resolved_kind,
+        two_row_ops,
+    )
+    from .rows import KERNEL_KIND
+
+    beta = check_distill_args(kind, beta)
+    temperature = check_temperature(temperature)
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
+    check_sampled_args(kind, advantages, old_logp)
+    student_hidden = check_logits(student_hidden, name="student_hidden")
+    student_names = ("student_weight", "student_bias", "student_hidden")
+    weight, bias = check_lm_head(student_weight, student_bias, student_hidden, student_names)
+    head = check_teacher_head(
+        teacher_hidden, teacher_weight, teacher_bias, student_hidden, weight.shape[0],
+        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+    )  # fmt: skip
+    if kind == "sampled_reverse_kl":
+        from ..linear import linear_token_logprobs
+        from .sampled import check_sampled_config, shifted_advantage_loss
+
+        cfg = check_sampled_config(config, temperature)
+        if advantages is None:  # pure distillation
+            advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
+        inp = prepare_loss_inputs(
+            student_hidden, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
+            vocab=weight.shape[0], source="student_hidden",
+        )  # fmt: skip
+        flat = inp.flat_input
+        teacher_rows = head.hidden[0] if flat else head.hidden
+
+        def logprobs(hidden, head_weight, head_bias):
+            def run(labels):
+                return linear_token_logprobs(
+                    hidden, head_weight, labels, temperature, bias=head_bias, backend=backend
+                )[0]
+
+            return run
+
+        def loss(shifted):
+            return linear_policy_loss(
+                student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
+                normalizer=normalizer, bias=bias, backend=backend,
+            )  # fmt: skip
+
+        return shifted_advantage_loss(
+            inp, beta, logprobs(teacher_rows, head.weight, head.bias),
+            logprobs(student_hidden.detach(), weight.detach(),
+                     None if bias is None else bias.detach()),
+            old_logp, loss,
+        )  # fmt: skip
+    cfg = distill_config(config)
+    advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
+    inp = prepare_loss_inputs(
+        student_hidden, labels, advantages, mask, None, None, None, cfg, normalizer,
+        vocab=weight.shape[0], source="student_hidden",
+    )  # fmt: skip
+    lin = LinearInputs(hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None))
+    ops = two_row_ops(backend, student_hidden.device)
+    kind = resolved_kind(kind, beta)
+    want = wanted_grads(student_hidden, weight, bias)
+    agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: 0 off the counted tokens
+    stats, grads = pair_sweep(lin, head, ops, KERNEL_KIND[kind], beta, temperature, want, agg_w)
+    logp, divergence = stats[0], torch.where(inp.valid, stats[3], 0.0)
+    loss = (agg_w * divergence).sum()
+    if any(want):
+        loss = attach_linear_grads(loss, student_hidden, weight, bias, inp.flat_input, want, grads)
+    if inp.flat_input:
+        logp = logp[0]
+    return LossOutput(
+        loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
+    )

@@ -1,0 +1,45 @@
+"""distill_loss over two logits tensors: the two-row ops (`fusedrl.kernels.two_rows` as torch
+custom ops on the Triton backend, torch_rows.py's blocks on the torch backend) read both rows once
+for the per-token divergence (and the student's log-prob of its label), the [B, T] aggregation
+weights are taken on the side, and the second op writes the student's gradient (jsd: one more
+sweep in the forward, for log m)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._inputs import LossInputs
+from ..config import LossConfig
+from ..fused_backend import TwoRowOps
+from ..token_terms import aggregation_weights
+
+# distill kind -> the two-row ops' kind ("kl": KL(student || teacher))
+KERNEL_KIND = {"reverse_kl": "kl", "forward_kl": "kl_rev", "jsd": "jsd"}
+
+
+def distill(
+    ops: TwoRowOps,
+    inp: LossInputs,
+    teacher: torch.Tensor,
+    kind: str,
+    beta: float,
+    temperature: float,
+    cfg: LossConfig,
+    grad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, the student's logp of the labels [B, T], the divergence per token [B, T]); writes
+    d(loss)/d(student logits) into grad_out (which may be the student's logits). `kind` is
+    resolved (jsd at beta 0 / 1 is a KL)."""
+    code = KERNEL_KIND[kind]
+    logp, lse_s, lse_q, value, aux, _ = ops.forward(
+        inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta
+    )
+    agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: 0 off the counted tokens
+    divergence = torch.where(inp.valid, value, 0.0)
+    loss = (agg_w * divergence).sum()
+    if grad_out is not None:
+        ops.grad(
+            inp.logits, teacher, lse_s, lse_q, value, aux, agg_w, temperature, code, beta,
+            grad_out, None, None, None, None,
+        )  # fmt: skip
+    return loss, torch.where(inp.valid, logp, 0.0), divergence
