@@ -99,11 +99,34 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
     [
         (["--kl", "full", "--tp", "2"], "--kl: 'full' .* has no tensor-parallel path"),
         (["--kl", "k4"], "--kl: one of"),
+        (["--distill-kind", "kl"], "--distill-kind: one of"),
+        (["--distill-beta", "1.5"], r"--distill-beta: must be in \[0, 1\]"),
+        (["--distill-coef", "-1"], "--distill-coef: must be >= 0"),
+        (["--distill-teacher", "t", "--tp", "2"], "--distill-teacher: .* no tensor-parallel"),
     ],
 )
-def test_the_exact_kl_options_are_checked(flags, message):
+def test_the_exact_kl_and_distillation_options_are_checked(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_config(flags).validate()
+
+
+def test_a_teacher_that_is_no_model_or_has_another_vocabulary_is_named(tmp_path):
+    from fusedrl.tiny import tiny_qwen2
+    from fusedrl.trainer.loop import load_teacher
+
+    student = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32)
+    with pytest.raises(ValueError, match="--distill-teacher .*: not a model directory"):
+        load_teacher(str(tmp_path), student)
+    tiny_qwen2(41, hidden_size=32, num_layers=1, num_heads=1, head_dim=32).save_pretrained(
+        tmp_path / "other"
+    )
+    with pytest.raises(ValueError, match="its head has 41 tokens but the policy's has 37"):
+        load_teacher(str(tmp_path / "other"), student)
+    tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32).save_pretrained(
+        tmp_path / "same"
+    )
+    teacher = load_teacher(str(tmp_path / "same"), student)
+    assert teacher.get_output_embeddings().weight.shape[0] == 37
 
 
 def test_the_exact_kl_on_the_cuda_backend_needs_triton(monkeypatch):

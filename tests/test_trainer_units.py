@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusedrl
+from fusedrl.tiny import tiny_qwen2
 from fusedrl.trainer import checkpoint
 from fusedrl.trainer.config import TrainConfig, parse_config
 from fusedrl.trainer.data import PromptSet, load_rows, sum_task
@@ -298,6 +299,82 @@ def test_fused_lm_head_equals_the_logits_path(preset):
     for key, value in metrics[0].items():
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert grads[0].abs().sum() > 0
+
+
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd", "sampled_reverse_kl"])
+def test_the_teacher_term_on_every_path(kind):
+    """--distill-teacher: the logits path, micro-batches and the fused LM head
+    (linear_distill_loss / linear_policy_loss) all give the gradient of the whole batch's
+    policy loss + coef x the divergence, computed here by the oracle on materialised logits
+    (sampled_reverse_kl: the policy loss on A - coef (log pi - log pi_teacher))."""
+    from fusedrl import reference
+    from fusedrl.trainer.step import Distill, completion_logits
+
+    cfg = fusedrl.LossConfig.preset("dapo", entropy_coef=0.01)
+    batch, _, _ = _tiny_batch(n=5)
+    teacher = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=3)
+    with torch.no_grad():  # a teacher far from the near-uniform random student
+        teacher.lm_head.weight.mul_(30.0)
+    distill = Distill(kind, 0.7, 0.3)
+    grads, metrics = [], []
+    for lm_head, micro in ((False, 0), (False, 2), (True, 2)):
+        model = _tiny_model()
+        metrics.append(accumulate_gradients(model, batch, cfg, micro, None, "torch",
+                                            lm_head=lm_head, teacher=teacher, distill=distill))
+        grads.append(_flat_grads(model))
+    model = _tiny_model()
+    logits = completion_logits(model, batch, None)
+    with torch.no_grad():
+        teacher_logits = completion_logits(teacher, batch, None)
+    rows = dict(rollout_logp=batch.rollout_logp, config=cfg)
+    if kind == "sampled_reverse_kl":
+        with torch.no_grad():
+            own = reference.token_logprobs(logits, batch.labels)[0]
+            taught = reference.token_logprobs(teacher_logits, batch.labels)[0]
+        shifted = batch.advantages[:, None] - 0.7 * torch.where(batch.mask > 0, own - taught, 0)
+        total = reference.policy_loss(logits, batch.labels, shifted, batch.mask, **rows).loss
+    else:
+        divergence = reference.distill_loss(
+            logits, teacher_logits, batch.labels, batch.mask, kind=kind, beta=0.3
+        ).loss
+        policy = reference.policy_loss(logits, batch.labels, batch.advantages, batch.mask, **rows)
+        total = policy.loss + 0.7 * divergence
+    total.backward()
+    want = _flat_grads(model)
+    for got in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert all(m["distill"].abs() > 0.05 for m in metrics)  # the teacher term acted
+    plain = _tiny_model()
+    accumulate_gradients(plain, batch, cfg, 0, None, "torch")
+    assert (_flat_grads(plain) - want).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_the_exact_kl_on_both_paths(lm_head):
+    """--kl full: the reference's logits (or hidden states and head, linear_policy_loss's
+    ref_weight) beside the policy's give the oracle's gradient."""
+    from fusedrl import reference
+    from fusedrl.trainer.step import completion_logits
+
+    cfg = fusedrl.LossConfig.preset("gspo", kl="full", beta=0.2)
+    batch, _, _ = _tiny_batch(n=5)
+    ref_model = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=4)
+    model = _tiny_model()
+    accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head,
+                         ref_model=ref_model)
+    got = _flat_grads(model)
+    model = _tiny_model()
+    with torch.no_grad():
+        ref_logits = completion_logits(ref_model, batch, None)
+    reference.policy_loss(
+        completion_logits(model, batch, None), batch.labels, batch.advantages, batch.mask,
+        rollout_logp=batch.rollout_logp, config=cfg, ref_logits=ref_logits,
+    ).loss.backward()  # fmt: skip
+    torch.testing.assert_close(got, _flat_grads(model), rtol=1e-4, atol=1e-6)
 
 
 def test_plain_lm_head_refuses_scaled_logits():

@@ -28,6 +28,7 @@ from fusedrl.config import (
     PRESETS,
     LossConfig,
 )
+from fusedrl.distill import DISTILL_KINDS
 
 ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
               "dcpo_sas")
@@ -101,6 +102,11 @@ class TrainConfig:
     dro_beta: float | None = None
     rejection: str | None = None
     rejection_threshold: str | None = None
+    # --- distillation ---------------------------------------------------------------------
+    distill_teacher: str | None = None  # a local model directory (same vocabulary); None = off
+    distill_kind: str = "reverse_kl"  # one of fusedrl.DISTILL_KINDS
+    distill_coef: float = 1.0  # weight of the divergence (sampled_reverse_kl: of its advantage)
+    distill_beta: float = 0.5  # jsd's teacher share of the mixture
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, oversample to refill
     max_num_gen_batches: int = 4  # oversampling rounds before training on what was kept
     dupo: bool = False  # DUPO: refill dropped groups by duplicating kept ones
@@ -158,6 +164,16 @@ class TrainConfig:
         need(self.kl not in FULL_KLS or self.backend != "cuda" or _triton_installed(), "kl",
              f"{self.kl!r} with --backend cuda runs Triton's two-row kernels, and triton is not "
              "installed: use --backend torch, or install triton")
+        need(self.distill_kind in DISTILL_KINDS, "distill_kind",
+             f"one of {list(DISTILL_KINDS)}, got {self.distill_kind!r}")
+        need(self.distill_coef >= 0, "distill_coef", f"must be >= 0, got {self.distill_coef}")
+        need(0 <= self.distill_beta <= 1, "distill_beta",
+             f"must be in [0, 1], got {self.distill_beta}")
+        need(self.distill_teacher is None or self.tp == 1, "distill_teacher",
+             "distillation has no tensor-parallel path yet: use --tp 1")
+        need(self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
+             "distill_teacher", "with --backend cuda the divergence runs Triton's two-row "
+             "kernels, and triton is not installed: use --backend torch, or install triton")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
@@ -292,6 +308,15 @@ HELP = {
     "options token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3; unset: off.",
     "rejection_threshold": "Thresholds of --rejection in verl's format: one, or one per option "
     "(k1: a ratio range 'lower_upper' or t for [1/t, t]; k2 / k3: an upper bound).",
+    "distill_teacher": "On-policy distillation: a local model directory (the same vocabulary) "
+    "whose next-token distribution the policy is trained toward on its own samples, beside the "
+    "RL loss; unset: off.",
+    "distill_kind": f"The teacher term, one of {list(DISTILL_KINDS)}: a divergence over the "
+    "whole vocabulary added to the loss, or sampled_reverse_kl, the teacher's log-ratio on the "
+    "sampled tokens subtracted from the advantages (fusedrl.distill_loss).",
+    "distill_coef": "Weight of the teacher term (sampled_reverse_kl: of its advantage shift).",
+    "distill_beta": "jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: "
+    "reverse_kl).",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",
@@ -429,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Options that define the job: resuming a run with another value trains a different job on its
 # weights, optimizer state and data cursor, so it takes --allow-job-change.
 JOB_OPTIONS = ("model", "dataset", "prompt_column", "answer_column", "reward", "preset",
-               "advantage", "group_size", "seed")
+               "advantage", "group_size", "seed", "distill_teacher", "distill_kind")
 
 
 def resumed_run_dir(resume: str) -> Path:

@@ -66,7 +66,14 @@ from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score
 from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
-from .step import Batch, accumulate_gradients, collate, plain_lm_head, token_logprobs
+from .step import (
+    Batch,
+    Distill,
+    accumulate_gradients,
+    collate,
+    plain_lm_head,
+    token_logprobs,
+)
 
 TINY_LR = 2e-4
 MODEL_LR = 1e-6
@@ -163,6 +170,26 @@ def prepare_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> str:
     return str(path)
 
 
+def load_teacher(path: str, student):
+    """The distillation teacher at `path` (a local model directory, fp32 like the policy's
+    master weights), checked against the student: the same vocabulary, so that their next-token
+    distributions are over the same ids."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"--distill-teacher {path}: not a model directory (no config.json)")
+    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    vocab = student.get_output_embeddings().weight.shape[0]
+    teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
+    if teacher_vocab != vocab:
+        raise ValueError(
+            f"--distill-teacher {path}: its head has {teacher_vocab} tokens but the policy's has "
+            f"{vocab}: the teacher must share the policy's vocabulary (tokenizer)"
+        )
+    teacher.config.use_cache = False
+    return teacher
+
+
 def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -234,12 +261,19 @@ class Trainer:
         if self.loss_cfg.beta > 0 or self.loss_cfg.full_kl:  # full: the "kl" metric at beta 0
             self.ref_model = shard(copy.deepcopy(model).to(self.env.device).eval(), self.env)
             self.ref_model.requires_grad_(False)
+        self.teacher, self.distill, teacher = None, None, None
+        if cfg.distill_teacher is not None:
+            teacher = load_teacher(cfg.distill_teacher, model)
+            self.teacher = shard(teacher.to(self.env.device).eval(), self.env)
+            self.teacher.requires_grad_(False)
+            self.distill = Distill(cfg.distill_kind, cfg.distill_coef, cfg.distill_beta)
         self.model = shard(model.to(self.env.device), self.env)
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
         # Under --tp alone (one data-parallel rank) each rank holds its rows of the head: the
-        # fused loss takes them with the tp group.
+        # fused loss takes them with the tp group. A teacher's head must be plain too.
         self.lm_head = (
             cfg.fused_lm_head and self.env.dp_size == 1 and plain_lm_head(model) is not None
+            and (teacher is None or plain_lm_head(teacher) is not None)
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
@@ -429,6 +463,7 @@ class Trainer:
                     self.model, mini, lcfg, mb, self._autocast(), cfg.backend,
                     lm_head=self.lm_head, dp_group=self.env.dp_group,
                     ref_model=self.ref_model if lcfg.full_kl else None,
+                    teacher=self.teacher, distill=self.distill,
                 )  # fmt: skip
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -642,6 +677,10 @@ def run_summary(cfg: TrainConfig, lcfg: LossConfig, model_path: str, num_prompts
         ("optimizer", f"AdamW lr {lr:g}, {cfg.max_steps} steps, grad clip {cfg.grad_clip:g}"),
         ("out", f"{run_dir} (every option in config.yaml)"),
     ]
+    if cfg.distill_teacher is not None:
+        beta = f", beta {cfg.distill_beta:g}" if cfg.distill_kind == "jsd" else ""
+        rows.insert(3, ("teacher", f"{cfg.distill_teacher}: {cfg.distill_kind} x "
+                                   f"{cfg.distill_coef:g}{beta}"))  # fmt: skip
     return "fusedrl-train:\n" + "\n".join(f"  {name:<10} {value}" for name, value in rows)
 
 

@@ -20,6 +20,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig
+from fusedrl.distill.sampled import teacher_shifted_advantages
 from fusedrl.linear import plain_lm_head
 from fusedrl.tp.dtensor import is_dtensor
 
@@ -214,6 +215,101 @@ def _nonempty(rows: slice, n_rows: int) -> slice:
     return rows if rows.stop > rows.start else slice(max(n_rows - 1, 0), max(n_rows, 1))
 
 
+@dataclass(frozen=True)
+class Distill:
+    """The teacher term of on-policy distillation (--distill-*; fusedrl.distill_loss)."""
+
+    kind: str  # one of fusedrl.DISTILL_KINDS
+    coef: float  # weight of the divergence; sampled_reverse_kl: of its advantage shift
+    beta: float  # jsd's teacher share of the mixture
+
+    def config(self, cfg: LossConfig) -> LossConfig:
+        """The divergence's aggregation: the policy loss's."""
+        return LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
+
+
+def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
+    """The completion's logits, or with `lm_head` (hidden, weight, bias, tp_group)."""
+    if lm_head:
+        return completion_hidden(model, sub, autocast_dtype)
+    return completion_logits(model, sub, autocast_dtype)
+
+
+def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backend: str,
+                      lm_head: bool, rows_args: dict, ref_model, teacher, distill: Distill | None,
+                      distill_normalizer) -> tuple[torch.Tensor, fusedrl.LossOutput]:
+    """(the loss to backpropagate, the policy loss's output) of one micro-batch: the policy
+    loss, with the exact KL to `ref_model` and the teacher term of `distill` when given."""
+    policy = _outputs(model, sub, autocast_dtype, lm_head)
+    with torch.no_grad():
+        ref = None if ref_model is None else _outputs(ref_model, sub, autocast_dtype, lm_head)
+        taught = None if teacher is None else _outputs(teacher, sub, autocast_dtype, lm_head)
+    linear_backend = _linear_backend(backend)
+    if lm_head:
+        hidden, weight, bias, tp_group = policy
+        ref_args = {}
+        if ref is not None:
+            ref_args = dict(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
+
+        # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
+        # group (reduce_input_grad, its default), so every rank backpropagates the whole.
+        def policy_loss(advantages):
+            return fusedrl.linear_policy_loss(
+                hidden, weight, sub.labels, advantages, sub.mask, bias=bias,
+                backend=linear_backend, tp_group=tp_group, **ref_args, **rows_args,
+            )  # fmt: skip
+    else:
+        logits = policy
+        ref_args = {} if ref is None else {"ref_logits": ref}
+
+        def policy_loss(advantages):
+            # In place: the logits are dead after the loss (every other read is done by then).
+            return fusedrl.policy_loss(
+                logits, sub.labels, advantages, sub.mask, inplace=True, backend=backend,
+                **ref_args, **rows_args,
+            )  # fmt: skip
+    if distill is None:
+        out = policy_loss(sub.advantages)
+        return out.loss, out
+    if distill.kind == "sampled_reverse_kl":
+        with torch.no_grad():
+            def logprobs(outputs):
+                if lm_head:
+                    return fusedrl.linear_token_logprobs(
+                        outputs[0].detach(), outputs[1].detach(), sub.labels, cfg.temperature,
+                        bias=None if outputs[2] is None else outputs[2].detach(),
+                        backend=linear_backend,
+                    )[0]  # fmt: skip
+                return fusedrl.token_logprobs(
+                    outputs.detach(), sub.labels, cfg.temperature, backend=backend
+                )[0]
+
+            sampler = sub.old_logp if sub.old_logp is not None else logprobs(policy)
+            shifted, gap = teacher_shifted_advantages(
+                sub.advantages, sampler, logprobs(taught), sub.mask, distill.coef
+            )
+        out = policy_loss(shifted)
+        out.metrics["distill"] = (gap * sub.mask).sum() / sub.mask.sum().clamp_min(1.0)
+        return out.loss, out
+    dcfg = distill.config(cfg)
+    common = dict(kind=distill.kind, beta=distill.beta, temperature=cfg.temperature, config=dcfg,
+                  normalizer=distill_normalizer)  # fmt: skip
+    # The divergence first: its gradient is written in this call, so the policy loss may then
+    # take the logits' buffer for its own.
+    if lm_head:
+        term = fusedrl.linear_distill_loss(
+            hidden, weight, taught[0], taught[1], sub.labels, sub.mask, student_bias=bias,
+            teacher_bias=taught[2], backend=linear_backend, **common,
+        )  # fmt: skip
+    else:
+        term = fusedrl.distill_loss(
+            logits, taught, sub.labels, sub.mask, backend=backend, **common
+        )
+    out = policy_loss(sub.advantages)
+    out.metrics["distill"] = term.metrics["distill"]
+    return out.loss + distill.coef * term.loss, out
+
+
 def accumulate_gradients(
     model,
     batch: Batch,
@@ -225,13 +321,16 @@ def accumulate_gradients(
     lm_head: bool = False,
     dp_group=None,
     ref_model=None,
+    teacher=None,
+    distill: Distill | None = None,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
     `lm_head`: the loss from the body's hidden states and the LM head
     (fusedrl.linear_policy_loss), so that the [B, T, V] logits never exist.
-    `ref_model` (config.kl="full" / "full_reverse"): the reference's logits of each micro-batch,
-    made without gradient, for the exact KL; the policy's are then made too (logits path).
+    `ref_model` (config.kl="full" / "full_reverse"): the reference's logits (or hidden states
+    and head) of each micro-batch, made without gradient, for the exact KL.
+    `teacher` and `distill`: on-policy distillation, the teacher's made the same way.
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -239,6 +338,10 @@ def accumulate_gradients(
     """
     if normalizer is None:
         normalizer = sum_over_ranks(loss_normalizer(cfg, batch.mask), dp_group).clamp_min(1.0)
+    distill_normalizer = None
+    if distill is not None and distill.kind != "sampled_reverse_kl":
+        distill_count = loss_normalizer(distill.config(cfg), batch.mask)
+        distill_normalizer = sum_over_ranks(distill_count, dp_group).clamp_min(1.0)
     scale = float(world_size(dp_group))
     sums: dict[str, torch.Tensor] = {}
     weight_total = torch.zeros((), device=batch.mask.device)
@@ -251,32 +354,14 @@ def accumulate_gradients(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_logits = completion_logits(ref_model, sub, autocast_dtype)
-            logits = completion_logits(model, sub, autocast_dtype)
-            out = fusedrl.policy_loss(
-                logits, sub.labels, sub.advantages, sub.mask, inplace=True, backend=backend,
-                ref_logits=ref_logits, **rows_args,
-            )  # fmt: skip
-        elif lm_head:
-            hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
-            # Under --tp the body is replicated: the loss sums the hidden states' gradient over
-            # the group (reduce_input_grad, its default), so every rank backpropagates the whole.
-            out = fusedrl.linear_policy_loss(
-                hidden, weight, sub.labels, sub.advantages, sub.mask, bias=bias,
-                backend=_linear_backend(backend), tp_group=tp_group, **rows_args,
-            )  # fmt: skip
-        else:
-            logits = completion_logits(model, sub, autocast_dtype)
-            out = fusedrl.policy_loss(
-                logits, sub.labels, sub.advantages, sub.mask, inplace=True, backend=backend,
-                **rows_args,
-            )  # fmt: skip
-        (out.loss * scale).backward()
+        loss, out = _micro_batch_loss(
+            model, sub, cfg, autocast_dtype, backend, lm_head, rows_args, ref_model, teacher,
+            distill, distill_normalizer,
+        )  # fmt: skip
+        (loss * scale).backward()
         weight = sub.mask.sum()
         weight_total = weight_total + weight
-        sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
+        sums["loss"] = sums.get("loss", 0.0) + loss.detach()
         for name, value in out.metrics.items():
             sums[name] = sums.get(name, 0.0) + value.detach() * weight
         if sub.rollout_logp is not None and sub.old_logp is None:

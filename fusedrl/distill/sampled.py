@@ -47,10 +47,29 @@ def shifted_advantage_loss(
         sampler = old_logp
         if sampler is None:  # on-policy: the student's own log-probs, one more read
             sampler = student_logp(labels)
-        gap = torch.where(unflat(inp.valid), sampler.float() - teacher_logp(labels), 0.0)
-    out = policy_loss(unflat(inp.advantages) - beta * gap)
+        shifted, gap = teacher_shifted_advantages(
+            unflat(inp.advantages), sampler, teacher_logp(labels), unflat(inp.valid), beta
+        )
+    out = policy_loss(shifted)
     out.metrics["distill"] = masked_mean(gap.reshape(inp.mask.shape), inp)
     return out
+
+
+def teacher_shifted_advantages(
+    advantages: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A - beta k, k) per token, k = log pi_old(y) - log pi_teacher(y) on the counted tokens
+    (0 elsewhere): the advantages of on-policy distillation as a policy gradient, for a
+    trainer that runs its own policy loss (fusedrl-train does). `advantages`: [B] or like the
+    log-probs."""
+    gap = torch.where(mask != 0, sampler_logp.float() - teacher_logp.float(), 0.0)
+    if advantages.dim() < gap.dim():
+        advantages = advantages.unsqueeze(-1)
+    return advantages - beta * gap, gap
 
 
 def check_sampled_config(cfg: object, temperature: float) -> LossConfig:
