@@ -25,6 +25,7 @@ from ._inputs import (
 )
 from .config import LossConfig
 from .linear_torch import LinearInputs
+from .logit_transform import check_logit_transform, model_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
 
@@ -94,6 +95,8 @@ def linear_policy_loss(
     ref_weight: torch.Tensor | None = None,
     ref_hidden: torch.Tensor | None = None,
     ref_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -119,6 +122,12 @@ def linear_policy_loss(
         ref_hidden: the reference model's hidden states for the same tokens ([B, T, H'] /
             [N, H']); default `hidden` (a reference that differs only in its head).
         ref_bias: [V] or None, the reference head's bias.
+        softcap, logit_scale: what the model does to its head's output before the softmax,
+            logits = softcap tanh(logit_scale (hidden @ weight.T + bias) / softcap) (Gemma 2/3's
+            final_logit_softcapping, Cohere's logit_scale; `model_logit_transform(model)`
+            reads them from a transformers model): applied to each chunk of logits, the
+            gradient through tanh included; the reference head's logits take the same. None:
+            off. Not under tensor parallelism yet.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -135,6 +144,13 @@ def linear_policy_loss(
         raise ValueError(
             f"ref_weight (the reference policy's LM head, [V, H]) is required when "
             f"config.kl={config.kl!r}"
+        )
+    transform = check_logit_transform(softcap, logit_scale)
+    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    if transform is not None and sharded:
+        raise NotImplementedError(
+            "softcap / logit_scale under tensor parallelism are not supported yet: pass the "
+            "whole head, or materialise the logits and use policy_loss"
         )
     if full_kl and (tp_group is not None or vocab_start is not None or vocab_size is not None):
         raise NotImplementedError(
@@ -174,12 +190,14 @@ def linear_policy_loss(
             hidden if ref_hidden is None else ref_hidden, ref_weight, ref_bias, hidden,
             weight.shape[0], ("ref_hidden", "ref_weight", "ref_bias"),
         )  # fmt: skip
+        ref_head.transform = transform
     lin = LinearInputs(
         hidden=inp.logits,
         weight=weight,
         bias=bias,
         rows=dataclasses.replace(inp, logits=None),
         sampling=cfg.sampling,
+        transform=transform,
     )
     impl = _resolve_backend(backend, hidden.device)
     want = wanted_grads(hidden, weight, bias)
@@ -242,6 +260,8 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
 
@@ -249,9 +269,15 @@ def linear_token_logprobs(
     under `torch.no_grad()` it is the memory-light path for old / reference log-probs.
     `top_k` / `top_p` / `min_p`: over the set vLLM sampled from, as in `fusedrl.token_logprobs`.
     `tp_group`, `vocab_start`, `vocab_size`, `reduce_input_grad`: a vocab-sharded LM head, as in
-    `linear_policy_loss`.
+    `linear_policy_loss`. `softcap`, `logit_scale`: the model's transform of its head's output,
+    as in `linear_policy_loss`.
     """
+    transform = check_logit_transform(softcap, logit_scale)
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
+        if transform is not None:
+            raise NotImplementedError(
+                "softcap / logit_scale under tensor parallelism are not supported yet"
+            )
         from .tp import linear as tp_linear
 
         return tp_linear.linear_token_logprobs(
@@ -271,6 +297,7 @@ def linear_token_logprobs(
     lin = linear_torch.logprob_inputs(
         hidden3, weight, bias, labels2, sampling if sampling.active else None
     )
+    lin.transform = transform
     want = wanted_grads(hidden, weight, bias)
     if any(want):
         out = _LinearLogprobsFn.apply(
@@ -285,16 +312,23 @@ def linear_token_logprobs(
     return logp, entropy
 
 
-def plain_lm_head(model) -> torch.nn.Linear | None:
-    """The model's LM head when its logits are exactly head(body(x)): a plain nn.Linear, a body
-    at `model.base_model`, and no logit scaling or soft-capping after the head. Else None."""
+def lm_head_of(model) -> torch.nn.Linear | None:
+    """The model's LM head when its logits are transform(head(body(x))): a plain nn.Linear, a
+    body at `model.base_model`, and after the head at most the scale and soft cap that
+    `model_logit_transform(model)` reads from its config (pass them to the LM-head losses as
+    softcap= / logit_scale=). Else None."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
     body = getattr(model, "base_model", None)
     if type(head) is not torch.nn.Linear or body is None or body is model:
         return None
-    config = getattr(model, "config", None)
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            return None
+    return head
+
+
+def plain_lm_head(model) -> torch.nn.Linear | None:
+    """`lm_head_of(model)` when its logits are exactly head(body(x)): no logit scaling or
+    soft-capping after the head. Else None."""
+    head = lm_head_of(model)
+    if head is None or any(value is not None for value in model_logit_transform(model).values()):
+        return None
     return head

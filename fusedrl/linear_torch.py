@@ -23,6 +23,7 @@ import torch
 from ._inputs import LossInputs
 from .config import LossConfig
 from .fused_backend import needs_two_passes
+from .logit_transform import LogitTransform
 from .sampling import SamplingMask
 from .token_terms import (
     TokenTerms,
@@ -63,6 +64,8 @@ class LinearInputs:
     # sampled sets in place, instead of the select kernel (tensor parallelism: found over the
     # group)
     mask_chunk: Callable | None = None
+    # softcap / logit_scale applied to each block or chunk of logits (fusedrl.logit_transform)
+    transform: LogitTransform | None = None
 
 
 @dataclass
@@ -177,6 +180,9 @@ def sweep(
         # Masked rows may hold anything (NaN padding): zero them so that they reach no sum.
         h = torch.where(live, blocks[0], 0.0)
         logits = torch.nn.functional.linear(h, weight, bias)
+        derivative = None
+        if lin.transform is not None:
+            derivative = lin.transform.apply_(logits, derivatives is not None)
         floor = None
         if lin.sampling is not None:
             floor = lin.saved_floors[start:stop]
@@ -204,6 +210,8 @@ def sweep(
         grad = block_grad(
             log_probs, flat_labels[start:stop], temperature, dlogp, dentropy, block_entropy
         )
+        if lin.transform is not None:
+            grad = lin.transform.chain_(grad, derivative)
         if dx is not None:
             blocks[1].copy_(grad.to(weight.dtype) @ weight)
         if dw is not None:

@@ -46,6 +46,11 @@ def design(lin: LinearInputs | None = None) -> str:
     name = os.environ.get(DESIGN_ENV, "gemm")
     if name not in DESIGNS:
         raise ValueError(f"{DESIGN_ENV}={name!r} is not one of {DESIGNS}")
+    if name == "on-chip" and lin is not None and lin.transform is not None:
+        raise ValueError(
+            f"{DESIGN_ENV}=on-chip does not apply softcap / logit_scale: its logits tiles are "
+            "made in registers; unset it (the 'gemm' design applies them to each chunk)"
+        )
     if name == "on-chip" and lin is not None and lin.sampling is not None:
         raise ValueError(
             f"{DESIGN_ENV}=on-chip does not replay sampling masks (top_k / top_p / min_p): its "
@@ -108,12 +113,13 @@ def _chunks(lin: LinearInputs, rows: torch.Tensor) -> Iterator[tuple[int, int, t
 
 
 def _logits_chunks(
-    lin: LinearInputs, rows: torch.Tensor, temperature: float
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(start, stop, logits [1, stop - start, V]) of consecutive row chunks, made by cuBLAS in one
-    reused buffer: a chunk is valid until the next one is made. With `lin.sampling`, masked in
-    place to the sampled sets (-inf elsewhere) by the select kernel, which the row kernels read
-    as they read any logits."""
+    lin: LinearInputs, rows: torch.Tensor, temperature: float, want_derivative: bool = False
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+    """(start, stop, logits [1, stop - start, V], dy/dx of lin.transform or None) of consecutive
+    row chunks, made by cuBLAS in one reused buffer: a chunk is valid until the next one is
+    made. With `lin.transform` (softcap / logit_scale) applied to the chunk in place; with
+    `lin.sampling`, then masked in place to the sampled sets (-inf elsewhere) by the select
+    kernel, which the row kernels read as they read any logits."""
     weight, bias = lin.weight, lin.bias
     sampling, labels = lin.sampling, _flat(lin.rows.labels)
     for start, stop, out in _chunks(lin, rows):
@@ -121,6 +127,9 @@ def _logits_chunks(
             torch.mm(rows[start:stop], weight.t(), out=out)
         else:
             torch.addmm(bias, rows[start:stop], weight.t(), out=out)
+        derivative = None
+        if lin.transform is not None:
+            derivative = lin.transform.apply_(out, want_derivative)
         logits = out.unsqueeze(0)
         if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
             lin.mask_chunk(start, stop, logits, temperature)
@@ -129,7 +138,12 @@ def _logits_chunks(
                 logits, _cut(labels, start, stop), logits, temperature,
                 sampling.top_k, sampling.top_p, sampling.min_p,
             )  # fmt: skip
-        yield start, stop, logits
+        yield start, stop, logits, derivative
+
+
+def _chained(lin: LinearInputs, grad: torch.Tensor, derivative) -> torch.Tensor:
+    """d(loss)/d(the head's output) of a chunk from d(loss)/d(its transformed logits)."""
+    return grad if lin.transform is None else lin.transform.chain_(grad, derivative)
 
 
 def stats(lin: LinearInputs, temperature: float):
@@ -142,7 +156,7 @@ def stats(lin: LinearInputs, temperature: float):
     ops = _row_ops()
     labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
-    for start, stop, logits in _logits_chunks(lin, masked_rows(lin), temperature):
+    for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         chunk = ops.logprobs_fwd(
             logits, _cut(labels, start, stop), _cut(valid, start, stop), temperature
         )
@@ -172,13 +186,13 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     labels, lse, entropy = _flat(lin.rows.labels), _flat(lse), _flat(entropy)
     dlogp = _flat(dlogp).float()
     dentropy = None if dentropy is None else _flat(dentropy).float()
-    for start, stop, logits in _logits_chunks(lin, rows, temperature):
+    for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         ops.logits_grad(
             logits, _cut(labels, start, stop), _cut(lse, start, stop),
             _cut(entropy, start, stop), _cut(dlogp, start, stop),
             _cut(dentropy, start, stop), temperature, logits,
         )  # fmt: skip
-        yield start, stop, logits[0]
+        yield start, stop, _chained(lin, logits[0], derivative)
 
 
 def gradients(
@@ -208,12 +222,12 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     shape = lin.rows.labels.shape
     logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
     flat_logp, flat_entropy = _flat(logp), _flat(entropy)
-    for start, stop, logits in _logits_chunks(lin, rows, cfg.temperature):
+    for start, stop, logits, derivative in _logits_chunks(lin, rows, cfg.temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
             logits, *chunk
         )
-        sums.add(start, stop, logits[0])
+        sums.add(start, stop, _chained(lin, logits[0], derivative))
     return logp, entropy, sums.result()
 
 

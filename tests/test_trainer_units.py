@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusedrl
+from fusedrl.linear import plain_lm_head
 from fusedrl.tiny import tiny_qwen2
 from fusedrl.trainer import checkpoint
 from fusedrl.trainer.config import TrainConfig, parse_config
@@ -26,7 +27,6 @@ from fusedrl.trainer.step import (
     accumulate_gradients,
     collate,
     loss_normalizer,
-    plain_lm_head,
     token_logprobs,
 )
 

@@ -46,6 +46,8 @@ import torch
 
 import fusedrl.advantages as adv
 from fusedrl import LossConfig
+from fusedrl.linear import lm_head_of, plain_lm_head
+from fusedrl.logit_transform import model_logit_transform
 
 from . import checkpoint
 from .config import TrainConfig
@@ -71,7 +73,6 @@ from .step import (
     Distill,
     accumulate_gradients,
     collate,
-    plain_lm_head,
     token_logprobs,
 )
 
@@ -271,8 +272,12 @@ class Trainer:
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
         # Under --tp alone (one data-parallel rank) each rank holds its rows of the head: the
         # fused loss takes them with the tp group. A teacher's head must be plain too.
+        # A soft cap or logit scale after the head (Gemma, Cohere) is applied by the loss, but
+        # not yet under --tp nor by the distillation loss; a teacher's head must be plain.
+        transformed = any(v is not None for v in model_logit_transform(model).values())
         self.lm_head = (
-            cfg.fused_lm_head and self.env.dp_size == 1 and plain_lm_head(model) is not None
+            cfg.fused_lm_head and self.env.dp_size == 1 and lm_head_of(model) is not None
+            and not (transformed and (cfg.tp > 1 or teacher is not None))
             and (teacher is None or plain_lm_head(teacher) is not None)
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)

@@ -21,7 +21,8 @@ import torch
 import fusedrl
 from fusedrl import LossConfig
 from fusedrl.distill.sampled import teacher_shifted_advantages
-from fusedrl.linear import plain_lm_head
+from fusedrl.linear import lm_head_of
+from fusedrl.logit_transform import model_logit_transform
 from fusedrl.tp.dtensor import is_dtensor
 
 from .distributed import max_over_ranks, sum_over_ranks, world_size
@@ -136,11 +137,13 @@ def _rows(param: torch.Tensor) -> tuple[torch.Tensor, object]:
 
 
 def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
-    """(hidden [B, T, H], weight, bias, tp_group) whose head(hidden) are completion_logits: the
-    body's last hidden states at the positions that predict the completion (a strided view) and
-    the head's parameters in the hidden states' dtype (as autocast would cast them for the
-    matmul). Under --tp: this rank's rows of the head and the group they are split over."""
-    head = plain_lm_head(model)
+    """(hidden [B, T, H], weight, bias, tp_group, transform) whose head(hidden), transformed, are
+    completion_logits: the body's last hidden states at the positions that predict the
+    completion (a strided view), the head's parameters in the hidden states' dtype (as autocast
+    would cast them for the matmul), and the model's softcap / logit_scale after its head (keyword
+    arguments of the LM-head losses). Under --tp: this rank's rows of the head and the group they
+    are split over."""
+    head = lm_head_of(model)
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.labels.shape[1]
     with _autocast(batch, autocast_dtype):
@@ -153,7 +156,7 @@ def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
     hidden = out.last_hidden_state[:, -(width + 1) : -1]
     weight, tp_group = _rows(head.weight)
     bias = None if head.bias is None else _rows(head.bias)[0].to(hidden.dtype)
-    return hidden, weight.to(hidden.dtype), bias, tp_group
+    return hidden, weight.to(hidden.dtype), bias, tp_group, model_logit_transform(model)
 
 
 def _linear_backend(backend: str) -> str:
@@ -192,11 +195,13 @@ def token_logprobs(
     for rows in micro_batches(len(batch), micro_batch_size):
         sub = batch.rows(_nonempty(rows, len(batch)))
         if lm_head:
-            hidden, weight, bias, tp_group = completion_hidden(model, sub, autocast_dtype)
+            hidden, weight, bias, tp_group, transform = completion_hidden(
+                model, sub, autocast_dtype
+            )
             logp, _ = fusedrl.linear_token_logprobs(
                 hidden, weight, sub.labels, cfg.temperature, bias=bias,
                 backend=_linear_backend(backend), top_k=cfg.top_k, top_p=cfg.top_p,
-                min_p=cfg.min_p, tp_group=tp_group,
+                min_p=cfg.min_p, tp_group=tp_group, **transform,
             )  # fmt: skip
         else:
             logits = completion_logits(model, sub, autocast_dtype)
@@ -229,7 +234,7 @@ class Distill:
 
 
 def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
-    """The completion's logits, or with `lm_head` (hidden, weight, bias, tp_group)."""
+    """The completion's logits, or with `lm_head` (hidden, weight, bias, tp_group, transform)."""
     if lm_head:
         return completion_hidden(model, sub, autocast_dtype)
     return completion_logits(model, sub, autocast_dtype)
@@ -246,10 +251,10 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         taught = None if teacher is None else _outputs(teacher, sub, autocast_dtype, lm_head)
     linear_backend = _linear_backend(backend)
     if lm_head:
-        hidden, weight, bias, tp_group = policy
-        ref_args = {}
+        hidden, weight, bias, tp_group, transform = policy
+        ref_args = dict(transform)  # the reference is the policy's kind of model
         if ref is not None:
-            ref_args = dict(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
+            ref_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
@@ -278,7 +283,7 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
                     return fusedrl.linear_token_logprobs(
                         outputs[0].detach(), outputs[1].detach(), sub.labels, cfg.temperature,
                         bias=None if outputs[2] is None else outputs[2].detach(),
-                        backend=linear_backend,
+                        backend=linear_backend, **outputs[4],
                     )[0]  # fmt: skip
                 return fusedrl.token_logprobs(
                     outputs.detach(), sub.labels, cfg.temperature, backend=backend

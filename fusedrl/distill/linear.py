@@ -28,6 +28,7 @@ from ..linear_torch import (
     masked_rows,
     token_level_derivatives,
 )
+from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..token_terms import (
     TokenTerms,
@@ -48,6 +49,7 @@ class TeacherHead:
     hidden: torch.Tensor  # [B, T, H'] (the student's leading shape)
     weight: torch.Tensor  # [V, H']
     bias: torch.Tensor | None  # [V]
+    transform: LogitTransform | None = None  # softcap / logit_scale of its logits
 
 
 def check_teacher_head(
@@ -85,11 +87,12 @@ def check_teacher_head(
 
 
 def _pair_chunks(
-    lin: LinearInputs, head: TeacherHead
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """(start, stop, student logits [1, n, V], teacher logits [1, n, V]) of consecutive row
-    chunks, each made by one GEMM into a reused buffer: valid until the next chunk. Masked rows
-    of both hidden states are zeroed first (their padding may be NaN)."""
+    lin: LinearInputs, head: TeacherHead, want_derivative: bool
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(start, stop, student logits [1, n, V], teacher logits [1, n, V], the student's dy/dx
+    of lin.transform or None) of consecutive row chunks, each made by one GEMM into a reused
+    buffer (and transformed there): valid until the next chunk. Masked rows of both hidden
+    states are zeroed first (their padding may be NaN)."""
     rows = masked_rows(lin)
     valid = lin.rows.valid.reshape(-1, 1)
     teacher_rows = torch.where(valid, head.hidden.reshape(-1, head.hidden.shape[-1]), 0)
@@ -97,18 +100,22 @@ def _pair_chunks(
     size = PAIR_CHUNK_BYTES // max(1, 2 * vocab * rows.element_size())
     size = max(1, min(n_rows, size))
     buffers = [torch.empty(size, vocab, dtype=rows.dtype, device=rows.device) for _ in "sq"]
-    heads = ((rows, lin.weight, lin.bias), (teacher_rows, head.weight, head.bias))
+    heads = (
+        (rows, lin.weight, lin.bias, lin.transform, want_derivative),
+        (teacher_rows, head.weight, head.bias, head.transform, False),
+    )
     for start in range(0, n_rows, size):
         stop = min(n_rows, start + size)
-        outs = []
-        for buffer, (x, weight, bias) in zip(buffers, heads):
+        outs, derivatives = [], []
+        for buffer, (x, weight, bias, transform, wanted) in zip(buffers, heads):
             out = buffer[: stop - start]
             if bias is None:
                 torch.mm(x[start:stop], weight.t(), out=out)
             else:
                 torch.addmm(bias, x[start:stop], weight.t(), out=out)
+            derivatives.append(None if transform is None else transform.apply_(out, wanted))
             outs.append(out.unsqueeze(0))
-        yield start, stop, outs[0], outs[1]
+        yield start, stop, outs[0], outs[1], derivatives[0]
 
 
 # (start, stop, logp [n], entropy [n]) of a chunk -> the policy loss's (dlogp, dentropy) of its
@@ -145,7 +152,7 @@ def pair_sweep(
         stats = [t.reshape(1, -1) for t in saved]
     flat_weight = None if weight is None else weight.reshape(1, -1)
     sums = GradSums(lin, masked_rows(lin), want) if any(want) else None
-    for start, stop, student, teacher in _pair_chunks(lin, head):
+    for start, stop, student, teacher, derivative in _pair_chunks(lin, head, sums is not None):
         cut = [t[:, start:stop] for t in stats]
         rows_labels = labels[:, start:stop]
         if saved is None:
@@ -167,7 +174,10 @@ def pair_sweep(
             code, beta, student, rows_labels if policy is not None else None,
             entropy if policy is not None else None, dlogp, dentropy,
         )  # fmt: skip
-        sums.add(start, stop, student[0])
+        grad = student[0]
+        if lin.transform is not None:
+            grad = lin.transform.chain_(grad, derivative)
+        sums.add(start, stop, grad)
     return tuple(t.view(shape) for t in stats), None if sums is None else sums.result()
 
 

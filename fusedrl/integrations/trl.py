@@ -42,7 +42,8 @@ with warnings.catch_warnings():
 
 import fusedrl
 from fusedrl import LossConfig
-from fusedrl.linear import plain_lm_head
+from fusedrl.linear import lm_head_of
+from fusedrl.logit_transform import model_logit_transform
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # Loss types whose denominator is TRL's token count num_items_in_batch (already holding the
@@ -177,25 +178,27 @@ class FusedGRPOTrainer(GRPOTrainer):
                     "fused_lm_head=True needs a single process: under DDP/FSDP the LM head must "
                     "be called through the wrapped model"
                 )
-            if plain_lm_head(self.accelerator.unwrap_model(self.model)) is None:
+            if lm_head_of(self.accelerator.unwrap_model(self.model)) is None:
                 raise ValueError(
-                    "fused_lm_head=True needs a plain nn.Linear LM head with no logit scaling or "
-                    "soft-capping (model.get_output_embeddings())"
+                    "fused_lm_head=True needs a plain nn.Linear LM head after the model's body "
+                    "(model.get_output_embeddings(), model.base_model); a soft cap or logit "
+                    "scale after it is applied by the loss"
                 )
 
     def _linear_backend(self) -> str:
         return self.fused_backend if self.fused_backend in fusedrl.LINEAR_BACKENDS else "auto"
 
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        """(hidden [B, T, H], head weight, head bias) whose head(hidden) are the completion
-        logits: the body's last hidden states at the predicting positions (a view)."""
+        """(hidden [B, T, H], head weight, head bias, the head's softcap / logit_scale) whose
+        transformed head(hidden) are the completion logits: the body's last hidden states at the
+        predicting positions (a view)."""
         unwrapped = self.accelerator.unwrap_model(model)
-        head = plain_lm_head(unwrapped)
+        head = lm_head_of(unwrapped)
         with self.accelerator.autocast():
             outputs = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask)
         hidden = outputs.last_hidden_state[:, :-1][:, -logits_to_keep:]
         bias = None if head.bias is None else head.bias.to(hidden.dtype)
-        return hidden, head.weight.to(hidden.dtype), bias
+        return hidden, head.weight.to(hidden.dtype), bias, model_logit_transform(unwrapped)
 
     # -------------------------------------------------------------------------- logits
     def _completion_logits(
@@ -243,7 +246,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             if self.fused_lm_head:
-                hidden, weight, bias = self._completion_hidden(
+                hidden, weight, bias, transform = self._completion_hidden(
                     model, input_ids[rows], attention_mask[rows], logits_to_keep
                 )
                 logp, entropy = fusedrl.linear_token_logprobs(
@@ -254,6 +257,7 @@ class FusedGRPOTrainer(GRPOTrainer):
                     return_entropy=compute_entropy,
                     bias=bias,
                     backend=self._linear_backend(),
+                    **transform,
                 )
                 logps.append(logp)
                 entropies.append(entropy)
@@ -306,7 +310,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         # The router aux loss comes from the model's own forward: that path keeps the logits.
         use_lm_head = self.fused_lm_head and not self.aux_loss_enabled
         if use_lm_head:
-            hidden, weight, bias = self._completion_hidden(
+            hidden, weight, bias, transform = self._completion_hidden(
                 model, input_ids, attention_mask, logits_to_keep
             )
             aux_loss = None
@@ -343,7 +347,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         if use_lm_head:
             out = fusedrl.linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
-                backend=self._linear_backend(), **loss_args,
+                backend=self._linear_backend(), **transform, **loss_args,
             )  # fmt: skip
         else:
             out = fusedrl.policy_loss(

@@ -1,0 +1,214 @@
+"""softcap= / logit_scale= of the LM-head losses (fusedrl/logit_transform.py): Gemma 2/3's
+final_logit_softcapping and Cohere's / Granite's logit scale applied to each chunk of logits the
+losses make, the gradient through tanh included.
+
+The oracle is `fusedrl.reference` on logits transformed here by autograd (tanh), materialised;
+the data saturates the cap (|scaled logit| > cap on a share of the vocabulary, asserted) so that
+a loss without the transform, or without its derivative, is far off. Then the models: the
+transform is read from their configs, and the trainer's fused LM head on a soft-capped Gemma 2
+gives the logits path's gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, linear_triton, reference
+from fusedrl.distill import linear as pair
+from fusedrl.logit_transform import check_logit_transform, model_logit_transform
+
+from .conftest import needs_interpreter
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+CAP, SCALE = 4.0, 1.7
+
+
+def _data(seed=0, batch=3, time=7, hidden=16, vocab=131, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, time + 1, (batch,), generator=gen)
+    mask = torch.arange(time)[None, :] < lengths[:, None]
+    mask[1] = False
+    return {
+        "hidden": torch.randn(batch, time, hidden, generator=gen).to(dtype),
+        # large logits: the cap saturates (checked below)
+        "weight": (1.5 * torch.randn(vocab, hidden, generator=gen)).to(dtype),
+        "bias": (0.5 * torch.randn(vocab, generator=gen)).to(dtype),
+        "labels": torch.randint(0, vocab, (batch, time), generator=gen),
+        "advantages": torch.randn(batch, generator=gen),
+        "mask": mask,
+    }
+
+
+def _transformed(logits, softcap, scale):
+    logits = logits * scale
+    return softcap * torch.tanh(logits / softcap) if softcap is not None else logits
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 5 rows (Triton's design) and blocks of 5 rows (torch's): boundaries inside
+    the sequences."""
+    monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)
+    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    monkeypatch.setattr(pair, "PAIR_CHUNK_BYTES", 2 * 5 * 131 * 4)
+
+
+CASES = {
+    # (preset, overrides, softcap, logit_scale)
+    "dapo-cap": ("dapo", dict(entropy_coef=0.01, temperature=0.8), CAP, None),
+    "dapo-scale": ("dapo", dict(), None, SCALE),
+    "gspo-cap-and-scale": ("gspo", dict(), CAP, SCALE),
+    "grpo-top-k-cap": ("grpo", dict(top_k=20, beta=0.0), CAP, None),
+    "dapo-exact-kl-cap": ("dapo", dict(kl="full", beta=0.3), CAP, SCALE),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_linear_policy_loss_equals_the_oracle(case, backend, small_chunks):
+    preset, overrides, softcap, scale = CASES[case]
+    cfg = LossConfig.preset(preset, **overrides)
+    data = _data(seed=len(case))
+    exact_kl = cfg.full_kl
+    ref_weight = 0.8 * data["weight"].flip(0)  # a reference head: another vocabulary order
+    leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    with torch.no_grad():  # the sampler: near the policy, so that the ratios straddle the clip
+        raw = data["hidden"] @ data["weight"].T + data["bias"]
+        now = reference.token_logprobs(
+            _transformed(raw, softcap, scale or 1.0), data["labels"], cfg.temperature
+        )[0]
+    old = now + 0.15 * torch.randn(now.shape, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(old_logp=old, config=cfg, return_entropy=True)
+    ours = fusedrl.linear_policy_loss(
+        leaves[0], leaves[1], data["labels"], data["advantages"], data["mask"], bias=leaves[2],
+        backend=backend, softcap=softcap, logit_scale=scale,
+        ref_weight=ref_weight if exact_kl else None, **kwargs,
+    )  # fmt: skip
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle_leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    h, w, b = oracle_leaves
+    raw = h @ w.T + b
+    logits = _transformed(raw, softcap, scale if scale is not None else 1.0)
+    if softcap is not None:  # the cap acts: a share of the logits is pressed toward it
+        assert ((raw * (scale or 1.0)).abs() > CAP)[data["mask"]].float().mean() > 0.3
+    ref_args = {}
+    if exact_kl:
+        ref_raw = data["hidden"] @ ref_weight.T
+        ref_args["ref_logits"] = _transformed(ref_raw, softcap, scale or 1.0).detach()
+    want = reference.policy_loss(
+        logits, data["labels"], data["advantages"], data["mask"], **kwargs, **ref_args
+    )
+    want_grads = torch.autograd.grad(want.loss, oracle_leaves)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        assert expected.abs().max() > 1e-2  # a gradient worth checking
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    # Without the transform the same call is far off: the transform acted.
+    plain = fusedrl.linear_policy_loss(
+        data["hidden"], data["weight"], data["labels"], data["advantages"], data["mask"],
+        bias=data["bias"], backend=backend, ref_weight=ref_weight if exact_kl else None,
+        **kwargs,
+    )  # fmt: skip
+    assert (plain.logp - want.logp).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_token_logprobs_with_and_without_a_gradient(backend, small_chunks):
+    data = _data(seed=9)
+    leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    logp, entropy = fusedrl.linear_token_logprobs(
+        *leaves, data["labels"], temperature=0.9, return_entropy=True, backend=backend,
+        softcap=CAP, logit_scale=SCALE,
+    )  # fmt: skip
+    (logp.sum() + entropy.sum()).backward()
+    oracle = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    logits = _transformed(oracle[0] @ oracle[1].T, CAP, SCALE)
+    want_logp, want_entropy = reference.token_logprobs(logits, data["labels"], 0.9, True)
+    (want_logp.sum() + want_entropy.sum()).backward()
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+    for ours, oracle_leaf in zip(leaves, oracle):
+        torch.testing.assert_close(ours.grad, oracle_leaf.grad, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        no_grad, _ = fusedrl.linear_token_logprobs(
+            data["hidden"], data["weight"], data["labels"], temperature=0.9, backend=backend,
+            softcap=CAP, logit_scale=SCALE,
+        )  # fmt: skip
+    torch.testing.assert_close(no_grad, want_logp, atol=1e-5, rtol=1e-5)
+
+
+def test_arguments_are_checked_and_refused_where_unsupported(monkeypatch):
+    assert check_logit_transform(None, None) is None
+    assert check_logit_transform(None, 1.0) is None
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        check_logit_transform(0.0, None)
+    with pytest.raises(TypeError, match="logit_scale must be a number"):
+        check_logit_transform(None, "2")
+    data = _data(seed=1)
+    args = (data["hidden"], data["weight"], data["labels"], data["advantages"], data["mask"])
+    with pytest.raises(NotImplementedError, match="under tensor parallelism"):
+        fusedrl.linear_policy_loss(*args, softcap=CAP, vocab_start=0)
+    monkeypatch.setenv(linear_triton.DESIGN_ENV, "on-chip")
+    if fusedrl.api._TRITON_INSTALLED and __import__("os").environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(ValueError, match="on-chip does not apply softcap"):
+            fusedrl.linear_policy_loss(*args, softcap=CAP, backend="triton")
+
+
+def test_the_transform_is_read_from_the_models_configs():
+    from transformers import AutoConfig
+
+    class Model:
+        def __init__(self, arch, **kwargs):
+            self.config = AutoConfig.for_model(arch, **kwargs)
+
+    assert model_logit_transform(Model("gemma2", final_logit_softcapping=30.0)) == {
+        "softcap": 30.0, "logit_scale": None}  # fmt: skip
+    assert model_logit_transform(Model("cohere", logit_scale=0.0625)) == {
+        "softcap": None, "logit_scale": 0.0625}  # fmt: skip
+    assert model_logit_transform(Model("granite", logits_scaling=8.0)) == {
+        "softcap": None, "logit_scale": 0.125}  # fmt: skip
+    assert model_logit_transform(Model("qwen2")) == {"softcap": None, "logit_scale": None}
+
+
+def _tiny_gemma2(vocab=37, seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma2", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+        final_logit_softcapping=0.5, attn_logit_softcapping=None, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_the_trainer_keeps_the_fused_lm_head_for_a_soft_capped_gemma2():
+    """A tiny Gemma 2 with a cap small enough to act: the trainer's fused LM head (hidden
+    states, head and the model's soft cap) gives the logits path's gradient of every parameter
+    and its old log-probs."""
+    from fusedrl.linear import lm_head_of, plain_lm_head
+    from fusedrl.trainer.step import accumulate_gradients, token_logprobs
+
+    from .test_trainer_units import _tiny_batch
+
+    cfg = LossConfig.preset("dapo", entropy_coef=0.01)
+    batch, _, _ = _tiny_batch(n=5)
+    grads, logps = [], []
+    for lm_head in (False, True):
+        model = _tiny_gemma2()
+        assert plain_lm_head(model) is None and lm_head_of(model) is model.lm_head
+        logps.append(token_logprobs(model, batch, cfg, 2, None, "torch", lm_head=lm_head))
+        accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(logps[1], logps[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    # the cap acts: without it the head's log-probs differ
+    model = _tiny_gemma2()
+    model.config.final_logit_softcapping = None
+    uncapped = token_logprobs(model, batch, cfg, 2, None, "torch", lm_head=True)
+    assert (uncapped - logps[0]).abs().max() > 1e-3
