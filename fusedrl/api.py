@@ -72,6 +72,7 @@ def policy_loss(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     ref_logits: torch.Tensor | None = None,
+    return_sum_pi_squared: bool = False,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -111,6 +112,9 @@ def policy_loss(
             (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed.
             backend="triton" reads both rows once a pass (kernels/two_rows.py; "cuda" runs the
             same kernels), "torch" blocks of both; tensor parallelism refuses it for now.
+        return_sum_pi_squared: also return sum_v pi_v^2 per token (the Optimal Token Baseline's
+            input; verl's calculate_sum_pi_squared), from one more no-grad read of the logits
+            (`sum_pi_squared`); not with sampling filters or tensor parallelism yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -120,6 +124,11 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        if return_sum_pi_squared:
+            raise NotImplementedError(
+                "return_sum_pi_squared under tensor parallelism is not supported by policy_loss "
+                "yet: take it from token_logprobs(..., return_sum_pi_squared=True, tp_group=...)"
+            )
         if ref_logits is not None or (config is not None and config.full_kl):
             raise NotImplementedError(
                 "config.kl='full' / 'full_reverse' (ref_logits) under tensor parallelism is not "
@@ -147,6 +156,13 @@ def policy_loss(
         ref_logits=ref_logits,
     )
     impl = _resolve_backend(backend, inp.logits.device)
+    sharp = None
+    if return_sum_pi_squared:  # read before the loss, which may overwrite the logits
+        _check_sum_pi_squared(cfg.sampling is not None)
+        with torch.no_grad():
+            sharp, _ = impl.token_logprobs(
+                inp.logits.detach(), inp.labels, cfg.temperature / 2, False
+            )
 
     def compute(grad):
         logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
@@ -155,10 +171,33 @@ def policy_loss(
     loss, (logp, entropy, terms) = with_known_grad(
         logits, inp.logits, inplace, inp.flat_input, compute
     )
+    sum_pi_squared = None
+    if sharp is not None:
+        sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
-    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+        sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
+    return LossOutput(
+        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
+        sum_pi_squared=sum_pi_squared,
+    )  # fmt: skip
+
+
+def sum_pi_squared_of(logp: torch.Tensor, sharp_logp: torch.Tensor) -> torch.Tensor:
+    """sum_v pi_v^2 per token from the log-prob of any one token y at the temperature T and at
+    T / 2: with z = logits / T, log pi(y) = z_y - lse(z) and log pi_{T/2}(y) = 2 z_y - lse(2 z),
+    so 2 log pi(y) - log pi_{T/2}(y) = lse(2 z) - 2 lse(z) = log sum_v pi_v^2 (exact whenever
+    pi(y) > 0; the sampled token's always is)."""
+    return torch.exp(2.0 * logp.float() - sharp_logp.float())
+
+
+def _check_sum_pi_squared(sampling_active: bool) -> None:
+    if sampling_active:
+        raise NotImplementedError(
+            "return_sum_pi_squared with top_k / top_p / min_p is not supported yet: the sampled "
+            "set at half the temperature is not the engine's"
+        )
 
 
 def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
@@ -214,7 +253,8 @@ def token_logprobs(
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
     Under `torch.no_grad()` this is the fast path for old / reference log-probs: no gradient state
@@ -225,7 +265,23 @@ def token_logprobs(
     `tp_group`, `vocab_start`, `vocab_size`: vocab-sharded logits, as in `policy_loss`
     (docs/tensor_parallel.md); the gradient is this rank's slice, its backward communicates
     nothing. top_k / top_p / min_p are not supported with them yet.
+
+    `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
+    the Optimal Token Baseline's input), from one more no-grad read of the logits at half the
+    temperature (`sum_pi_squared_of`); under tensor parallelism too, not with sampling filters.
     """
+    if return_sum_pi_squared:
+        _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+        with torch.no_grad():
+            sharp, _ = token_logprobs(
+                logits.detach(), labels, temperature / 2, backend=backend, tp_group=tp_group,
+                vocab_start=vocab_start, vocab_size=vocab_size,
+            )  # fmt: skip
+        logp, entropy = token_logprobs(
+            logits, labels, temperature, return_entropy, backend, tp_group=tp_group,
+            vocab_start=vocab_start, vocab_size=vocab_size,
+        )  # fmt: skip
+        return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):

@@ -102,6 +102,16 @@ def token_logprobs(
     return _log_softmax_stats(logits, labels, temperature, return_entropy, (top_k, top_p, min_p))
 
 
+def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """sum_v pi_v^2 per row, pi = softmax(logits / temperature), from the probabilities (fp64
+    for fp64 input, else fp32); no gradient."""
+    logits = check_logits(logits)
+    with torch.no_grad():
+        work = logits.double() if logits.dtype == torch.float64 else logits.float()
+        probs = torch.softmax(work / check_temperature(temperature), dim=-1)
+        return (probs * probs).sum(-1)
+
+
 # ---------------------------------------------------------------------------------------------
 def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     num = torch.where(inp.valid, x.float() * inp.mask, 0.0).sum()

@@ -1,0 +1,127 @@
+"""sum_v pi_v^2 per token (`return_sum_pi_squared=True` of token_logprobs and policy_loss; the
+Optimal Token Baseline's input, verl's calculate_sum_pi_squared): against the oracle
+(`fusedrl.reference.sum_pi_squared`, from the probabilities) on rows with banned tokens and
+improbable labels, at a temperature, [N, V] input, in place (read before the logits are
+overwritten), NaN padding, bf16 against float64, and over vocab-sharded logits (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import fusedrl
+from fusedrl import LossConfig, reference
+
+from .conftest import make_batch, needs_interpreter
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def _logits(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(batch, time, vocab, generator=gen)
+    logits[0, :, 5] = float("-inf")  # a banned token: p = 0 adds nothing
+    logits[2, 3] *= 4.0  # a peaked row: sum pi^2 near 1
+    logits[1, 0] *= 0.02  # a flat row: sum pi^2 near 1 / V
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    labels[1, 2] = logits[1, 2].argmin()  # an improbable label (p ~ 1e-9)
+    return logits.to(dtype), labels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_logprobs_equals_the_oracle(backend):
+    logits, labels = _logits()
+    for temperature, flat in ((1.0, False), (0.7, True)):
+        x = logits.reshape(-1, logits.shape[-1]) if flat else logits
+        y = labels.reshape(-1) if flat else labels
+        logp, entropy, sum_sq = fusedrl.token_logprobs(
+            x, y, temperature, True, backend, return_sum_pi_squared=True
+        )
+        want = reference.sum_pi_squared(x, temperature)
+        torch.testing.assert_close(sum_sq, want, atol=1e-6, rtol=1e-4)
+        assert sum_sq.shape == y.shape and entropy is not None
+        torch.testing.assert_close(logp, reference.token_logprobs(x, y, temperature)[0])
+        assert want.min() < 0.05 and want.max() > 0.9  # flat and peaked rows both present
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_policy_loss_returns_it_without_changing_the_loss(backend, inplace):
+    data = make_batch(vocab=131, seed=4, with_nan_padding=True)
+    cfg = LossConfig.preset("dapo", temperature=0.8)
+    outs, grads = [], []
+    for asked in (False, True):
+        logits = data["logits"].clone().requires_grad_(True)
+        work = logits * 1.0 if inplace else logits  # a non-leaf buffer the loss may overwrite
+        args = {k: v for k, v in data.items() if k != "logits"}
+        out = fusedrl.policy_loss(work, **args, config=cfg, inplace=inplace, backend=backend,
+                                  return_sum_pi_squared=asked)  # fmt: skip
+        grads.append(torch.autograd.grad(out.loss, logits)[0])
+        outs.append(out)
+    assert outs[0].sum_pi_squared is None
+    mask = data["mask"]
+    want = torch.where(mask, reference.sum_pi_squared(data["logits"], 0.8), 0.0)
+    torch.testing.assert_close(outs[1].sum_pi_squared, want, atol=1e-6, rtol=1e-4)
+    assert (outs[1].sum_pi_squared[~mask] == 0).all()  # NaN padding does not leak
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=0, rtol=0)
+    torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_against_the_float64_truth(backend):
+    logits, labels = _logits(seed=2)
+    truth = reference.sum_pi_squared(logits.double())
+    _, _, got = fusedrl.token_logprobs(
+        logits.bfloat16(), labels, backend=backend, return_sum_pi_squared=True
+    )
+    # the bf16 logits are the input: the error is the rounding of the logits, not ours
+    rounded = reference.sum_pi_squared(logits.bfloat16().double())
+    torch.testing.assert_close(got.double(), rounded, atol=1e-5, rtol=1e-4)
+    assert (got.double() - truth).abs().max() < 0.05
+
+
+def test_unsupported_combinations_say_so():
+    data = make_batch(vocab=37, seed=1)
+    with pytest.raises(NotImplementedError, match="with top_k / top_p / min_p"):
+        fusedrl.token_logprobs(data["logits"], data["labels"], top_k=5, return_sum_pi_squared=True)
+    cfg = LossConfig.preset("dapo", top_k=5)
+    with pytest.raises(NotImplementedError, match="with top_k / top_p / min_p"):
+        fusedrl.policy_loss(**data, config=cfg, return_sum_pi_squared=True)
+    with pytest.raises(NotImplementedError, match="under tensor parallelism"):
+        fusedrl.policy_loss(**data, vocab_start=0, return_sum_pi_squared=True)
+
+
+def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    logits, labels = _logits(seed=3, vocab=1031)
+    start = [0, 400][rank]  # uneven slices
+    stop = [400, 1031][rank]
+    result = fusedrl.token_logprobs(
+        logits[..., start:stop], labels, 0.9, backend="torch", tp_group=dist.group.WORLD,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    torch.save(result[2], os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_over_vocab_sharded_logits(tmp_path):
+    """2 gloo ranks, each holding a slice of the vocabulary: every rank gets the whole rows'
+    sum pi^2 (two sharded log-prob calls: the ranks' partial sums are merged by them)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    logits, labels = _logits(seed=3, vocab=1031)
+    want = reference.sum_pi_squared(logits, 0.9)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
