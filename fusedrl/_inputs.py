@@ -35,6 +35,50 @@ class LossInputs:
     flat_input: bool  # caller passed [N, V] (one packed row of tokens, B = 1)
     # [B, T, V] view of the reference policy's logits (kl="full" / "full_reverse"), no gradient
     ref_logits: torch.Tensor | None = None
+    # [B, T] fp32 per-token temperatures (`temperature=` a tensor), in place of cfg.temperature
+    row_temps: torch.Tensor | None = None
+
+
+def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:
+    """The temperature the backends divide the logits by: per token, or the config's."""
+    return inp.row_temps if inp.row_temps is not None else cfg.temperature
+
+
+def check_row_temperatures(
+    temperature: torch.Tensor,
+    shape: tuple[int, ...],
+    device: torch.device,
+    flat_input: bool,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token temperatures: [B, T] (or [B], one per sequence, or [N] for [N, V] logits),
+    finite and > 0 wherever `valid` (everywhere without it), as fp32; masked tokens get 1."""
+    if temperature.is_complex() or not (
+        temperature.dtype.is_floating_point or temperature.dtype in (torch.int32, torch.int64)
+    ):
+        raise TypeError(f"temperature must be a float tensor, got dtype {temperature.dtype}")
+    if temperature.device != device:
+        raise ValueError(f"temperature is on {temperature.device} but the logits are on {device}")
+    values = temperature.float()
+    if not flat_input and values.dim() == 1 and values.shape[0] == shape[0]:
+        values = values[:, None].expand(shape)  # one per sequence
+    if tuple(values.shape) != tuple(shape):
+        raise ValueError(
+            f"temperature shape {tuple(temperature.shape)} must be the tokens' {tuple(shape)} "
+            "(or one per sequence)"
+        )
+    if valid is not None:
+        values = torch.where(valid, values, 1.0)
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(bad.any()):
+            raise ValueError(
+                f"temperature must be finite and > 0 on every token, found {values[bad][0].item()}"
+            )
+    elif values.numel() > 0:
+        torch._assert_async(~bad.any(), "temperature must be finite and > 0 on every token")
+    values = values.contiguous()
+    return values.unsqueeze(0) if flat_input else values
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -215,11 +259,13 @@ def prepare_loss_inputs(
     source: str = "logits",
     ref_logits: object = None,
     ref_head: bool = False,
+    temperature: torch.Tensor | None = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
     reference policy's logits of config.kl="full" / "full_reverse", the logits' shape;
-    `ref_head`: the LM-head loss has the reference's head instead (checked by its caller)."""
+    `ref_head`: the LM-head loss has the reference's head instead (checked by its caller).
+    `temperature`: per-token temperatures, in place of config.temperature (which must be 1)."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -280,6 +326,24 @@ def prepare_loss_inputs(
         )
     if config.rejection is not None and rollout is None:
         raise ValueError(f"rollout_logp is required when config.rejection={config.rejection!r}")
+    row_temps = None
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor):
+            raise TypeError(
+                f"temperature must be a tensor of per-token temperatures (a single one goes in "
+                f"config.temperature), got {type(temperature).__name__}"
+            )
+        if config.temperature != 1.0:
+            raise ValueError(
+                f"temperature (per token) and config.temperature={config.temperature} are both "
+                "set: pass one"
+            )
+        if config.sampling is not None or config.full_kl:
+            raise NotImplementedError(
+                "per-token temperatures with top_k / top_p / min_p or the exact KL "
+                "(kl='full' / 'full_reverse') are not supported yet"
+            )
+        row_temps = check_row_temperatures(temperature, shape, device, flat_input, valid)
 
     def as2d(t: torch.Tensor | None) -> torch.Tensor | None:
         # Masked positions may hold anything (NaN padding): zero them once here so that no
@@ -302,6 +366,7 @@ def prepare_loss_inputs(
         normalizer=check_normalizer(normalizer, device),
         flat_input=flat_input,
         ref_logits=ref_logits3,
+        row_temps=row_temps,
     )
 
 

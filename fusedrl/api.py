@@ -9,7 +9,14 @@ import torch
 
 from . import torch_backend
 from ._autograd import attach_grad
-from ._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
+from ._inputs import (
+    check_labels,
+    check_logits,
+    check_row_temperatures,
+    check_temperature,
+    prepare_loss_inputs,
+    temperature_of,
+)
 from .config import LossConfig
 from .output import LossOutput
 from .sampling import check_sampling
@@ -73,6 +80,7 @@ def policy_loss(
     vocab_size: int | None = None,
     ref_logits: torch.Tensor | None = None,
     return_sum_pi_squared: bool = False,
+    temperature: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -115,6 +123,10 @@ def policy_loss(
         return_sum_pi_squared: also return sum_v pi_v^2 per token (the Optimal Token Baseline's
             input; verl's calculate_sum_pi_squared), from one more no-grad read of the logits
             (`sum_pi_squared`); not with sampling filters or tensor parallelism yet.
+        temperature: per-token temperatures ([B, T], or [B] one per sequence; finite > 0 on
+            the counted tokens) in place of config.temperature (then left at 1): each row's
+            logits are divided by its own (prime-rl's per-token temperature), on the torch and
+            Triton backends; not with sampling filters, the exact KL or tensor parallelism yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -124,6 +136,10 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        if temperature is not None:
+            raise NotImplementedError(
+                "per-token temperatures under tensor parallelism are not supported yet"
+            )
         if return_sum_pi_squared:
             raise NotImplementedError(
                 "return_sum_pi_squared under tensor parallelism is not supported by policy_loss "
@@ -154,6 +170,7 @@ def policy_loss(
         normalizer,
         is_weights,
         ref_logits=ref_logits,
+        temperature=temperature,
     )
     impl = _resolve_backend(backend, inp.logits.device)
     sharp = None
@@ -161,7 +178,7 @@ def policy_loss(
         _check_sum_pi_squared(cfg.sampling is not None)
         with torch.no_grad():
             sharp, _ = impl.token_logprobs(
-                inp.logits.detach(), inp.labels, cfg.temperature / 2, False
+                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False
             )
 
     def compute(grad):
@@ -244,7 +261,7 @@ def _check_writable(logits: torch.Tensor) -> None:
 def token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
     top_k: int | None = None,
@@ -266,6 +283,10 @@ def token_logprobs(
     (docs/tensor_parallel.md); the gradient is this rank's slice, its backward communicates
     nothing. top_k / top_p / min_p are not supported with them yet.
 
+    `temperature` may be a tensor of per-token temperatures ([B, T], or [B] one per sequence;
+    [N] for [N, V] logits), as in `policy_loss`; not with top_k / top_p / min_p or tensor
+    parallelism yet.
+
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
     the Optimal Token Baseline's input), from one more no-grad read of the logits at half the
     temperature (`sum_pi_squared_of`); under tensor parallelism too, not with sampling filters.
@@ -285,6 +306,10 @@ def token_logprobs(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        if isinstance(temperature, torch.Tensor):
+            raise NotImplementedError(
+                "per-token temperatures under tensor parallelism are not supported yet"
+            )
         from . import tp
 
         return tp.token_logprobs(
@@ -293,10 +318,19 @@ def token_logprobs(
         )  # fmt: skip
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
-    temperature = check_temperature(temperature)
     sampling = check_sampling(top_k, top_p, min_p)
-    impl = _resolve_backend(backend, logits.device)
     flat = logits.dim() == 2
+    if isinstance(temperature, torch.Tensor):
+        if sampling.active:
+            raise NotImplementedError(
+                "per-token temperatures with top_k / top_p / min_p are not supported yet"
+            )
+        temperature = check_row_temperatures(
+            temperature, tuple(labels.shape), logits.device, flat
+        )
+    else:
+        temperature = check_temperature(temperature)
+    impl = _resolve_backend(backend, logits.device)
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels
     extra = {"sampling": sampling} if sampling.active else {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs
+from ._inputs import LossInputs, temperature_of
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
@@ -55,6 +55,8 @@ class FusedOps:
     # The two-row ops, for the exact KL to the reference (kl="full" / "full_reverse") and
     # distillation; None: the backend has none.
     two_rows: TwoRowOps | None = None
+    # Whether the ops take per-token temperatures (`row_temps=`, a [B, T] tensor)
+    row_temperatures: bool = False
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -72,19 +74,19 @@ def register_fakes(prefix: str) -> None:
     _FAKES_REGISTERED.add(prefix)
 
     @torch.library.register_fake(f"fusedrl::{prefix}logprobs_fwd")
-    def _(logits, labels, valid, temperature):
+    def _(logits, labels, valid, temperature, *row_temps):
         return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
 
     @torch.library.register_fake(f"fusedrl::{prefix}logits_grad")
-    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *row_temps):
         return None
 
     @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss")
-    def _(logits, grad, labels, *args):
+    def _(logits, grad, labels, *args, **row_temps):
         return _empty_rows_like(labels), _empty_rows_like(labels)
 
     @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss_inplace")
-    def _(logits, labels, *args):
+    def _(logits, labels, *args, **row_temps):
         return _empty_rows_like(labels), _empty_rows_like(labels)
 
 
@@ -98,6 +100,19 @@ FUSED_ARGS = (
 )
 
 
+def temperature_args(ops: FusedOps, temperature) -> tuple[float, dict]:
+    """(the ops' float temperature, their `row_temps=` keyword) of a float or of per-token
+    temperatures ([B, T] tensor); refused where the backend's ops have none."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature, {}
+    if not ops.row_temperatures:
+        raise ValueError(
+            "per-token temperatures (a temperature tensor) have no kernel in this backend (the "
+            "CUDA extension takes one temperature): use backend='triton' or 'torch'"
+        )
+    return 1.0, {"row_temps": temperature}
+
+
 class _LogprobsFn(torch.autograd.Function):
     """`source` (default: the logits) is what the kernels read: the logits masked to a sampled
     set; its gradient is the logits' (0 outside the set)."""
@@ -105,9 +120,10 @@ class _LogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None):
         source = logits if source is None else source
-        logp, lse, entropy = ops.logprobs_fwd(source, labels, None, temperature)
+        scalar, rows = temperature_args(ops, temperature)
+        logp, lse, entropy = ops.logprobs_fwd(source, labels, None, scalar, **rows)
         ctx.save_for_backward(source, labels, lse, entropy)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.rows = scalar, rows
         ctx.ops = ops
         return (logp, entropy) if return_entropy else (logp,)
 
@@ -116,8 +132,9 @@ class _LogprobsFn(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.ops.logits_grad(
-            logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad
-        )
+            logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad,
+            **ctx.rows,
+        )  # fmt: skip
         return None, grad, None, None, None, None
 
 
@@ -185,7 +202,8 @@ def token_logprobs(
     if sampling is not None:
         logp, _, entropy = _sampled_stats(ops, logits, labels, None, temperature, sampling)
     else:
-        logp, _, entropy = ops.logprobs_fwd(logits, labels, None, temperature)
+        scalar, rows = temperature_args(ops, temperature)
+        logp, _, entropy = ops.logprobs_fwd(logits, labels, None, scalar, **rows)
     return logp, entropy if return_entropy else None
 
 
@@ -227,9 +245,10 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
 def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
     """One kernel: logp, entropy and the gradient."""
     args = fused_token_args(inp, cfg)
+    rows = temperature_args(ops, inp.row_temps)[1] if inp.row_temps is not None else {}
     if grad_out is inp.logits:
-        return ops.fused_token_loss_inplace(inp.logits, *args)
-    return ops.fused_token_loss(inp.logits, grad_out, *args)
+        return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
+    return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -303,17 +322,12 @@ def policy_loss(
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg)
-    logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, cfg.temperature)
+    scalar, rows = temperature_args(ops, temperature_of(inp, cfg))
+    logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(
-            inp.logits,
-            inp.labels,
-            lse,
-            entropy,
-            terms.dlogp,
-            terms.dentropy,
-            cfg.temperature,
-            grad_out,
-        )
+            inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, scalar, grad_out,
+            **rows,
+        )  # fmt: skip
     return logp, entropy if need_entropy else None, terms

@@ -20,6 +20,7 @@ from ._inputs import (
     check_labels,
     check_lm_head,
     check_logits,
+    check_row_temperatures,
     check_temperature,
     prepare_loss_inputs,
 )
@@ -97,6 +98,7 @@ def linear_policy_loss(
     ref_bias: torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -128,6 +130,8 @@ def linear_policy_loss(
             reads them from a transformers model): applied to each chunk of logits, the
             gradient through tanh included; the reference head's logits take the same. None:
             off. Not under tensor parallelism yet.
+        temperature: per-token temperatures, as in `policy_loss` (the torch backend and the
+            Triton `gemm` design).
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -147,6 +151,10 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    if temperature is not None and sharded:
+        raise NotImplementedError(
+            "per-token temperatures under tensor parallelism are not supported yet"
+        )
     if transform is not None and sharded:
         raise NotImplementedError(
             "softcap / logit_scale under tensor parallelism are not supported yet: pass the "
@@ -180,6 +188,7 @@ def linear_policy_loss(
         vocab=weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         source="hidden",
         ref_head=full_kl,
+        temperature=temperature,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     ref_head = None
@@ -249,7 +258,7 @@ def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
@@ -270,10 +279,14 @@ def linear_token_logprobs(
     `top_k` / `top_p` / `min_p`: over the set vLLM sampled from, as in `fusedrl.token_logprobs`.
     `tp_group`, `vocab_start`, `vocab_size`, `reduce_input_grad`: a vocab-sharded LM head, as in
     `linear_policy_loss`. `softcap`, `logit_scale`: the model's transform of its head's output,
-    as in `linear_policy_loss`.
+    as in `linear_policy_loss`. `temperature` may be per-token, as in `fusedrl.token_logprobs`.
     """
     transform = check_logit_transform(softcap, logit_scale)
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
+        if isinstance(temperature, torch.Tensor):
+            raise NotImplementedError(
+                "per-token temperatures under tensor parallelism are not supported yet"
+            )
         if transform is not None:
             raise NotImplementedError(
                 "softcap / logit_scale under tensor parallelism are not supported yet"
@@ -288,10 +301,17 @@ def linear_token_logprobs(
     hidden = check_logits(hidden, name="hidden")
     weight, bias = check_lm_head(weight, bias, hidden)
     labels = check_labels(labels, hidden, None, vocab=weight.shape[0], source="hidden")
-    temperature = check_temperature(temperature)
     sampling = check_sampling(top_k, top_p, min_p)
     impl = _resolve_backend(backend, hidden.device)
     flat = hidden.dim() == 2
+    if isinstance(temperature, torch.Tensor):
+        if sampling.active:
+            raise NotImplementedError(
+                "per-token temperatures with top_k / top_p / min_p are not supported yet"
+            )
+        temperature = check_row_temperatures(temperature, tuple(labels.shape), hidden.device, flat)
+    else:
+        temperature = check_temperature(temperature)
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = labels.unsqueeze(0) if flat else labels
     lin = linear_torch.logprob_inputs(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs
+from ._inputs import LossInputs, temperature_of
 from .config import LossConfig
 from .fused_backend import needs_two_passes
 from .logit_transform import LogitTransform
@@ -38,6 +38,7 @@ from .torch_backend import (
     block_log_probs,
     block_stats,
     row_blocks,
+    rows_temperature,
 )
 
 
@@ -183,13 +184,14 @@ def sweep(
         derivative = None
         if lin.transform is not None:
             derivative = lin.transform.apply_(logits, derivatives is not None)
+        rows_t = rows_temperature(temperature, start, stop)
         floor = None
         if lin.sampling is not None:
             floor = lin.saved_floors[start:stop]
             if find_floors:
-                floor.copy_(lin.find_floors(logits, temperature, lin.sampling))
+                floor.copy_(lin.find_floors(logits, rows_t, lin.sampling))
         log_probs, lse = block_log_probs(
-            logits, temperature, flat_labels[start:stop], lin.sampling, floor
+            logits, rows_t, flat_labels[start:stop], lin.sampling, floor
         )
         del logits  # log_probs replaces it: one [n, V] block less at the peak
         if lse_out is not None:
@@ -208,7 +210,7 @@ def sweep(
             continue
         dlogp, dentropy = derivatives(start, stop, logp[start:stop], block_entropy)
         grad = block_grad(
-            log_probs, flat_labels[start:stop], temperature, dlogp, dentropy, block_entropy
+            log_probs, flat_labels[start:stop], rows_t, dlogp, dentropy, block_entropy
         )
         if lin.transform is not None:
             grad = lin.transform.chain_(grad, derivative)
@@ -269,17 +271,16 @@ def policy_loss(
     """logp, entropy, the [B, T] terms (loss, metrics) and the gradients flagged in `want`."""
     inp = lin.rows
     need_entropy = need_entropy or cfg.needs_entropy
+    temperature = temperature_of(inp, cfg)
     if any(want) and not needs_two_passes(inp, cfg):
         derivatives = token_level_derivatives(lin, cfg)
-        logp, entropy, grads = sweep(
-            lin, inp.labels, cfg.temperature, need_entropy, derivatives, want
-        )
+        logp, entropy, grads = sweep(lin, inp.labels, temperature, need_entropy, derivatives, want)
         return logp, entropy, token_terms(logp, entropy, inp, cfg), grads
-    logp, entropy, _ = sweep(lin, inp.labels, cfg.temperature, need_entropy)
+    logp, entropy, _ = sweep(lin, inp.labels, temperature, need_entropy)
     terms = token_terms(logp, entropy, inp, cfg)
     grads = None
     if any(want):
-        grads = backward(lin, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, want)
+        grads = backward(lin, inp.labels, temperature, terms.dlogp, terms.dentropy, want)
     return logp, entropy, terms, grads
 
 

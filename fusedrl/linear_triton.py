@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ._inputs import temperature_of
 from .config import LossConfig
 from .fused_backend import fused_token_args, needs_two_passes
 from .linear_torch import GradSums, LinearGrads, LinearInputs, masked_rows
@@ -146,9 +147,26 @@ def _chained(lin: LinearInputs, grad: torch.Tensor, derivative) -> torch.Tensor:
     return grad if lin.transform is None else lin.transform.chain_(grad, derivative)
 
 
-def stats(lin: LinearInputs, temperature: float):
-    """logp, lse, entropy [B, T] fp32 (0 on masked rows)."""
+def _chunk_temperature(temperature, start: int, stop: int) -> tuple[float, dict]:
+    """(the row ops' temperature, their row_temps= keyword) for rows [start, stop)."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, {"row_temps": _flat(temperature)[:, start:stop]}
+    return temperature, {}
+
+
+def _check_design_temperature(lin: LinearInputs, temperature) -> None:
+    if isinstance(temperature, torch.Tensor) and design(lin) == "on-chip":
+        raise ValueError(
+            f"{DESIGN_ENV}=on-chip takes one temperature, not per-token ones: unset it (the "
+            "'gemm' design takes them)"
+        )
+
+
+def stats(lin: LinearInputs, temperature):
+    """logp, lse, entropy [B, T] fp32 (0 on masked rows); `temperature` a float or per-token
+    ([B, T])."""
     _check_dtype(lin)
+    _check_design_temperature(lin, temperature)
     if design(lin) == "on-chip":
         return _on_chip_kernels().linear_stats(
             lin.hidden, lin.weight, lin.bias, lin.rows.labels, lin.rows.valid, temperature
@@ -157,8 +175,9 @@ def stats(lin: LinearInputs, temperature: float):
     labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
+        scalar, rows_t = _chunk_temperature(temperature, start, stop)
         chunk = ops.logprobs_fwd(
-            logits, _cut(labels, start, stop), _cut(valid, start, stop), temperature
+            logits, _cut(labels, start, stop), _cut(valid, start, stop), scalar, **rows_t
         )
         for whole, part in zip(out, chunk):
             whole[:, start:stop] = part
@@ -187,10 +206,11 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     dlogp = _flat(dlogp).float()
     dentropy = None if dentropy is None else _flat(dentropy).float()
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
+        scalar, rows_t = _chunk_temperature(temperature, start, stop)
         ops.logits_grad(
             logits, _cut(labels, start, stop), _cut(lse, start, stop),
             _cut(entropy, start, stop), _cut(dlogp, start, stop),
-            _cut(dentropy, start, stop), temperature, logits,
+            _cut(dentropy, start, stop), scalar, logits, **rows_t,
         )  # fmt: skip
         yield start, stop, _chained(lin, logits[0], derivative)
 
@@ -204,6 +224,7 @@ def gradients(
     dentropy: torch.Tensor | None,
     want: tuple[bool, bool, bool],
 ) -> LinearGrads:
+    _check_design_temperature(lin, temperature)
     rows = masked_rows(lin)
     sums = GradSums(lin, rows, want)
     chunks = _grad_chunks_on_chip if design(lin) == "on-chip" else _grad_chunks_gemm
@@ -222,10 +243,12 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     shape = lin.rows.labels.shape
     logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
     flat_logp, flat_entropy = _flat(logp), _flat(entropy)
-    for start, stop, logits, derivative in _logits_chunks(lin, rows, cfg.temperature, True):
+    temperature = temperature_of(lin.rows, cfg)
+    for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
+        _, rows_t = _chunk_temperature(temperature, start, stop)
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
-            logits, *chunk
+            logits, *chunk, **rows_t
         )
         sums.add(start, stop, _chained(lin, logits[0], derivative))
     return logp, entropy, sums.result()
@@ -241,11 +264,12 @@ def policy_loss(
         logp, entropy, grads = _one_sweep(lin, cfg, want)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, lin.rows, cfg), grads
-    logp, lse, entropy = stats(lin, cfg.temperature)
+    temperature = temperature_of(lin.rows, cfg)
+    logp, lse, entropy = stats(lin, temperature)
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
     grads = None
     if any(want):
-        grads = gradients(lin, cfg.temperature, lse, entropy, terms.dlogp, terms.dentropy, want)
+        grads = gradients(lin, temperature, lse, entropy, terms.dlogp, terms.dentropy, want)
     return logp, entropy if need_entropy else None, terms, grads
 
 

@@ -92,13 +92,20 @@ def token_logprobs(
     min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature)[labels] in fp32, optionally the entropy; differentiable.
-    With top_k / top_p / min_p, over the set vLLM's sampler kept (the rest at -inf).
+    With top_k / top_p / min_p, over the set vLLM's sampler kept (the rest at -inf). A tensor
+    `temperature` holds one per token (or one per sequence, [B]).
 
     `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
     """
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
-    temperature = check_temperature(temperature)
+    if isinstance(temperature, torch.Tensor):
+        per_token = temperature.float()
+        if per_token.dim() == 1 and labels.dim() == 2:  # one per sequence
+            per_token = per_token[:, None]
+        temperature = per_token.expand(labels.shape).unsqueeze(-1)
+    else:
+        temperature = check_temperature(temperature)
     return _log_softmax_stats(logits, labels, temperature, return_entropy, (top_k, top_p, min_p))
 
 
@@ -508,10 +515,12 @@ def policy_loss(
     return_entropy: bool = False,
     is_weights: torch.Tensor | None = None,
     ref_logits: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
     `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
+    `temperature`: per-token temperatures, each token's logits divided by its own.
     """
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -526,11 +535,13 @@ def policy_loss(
         normalizer,
         is_weights,
         ref_logits=ref_logits,
+        temperature=temperature,
     )
     need_entropy = return_entropy or cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
+    divisor = cfg.temperature if inp.row_temps is None else inp.row_temps.unsqueeze(-1)
     logp, entropy = _log_softmax_stats(
-        safe_logits, inp.labels, cfg.temperature, need_entropy, (cfg.top_k, cfg.top_p, cfg.min_p)
+        safe_logits, inp.labels, divisor, need_entropy, (cfg.top_k, cfg.top_p, cfg.min_p)
     )
     old = inp.old_logp if inp.old_logp is not None else logp.detach()
     adv = inp.advantages

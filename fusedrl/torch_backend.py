@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ._inputs import LossInputs
+from ._inputs import LossInputs, temperature_of
 from .config import LossConfig
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
@@ -76,9 +76,21 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
+def rows_temperature(temperature, start: int, stop: int):
+    """The temperature of flat rows [start, stop): a float, or of per-token temperatures
+    ([B, T] tensor) the rows' own as an [n, 1] column that divides their block."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.reshape(-1)[start:stop, None]
+    return temperature
+
+
+def _divides(temperature) -> bool:
+    return isinstance(temperature, torch.Tensor) or temperature != 1.0
+
+
+def _scaled(block: torch.Tensor, temperature) -> torch.Tensor:
     scaled = block.double() if block.dtype == torch.float64 else block.float()
-    return scaled / temperature if temperature != 1.0 else scaled
+    return scaled / temperature if _divides(temperature) else scaled
 
 
 def block_floor(block: torch.Tensor, temperature: float, sampling: SamplingMask) -> torch.Tensor:
@@ -161,7 +173,7 @@ def block_grad(
             probs > 0, probs * (log_probs + entropy[:, None]), 0.0
         )
         live = live | (dentropy[:, None] != 0)
-    if temperature != 1.0:
+    if _divides(temperature):
         grad /= temperature
     return torch.where(live, grad, 0.0)
 
@@ -210,12 +222,11 @@ def forward_stats(
     pairs = row_blocks(logits) if ref_logits is None else row_blocks(logits, ref_logits)
     for start, (block, *ref_block) in pairs:
         stop = start + block.shape[0]
+        rows_t = rows_temperature(temperature, start, stop)
         floor = None
         if floors is not None and sampling is not None:
-            floor = floors[start:stop] = block_floor(block, temperature, sampling)
-        log_probs, lse = block_log_probs(
-            block, temperature, flat_labels[start:stop], sampling, floor
-        )
+            floor = floors[start:stop] = block_floor(block, rows_t, sampling)
+        log_probs, lse = block_log_probs(block, rows_t, flat_labels[start:stop], sampling, floor)
         block_logp, block_entropy = block_stats(
             log_probs, lse, flat_labels[start:stop], need_entropy
         )
@@ -223,7 +234,7 @@ def forward_stats(
         if entropy is not None:
             entropy[start:stop] = block_entropy
         if ref_block:
-            ref_log_probs, _ = block_log_probs(ref_block[0], temperature)
+            ref_log_probs, _ = block_log_probs(ref_block[0], rows_t)
             full_kl[start:stop] = full_kl_of(log_probs, ref_log_probs, kl_kind)
     logp = logp.view(batch, time)
     entropy = None if entropy is None else entropy.view(batch, time)
@@ -264,24 +275,23 @@ def write_logits_grad(
     tensors = (logits, out) if ref_logits is None else (logits, out, ref_logits)
     for start, (block, out_block, *ref_block) in row_blocks(*tensors):
         stop = start + block.shape[0]
+        rows_t = rows_temperature(temperature, start, stop)
         floor = None if floors is None else floors[start:stop]
         if lse is None:
-            log_probs, _ = block_log_probs(
-                block, temperature, flat_labels[start:stop], sampling, floor
-            )
+            log_probs, _ = block_log_probs(block, rows_t, flat_labels[start:stop], sampling, floor)
         else:
-            log_probs = _scaled(block, temperature) - lse.reshape(-1)[start:stop, None]
+            log_probs = _scaled(block, rows_t) - lse.reshape(-1)[start:stop, None]
         dent = None if flat_dent is None else flat_dent[start:stop]
         rows_entropy = None if entropy is None else entropy.reshape(-1)[start:stop]
         grad = block_grad(
-            log_probs, flat_labels[start:stop], temperature, flat_dlogp[start:stop], dent,
+            log_probs, flat_labels[start:stop], rows_t, flat_dlogp[start:stop], dent,
             rows_entropy,
         )  # fmt: skip
         if ref_block:
             weight = dfull_kl.reshape(-1)[start:stop, None]
-            ref_log_probs, _ = block_log_probs(ref_block[0], temperature)
+            ref_log_probs, _ = block_log_probs(ref_block[0], rows_t)
             kl = full_kl.reshape(-1)[start:stop]
-            kl_grad = full_kl_grad(log_probs, ref_log_probs, kl, kl_kind) / temperature
+            kl_grad = full_kl_grad(log_probs, ref_log_probs, kl, kl_kind) / rows_t
             grad += torch.where(weight != 0, weight * kl_grad, 0.0)
         out_block.copy_(grad)
 
@@ -348,8 +358,9 @@ def policy_loss(
     full_kl = None
     if inp.ref_logits is not None:
         full_kl = torch.empty(inp.labels.numel(), dtype=torch.float32, device=inp.logits.device)
+    temperature = temperature_of(inp, cfg)
     logp, entropy = forward_stats(
-        inp.logits, inp.labels, cfg.temperature, need_entropy, inp.valid, sampling, floors,
+        inp.logits, inp.labels, temperature, need_entropy, inp.valid, sampling, floors,
         inp.ref_logits, cfg.kl, full_kl,
     )  # fmt: skip
     if full_kl is not None:
@@ -359,7 +370,7 @@ def policy_loss(
         # beta = 0: the KL is a metric, its gradient term is zero and its pass is skipped.
         with_kl = full_kl is not None and cfg.beta > 0
         write_logits_grad(
-            inp.logits, inp.labels, cfg.temperature, terms.dlogp, terms.dentropy, grad_out,
+            inp.logits, inp.labels, temperature, terms.dlogp, terms.dentropy, grad_out,
             sampling, floors, ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
             dfull_kl=terms.dfull_kl, full_kl=full_kl,
         )  # fmt: skip

@@ -26,9 +26,13 @@ def _kernels():
 # ------------------------------------------------------------------------------ custom ops
 @torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=())
 def logprobs_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor | None,
+    temperature: float,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature)
+    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature, row_temps)
 
 
 @torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
@@ -41,8 +45,11 @@ def logits_grad(
     dentropy: torch.Tensor | None,
     temperature: float,
     out: torch.Tensor,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
-    _kernels()[0].logits_backward(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)
+    _kernels()[0].logits_backward(
+        logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps
+    )
 
 
 @torch.library.custom_op("fusedrl::sampled_set", mutates_args=("out",))
@@ -59,12 +66,15 @@ def sampled_set(
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
+# Per-token temperatures are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
+_ROW_TEMPS = "Tensor? row_temps=None"
 torch.library.define(
     "fusedrl::fused_token_loss",
-    f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}) -> (Tensor, Tensor)",
+    f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
 )
 torch.library.define(
-    "fusedrl::fused_token_loss_inplace", f"(Tensor(a!) logits, {FUSED_ARGS}) -> (Tensor, Tensor)"
+    "fusedrl::fused_token_loss_inplace",
+    f"(Tensor(a!) logits, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
 )
 
 
@@ -145,7 +155,13 @@ TWO_ROWS = fused_backend.TwoRowOps(two_rows_fwd, two_rows_grad)
 
 # ------------------------------------------------------------------------------ backends
 OPS = FusedOps(
-    logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace, sampled_set, TWO_ROWS
+    logprobs_fwd,
+    logits_grad,
+    fused_token_loss,
+    fused_token_loss_inplace,
+    sampled_set,
+    TWO_ROWS,
+    row_temperatures=True,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

@@ -18,7 +18,16 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .rows import LOG2E, logp_of, row_offset, row_stats, write_row_grad, write_row_zeros
+from .rows import (
+    LOG2E,
+    logp_of,
+    row_offset,
+    row_stats,
+    row_temperature,
+    row_temperature_arg,
+    write_row_grad,
+    write_row_zeros,
+)
 
 # Vocab tiles. On a GPU a tile is one 16-byte vector per thread of a 16-warp program (4096 bf16
 # or 2048 fp32 elements): sweep 1 keeps two fp32 running sums per element slot in registers and
@@ -104,6 +113,7 @@ def _logprobs_fwd_kernel(
     logp_ptr,
     lse_ptr,
     entropy_ptr,
+    temperature_ptr,
     time,
     vocab,
     stride_b,
@@ -111,6 +121,7 @@ def _logprobs_fwd_kernel(
     inv_temperature,
     scale2,
     HAS_VALID: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -119,12 +130,15 @@ def _logprobs_fwd_kernel(
     if HAS_VALID:
         valid = tl.load(valid_ptr + row)
     if valid != 0:
+        row_inv_t, row_scale2 = row_temperature(
+            temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
+        )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         label_logit = tl.load(row_ptr + tl.load(labels_ptr + row))
         lse, mean_z = row_stats(
-            row_ptr, vocab, scale2, label_logit, "evict_first", FAST_EXP2, BLOCK_V
+            row_ptr, vocab, row_scale2, label_logit, "evict_first", FAST_EXP2, BLOCK_V
         )
-        tl.store(logp_ptr + row, logp_of(label_logit, inv_temperature, lse))
+        tl.store(logp_ptr + row, logp_of(label_logit, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)
     else:
@@ -142,6 +156,7 @@ def _logits_grad_kernel(
     entropy_ptr,
     dlogp_ptr,
     dentropy_ptr,
+    temperature_ptr,
     time,
     vocab,
     stride_b,
@@ -151,6 +166,7 @@ def _logits_grad_kernel(
     inv_temperature,
     scale2,
     WITH_ENTROPY: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -161,6 +177,9 @@ def _logits_grad_kernel(
     if WITH_ENTROPY:
         dentropy = tl.load(dentropy_ptr + row)
     if (dlogp != 0) | (dentropy != 0):
+        row_inv_t, row_scale2 = row_temperature(
+            temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
+        )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         # label < 0: the label lies outside this row (a vocab-parallel slice): no one-hot term.
         label = tl.load(labels_ptr + row)
@@ -170,8 +189,8 @@ def _logits_grad_kernel(
             label,
             tl.load(row_ptr + tl.maximum(label, 0)),
             vocab,
-            inv_temperature,
-            scale2,
+            row_inv_t,
+            row_scale2,
             tl.load(lse_ptr + row),
             tl.load(entropy_ptr + row),
             dlogp,
@@ -187,9 +206,14 @@ def _logits_grad_kernel(
 
 @launches_on("logits")
 def logprobs_forward(
-    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, temperature: float
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor | None,
+    temperature: float,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32."""
+    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32.
+    `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
     batch, time, vocab = logits.shape
     rows = batch * time
     logp, lse, entropy = (
@@ -207,6 +231,7 @@ def logprobs_forward(
         logp,
         lse,
         entropy,
+        row_temperature_arg(row_temps, logp),
         time,
         vocab,
         logits.stride(0),
@@ -214,6 +239,7 @@ def logprobs_forward(
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         HAS_VALID=valid is not None,
+        ROW_TEMPERATURE=row_temps is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
@@ -231,10 +257,12 @@ def logits_backward(
     dentropy: torch.Tensor | None,
     temperature: float,
     out: torch.Tensor,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
     """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place). A negative
     label means the row's label is not in these logits (tensor parallelism: another rank holds
-    its vocab slice): the row gets the softmax terms only, no one-hot term."""
+    its vocab slice): the row gets the softmax terms only, no one-hot term. `row_temps`: [B, T]
+    per-token temperatures, in place of `temperature`."""
     batch, time, vocab = logits.shape
     if batch * time == 0:
         return
@@ -249,6 +277,7 @@ def logits_backward(
         entropy.contiguous(),
         dlogp,
         dentropy_arg,
+        row_temperature_arg(row_temps, dlogp),
         time,
         vocab,
         logits.stride(0),
@@ -258,6 +287,7 @@ def logits_backward(
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         WITH_ENTROPY=dentropy is not None,
+        ROW_TEMPERATURE=row_temps is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),

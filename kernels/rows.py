@@ -42,6 +42,23 @@ def row_offset(row, time, stride_b, stride_t):
 
 
 @triton.jit
+def row_temperature(temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE: tl.constexpr):
+    """(1 / T, log2(e) / T) of a row: the kernel's scalars, or with ROW_TEMPERATURE the row's own
+    temperature (a per-token [B, T] tensor), loaded once before the row's sweeps."""
+    if ROW_TEMPERATURE:
+        inv_t = 1.0 / tl.load(temperature_ptr + row)
+        return inv_t, inv_t * LOG2E
+    else:
+        return inv_temperature, scale2
+
+
+def row_temperature_arg(row_temps, placeholder):
+    """The per-token temperatures as the kernels read them (flat fp32), or a placeholder tensor
+    (never read) when there are none."""
+    return placeholder if row_temps is None else row_temps.float().contiguous()
+
+
+@triton.jit
 def exp2(x, FAST_EXP2: tl.constexpr):
     if FAST_EXP2:
         return tl.inline_asm_elementwise(

@@ -18,7 +18,16 @@ import triton.language as tl
 
 from .device import launches_on
 from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
-from .rows import LOG2E, logp_of, row_offset, row_stats, write_row_grad, write_row_zeros
+from .rows import (
+    LOG2E,
+    logp_of,
+    row_offset,
+    row_stats,
+    row_temperature,
+    row_temperature_arg,
+    write_row_grad,
+    write_row_zeros,
+)
 
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
@@ -122,6 +131,7 @@ def _fused_token_loss_kernel(
     high_ptr,
     logp_ptr,
     entropy_ptr,
+    temperature_ptr,
     time,
     vocab,
     stride_b,
@@ -144,6 +154,7 @@ def _fused_token_loss_kernel(
     HAS_IS: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -173,12 +184,15 @@ def _fused_token_loss_kernel(
             ref = 0.0
             if KL != 0:
                 ref = tl.load(ref_ptr + row)
+            row_inv_t, row_scale2 = row_temperature(
+                temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
+            )
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
             lse, mean_z = row_stats(
-                row_ptr, vocab, scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
+                row_ptr, vocab, row_scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
             )
             entropy = lse - mean_z
-            logp = logp_of(label_logit, inv_temperature, lse)
+            logp = logp_of(label_logit, row_inv_t, lse)
             if not HAS_OLD:
                 old = logp
             d_token = policy_dlogp(
@@ -205,8 +219,8 @@ def _fused_token_loss_kernel(
                 label,
                 label_logit,
                 vocab,
-                inv_temperature,
-                scale2,
+                row_inv_t,
+                row_scale2,
                 lse,
                 entropy,
                 d_token * agg_weight,
@@ -246,9 +260,11 @@ def fused_token_loss(
     kl: str | None,
     beta: float,
     entropy_coef: float,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
-    (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]."""
+    (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]; `row_temps`: per-token
+    temperatures, in place of `temperature`."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -277,6 +293,7 @@ def fused_token_loss(
         flat(high),
         logp,
         entropy,
+        row_temperature_arg(row_temps, logp),
         time,
         vocab,
         logits.stride(0),
@@ -299,6 +316,7 @@ def fused_token_loss(
         HAS_IS=is_weight is not None,
         HAS_BOUNDS=low is not None,
         ENTROPY_BONUS=entropy_coef != 0.0,
+        ROW_TEMPERATURE=row_temps is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),

@@ -28,6 +28,12 @@ def _op_args(seed=0):
 def test_opcheck_logprobs_fwd():
     data, valid, _ = _op_args()
     torch.library.opcheck(triton_backend.logprobs_fwd, (data["logits"], data["labels"], valid, 0.9))
+    row_temps = 0.5 + torch.rand(2, 3)  # per-token temperatures: the ops' own keyword
+    torch.library.opcheck(
+        triton_backend.logprobs_fwd,
+        (data["logits"], data["labels"], valid, 1.0),
+        {"row_temps": row_temps},
+    )
 
 
 def test_opcheck_logits_grad():
@@ -46,6 +52,7 @@ def test_opcheck_logits_grad():
             1.0,
             out,
         ),
+        {"row_temps": 0.5 + torch.rand(2, 3)},
     )
 
 
@@ -76,6 +83,11 @@ def test_opcheck_fused_token_loss():
         triton_backend.fused_token_loss, (data["logits"], torch.empty_like(data["logits"]), *args)
     )
     torch.library.opcheck(triton_backend.fused_token_loss_inplace, (data["logits"].clone(), *args))
+    torch.library.opcheck(
+        triton_backend.fused_token_loss_inplace,
+        (data["logits"].clone(), *args),
+        {"row_temps": 0.5 + torch.rand(2, 3)},
+    )
 
 
 def test_backend_dispatch_calls_no_importlib(monkeypatch):

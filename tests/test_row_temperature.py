@@ -1,0 +1,180 @@
+"""Per-token temperatures (`temperature=` a [B, T] tensor, or [B] one per sequence): each row's
+logits divided by its own, in the kernels' own scalars (loaded once per row) on Triton and per
+row block on torch.
+
+Against the oracle (`fusedrl.reference`, which divides each token's logits by its temperature)
+on token-level losses (the fused kernel), sequence-level ones (two passes), the log-probs with
+and without a gradient, the LM-head forms, in place, [N, V] input, NaN padding and bf16 against
+float64; an independent check that a row equals the scalar-temperature call at its own
+temperature; then the contracts (shapes, values, what is refused and where)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, fused_backend, linear_triton, reference
+
+from .conftest import make_batch, needs_interpreter
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def _temperatures(shape, seed=0, masked=None):
+    """Temperatures in [0.4, 1.6): far enough apart that one scalar would be far off; 0 on
+    masked tokens when given (they may hold anything)."""
+    gen = torch.Generator().manual_seed(seed)
+    temps = 0.4 + 1.2 * torch.rand(shape, generator=gen)
+    if masked is not None:
+        temps = torch.where(masked, 0.0, temps)
+    return temps
+
+
+def _run(fn, data, **kwargs):
+    logits = data["logits"].clone().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fn(logits, **args, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    return out, grad
+
+
+CASES = {
+    "dapo": ("dapo", dict(entropy_coef=0.01)),  # token-level: the fused kernel
+    "gspo": ("gspo", dict()),  # sequence-level: two passes
+    "grpo-kl": ("grpo", dict()),  # the k3 KL to ref_logp in the fused kernel
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_policy_loss_equals_the_oracle(case, backend):
+    preset, overrides = CASES[case]
+    cfg = LossConfig.preset(preset, **overrides)
+    data = make_batch(vocab=131, seed=len(case), with_nan_padding=True)
+    temps = _temperatures(data["labels"].shape, masked=~data["mask"])
+    kwargs = dict(config=cfg, temperature=temps, return_entropy=True)
+    ours, grad = _run(fusedrl.policy_loss, data, backend=backend, **kwargs)
+    want, want_grad = _run(reference.policy_loss, data, **kwargs)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert (grad[~data["mask"]] == 0).all()
+    # One temperature for all (their mean) is far off: the per-token ones acted.
+    mean_t = temps[data["mask"]].mean().item()
+    scalar, _ = _run(fusedrl.policy_loss, data, config=cfg.replace(temperature=mean_t))
+    assert (scalar.logp - ours.logp).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_flat_and_per_sequence(backend):
+    data = make_batch(vocab=131, seed=7)
+    cfg = LossConfig.preset("dapo")
+    per_seq = _temperatures((3,), seed=1)
+    want, want_grad = _run(reference.policy_loss, data, config=cfg, temperature=per_seq)
+    logits = data["logits"].clone().requires_grad_(True)
+    work = logits * 1.0  # a buffer the in-place loss may overwrite
+    args = {k: v for k, v in data.items() if k != "logits"}
+    ours = fusedrl.policy_loss(work, **args, config=cfg, temperature=per_seq, inplace=True,
+                               backend=backend)  # fmt: skip
+    (grad,) = torch.autograd.grad(ours.loss, logits)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    # [N, V] input with [N] temperatures
+    flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items() if k != "advantages"}
+    flat["advantages"] = data["advantages"][:, None].expand(3, 7).reshape(-1)
+    per_token = per_seq[:, None].expand(3, 7).reshape(-1)
+    flat_out, flat_grad = _run(fusedrl.policy_loss, flat, config=cfg, temperature=per_token,
+                               backend=backend)  # fmt: skip
+    torch.testing.assert_close(flat_out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flat_grad.view_as(want_grad), want_grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_logprobs_row_by_row(backend):
+    """Each row equals the scalar-temperature call at its own temperature (not the oracle's
+    broadcast: the plain scalar path), with and without a gradient."""
+    data = make_batch(vocab=131, seed=9)
+    temps = _temperatures(data["labels"].shape, seed=2)
+    logits = data["logits"].clone().requires_grad_(True)
+    logp, entropy = fusedrl.token_logprobs(logits, data["labels"], temps, True, backend)
+    (logp.sum() + 0.5 * entropy.sum()).backward()
+    with torch.no_grad():
+        no_grad, _ = fusedrl.token_logprobs(data["logits"], data["labels"], temps, False, backend)
+    torch.testing.assert_close(no_grad, logp.detach())
+    for b, t in ((0, 0), (1, 3), (2, 6)):
+        row = data["logits"][b : b + 1, t : t + 1].clone().requires_grad_(True)
+        one, one_entropy = fusedrl.token_logprobs(
+            row, data["labels"][b : b + 1, t : t + 1], temps[b, t].item(), True, backend
+        )
+        (one.sum() + 0.5 * one_entropy.sum()).backward()
+        torch.testing.assert_close(logp[b, t], one[0, 0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(entropy[b, t], one_entropy[0, 0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(logits.grad[b, t], row.grad[0, 0], atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_lm_head_forms_equal_the_oracle(preset, backend, monkeypatch):
+    monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)  # chunks of 5 rows
+    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    data = make_batch(vocab=131, seed=4)
+    temps = _temperatures((3, 7), seed=3)
+    cfg = LossConfig.preset(preset)
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, temperature=temps,
+                                      backend=backend)  # fmt: skip
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, temperature=temps)
+    want_grads = torch.autograd.grad(want.loss, oracle)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    logp, _ = fusedrl.linear_token_logprobs(hidden, weight, data["labels"], temps, backend=backend)
+    torch.testing.assert_close(
+        logp, reference.token_logprobs(hidden @ weight.T, data["labels"], temps)[0]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_against_the_float64_truth(backend):
+    data = make_batch(vocab=131, seed=5, dtype=torch.bfloat16)
+    temps = _temperatures(data["labels"].shape, seed=5)
+    cfg = LossConfig.preset("dapo")
+    ours, grad = _run(fusedrl.policy_loss, data, config=cfg, temperature=temps, backend=backend)
+    truth = dict(data, logits=data["logits"].double())
+    want, want_grad = _run(reference.policy_loss, truth, config=cfg, temperature=temps.double())
+    assert abs(ours.loss.item() - want.loss.item()) < 1e-3
+    err = (grad.double() - want_grad).norm() / want_grad.norm()
+    assert err < 1e-2, err
+
+
+def test_misuse_is_named():
+    data = make_batch(vocab=37, seed=1)
+    temps = _temperatures(data["labels"].shape)
+    with pytest.raises(ValueError, match=r"both set: pass one"):
+        fusedrl.policy_loss(**data, config=LossConfig(temperature=0.7), temperature=temps)
+    with pytest.raises(ValueError, match=r"temperature shape \(3, 6\)"):
+        fusedrl.policy_loss(**data, temperature=temps[:, :6])
+    bad = temps.clone()
+    bad[0, 0] = 0.0  # a counted token (make_batch's first sequence is never empty)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        fusedrl.policy_loss(**data, temperature=bad)
+    with pytest.raises(NotImplementedError, match="top_k / top_p / min_p"):
+        fusedrl.policy_loss(**data, config=LossConfig(top_k=5), temperature=temps)
+    with pytest.raises(NotImplementedError, match="top_k / top_p / min_p"):
+        fusedrl.token_logprobs(data["logits"], data["labels"], temps, top_k=5)
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        fusedrl.policy_loss(**data, temperature=temps, vocab_start=0)
+    with pytest.raises(TypeError, match="temperature must be a number"):
+        fusedrl.distill_loss(data["logits"], data["logits"], data["labels"], data["mask"],
+                             temperature=temps)  # fmt: skip
+    cuda_like = fused_backend.FusedOps(*[None] * 4)  # the CUDA extension's ops: no row_temps
+    with pytest.raises(ValueError, match="CUDA extension takes one temperature"):
+        fused_backend.temperature_args(cuda_like, temps)
+    assert fused_backend.temperature_args(cuda_like, 0.7) == (0.7, {})
