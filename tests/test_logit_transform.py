@@ -212,3 +212,68 @@ def test_the_trainer_keeps_the_fused_lm_head_for_a_soft_capped_gemma2():
     model.config.final_logit_softcapping = None
     uncapped = token_logprobs(model, batch, cfg, 2, None, "torch", lm_head=True)
     assert (uncapped - logps[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["jsd", "sampled_reverse_kl"])
+def test_linear_distill_loss_with_each_models_transform(kind, backend, small_chunks):
+    """A soft-capped student and a scaled teacher: each head's chunks take its own transform,
+    against the oracle on the logits transformed by autograd."""
+    data = _data(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    teacher_hidden = torch.randn(3, 7, 12, generator=gen)
+    teacher_weight = 1.5 * torch.randn(131, 12, generator=gen)
+    student, teacher = {"softcap": CAP, "logit_scale": None}, {"softcap": None, "logit_scale": 0.6}
+    extra = {}
+    if kind == "sampled_reverse_kl":
+        extra = dict(advantages=data["advantages"], old_logp=None, config=LossConfig())
+    leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    ours = fusedrl.linear_distill_loss(
+        leaves[0], leaves[1], teacher_hidden, teacher_weight, data["labels"], data["mask"],
+        kind=kind, beta=0.4, temperature=0.9, student_bias=leaves[2], backend=backend,
+        student_transform=student, teacher_transform=teacher, **extra,
+    )  # fmt: skip
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    logits = _transformed(oracle[0] @ oracle[1].T + oracle[2], CAP, 1.0)
+    teacher_logits = _transformed(teacher_hidden @ teacher_weight.T, None, 0.6)
+    if kind == "sampled_reverse_kl":  # its logits form, itself checked against the oracle
+        want = fusedrl.distill_loss(
+            logits, teacher_logits, data["labels"], data["mask"], kind=kind, beta=0.4,
+            temperature=0.9, backend="torch", **extra,
+        )  # fmt: skip
+    else:
+        want = reference.distill_loss(
+            logits, teacher_logits, data["labels"], data["mask"], kind=kind, beta=0.4,
+            temperature=0.9,
+        )  # fmt: skip
+    want_grads = torch.autograd.grad(want.loss, oracle)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        assert expected.abs().max() > 1e-3
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="teacher_transform must be None or a dict"):
+        fusedrl.linear_distill_loss(
+            data["hidden"], data["weight"], teacher_hidden, teacher_weight, data["labels"],
+            data["mask"], teacher_transform={"cap": 3.0},
+        )  # fmt: skip
+
+
+def test_the_trainer_distils_a_soft_capped_student_on_the_fused_head():
+    """--distill-teacher with soft-capped models on both sides: the fused LM head (each head's
+    cap applied by linear_distill_loss and linear_policy_loss) gives the logits path's
+    gradients."""
+    from fusedrl.trainer.step import Distill, accumulate_gradients
+
+    from .test_trainer_units import _tiny_batch
+
+    cfg = LossConfig.preset("dapo")
+    batch, _, _ = _tiny_batch(n=5)
+    teacher = _tiny_gemma2(seed=5)
+    grads = []
+    for lm_head in (False, True):
+        model = _tiny_gemma2()
+        accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head,
+                             teacher=teacher, distill=Distill("forward_kl", 0.5, 0.5))  # fmt: skip
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

@@ -46,7 +46,7 @@ import torch
 
 import fusedrl.advantages as adv
 from fusedrl import LossConfig
-from fusedrl.linear import lm_head_of, plain_lm_head
+from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
 from . import checkpoint
@@ -272,13 +272,13 @@ class Trainer:
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
         # Under --tp alone (one data-parallel rank) each rank holds its rows of the head: the
         # fused loss takes them with the tp group. A teacher's head must be plain too.
-        # A soft cap or logit scale after the head (Gemma, Cohere) is applied by the loss, but
-        # not yet under --tp nor by the distillation loss; a teacher's head must be plain.
+        # A soft cap or logit scale after the head (Gemma, Cohere) is applied by the loss (not
+        # yet under --tp); a teacher's head must be a linear layer after its body too.
         transformed = any(v is not None for v in model_logit_transform(model).values())
         self.lm_head = (
             cfg.fused_lm_head and self.env.dp_size == 1 and lm_head_of(model) is not None
-            and not (transformed and (cfg.tp > 1 or teacher is not None))
-            and (teacher is None or plain_lm_head(teacher) is not None)
+            and not (transformed and cfg.tp > 1)
+            and (teacher is None or lm_head_of(teacher) is not None)
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,

@@ -304,7 +304,8 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     if lm_head:
         term = fusedrl.linear_distill_loss(
             hidden, weight, taught[0], taught[1], sub.labels, sub.mask, student_bias=bias,
-            teacher_bias=taught[2], backend=linear_backend, **common,
+            teacher_bias=taught[2], backend=linear_backend, student_transform=transform,
+            teacher_transform=taught[4], **common,
         )  # fmt: skip
     else:
         term = fusedrl.distill_loss(

@@ -28,7 +28,7 @@ from ..linear_torch import (
     masked_rows,
     token_level_derivatives,
 )
-from ..logit_transform import LogitTransform
+from ..logit_transform import LogitTransform, check_logit_transform
 from ..output import LossOutput
 from ..token_terms import (
     TokenTerms,
@@ -245,6 +245,8 @@ def linear_distill_loss(
     backend: str = "auto",
     advantages: torch.Tensor | None = None,
     old_logp: torch.Tensor | None = None,
+    student_transform: dict | None = None,
+    teacher_transform: dict | None = None,
 ) -> LossOutput:
     """`fusedrl.distill_loss` of the logits `student_hidden @ student_weight.T + student_bias`
     and `teacher_hidden @ teacher_weight.T + teacher_bias`, which are never stored whole.
@@ -259,6 +261,9 @@ def linear_distill_loss(
             `fusedrl.distill_loss`.
         student_bias, teacher_bias: [V] or None.
         backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
+        student_transform, teacher_transform: each model's soft cap / logit scale after its
+            head, as {"softcap": c, "logit_scale": s} (`model_logit_transform(model)`; None:
+            none), applied to each chunk of its logits as in `linear_policy_loss`.
 
     Returns:
         LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
@@ -287,6 +292,9 @@ def linear_distill_loss(
         teacher_hidden, teacher_weight, teacher_bias, student_hidden, weight.shape[0],
         ("teacher_hidden", "teacher_weight", "teacher_bias"),
     )  # fmt: skip
+    student_kwargs = _transform_kwargs(student_transform, "student_transform")
+    teacher_kwargs = _transform_kwargs(teacher_transform, "teacher_transform")
+    head.transform = check_logit_transform(**teacher_kwargs)
     if kind == "sampled_reverse_kl":
         from ..linear import linear_token_logprobs
         from .sampled import check_sampled_config, shifted_advantage_loss
@@ -301,24 +309,25 @@ def linear_distill_loss(
         flat = inp.flat_input
         teacher_rows = head.hidden[0] if flat else head.hidden
 
-        def logprobs(hidden, head_weight, head_bias):
+        def logprobs(hidden, head_weight, head_bias, transform):
             def run(labels):
                 return linear_token_logprobs(
-                    hidden, head_weight, labels, temperature, bias=head_bias, backend=backend
-                )[0]
+                    hidden, head_weight, labels, temperature, bias=head_bias, backend=backend,
+                    **transform,
+                )[0]  # fmt: skip
 
             return run
 
         def loss(shifted):
             return linear_policy_loss(
                 student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
-                normalizer=normalizer, bias=bias, backend=backend,
+                normalizer=normalizer, bias=bias, backend=backend, **student_kwargs,
             )  # fmt: skip
 
         return shifted_advantage_loss(
-            inp, beta, logprobs(teacher_rows, head.weight, head.bias),
+            inp, beta, logprobs(teacher_rows, head.weight, head.bias, teacher_kwargs),
             logprobs(student_hidden.detach(), weight.detach(),
-                     None if bias is None else bias.detach()),
+                     None if bias is None else bias.detach(), student_kwargs),
             old_logp, loss,
         )  # fmt: skip
     cfg = distill_config(config)
@@ -327,7 +336,10 @@ def linear_distill_loss(
         student_hidden, labels, advantages, mask, None, None, None, cfg, normalizer,
         vocab=weight.shape[0], source="student_hidden",
     )  # fmt: skip
-    lin = LinearInputs(hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None))
+    lin = LinearInputs(
+        hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None),
+        transform=check_logit_transform(**student_kwargs),
+    )  # fmt: skip
     ops = two_row_ops(backend, student_hidden.device)
     kind = resolved_kind(kind, beta)
     want = wanted_grads(student_hidden, weight, bias)
@@ -342,3 +354,15 @@ def linear_distill_loss(
     return LossOutput(
         loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
     )
+
+
+def _transform_kwargs(transform: object, name: str) -> dict:
+    """{"softcap", "logit_scale"} of a model's head transform (None: neither)."""
+    if transform is None:
+        return {}
+    if not isinstance(transform, dict) or not set(transform) <= {"softcap", "logit_scale"}:
+        raise ValueError(
+            f"{name} must be None or a dict with keys softcap / logit_scale (as "
+            f"model_logit_transform returns), got {transform!r}"
+        )
+    return dict(transform)
