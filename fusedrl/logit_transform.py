@@ -50,7 +50,9 @@ class LogitTransform:
         return grad
 
 
-def check_logit_transform(softcap: object, logit_scale: object) -> LogitTransform | None:
+def check_logit_transform(
+    softcap: object = None, logit_scale: object = None
+) -> LogitTransform | None:
     """The transform of `softcap=` / `logit_scale=` (None where both leave the logits as they
     are)."""
     for name, value in (("softcap", softcap), ("logit_scale", logit_scale)):
