@@ -338,10 +338,9 @@ def prepare_loss_inputs(
                 f"temperature (per token) and config.temperature={config.temperature} are both "
                 "set: pass one"
             )
-        if config.sampling is not None or config.full_kl:
+        if config.sampling is not None:
             raise NotImplementedError(
-                "per-token temperatures with top_k / top_p / min_p or the exact KL "
-                "(kl='full' / 'full_reverse') are not supported yet"
+                "per-token temperatures with top_k / top_p / min_p are not supported yet"
             )
         row_temps = check_row_temperatures(temperature, shape, device, flat_input, valid)
 

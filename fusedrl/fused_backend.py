@@ -283,14 +283,17 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
+    # The two-row ops of every backend take per-token temperatures.
+    scalar = cfg.temperature
+    rows = {} if inp.row_temps is None else {"row_temps": inp.row_temps}
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(
-        inp.logits, inp.ref_logits, inp.labels, inp.valid, cfg.temperature, kind, 0.0
+        inp.logits, inp.ref_logits, inp.labels, inp.valid, scalar, kind, 0.0, **rows
     )
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
     if grad_out is not None:
         ops.two_rows.grad(
-            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, cfg.temperature,
-            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy,
+            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, scalar,
+            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy, **rows,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms
 

@@ -581,7 +581,7 @@ def policy_loss(
         loss = zero
     if cfg.kl in ("full", "full_reverse"):
         safe_ref = torch.where(inp.valid.unsqueeze(-1), inp.ref_logits, 0.0)
-        kl = exact_kl(safe_logits, safe_ref, cfg.temperature, cfg.kl)
+        kl = exact_kl(safe_logits, safe_ref, divisor, cfg.kl)
         kl = torch.where(inp.valid, kl, 0.0)
         metrics["kl"] = masked_mean(kl.detach(), inp)
         if cfg.beta > 0:
@@ -676,6 +676,14 @@ def distill_loss(
     keep = inp.valid.unsqueeze(-1)
     safe_student = torch.where(keep, inp.logits, 0.0)
     safe_teacher = torch.where(keep, teacher, 0.0)
+    if isinstance(temperature, torch.Tensor):  # one per token (or per sequence, [B])
+        per_token = temperature.float()
+        if inp.flat_input:
+            per_token = per_token.reshape(1, -1)
+        elif per_token.dim() == 1:
+            per_token = per_token[:, None]
+        temperature = torch.where(inp.valid, per_token.expand(inp.labels.shape), 1.0)
+        temperature = temperature.unsqueeze(-1)
     divergence = distill_divergence(safe_student, safe_teacher, kind, beta, temperature)
     divergence = torch.where(inp.valid, divergence, 0.0)
     loss = aggregate(divergence, inp, cfg)
@@ -692,9 +700,16 @@ def _sampled_reverse_kl(
 ) -> LossOutput:  # fmt: skip
     """kind="sampled_reverse_kl": the policy loss of `cfg` with advantages
     A_t - beta (log pi_old(y_t) - log pi_teacher(y_t)) (pi_old: old_logp, else the student)."""
-    cfg = dataclasses.replace(cfg, temperature=temperature)
     valid = mask != 0
     safe = torch.where(valid, labels, 0)
+    per_token = {}
+    if isinstance(temperature, torch.Tensor):  # each token's own; masked ones may hold anything
+        if temperature.dim() == 1 and valid.dim() == 2:
+            temperature = temperature[:, None]
+        temperature = torch.where(valid, temperature.float().expand(valid.shape), 1.0)
+        per_token = {"temperature": temperature}
+    else:
+        cfg = dataclasses.replace(cfg, temperature=temperature)
     with torch.no_grad():
         teacher_logp, _ = token_logprobs(teacher_logits.detach(), safe, temperature)
         sampler = old_logp
@@ -707,7 +722,7 @@ def _sampled_reverse_kl(
         advantages = advantages.float()[:, None].expand_as(gap)
     out = policy_loss(
         student_logits, labels, advantages - beta * gap, mask, old_logp=old_logp, config=cfg,
-        normalizer=normalizer,
+        normalizer=normalizer, **per_token,
     )  # fmt: skip
     weights = torch.where(valid, mask.float(), 0.0)
     out.metrics["distill"] = (gap * weights).sum() / weights.sum().clamp_min(1e-8)

@@ -110,14 +110,15 @@ def two_rows_fwd(
     temperature: float,
     kind: str,
     beta: float,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _two_rows_kernels().two_rows_forward(
-        student, teacher, labels, valid, temperature, kind, beta
+        student, teacher, labels, valid, temperature, kind, beta, row_temps
     )
 
 
 @two_rows_fwd.register_fake
-def _(student, teacher, labels, valid, temperature, kind, beta):
+def _(student, teacher, labels, valid, temperature, kind, beta, row_temps=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(6))
 
 
@@ -138,10 +139,11 @@ def two_rows_grad(
     entropy: torch.Tensor | None,
     dlogp: torch.Tensor | None,
     dentropy: torch.Tensor | None,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
     _two_rows_kernels().two_rows_backward(
         student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, beta, out,
-        labels, entropy, dlogp, dentropy,
+        labels, entropy, dlogp, dentropy, row_temps,
     )  # fmt: skip
 
 

@@ -38,7 +38,16 @@ import triton.language as tl
 
 from .device import launches_on
 from .logprobs import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, fast_exp2
-from .rows import LN2, LOG2E, accumulate_weighted, exp2, row_offset, scaled
+from .rows import (
+    LN2,
+    LOG2E,
+    accumulate_weighted,
+    exp2,
+    row_offset,
+    row_temperature,
+    row_temperature_arg,
+    scaled,
+)
 
 KIND_CODES = {"kl": 0, "kl_rev": 1, "jsd": 2}
 # Two rows per element and up to six running sums per slot: a tile of 2048 elements (8 warps, 8
@@ -119,6 +128,7 @@ def _two_rows_fwd_kernel(
     value_ptr,
     aux_ptr,
     entropy_ptr,
+    temperature_ptr,
     time,
     vocab,
     s_stride_b,
@@ -131,6 +141,7 @@ def _two_rows_fwd_kernel(
     log2_rest,
     KIND: tl.constexpr,
     HAS_VALID: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -139,6 +150,10 @@ def _two_rows_fwd_kernel(
     if HAS_VALID:
         valid = tl.load(valid_ptr + row)
     if valid != 0:
+        # (the 1 / T it also returns is not needed here)
+        unused_inv_t, row_scale2 = row_temperature(
+            temperature_ptr, row, scale2, scale2, ROW_TEMPERATURE
+        )
         s_row = s_ptr + row_offset(row, time, s_stride_b, s_stride_t)
         q_row = q_ptr + row_offset(row, time, q_stride_b, q_stride_t)
         max_s = tl.full([BLOCK_V], -float("inf"), tl.float32)
@@ -149,7 +164,7 @@ def _two_rows_fwd_kernel(
         other_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_q: E_s[y_q]
         cross_q = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_q - max) (y_q - y_s): E_q
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, _ = _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V)
+            ys, yq, _ = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
             max_s, total_s, own_s, other_s = _accumulate_two(
                 max_s, total_s, own_s, other_s, ys, yq, FAST_EXP2
             )
@@ -169,7 +184,7 @@ def _two_rows_fwd_kernel(
             sum_d = tl.zeros([BLOCK_V], tl.float32)
             sum_sg = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
-                ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V)
+                ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
                 ls2 = ys - lse2_s
                 lq2 = yq - lse2_q
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)
@@ -179,7 +194,7 @@ def _two_rows_fwd_kernel(
                 sum_sg += ps * (1.0 - beta) * (ls2 - lm2)
             value = tl.sum(sum_d, axis=0) * LN2
             aux = tl.sum(sum_sg, axis=0) * LN2
-        label_y = scaled(tl.load(s_row + tl.load(labels_ptr + row)), scale2)
+        label_y = scaled(tl.load(s_row + tl.load(labels_ptr + row)), row_scale2)
         tl.store(logp_ptr + row, (label_y - lse2_s) * LN2)
         tl.store(lse_s_ptr + row, lse2_s * LN2)
         tl.store(lse_q_ptr + row, lse2_q * LN2)
@@ -209,6 +224,7 @@ def _two_rows_grad_kernel(
     entropy_ptr,
     dlogp_ptr,
     dentropy_ptr,
+    temperature_ptr,
     time,
     vocab,
     s_stride_b,
@@ -224,6 +240,7 @@ def _two_rows_grad_kernel(
     one_minus_beta,
     KIND: tl.constexpr,
     WITH_POLICY: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -236,13 +253,16 @@ def _two_rows_grad_kernel(
         dlogp = tl.load(dlogp_ptr + row)
         dentropy = tl.load(dentropy_ptr + row)
     if (weight != 0) | (dlogp != 0) | (dentropy != 0):
+        row_inv_t, row_scale2 = row_temperature(
+            temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
+        )
         s_row = s_ptr + row_offset(row, time, s_stride_b, s_stride_t)
         q_row = q_ptr + row_offset(row, time, q_stride_b, q_stride_t)
         lse2_s = tl.load(lse_s_ptr + row) * LOG2E
         lse2_q = tl.load(lse_q_ptr + row) * LOG2E
         value = tl.load(value_ptr + row)
         aux = tl.load(aux_ptr + row)
-        factor = weight * inv_temperature
+        factor = weight * row_inv_t
         label = 0
         entropy = 0.0
         if WITH_POLICY:
@@ -251,7 +271,7 @@ def _two_rows_grad_kernel(
             label = tl.load(labels_ptr + row)
             entropy = tl.load(entropy_ptr + row)
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V)
+            ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
             ls2 = ys - lse2_s
             lq2 = yq - lse2_q
             ps = tl.exp2(ls2)
@@ -267,7 +287,7 @@ def _two_rows_grad_kernel(
                 # d logp / dx = (onehot - s) / T; d H / dx = -s (log s + H) / T
                 onehot = tl.where(start + offs == label, 1.0, 0.0)
                 policy = dlogp * (onehot - ps) - dentropy * ps * (ls2 * LN2 + entropy)
-                grad += policy * inv_temperature
+                grad += policy * row_inv_t
             tl.store(out_row + start + offs, grad.to(out_ptr.dtype.element_ty), mask=in_row)
     else:
         zeros = tl.zeros([BLOCK_V], out_ptr.dtype.element_ty)
@@ -291,11 +311,12 @@ def two_rows_forward(
     temperature: float,
     kind: str,
     beta: float = 0.5,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] student and teacher logits (vocab contiguous, any batch/time strides) ->
     (student logp of labels, lse of student, lse of teacher, D, sum s g, student entropy), each
     [B, T] fp32. `kind`: "kl", "kl_rev" or "jsd" (0 < beta < 1). Masked rows (valid == 0) get
-    zeros."""
+    zeros. `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
     batch, time, vocab = student.shape
     outs = tuple(
         torch.empty(batch, time, dtype=torch.float32, device=student.device) for _ in range(6)
@@ -312,6 +333,7 @@ def two_rows_forward(
         labels,
         valid_arg,
         *outs,
+        row_temperature_arg(row_temps, outs[0]),
         time,
         vocab,
         student.stride(0),
@@ -324,6 +346,7 @@ def two_rows_forward(
         log2_rest,
         KIND=KIND_CODES[kind],
         HAS_VALID=valid is not None,
+        ROW_TEMPERATURE=row_temps is not None,
         FAST_EXP2=fast_exp2(student.device),
         BLOCK_V=block,
         **launch_options(block, student.element_size()),
@@ -348,11 +371,12 @@ def two_rows_backward(
     entropy: torch.Tensor | None = None,
     dlogp: torch.Tensor | None = None,
     dentropy: torch.Tensor | None = None,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
     """out[b, t] = weight[b, t] dD/d(student[b, t]) ([B, T, V]; out may be `student`). With
     `dlogp` (and labels, the forward's entropy, and dentropy or None), plus the policy loss's own
     terms dlogp (onehot - s) / T + dentropy dH/dx: the whole gradient of a policy loss with the
-    exact KL in one pass over both rows."""
+    exact KL in one pass over both rows. `row_temps`: per-token temperatures, as forward."""
     batch, time, vocab = student.shape
     if batch * time == 0:
         return
@@ -378,6 +402,7 @@ def two_rows_backward(
         entropy,
         dlogp,
         dentropy,
+        row_temperature_arg(row_temps, weight),
         time,
         vocab,
         student.stride(0),
@@ -393,6 +418,7 @@ def two_rows_backward(
         1.0 - beta,
         KIND=KIND_CODES[kind],
         WITH_POLICY=with_policy,
+        ROW_TEMPERATURE=row_temps is not None,
         BLOCK_V=block,
         **launch_options(block, student.element_size()),
     )

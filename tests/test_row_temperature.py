@@ -171,10 +171,68 @@ def test_misuse_is_named():
         fusedrl.token_logprobs(data["logits"], data["labels"], temps, top_k=5)
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         fusedrl.policy_loss(**data, temperature=temps, vocab_start=0)
-    with pytest.raises(TypeError, match="temperature must be a number"):
-        fusedrl.distill_loss(data["logits"], data["logits"], data["labels"], data["mask"],
-                             temperature=temps)  # fmt: skip
     cuda_like = fused_backend.FusedOps(*[None] * 4)  # the CUDA extension's ops: no row_temps
     with pytest.raises(ValueError, match="CUDA extension takes one temperature"):
         fused_backend.temperature_args(cuda_like, temps)
     assert fused_backend.temperature_args(cuda_like, 0.7) == (0.7, {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["jsd", "reverse_kl", "sampled_reverse_kl"])
+def test_distillation_takes_them(kind, backend):
+    """distill_loss through the two-row ops (Triton's load the row's temperature like the row
+    kernels), and the sampled form through the policy loss: against the oracle."""
+    data = make_batch(vocab=131, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    teacher = data["logits"] + 1.5 * torch.randn(data["logits"].shape, generator=gen)
+    temps = _temperatures(data["labels"].shape, seed=4, masked=~data["mask"])
+    extra = {}
+    if kind == "sampled_reverse_kl":
+        extra = dict(advantages=data["advantages"], config=LossConfig.preset("dapo"))
+    args = (teacher, data["labels"], data["mask"])
+    kwargs = dict(kind=kind, beta=0.3, temperature=temps, **extra)
+    x = data["logits"].clone().requires_grad_(True)
+    ours = fusedrl.distill_loss(x, *args, backend=backend, **kwargs)
+    (grad,) = torch.autograd.grad(ours.loss, x)
+    y = data["logits"].clone().requires_grad_(True)
+    want = reference.distill_loss(y, *args, **kwargs)
+    (want_grad,) = torch.autograd.grad(want.loss, y)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-4)
+    mean_t = temps[data["mask"]].mean().item()
+    scalar = fusedrl.distill_loss(data["logits"], *args, **dict(kwargs, temperature=mean_t))
+    assert (scalar.loss - ours.loss).abs() > 1e-3  # the per-token temperatures acted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kl", ["full", "full_reverse"])
+def test_the_exact_kl_takes_them(kl, backend, monkeypatch):
+    """policy_loss(ref_logits=) and linear_policy_loss(ref_weight=) with kl="full": the two-row
+    ops on the row's own temperature, against the oracle."""
+    monkeypatch.setattr(fusedrl.distill.linear, "PAIR_CHUNK_BYTES", 2 * 5 * 131 * 4)
+    data = make_batch(vocab=131, seed=14)
+    del data["ref_logp"]
+    gen = torch.Generator().manual_seed(15)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    ref_weight = weight + 0.5 * torch.randn(131, 16, generator=gen)
+    temps = _temperatures((3, 7), seed=6)
+    cfg = LossConfig.preset("dapo", kl=kl, beta=0.3)
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, temperature=temps,
+                                      ref_weight=ref_weight, backend=backend)  # fmt: skip
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    ref_logits = hidden @ ref_weight.T
+    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, temperature=temps,
+                                 ref_logits=ref_logits)  # fmt: skip
+    want_grads = torch.autograd.grad(want.loss, oracle)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.metrics["kl"], want.metrics["kl"], atol=1e-6, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    logits_form, logits_grad = _run(
+        fusedrl.policy_loss, dict(data, logits=hidden @ weight.T), config=cfg,
+        temperature=temps, ref_logits=ref_logits, backend=backend,
+    )  # fmt: skip
+    torch.testing.assert_close(logits_form.loss, want.loss, atol=1e-5, rtol=1e-5)

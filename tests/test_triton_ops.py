@@ -160,6 +160,13 @@ def test_opcheck_two_rows_ops():
             (student, teacher, lse_s, lse_q, value, aux, rows, 0.9, kind, beta,
              torch.empty_like(student), labels, entropy, rows, rows),
         )  # fmt: skip
+        row_temps = {"row_temps": 0.5 + torch.rand(labels.shape)}  # per-token temperatures
+        torch.library.opcheck(triton_backend.two_rows_fwd, args, row_temps)
+        torch.library.opcheck(
+            triton_backend.two_rows_grad,
+            (student, teacher, lse_s, lse_q, value, aux, rows, 0.9, kind, beta,
+             torch.empty_like(student), None, None, None, None), row_temps,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("kl", ["full", "full_reverse"])

@@ -122,7 +122,7 @@ def distill_loss(
     mask: torch.Tensor,
     kind: str = "reverse_kl",
     beta: float = 0.5,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     config: LossConfig | None = None,
     normalizer: torch.Tensor | float | None = None,
     inplace: bool = False,
@@ -143,7 +143,8 @@ def distill_loss(
             A_t - beta (old_logp_t - log pi_teacher(y_t)) (fusedrl/distill/sampled.py).
         beta: jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: reverse_kl);
             for sampled_reverse_kl the teacher term's coefficient (>= 0).
-        temperature: both distributions are softmax(logits / temperature).
+        temperature: both distributions are softmax(logits / temperature); a tensor holds
+            one per token ([B, T], or [B] one per sequence), as in `policy_loss`.
         config: a LossConfig whose `agg` (and `norm_constant`) aggregate the per-token
             divergence (default token-mean, TRL's and Liger's normalisation); for
             sampled_reverse_kl the whole policy loss (preset, clip, IS, aggregation).
@@ -162,7 +163,8 @@ def distill_loss(
         entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
     """
     beta = check_distill_args(kind, beta)
-    temperature = check_temperature(temperature)
+    per_token = isinstance(temperature, torch.Tensor)
+    temperature = temperature if per_token else check_temperature(temperature)
     if backend not in DISTILL_BACKENDS:
         raise ValueError(
             f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
@@ -184,8 +186,10 @@ def distill_loss(
     # distillation has no advantages.
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     inp = prepare_loss_inputs(
-        student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
-    )
+        student_logits, labels, advantages, mask, None, None, None, cfg, normalizer,
+        temperature=temperature if per_token else None,
+    )  # fmt: skip
+    temperature = inp.row_temps if per_token else temperature
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
     ops = two_row_ops(backend, inp.logits.device)
     kind = resolved_kind(kind, beta)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._inputs import check_lm_head, check_logits
+from .._inputs import check_lm_head, check_logits, temperature_of
 from ..config import LossConfig
 from ..fused_backend import TwoRowOps, needs_two_passes
 from ..linear_torch import (
@@ -37,6 +37,7 @@ from ..token_terms import (
     token_terms,
     with_rejection,
 )
+from .rows import two_row_temperature
 
 # Both heads' logits chunks together: 256 MiB (441 rows of each at V = 151936 in bf16).
 PAIR_CHUNK_BYTES = 256 * 2**20
@@ -132,7 +133,7 @@ def pair_sweep(
     ops: TwoRowOps,
     code: str,
     beta: float,
-    temperature: float,
+    temperature: float | torch.Tensor,
     want: tuple[bool, bool, bool],
     weight: torch.Tensor | None = None,
     policy: PolicyDerivatives | None = None,
@@ -154,11 +155,17 @@ def pair_sweep(
     sums = GradSums(lin, masked_rows(lin), want) if any(want) else None
     for start, stop, student, teacher, derivative in _pair_chunks(lin, head, sums is not None):
         cut = [t[:, start:stop] for t in stats]
+        if isinstance(temperature, torch.Tensor):  # the chunk's rows' own
+            scalar, chunk_rows_t = two_row_temperature(temperature.reshape(1, -1)[:, start:stop])
+        else:
+            scalar, chunk_rows_t = two_row_temperature(temperature)
+        chunk_t = (scalar,)
         rows_labels = labels[:, start:stop]
         if saved is None:
             chunk = ops.forward(
-                student, teacher, rows_labels, valid[:, start:stop], temperature, code, beta
-            )
+                student, teacher, rows_labels, valid[:, start:stop], *chunk_t, code, beta,
+                **chunk_rows_t,
+            )  # fmt: skip
             for whole, part in zip(cut, chunk):
                 whole.copy_(part)
         if sums is None:
@@ -170,9 +177,9 @@ def pair_sweep(
             dlogp = dlogp.reshape(1, -1)
             dentropy = None if dentropy is None else dentropy.reshape(1, -1)
         ops.grad(
-            student, teacher, lse_s, lse_q, value, aux, flat_weight[:, start:stop], temperature,
+            student, teacher, lse_s, lse_q, value, aux, flat_weight[:, start:stop], scalar,
             code, beta, student, rows_labels if policy is not None else None,
-            entropy if policy is not None else None, dlogp, dentropy,
+            entropy if policy is not None else None, dlogp, dentropy, **chunk_rows_t,
         )  # fmt: skip
         grad = student[0]
         if lin.transform is not None:
@@ -200,17 +207,18 @@ def policy_loss_with_reference(
     inp = lin.rows
     need_entropy = need_entropy or cfg.needs_entropy
     code = _KL_CODE[cfg.kl]
+    temperature = temperature_of(inp, cfg)
     if any(want) and not needs_two_passes(inp, cfg):
         agg = aggregation_weights(with_rejection(inp, cfg), cfg)
         dfull_kl = torch.where(inp.valid, cfg.beta * agg, 0.0)
         stats, grads = pair_sweep(
-            lin, head, ops, code, 0.0, cfg.temperature, want, dfull_kl,
+            lin, head, ops, code, 0.0, temperature, want, dfull_kl,
             # the exact KL's share goes to the kernel as its own weight (dfull_kl): the policy's
             # per-token derivatives are those of the loss without it
             token_level_derivatives(lin, cfg.replace(kl=None, beta=0.0)),
         )  # fmt: skip
     else:
-        stats, grads = pair_sweep(lin, head, ops, code, 0.0, cfg.temperature, (False,) * 3)
+        stats, grads = pair_sweep(lin, head, ops, code, 0.0, temperature, (False,) * 3)
     logp, kl, entropy = stats[0], stats[3], stats[5] if need_entropy else None
     terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
     if any(want) and grads is None:
@@ -223,7 +231,7 @@ def policy_loss_with_reference(
             )
 
         _, grads = pair_sweep(
-            lin, head, ops, code, 0.0, cfg.temperature, want, terms.dfull_kl, known, saved=stats
+            lin, head, ops, code, 0.0, temperature, want, terms.dfull_kl, known, saved=stats
         )
     return logp, entropy, terms, grads
 
@@ -237,7 +245,7 @@ def linear_distill_loss(
     mask: torch.Tensor,
     kind: str = "reverse_kl",
     beta: float = 0.5,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     config: LossConfig | None = None,
     normalizer: torch.Tensor | float | None = None,
     student_bias: torch.Tensor | None = None,
@@ -281,7 +289,8 @@ def linear_distill_loss(
     from .rows import KERNEL_KIND
 
     beta = check_distill_args(kind, beta)
-    temperature = check_temperature(temperature)
+    per_token_t = isinstance(temperature, torch.Tensor)
+    temperature = temperature if per_token_t else check_temperature(temperature)
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
     check_sampled_args(kind, advantages, old_logp)
@@ -297,15 +306,21 @@ def linear_distill_loss(
     head.transform = check_logit_transform(**teacher_kwargs)
     if kind == "sampled_reverse_kl":
         from ..linear import linear_token_logprobs
-        from .sampled import check_sampled_config, shifted_advantage_loss
+        from .sampled import (
+            check_sampled_config,
+            checked_temperature,
+            per_token,
+            shifted_advantage_loss,
+        )
 
         cfg = check_sampled_config(config, temperature)
         if advantages is None:  # pure distillation
             advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
         inp = prepare_loss_inputs(
             student_hidden, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
-            vocab=weight.shape[0], source="student_hidden",
+            vocab=weight.shape[0], source="student_hidden", **per_token(temperature),
         )  # fmt: skip
+        temperature = checked_temperature(inp, temperature)
         flat = inp.flat_input
         teacher_rows = head.hidden[0] if flat else head.hidden
 
@@ -322,6 +337,7 @@ def linear_distill_loss(
             return linear_policy_loss(
                 student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
                 normalizer=normalizer, bias=bias, backend=backend, **student_kwargs,
+                **per_token(temperature),
             )  # fmt: skip
 
         return shifted_advantage_loss(
@@ -335,7 +351,9 @@ def linear_distill_loss(
     inp = prepare_loss_inputs(
         student_hidden, labels, advantages, mask, None, None, None, cfg, normalizer,
         vocab=weight.shape[0], source="student_hidden",
+        temperature=temperature if per_token_t else None,
     )  # fmt: skip
+    temperature = inp.row_temps if per_token_t else temperature
     lin = LinearInputs(
         hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None),
         transform=check_logit_transform(**student_kwargs),

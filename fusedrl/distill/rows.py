@@ -31,8 +31,9 @@ def distill(
     d(loss)/d(student logits) into grad_out (which may be the student's logits). `kind` is
     resolved (jsd at beta 0 / 1 is a KL)."""
     code = KERNEL_KIND[kind]
+    temperature, rows_t = two_row_temperature(temperature)
     logp, lse_s, lse_q, value, aux, _ = ops.forward(
-        inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta
+        inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta, **rows_t
     )
     agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: 0 off the counted tokens
     divergence = torch.where(inp.valid, value, 0.0)
@@ -40,6 +41,14 @@ def distill(
     if grad_out is not None:
         ops.grad(
             inp.logits, teacher, lse_s, lse_q, value, aux, agg_w, temperature, code, beta,
-            grad_out, None, None, None, None,
+            grad_out, None, None, None, None, **rows_t,
         )  # fmt: skip
     return loss, torch.where(inp.valid, logp, 0.0), divergence
+
+
+def two_row_temperature(temperature) -> tuple[float, dict]:
+    """(the two-row ops' temperature, their row_temps= keyword) of a float or of per-token
+    temperatures ([B, T] or a [1, n] slice of them); both backends' ops take either."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, {"row_temps": temperature}
+    return temperature, {}

@@ -72,11 +72,19 @@ def teacher_shifted_advantages(
     return advantages - beta * gap, gap
 
 
-def check_sampled_config(cfg: object, temperature: float) -> LossConfig:
-    """The policy loss's config at the distillation's temperature."""
+def check_sampled_config(cfg: object, temperature) -> LossConfig:
+    """The policy loss's config at the distillation's temperature (per-token temperatures:
+    left at 1, the tensor goes to the loss as its `temperature=`)."""
     cfg = cfg if cfg is not None else LossConfig()
     if not isinstance(cfg, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
+    if isinstance(temperature, torch.Tensor):
+        if cfg.temperature != 1.0:
+            raise ValueError(
+                f"temperature (per token) and config.temperature={cfg.temperature} are both "
+                "set: pass one"
+            )
+        return cfg
     if cfg.temperature not in (1.0, temperature):
         raise ValueError(
             f"config.temperature={cfg.temperature!r} differs from temperature={temperature!r}: "
@@ -107,8 +115,10 @@ def sampled_reverse_kl(
     # The policy loss's own checks (labels, mask, advantages, old_logp), before any kernel runs:
     # [B, T] tensors, masked labels made safe, per-sequence advantages broadcast.
     inp = prepare_loss_inputs(
-        student_logits, labels, advantages, mask, old_logp, None, None, cfg, normalizer
-    )
+        student_logits, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
+        **per_token(temperature),
+    )  # fmt: skip
+    temperature = checked_temperature(inp, temperature)
 
     def logprobs(logits):
         return lambda labels: token_logprobs(logits, labels, temperature, backend=backend)[0]
@@ -116,10 +126,24 @@ def sampled_reverse_kl(
     def loss(shifted):
         return policy_loss(
             student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
-            normalizer=normalizer, inplace=inplace, backend=backend,
+            normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
         )  # fmt: skip
 
     return shifted_advantage_loss(
         inp, beta, logprobs(teacher_logits.detach()), logprobs(student_logits.detach()),
         old_logp, loss,
     )  # fmt: skip
+
+
+def per_token(temperature) -> dict:
+    """The policy loss's `temperature=` keyword for per-token temperatures (a float is in the
+    config already)."""
+    return {"temperature": temperature} if isinstance(temperature, torch.Tensor) else {}
+
+
+def checked_temperature(inp, temperature):
+    """Per-token temperatures as the policy loss checked them ([B, T] or the caller's [N];
+    1 on masked tokens, whose rows the log-prob calls read too), or the float."""
+    if inp.row_temps is None:
+        return temperature
+    return inp.row_temps[0] if inp.flat_input else inp.row_temps

@@ -29,6 +29,7 @@ from ..torch_backend import (
     full_kl_of,
     row_blocks,
     row_sum,
+    rows_temperature,
 )
 
 # kernel kind -> the exact-KL direction of torch_backend ("full": KL(s || q))
@@ -69,9 +70,12 @@ def forward(
     temperature: float,
     kind: str,
     beta: float,
+    row_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] student and teacher logits -> (student logp of labels, lse of student, lse of
-    teacher, D, aux, student entropy), each [B, T]; masked rows (valid False) get zeros."""
+    teacher, D, aux, student entropy), each [B, T]; masked rows (valid False) get zeros.
+    `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
+    temperature = temperature if row_temps is None else row_temps
     batch, time, _ = student.shape
     outs = [
         torch.zeros(batch * time, dtype=_out_dtype(student), device=student.device)
@@ -81,8 +85,9 @@ def forward(
     flat_labels = labels.reshape(-1)
     for start, (s_block, q_block) in row_blocks(student, teacher):
         stop = start + s_block.shape[0]
-        log_s, block_lse_s = block_log_probs(s_block, temperature)
-        log_q, block_lse_q = block_log_probs(q_block, temperature)
+        rows_t = rows_temperature(temperature, start, stop)
+        log_s, block_lse_s = block_log_probs(s_block, rows_t)
+        log_q, block_lse_q = block_log_probs(q_block, rows_t)
         if kind == "jsd":
             value[start:stop], aux[start:stop] = _jsd(log_s, log_q, beta)
         else:
@@ -114,10 +119,12 @@ def grad(
     entropy: torch.Tensor | None = None,
     dlogp: torch.Tensor | None = None,
     dentropy: torch.Tensor | None = None,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
     """out = weight x dD/d(student) ([B, T, V]; out may be `student`), plus with `dlogp` the
     policy loss's own terms dlogp (onehot - s) / T + dentropy dH/dx. Rows with nothing to
-    write get exact zeros, whatever their logits hold."""
+    write get exact zeros, whatever their logits hold. `row_temps`: as forward."""
+    temperature = temperature if row_temps is None else row_temps
     flat = [
         None if t is None else t.reshape(-1)
         for t in (value, aux, weight, labels, entropy, dlogp, dentropy)
@@ -125,21 +132,22 @@ def grad(
     flat_value, flat_aux, flat_weight, flat_labels, flat_entropy, flat_dlogp, flat_dent = flat
     for start, (s_block, q_block, out_block) in row_blocks(student, teacher, out):
         stop = start + s_block.shape[0]
-        log_s, _ = block_log_probs(s_block, temperature)
-        log_q, _ = block_log_probs(q_block, temperature)
+        rows_t = rows_temperature(temperature, start, stop)
+        log_s, _ = block_log_probs(s_block, rows_t)
+        log_q, _ = block_log_probs(q_block, rows_t)
         w = flat_weight[start:stop, None].to(log_s.dtype)
         if kind == "jsd":
             log_m = _log_mixture(log_s, log_q, beta)
             d_value = log_s.exp() * (_jsd_g(log_s, log_m, beta) - flat_aux[start:stop, None])
         else:
             d_value = full_kl_grad(log_s, log_q, flat_value[start:stop], _KL_DIRECTION[kind])
-        block = w * d_value / temperature
+        block = w * d_value / rows_t
         live = w != 0
         if flat_dlogp is not None:
             block_dlogp = flat_dlogp[start:stop]
             block_dent = None if flat_dent is None else flat_dent[start:stop]
             block = block + block_grad(
-                log_s, flat_labels[start:stop], temperature, block_dlogp, block_dent,
+                log_s, flat_labels[start:stop], rows_t, block_dlogp, block_dent,
                 flat_entropy[start:stop],
             )  # fmt: skip
             live = live | (block_dlogp != 0)[:, None]
