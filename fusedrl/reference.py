@@ -713,8 +713,11 @@ def _sampled_reverse_kl(
     with torch.no_grad():
         teacher_logp, _ = token_logprobs(teacher_logits.detach(), safe, temperature)
         sampler = old_logp
-        if sampler is None:
-            sampler, _ = token_logprobs(student_logits.detach(), safe, temperature)
+        if sampler is None:  # over the sampled sets, as the engine's log-probs are
+            sampler, _ = token_logprobs(
+                student_logits.detach(), safe, temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                min_p=cfg.min_p,
+            )  # fmt: skip
         gap = torch.where(valid, sampler.float() - teacher_logp, 0.0)
     if advantages is None:
         advantages = torch.zeros_like(gap)

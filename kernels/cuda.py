@@ -88,8 +88,8 @@ def load(verbose: bool = False):
         ops.cuda_logits_grad.default,
         ops.cuda_fused_token_loss.default,
         ops.cuda_fused_token_loss_inplace.default,
-        _triton_sampled_set(),
-        _triton_two_rows(),
+        _from_triton("sampled_set"),
+        _from_triton("TWO_ROWS"),
     )
 
 
@@ -115,24 +115,16 @@ def cluster_kernel_available(device=None, dtype: torch.dtype = torch.bfloat16) -
     return cluster_kernel_info(device, dtype)["available"]
 
 
-def _triton_sampled_set():
-    """The sampled-set select is a Triton kernel (csrc/ has none): used where triton is
-    installed, else fusedrl.sampling's torch select."""
+def _from_triton(name: str):
+    """A Triton op that csrc/ has no counterpart of (the sampled-set select, `sampled_set`; the
+    two-row kernels of the exact KL and distillation, `TWO_ROWS`): used where triton is
+    installed; else None (the select falls back to fusedrl.sampling's torch one, the exact KL and
+    distillation are refused with a message)."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from fusedrl.triton_backend import sampled_set
+    from fusedrl import triton_backend
 
-    return sampled_set
-
-
-def _triton_two_rows():
-    """The two-row kernels (the exact KL to the reference, distillation) are Triton's too:
-    used where triton is installed; else the exact KL is refused with a message."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from fusedrl.triton_backend import TWO_ROWS
-
-    return TWO_ROWS
+    return getattr(triton_backend, name)
 
 
 def _jit_build(verbose: bool) -> None:

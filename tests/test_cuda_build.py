@@ -515,9 +515,11 @@ def test_the_cuda_backend_takes_the_two_row_kernels_from_triton(monkeypatch):
     from fusedrl import triton_backend
     from fusedrl.kernels import cuda
 
-    assert cuda._triton_two_rows() is triton_backend.TWO_ROWS
+    assert cuda._from_triton("TWO_ROWS") is triton_backend.TWO_ROWS
+    assert cuda._from_triton("sampled_set") is triton_backend.sampled_set
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
     )
-    assert cuda._triton_two_rows() is None
+    assert cuda._from_triton("TWO_ROWS") is None
+    assert cuda._from_triton("sampled_set") is None

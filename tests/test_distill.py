@@ -256,6 +256,29 @@ def test_sampled_reverse_kl_equals_the_oracle(preset, backend):
     assert (grad - rl_grad).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_reverse_kl_takes_the_samplers_log_probs_over_its_sampled_sets(backend):
+    """On-policy with top_k: the sampler's log-probs (the gap's first term) are the engine's,
+    over the sampled set, as the reused batch's old_logp would be; the teacher's are its own."""
+    student, teacher, labels, mask, _, advantages = _sampled_inputs()
+    gen = torch.Generator().manual_seed(21)
+    top = student.topk(20, dim=-1).indices  # labels the engine could have sampled
+    labels = top.gather(-1, torch.randint(0, 20, (*labels.shape, 1), generator=gen))[..., 0]
+    cfg = LossConfig.preset("dapo", top_k=20)
+    kwargs = dict(kind="sampled_reverse_kl", beta=0.7, config=cfg, advantages=advantages)
+    ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
+    ours, grad = _run(
+        fusedrl.distill_loss, student, teacher, labels, mask, backend=backend, **kwargs
+    )
+    torch.testing.assert_close(ours.metrics["distill"], ref.metrics["distill"])
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    with torch.no_grad():  # the filter acted: the unfiltered gap is another number
+        full = torch.log_softmax(student, -1).gather(-1, labels[..., None])[..., 0]
+        taught = torch.log_softmax(teacher, -1).gather(-1, labels[..., None])[..., 0]
+        unfiltered = ((full - taught) * mask).sum() / mask.sum()
+    assert (ours.metrics["distill"] - unfiltered).abs() > 1e-3
+
+
 def test_sampled_reverse_kl_is_the_policy_loss_with_shifted_advantages():
     """Written out: A'_t = A_t - beta (old_t - log softmax(teacher)[y_t]) in policy_loss."""
     student, teacher, labels, mask, old, advantages = _sampled_inputs(seed=7)

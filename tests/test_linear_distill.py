@@ -324,6 +324,9 @@ def _misuse_cases():
         "teacher tokens": (
             "distill", dict(teacher_hidden=torch.zeros(3, 6, 12)), ValueError,
             "teacher_hidden shape"),
+        "teacher hidden dtype": (
+            "distill", dict(teacher_hidden=torch.zeros(3, 7, 12, dtype=torch.float64)),
+            TypeError, "teacher_hidden dtype torch.float64 must equal"),
         "teacher dtype": (
             "distill", dict(teacher_weight=torch.zeros(131, 12, dtype=torch.float64)),
             TypeError, "teacher_weight dtype"),

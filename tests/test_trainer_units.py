@@ -323,8 +323,19 @@ def test_the_teacher_term_on_every_path(kind):
     grads, metrics = [], []
     for lm_head, micro in ((False, 0), (False, 2), (True, 2)):
         model = _tiny_model()
-        metrics.append(accumulate_gradients(model, batch, cfg, micro, None, "torch",
-                                            lm_head=lm_head, teacher=teacher, distill=distill))
+        metrics.append(
+            accumulate_gradients(
+                model,
+                batch,
+                cfg,
+                micro,
+                None,
+                "torch",
+                lm_head=lm_head,
+                teacher=teacher,
+                distill=distill,
+            )
+        )
         grads.append(_flat_grads(model))
     model = _tiny_model()
     logits = completion_logits(model, batch, None)
@@ -364,8 +375,7 @@ def test_the_exact_kl_on_both_paths(lm_head):
     batch, _, _ = _tiny_batch(n=5)
     ref_model = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=4)
     model = _tiny_model()
-    accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head,
-                         ref_model=ref_model)
+    accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head, ref_model=ref_model)
     got = _flat_grads(model)
     model = _tiny_model()
     with torch.no_grad():
@@ -460,3 +470,29 @@ def test_the_documented_yaml_config_is_valid(tmp_path):
     (tmp_path / "run.yaml").write_text(block)
     cfg = parse_config(["--config", str(tmp_path / "run.yaml")])
     assert cfg.preset == "dapo" and cfg.dynamic_sampling and cfg.overlong_buffer == 256
+
+
+def test_distillation_on_the_cuda_backend_takes_tritons_two_row_kernels(monkeypatch):
+    """csrc has no two-row kernel: the trainer hands distill_loss backend="triton" when the run
+    says --backend cuda (config.py checks that triton is installed); the policy loss keeps
+    "cuda". Recorded on CPU, each call then run on the torch backend."""
+    from fusedrl.trainer.step import Distill
+
+    seen = {}
+    real_distill, real_policy = fusedrl.distill_loss, fusedrl.policy_loss
+
+    def distill(*args, backend, **kwargs):
+        seen["distill"] = backend
+        return real_distill(*args, backend="torch", **kwargs)
+
+    def policy(*args, backend, **kwargs):
+        seen["policy"] = backend
+        return real_policy(*args, backend="torch", **kwargs)
+
+    monkeypatch.setattr(fusedrl, "distill_loss", distill)
+    monkeypatch.setattr(fusedrl, "policy_loss", policy)
+    batch, _, _ = _tiny_batch(n=3)
+    teacher = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=3)
+    accumulate_gradients(_tiny_model(), batch, fusedrl.LossConfig.preset("dapo"), 0, None,
+                         "cuda", teacher=teacher, distill=Distill("jsd", 1.0, 0.5))  # fmt: skip
+    assert seen == {"distill": "triton", "policy": "cuda"}

@@ -44,9 +44,9 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
 
 
 def _triton_installed() -> bool:
-    import importlib.util
+    from fusedrl import api
 
-    return importlib.util.find_spec("triton") is not None
+    return api._TRITON_INSTALLED  # looked up once, at fusedrl's import
 
 
 @dataclass

@@ -278,20 +278,23 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         return out.loss, out
     if distill.kind == "sampled_reverse_kl":
         with torch.no_grad():
-            def logprobs(outputs):
+            def logprobs(outputs, filters):
                 if lm_head:
                     return fusedrl.linear_token_logprobs(
                         outputs[0].detach(), outputs[1].detach(), sub.labels, cfg.temperature,
                         bias=None if outputs[2] is None else outputs[2].detach(),
-                        backend=linear_backend, **outputs[4],
+                        backend=linear_backend, **outputs[4], **filters,
                     )[0]  # fmt: skip
                 return fusedrl.token_logprobs(
-                    outputs.detach(), sub.labels, cfg.temperature, backend=backend
+                    outputs.detach(), sub.labels, cfg.temperature, backend=backend, **filters
                 )[0]
 
-            sampler = sub.old_logp if sub.old_logp is not None else logprobs(policy)
+            # The sampler's log-probs are the engine's (over its sampled sets, as old_logp is
+            # when the batch is reused); the teacher's are its own, over the whole vocabulary.
+            filters = dict(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+            sampler = sub.old_logp if sub.old_logp is not None else logprobs(policy, filters)
             shifted, gap = teacher_shifted_advantages(
-                sub.advantages, sampler, logprobs(taught), sub.mask, distill.coef
+                sub.advantages, sampler, logprobs(taught, {}), sub.mask, distill.coef
             )
         out = policy_loss(shifted)
         out.metrics["distill"] = (gap * sub.mask).sum() / sub.mask.sum().clamp_min(1.0)
@@ -308,8 +311,10 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
             teacher_transform=taught[4], **common,
         )  # fmt: skip
     else:
+        # csrc has no two-row kernel: "cuda" runs Triton's (config.py checks it is installed)
         term = fusedrl.distill_loss(
-            logits, taught, sub.labels, sub.mask, backend=backend, **common
+            logits, taught, sub.labels, sub.mask,
+            backend="triton" if backend == "cuda" else backend, **common
         )
     out = policy_loss(sub.advantages)
     out.metrics["distill"] = term.metrics["distill"]

@@ -76,6 +76,11 @@ def check_teacher_head(
             f"{hidden_name} is on {hidden.device} but the student's hidden states are on "
             f"{student_hidden.device}"
         )
+    if hidden.dtype != student_hidden.dtype:
+        raise TypeError(
+            f"{hidden_name} dtype {hidden.dtype} must equal the student's hidden states' "
+            f"({student_hidden.dtype}): both heads' logits share one chunk dtype"
+        )
     weight, bias = check_lm_head(weight, bias, hidden, names=(weight_name, bias_name, hidden_name))
     if weight.shape[0] != vocab:
         raise ValueError(
@@ -310,6 +315,7 @@ def linear_distill_loss(
             check_sampled_config,
             checked_temperature,
             per_token,
+            sampling_filters,
             shifted_advantage_loss,
         )
 
@@ -343,7 +349,8 @@ def linear_distill_loss(
         return shifted_advantage_loss(
             inp, beta, logprobs(teacher_rows, head.weight, head.bias, teacher_kwargs),
             logprobs(student_hidden.detach(), weight.detach(),
-                     None if bias is None else bias.detach(), student_kwargs),
+                     None if bias is None else bias.detach(),
+                     {**student_kwargs, **sampling_filters(cfg)}),
             old_logp, loss,
         )  # fmt: skip
     cfg = distill_config(config)

@@ -120,8 +120,10 @@ def sampled_reverse_kl(
     )  # fmt: skip
     temperature = checked_temperature(inp, temperature)
 
-    def logprobs(logits):
-        return lambda labels: token_logprobs(logits, labels, temperature, backend=backend)[0]
+    def logprobs(logits, filters):
+        return lambda labels: token_logprobs(
+            logits, labels, temperature, backend=backend, **filters
+        )[0]
 
     def loss(shifted):
         return policy_loss(
@@ -129,9 +131,11 @@ def sampled_reverse_kl(
             normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
         )  # fmt: skip
 
+    # The sampler's log-probs over the engine's sampled sets (as its old_logp are); the
+    # teacher's over the whole vocabulary.
     return shifted_advantage_loss(
-        inp, beta, logprobs(teacher_logits.detach()), logprobs(student_logits.detach()),
-        old_logp, loss,
+        inp, beta, logprobs(teacher_logits.detach(), {}),
+        logprobs(student_logits.detach(), sampling_filters(cfg)), old_logp, loss,
     )  # fmt: skip
 
 
@@ -147,3 +151,8 @@ def checked_temperature(inp, temperature):
     if inp.row_temps is None:
         return temperature
     return inp.row_temps[0] if inp.flat_input else inp.row_temps
+
+
+def sampling_filters(cfg: LossConfig) -> dict:
+    """The config's top_k / top_p / min_p, as keywords of the log-prob functions."""
+    return {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
