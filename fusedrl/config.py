@@ -145,7 +145,7 @@ _NUMERIC_FIELDS = (
     "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
     "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-    "kl_cov_coef", "dppo_ratio_cap", "dro_beta", "top_p", "min_p",
+    "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "dro_beta", "top_p", "min_p",
 )  # fmt: skip
 
 
@@ -210,6 +210,10 @@ class LossConfig:
     # dppo_tv, binary KL for dppo_kl); the detached ratio is capped at dppo_ratio_cap (verl's
     # clip_ratio_c).
     dppo_ratio_cap: float = 3.0
+    # prime-rl's DPPO + KL (its default loss, after Kimi K2.5): kl_tau (log pi - log pi_old)^2
+    # added on every counted token of loss="dppo_tv" / "dppo_kl", those outside the trust region
+    # too (prime-rl's kl_tau; pi_old: the sampler). 0: off.
+    kl_tau: float = 0.0
     # DRO: -A logp + dro_beta / 2 (logp - old)^2; required (> 0) for loss="dro".
     dro_beta: float | None = None
     # verl's rollout rejection sampling: tokens / sequences whose KL(rollout || old) estimate
@@ -378,6 +382,14 @@ class LossConfig:
                 f"LossConfig.clip_cov_seed must be an int or None, got {self.clip_cov_seed!r}"
             )
         _check_positive("dppo_ratio_cap", self.dppo_ratio_cap)
+        if self.kl_tau != 0.0:
+            _check_positive("kl_tau", self.kl_tau)
+            if self.loss not in ("dppo_tv", "dppo_kl"):
+                raise ValueError(
+                    f"LossConfig.kl_tau={self.kl_tau!r} is DPPO's trust-region KL term "
+                    f"(loss='dppo_tv' / 'dppo_kl'), got loss={self.loss!r}: for a KL to the "
+                    "reference use kl / beta"
+                )
         if self.dro_beta is not None:
             _check_positive("dro_beta", self.dro_beta)
         elif self.loss == "dro":

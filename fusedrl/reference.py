@@ -467,7 +467,11 @@ def _verl_objective(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
         valid = torch.where(adv > 0, positive_ok, negative_ok).detach().float()
         metrics["clipfrac"] = masked_mean(1.0 - valid, inp)
         metrics["ratio_capped"] = masked_mean((ratio > cfg.dppo_ratio_cap).float() * valid, inp)
-        return -adv * truncated * logp * valid
+        loss = -adv * truncated * logp * valid
+        if cfg.kl_tau > 0:  # prime-rl's kl_tau (log r)^2, kept tokens or not
+            metrics["dppo_kl_term"] = masked_mean(log_ratio.detach() ** 2, inp)
+            loss = loss + cfg.kl_tau * log_ratio**2
+        return loss
     ratio = torch.exp(log_ratio)
     adv_c = torch.where(counted, adv, 0.0)
     logp_c = torch.where(counted, logp.detach(), 0.0)

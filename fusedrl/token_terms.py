@@ -313,7 +313,12 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
         inside = torch.where(adv > 0, up_ok, down_ok).float()
         metrics["clipfrac"] = masked_mean(1.0 - inside, inp)
         metrics["ratio_capped"] = masked_mean((ratio > cfg.dppo_ratio_cap).float() * inside, inp)
-        return -adv * weight * logp * inside, -adv * weight * inside
+        per_token, dper_token = -adv * weight * logp * inside, -adv * weight * inside
+        if cfg.kl_tau > 0:  # on every counted token, the trust region's outsiders too
+            metrics["dppo_kl_term"] = masked_mean(log_ratio.square(), inp)
+            per_token = per_token + cfg.kl_tau * log_ratio.square()
+            dper_token = dper_token + 2.0 * cfg.kl_tau * log_ratio
+        return per_token, dper_token
     ratio = log_ratio.exp()
     if cfg.loss == "kl_cov":
         cov = _covariance(logp, adv, inp, counted, eps=0.0)

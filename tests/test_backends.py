@@ -79,6 +79,10 @@ VERL_LOSS_OPTIONS = {
     "dro": LossConfig(loss="dro", dro_beta=0.3, kl="k3", beta=0.05),
     "dppo_tv": LossConfig(loss="dppo_tv", eps_low=0.002, eps_high=0.002, dppo_ratio_cap=1.2),
     "dppo_kl": LossConfig(loss="dppo_kl", eps_low=5e-4, eps_high=5e-4, dppo_ratio_cap=1.2),
+    # prime-rl's DPPO + KL: kl_tau (log r)^2 on every counted token
+    "dppo_tv_kl_tau": LossConfig(
+        loss="dppo_tv", eps_low=0.002, eps_high=0.002, dppo_ratio_cap=1.2, kl_tau=0.05
+    ),
     "kl_cov": LossConfig(loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),
     "clip_cov": LossConfig(
         loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_cov_seed=3

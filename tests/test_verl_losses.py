@@ -19,6 +19,7 @@ from .test_backends import VERL_LOSS_OPTIONS
 BRANCH_METRICS = {
     "dppo_tv": ("clipfrac", "ratio_capped"),
     "dppo_kl": ("clipfrac", "ratio_capped"),
+    "dppo_tv_kl_tau": ("clipfrac", "ratio_capped"),
     "kl_cov": ("cov_selected",),
     "clip_cov": ("clipfrac", "clip_low", "clip_high"),
     "clip_cov_seq_mean": ("clipfrac",),
@@ -63,9 +64,7 @@ def test_clip_cov_zeroes_min_of_its_count_and_the_candidates():
 
 def test_clip_cov_draw_follows_its_seed():
     data = make_batch(batch=4, time=9, vocab=211, seed=9, per_token_adv=True)
-    cfg = LossConfig(
-        loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-100.0, clip_cov_ub=100.0
-    )
+    cfg = LossConfig(loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-100.0, clip_cov_ub=100.0)
     grads = []
     for seed in (1, 1, 2):
         grads.append(run_loss(fusedrl.policy_loss, data, cfg.replace(clip_cov_seed=seed))[1])
@@ -104,9 +103,43 @@ def test_dro_gradient_is_minus_advantage_plus_beta_log_ratio():
         (dict(loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb=5.0 must be <"),
         (dict(loss="clip_cov", clip_cov_seed=1.5), "clip_cov_seed must be an int"),
         (dict(loss="dppo_tv", dppo_ratio_cap=0.0), "dppo_ratio_cap must be > 0"),
+        (dict(loss="dppo_tv", kl_tau=-0.1), "kl_tau must be > 0"),
+        (dict(loss="ppo", kl_tau=0.1), "kl_tau=0.1 is DPPO's trust-region KL term"),
         (dict(loss="dro", dro_beta=0.1, is_correction="sequence_mask"), "token-level loss"),
     ],
 )
 def test_bad_configs_name_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
         LossConfig(**changes)
+
+
+@pytest.mark.parametrize("loss", ["dppo_tv", "dppo_kl"])
+def test_dppo_kl_term_is_prime_rls(loss):
+    """kl_tau: prime-rl's default loss (its trainer/rl/loss.py, default_loss_fn), written out
+    here: sum(-keep x A x r + kl_tau x (log r)^2) over the counted tokens / their count, r with
+    its gradient, the tokens outside the trust region dropped from the first term only. The
+    same gradient to the logits as fusedrl's dppo with kl_tau (whose first term is A sg(w) logp,
+    w uncapped here), and the KL term acts on the dropped tokens too."""
+    data = make_batch(batch=4, time=9, vocab=523, seed=4, per_token_adv=True)
+    eps = 0.002 if loss == "dppo_tv" else 5e-4  # trust regions that drop some tokens here
+    cfg = LossConfig(loss=loss, eps_low=eps, eps_high=eps, dppo_ratio_cap=1e6, kl_tau=0.3)
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
+    logits = data["logits"].clone().requires_grad_(True)
+    logp, _ = reference.token_logprobs(logits, data["labels"])
+    old, adv, mask = data["old_logp"], data["advantages"], data["mask"].float()
+    log_r = logp - old
+    p, p_old = logp.exp(), old.exp()
+    if loss == "dppo_tv":
+        up_ok, down_ok = p - p_old <= eps, p - p_old >= -eps
+    else:
+        kl = p_old * (old - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        up_ok, down_ok = (kl <= eps) | (p <= p_old), (kl <= eps) | (p >= p_old)
+    keep = torch.where(adv > 0, up_ok, down_ok).detach().float() * mask
+    prime = (-keep * adv * log_r.exp() + 0.3 * mask * log_r**2).sum() / mask.sum()
+    (prime_grad,) = torch.autograd.grad(prime, logits)
+    torch.testing.assert_close(grad, prime_grad, atol=1e-7, rtol=1e-5)
+    assert 0 < float(keep.sum() / mask.sum()) < 1  # the trust region dropped some tokens
+    term = (mask * log_r.detach() ** 2).sum() / mask.sum()
+    torch.testing.assert_close(ours.metrics["dppo_kl_term"], term, rtol=1e-5, atol=1e-7)
+    _, without = run_loss(fusedrl.policy_loss, data, cfg.replace(kl_tau=0.0), backend="torch")
+    assert (grad - without).abs().max() > 1e-4  # the term acted

@@ -39,8 +39,8 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
                   "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
                   "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
-                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "dro_beta",
-                  "rejection", "rejection_threshold")
+                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "kl_tau",
+                  "dro_beta", "rejection", "rejection_threshold")
 
 
 def _triton_installed() -> bool:
@@ -99,6 +99,7 @@ class TrainConfig:
     kl_cov_ratio: float | None = None
     kl_cov_coef: float | None = None
     dppo_ratio_cap: float | None = None
+    kl_tau: float | None = None
     dro_beta: float | None = None
     rejection: str | None = None
     rejection_threshold: str | None = None
@@ -303,6 +304,8 @@ HELP = {
     "kl_cov_coef": "KL-Cov: coefficient of the |log ratio| penalty; unset: 0.1.",
     "dppo_ratio_cap": "DPPO (--loss dppo_tv / dppo_kl): cap of the detached ratio; unset: 3 "
     "(--eps-low / --eps-high are then the trust region's thresholds).",
+    "kl_tau": "DPPO (--loss dppo_tv / dppo_kl): coefficient of prime-rl's kl_tau (log ratio)^2 on "
+    "every counted token; unset: 0 (off).",
     "dro_beta": "DRO (--loss dro): coefficient of the (log ratio)^2 / 2 penalty, required.",
     "rejection": "verl's rollout rejection sampling against vLLM's log-probs: comma-chained "
     "options token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3; unset: off.",
