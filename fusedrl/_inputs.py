@@ -260,12 +260,15 @@ def prepare_loss_inputs(
     ref_logits: object = None,
     ref_head: bool = False,
     temperature: torch.Tensor | None = None,
+    prox_logp: object = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
     reference policy's logits of config.kl="full" / "full_reverse", the logits' shape;
     `ref_head`: the LM-head loss has the reference's head instead (checked by its caller).
-    `temperature`: per-token temperatures, in place of config.temperature (which must be 1)."""
+    `temperature`: per-token temperatures, in place of config.temperature (which must be 1).
+    `prox_logp`: decoupled PPO (`decoupled_inputs`): the ratio is taken against it, and the
+    behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -320,6 +323,8 @@ def prepare_loss_inputs(
         ):
             is_weights = is_weights.expand(shape)  # per-sequence weights, as TRL keeps them
         weights = check_advantages(is_weights, shape, device, flat_input, name="is_weights")
+    if prox_logp is not None:
+        old, weights = decoupled_inputs(prox_logp, old, weights, valid, shape, device, config)
     if config.is_correction is not None and rollout is None:
         raise ValueError(
             f"rollout_logp is required when config.is_correction={config.is_correction!r}"
@@ -367,6 +372,33 @@ def prepare_loss_inputs(
         ref_logits=ref_logits3,
         row_temps=row_temps,
     )
+
+
+def decoupled_inputs(prox_logp, old, weights, valid, shape, device, config):
+    """Decoupled PPO (AReaL, asynchronous RL): the proximal policy's log-probs take the old
+    log-probs' place in the ratio and its clip, and each token's loss is weighted by
+    pi_prox / pi_behav (the behaviour policy: old_logp, the sampler's), 0 where that exceeds
+    config.decoupled_is_cap. Returns (the ratio's old log-probs, the IS weights)."""
+    prox = _per_token("prox_logp", prox_logp, shape, device)
+    if old is None:
+        raise ValueError(
+            "prox_logp (the proximal policy's log-probs of decoupled PPO) needs old_logp: the "
+            "behaviour policy's (the sampler's), whose ratio to it weights each token"
+        )
+    if config.is_correction is not None:
+        raise ValueError(
+            f"prox_logp and config.is_correction={config.is_correction!r} both weight the "
+            "tokens by an off-policy ratio: decoupled PPO's pi_prox / pi_behav is one; pass one"
+        )
+    if config.loss == "gmpo":
+        raise ValueError(
+            "prox_logp: loss='gmpo' weights whole sequences; decoupled PPO weights tokens"
+        )
+    log_w = torch.where(valid, prox - old, 0.0).clamp(-20.0, 20.0)
+    behaviour = log_w.exp()
+    if config.decoupled_is_cap is not None:
+        behaviour = torch.where(behaviour <= config.decoupled_is_cap, behaviour, 0.0)
+    return prox, behaviour if weights is None else weights * behaviour
 
 
 def _check_ref_logits(

@@ -81,6 +81,7 @@ def policy_loss(
     ref_logits: torch.Tensor | None = None,
     return_sum_pi_squared: bool = False,
     temperature: torch.Tensor | None = None,
+    prox_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -127,6 +128,12 @@ def policy_loss(
             the counted tokens) in place of config.temperature (then left at 1): each row's
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
             Triton backends; not with sampling filters, the exact KL or tensor parallelism yet.
+        prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
+            policy (recomputed by the trainer before the update); the ratio and its clip are
+            taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
+            behaviour policy being `old_logp` (the sampler's), 0 above
+            config.decoupled_is_cap (none by default). prox_logp == old_logp is the plain loss.
+            Exclusive with config.is_correction; not under tensor parallelism yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -136,9 +143,10 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        if temperature is not None:
+        if temperature is not None or prox_logp is not None:
             raise NotImplementedError(
-                "per-token temperatures under tensor parallelism are not supported yet"
+                "per-token temperatures and prox_logp (decoupled PPO) under tensor parallelism "
+                "are not supported yet"
             )
         if return_sum_pi_squared:
             raise NotImplementedError(
@@ -171,6 +179,7 @@ def policy_loss(
         is_weights,
         ref_logits=ref_logits,
         temperature=temperature,
+        prox_logp=prox_logp,
     )
     impl = _resolve_backend(backend, inp.logits.device)
     sharp = None

@@ -145,7 +145,7 @@ _NUMERIC_FIELDS = (
     "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
     "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-    "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "dro_beta", "top_p", "min_p",
+    "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "decoupled_is_cap", "dro_beta", "top_p", "min_p",
 )  # fmt: skip
 
 
@@ -214,6 +214,9 @@ class LossConfig:
     # added on every counted token of loss="dppo_tv" / "dppo_kl", those outside the trust region
     # too (prime-rl's kl_tau; pi_old: the sampler). 0: off.
     kl_tau: float = 0.0
+    # Decoupled PPO (AReaL): with policy_loss(prox_logp=), tokens whose behaviour weight
+    # pi_prox / pi_behav exceeds this get weight 0 (AReaL's behav_imp_weight_cap). None: no cap.
+    decoupled_is_cap: float | None = None
     # DRO: -A logp + dro_beta / 2 (logp - old)^2; required (> 0) for loss="dro".
     dro_beta: float | None = None
     # verl's rollout rejection sampling: tokens / sequences whose KL(rollout || old) estimate
@@ -382,6 +385,8 @@ class LossConfig:
                 f"LossConfig.clip_cov_seed must be an int or None, got {self.clip_cov_seed!r}"
             )
         _check_positive("dppo_ratio_cap", self.dppo_ratio_cap)
+        if self.decoupled_is_cap is not None:
+            _check_positive("decoupled_is_cap", self.decoupled_is_cap, above=1.0)
         if self.kl_tau != 0.0:
             _check_positive("kl_tau", self.kl_tau)
             if self.loss not in ("dppo_tv", "dppo_kl"):

@@ -99,6 +99,7 @@ def linear_policy_loss(
     softcap: float | None = None,
     logit_scale: float | None = None,
     temperature: torch.Tensor | None = None,
+    prox_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -132,6 +133,7 @@ def linear_policy_loss(
             off. Not under tensor parallelism yet.
         temperature: per-token temperatures, as in `policy_loss` (the torch backend and the
             Triton `gemm` design).
+        prox_logp: decoupled PPO's proximal log-probs, as in `policy_loss`.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -151,9 +153,10 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    if temperature is not None and sharded:
+    if (temperature is not None or prox_logp is not None) and sharded:
         raise NotImplementedError(
-            "per-token temperatures under tensor parallelism are not supported yet"
+            "per-token temperatures and prox_logp (decoupled PPO) under tensor parallelism are "
+            "not supported yet"
         )
     if transform is not None and sharded:
         raise NotImplementedError(
@@ -189,6 +192,7 @@ def linear_policy_loss(
         source="hidden",
         ref_head=full_kl,
         temperature=temperature,
+        prox_logp=prox_logp,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     ref_head = None

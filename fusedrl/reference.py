@@ -520,13 +520,25 @@ def policy_loss(
     is_weights: torch.Tensor | None = None,
     ref_logits: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
+    prox_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
     `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
     `temperature`: per-token temperatures, each token's logits divided by its own.
+    `prox_logp`: decoupled PPO (AReaL's ppo_actor_loss_fn): the ratio against pi_prox, each
+    token's loss times pi_prox / pi_behav (old_logp: the behaviour policy), dropped above
+    config.decoupled_is_cap.
     """
     cfg = config if config is not None else LossConfig()
+    if prox_logp is not None and old_logp is not None:
+        behaviour = torch.exp(prox_logp.float() - old_logp.float())
+        if cfg.decoupled_is_cap is not None:
+            behaviour = torch.where(behaviour <= cfg.decoupled_is_cap, behaviour, 0.0)
+        is_weights = behaviour if is_weights is None else is_weights * behaviour
+        old_logp, prox_logp = prox_logp, None
+    elif prox_logp is not None:
+        raise ValueError("prox_logp needs old_logp (the behaviour policy's log-probs)")
     inp = prepare_loss_inputs(
         logits,
         labels,

@@ -103,6 +103,10 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
         (["--distill-beta", "1.5"], r"--distill-beta: must be in \[0, 1\]"),
         (["--distill-coef", "-1"], "--distill-coef: must be >= 0"),
         (["--distill-teacher", "t", "--tp", "2"], "--distill-teacher: .* no tensor-parallel"),
+        (["--decoupled", "--is-correction", "token_truncate"], "--decoupled: decoupled PPO's"),
+        (["--decoupled-is-cap", "2"], "--decoupled-is-cap: is read by --decoupled only"),
+        (["--decoupled", "--decoupled-is-cap", "0.5"], "decoupled_is_cap must be > 1"),
+        (["--loss", "ppo", "--kl-tau", "0.1"], "kl_tau=0.1 is DPPO's trust-region KL"),
     ],
 )
 def test_the_exact_kl_and_distillation_options_are_checked(flags, message):

@@ -496,3 +496,28 @@ def test_distillation_on_the_cuda_backend_takes_tritons_two_row_kernels(monkeypa
     accumulate_gradients(_tiny_model(), batch, fusedrl.LossConfig.preset("dapo"), 0, None,
                          "cuda", teacher=teacher, distill=Distill("jsd", 1.0, 0.5))  # fmt: skip
     assert seen == {"distill": "triton", "policy": "cuda"}
+
+
+def test_decoupled_ppo_takes_the_recomputed_log_probs_as_the_proximal_policy():
+    """--decoupled: batch.old_logp (recomputed before the update) is pi_prox, the engine's
+    rollout_logp pi_behav: the gradient of the oracle's decoupled loss on the whole batch."""
+    from fusedrl import reference
+    from fusedrl.trainer.step import completion_logits
+
+    cfg = fusedrl.LossConfig.preset("dapo", decoupled_is_cap=1.5)
+    batch, _, _ = _tiny_batch(n=5)
+    batch.old_logp = batch.rollout_logp + 0.4 * torch.randn(
+        batch.rollout_logp.shape, generator=torch.Generator().manual_seed(2)
+    )
+    model = _tiny_model()
+    accumulate_gradients(model, batch, cfg, 2, None, "torch", decoupled=True)
+    got = _flat_grads(model)
+    model = _tiny_model()
+    reference.policy_loss(
+        completion_logits(model, batch, None), batch.labels, batch.advantages, batch.mask,
+        old_logp=batch.rollout_logp, prox_logp=batch.old_logp, config=cfg,
+    ).loss.backward()  # fmt: skip
+    torch.testing.assert_close(got, _flat_grads(model), rtol=1e-4, atol=1e-6)
+    plain = _tiny_model()
+    accumulate_gradients(plain, batch, cfg.replace(decoupled_is_cap=None), 2, None, "torch")
+    assert (_flat_grads(plain) - got).abs().max() > 1e-5

@@ -40,7 +40,7 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
                   "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
                   "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "kl_tau",
-                  "dro_beta", "rejection", "rejection_threshold")
+                  "decoupled_is_cap", "dro_beta", "rejection", "rejection_threshold")
 
 
 def _triton_installed() -> bool:
@@ -100,6 +100,8 @@ class TrainConfig:
     kl_cov_coef: float | None = None
     dppo_ratio_cap: float | None = None
     kl_tau: float | None = None
+    decoupled: bool = False  # decoupled PPO: the recomputed log-probs are the proximal policy
+    decoupled_is_cap: float | None = None
     dro_beta: float | None = None
     rejection: str | None = None
     rejection_threshold: str | None = None
@@ -175,6 +177,11 @@ class TrainConfig:
         need(self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
              "distill_teacher", "with --backend cuda the divergence runs Triton's two-row "
              "kernels, and triton is not installed: use --backend torch, or install triton")
+        need(not self.decoupled or self.is_correction is None, "decoupled",
+             "decoupled PPO's behaviour weight is the train/inference IS correction: drop "
+             "--is-correction")
+        need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
+             "is read by --decoupled only")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
@@ -306,6 +313,11 @@ HELP = {
     "(--eps-low / --eps-high are then the trust region's thresholds).",
     "kl_tau": "DPPO (--loss dppo_tv / dppo_kl): coefficient of prime-rl's kl_tau (log ratio)^2 on "
     "every counted token; unset: 0 (off).",
+    "decoupled": "Decoupled PPO (AReaL): the ratio and its clip against the policy before the "
+    "update (recomputed), each token weighted by its ratio to the engine's (behaviour) policy "
+    "(fusedrl's prox_logp=); exclusive with --is-correction.",
+    "decoupled_is_cap": "Decoupled PPO: tokens whose behaviour weight exceeds this (> 1) get "
+    "weight 0 (AReaL's behav_imp_weight_cap); unset: no cap.",
     "dro_beta": "DRO (--loss dro): coefficient of the (log ratio)^2 / 2 penalty, required.",
     "rejection": "verl's rollout rejection sampling against vLLM's log-probs: comma-chained "
     "options token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3; unset: off.",

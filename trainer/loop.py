@@ -441,7 +441,8 @@ class Trainer:
     def update(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         cfg, lcfg = self.cfg, self.loss_cfg
         mb = cfg.micro_batch_size
-        reuse = cfg.ppo_epochs > 1 or cfg.minibatches > 1
+        # Decoupled PPO's proximal policy is the one before this update: recomputed as for reuse.
+        reuse = cfg.ppo_epochs > 1 or cfg.minibatches > 1 or cfg.decoupled
         self.model.eval()  # no dropout: the ratio is exactly 1 on-policy
         metrics: dict[str, torch.Tensor] = {}
         if reuse:
@@ -468,7 +469,7 @@ class Trainer:
                     self.model, mini, lcfg, mb, self._autocast(), cfg.backend,
                     lm_head=self.lm_head, dp_group=self.env.dp_group,
                     ref_model=self.ref_model if lcfg.full_kl else None,
-                    teacher=self.teacher, distill=self.distill,
+                    teacher=self.teacher, distill=self.distill, decoupled=cfg.decoupled,
                 )  # fmt: skip
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

@@ -334,6 +334,7 @@ def accumulate_gradients(
     ref_model=None,
     teacher=None,
     distill: Distill | None = None,
+    decoupled: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
@@ -342,6 +343,8 @@ def accumulate_gradients(
     `ref_model` (config.kl="full" / "full_reverse"): the reference's logits (or hidden states
     and head) of each micro-batch, made without gradient, for the exact KL.
     `teacher` and `distill`: on-policy distillation, the teacher's made the same way.
+    `decoupled`: decoupled PPO: batch.old_logp (recomputed before the update) is the proximal
+    policy, batch.rollout_logp (the engine's) the behaviour one (fusedrl's prox_logp=).
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -365,6 +368,9 @@ def accumulate_gradients(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
+        if decoupled:  # the recomputed log-probs are the proximal policy, vLLM's the behaviour
+            rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp,
+                             rollout_logp=None)  # fmt: skip
         loss, out = _micro_batch_loss(
             model, sub, cfg, autocast_dtype, backend, lm_head, rows_args, ref_model, teacher,
             distill, distill_normalizer,
