@@ -331,6 +331,11 @@ def prepare_loss_inputs(
         )
     if config.rejection is not None and rollout is None:
         raise ValueError(f"rollout_logp is required when config.rejection={config.rejection!r}")
+    if config.trust_region_delta is not None and rollout is None:
+        raise ValueError(
+            "rollout_logp is required when config.trust_region_delta="
+            f"{config.trust_region_delta!r} (the sequences' log-ratios to the rollout)"
+        )
     row_temps = None
     if temperature is not None:
         if not isinstance(temperature, torch.Tensor):

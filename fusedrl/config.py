@@ -33,6 +33,7 @@ KL_ESTIMATORS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
 # (`ref_logits=`): KL(pi || pi_ref) ("full") or KL(pi_ref || pi) ("full_reverse").
 FULL_KLS = ("full", "full_reverse")
 KLS = KL_ESTIMATORS + FULL_KLS
+TRUST_REGION_MODES = ("max", "mean")
 IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # verl's rollout rejection sampling (rollout_corr_helper.py): estimator of KL(rollout || train)
@@ -146,6 +147,7 @@ _NUMERIC_FIELDS = (
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
     "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
     "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "decoupled_is_cap", "dro_beta", "top_p", "min_p",
+    "trust_region_delta",
 )  # fmt: skip
 
 
@@ -225,6 +227,12 @@ class LossConfig:
     # rollout_logp; measured against old_logp (the current log-probs when there is none).
     rejection: str | None = None
     rejection_threshold: str | float | None = None
+    # Trust-region sequence masking (arXiv 2512.23075): a sequence leaves the loss, denominators
+    # included, when its per-token log-ratio log(pi_old / pi_rollout) leaves [-delta, delta]
+    # anywhere (mode "max") or on average (mode "mean"); verl's rollout_rs seq_max_k2 /
+    # seq_mean_k1 with those bounds. Needs rollout_logp. None: off.
+    trust_region_delta: float | None = None
+    trust_region_mode: str = "max"
     # Sampling-mask replay: vLLM's top_k / top_p / min_p of the rollouts, so that logp and the
     # entropy are taken over the set the engine sampled from (its processed log-probs). None: off.
     top_k: int | None = None
@@ -316,6 +324,14 @@ class LossConfig:
                 "min_p (a sampled set) is not supported yet: use a per-token estimator (k1, k3, "
                 "...) with the sampling filters"
             )
+        _check_choice("trust_region_mode", self.trust_region_mode, TRUST_REGION_MODES)
+        if self.trust_region_delta is not None:
+            _check_positive("trust_region_delta", self.trust_region_delta)
+            if self.trust_region_delta >= 20.0:
+                raise ValueError(
+                    f"LossConfig.trust_region_delta={self.trust_region_delta!r} must be < 20 (the "
+                    "log-ratios are clamped at +-20)"
+                )
         if self.rejection is not None:
             if not isinstance(self.rejection, str):
                 raise ValueError(f"LossConfig.rejection must be a string, got {self.rejection!r}")
@@ -476,10 +492,19 @@ class LossConfig:
 
     @property
     def rejection_rules(self) -> tuple[RejectionRule, ...]:
-        """The parsed `rejection` options (empty when off)."""
-        if self.rejection is None:
-            return ()
-        return parse_rejection(self.rejection, self.rejection_threshold)
+        """The parsed `rejection` options and the trust-region sequence mask (empty when off):
+        |log r| <= delta on every token is k2 = (log r)^2 / 2 <= delta^2 / 2 at the sequence's
+        max; on average, the mean k1 = -log r within [-delta, delta]."""
+        rules = ()
+        if self.rejection is not None:
+            rules = parse_rejection(self.rejection, self.rejection_threshold)
+        delta = self.trust_region_delta
+        if delta is not None:
+            if self.trust_region_mode == "max":
+                rules = (*rules, RejectionRule("tr_max_k2", None, 0.5 * delta * delta))
+            else:
+                rules = (*rules, RejectionRule("tr_mean_k1", -delta, delta))
+        return rules
 
     @property
     def needs_sequences(self) -> bool:

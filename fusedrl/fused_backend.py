@@ -259,7 +259,7 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
     # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
     return inp.old_logp is None and (
-        cfg.loss == "dcpo" or cfg.is_correction is not None or cfg.rejection is not None
+        cfg.loss == "dcpo" or cfg.is_correction is not None or bool(cfg.rejection_rules)
     )
 
 

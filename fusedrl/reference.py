@@ -22,7 +22,7 @@ import math
 import torch
 
 from ._inputs import LossInputs, check_labels, check_logits, check_temperature, prepare_loss_inputs
-from .config import LossConfig
+from .config import LossConfig, parse_rejection
 from .output import LossOutput
 
 LOG_RATIO_CLAMP = 20.0  # verl: clamp log(pi/pi_old) before exp for stability
@@ -409,7 +409,8 @@ def _rejection_sampling(old, inp: LossInputs, cfg: LossConfig, metrics: dict) ->
     log_r = torch.clamp(torch.where(inp.valid, old - inp.rollout_logp, 0.0), -20.0, 20.0)
     per_token = {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": torch.exp(log_r) - 1.0 - log_r}
     kept = torch.ones(response.shape, dtype=torch.bool, device=response.device)
-    for rule in cfg.rejection_rules:
+    rules = () if cfg.rejection is None else parse_rejection(cfg.rejection, cfg.rejection_threshold)
+    for rule in rules:
         values = per_token[rule.estimator]
         if rule.reduction == "token":
             statistic = values
@@ -425,6 +426,20 @@ def _rejection_sampling(old, inp: LossInputs, cfg: LossConfig, metrics: dict) ->
         if rule.lower is not None:
             option_keeps = option_keeps & (statistic >= rule.lower)
         metrics[f"rs_{rule.option}_masked"] = masked_mean(~option_keeps, inp)
+        kept = kept & option_keeps
+    if cfg.trust_region_delta is not None:
+        # arXiv 2512.23075: a sequence whose log(pi_old / pi_rollout) leaves [-delta, delta] on
+        # some token (max) or on average (mean) is dropped whole
+        counted = response > 0
+        outside = log_r.abs() > cfg.trust_region_delta
+        if cfg.trust_region_mode == "max":
+            bad = (outside & counted).any(-1)
+        else:
+            mean_log_r = (log_r * response).sum(-1) / (response.sum(-1) + 1e-8)
+            bad = mean_log_r.abs() > cfg.trust_region_delta
+        option_keeps = ~bad[:, None].expand(response.shape)
+        name = "tr_max_k2" if cfg.trust_region_mode == "max" else "tr_mean_k1"  # verl's spelling
+        metrics[f"rs_{name}_masked"] = masked_mean(~option_keeps, inp)
         kept = kept & option_keeps
     metrics["rs_masked"] = masked_mean(~kept, inp)
     rows_hit = ((~kept) & (response > 0)).any(-1)
@@ -571,7 +586,7 @@ def policy_loss(
 
     w = resolve_is_weights(old, inp, cfg)  # rejection leaves the IS weights alone (verl)
     sampled = inp
-    if cfg.rejection is not None:
+    if cfg.rejection is not None or cfg.trust_region_delta is not None:
         inp = _rejection_sampling(old, inp, cfg, metrics)
     top_entropy = None
     if cfg.top_entropy_quantile < 1:

@@ -143,3 +143,46 @@ def test_dppo_kl_term_is_prime_rls(loss):
     torch.testing.assert_close(ours.metrics["dppo_kl_term"], term, rtol=1e-5, atol=1e-7)
     _, without = run_loss(fusedrl.policy_loss, data, cfg.replace(kl_tau=0.0), backend="torch")
     assert (grad - without).abs().max() > 1e-4  # the term acted
+
+
+@pytest.mark.parametrize(
+    "name, metric",
+    [
+        ("trust_region_max", "rs_tr_max_k2_masked"),
+        ("trust_region_mean_gspo", "rs_tr_mean_k1_masked"),
+    ],
+)
+def test_trust_region_masking_drops_whole_sequences(name, metric):
+    """Trust-region sequence masking (arXiv 2512.23075) on the option data: some sequences, not
+    all, leave the loss whole; what remains is the loss on the survivors' mask (written out:
+    |log(old / rollout)| > delta on a token, or on the sequence's mean)."""
+    from .test_backends import OPTIONS
+
+    cfg = OPTIONS[name]
+    data = make_batch(batch=4, time=9, vocab=523, seed=4, per_token_adv=True)
+    out, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
+    assert 0 < out.metrics[metric] < 1
+    log_r = torch.where(data["mask"], data["old_logp"] - data["rollout_logp"], 0.0)
+    if cfg.trust_region_mode == "max":
+        bad = (log_r.abs() > cfg.trust_region_delta).any(-1)
+    else:
+        bad = (log_r.sum(-1) / data["mask"].sum(-1).clamp_min(1)).abs() > cfg.trust_region_delta
+    assert (grad[bad] == 0).all() and bad.any() and not bad[data["mask"].any(-1)].all()
+    survivors = dict(data, mask=data["mask"] & ~bad[:, None])
+    plain = cfg.replace(trust_region_delta=None)
+    want, want_grad = run_loss(fusedrl.policy_loss, survivors, plain, backend="torch")
+    if cfg.rejection is None:  # with a rejection chained, its tokens are measured on both masks
+        torch.testing.assert_close(out.loss, want.loss)
+        torch.testing.assert_close(grad, want_grad)
+
+
+def test_trust_region_options_are_checked():
+    with pytest.raises(ValueError, match="trust_region_mode='any' is not one of"):
+        LossConfig(trust_region_delta=0.5, trust_region_mode="any")
+    with pytest.raises(ValueError, match="trust_region_delta must be > 0"):
+        LossConfig(trust_region_delta=0.0)
+    data = make_batch(vocab=37, seed=1)
+    with pytest.raises(ValueError, match="rollout_logp is required when config.trust_region"):
+        fusedrl.policy_loss(
+            **dict(data, rollout_logp=None), config=LossConfig(trust_region_delta=1.0)
+        )

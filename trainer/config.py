@@ -40,7 +40,8 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
                   "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
                   "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "kl_tau",
-                  "decoupled_is_cap", "dro_beta", "rejection", "rejection_threshold")
+                  "decoupled_is_cap", "dro_beta", "rejection", "rejection_threshold",
+                  "trust_region_delta", "trust_region_mode")
 
 
 def _triton_installed() -> bool:
@@ -105,6 +106,8 @@ class TrainConfig:
     dro_beta: float | None = None
     rejection: str | None = None
     rejection_threshold: str | None = None
+    trust_region_delta: float | None = None
+    trust_region_mode: str | None = None
     # --- distillation ---------------------------------------------------------------------
     distill_teacher: str | None = None  # a local model directory (same vocabulary); None = off
     distill_kind: str = "reverse_kl"  # one of fusedrl.DISTILL_KINDS
@@ -332,6 +335,10 @@ HELP = {
     "distill_coef": "Weight of the teacher term (sampled_reverse_kl: of its advantage shift).",
     "distill_beta": "jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: "
     "reverse_kl).",
+    "trust_region_delta": "Trust-region sequence masking (arXiv 2512.23075): a sequence whose "
+    "log-ratio to vLLM's log-probs leaves [-delta, delta] is dropped; unset: off.",
+    "trust_region_mode": "Where --trust-region-delta looks: max (any token) or mean (the "
+    "sequence's mean); unset: max.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

@@ -661,6 +661,9 @@ def describe_loss(lcfg: LossConfig) -> str:
         parts.append(f"off-policy mask {lcfg.off_policy_mask:g}")
     if lcfg.rejection is not None:
         parts.append(f"rejection {lcfg.rejection} @ {lcfg.rejection_threshold}")
+    if lcfg.trust_region_delta is not None:
+        parts.append(f"trust-region mask {lcfg.trust_region_mode} |log r| <= "
+                     f"{lcfg.trust_region_delta:g}")  # fmt: skip
     if lcfg.sampling is not None:
         parts.append(f"log-probs over the sampled set (top_p {lcfg.top_p:g})")
     if lcfg.top_entropy_quantile < 1:
