@@ -147,7 +147,7 @@ _NUMERIC_FIELDS = (
     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
     "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
     "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "decoupled_is_cap", "dro_beta", "top_p", "min_p",
-    "trust_region_delta",
+    "trust_region_delta", "m2po_tau",
 )  # fmt: skip
 
 
@@ -233,6 +233,10 @@ class LossConfig:
     # seq_mean_k1 with those bounds. Needs rollout_logp. None: off.
     trust_region_delta: float | None = None
     trust_region_mode: str = "max"
+    # M2PO (second-moment trust region; AReaL's m2_threshold): the tokens of largest
+    # (log pi - log pi_old)^2 leave the loss, denominators included, until the mean over the rest
+    # is below m2po_tau (a batch-wide statistic: two passes). None: off.
+    m2po_tau: float | None = None
     # Sampling-mask replay: vLLM's top_k / top_p / min_p of the rollouts, so that logp and the
     # entropy are taken over the set the engine sampled from (its processed log-probs). None: off.
     top_k: int | None = None
@@ -324,6 +328,8 @@ class LossConfig:
                 "min_p (a sampled set) is not supported yet: use a per-token estimator (k1, k3, "
                 "...) with the sampling filters"
             )
+        if self.m2po_tau is not None:
+            _check_positive("m2po_tau", self.m2po_tau)
         _check_choice("trust_region_mode", self.trust_region_mode, TRUST_REGION_MODES)
         if self.trust_region_delta is not None:
             _check_positive("trust_region_delta", self.trust_region_delta)

@@ -256,6 +256,8 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
         return True
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
         return True
+    if cfg.m2po_tau is not None:  # a batch-wide statistic of logp: known after pass 1
+        return True
     # On-policy with bounds that depend on old (dcpo) or an IS weight: old = logp is only known
     # after pass 1. (Token-level ppo/cispo bounds are constants and need no old.)
     return inp.old_logp is None and (

@@ -447,6 +447,25 @@ def _rejection_sampling(old, inp: LossInputs, cfg: LossConfig, metrics: dict) ->
     return dataclasses.replace(inp, mask=inp.mask * kept.float())
 
 
+def _m2po(logp, old, inp: LossInputs, cfg: LossConfig, metrics: dict) -> LossInputs:
+    """M2PO (AReaL's m2_threshold): drop the counted tokens of largest (logp - old)^2, one at a
+    time, while the mean over the tokens left is >= tau (keeping at least one)."""
+    counted = (inp.valid & (inp.mask > 0)).flatten()
+    m2 = ((logp - old) ** 2).flatten()
+    order = sorted(
+        (i for i in range(m2.numel()) if counted[i]), key=lambda i: (-float(m2[i]), i)
+    )
+    dropped = torch.zeros_like(counted)
+    remaining = list(order)
+    while len(remaining) > 1 and sum(float(m2[i]) for i in remaining) / len(remaining) >= (
+        cfg.m2po_tau
+    ):
+        dropped[remaining.pop(0)] = True
+    dropped = dropped.view(inp.mask.shape)
+    metrics["m2po_masked"] = masked_mean(dropped.float(), inp)
+    return dataclasses.replace(inp, mask=inp.mask * (~dropped).float())
+
+
 def _select_flat(mask: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
     """A mask of the `count` tokens of `mask` with the largest scores (ties: row-major order)."""
     where = torch.nonzero(mask.flatten()).flatten()
@@ -588,6 +607,9 @@ def policy_loss(
     sampled = inp
     if cfg.rejection is not None or cfg.trust_region_delta is not None:
         inp = _rejection_sampling(old, inp, cfg, metrics)
+    measured = inp  # M2PO's dropped tokens stay in the token metrics
+    if cfg.m2po_tau is not None:
+        inp = _m2po(logp.detach(), old, inp, cfg, metrics)
     top_entropy = None
     if cfg.top_entropy_quantile < 1:
         top_entropy = _top_entropy_mask(entropy, inp, cfg, metrics)
@@ -630,7 +652,7 @@ def policy_loss(
     loss = loss + aggregate(per_token, inp, cfg)
 
     add_token_metrics(
-        metrics, old, logp.detach(), None if entropy is None else entropy.detach(), w, inp
+        metrics, old, logp.detach(), None if entropy is None else entropy.detach(), w, measured
     )
     _mismatch_metrics(metrics, logp.detach(), w, sampled)
 

@@ -391,6 +391,27 @@ def with_rejection(
     return replace(inp, mask=inp.mask * keep)
 
 
+def with_m2po(
+    inp: LossInputs, cfg: LossConfig, logp: torch.Tensor, old: torch.Tensor, metrics: dict
+) -> LossInputs:
+    """M2PO: `inp` whose mask drops the counted tokens of largest m2 = (logp - old)^2 until the
+    mean m2 of the rest is below cfg.m2po_tau (all but the smallest when no count reaches it).
+    The suffix means of m2 sorted downward do not increase, so the count to drop is how many are
+    still >= tau: no host sync."""
+    counted = inp.valid & (inp.mask > 0)
+    m2 = torch.where(counted, (logp - old).square(), 0.0)
+    ordered = torch.where(counted, m2, -math.inf).flatten().sort(descending=True).values
+    total = counted.sum()
+    kept_values = torch.where(torch.isfinite(ordered), ordered, 0.0)
+    suffix_sums = kept_values.flip(0).cumsum(0).flip(0)
+    suffix_counts = (total - torch.arange(ordered.numel(), device=m2.device)).clamp_min(1)
+    above = (suffix_sums / suffix_counts >= cfg.m2po_tau) & torch.isfinite(ordered)
+    count = torch.minimum(above.sum(), (total - 1).clamp_min(0))
+    dropped = _ranked_first(-m2, counted, count)
+    metrics["m2po_masked"] = masked_mean(dropped, inp)
+    return replace(inp, mask=inp.mask * ~dropped)
+
+
 def masked_quantile(x: torch.Tensor, selected: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x[selected], q) (linear interpolation) without a host sync or its size
     limit: the selected values sort first, the rank is a tensor. +inf when none is selected."""
@@ -495,6 +516,9 @@ def token_terms(
     sampled = inp  # the mismatch metrics look at every sampled token, rejected ones too
     if agg_weights is None:  # (given weights already leave the rejected tokens out)
         inp = with_rejection(inp, cfg, old, metrics)
+    measured = inp  # M2PO's masked tokens leave the loss, not the token metrics
+    if cfg.m2po_tau is not None:
+        inp = with_m2po(inp, cfg, logp, old, metrics)
     agg_w = aggregation_weights(inp, cfg) if agg_weights is None else agg_weights
     w = resolve_is_weights(old, sampled, cfg)  # on every sampled token, as verl
 
@@ -550,7 +574,7 @@ def token_terms(
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
-    add_token_metrics(metrics, old, logp, entropy, w, inp)
+    add_token_metrics(metrics, old, logp, entropy, w, measured)
     add_mismatch_metrics(metrics, logp, w, sampled)
     return TokenTerms(
         loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics, dfull_kl=dfull_kl

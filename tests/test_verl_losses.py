@@ -186,3 +186,33 @@ def test_trust_region_options_are_checked():
         fusedrl.policy_loss(
             **dict(data, rollout_logp=None), config=LossConfig(trust_region_delta=1.0)
         )
+
+
+def test_m2po_drops_the_largest_second_moments_until_the_rest_is_below_tau():
+    """M2PO (AReaL's m2_threshold) on the option data: the dropped tokens are exactly those of
+    largest (log pi - log pi_old)^2, as many as AReaL's rule (the first suffix of the downward
+    sort whose mean is below tau), they leave the loss and its denominator, and the token
+    metrics still see them."""
+    from .test_backends import OPTIONS
+
+    cfg = OPTIONS["m2po"]
+    data = make_batch(batch=4, time=9, vocab=523, seed=4, per_token_adv=True)
+    out, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
+    logp, _ = reference.token_logprobs(data["logits"], data["labels"])
+    m2 = torch.where(data["mask"], (logp - data["old_logp"]) ** 2, -1.0)
+    ordered = m2[data["mask"]].sort(descending=True).values
+    suffix_means = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1)
+    below = torch.nonzero(suffix_means < cfg.m2po_tau)
+    count = int(below[0]) if len(below) else len(ordered) - 1
+    assert 0 < count < len(ordered)  # the rule acted, and kept some
+    dropped = m2 >= ordered[count - 1]
+    assert int(dropped.sum()) == count
+    assert out.metrics["m2po_masked"] == pytest.approx(count / len(ordered))
+    survivors = dict(data, mask=data["mask"] & ~dropped)
+    want, want_grad = run_loss(
+        fusedrl.policy_loss, survivors, cfg.replace(m2po_tau=None), backend="torch"
+    )
+    torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(grad, want_grad)
+    full, _ = run_loss(fusedrl.policy_loss, data, cfg.replace(m2po_tau=None), backend="torch")
+    torch.testing.assert_close(out.metrics["logp_mean"], full.metrics["logp_mean"])

@@ -41,7 +41,7 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
                   "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
                   "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "kl_tau",
                   "decoupled_is_cap", "dro_beta", "rejection", "rejection_threshold",
-                  "trust_region_delta", "trust_region_mode")
+                  "trust_region_delta", "trust_region_mode", "m2po_tau")
 
 
 def _triton_installed() -> bool:
@@ -108,6 +108,7 @@ class TrainConfig:
     rejection_threshold: str | None = None
     trust_region_delta: float | None = None
     trust_region_mode: str | None = None
+    m2po_tau: float | None = None
     # --- distillation ---------------------------------------------------------------------
     distill_teacher: str | None = None  # a local model directory (same vocabulary); None = off
     distill_kind: str = "reverse_kl"  # one of fusedrl.DISTILL_KINDS
@@ -339,6 +340,8 @@ HELP = {
     "log-ratio to vLLM's log-probs leaves [-delta, delta] is dropped; unset: off.",
     "trust_region_mode": "Where --trust-region-delta looks: max (any token) or mean (the "
     "sequence's mean); unset: max.",
+    "m2po_tau": "M2PO (AReaL): the tokens of largest (log ratio)^2 leave the loss until the "
+    "rest's mean is below this; unset: off.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",
