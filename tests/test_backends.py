@@ -74,15 +74,17 @@ REJECTION_OPTIONS = {
         rejection="token_k2", rejection_threshold=0.05, is_correction="sequence_truncate",
         is_cap=1.5, entropy_coef=0.01, agg="seq-mean-token-mean",
     ),  # fmt: skip
-    # M2PO: the tokens of largest (log r)^2 dropped until the rest's mean is below tau
-    "m2po": LossConfig.preset("dapo", m2po_tau=0.02, entropy_coef=0.01),
-    "m2po_seq_mean": LossConfig(m2po_tau=0.05, agg="seq-mean-token-mean"),
     # trust-region sequence masking (arXiv 2512.23075), alone and chained with a rejection
     "trust_region_max": LossConfig(trust_region_delta=0.8),
     "trust_region_mean_gspo": LossConfig.preset(
         "gspo", trust_region_delta=0.1, trust_region_mode="mean", rejection="token_k1",
         rejection_threshold="0.5_2.0",
     ),  # fmt: skip
+}
+# M2PO: the tokens of largest (log r)^2 dropped until the rest's mean is below tau
+M2PO_OPTIONS = {
+    "m2po": LossConfig.preset("dapo", m2po_tau=0.02, entropy_coef=0.01),
+    "m2po_seq_mean": LossConfig(m2po_tau=0.05, agg="seq-mean-token-mean"),
 }
 VERL_LOSS_OPTIONS = {
     "dro": LossConfig(loss="dro", dro_beta=0.3, kl="k3", beta=0.05),
@@ -136,6 +138,7 @@ OPTIONS = {
     # (tests/test_verl_losses.py asserts that they do).
     **VERL_LOSS_OPTIONS,
     **REJECTION_OPTIONS,
+    **M2PO_OPTIONS,
 }
 
 
