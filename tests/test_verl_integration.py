@@ -9,6 +9,7 @@ in spawned gloo worlds (see their section below)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -305,6 +306,35 @@ def test_rejection_sampling_parity(options, threshold):
         assert float(ours.metrics[f"rs_{rule.option}_masked"]) == pytest.approx(
             verl_metrics[key], abs=1e-6
         ), key
+
+
+@pytest.mark.parametrize(("mode", "delta", "verl_option"), [
+    ("max", 0.5, "seq_max_k2"), ("mean", 0.15, "seq_mean_k1"),
+])  # fmt: skip
+def test_trust_region_masking_is_verls_rejection_with_its_bounds(mode, delta, verl_option):
+    """LossConfig(trust_region_delta=, trust_region_mode=) masks what verl's
+    compute_rollout_rejection_mask masks with seq_max_k2 at delta^2 / 2 (|log r| <= delta on
+    every token) or seq_mean_k1 in [exp(-delta), exp(delta)] (the mean log r in [-delta, delta])."""
+    batch = _batch(seed=43, beyond_clamp=False)
+    noise = torch.randn(B, T, generator=torch.Generator().manual_seed(6))
+    batch["rollout"] = batch["old"] + 0.3 * noise
+    threshold = 0.5 * delta * delta if mode == "max" else f"{math.exp(-delta)}_{math.exp(delta)}"
+    verl_mask, _ = compute_rollout_rejection_mask(
+        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
+        rollout_rs=verl_option, rollout_rs_threshold=threshold,
+    )  # fmt: skip
+    assert 0 < verl_mask.sum() < batch["mask"].sum()
+    cfg = fusedrl.LossConfig(trust_region_delta=delta, trust_region_mode=mode)
+    logits = torch.randn(B, T, 97, generator=torch.Generator().manual_seed(7))
+    labels = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(8))
+    common = dict(labels=labels, advantages=batch["adv"], old_logp=batch["old"], backend="torch")
+    ours = fusedrl.policy_loss(
+        logits, mask=batch["mask"], rollout_logp=batch["rollout"], config=cfg, **common
+    )
+    by_mask = fusedrl.policy_loss(
+        logits, mask=verl_mask.bool(), config=fusedrl.LossConfig(), **common
+    )
+    torch.testing.assert_close(ours.loss, by_mask.loss)
 
 
 def test_unsupported_options_raise():
