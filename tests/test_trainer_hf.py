@@ -140,3 +140,21 @@ def test_a_warm_started_teacher_lifts_a_fresh_student(hf_run, tmp_path):
     assert late >= 0.02, [r["accuracy"] for r in rows]
     assert sum(r["distill"] for r in rows[-5:]) / 5 < rows[0]["distill"] / 3
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
+    """--decoupled (the recomputed log-probs as the proximal policy), --m2po-tau,
+    --trust-region-delta and DPPO's --kl-tau in one run: the options reach the loss (their
+    metrics are logged) and the run stays finite."""
+    out = tmp_path / "objectives"
+    fusedrl_train("--out", str(out), "--model", str(hf_run / "base_model"), "--max-steps", "2",
+                  "--loss", "dppo_tv", "--kl-tau", "0.001", "--decoupled",
+                  "--decoupled-is-cap", "3", "--m2po-tau", "0.05", "--trust-region-delta", "1.0",
+                  "--warmstart-steps", "0", "--tensorboard", "false")  # fmt: skip
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ("m2po_masked", "rs_tr_max_k2_masked", "dppo_kl_term", "is_weight_mean"):
+        assert all(r.get(key) is not None and math.isfinite(r[key]) for r in rows), key
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    text = (out / "config.yaml").read_text()
+    assert "decoupled: true" in text and "m2po_tau: 0.05" in text

@@ -369,8 +369,8 @@ def accumulate_gradients(
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
         if decoupled:  # the recomputed log-probs are the proximal policy, vLLM's the behaviour
-            rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp,
-                             rollout_logp=None)  # fmt: skip
+            # (rollout_logp stays: the rejection and trust-region rules measure prox against it)
+            rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp)
         loss, out = _micro_batch_loss(
             model, sub, cfg, autocast_dtype, backend, lm_head, rows_args, ref_model, teacher,
             distill, distill_normalizer,
