@@ -275,7 +275,8 @@ def linear_token_logprobs(
     reduce_input_grad: bool = True,
     softcap: float | None = None,
     logit_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
 
     Differentiable w.r.t. hidden, weight and bias (backward recomputes the logits tile by tile);
@@ -284,7 +285,27 @@ def linear_token_logprobs(
     `tp_group`, `vocab_start`, `vocab_size`, `reduce_input_grad`: a vocab-sharded LM head, as in
     `linear_policy_loss`. `softcap`, `logit_scale`: the model's transform of its head's output,
     as in `linear_policy_loss`. `temperature` may be per-token, as in `fusedrl.token_logprobs`.
+    `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token, from one more no-grad sweep
+    at half the temperature, as in `fusedrl.token_logprobs`.
     """
+    if return_sum_pi_squared:
+        from .api import _check_sum_pi_squared, sum_pi_squared_of
+
+        _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+        common = dict(
+            bias=bias, backend=backend, tp_group=tp_group, vocab_start=vocab_start,
+            vocab_size=vocab_size, softcap=softcap, logit_scale=logit_scale,
+        )  # fmt: skip
+        with torch.no_grad():
+            sharp, _ = linear_token_logprobs(
+                hidden.detach(), weight.detach(), labels, temperature / 2,
+                **{**common, "bias": None if bias is None else bias.detach()},
+            )  # fmt: skip
+        logp, entropy = linear_token_logprobs(
+            hidden, weight, labels, temperature, return_entropy,
+            reduce_input_grad=reduce_input_grad, **common,
+        )  # fmt: skip
+        return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     transform = check_logit_transform(softcap, logit_scale)
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
         if isinstance(temperature, torch.Tensor):

@@ -125,3 +125,20 @@ def test_over_vocab_sharded_logits(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_lm_head_form(backend):
+    """linear_token_logprobs(return_sum_pi_squared=True): the same identity on the head's logits
+    (with a soft cap, which the half-temperature sweep applies too)."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    labels = torch.randint(0, 131, (3, 7), generator=gen)
+    logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
+        hidden, weight, labels, 0.8, True, backend=backend, softcap=3.0,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    logits = 3.0 * torch.tanh(hidden @ weight.T / 3.0)
+    torch.testing.assert_close(sum_sq, reference.sum_pi_squared(logits, 0.8), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
+    assert entropy is not None
