@@ -44,6 +44,24 @@ def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:
     return inp.row_temps if inp.row_temps is not None else cfg.temperature
 
 
+def check_temperature_arg(
+    temperature: object,
+    shape: tuple[int, ...],
+    device: torch.device,
+    flat_input: bool,
+    sampling_active: bool,
+) -> float | torch.Tensor:
+    """The log-prob functions' `temperature`: a float, or per-token temperatures (not with
+    sampling filters yet), checked."""
+    if not isinstance(temperature, torch.Tensor):
+        return check_temperature(temperature)
+    if sampling_active:
+        raise NotImplementedError(
+            "per-token temperatures with top_k / top_p / min_p are not supported yet"
+        )
+    return check_row_temperatures(temperature, shape, device, flat_input)
+
+
 def check_row_temperatures(
     temperature: torch.Tensor,
     shape: tuple[int, ...],

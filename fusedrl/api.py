@@ -12,8 +12,7 @@ from ._autograd import attach_grad
 from ._inputs import (
     check_labels,
     check_logits,
-    check_row_temperatures,
-    check_temperature,
+    check_temperature_arg,
     prepare_loss_inputs,
     temperature_of,
 )
@@ -329,16 +328,9 @@ def token_logprobs(
     labels = check_labels(labels, logits, None)
     sampling = check_sampling(top_k, top_p, min_p)
     flat = logits.dim() == 2
-    if isinstance(temperature, torch.Tensor):
-        if sampling.active:
-            raise NotImplementedError(
-                "per-token temperatures with top_k / top_p / min_p are not supported yet"
-            )
-        temperature = check_row_temperatures(
-            temperature, tuple(labels.shape), logits.device, flat
-        )
-    else:
-        temperature = check_temperature(temperature)
+    temperature = check_temperature_arg(
+        temperature, tuple(labels.shape), logits.device, flat, sampling.active
+    )
     impl = _resolve_backend(backend, logits.device)
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels

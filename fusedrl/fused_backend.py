@@ -100,17 +100,25 @@ FUSED_ARGS = (
 )
 
 
-def temperature_args(ops: FusedOps, temperature) -> tuple[float, dict]:
+def temperature_keywords(temperature, rows: slice | None = None) -> tuple[float, dict]:
     """(the ops' float temperature, their `row_temps=` keyword) of a float or of per-token
-    temperatures ([B, T] tensor); refused where the backend's ops have none."""
+    temperatures ([B, T] tensor; `rows`: the flat rows of a chunk, taken as [1, n])."""
     if not isinstance(temperature, torch.Tensor):
         return temperature, {}
-    if not ops.row_temperatures:
+    if rows is not None:
+        temperature = temperature.reshape(1, -1)[:, rows]
+    return 1.0, {"row_temps": temperature}
+
+
+def temperature_args(ops: FusedOps, temperature) -> tuple[float, dict]:
+    """`temperature_keywords` for a backend's row ops: per-token temperatures are refused
+    where they have none."""
+    if isinstance(temperature, torch.Tensor) and not ops.row_temperatures:
         raise ValueError(
             "per-token temperatures (a temperature tensor) have no kernel in this backend (the "
             "CUDA extension takes one temperature): use backend='triton' or 'torch'"
         )
-    return 1.0, {"row_temps": temperature}
+    return temperature_keywords(temperature)
 
 
 class _LogprobsFn(torch.autograd.Function):
@@ -245,7 +253,7 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
 def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
     """One kernel: logp, entropy and the gradient."""
     args = fused_token_args(inp, cfg)
-    rows = temperature_args(ops, inp.row_temps)[1] if inp.row_temps is not None else {}
+    rows = temperature_args(ops, temperature_of(inp, cfg))[1]
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
     return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
@@ -286,8 +294,7 @@ def _with_exact_kl(
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
     # The two-row ops of every backend take per-token temperatures.
-    scalar = cfg.temperature
-    rows = {} if inp.row_temps is None else {"row_temps": inp.row_temps}
+    scalar, rows = temperature_keywords(temperature_of(inp, cfg))
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(
         inp.logits, inp.ref_logits, inp.labels, inp.valid, scalar, kind, 0.0, **rows
     )

@@ -20,8 +20,7 @@ from ._inputs import (
     check_labels,
     check_lm_head,
     check_logits,
-    check_row_temperatures,
-    check_temperature,
+    check_temperature_arg,
     prepare_loss_inputs,
 )
 from .config import LossConfig
@@ -329,14 +328,9 @@ def linear_token_logprobs(
     sampling = check_sampling(top_k, top_p, min_p)
     impl = _resolve_backend(backend, hidden.device)
     flat = hidden.dim() == 2
-    if isinstance(temperature, torch.Tensor):
-        if sampling.active:
-            raise NotImplementedError(
-                "per-token temperatures with top_k / top_p / min_p are not supported yet"
-            )
-        temperature = check_row_temperatures(temperature, tuple(labels.shape), hidden.device, flat)
-    else:
-        temperature = check_temperature(temperature)
+    temperature = check_temperature_arg(
+        temperature, tuple(labels.shape), hidden.device, flat, sampling.active
+    )
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = labels.unsqueeze(0) if flat else labels
     lin = linear_torch.logprob_inputs(

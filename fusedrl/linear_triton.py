@@ -30,7 +30,7 @@ import torch
 
 from ._inputs import temperature_of
 from .config import LossConfig
-from .fused_backend import fused_token_args, needs_two_passes
+from .fused_backend import fused_token_args, needs_two_passes, temperature_keywords
 from .linear_torch import GradSums, LinearGrads, LinearInputs, masked_rows
 from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
@@ -147,13 +147,6 @@ def _chained(lin: LinearInputs, grad: torch.Tensor, derivative) -> torch.Tensor:
     return grad if lin.transform is None else lin.transform.chain_(grad, derivative)
 
 
-def _chunk_temperature(temperature, start: int, stop: int) -> tuple[float, dict]:
-    """(the row ops' temperature, their row_temps= keyword) for rows [start, stop)."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, {"row_temps": _flat(temperature)[:, start:stop]}
-    return temperature, {}
-
-
 def _check_design_temperature(lin: LinearInputs, temperature) -> None:
     if isinstance(temperature, torch.Tensor) and design(lin) == "on-chip":
         raise ValueError(
@@ -175,7 +168,7 @@ def stats(lin: LinearInputs, temperature):
     labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
-        scalar, rows_t = _chunk_temperature(temperature, start, stop)
+        scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         chunk = ops.logprobs_fwd(
             logits, _cut(labels, start, stop), _cut(valid, start, stop), scalar, **rows_t
         )
@@ -206,7 +199,7 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     dlogp = _flat(dlogp).float()
     dentropy = None if dentropy is None else _flat(dentropy).float()
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
-        scalar, rows_t = _chunk_temperature(temperature, start, stop)
+        scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         ops.logits_grad(
             logits, _cut(labels, start, stop), _cut(lse, start, stop),
             _cut(entropy, start, stop), _cut(dlogp, start, stop),
@@ -246,7 +239,7 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     temperature = temperature_of(lin.rows, cfg)
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
-        _, rows_t = _chunk_temperature(temperature, start, stop)
+        _, rows_t = temperature_keywords(temperature, slice(start, stop))
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
             logits, *chunk, **rows_t
         )

@@ -20,7 +20,7 @@ import torch
 
 from .._inputs import check_lm_head, check_logits, temperature_of
 from ..config import LossConfig
-from ..fused_backend import TwoRowOps, needs_two_passes
+from ..fused_backend import TwoRowOps, needs_two_passes, temperature_keywords
 from ..linear_torch import (
     GradSums,
     LinearGrads,
@@ -37,7 +37,6 @@ from ..token_terms import (
     token_terms,
     with_rejection,
 )
-from .rows import two_row_temperature
 
 # Both heads' logits chunks together: 256 MiB (441 rows of each at V = 151936 in bf16).
 PAIR_CHUNK_BYTES = 256 * 2**20
@@ -93,13 +92,13 @@ def check_teacher_head(
 
 
 def _pair_chunks(
-    lin: LinearInputs, head: TeacherHead, want_derivative: bool
+    lin: LinearInputs, head: TeacherHead, rows: torch.Tensor, want_derivative: bool
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """(start, stop, student logits [1, n, V], teacher logits [1, n, V], the student's dy/dx
     of lin.transform or None) of consecutive row chunks, each made by one GEMM into a reused
-    buffer (and transformed there): valid until the next chunk. Masked rows of both hidden
-    states are zeroed first (their padding may be NaN)."""
-    rows = masked_rows(lin)
+    buffer (and transformed there): valid until the next chunk. `rows`: the student's hidden
+    states as [N, H] with masked rows zeroed (`masked_rows`); the teacher's are zeroed here
+    alike (their padding may be NaN)."""
     valid = lin.rows.valid.reshape(-1, 1)
     teacher_rows = torch.where(valid, head.hidden.reshape(-1, head.hidden.shape[-1]), 0)
     n_rows, vocab = rows.shape[0], lin.weight.shape[0]
@@ -157,18 +156,16 @@ def pair_sweep(
     else:
         stats = [t.reshape(1, -1) for t in saved]
     flat_weight = None if weight is None else weight.reshape(1, -1)
-    sums = GradSums(lin, masked_rows(lin), want) if any(want) else None
-    for start, stop, student, teacher, derivative in _pair_chunks(lin, head, sums is not None):
+    rows = masked_rows(lin)  # the student's [N, H], masked rows zeroed: the GEMMs' input
+    sums = GradSums(lin, rows, want) if any(want) else None
+    chunks = _pair_chunks(lin, head, rows, sums is not None)
+    for start, stop, student, teacher, derivative in chunks:
         cut = [t[:, start:stop] for t in stats]
-        if isinstance(temperature, torch.Tensor):  # the chunk's rows' own
-            scalar, chunk_rows_t = two_row_temperature(temperature.reshape(1, -1)[:, start:stop])
-        else:
-            scalar, chunk_rows_t = two_row_temperature(temperature)
-        chunk_t = (scalar,)
+        scalar, chunk_rows_t = temperature_keywords(temperature, slice(start, stop))
         rows_labels = labels[:, start:stop]
         if saved is None:
             chunk = ops.forward(
-                student, teacher, rows_labels, valid[:, start:stop], *chunk_t, code, beta,
+                student, teacher, rows_labels, valid[:, start:stop], scalar, code, beta,
                 **chunk_rows_t,
             )  # fmt: skip
             for whole, part in zip(cut, chunk):

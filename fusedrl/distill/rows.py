@@ -10,7 +10,7 @@ import torch
 
 from .._inputs import LossInputs
 from ..config import LossConfig
-from ..fused_backend import TwoRowOps
+from ..fused_backend import TwoRowOps, temperature_keywords
 from ..token_terms import aggregation_weights
 
 # distill kind -> the two-row ops' kind ("kl": KL(student || teacher))
@@ -31,7 +31,7 @@ def distill(
     d(loss)/d(student logits) into grad_out (which may be the student's logits). `kind` is
     resolved (jsd at beta 0 / 1 is a KL)."""
     code = KERNEL_KIND[kind]
-    temperature, rows_t = two_row_temperature(temperature)
+    temperature, rows_t = temperature_keywords(temperature)
     logp, lse_s, lse_q, value, aux, _ = ops.forward(
         inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta, **rows_t
     )
@@ -44,11 +44,3 @@ def distill(
             grad_out, None, None, None, None, **rows_t,
         )  # fmt: skip
     return loss, torch.where(inp.valid, logp, 0.0), divergence
-
-
-def two_row_temperature(temperature) -> tuple[float, dict]:
-    """(the two-row ops' temperature, their row_temps= keyword) of a float or of per-token
-    temperatures ([B, T] or a [1, n] slice of them); both backends' ops take either."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, {"row_temps": temperature}
-    return temperature, {}
