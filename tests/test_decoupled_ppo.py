@@ -15,7 +15,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter
+from .conftest import make_batch, needs_interpreter, run_loss
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
@@ -34,14 +34,6 @@ def _data(seed=0):
     return data
 
 
-def _run(fn, data, **kwargs):
-    logits = data["logits"].clone().requires_grad_(True)
-    args = {k: v for k, v in data.items() if k != "logits"}
-    out = fn(logits, **args, **kwargs)
-    (grad,) = torch.autograd.grad(out.loss, logits)
-    return out, grad
-
-
 CASES = {
     "dapo-capped": LossConfig.preset("dapo", decoupled_is_cap=1.5),  # fused, some dropped
     "gspo": LossConfig.preset("gspo", decoupled_is_cap=2.0),  # two passes
@@ -53,13 +45,13 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backend_equals_the_oracle(case, backend):
     data, cfg = _data(seed=len(case)), CASES[case]
-    ours, grad = _run(fusedrl.policy_loss, data, config=cfg, backend=backend)
-    want, want_grad = _run(reference.policy_loss, data, config=cfg)
+    ours, grad = run_loss(fusedrl.policy_loss, data, config=cfg, backend=backend)
+    want, want_grad = run_loss(reference.policy_loss, data, config=cfg)
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, want_grad, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(ours.metrics["is_weight_mean"], want.metrics["is_weight_mean"])
     # the weight acted: another loss than the plain one on the same old_logp
-    plain, _ = _run(fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg)
+    plain, _ = run_loss(fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg)
     assert (plain.loss - ours.loss).abs() > 1e-4
     if cfg.decoupled_is_cap is not None and case != "gspo":
         assert 0 < ours.metrics["is_masked"] < 1  # the cap dropped some tokens
@@ -72,7 +64,7 @@ def test_equals_areals_actor_loss(cap):
     and divided by its count: fusedrl's dapo-shaped config with token-mean."""
     data = _data(seed=9)
     cfg = LossConfig(eps_low=0.2, eps_high=0.28, decoupled_is_cap=cap)
-    ours, grad = _run(fusedrl.policy_loss, data, config=cfg, backend="torch")
+    ours, grad = run_loss(fusedrl.policy_loss, data, config=cfg, backend="torch")
     logits = data["logits"].clone().requires_grad_(True)
     logp, _ = reference.token_logprobs(logits, data["labels"])
     mask, adv = data["mask"], data["advantages"]
@@ -92,8 +84,8 @@ def test_prox_equal_to_old_is_the_plain_loss(backend):
     data = _data(seed=3)
     cfg = LossConfig.preset("dapo")
     same = dict(data, prox_logp=data["old_logp"])
-    ours, grad = _run(fusedrl.policy_loss, same, config=cfg, backend=backend)
-    plain, plain_grad = _run(fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg,
+    ours, grad = run_loss(fusedrl.policy_loss, same, config=cfg, backend=backend)
+    plain, plain_grad = run_loss(fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg,
                              backend=backend)  # fmt: skip
     torch.testing.assert_close(ours.loss, plain.loss, atol=0, rtol=0)
     torch.testing.assert_close(grad, plain_grad, atol=0, rtol=0)

@@ -16,7 +16,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, fused_backend, linear_triton, reference
 
-from .conftest import make_batch, needs_interpreter
+from .conftest import make_batch, needs_interpreter, run_loss
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
@@ -29,14 +29,6 @@ def _temperatures(shape, seed=0, masked=None):
     if masked is not None:
         temps = torch.where(masked, 0.0, temps)
     return temps
-
-
-def _run(fn, data, **kwargs):
-    logits = data["logits"].clone().requires_grad_(True)
-    args = {k: v for k, v in data.items() if k != "logits"}
-    out = fn(logits, **args, **kwargs)
-    (grad,) = torch.autograd.grad(out.loss, logits)
-    return out, grad
 
 
 CASES = {
@@ -54,8 +46,8 @@ def test_policy_loss_equals_the_oracle(case, backend):
     data = make_batch(vocab=131, seed=len(case), with_nan_padding=True)
     temps = _temperatures(data["labels"].shape, masked=~data["mask"])
     kwargs = dict(config=cfg, temperature=temps, return_entropy=True)
-    ours, grad = _run(fusedrl.policy_loss, data, backend=backend, **kwargs)
-    want, want_grad = _run(reference.policy_loss, data, **kwargs)
+    ours, grad = run_loss(fusedrl.policy_loss, data, backend=backend, **kwargs)
+    want, want_grad = run_loss(reference.policy_loss, data, **kwargs)
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.entropy, want.entropy, atol=1e-5, rtol=1e-5)
@@ -63,7 +55,7 @@ def test_policy_loss_equals_the_oracle(case, backend):
     assert (grad[~data["mask"]] == 0).all()
     # One temperature for all (their mean) is far off: the per-token ones acted.
     mean_t = temps[data["mask"]].mean().item()
-    scalar, _ = _run(fusedrl.policy_loss, data, config=cfg.replace(temperature=mean_t))
+    scalar, _ = run_loss(fusedrl.policy_loss, data, config=cfg.replace(temperature=mean_t))
     assert (scalar.logp - ours.logp).abs().max() > 0.1
 
 
@@ -72,7 +64,7 @@ def test_in_place_flat_and_per_sequence(backend):
     data = make_batch(vocab=131, seed=7)
     cfg = LossConfig.preset("dapo")
     per_seq = _temperatures((3,), seed=1)
-    want, want_grad = _run(reference.policy_loss, data, config=cfg, temperature=per_seq)
+    want, want_grad = run_loss(reference.policy_loss, data, config=cfg, temperature=per_seq)
     logits = data["logits"].clone().requires_grad_(True)
     work = logits * 1.0  # a buffer the in-place loss may overwrite
     args = {k: v for k, v in data.items() if k != "logits"}
@@ -85,7 +77,7 @@ def test_in_place_flat_and_per_sequence(backend):
     flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items() if k != "advantages"}
     flat["advantages"] = data["advantages"][:, None].expand(3, 7).reshape(-1)
     per_token = per_seq[:, None].expand(3, 7).reshape(-1)
-    flat_out, flat_grad = _run(fusedrl.policy_loss, flat, config=cfg, temperature=per_token,
+    flat_out, flat_grad = run_loss(fusedrl.policy_loss, flat, config=cfg, temperature=per_token,
                                backend=backend)  # fmt: skip
     torch.testing.assert_close(flat_out.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flat_grad.view_as(want_grad), want_grad, atol=1e-6, rtol=1e-5)
@@ -146,9 +138,9 @@ def test_bf16_against_the_float64_truth(backend):
     data = make_batch(vocab=131, seed=5, dtype=torch.bfloat16)
     temps = _temperatures(data["labels"].shape, seed=5)
     cfg = LossConfig.preset("dapo")
-    ours, grad = _run(fusedrl.policy_loss, data, config=cfg, temperature=temps, backend=backend)
+    ours, grad = run_loss(fusedrl.policy_loss, data, config=cfg, temperature=temps, backend=backend)
     truth = dict(data, logits=data["logits"].double())
-    want, want_grad = _run(reference.policy_loss, truth, config=cfg, temperature=temps.double())
+    want, want_grad = run_loss(reference.policy_loss, truth, config=cfg, temperature=temps.double())
     assert abs(ours.loss.item() - want.loss.item()) < 1e-3
     err = (grad.double() - want_grad).norm() / want_grad.norm()
     assert err < 1e-2, err
@@ -231,7 +223,7 @@ def test_the_exact_kl_takes_them(kl, backend, monkeypatch):
     torch.testing.assert_close(ours.metrics["kl"], want.metrics["kl"], atol=1e-6, rtol=1e-5)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    logits_form, logits_grad = _run(
+    logits_form, logits_grad = run_loss(
         fusedrl.policy_loss, dict(data, logits=hidden @ weight.T), config=cfg,
         temperature=temps, ref_logits=ref_logits, backend=backend,
     )  # fmt: skip
