@@ -384,7 +384,7 @@ def prepare_loss_inputs(
         logits=logits3,
         labels=labels_l.unsqueeze(0) if flat_input else labels_l,
         advantages=as2d(adv),
-        mask=as2d(mask_f),
+        mask=mask_f.unsqueeze(0) if flat_input else mask_f,  # 0 wherever valid is False
         valid=valid.unsqueeze(0) if flat_input else valid,
         old_logp=as2d(old),
         ref_logp=as2d(ref),

@@ -42,10 +42,32 @@ KL_VALUE_CLAMP = 10.0  # k3: |estimate|
 VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's sequence log-weight (and each IS log-weight), below
 
 
+def _per_inputs(inp: LossInputs, key: tuple, make) -> torch.Tensor:
+    """make(), once per LossInputs and key. A call's masked means and aggregation weights are
+    [B, T] functions of its mask alone; each is one to seven small kernels, and launching them
+    again for every metric is what a short row (a 4k-token micro-batch) pays for on the host.
+    `dataclasses.replace` (a changed mask) makes a new LossInputs, so nothing stale is reused."""
+    memo = inp.__dict__.setdefault("_token_terms_memo", {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _mean_weights(inp: LossInputs) -> torch.Tensor:
+    """Each counted token's share of a masked mean: its mask weight over their sum."""
+
+    def make() -> torch.Tensor:
+        weights = torch.where(inp.valid, inp.mask, 0.0)
+        return weights / weights.sum().clamp_min(1e-8)
+
+    return _per_inputs(inp, ("mean_weights",), make)
+
+
 def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     """Mean of x over the counted tokens, each weighted by its (float) mask weight."""
-    total_weight = inp.mask.sum().clamp_min(1e-8)
-    return (torch.where(inp.valid, x.float(), 0.0) * inp.mask).sum() / total_weight
+    if x.dtype == torch.bool:  # a flag is finite everywhere: the zero weights mask it
+        return (x * _mean_weights(inp)).sum()
+    return (torch.where(inp.valid, x.float(), 0.0) * _mean_weights(inp)).sum()
 
 
 def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
@@ -132,6 +154,11 @@ def _select_max(
 
 def aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     """agg_w[b, t] such that agg(X) = sum_bt agg_w * X over valid tokens (verl's agg_loss modes)."""
+    key = ("aggregation_weights", cfg.agg, cfg.norm_constant)
+    return _per_inputs(inp, key, lambda: _aggregation_weights(inp, cfg))
+
+
+def _aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     mask = torch.where(inp.valid, inp.mask, 0.0)
     seq_len = mask.sum(-1, keepdim=True)
     nonempty = (seq_len > 0).float()

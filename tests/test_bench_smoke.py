@@ -460,6 +460,10 @@ def test_sweep_fused_smoke(tmp_path):
     timed = {(row["programs_per_sm"], row["warps"]) for row in result["rows"] if row["ms"] > 0}
     expected = {(None, None), *itertools.product(sweep_fused.PROGRAMS_PER_SM, sweep_fused.WARPS)}
     assert timed == expected
+    rounds = [(row["round"], row["programs_per_sm"], row["warps"]) for row in result["rows"]]
+    assert sorted(rounds, key=str) == sorted(
+        ((r, *shape) for r in range(sweep_fused.ROUNDS) for shape in expected), key=str
+    )  # every shape timed once per round
     with sweep_fused.launch_shape(3, 8):
         assert (logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == (8, 3)
         assert logprobs.max_registers(8) == 65536 // (3 * 32 * 8)
