@@ -37,11 +37,57 @@ class LossInputs:
     ref_logits: torch.Tensor | None = None
     # [B, T] fp32 per-token temperatures (`temperature=` a tensor), in place of cfg.temperature
     row_temps: torch.Tensor | None = None
+    # 0-dim fp32 entropy coefficient on the logits' device (`entropy_coef=` a tensor), in place
+    # of cfg.entropy_coef: adaptive entropy control changes it without a recompile or a sync
+    entropy_coef: torch.Tensor | None = None
 
 
 def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:
     """The temperature the backends divide the logits by: per token, or the config's."""
     return inp.row_temps if inp.row_temps is not None else cfg.temperature
+
+
+def entropy_coef_of(inp: LossInputs, cfg) -> float | torch.Tensor:
+    """The entropy bonus's coefficient: the call's device scalar, or the config's number."""
+    return inp.entropy_coef if inp.entropy_coef is not None else cfg.entropy_coef
+
+
+def has_entropy_bonus(inp: LossInputs, cfg) -> bool:
+    """A coefficient given as a tensor always applies (its value may be 0 this step)."""
+    return inp.entropy_coef is not None or cfg.entropy_coef != 0.0
+
+
+def needs_entropy(inp: LossInputs, cfg) -> bool:
+    """The loss reads each token's entropy: a bonus, or the top-entropy token selection."""
+    return cfg.needs_entropy or inp.entropy_coef is not None
+
+
+def check_entropy_coef(entropy_coef: object, config, device: torch.device) -> torch.Tensor | None:
+    """`entropy_coef=`: a one-element float tensor on the logits' device, finite (checked
+    without a host sync off the CPU), as a 0-dim fp32 tensor; None leaves config.entropy_coef."""
+    if entropy_coef is None:
+        return None
+    if not isinstance(entropy_coef, torch.Tensor):
+        raise TypeError(
+            "entropy_coef must be a one-element tensor (a fixed number goes in "
+            f"config.entropy_coef), got {type(entropy_coef).__name__}"
+        )
+    if not entropy_coef.dtype.is_floating_point:
+        raise TypeError(f"entropy_coef must be a float tensor, got dtype {entropy_coef.dtype}")
+    if entropy_coef.numel() != 1:
+        raise ValueError(
+            f"entropy_coef must hold one number, got shape {tuple(entropy_coef.shape)}"
+        )
+    if entropy_coef.device != device:
+        raise ValueError(f"entropy_coef is on {entropy_coef.device} but the logits are on {device}")
+    if config.entropy_coef != 0.0:
+        raise ValueError(
+            f"entropy_coef (a tensor) and config.entropy_coef={config.entropy_coef} are both set: "
+            "pass one"
+        )
+    coef = entropy_coef.detach().float().reshape(())
+    _fail_if(~torch.isfinite(coef), "entropy_coef must be finite", coef)
+    return coef
 
 
 def check_temperature_arg(
@@ -279,6 +325,7 @@ def prepare_loss_inputs(
     ref_head: bool = False,
     temperature: torch.Tensor | None = None,
     prox_logp: object = None,
+    entropy_coef: object = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
@@ -286,7 +333,8 @@ def prepare_loss_inputs(
     `ref_head`: the LM-head loss has the reference's head instead (checked by its caller).
     `temperature`: per-token temperatures, in place of config.temperature (which must be 1).
     `prox_logp`: decoupled PPO (`decoupled_inputs`): the ratio is taken against it, and the
-    behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights."""
+    behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights. `entropy_coef`: the
+    entropy bonus's coefficient as a device scalar (`check_entropy_coef`)."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -394,6 +442,7 @@ def prepare_loss_inputs(
         flat_input=flat_input,
         ref_logits=ref_logits3,
         row_temps=row_temps,
+        entropy_coef=check_entropy_coef(entropy_coef, config, device),
     )
 
 

@@ -81,6 +81,7 @@ def policy_loss(
     return_sum_pi_squared: bool = False,
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
+    entropy_coef: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -133,6 +134,13 @@ def policy_loss(
             behaviour policy being `old_logp` (the sampler's), 0 above
             config.decoupled_is_cap (none by default). prox_logp == old_logp is the plain loss.
             Exclusive with config.is_correction; not under tensor parallelism yet.
+        entropy_coef: the entropy bonus's coefficient as a one-element tensor on the logits'
+            device, in place of config.entropy_coef (then left at 0): adaptive entropy control
+            (Skywork-OR1, TRL's use_adaptive_entropy) changes it between steps without a
+            recompile or a host sync. The bonus (and the entropy) is then always computed, 0
+            included. Triton reads it in the fused kernel; the CUDA extension's fused kernel
+            takes a number, so there the call takes the two-pass path (one more read of the
+            logits). Not under tensor parallelism yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -142,10 +150,10 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        if temperature is not None or prox_logp is not None:
+        if temperature is not None or prox_logp is not None or entropy_coef is not None:
             raise NotImplementedError(
-                "per-token temperatures and prox_logp (decoupled PPO) under tensor parallelism "
-                "are not supported yet"
+                "per-token temperatures, prox_logp (decoupled PPO) and a tensor entropy_coef "
+                "under tensor parallelism are not supported yet"
             )
         if return_sum_pi_squared:
             raise NotImplementedError(
@@ -179,6 +187,7 @@ def policy_loss(
         ref_logits=ref_logits,
         temperature=temperature,
         prox_logp=prox_logp,
+        entropy_coef=entropy_coef,
     )
     impl = _resolve_backend(backend, inp.logits.device)
     sharp = None

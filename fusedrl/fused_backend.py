@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs, temperature_of
+from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
@@ -57,6 +57,10 @@ class FusedOps:
     two_rows: TwoRowOps | None = None
     # Whether the ops take per-token temperatures (`row_temps=`, a [B, T] tensor)
     row_temperatures: bool = False
+    # Whether the fused token-loss ops take the entropy coefficient as a device scalar
+    # (`entropy_coef_tensor=`); without, such a call takes the two-pass path, where the
+    # coefficient is in the per-token d(loss)/d(entropy) that pass 2 reads.
+    entropy_coef_tensor: bool = False
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -250,18 +254,30 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     )
 
 
+def fused_token_keywords(inp: LossInputs, cfg: LossConfig, rows: slice | None = None) -> dict:
+    """The fused op's keywords beside FUSED_ARGS: per-token temperatures (`rows`: a chunk's
+    flat rows) and the entropy coefficient as a device scalar."""
+    keywords = temperature_keywords(temperature_of(inp, cfg), rows)[1]
+    if inp.entropy_coef is not None:
+        keywords["entropy_coef_tensor"] = inp.entropy_coef
+    return keywords
+
+
 def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
     """One kernel: logp, entropy and the gradient."""
     args = fused_token_args(inp, cfg)
-    rows = temperature_args(ops, temperature_of(inp, cfg))[1]
+    temperature_args(ops, temperature_of(inp, cfg))  # refuses where the ops have none
+    rows = fused_token_keywords(inp, cfg)
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
     return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
 
 
-def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
+def needs_two_passes(inp: LossInputs, cfg: LossConfig, ops: FusedOps | None = None) -> bool:
     if cfg.is_sequence_level or cfg.loss in SCALAR_LOSSES:  # the kernels know neither
         return True
+    if inp.entropy_coef is not None and ops is not None and not ops.entropy_coef_tensor:
+        return True  # (the CUDA extension's fused kernel takes the coefficient as a number)
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
         return True
     if cfg.m2po_tau is not None:  # a batch-wide statistic of logp: known after pass 1
@@ -316,7 +332,7 @@ def policy_loss(
     grad_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
-    need_entropy = need_entropy or cfg.needs_entropy
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
     if cfg.full_kl:
         return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
     sampling = cfg.sampling
@@ -330,7 +346,7 @@ def policy_loss(
         # The masked logits go where the gradient will be written; the kernels then run in place.
         _write_sampled_set(ops, inp.logits, inp.labels, cfg.temperature, sampling, grad_out)
         inp = replace(inp, logits=grad_out)
-    if grad_out is not None and not needs_two_passes(inp, cfg):
+    if grad_out is not None and not needs_two_passes(inp, cfg, ops):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg)

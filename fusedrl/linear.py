@@ -99,6 +99,7 @@ def linear_policy_loss(
     logit_scale: float | None = None,
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
+    entropy_coef: torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -133,6 +134,7 @@ def linear_policy_loss(
         temperature: per-token temperatures, as in `policy_loss` (the torch backend and the
             Triton `gemm` design).
         prox_logp: decoupled PPO's proximal log-probs, as in `policy_loss`.
+        entropy_coef: the entropy coefficient as a device scalar, as in `policy_loss`.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -152,10 +154,10 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    if (temperature is not None or prox_logp is not None) and sharded:
+    if (temperature is not None or prox_logp is not None or entropy_coef is not None) and sharded:
         raise NotImplementedError(
-            "per-token temperatures and prox_logp (decoupled PPO) under tensor parallelism are "
-            "not supported yet"
+            "per-token temperatures, prox_logp (decoupled PPO) and a tensor entropy_coef under "
+            "tensor parallelism are not supported yet"
         )
     if transform is not None and sharded:
         raise NotImplementedError(
@@ -192,6 +194,7 @@ def linear_policy_loss(
         ref_head=full_kl,
         temperature=temperature,
         prox_logp=prox_logp,
+        entropy_coef=entropy_coef,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     ref_head = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs, temperature_of
+from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
 from .fused_backend import needs_two_passes
 from .logit_transform import LogitTransform
@@ -270,7 +270,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
     """logp, entropy, the [B, T] terms (loss, metrics) and the gradients flagged in `want`."""
     inp = lin.rows
-    need_entropy = need_entropy or cfg.needs_entropy
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
     temperature = temperature_of(inp, cfg)
     if any(want) and not needs_two_passes(inp, cfg):
         derivatives = token_level_derivatives(lin, cfg)

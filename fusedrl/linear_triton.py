@@ -28,9 +28,14 @@ from collections.abc import Iterator
 
 import torch
 
-from ._inputs import temperature_of
+from ._inputs import needs_entropy, temperature_of
 from .config import LossConfig
-from .fused_backend import fused_token_args, needs_two_passes, temperature_keywords
+from .fused_backend import (
+    fused_token_args,
+    fused_token_keywords,
+    needs_two_passes,
+    temperature_keywords,
+)
 from .linear_torch import GradSums, LinearGrads, LinearInputs, masked_rows
 from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
@@ -239,7 +244,7 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     temperature = temperature_of(lin.rows, cfg)
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
-        _, rows_t = temperature_keywords(temperature, slice(start, stop))
+        rows_t = fused_token_keywords(lin.rows, cfg, slice(start, stop))
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
             logits, *chunk, **rows_t
         )
@@ -252,8 +257,8 @@ def policy_loss(
     lin: LinearInputs, cfg: LossConfig, need_entropy: bool, want: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
     _check_dtype(lin)
-    need_entropy = need_entropy or cfg.needs_entropy
-    if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg):
+    need_entropy = need_entropy or needs_entropy(lin.rows, cfg)
+    if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg, _row_ops()):
         logp, entropy, grads = _one_sweep(lin, cfg, want)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, lin.rows, cfg), grads

@@ -555,6 +555,7 @@ def policy_loss(
     ref_logits: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
+    entropy_coef: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
@@ -563,6 +564,7 @@ def policy_loss(
     `prox_logp`: decoupled PPO (AReaL's ppo_actor_loss_fn): the ratio against pi_prox, each
     token's loss times pi_prox / pi_behav (old_logp: the behaviour policy), dropped above
     config.decoupled_is_cap.
+    `entropy_coef`: the bonus's coefficient as a tensor, in place of config.entropy_coef.
     """
     cfg = config if config is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
@@ -586,8 +588,11 @@ def policy_loss(
         is_weights,
         ref_logits=ref_logits,
         temperature=temperature,
+        entropy_coef=entropy_coef,
     )
-    need_entropy = return_entropy or cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1
+    bonus_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef.float().reshape(())
+    has_bonus = entropy_coef is not None or cfg.entropy_coef != 0.0
+    need_entropy = return_entropy or has_bonus or cfg.top_entropy_quantile < 1
     safe_logits = torch.where(inp.valid.unsqueeze(-1), inp.logits, 0.0)
     divisor = cfg.temperature if inp.row_temps is None else inp.row_temps.unsqueeze(-1)
     logp, entropy = _log_softmax_stats(
@@ -646,9 +651,9 @@ def policy_loss(
             if cfg.kl_bias_correction:  # KL(pi || ref) under samples of pi_old: times the ratio
                 kl = kl * _ratio(logp, old, inp, cfg)
             per_token = per_token + cfg.beta * kl
-    if cfg.entropy_coef != 0.0:
+    if has_bonus:
         bonus = entropy if top_entropy is None else entropy * top_entropy
-        per_token = per_token - cfg.entropy_coef * bonus
+        per_token = per_token - bonus_coef * bonus
     loss = loss + aggregate(per_token, inp, cfg)
 
     add_token_metrics(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs
+from ._inputs import LossInputs, entropy_coef_of, has_entropy_bonus
 from .config import SCALAR_LOSSES, LossConfig
 
 # ------------------------------------------------------------------ the backends' own semantics
@@ -592,11 +592,12 @@ def token_terms(
                 kl, dkl = kl * ratio, dkl * ratio + kl * dratio
             per_token, dper_token = per_token + cfg.beta * kl, dper_token + cfg.beta * dkl
     dentropy = None
-    if cfg.entropy_coef != 0.0:
+    if has_entropy_bonus(inp, cfg):
+        coef = entropy_coef_of(inp, cfg)  # a number, or a 0-dim tensor (adaptive control)
         bonus = entropy if entropy_keep is None else entropy * entropy_keep
         bonus_w = agg_w if entropy_keep is None else agg_w * entropy_keep
-        per_token = per_token - cfg.entropy_coef * bonus
-        dentropy = torch.where(inp.valid, -cfg.entropy_coef * bonus_w, 0.0)
+        per_token = per_token - coef * bonus
+        dentropy = torch.where(inp.valid, -coef * bonus_w, 0.0)
 
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
     dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)

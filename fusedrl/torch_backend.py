@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ._inputs import LossInputs, temperature_of
+from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
@@ -352,7 +352,7 @@ def policy_loss(
     inp: LossInputs, cfg: LossConfig, need_entropy: bool, grad_out: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """Pass 1, the [B, T] terms, and (when `grad_out` is given) pass 2 into `grad_out`."""
-    need_entropy = need_entropy or cfg.needs_entropy
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
     sampling = cfg.sampling
     floors = _floors_buffer(inp.logits, sampling) if grad_out is not None else None
     full_kl = None

@@ -66,8 +66,9 @@ def sampled_set(
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
-# Per-token temperatures are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
-_ROW_TEMPS = "Tensor? row_temps=None"
+# Per-token temperatures and the entropy coefficient as a device scalar are the Triton ops' own
+# (the CUDA extension's schema is FUSED_ARGS).
+_ROW_TEMPS = "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None"
 torch.library.define(
     "fusedrl::fused_token_loss",
     f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
@@ -164,6 +165,7 @@ OPS = FusedOps(
     sampled_set,
     TWO_ROWS,
     row_temperatures=True,
+    entropy_coef_tensor=True,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

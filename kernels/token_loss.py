@@ -132,6 +132,7 @@ def _fused_token_loss_kernel(
     logp_ptr,
     entropy_ptr,
     temperature_ptr,
+    entropy_coef_ptr,
     time,
     vocab,
     stride_b,
@@ -154,12 +155,18 @@ def _fused_token_loss_kernel(
     HAS_IS: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
+    ENTROPY_COEF_FROM_PTR: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
-    are in flight as the launcher sized to L2 (`persistent_programs`)."""
+    are in flight as the launcher sized to L2 (`persistent_programs`). ENTROPY_COEF_FROM_PTR:
+    the entropy coefficient is a device scalar (adaptive entropy control changes it between
+    steps without a recompile or a host sync), read once per program."""
+    bonus_coef = entropy_coef
+    if ENTROPY_COEF_FROM_PTR:
+        bonus_coef = tl.load(entropy_coef_ptr)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
         row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
         grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
@@ -212,7 +219,7 @@ def _fused_token_loss_kernel(
             d_token = d_token * is_weight
             if KL != 0:
                 d_token += beta * kl_dlogp(logp, ref, KL)
-            dentropy = -entropy_coef * agg_weight
+            dentropy = -bonus_coef * agg_weight
             write_row_grad(
                 row_ptr,
                 grad_row,
@@ -261,10 +268,12 @@ def fused_token_loss(
     beta: float,
     entropy_coef: float,
     row_temps: torch.Tensor | None = None,
+    entropy_coef_tensor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]; `row_temps`: per-token
-    temperatures, in place of `temperature`."""
+    temperatures, in place of `temperature`; `entropy_coef_tensor`: a one-element device tensor,
+    the entropy coefficient in place of `entropy_coef` (the bonus then always applies)."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -294,6 +303,7 @@ def fused_token_loss(
         logp,
         entropy,
         row_temperature_arg(row_temps, logp),
+        logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
         time,
         vocab,
         logits.stride(0),
@@ -315,7 +325,8 @@ def fused_token_loss(
         KL=kl_code,
         HAS_IS=is_weight is not None,
         HAS_BOUNDS=low is not None,
-        ENTROPY_BONUS=entropy_coef != 0.0,
+        ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
+        ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
         ROW_TEMPERATURE=row_temps is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,

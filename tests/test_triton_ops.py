@@ -88,6 +88,11 @@ def test_opcheck_fused_token_loss():
         (data["logits"].clone(), *args),
         {"row_temps": 0.5 + torch.rand(2, 3)},
     )
+    torch.library.opcheck(
+        triton_backend.fused_token_loss,
+        (data["logits"], torch.empty_like(data["logits"]), *args),
+        {"entropy_coef_tensor": torch.tensor(0.2)},
+    )
 
 
 def test_backend_dispatch_calls_no_importlib(monkeypatch):

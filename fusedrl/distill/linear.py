@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._inputs import check_lm_head, check_logits, temperature_of
+from .._inputs import check_lm_head, check_logits, needs_entropy, temperature_of
 from ..config import LossConfig
 from ..fused_backend import TwoRowOps, needs_two_passes, temperature_keywords
 from ..linear_torch import (
@@ -207,7 +207,7 @@ def policy_loss_with_reference(
     sweep (the policy's per-token derivatives of a chunk right after its forward); the others:
     a forward sweep, the terms, a gradient sweep."""
     inp = lin.rows
-    need_entropy = need_entropy or cfg.needs_entropy
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
     code = _KL_CODE[cfg.kl]
     temperature = temperature_of(inp, cfg)
     if any(want) and not needs_two_passes(inp, cfg):

@@ -1,0 +1,185 @@
+"""The entropy bonus's coefficient as a device scalar (`entropy_coef=` a one-element tensor):
+what adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy) changes between steps,
+without a recompile or a host sync.
+
+Against the oracle (`fusedrl.reference` with the same tensor) and against the plain number in
+LossConfig.entropy_coef: token-level losses (the fused kernel reads the scalar), sequence-level
+ones (two passes: the coefficient is in d(loss)/d(entropy)), the fused path of a backend whose
+kernel takes only a number (the CUDA extension's: two passes), the LM-head forms, in place;
+a coefficient of 0 still computes the entropy; one compiled graph serves every value; then the
+contracts (what is refused, by name)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, fused_backend, reference
+from fusedrl._inputs import prepare_loss_inputs
+
+from .conftest import make_batch, needs_interpreter, run_loss
+
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+COEF = 0.3  # large, so the bonus moves the loss and the gradient far beyond the tolerances
+
+
+def _close(ours, want, grad, want_grad):
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.metrics["entropy"], want.metrics["entropy"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])  # the fused kernel; two passes
+def test_tensor_coefficient_equals_the_oracle_and_the_number(preset, backend):
+    data = make_batch(vocab=131, seed=3, with_nan_padding=True)
+    cfg = LossConfig.preset(preset)
+    coef = torch.tensor(COEF)
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, entropy_coef=coef, backend=backend)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, entropy_coef=coef)
+    _close(ours, want, grad, want_grad)
+    # The oracle's own number path agrees (the tensor is the number, moved to the device).
+    number, number_grad = run_loss(reference.policy_loss, data, cfg.replace(entropy_coef=COEF))
+    _close(number, want, number_grad, want_grad)
+    # The bonus acted: without it the loss and the gradient are far off.
+    plain, plain_grad = run_loss(fusedrl.policy_loss, data, cfg, backend=backend)
+    assert (ours.loss - plain.loss).abs() > 0.1
+    assert (grad - plain_grad).abs().max() > 1e-3
+    assert (grad[~data["mask"]] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_zero_coefficient_still_computes_the_entropy(backend):
+    """Adaptive control starts (or falls) to 0: the bonus then adds nothing, but the entropy it
+    steers by is still measured, in the same graph."""
+    data = make_batch(vocab=131, seed=4)
+    cfg = LossConfig.preset("dapo")
+    ours, grad = run_loss(
+        fusedrl.policy_loss, data, cfg, entropy_coef=torch.tensor(0.0), backend=backend
+    )
+    plain, plain_grad = run_loss(fusedrl.policy_loss, data, cfg, backend=backend)
+    assert "entropy" in ours.metrics and "entropy" not in plain.metrics
+    torch.testing.assert_close(ours.loss, plain.loss)
+    torch.testing.assert_close(grad, plain_grad)
+    want, _ = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    torch.testing.assert_close(ours.metrics["entropy"], want.metrics["entropy"])
+
+
+@needs_interpreter
+def test_a_fused_kernel_without_the_scalar_takes_two_passes():
+    """The CUDA extension's fused kernel takes the coefficient as a number: there the call must
+    take pass 1, the terms, pass 2 (the coefficient inside d(loss)/d(entropy)). Run on Triton's
+    ops with that capability switched off, so that the routing itself is what is checked."""
+    from fusedrl import triton_backend
+
+    data = make_batch(vocab=131, seed=5)
+    cfg = LossConfig.preset("dapo")
+    coef = torch.tensor(COEF)
+    numbers_only = dataclasses.replace(triton_backend.OPS, entropy_coef_tensor=False)
+    args = [data[k] for k in ("labels", "advantages", "mask", "old_logp", "ref_logp")]
+    inp = prepare_loss_inputs(data["logits"], *args, None, cfg, None, entropy_coef=coef)
+    assert fused_backend.needs_two_passes(inp, cfg, numbers_only)
+    assert not fused_backend.needs_two_passes(inp, cfg, triton_backend.OPS)
+    calls = []
+    for ops in (numbers_only, triton_backend.OPS):
+        ops = dataclasses.replace(ops, fused_token_loss=_spy(ops.fused_token_loss, calls, ops))
+        grad = torch.empty_like(data["logits"])
+        _, _, terms = fused_backend.policy_loss(ops, inp, cfg, False, grad)
+        want, want_grad = run_loss(reference.policy_loss, data, cfg, entropy_coef=coef)
+        torch.testing.assert_close(terms.loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert calls == [triton_backend.OPS]  # the fused kernel ran only where it takes the scalar
+
+
+def _spy(op, calls, ops):
+    def call(*args, **kwargs):
+        calls.append(ops)
+        return op(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lm_head_form_and_in_place(backend):
+    data = make_batch(vocab=131, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    cfg = LossConfig.preset("dapo")
+    coef = torch.tensor(COEF)
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, entropy_coef=coef,
+                                      backend=backend)  # fmt: skip
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, entropy_coef=coef)
+    want_grads = torch.autograd.grad(want.loss, oracle)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    # In place on the logits.
+    logits = (hidden @ weight.T).requires_grad_(True)
+    work = logits * 1.0
+    out = fusedrl.policy_loss(work, **rows, config=cfg, entropy_coef=coef, inplace=True,
+                              backend=backend)  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    want, want_grad = run_loss(reference.policy_loss, dict(data, logits=hidden @ weight.T), cfg,
+                               entropy_coef=coef)  # fmt: skip
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+
+
+@needs_interpreter
+def test_one_compiled_graph_serves_every_value():
+    """The point of a tensor: a new value is new data, not a new graph (a float in the config
+    would be a guard, and a recompile whenever the controller moves it)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    data = make_batch(batch=2, time=4, vocab=67, seed=7)
+    cfg = LossConfig.preset("dapo")
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def loss_fn(logits, coef):
+        return fusedrl.policy_loss(
+            logits, data["labels"], data["advantages"], data["mask"],
+            old_logp=data["old_logp"], config=cfg, backend="triton", entropy_coef=coef,
+        ).loss  # fmt: skip
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
+    for value in (0.0, 0.05, COEF):
+        logits = data["logits"].clone().requires_grad_(True)
+        loss = compiled(logits, torch.tensor(value))
+        (grad,) = torch.autograd.grad(loss, logits)
+        coef = torch.tensor(value)
+        want, want_grad = run_loss(reference.policy_loss, data, cfg, entropy_coef=coef)
+        torch.testing.assert_close(loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "coef, config, error, match",
+    [
+        (0.1, None, TypeError, "entropy_coef must be a one-element tensor"),
+        (torch.tensor([0.1, 0.2]), None, ValueError, r"entropy_coef must hold one number.*\(2,\)"),
+        (torch.tensor(1), None, TypeError, "entropy_coef must be a float tensor.*int64"),
+        (torch.tensor(float("nan")), None, ValueError, "entropy_coef must be finite"),
+        (torch.tensor(0.1), {"entropy_coef": 0.01}, ValueError, "config.entropy_coef=0.01"),
+    ],
+)
+def test_bad_coefficients_are_refused_by_name(coef, config, error, match):
+    data = make_batch(vocab=67, seed=8)
+    cfg = LossConfig.preset("dapo", **(config or {}))
+    for fn in (fusedrl.policy_loss, reference.policy_loss):
+        with pytest.raises(error, match=match):
+            run_loss(fn, data, cfg, entropy_coef=coef)
+
+
+def test_tensor_parallel_refuses_it():
+    data = make_batch(vocab=67, seed=9)
+    with pytest.raises(NotImplementedError, match="tensor entropy_coef"):
+        run_loss(fusedrl.policy_loss, data, LossConfig(), entropy_coef=torch.tensor(0.1),
+                 vocab_start=0, vocab_size=67)  # fmt: skip
