@@ -144,13 +144,16 @@ def test_a_warm_started_teacher_lifts_a_fresh_student(hf_run, tmp_path):
 
 def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
     """--decoupled (the recomputed log-probs as the proximal policy), --m2po-tau,
-    --trust-region-delta and DPPO's --kl-tau in one run: the options reach the loss (their
-    metrics are logged) and the run stays finite."""
+    --trust-region-delta, DPPO's --kl-tau and adaptive entropy (--entropy-target) in one run:
+    the options reach the loss (their metrics are logged) and the run stays finite; the entropy
+    controller follows TRL's rule and resumes where it stopped."""
     out = tmp_path / "objectives"
     fusedrl_train("--out", str(out), "--model", str(hf_run / "base_model"), "--max-steps", "2",
                   "--loss", "dppo_tv", "--kl-tau", "0.001", "--decoupled",
                   "--decoupled-is-cap", "3", "--m2po-tau", "0.05", "--trust-region-delta", "1.0",
-                  "--warmstart-steps", "0", "--tensorboard", "false")  # fmt: skip
+                  "--entropy-target", "100", "--entropy-coef", "0.01",
+                  "--entropy-coef-delta", "0.02", "--warmstart-steps", "0",
+                  "--tensorboard", "false")  # fmt: skip
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("m2po_masked", "rs_tr_max_k2_masked", "dppo_kl_term", "is_weight_mean"):
@@ -158,3 +161,12 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     text = (out / "config.yaml").read_text()
     assert "decoupled: true" in text and "m2po_tau: 0.05" in text
+    # The entropy (~ log of the vocabulary for this model) is far below the target of 100: no
+    # bonus before the first measurement, then the coefficient grows by delta after each step.
+    assert all(0 < r["entropy"] <= 100 for r in rows)
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.0, 0.03])
+    resumed = tmp_path / "objectives-resumed"
+    fusedrl_train("--out", str(resumed), "--max-steps", "3",
+                  "--resume", str(out / "checkpoints" / "step_000002"))  # fmt: skip
+    (row,) = read_metrics(resumed)
+    assert row["step"] == 2 and row["entropy_coef"] == pytest.approx(0.05)  # not 0: restored

@@ -521,3 +521,62 @@ def test_decoupled_ppo_takes_the_recomputed_log_probs_as_the_proximal_policy():
     plain = _tiny_model()
     accumulate_gradients(plain, batch, cfg.replace(decoupled_is_cap=None), 2, None, "torch")
     assert (_flat_grads(plain) - got).abs().max() > 1e-5
+
+
+def _trl_adaptive_entropy(entropies, coef, target, delta, low, high):
+    """TRL 1.16's adaptive entropy control written out (GRPOTrainer._compute_loss): the
+    coefficient applied in a step (gated on the last window's entropy, inf before the first),
+    then its update from this step's entropy."""
+    applied, coefs, last = [], [], float("inf")
+    for world_entropy in entropies:
+        applied.append(coef if last <= target else 0.0)
+        if world_entropy <= target:
+            coef = min(coef + delta, high)
+        else:
+            coef = max(coef - delta, low)
+        coefs.append(coef)
+        last = world_entropy
+    return applied, coefs
+
+
+def test_adaptive_entropy_follows_trls_rule():
+    from fusedrl.trainer.entropy_control import AdaptiveEntropy
+
+    gen = torch.Generator().manual_seed(0)
+    # Around the target, so that both branches and both bounds act.
+    entropies = (0.2 + 0.15 * torch.randn(40, generator=gen)).tolist()
+    entropies[5:15] = [0.05] * 10  # a long dip: the coefficient climbs to its cap
+    entropies[20:30] = [0.9] * 10  # a long rise: it falls to its floor
+    args = dict(coef=0.01, target=0.2, delta=0.004, low=0.002, high=0.03)
+    control = AdaptiveEntropy(args["target"], args["delta"], args["low"], args["high"],
+                              args["coef"])  # fmt: skip
+    ours, our_coefs = [], []
+    for entropy in entropies:
+        ours.append(control.applied())
+        control.update(entropy)
+        our_coefs.append(control.coef)
+    want, want_coefs = _trl_adaptive_entropy(entropies, **args)
+    assert ours == pytest.approx(want) and our_coefs == pytest.approx(want_coefs)
+    assert max(want) == pytest.approx(args["high"]) and 0.0 in want  # cap and gate acted
+    assert min(want_coefs) == pytest.approx(args["low"])  # floor acted
+    restored = AdaptiveEntropy(0.2, 0.004, 0.002, 0.03, 0.0)
+    restored.load_state_dict(control.state_dict())
+    assert restored.applied() == control.applied() and restored.coef == control.coef
+
+
+def test_adaptive_entropy_options():
+    cfg = TrainConfig(entropy_target=0.3, entropy_coef=0.02).validate()
+    assert cfg.loss_config().entropy_coef == 0.0  # the coefficient is the controller's tensor
+    assert cfg.initial_entropy_coef() == 0.02
+    assert TrainConfig(entropy_coef=0.02).loss_config().entropy_coef == 0.02
+    bad = [
+        (dict(entropy_target=0.3, tp=2), "--entropy-target: .*--tp 1"),
+        (dict(entropy_target=0.3, entropy_coef_min=0.5, entropy_coef_max=0.4),
+         "--entropy-coef-min: must be in"),
+        (dict(entropy_target=0.3, entropy_coef=2.0), "--entropy-coef: the adaptive coefficient"),
+        (dict(entropy_target=-1.0), "--entropy-target: must be >= 0"),
+        (dict(entropy_target=0.3, entropy_coef_delta=0.0), "--entropy-coef-delta: must be > 0"),
+    ]
+    for options, match in bad:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**options).validate()

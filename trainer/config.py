@@ -109,6 +109,11 @@ class TrainConfig:
     trust_region_delta: float | None = None
     trust_region_mode: str | None = None
     m2po_tau: float | None = None
+    # adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): None = off
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
     # --- distillation ---------------------------------------------------------------------
     distill_teacher: str | None = None  # a local model directory (same vocabulary); None = off
     distill_kind: str = "reverse_kl"  # one of fusedrl.DISTILL_KINDS
@@ -148,6 +153,10 @@ class TrainConfig:
 
     def loss_config(self) -> LossConfig:
         overrides = {k: getattr(self, k) for k in LOSS_OVERRIDES if getattr(self, k) is not None}
+        if self.entropy_target is not None:
+            # Adaptive entropy: the coefficient is the controller's device scalar, handed to the
+            # loss each step (initial_entropy_coef), never a number in the config.
+            overrides["entropy_coef"] = 0.0
         # The loss replays the rollouts' sampling mask: logp over the set vLLM sampled from.
         top_p = self.top_p if self.top_p < 1 else None
         cfg = LossConfig.preset(self.preset, temperature=self.temperature, top_p=top_p,
@@ -156,6 +165,12 @@ class TrainConfig:
             # Dr.GRPO divides by a constant: the generation budget.
             cfg = cfg.replace(norm_constant=float(self.max_tokens))
         return cfg
+
+    def initial_entropy_coef(self) -> float:
+        """The adaptive controller's starting coefficient: --entropy-coef, else the preset's."""
+        if self.entropy_coef is not None:
+            return self.entropy_coef
+        return LossConfig.preset(self.preset).entropy_coef
 
     def validate(self) -> TrainConfig:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -186,6 +201,20 @@ class TrainConfig:
              "--is-correction")
         need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
              "is read by --decoupled only")
+        if self.entropy_target is not None:
+            need(self.entropy_target >= 0, "entropy_target",
+                 f"must be >= 0 (nats per token), got {self.entropy_target}")
+            need(self.entropy_coef_delta > 0, "entropy_coef_delta",
+                 f"must be > 0, got {self.entropy_coef_delta}")
+            need(0 <= self.entropy_coef_min <= self.entropy_coef_max, "entropy_coef_min",
+                 f"must be in [0, --entropy-coef-max={self.entropy_coef_max}], got "
+                 f"{self.entropy_coef_min}")
+            need(self.entropy_coef_min <= self.initial_entropy_coef() <= self.entropy_coef_max,
+                 "entropy_coef", f"the adaptive coefficient starts at {self.initial_entropy_coef()}"
+                 f", outside [--entropy-coef-min, --entropy-coef-max] = "
+                 f"[{self.entropy_coef_min}, {self.entropy_coef_max}]")
+            need(self.tp == 1, "entropy_target",
+                 "the coefficient as a device scalar has no tensor-parallel path yet: use --tp 1")
         need(self.advantage in ADVANTAGES, "advantage",
              f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
         need(self.group_size >= 2, "group_size",
@@ -342,6 +371,13 @@ HELP = {
     "sequence's mean); unset: max.",
     "m2po_tau": "M2PO (AReaL): the tokens of largest (log ratio)^2 leave the loss until the "
     "rest's mean is below this; unset: off.",
+    "entropy_target": "Adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the "
+    "entropy coefficient (starting at --entropy-coef) grows by --entropy-coef-delta after each "
+    "optimizer step whose mean token entropy is at or below this (nats), shrinks otherwise, and "
+    "applies only while the entropy is at or below it; unset: off.",
+    "entropy_coef_delta": "Adaptive entropy control: the coefficient's change per optimizer step.",
+    "entropy_coef_min": "Adaptive entropy control: the coefficient's lower bound.",
+    "entropy_coef_max": "Adaptive entropy control: the coefficient's upper bound.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

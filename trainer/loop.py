@@ -64,6 +64,7 @@ from .distributed import (
     sum_over_ranks,
     teardown,
 )
+from .entropy_control import AdaptiveEntropy
 from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score
@@ -284,6 +285,15 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
                                            weight_decay=cfg.weight_decay)
         self.sas = adv.SmoothAdvantageStandardizer() if cfg.advantage == "dcpo_sas" else None
+        self.entropy_control = None
+        if cfg.entropy_target is not None:
+            self.entropy_control = AdaptiveEntropy(
+                cfg.entropy_target, cfg.entropy_coef_delta, cfg.entropy_coef_min,
+                cfg.entropy_coef_max, cfg.initial_entropy_coef(),
+            )  # fmt: skip
+            # One device scalar for the run, refilled before each optimizer step: the loss
+            # reads it on the device (no recompile, no host sync when it changes).
+            self.entropy_coef = torch.zeros((), device=self.env.device)
         self.start_step, self.cursor = 0, 0
         self.skipped_nonfinite = 0
         resume_step = None
@@ -309,6 +319,8 @@ class Trainer:
                           f"one resumes from step {self.start_step}, set aside")
             if self.sas is not None and extra.get("sas") is not None:
                 self.sas.load_state_dict(extra["sas"])
+            if self.entropy_control is not None and extra.get("entropy_control") is not None:
+                self.entropy_control.load_state_dict(extra["entropy_control"])
         if self.env.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             print(run_summary(cfg, self.loss_cfg, model_path, len(self.prompts), self.lr,
@@ -465,11 +477,15 @@ class Trainer:
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini = batch.rows(slice(lo, hi))
+                entropy_coef = None
+                if self.entropy_control is not None:
+                    entropy_coef = self.entropy_coef.fill_(self.entropy_control.applied())
                 step_metrics = accumulate_gradients(
                     self.model, mini, lcfg, mb, self._autocast(), cfg.backend,
                     lm_head=self.lm_head, dp_group=self.env.dp_group,
                     ref_model=self.ref_model if lcfg.full_kl else None,
                     teacher=self.teacher, distill=self.distill, decoupled=cfg.decoupled,
+                    entropy_coef=entropy_coef,
                 )  # fmt: skip
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -478,6 +494,9 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue  # skipped (--skip-nonfinite-steps): no optimizer step
                 self.optimizer.step()
+                if self.entropy_control is not None:
+                    step_metrics["entropy_coef"] = entropy_coef.clone()
+                    self._steer_entropy(mini, step_metrics)
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().float()
                 updates += 1
@@ -486,6 +505,15 @@ class Trainer:
         metrics["lr"] = torch.tensor(self.lr * warmup)
         metrics["skipped_nonfinite"] = torch.tensor(float(self.skipped_nonfinite))
         return metrics
+
+    def _steer_entropy(self, mini: Batch, step_metrics: dict[str, torch.Tensor]) -> None:
+        """Adaptive entropy control after an optimizer step: the step's mean token entropy over
+        every data-parallel rank (token-weighted, as the step's metrics) moves the coefficient
+        for the next step. One host read per optimizer step."""
+        count = mini.mask.sum().float()
+        totals = torch.stack([step_metrics["entropy"].detach().float() * count, count])
+        totals = sum_over_ranks(totals, self.env.dp_group)
+        self.entropy_control.update(float(totals[0] / totals[1].clamp_min(1.0)))
 
     def _finite_update(self, step: int, step_metrics: dict[str, torch.Tensor]) -> bool:
         """Whether this optimizer step may be applied: loss and gradient norm finite. One scalar
@@ -571,7 +599,11 @@ class Trainer:
             stop = max_over_ranks(int(self.stop_signal is not None)) > 0  # every rank alike
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop:
                 self._check_weights(step, "the checkpoint")
-                extra = {"sas": self.sas.state_dict() if self.sas is not None else None}
+                extra = {
+                    "sas": self.sas.state_dict() if self.sas is not None else None,
+                    "entropy_control": None if self.entropy_control is None
+                    else self.entropy_control.state_dict(),
+                }  # fmt: skip
                 checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer,
                                 {"cursor": self.cursor}, extra, cfg.keep_last)
             if stop and step + 1 < cfg.max_steps:

@@ -335,6 +335,7 @@ def accumulate_gradients(
     teacher=None,
     distill: Distill | None = None,
     decoupled: bool = False,
+    entropy_coef: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
@@ -345,6 +346,8 @@ def accumulate_gradients(
     `teacher` and `distill`: on-policy distillation, the teacher's made the same way.
     `decoupled`: decoupled PPO: batch.old_logp (recomputed before the update) is the proximal
     policy, batch.rollout_logp (the engine's) the behaviour one (fusedrl's prox_logp=).
+    `entropy_coef`: the entropy bonus's coefficient as a device scalar (adaptive entropy
+    control), in place of cfg.entropy_coef.
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -368,6 +371,8 @@ def accumulate_gradients(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
             config=cfg, normalizer=normalizer, return_entropy=True,
         )  # fmt: skip
+        if entropy_coef is not None:
+            rows_args["entropy_coef"] = entropy_coef
         if decoupled:  # the recomputed log-probs are the proximal policy, vLLM's the behaviour
             # (rollout_logp stays: the rejection and trust-region rules measure prox against it)
             rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp)
