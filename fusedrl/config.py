@@ -27,6 +27,8 @@ SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 PPO_CLIPPED = ("ppo", "luspo")
 RATIO_LEVELS = ("token", "sequence")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# The entropy bonus's own aggregations (LossConfig.entropy_agg); None: the policy's `agg`
+ENTROPY_AGGS = (None, "token-mean")
 # Per-token estimators of KL(pi || pi_ref) from the sampled token's log-probs (`ref_logp=`).
 KL_ESTIMATORS = ("k1", "k2", "abs", "k3", "k1+", "k3+")
 # The exact KL over the whole vocabulary per token, from the reference policy's logits
@@ -177,6 +179,9 @@ class LossConfig:
     kl: str | None = None
     beta: float = 0.0
     entropy_coef: float = 0.0
+    # The entropy bonus's aggregation: None, the policy's `agg` (verl); "token-mean", its own
+    # mean over the tokens it acts on, whatever `agg` and the normalizer (TRL's entropy bonus)
+    entropy_agg: str | None = None
     temperature: float = 1.0
     is_correction: str | None = None
     is_cap: float = 2.0
@@ -313,6 +318,10 @@ class LossConfig:
             raise ValueError(f"LossConfig.entropy_coef must be a number, got {self.entropy_coef!r}")
         if not math.isfinite(self.entropy_coef):
             raise ValueError(f"LossConfig.entropy_coef must be finite, got {self.entropy_coef!r}")
+        if self.entropy_agg not in ENTROPY_AGGS:
+            raise ValueError(
+                f"LossConfig.entropy_agg must be one of {ENTROPY_AGGS}, got {self.entropy_agg!r}"
+            )
 
         self._check_corrections()
         self._check_scalar_losses()

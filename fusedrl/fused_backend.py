@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs, needs_entropy, temperature_of
+from ._inputs import LossInputs, has_entropy_bonus, needs_entropy, temperature_of
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
@@ -278,6 +278,8 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig, ops: FusedOps | None = No
         return True
     if inp.entropy_coef is not None and ops is not None and not ops.entropy_coef_tensor:
         return True  # (the CUDA extension's fused kernel takes the coefficient as a number)
+    if cfg.entropy_agg is not None and has_entropy_bonus(inp, cfg):
+        return True  # the kernel weighs d(loss)/d(entropy) with the policy's aggregation weight
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
         return True
     if cfg.m2po_tau is not None:  # a batch-wide statistic of logp: known after pass 1

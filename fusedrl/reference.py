@@ -653,7 +653,15 @@ def policy_loss(
             per_token = per_token + cfg.beta * kl
     if has_bonus:
         bonus = entropy if top_entropy is None else entropy * top_entropy
-        per_token = per_token - bonus_coef * bonus
+        if cfg.entropy_agg == "token-mean":
+            # TRL's bonus: sum(H m) / max(sum(m), 1) over the tokens it acts on, m = mask x the
+            # top-entropy selection, whatever agg and the normalizer say
+            acting = torch.where(inp.valid, inp.mask, 0.0)
+            acting = acting if top_entropy is None else acting * top_entropy
+            own_mean = torch.where(acting > 0, entropy * acting, 0.0).sum()
+            loss = loss - bonus_coef * own_mean / acting.sum().clamp_min(1.0)
+        else:
+            per_token = per_token - bonus_coef * bonus
     loss = loss + aggregate(per_token, inp, cfg)
 
     add_token_metrics(

@@ -594,9 +594,15 @@ def token_terms(
     dentropy = None
     if has_entropy_bonus(inp, cfg):
         coef = entropy_coef_of(inp, cfg)  # a number, or a 0-dim tensor (adaptive control)
-        bonus = entropy if entropy_keep is None else entropy * entropy_keep
-        bonus_w = agg_w if entropy_keep is None else agg_w * entropy_keep
-        per_token = per_token - coef * bonus
+        if cfg.entropy_agg == "token-mean":  # its own mean over the tokens it acts on (TRL)
+            acting = torch.where(inp.valid, inp.mask, 0.0)
+            acting = acting if entropy_keep is None else acting * entropy_keep
+            bonus_w = acting / acting.sum().clamp_min(1.0)
+            loss = loss - coef * torch.where(inp.valid, entropy * bonus_w, 0.0).sum()
+        else:  # aggregated with the policy term
+            bonus = entropy if entropy_keep is None else entropy * entropy_keep
+            bonus_w = agg_w if entropy_keep is None else agg_w * entropy_keep
+            per_token = per_token - coef * bonus
         dentropy = torch.where(inp.valid, -coef * bonus_w, 0.0)
 
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()

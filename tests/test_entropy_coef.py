@@ -183,3 +183,43 @@ def test_tensor_parallel_refuses_it():
     with pytest.raises(NotImplementedError, match="tensor entropy_coef"):
         run_loss(fusedrl.policy_loss, data, LossConfig(), entropy_coef=torch.tensor(0.1),
                  vocab_start=0, vocab_size=67)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("grpo", {}),  # seq-mean-token-mean policy, its own token mean for the bonus
+        ("dapo", {"top_entropy_quantile": 0.5}),  # over the tokens the bonus acts on
+    ],
+)
+def test_the_bonus_with_its_own_token_mean(preset, overrides, backend):
+    """entropy_agg="token-mean" (TRL's bonus): sum(H m) / max(sum(m), 1) over the tokens it acts
+    on, whatever the policy's agg and normalizer; a number or a tensor coefficient."""
+    data = make_batch(vocab=131, seed=10, with_nan_padding=True)
+    cfg = LossConfig.preset(preset, entropy_coef=COEF, entropy_agg="token-mean", **overrides)
+    kwargs = dict(normalizer=5.0)  # the policy's own denominator: the bonus must ignore it
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend=backend, **kwargs)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, **kwargs)
+    _close(ours, want, grad, want_grad)
+    tensor_cfg = cfg.replace(entropy_coef=0.0)
+    coef = torch.tensor(COEF)
+    ours_t, grad_t = run_loss(fusedrl.policy_loss, data, tensor_cfg, backend=backend,
+                              entropy_coef=coef, **kwargs)  # fmt: skip
+    _close(ours_t, want, grad_t, want_grad)
+    # It acted: aggregated with the policy (entropy_agg=None) the bonus is another number.
+    shared, _ = run_loss(fusedrl.policy_loss, data, cfg.replace(entropy_agg=None),
+                         backend=backend, **kwargs)  # fmt: skip
+    assert (shared.loss - ours.loss).abs() > 1e-2
+    # Written out: the policy term alone, minus coef x the token mean of the entropy.
+    plain, _ = run_loss(reference.policy_loss, data, cfg.replace(entropy_coef=0.0),
+                        return_entropy=True, **kwargs)  # fmt: skip
+    if cfg.top_entropy_quantile == 1:
+        entropy = torch.where(data["mask"], plain.entropy, 0.0)
+        own_mean = entropy.sum() / data["mask"].sum()
+        torch.testing.assert_close(ours.loss, plain.loss - COEF * own_mean, atol=1e-5, rtol=1e-5)
+
+
+def test_entropy_agg_is_checked():
+    with pytest.raises(ValueError, match="entropy_agg must be one of"):
+        LossConfig(entropy_agg="seq-mean")
