@@ -373,17 +373,60 @@ def test_import_does_not_print_trl_vllm_version_warning():
     assert import_output.count("TRL currently supports vLLM") == 0, import_output
 
 
-@pytest.mark.parametrize(
-    "option, value",
-    [
-        ("entropy_coef", 0.01),
-        ("use_adaptive_entropy", True),
-    ],
-)
-def test_unsupported_options_are_named(option, value, tmp_path):
-    args = _args(tmp_path, **{option: value})
-    with pytest.raises(ValueError, match=option):
-        loss_config_from_trl(args)
+# The entropy bonus on data where it acts: each loss type's own normalisation against TRL's
+# token-mean bonus, the top-entropy selection, gradient accumulation (TRL divides the bonus by
+# the steps; dapo's loss is not divided otherwise), the fused LM head.
+ENTROPY_CASES = {
+    "grpo": ("grpo", {}, 1),
+    "dapo-accumulated": ("dapo", {}, 2),
+    "dr_grpo-top-entropy": ("dr_grpo", {"top_entropy_quantile": 0.5}, 1),
+    "bnpo-lm-head": ("bnpo", {}, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENTROPY_CASES))
+def test_parity_with_the_entropy_bonus(case, model_dir, tokenizer, tmp_path):
+    loss_type, extra, steps = ENTROPY_CASES[case]
+    args = _args(tmp_path, loss_type=loss_type, entropy_coef=0.05, **extra)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    trainers[1].fused_lm_head = case.endswith("lm-head")
+    for trainer in trainers:
+        trainer.current_gradient_accumulation_steps = steps
+    metrics = _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=7))
+    assert "policy_loss" in metrics and metrics["entropy_coef"] == [0.05]
+    # The bonus acted: without it the loss is another number.
+    plain = _trainer(FusedGRPOTrainer, model_dir, tokenizer, _args(tmp_path, loss_type=loss_type,
+                                                                   **extra))  # fmt: skip
+    plain.current_gradient_accumulation_steps = steps
+    inputs = _inputs(trainers[0].model, loss_type, 0.0, seed=7)
+    assert abs(_loss_and_grads(plain, inputs)[0] - _loss_and_grads(trainers[1], inputs)[0]) > 1e-3
+
+
+@pytest.mark.parametrize("target", [100.0, 0.01])  # entropy below the target: grows; above: falls
+def test_parity_with_adaptive_entropy(target, model_dir, tokenizer, tmp_path):
+    """use_adaptive_entropy: three optimizer steps; TRL's gate (no bonus before the first
+    measurement), its updates and its logged coefficient, step by step."""
+    args = _args(tmp_path, loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.02,
+                 entropy_target=target, entropy_coef_delta=0.01)  # fmt: skip
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    for seed in range(3):
+        inputs = _inputs(trainers[0].model, "dapo", 0.0, seed=20 + seed)
+        (ref_loss, ref_grads), (loss, grads) = (_loss_and_grads(t, inputs) for t in trainers)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+        for g, ref in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-7)
+    trl_trainer, fused_trainer = trainers
+    assert fused_trainer.entropy_coef == pytest.approx(trl_trainer.entropy_coef)
+    assert fused_trainer._last_world_entropy == pytest.approx(trl_trainer._last_world_entropy)
+    for name in ("entropy_coef", "policy_loss", "entropy"):
+        assert fused_trainer._metrics["train"][name] == pytest.approx(
+            trl_trainer._metrics["train"][name], rel=1e-5
+        ), name
+    expected = [0.03, 0.04, 0.05] if target > 1 else [0.01, 0.0, 0.0]
+    assert fused_trainer._metrics["train"]["entropy_coef"] == pytest.approx(expected)
+
+
+def test_unsupported_combinations_are_named(tmp_path):
     sequence_bias_corrected = _args(
         tmp_path, beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
     )

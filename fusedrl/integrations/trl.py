@@ -16,8 +16,10 @@
 Generation, rewards, advantages, logging and vLLM handling stay TRL's. The metrics `_compute_loss`
 logs (entropy, kl, clip_ratio/*, cispo_clip_ratio, aux_loss) are TRL's, computed as TRL computes
 them from the per-token log-probs. A Mixture-of-Experts model's router load-balancing loss is added
-as TRL adds it (`router_aux_loss_coef * aux_loss`). A TRL option whose semantics fusedrl does not
-reproduce raises a ValueError naming it (`UNSUPPORTED`).
+as TRL adds it (`router_aux_loss_coef * aux_loss`). The entropy bonus (`entropy_coef`) and its
+adaptive coefficient (`use_adaptive_entropy`) are TRL's: the bonus is the entropy's own token mean
+(`entropy_agg="token-mean"`), its coefficient a tensor the controller moves as TRL's does. A TRL
+option whose semantics fusedrl does not reproduce raises a ValueError naming it (`UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -49,11 +51,9 @@ SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "lus
 # Loss types whose denominator is TRL's token count num_items_in_batch (already holding the
 # gradient-accumulation steps); the others are divided by the accumulation steps.
 TOKEN_COUNT_LOSSES = ("dapo", "cispo", "vespo")
-# TRL options (name -> the value under which fusedrl reproduces TRL exactly).
-UNSUPPORTED = {
-    "use_adaptive_entropy": False,
-    "entropy_coef": 0.0,
-}
+# TRL options (name -> the value under which fusedrl reproduces TRL exactly): none at present
+# (the entropy bonus and its adaptive coefficient were the last, until 2026-11-26).
+UNSUPPORTED: dict[str, object] = {}
 # TRL's cispo caps the IS ratio at epsilon_high with no lower bound: fusedrl's cispo bounds are
 # [1 - eps_low, 1 + eps_high], so eps_low just below 1 leaves the lower side open.
 _OPEN_LOWER_BOUND = 1.0 - 1e-12
@@ -105,6 +105,13 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
         off_policy_mask=getattr(args, "off_policy_mask_threshold", None),
         top_entropy_quantile=getattr(args, "top_entropy_quantile", 1.0),
     )
+    if getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        # TRL's bonus: the token mean of the entropy over the tokens it acts on, whatever the
+        # loss type's normalisation. Adaptive: the coefficient changes between steps, so it goes
+        # to the loss as a tensor (FusedGRPOTrainer does); the config keeps 0.
+        adaptive = getattr(args, "use_adaptive_entropy", False)
+        common.update(entropy_agg="token-mean",
+                      entropy_coef=0.0 if adaptive else float(args.entropy_coef))
     if loss_type == "vespo":  # its sequence weight reads token ratios whatever the level
         return LossConfig(
             loss="vespo",
@@ -170,6 +177,10 @@ class FusedGRPOTrainer(GRPOTrainer):
         loss calls the head itself, which DDP/FSDP wrappers would not see)."""
         super().__init__(*args, **kwargs)
         self.fused_config = loss_config_from_trl(self.args)
+        if self._entropy_bonus_enabled:  # TRL's attribute: entropy_coef != 0 or adaptive
+            # The coefficient goes to the loss as a tensor each call (TRL's gate, its
+            # accumulation scaling, the adaptive updates): one graph whatever its value.
+            self.fused_config = self.fused_config.replace(entropy_coef=0.0)
         self.fused_backend = fused_backend
         self.fused_lm_head = fused_lm_head
         if fused_lm_head:
@@ -344,6 +355,15 @@ class FusedGRPOTrainer(GRPOTrainer):
             is_weights=is_weights,
             return_entropy=True,
         )
+        # TRL scales every term but the dapo/cispo/vespo policy loss (whose normaliser already holds
+        # the accumulation steps) for gradient accumulation; eval does not accumulate.
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        bonus_coef = None
+        if self._entropy_bonus_enabled:
+            bonus_coef = self._applied_entropy_coef()
+            if self.loss_type in TOKEN_COUNT_LOSSES:  # the loss below is not divided: do it here
+                bonus_coef = bonus_coef / accumulation
+            loss_args["entropy_coef"] = torch.tensor(bonus_coef, device=mask.device)
         if use_lm_head:
             out = fusedrl.linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
@@ -355,9 +375,8 @@ class FusedGRPOTrainer(GRPOTrainer):
                 **loss_args,
             )  # fmt: skip
         loss = out.loss
-        # TRL scales every term but the dapo/cispo/vespo policy loss (whose normaliser already holds
-        # the accumulation steps) for gradient accumulation; eval does not accumulate.
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if bonus_coef is not None:
+            self._entropy_bonus_bookkeeping(mode, out, mask, bonus_coef)
         if self.loss_type not in TOKEN_COUNT_LOSSES:
             loss = loss / accumulation
         if aux_loss is not None:
@@ -366,6 +385,46 @@ class FusedGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(aux.mean().item())
         self._log_trl_metrics(mode, out, mask, inputs["advantages"], old_logp, ref_logp, is_weights)
         return loss
+
+    def _applied_entropy_coef(self) -> float:
+        """TRL's coefficient for this micro-batch: the one set at the last optimizer step,
+        gated (adaptive) on the last window's entropy being at or below the target."""
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return self.entropy_coef
+
+    def _entropy_bonus_bookkeeping(self, mode, out, mask, bonus_coef: float) -> None:
+        """What TRL's `_compute_loss` does around its entropy bonus, from the fused entropies:
+        the policy loss without the bonus logged, the adaptive controller's window statistics and
+        its update at the optimizer step (TRL 1.16's rule and attributes, so that TRL's own
+        checkpointing of the controller carries over), and the coefficient logged."""
+        acting = mask.float()
+        if self.top_entropy_quantile < 1.0:
+            acting = acting * self.get_high_entropy_mask(
+                out.entropy, mask, 1 - self.top_entropy_quantile
+            )
+        entropy_sum = (out.entropy * acting).sum()
+        own_mean = entropy_sum / acting.sum().clamp(min=1.0)
+        policy_loss = out.loss.detach() + bonus_coef * own_mean
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy_loss).nanmean().item()
+        )
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([entropy_sum, acting.sum()]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _log_trl_metrics(
         self, mode, out, mask, advantages, old_logp, ref_logp, is_weights=None
