@@ -1074,6 +1074,41 @@ def test_per_token_temperatures_compiled(preset):
         fusedrl.policy_loss(data["logits"], **args, config=cfg, temperature=temps, backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_tensor_entropy_coefficient_compiled(backend):
+    """entropy_coef= a device scalar on the compiled fused kernel (ENTROPY_COEF_FROM_PTR; the
+    CUDA backend: two passes) against the torch backend, and under inductor one graph for every
+    value of the coefficient (adaptive entropy control moves it between steps)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=8))
+    args = {k: v for k, v in data.items() if k != "logits"}
+    cfg = LossConfig.preset("dapo")
+    coef = torch.tensor(0.2, device="cuda")
+    results = {}
+    for impl in ("torch", backend):
+        logits = data["logits"].clone().requires_grad_(True)
+        out = fusedrl.policy_loss(logits, **args, config=cfg, entropy_coef=coef, backend=impl)
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        results[impl] = (out, grad)
+    (ref, ref_grad), (ours, grad) = results["torch"], results[backend]
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
+    counter = CompileCounterWithBackend("inductor")
+
+    def loss_fn(logits, value):
+        return fusedrl.policy_loss(logits, **args, config=cfg, entropy_coef=value,
+                                   backend=backend).loss  # fmt: skip
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
+    for value in (0.0, 0.05, 0.2):
+        value = torch.tensor(value, device="cuda")
+        want = fusedrl.policy_loss(data["logits"], **args, config=cfg, entropy_coef=value,
+                                   backend="torch").loss  # fmt: skip
+        torch.testing.assert_close(compiled(data["logits"], value), want, atol=1e-4, rtol=1e-4)
+    assert counter.frame_count == 1
+
+
 def test_soft_capped_lm_head_and_distillation_on_the_gemm_design():
     """linear_policy_loss(softcap=) and linear_distill_loss with per-token temperatures and a
     teacher on cuBLAS chunks + the compiled kernels, against the torch backend."""
