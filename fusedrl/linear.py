@@ -22,6 +22,7 @@ from ._inputs import (
     check_logits,
     check_temperature_arg,
     prepare_loss_inputs,
+    temperature_of,
 )
 from .config import LossConfig
 from .linear_torch import LinearInputs
@@ -100,6 +101,7 @@ def linear_policy_loss(
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
+    return_sum_pi_squared: bool = False,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -135,6 +137,9 @@ def linear_policy_loss(
             Triton `gemm` design).
         prox_logp: decoupled PPO's proximal log-probs, as in `policy_loss`.
         entropy_coef: the entropy coefficient as a device scalar, as in `policy_loss`.
+        return_sum_pi_squared: also return sum_v pi_v^2 per token (`sum_pi_squared`), as in
+            `policy_loss`, from one more no-grad sweep of the head at half the temperature;
+            not with sampling filters or tensor parallelism yet.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -154,6 +159,12 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    if return_sum_pi_squared and sharded:
+        raise NotImplementedError(
+            "return_sum_pi_squared under tensor parallelism is not supported by "
+            "linear_policy_loss yet: take it from linear_token_logprobs(..., "
+            "return_sum_pi_squared=True, tp_group=...)"
+        )
     if (temperature is not None or prox_logp is not None or entropy_coef is not None) and sharded:
         raise NotImplementedError(
             "per-token temperatures, prox_logp (decoupled PPO) and a tensor entropy_coef under "
@@ -228,10 +239,22 @@ def linear_policy_loss(
     loss = terms.loss
     if any(want):
         loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
+    sum_pi_squared = None
+    if return_sum_pi_squared:
+        from .api import _check_sum_pi_squared, sum_pi_squared_of
+
+        _check_sum_pi_squared(cfg.sampling is not None)
+        with torch.no_grad():  # the head once more at T / 2, over the whole vocabulary
+            sharp, _ = impl.token_logprobs(lin, temperature_of(inp, cfg) / 2, False)
+        sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
-    return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+        sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
+    return LossOutput(
+        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
+        sum_pi_squared=sum_pi_squared,
+    )  # fmt: skip
 
 
 class _LinearLogprobsFn(torch.autograd.Function):

@@ -142,3 +142,34 @@ def test_the_lm_head_form(backend):
     torch.testing.assert_close(sum_sq, reference.sum_pi_squared(logits, 0.8), atol=1e-6, rtol=1e-4)
     torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
     assert entropy is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_policy_loss_returns_it_without_changing_the_loss(backend):
+    """linear_policy_loss(return_sum_pi_squared=True): per-token temperatures and a soft cap
+    (both in the half-temperature sweep), masked tokens 0, the loss and gradients unchanged."""
+    data = make_batch(vocab=131, seed=12)
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    temps = 0.5 + torch.rand(3, 7, generator=gen)
+    cfg = LossConfig.preset("dapo")
+    kwargs = dict(config=cfg, temperature=temps, softcap=3.0, backend=backend)
+    results = []
+    for wanted in (True, False):
+        leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        out = fusedrl.linear_policy_loss(*leaves, **rows, **kwargs, return_sum_pi_squared=wanted)
+        results.append((out, torch.autograd.grad(out.loss, leaves)))
+    (out, grads), (plain, plain_grads) = results
+    assert plain.sum_pi_squared is None
+    torch.testing.assert_close(out.loss, plain.loss)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want)
+    logits = 3.0 * torch.tanh(hidden @ weight.T / 3.0)
+    want = reference.sum_pi_squared(logits / temps[..., None])  # each token at its own T
+    mask = data["mask"]
+    torch.testing.assert_close(out.sum_pi_squared[mask], want[mask], atol=1e-6, rtol=1e-4)
+    assert (out.sum_pi_squared[~mask] == 0).all()
+    with pytest.raises(NotImplementedError, match="under tensor parallelism"):
+        fusedrl.linear_policy_loss(hidden, weight, **rows, vocab_start=0,
+                                   return_sum_pi_squared=True)  # fmt: skip
