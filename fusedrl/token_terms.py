@@ -42,7 +42,7 @@ KL_VALUE_CLAMP = 10.0  # k3: |estimate|
 VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's sequence log-weight (and each IS log-weight), below
 
 
-def _per_inputs(inp: LossInputs, key: tuple, make) -> torch.Tensor:
+def _per_inputs(inp: LossInputs, key: tuple, make):
     """make(), once per LossInputs and key. A call's masked means and aggregation weights are
     [B, T] functions of its mask alone; each is one to seven small kernels, and launching them
     again for every metric is what a short row (a 4k-token micro-batch) pays for on the host.
@@ -53,21 +53,23 @@ def _per_inputs(inp: LossInputs, key: tuple, make) -> torch.Tensor:
     return memo[key]
 
 
-def _mean_weights(inp: LossInputs) -> torch.Tensor:
-    """Each counted token's share of a masked mean: its mask weight over their sum."""
+def _mean_weights(inp: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counted tokens' mask weights and their sum (the masked means' denominator)."""
 
-    def make() -> torch.Tensor:
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
         weights = torch.where(inp.valid, inp.mask, 0.0)
-        return weights / weights.sum().clamp_min(1e-8)
+        return weights, weights.sum().clamp_min(1e-8)
 
     return _per_inputs(inp, ("mean_weights",), make)
 
 
 def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
-    """Mean of x over the counted tokens, each weighted by its (float) mask weight."""
+    """Mean of x over the counted tokens, each weighted by its (float) mask weight. Divided once,
+    at the end: a share of all tokens is then exactly 1."""
+    weights, total = _mean_weights(inp)
     if x.dtype == torch.bool:  # a flag is finite everywhere: the zero weights mask it
-        return (x * _mean_weights(inp)).sum()
-    return (torch.where(inp.valid, x.float(), 0.0) * _mean_weights(inp)).sum()
+        return (x * weights).sum() / total
+    return (torch.where(inp.valid, x.float(), 0.0) * weights).sum() / total
 
 
 def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
