@@ -351,7 +351,7 @@ def policy_loss(
     if grad_out is not None and not needs_two_passes(inp, cfg, ops):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None
-        return logp, entropy, token_terms(logp, entropy, inp, cfg)
+        return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
     scalar, rows = temperature_args(ops, temperature_of(inp, cfg))
     logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)

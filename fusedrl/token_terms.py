@@ -135,11 +135,16 @@ def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> t
 @dataclass
 class TokenTerms:
     loss: torch.Tensor  # 0-dim fp32
-    dlogp: torch.Tensor  # [B, T] d(loss)/d(logp); 0 on masked tokens
+    dlogp: torch.Tensor | None  # [B, T] d(loss)/d(logp); 0 on masked tokens (None: not wanted)
     dentropy: torch.Tensor | None  # [B, T] d(loss)/d(H), None when there is no entropy term
     metrics: dict[str, torch.Tensor]
     # [B, T] d(loss)/d(KL_t) of the exact KL (kl="full" / "full_reverse"), else None
     dfull_kl: torch.Tensor | None = None
+
+
+def _times(derivative: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor | None:
+    """A derivative scaled with its value (None when the derivatives are not wanted)."""
+    return None if derivative is None else derivative * factor
 
 
 def _inside(x: torch.Tensor, low, high) -> torch.Tensor:
@@ -198,9 +203,10 @@ def kl_and_grad(
     return value, grad * _inside(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
 
 
-def _ratio(logp, old, inp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """The importance ratio per token and its derivative in logp: pi / pi_old, or GSPO's
-    sequence ratio s (value s, gradient s * grad logp_t: GSPO-token's convention)."""
+def _ratio(logp, old, inp, cfg, grads: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The importance ratio per token and its derivative in logp (None without `grads`):
+    pi / pi_old, or GSPO's sequence ratio s (value s, gradient s * grad logp_t: GSPO-token's
+    convention)."""
     raw_log_ratio = logp - old
     log_ratio = torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.ratio_level == "sequence":
@@ -209,14 +215,17 @@ def _ratio(logp, old, inp, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         seq_lr = seq_lr.expand_as(logp)
         # value exp(min(seq_lr, 10)); gradient s * grad logp unless the clamp is active.
         ratio = torch.clamp(seq_lr, max=SEQ_LOG_RATIO_MAX).exp()
-        return ratio, ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float()
+        return ratio, ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float() if grads else None
     ratio = log_ratio.exp()
+    if not grads:
+        return ratio, None
     return ratio, ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _ratio_terms(logp, old, adv, inp, cfg, metrics):
-    """Per-token loss and d/dlogp for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
-    ratio, dratio = _ratio(logp, old, inp, cfg)
+def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
+    """Per-token loss and d/dlogp (None without `grads`: the fused kernel applied it already)
+    for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
+    ratio, dratio = _ratio(logp, old, inp, cfg, grads)
     low, high = ratio_bounds(old, cfg)
     metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
     metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
@@ -224,30 +233,38 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics):
     if cfg.loss == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
         gate = torch.sigmoid(tau * (ratio - 1.0))
-        return -(4.0 / tau) * gate * adv, -4.0 * gate * (1.0 - gate) * dratio * adv
+        loss = -(4.0 / tau) * gate * adv
+        return loss, -4.0 * gate * (1.0 - gate) * dratio * adv if grads else None
 
     clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
     if cfg.loss == "cispo":
         metrics["clipfrac"] = masked_mean(ratio != clipped_ratio, inp)
-        return -clipped_ratio * adv * logp, -clipped_ratio * adv
+        return -clipped_ratio * adv * logp, -clipped_ratio * adv if grads else None
 
     if cfg.delta is None:
-        loss_unclipped, d_unclipped = -adv * ratio, -adv * dratio
+        loss_unclipped = -adv * ratio
     else:
         loss_unclipped = -adv * torch.clamp(ratio, max=cfg.delta)
-        d_unclipped = -adv * dratio * (ratio <= cfg.delta).float()
     loss_clipped = -adv * clipped_ratio
-    d_clipped = -adv * dratio * _inside(ratio, low, high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
-    dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
+    dper_token = None
+    if grads:
+        if cfg.delta is None:
+            d_unclipped = -adv * dratio
+        else:
+            d_unclipped = -adv * dratio * (ratio <= cfg.delta).float()
+        d_clipped = -adv * dratio * _inside(ratio, low, high)
+        dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
     metrics["clipfrac"] = masked_mean(loss_clipped > loss_unclipped, inp)
     if cfg.dual_clip_c is not None:
         loss_dual = -adv * cfg.dual_clip_c
         metrics["dual_clipfrac"] = masked_mean((per_token > loss_dual) & (adv < 0), inp)
-        # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
-        keep = torch.where(per_token < loss_dual, 1.0, torch.where(per_token > loss_dual, 0.0, 0.5))
-        dual_d = dper_token * keep
-        dper_token = torch.where(adv < 0, dual_d, dper_token)
+        if grads:
+            # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
+            keep = torch.where(
+                per_token < loss_dual, 1.0, torch.where(per_token > loss_dual, 0.0, 0.5)
+            )
+            dper_token = torch.where(adv < 0, dper_token * keep, dper_token)
         per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
     return per_token, dper_token
 
@@ -528,6 +545,7 @@ def token_terms(
     cfg: LossConfig,
     agg_weights: torch.Tensor | None = None,
     full_kl: torch.Tensor | None = None,
+    grads: bool = True,
 ) -> TokenTerms:
     """Loss, d(loss)/d(logp) and d(loss)/d(entropy) from per-token scalars ([B, T] fp32).
 
@@ -536,6 +554,8 @@ def token_terms(
     whose d(loss)/d(KL_t) comes back as `dfull_kl` for the backend's pass over the logits.
     `agg_weights` (computed by the caller over the whole batch, after `with_rejection`) lets a
     token-level loss be evaluated on a slice of its tokens: the LM-head loss does, block by block.
+    `grads=False`: the loss and metrics alone (dlogp and dentropy None), for the fused kernel,
+    which applied the derivatives itself: each skipped [B, T] op is a launch on the host's time.
     """
     logp = torch.where(inp.valid, logp, 0.0)
     old = inp.old_logp if inp.old_logp is not None else logp
@@ -567,15 +587,15 @@ def token_terms(
         elif cfg.loss in SCALAR_LOSSES:
             per_token, dper_token = _verl_terms(logp, old, adv, inp, cfg, metrics)
         else:
-            per_token, dper_token = _ratio_terms(logp, old, adv, inp, cfg, metrics)
+            per_token, dper_token = _ratio_terms(logp, old, adv, inp, cfg, metrics, grads)
         if cfg.off_policy_mask is not None:
             keep = _off_policy_keep(logp, old, adv, inp, cfg, metrics)
-            per_token, dper_token = per_token * keep, dper_token * keep
+            per_token, dper_token = per_token * keep, _times(dper_token, keep)
         if entropy_keep is not None:
-            per_token, dper_token = per_token * entropy_keep, dper_token * entropy_keep
+            per_token, dper_token = per_token * entropy_keep, _times(dper_token, entropy_keep)
         if w is not None and cfg.loss != "vespo":
-            per_token, dper_token = per_token * w, dper_token * w
-        dlogp = torch.zeros_like(logp)
+            per_token, dper_token = per_token * w, _times(dper_token, w)
+        dlogp = torch.zeros_like(logp) if grads else None
     dfull_kl = None
     if cfg.full_kl:
         # The exact KL is a function of the whole row, not of logp: its derivative goes to the
@@ -592,7 +612,8 @@ def token_terms(
             if cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
                 ratio, dratio = _ratio(logp, old, inp, cfg)
                 kl, dkl = kl * ratio, dkl * ratio + kl * dratio
-            per_token, dper_token = per_token + cfg.beta * kl, dper_token + cfg.beta * dkl
+            per_token = per_token + cfg.beta * kl
+            dper_token = None if dper_token is None else dper_token + cfg.beta * dkl
     dentropy = None
     if has_entropy_bonus(inp, cfg):
         coef = entropy_coef_of(inp, cfg)  # a number, or a 0-dim tensor (adaptive control)
@@ -605,10 +626,11 @@ def token_terms(
             bonus = entropy if entropy_keep is None else entropy * entropy_keep
             bonus_w = agg_w if entropy_keep is None else agg_w * entropy_keep
             per_token = per_token - coef * bonus
-        dentropy = torch.where(inp.valid, -coef * bonus_w, 0.0)
+        dentropy = torch.where(inp.valid, -coef * bonus_w, 0.0) if grads else None
 
     loss = loss + torch.where(inp.valid, per_token * agg_w, 0.0).sum()
-    dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
+    if grads:
+        dlogp = torch.where(inp.valid, dlogp + dper_token * agg_w, 0.0)
 
     add_token_metrics(metrics, old, logp, entropy, w, measured)
     add_mismatch_metrics(metrics, logp, w, sampled)
