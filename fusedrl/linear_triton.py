@@ -261,7 +261,7 @@ def policy_loss(
     if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg, _row_ops()):
         logp, entropy, grads = _one_sweep(lin, cfg, want)
         entropy = entropy if need_entropy else None
-        return logp, entropy, token_terms(logp, entropy, lin.rows, cfg), grads
+        return logp, entropy, token_terms(logp, entropy, lin.rows, cfg, grads=False), grads
     temperature = temperature_of(lin.rows, cfg)
     logp, lse, entropy = stats(lin, temperature)
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
