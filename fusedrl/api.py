@@ -127,7 +127,8 @@ def policy_loss(
         temperature: per-token temperatures ([B, T], or [B] one per sequence; finite > 0 on
             the counted tokens) in place of config.temperature (then left at 1): each row's
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
-            Triton backends; not with sampling filters, the exact KL or tensor parallelism yet.
+            Triton backends, under tensor parallelism too; not with sampling filters or the exact
+            KL yet.
         prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
             policy (recomputed by the trainer before the update); the ratio and its clip are
             taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
@@ -150,10 +151,10 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        if temperature is not None or prox_logp is not None or entropy_coef is not None:
+        if prox_logp is not None or entropy_coef is not None:
             raise NotImplementedError(
-                "per-token temperatures, prox_logp (decoupled PPO) and a tensor entropy_coef "
-                "under tensor parallelism are not supported yet"
+                "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism "
+                "are not supported yet"
             )
         if return_sum_pi_squared:
             raise NotImplementedError(
@@ -171,6 +172,7 @@ def policy_loss(
             logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, inplace, backend, return_entropy, is_weights,
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+            temperature=temperature,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -323,10 +325,6 @@ def token_logprobs(
     from .tp.dtensor import wants_tensor_parallel
 
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        if isinstance(temperature, torch.Tensor):
-            raise NotImplementedError(
-                "per-token temperatures under tensor parallelism are not supported yet"
-            )
         from . import tp
 
         return tp.token_logprobs(

@@ -72,6 +72,7 @@ class Case:
     expect_error: str = ""  # "bad" cases: the error's type name
     oracle: bool = True  # the single-process call gives the same numbers (not so for a random pick)
     sampling: tuple = ()  # token_logprobs' top_k / top_p / min_p, as (key, value) pairs
+    row_temps: bool = False  # per-token temperatures (`temperature=` a [B, T] tensor)
 
     def sampling_filters(self) -> dict:
         """The sampling mask replayed (the config's for the losses), {} when none."""
@@ -117,6 +118,13 @@ CASES = [
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
     Case("logprobs_padded", kind="logprobs", layout="padded", return_entropy=True),
+    # per-token temperatures: each rank divides its slice's rows by them
+    Case("grpo_row_temps_entropy", preset="grpo", row_temps=True, return_entropy=True,
+         overrides=(("entropy_coef", 0.01),)),
+    Case("logprobs_row_temps_flat", kind="logprobs", row_temps=True, return_entropy=True,
+         flat=True),
+    Case("triton_gspo_row_temps_padded", **TRITON, preset="gspo", layout="padded",
+         row_temps=True),
     # degenerate rows: a slice of only -inf (drops out), a whole row of -inf (NaN)
     Case("logprobs_dead_slices", kind="logprobs", return_entropy=True, inputs="dead"),
     # clip_cov's random pick with no seed: every rank must still pick the same tokens
@@ -331,6 +339,15 @@ def _upstream(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
+def _temperature(case: Case, data: dict):
+    """The call's temperature: per token in [0.4, 1.6) (replicated: the same seed on every
+    rank), else the case's number."""
+    if not case.row_temps:
+        return case.temperature
+    gen = torch.Generator().manual_seed(17)
+    return 0.4 + 1.2 * torch.rand(data["labels"].shape, generator=gen)
+
+
 def _logprobs_kind(case: Case) -> bool:
     return case.kind in ("logprobs", "linear_logprobs") or case.inputs == "logprobs"
 
@@ -349,7 +366,7 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
         tp["bias"] = leaves["bias"]
     args = {k: v for k, v in data.items() if k != "logits"}
     if _logprobs_kind(case):
-        logp, entropy = fn(*head, args["labels"], case.temperature, case.return_entropy,
+        logp, entropy = fn(*head, args["labels"], _temperature(case, data), case.return_entropy,
                            **dict(case.sampling), **tp)  # fmt: skip
         fwd = log.take() if log else []
         up_logp, up_entropy = _upstream(data)
@@ -358,6 +375,8 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
     else:
         if case.inplace and fn is not reference.policy_loss:
             tp["inplace"] = True
+        if case.row_temps:
+            tp["temperature"] = _temperature(case, data)
         result = fn(*head, config=case.config(), return_entropy=case.return_entropy, **args, **tp)
         fwd = log.take() if log else []
         total, out = result.loss, _detached(result)

@@ -16,7 +16,13 @@ import torch
 
 from .. import api
 from .._autograd import attach_grad
-from .._inputs import check_labels, check_logits, check_temperature, prepare_loss_inputs
+from .._inputs import (
+    check_labels,
+    check_logits,
+    check_temperature_arg,
+    prepare_loss_inputs,
+    temperature_of,
+)
 from ..config import LossConfig
 from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
@@ -113,7 +119,10 @@ def policy_loss(
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    temperature: torch.Tensor | None = None,
 ) -> LossOutput:
+    """`temperature`: per-token temperatures (replicated, as every per-token input), in place
+    of config.temperature: each rank divides its slice's rows by them."""
     cfg = config if config is not None else LossConfig()
     refuse_unsupported(backend)
     logits, tp_group = unwrap_logits(logits, tp_group)
@@ -126,7 +135,7 @@ def policy_loss(
             token_columns(logits, vocab_start, vocab_size), labels, advantages, mask,
             old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
             normalizer=normalizer, inplace=inplace, backend=backend,
-            return_entropy=return_entropy, is_weights=is_weights,
+            return_entropy=return_entropy, is_weights=is_weights, temperature=temperature,
         )  # fmt: skip
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -135,7 +144,7 @@ def policy_loss(
     def local_checks():
         inp = prepare_loss_inputs(
             logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
-            rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT,
+            rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
         )  # fmt: skip
         if wants_grad and inplace:
             api._check_writable(logits)
@@ -166,7 +175,7 @@ def policy_loss(
         def slice_stats(local):
             if sets is not None and grad is None:
                 return sets.stats(ops, shard.narrow(source), local, inp.valid)
-            return ops.stats(shard.narrow(source), local, inp.valid, cfg.temperature)
+            return ops.stats(shard.narrow(source), local, inp.valid, temperature_of(inp, cfg))
 
         logp, lse, entropy = whole_row_stats(slice_stats, inp.labels, inp.valid, shard, tp_group)
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
@@ -174,7 +183,7 @@ def policy_loss(
         if grad is not None:
             write_slice_grad(
                 ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
-                cfg.temperature, shard, grad,
+                temperature_of(inp, cfg), shard, grad,
             )  # fmt: skip
     if wants_grad:
         if inplace:
@@ -243,15 +252,21 @@ def token_logprobs(
         return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
                                   top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
 
+    per_token_temps = isinstance(temperature, torch.Tensor)
+
     def local_checks():
         checked = check_logits(logits)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT)
-        return ids, check_temperature(temperature), slice_ops(backend, checked.device)
+        temps = check_temperature_arg(
+            temperature, tuple(ids.shape), checked.device, checked.dim() == 2, sampling.active
+        )
+        return ids, temps, slice_ops(backend, checked.device)
 
+    shown = "per-token" if per_token_temps else repr(temperature)
     (ids, temperature, ops), shard, _ = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"token_logprobs temperature={temperature!r} {sampling}",
+        call=f"token_logprobs temperature={shown} {sampling}",
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits

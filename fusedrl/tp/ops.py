@@ -1,6 +1,7 @@
 """The two row ops the tensor-parallel path needs from a backend, on a vocab slice.
 
-- `stats(logits, labels, valid, temperature) -> (logp, lse, entropy)`: each [B, T] fp32, of the
+- `stats(logits, labels, valid, temperature) -> (logp, lse, entropy)` (`temperature`: a number
+  or per-token ones, [B, T]): each [B, T] fp32, of the
   slice alone; `labels` are column indices in the slice (any column where the label is not
   there: only the owner's logp is used); rows where `valid` is False give 0.
 - `grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out)`: the slice of
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import torch_backend
+from ..fused_backend import temperature_args
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ def _torch_stats(logits, labels, valid, temperature):
     flat_labels = labels.reshape(-1)
     for start, (block,) in torch_backend.row_blocks(logits):
         stop = start + block.shape[0]
-        log_probs, block_lse = torch_backend.block_log_probs(block, temperature)
+        rows_t = torch_backend.rows_temperature(temperature, start, stop)
+        log_probs, block_lse = torch_backend.block_log_probs(block, rows_t)
         logp[start:stop], entropy[start:stop] = torch_backend.block_stats(
             log_probs, block_lse, flat_labels[start:stop], True
         )
@@ -75,4 +78,14 @@ def slice_ops(backend: str, device: torch.device) -> SliceOps:
     impl = _resolve_backend(backend, device)
     if impl is torch_backend:
         return TORCH
-    return SliceOps(impl.OPS.logprobs_fwd, impl.OPS.logits_grad)
+    ops = impl.OPS
+
+    def stats(logits, labels, valid, temperature):
+        scalar, rows = temperature_args(ops, temperature)
+        return ops.logprobs_fwd(logits, labels, valid, scalar, **rows)
+
+    def grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+        scalar, rows = temperature_args(ops, temperature)
+        ops.logits_grad(logits, labels, lse, entropy, dlogp, dentropy, scalar, out, **rows)
+
+    return SliceOps(stats, grad)
