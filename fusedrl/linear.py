@@ -165,10 +165,10 @@ def linear_policy_loss(
             "linear_policy_loss yet: take it from linear_token_logprobs(..., "
             "return_sum_pi_squared=True, tp_group=...)"
         )
-    if (temperature is not None or prox_logp is not None or entropy_coef is not None) and sharded:
+    if (prox_logp is not None or entropy_coef is not None) and sharded:
         raise NotImplementedError(
-            "per-token temperatures, prox_logp (decoupled PPO) and a tensor entropy_coef under "
-            "tensor parallelism are not supported yet"
+            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
+            "not supported yet"
         )
     if transform is not None and sharded:
         raise NotImplementedError(
@@ -187,6 +187,7 @@ def linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
+            temperature=temperature,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -333,10 +334,6 @@ def linear_token_logprobs(
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     transform = check_logit_transform(softcap, logit_scale)
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
-        if isinstance(temperature, torch.Tensor):
-            raise NotImplementedError(
-                "per-token temperatures under tensor parallelism are not supported yet"
-            )
         if transform is not None:
             raise NotImplementedError(
                 "softcap / logit_scale under tensor parallelism are not supported yet"

@@ -161,12 +161,8 @@ def test_misuse_is_named():
         fusedrl.policy_loss(**data, config=LossConfig(top_k=5), temperature=temps)
     with pytest.raises(NotImplementedError, match="top_k / top_p / min_p"):
         fusedrl.token_logprobs(data["logits"], data["labels"], temps, top_k=5)
-    hidden, weight = torch.randn(3, 7, 8), torch.randn(37, 8)
-    rows = {k: v for k, v in data.items() if k != "logits"}
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):  # the LM head's, not yet
-        fusedrl.linear_policy_loss(hidden, weight, **rows, temperature=temps, vocab_start=0)
-    # The logits' tensor-parallel path takes them (tests/test_tensor_parallel.py, 2 and 3
-    # ranks); a group of one is the plain call.
+    # The tensor-parallel paths take them (tests/test_tensor_parallel.py, 2 and 3 ranks); a
+    # group of one is the plain call.
     one = fusedrl.policy_loss(**data, temperature=temps, vocab_start=0)
     torch.testing.assert_close(one.loss, fusedrl.policy_loss(**data, temperature=temps).loss)
     cuda_like = fused_backend.FusedOps(*[None] * 4)  # the CUDA extension's ops: no row_temps

@@ -164,6 +164,10 @@ CASES = [
          overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
     Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
+    Case("linear_grpo_row_temps", kind="linear", preset="grpo", row_temps=True,
+         return_entropy=True),
+    Case("linear_logprobs_row_temps_start", kind="linear_logprobs", layout="start",
+         row_temps=True, return_entropy=True),
     Case("linear_logprobs_start", kind="linear_logprobs", layout="start"),
     Case("linear_dapo_sampling", kind="linear", return_entropy=True, overrides=(
         ("top_k", 40), ("top_p", 0.9))),
@@ -180,6 +184,8 @@ CASES = [
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("triton_linear_logprobs_sampling", **TRITON, kind="linear_logprobs",
          return_entropy=True, sampling=(("top_k", 20), ("top_p", 0.85))),
+    Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", row_temps=True,
+         overrides=(("entropy_coef", 0.01),)),
     # a group of one: the single-process result, bit for bit
     Case("tp1_dapo", kind="tp1", return_entropy=True),
     Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),

@@ -22,8 +22,9 @@ from .._inputs import (
     check_labels,
     check_lm_head,
     check_logits,
-    check_temperature,
+    check_temperature_arg,
     prepare_loss_inputs,
+    temperature_of,
 )
 from ..config import LossConfig
 from ..output import LossOutput
@@ -211,7 +212,9 @@ def linear_policy_loss(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
+    temperature: torch.Tensor | None = None,
 ) -> LossOutput:
+    """`temperature`: per-token temperatures (replicated), in place of config.temperature."""
     cfg = config if config is not None else LossConfig()
     _refuse(backend)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
@@ -224,12 +227,13 @@ def linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
             rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
+            temperature=temperature,
         )  # fmt: skip
 
     def local_checks():
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
-            cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden",
+            cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
         )  # fmt: skip
         check_lm_head(weight, bias, hidden)
         return inp, _backend(backend, inp.logits)
@@ -248,16 +252,17 @@ def linear_policy_loss(
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
         part = _slice_inputs(lin, shard)
-        _take_part_without_rows(lin, shard, tp_group, cfg.temperature)
+        temperature = temperature_of(inp, cfg)
+        _take_part_without_rows(lin, shard, tp_group, temperature)
         logp, lse, entropy = whole_row_stats(
-            lambda local: _slice_stats(lin, part, inp.labels, shard, cfg.temperature, impl),
+            lambda local: _slice_stats(lin, part, inp.labels, shard, temperature, impl),
             inp.labels, inp.valid, shard, tp_group,
         )  # fmt: skip
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if any(want):
             grads = _slice_grads(
-                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, cfg.temperature,
+                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, temperature,
                 shard, want, weight.shape[0], impl,
             )  # fmt: skip
     if any(want):
@@ -334,12 +339,16 @@ def linear_token_logprobs(
         checked = check_logits(hidden, name="hidden")
         check_lm_head(weight, bias, checked)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT, source="hidden")
-        return ids, check_temperature(temperature), _backend(backend, checked)
+        temps = check_temperature_arg(
+            temperature, tuple(ids.shape), checked.device, checked.dim() == 2, sampling.active
+        )
+        return ids, temps, _backend(backend, checked)
 
+    shown = "per-token" if isinstance(temperature, torch.Tensor) else repr(temperature)
     (ids, temperature, impl), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"linear_token_logprobs temperature={temperature!r} {sampling}",
+        call=f"linear_token_logprobs temperature={shown} {sampling}",
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
