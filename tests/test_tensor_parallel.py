@@ -94,8 +94,10 @@ TRITON = dict(backend="triton", batch=2, time=4)
 CASES = [
     # token-level, sequence-level and clip_cov-style selections, with the corrections on
     Case("dapo"),
-    Case("grpo_kl_entropy_temperature", preset="grpo", return_entropy=True, per_token_adv=True,
-         overrides=(("entropy_coef", 0.01), ("temperature", 0.7))),
+    # per-token temperatures (each rank divides its slice's rows by them) with the KL and the
+    # entropy bonus; a number elsewhere (logprobs, the sampling cases, linear_logprobs)
+    Case("grpo_kl_entropy_row_temps", preset="grpo", return_entropy=True, per_token_adv=True,
+         row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("gspo_sequence_is", preset="gspo",
          overrides=(("is_correction", "sequence_truncate"), ("is_cap", 1.2))),
     Case("clip_cov", overrides=(("loss", "clip_cov"), ("clip_cov_seed", 7),
@@ -118,13 +120,8 @@ CASES = [
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
     Case("logprobs_padded", kind="logprobs", layout="padded", return_entropy=True),
-    # per-token temperatures: each rank divides its slice's rows by them
-    Case("grpo_row_temps_entropy", preset="grpo", row_temps=True, return_entropy=True,
-         overrides=(("entropy_coef", 0.01),)),
     Case("logprobs_row_temps_flat", kind="logprobs", row_temps=True, return_entropy=True,
          flat=True),
-    Case("triton_gspo_row_temps_padded", **TRITON, preset="gspo", layout="padded",
-         row_temps=True),
     # degenerate rows: a slice of only -inf (drops out), a whole row of -inf (NaN)
     Case("logprobs_dead_slices", kind="logprobs", return_entropy=True, inputs="dead"),
     # clip_cov's random pick with no seed: every rank must still pick the same tokens
@@ -147,7 +144,7 @@ CASES = [
     # Triton (interpreter): small rows in several vocab tiles
     Case("triton_dapo_is_entropy", **TRITON, return_entropy=True, overrides=(
         ("entropy_coef", 0.01), ("is_correction", "token_truncate"), ("is_cap", 1.2))),
-    Case("triton_gspo", **TRITON, preset="gspo"),
+    Case("triton_gspo_row_temps", **TRITON, preset="gspo", row_temps=True),
     Case("triton_grpo_padded_inplace", **TRITON, preset="grpo", layout="padded", inplace=True),
     Case("triton_kl_cov_vocab_start", **TRITON, layout="start", overrides=(
         ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
@@ -160,15 +157,12 @@ CASES = [
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
     Case("linear_dapo", kind="linear", return_entropy=True),
-    Case("linear_gspo_padded", kind="linear", preset="gspo", layout="padded",
-         overrides=(("entropy_coef", 0.01),)),
+    Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
+         row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
     Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
-    Case("linear_grpo_row_temps", kind="linear", preset="grpo", row_temps=True,
-         return_entropy=True),
-    Case("linear_logprobs_row_temps_start", kind="linear_logprobs", layout="start",
-         row_temps=True, return_entropy=True),
-    Case("linear_logprobs_start", kind="linear_logprobs", layout="start"),
+    Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
+         row_temps=True),
     Case("linear_dapo_sampling", kind="linear", return_entropy=True, overrides=(
         ("top_k", 40), ("top_p", 0.9))),
     Case("linear_gspo_sampling_padding_only_rank", kind="linear", preset="gspo",
@@ -176,16 +170,14 @@ CASES = [
     Case("linear_logprobs_sampling", kind="linear_logprobs", return_entropy=True,
          sampling=(("top_k", 25), ("top_p", 0.9))),
     # the LM-head forms with Triton: cuBLAS chunks read by the Triton row kernels
-    Case("triton_linear_dapo", **TRITON, kind="linear", return_entropy=True,
-         overrides=(("entropy_coef", 0.01),)),
+    Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", return_entropy=True,
+         row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("triton_linear_gspo_sampling_padded", **TRITON, kind="linear", preset="gspo",
          layout="padded", overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("triton_linear_logprobs_sampling", **TRITON, kind="linear_logprobs",
          return_entropy=True, sampling=(("top_k", 20), ("top_p", 0.85))),
-    Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", row_temps=True,
-         overrides=(("entropy_coef", 0.01),)),
     # a group of one: the single-process result, bit for bit
     Case("tp1_dapo", kind="tp1", return_entropy=True),
     Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),
@@ -811,7 +803,7 @@ def test_padding_and_degenerate_rows_behave(worlds):
         for result in _results(worlds, world, "grpo_padded_nan_rows"):
             width = 1031 - result["start"]
             assert not result["grads"]["logits"][..., width:].any()
-        for result in _results(worlds, world, "linear_gspo_padded"):
+        for result in _results(worlds, world, "linear_gspo_padded_row_temps"):
             width = 1031 - result["start"]
             assert not result["grads"]["weight"][width:].any()
             assert not result["grads"]["bias"][width:].any()
