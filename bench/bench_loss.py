@@ -66,6 +66,14 @@ MATRICES = {
     "small": dict(N=[16384], V=[151936]),
 }
 SMOKE_NOTE = "smoke run, not a measurement"
+# Presets of the benchmark beyond LossConfig's: the exact KL to the reference over the whole
+# vocabulary (kl="full": the reference's logits read beside the policy's, floor 2R + 1W).
+BENCH_PRESETS = {"full_kl": dict(preset="dapo", kl="full", beta=0.04)}
+
+
+def bench_config(preset: str) -> LossConfig:
+    extra = dict(BENCH_PRESETS.get(preset, {"preset": preset}))
+    return LossConfig.preset(extra.pop("preset"), **extra)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -149,6 +157,7 @@ class Inputs(NamedTuple):
     logits: torch.Tensor
     old: torch.Tensor
     ref: torch.Tensor
+    ref_logits: torch.Tensor | None = None  # the reference's [B, T, V] logits (kl="full")
 
 
 class Case:
@@ -163,7 +172,7 @@ class Case:
 
     def __init__(self, n, vocab, preset, dtype, device, copies, sequences, pristine=False):
         gen = torch.Generator(device=device).manual_seed(0)
-        self.cfg = LossConfig.preset(preset)
+        self.cfg = bench_config(preset)
         self.batch = sequences
         self.time = n // sequences
         shape = (self.batch, self.time, vocab)
@@ -179,6 +188,12 @@ class Case:
         self.mask = torch.rand(shape[:2], generator=gen, device=device) > 0.1
         self.advantages = torch.randn(self.batch, generator=gen, device=device)
         self.old, self.ref = [], []
+        # kl="full": a reference near each buffer (the KL small, as between a policy and its
+        # reference), one per copy so that L2 cannot serve it either
+        self.ref_logits = [
+            (buf[:, :-1] + 0.5 * torch.randn(shape, generator=gen, device=device, dtype=dtype))
+            for buf in self.buffers
+        ] if self.cfg.full_kl else None  # fmt: skip
         for buf in self.buffers:
             with torch.no_grad():
                 logp, _ = fusedrl.token_logprobs(buf[:, :-1], self.labels)
@@ -192,7 +207,10 @@ class Case:
         i = self._next % len(self.buffers)
         self._next += 1
         buf = self.buffers[i]
-        return Inputs(buf if with_extra_position else buf[:, :-1], self.old[i], self.ref[i])
+        ref_logits = None if self.ref_logits is None else self.ref_logits[i]
+        return Inputs(
+            buf if with_extra_position else buf[:, :-1], self.old[i], self.ref[i], ref_logits
+        )
 
     def restore_next(self) -> None:
         """Rewrite the buffer that the next `take` returns from its pristine copy."""
@@ -210,7 +228,7 @@ class Case:
         return self.batch * self.time * self.buffers[0].shape[-1] * self.buffers[0].element_size()
 
 
-def trl_style_loss(logits, case: Case, old, ref):
+def trl_style_loss(logits, case: Case, old, ref, ref_logits=None):
     """What TRL's GRPOTrainer does per step: fp32 log-softmax + gather, loss math, autograd."""
     cfg = case.cfg
     logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
@@ -223,7 +241,11 @@ def trl_style_loss(logits, case: Case, old, ref):
     ratio = torch.exp(log_ratio)
     adv = case.advantages[:, None]
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
-    if cfg.beta > 0:
+    if cfg.full_kl:  # KL(pi || pi_ref) over the vocabulary: both log-softmaxes in fp32
+        log_pi = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
+        log_ref = torch.log_softmax(ref_logits.float() / cfg.temperature, dim=-1)
+        per_token = per_token + cfg.beta * (log_pi.exp() * (log_pi - log_ref)).sum(-1)
+    elif cfg.beta > 0:
         d = ref - logp
         per_token = per_token + cfg.beta * (torch.exp(d) - d - 1)
     if cfg.agg == "token-mean":
@@ -267,6 +289,8 @@ def make_step(op: str, impl: str, case: Case):
     cfg = case.cfg
 
     def loss_kwargs(inp: Inputs):
+        if cfg.full_kl:
+            return dict(old_logp=inp.old, ref_logits=inp.ref_logits, config=cfg)
         return dict(old_logp=inp.old, ref_logp=inp.ref if cfg.beta > 0 else None, config=cfg)
 
     if op == "token_logprobs_fwd":
@@ -314,7 +338,8 @@ def make_step(op: str, impl: str, case: Case):
 
         def step():
             inp = _leaf(case.take())
-            torch.autograd.grad(trl_style_loss(inp.logits, case, inp.old, inp.ref), inp.logits)
+            loss = trl_style_loss(inp.logits, case, inp.old, inp.ref, inp.ref_logits)
+            torch.autograd.grad(loss, inp.logits)
     elif impl == "torch-compile":
         fn = torch.compile(reference.policy_loss)
 
@@ -323,6 +348,8 @@ def make_step(op: str, impl: str, case: Case):
             out = fn(inp.logits, case.labels, case.advantages, case.mask, **loss_kwargs(inp))
             torch.autograd.grad(out.loss, inp.logits)
     elif impl == "liger":
+        if cfg.full_kl:
+            return None  # Liger's GRPO loss has no exact KL over the vocabulary
         run = _liger_fn()
 
         def step():
@@ -337,8 +364,8 @@ def floor_bytes(op: str, case: Case) -> int:
     logits = case.bytes_of_logits
     if op == "token_logprobs_fwd":
         return logits  # one read
-    if case.cfg.is_sequence_level:
-        return 3 * logits  # read (pass 1), read + write (pass 2)
+    if case.cfg.is_sequence_level or case.cfg.full_kl:
+        return 3 * logits  # read (pass 1), read + write (pass 2); or both logits read, 1 W
     return 2 * logits  # one read, one write of the gradient
 
 
@@ -567,6 +594,7 @@ def _make_case(args, impls, device, dtype, n, vocab, preset) -> Case:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         per_copy = (2 if pristine else 1) * logits_bytes
+        per_copy += logits_bytes if bench_config(preset).full_kl else 0  # the reference's
         copies = 2 if 2 * per_copy + 2 * logits_bytes < free * 0.5 else 1
     try:
         return Case(n, vocab, preset, dtype, device, copies, min(args.sequences, n), pristine)

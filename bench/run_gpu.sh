@@ -7,7 +7,7 @@
 #   bash bench/run_gpu.sh linear  [OUTDIR]  # bench/bench_linear.py: the LM-head loss, both designs
 #   bash bench/run_gpu.sh steps   [OUTDIR]  # bench/bench_train_step.py, bench/bench_trl_step.py
 #   bash bench/run_gpu.sh sampling [OUTDIR] # bench/bench_sampling.py: sampled-set select costs
-#   bash bench/run_gpu.sh distill [OUTDIR]  # bench/bench_distill.py: two distributions per token
+#   bash bench/run_gpu.sh distill [OUTDIR]  # bench_distill.py + bench_loss.py's exact KL (2R + 1W)
 #   bash bench/run_gpu.sh sweep   [OUTDIR]  # bench/sweep_fused.py: the fused kernel's launch shape
 #   bash bench/run_gpu.sh tp      [OUTDIR]  # bench/bench_tp.py: vocab-sharded logits, 2+ GPUs
 #   bash bench/run_gpu.sh all     [OUTDIR]  # the nine above (bench on the small matrix)
@@ -322,8 +322,13 @@ stage_sampling() {
 stage_distill() {
   # distill_loss (the two-row kernels, the torch backend) against TRL's GKD loss, eager and
   # compiled, at the 2R + 1W floor.
-  step distill:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_distill.log" \
+  step distill:bench "$((DEADLINE - SECONDS - 130))" "$PREFIX-bench_distill.log" \
     "$PY" bench/bench_distill.py --out "$OUTDIR"
+  # The exact KL to the reference in the policy loss (kl="full"), at its 2R + 1W floor, against
+  # eager (both log-softmaxes in fp32) and torch.compile of the oracle.
+  step distill:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \
+    "$PY" bench/bench_loss.py --presets full_kl --N 16384 --V 151936 \
+    --ops policy_loss_fwd_bwd --tag full_kl --out "$OUTDIR"
 }
 
 stage_sweep() {

@@ -142,6 +142,28 @@ def test_bench_loss_case_logprobs_per_buffer():
         assert inp.logits.data_ptr() == case.buffers[i].data_ptr() and inp.old is case.old[i]
 
 
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "full_kl"])
+def test_bench_loss_eager_peer_computes_the_same_loss(preset):
+    """The eager peer (TRL's recipe; with full_kl the exact KL from both log-softmaxes) is the
+    loss fusedrl computes, so that the table compares like with like; the exact-KL preset's
+    reference logits rotate with the buffers and its floor is 2R + 1W."""
+    bench_loss = _load("bench_loss")
+    case = bench_loss.Case(32, 263, preset, torch.float32, torch.device("cpu"), 2, 4)
+    for _ in range(2):
+        inp = case.take()
+        kwargs = dict(old_logp=inp.old, config=case.cfg, backend="torch")
+        if case.cfg.full_kl:
+            kwargs["ref_logits"] = inp.ref_logits
+            assert inp.ref_logits is case.ref_logits[(case._next - 1) % 2]
+        elif case.cfg.beta > 0:
+            kwargs["ref_logp"] = inp.ref
+        ours = fusedrl.policy_loss(inp.logits, case.labels, case.advantages, case.mask, **kwargs)
+        eager = bench_loss.trl_style_loss(inp.logits, case, inp.old, inp.ref, inp.ref_logits)
+        torch.testing.assert_close(eager, ours.loss, rtol=1e-5, atol=1e-6)
+    floor = bench_loss.floor_bytes("policy_loss_fwd_bwd", case)
+    assert floor == (3 if preset in ("full_kl",) else 2) * case.bytes_of_logits
+
+
 @needs_interpreter
 def test_bench_loss_inplace_impls_time_fresh_logits(monkeypatch):
     """An in-place impl gets a buffer restored from its pristine copy before every call, and the
