@@ -91,6 +91,21 @@ def run_loss(fn, batch, config, *, requires_grad=True, **kwargs):
     return out, grad
 
 
+def assert_lm_head_form_matches_the_oracle(hidden, weight, rows: dict, backend: str, **kwargs):
+    """fusedrl.linear_policy_loss(hidden, weight, **rows, **kwargs) against the oracle on the
+    materialised logits hidden @ weight.T: the loss and the gradients to hidden and weight."""
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    ours = fusedrl.linear_policy_loss(*leaves, **rows, **kwargs, backend=backend)
+    grads = torch.autograd.grad(ours.loss, leaves)
+    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, **kwargs)
+    want_grads = torch.autograd.grad(want.loss, oracle)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    return ours, want
+
+
 @pytest.fixture
 def batch():
     return make_batch()

@@ -20,7 +20,12 @@ import fusedrl
 from fusedrl import LossConfig, fused_backend, reference
 from fusedrl._inputs import prepare_loss_inputs
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import (
+    assert_lm_head_form_matches_the_oracle,
+    make_batch,
+    needs_interpreter,
+    run_loss,
+)
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 COEF = 0.3  # large, so the bonus moves the loss and the gradient far beyond the tolerances
@@ -110,16 +115,9 @@ def test_lm_head_form_and_in_place(backend):
     cfg = LossConfig.preset("dapo")
     coef = torch.tensor(COEF)
     rows = {k: v for k, v in data.items() if k != "logits"}
-    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, entropy_coef=coef,
-                                      backend=backend)  # fmt: skip
-    grads = torch.autograd.grad(ours.loss, leaves)
-    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, entropy_coef=coef)
-    want_grads = torch.autograd.grad(want.loss, oracle)
-    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
-    for got, expected in zip(grads, want_grads):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert_lm_head_form_matches_the_oracle(
+        hidden, weight, rows, backend, config=cfg, entropy_coef=coef
+    )
     # In place on the logits.
     logits = (hidden @ weight.T).requires_grad_(True)
     work = logits * 1.0

@@ -16,7 +16,12 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, fused_backend, linear_triton, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import (
+    assert_lm_head_form_matches_the_oracle,
+    make_batch,
+    needs_interpreter,
+    run_loss,
+)
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
@@ -117,16 +122,9 @@ def test_lm_head_forms_equal_the_oracle(preset, backend, monkeypatch):
     temps = _temperatures((3, 7), seed=3)
     cfg = LossConfig.preset(preset)
     rows = {k: v for k, v in data.items() if k != "logits"}
-    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, temperature=temps,
-                                      backend=backend)  # fmt: skip
-    grads = torch.autograd.grad(ours.loss, leaves)
-    oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, temperature=temps)
-    want_grads = torch.autograd.grad(want.loss, oracle)
-    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
-    for got, expected in zip(grads, want_grads):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert_lm_head_form_matches_the_oracle(
+        hidden, weight, rows, backend, config=cfg, temperature=temps
+    )
     logp, _ = fusedrl.linear_token_logprobs(hidden, weight, data["labels"], temps, backend=backend)
     torch.testing.assert_close(
         logp, reference.token_logprobs(hidden @ weight.T, data["labels"], temps)[0]
