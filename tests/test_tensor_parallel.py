@@ -208,6 +208,8 @@ CASES = [
          expect_error="TensorParallelInputError"),
     Case("bad_config_differs", kind="bad", inputs="config_differs",
          expect_error="TensorParallelInputError"),
+    Case("bad_row_temps_rank0_only", kind="bad", inputs="row_temps_rank0_only",
+         expect_error="TensorParallelInputError"),
     Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
          expect_error="TensorParallelInputError"),
     Case("bad_local_error_on_last_rank", kind="bad", inputs="advantages_shape_last_rank",
@@ -554,6 +556,8 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
     config = case.config()
     if what == "config_differs" and rank == 1:
         config = config.replace(eps_high=0.3)
+    if what == "row_temps_rank0_only" and rank == 0:  # the others divide by 1: refused alike
+        keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
     backend = "cuda" if what == "backend_cuda" else case.backend
     args = {k: v for k, v in data.items() if k != "logits"}
     fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
@@ -876,6 +880,7 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_batch_differs": "disagree on the token shape",
         "bad_time_differs": "disagree on the token shape",
         "bad_config_differs": "disagree on the settings",
+        "bad_row_temps_rank0_only": "disagree on the settings",
         "bad_logprobs_label": "found 1034",
         "bad_linear_label": "labels must be global token ids in [0, 1031)",
     }

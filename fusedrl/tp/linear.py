@@ -241,7 +241,8 @@ def linear_policy_loss(
     (inp, impl), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=repr(cfg), draw_seed=unseeded_pick(cfg),
+        call=repr(cfg) + (" temperature=per-token" if temperature is not None else ""),
+        draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
     lin = linear_torch.LinearInputs(

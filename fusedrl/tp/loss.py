@@ -153,7 +153,8 @@ def policy_loss(
     (inp, ops), shard, seed = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=repr(cfg), draw_seed=unseeded_pick(cfg),
+        call=repr(cfg) + (" temperature=per-token" if temperature is not None else ""),
+        draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
 
