@@ -142,7 +142,7 @@ def main(argv=None) -> int:
             rows.append({**base, "ms": ms, "pct_of_floor": pct, "peak_mib": peak})
             shown = "-" if peak is None else f"{peak / 2**20:.0f}"
             print(f"{n:>6} {v:>7} {kind:>11} {impl:>15} {ms:>9.3f} {pct:>6.1f}% {shown:>9}")
-        del copies
+        steps = cycle = copies = None  # this shape's inputs freed before the next shape's
         # Rewritten after every shape: a run cut short by its time limit keeps what it measured.
         write_run_json(
             args.out, "distill", "distill_loss_fwd_bwd", args.smoke, device, dtype, rows,

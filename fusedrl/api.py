@@ -127,8 +127,8 @@ def policy_loss(
         temperature: per-token temperatures ([B, T], or [B] one per sequence; finite > 0 on
             the counted tokens) in place of config.temperature (then left at 1): each row's
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
-            Triton backends, under tensor parallelism too; not with sampling filters or the exact
-            KL yet.
+            Triton backends (the exact KL's two distributions too), under tensor parallelism
+            too; not with sampling filters yet.
         prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
             policy (recomputed by the trainer before the update); the ratio and its clip are
             taken against it, and each token's loss is weighted by pi_prox / pi_behav, the

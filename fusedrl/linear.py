@@ -159,6 +159,10 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    if return_sum_pi_squared:
+        from .api import _check_sum_pi_squared
+
+        _check_sum_pi_squared(config is not None and config.sampling is not None)
     if return_sum_pi_squared and sharded:
         raise NotImplementedError(
             "return_sum_pi_squared under tensor parallelism is not supported by "
@@ -242,9 +246,8 @@ def linear_policy_loss(
         loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
     sum_pi_squared = None
     if return_sum_pi_squared:
-        from .api import _check_sum_pi_squared, sum_pi_squared_of
+        from .api import sum_pi_squared_of
 
-        _check_sum_pi_squared(cfg.sampling is not None)
         with torch.no_grad():  # the head once more at T / 2, over the whole vocabulary
             sharp, _ = impl.token_logprobs(lin, temperature_of(inp, cfg) / 2, False)
         sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)

@@ -1103,9 +1103,15 @@ def test_tensor_entropy_coefficient_compiled(backend):
     compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
     for value in (0.0, 0.05, 0.2):
         value = torch.tensor(value, device="cuda")
-        want = fusedrl.policy_loss(data["logits"], **args, config=cfg, entropy_coef=value,
-                                   backend="torch").loss  # fmt: skip
-        torch.testing.assert_close(compiled(data["logits"], value), want, atol=1e-4, rtol=1e-4)
+        results = []
+        for fn in (compiled, lambda x, v: fusedrl.policy_loss(
+                x, **args, config=cfg, entropy_coef=v, backend="torch").loss):  # fmt: skip
+            logits = data["logits"].clone().requires_grad_(True)  # the fused kernel's path
+            loss = fn(logits, value)
+            results.append((loss, torch.autograd.grad(loss, logits)[0]))
+        (loss, grad), (want, want_grad) = results
+        torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-6, rtol=2**-7)
     assert counter.frame_count == 1
 
 

@@ -281,6 +281,23 @@ def test_micro_batches_sum_to_the_minibatch_gradient(preset):
     assert grads[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_the_adaptive_coefficient_reaches_the_loss(lm_head):
+    """accumulate_gradients(entropy_coef=<device scalar>) is the number in the config: same
+    gradients, on the logits path and the fused LM head, micro-batched; and not the plain loss."""
+    batch, _, _ = _tiny_batch(n=5, seed=3)
+    cfg = fusedrl.LossConfig.preset("dapo")
+    grads = []
+    for config, coef in ((cfg.replace(entropy_coef=0.5), None), (cfg, torch.tensor(0.5)),
+                         (cfg, None)):  # fmt: skip
+        model = _tiny_model()
+        accumulate_gradients(model, batch, config, 2, None, "torch", lm_head=lm_head,
+                             entropy_coef=coef)  # fmt: skip
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    assert (grads[2] - grads[0]).abs().max() > 1e-4  # the bonus acted
+
+
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 def test_fused_lm_head_equals_the_logits_path(preset):
     """--fused-lm-head (hidden states + head, no logits) gives the logits path's gradients of
@@ -568,6 +585,9 @@ def test_adaptive_entropy_options():
     cfg = TrainConfig(entropy_target=0.3, entropy_coef=0.02).validate()
     assert cfg.loss_config().entropy_coef == 0.0  # the coefficient is the controller's tensor
     assert cfg.initial_entropy_coef() == 0.02
+    assert cfg.entropy_control() == (0.005, 0.0, 1.0)  # TRL's defaults
+    assert TrainConfig(entropy_target=0.3, entropy_coef_min=0.01,
+                       entropy_coef=0.02).validate().entropy_control() == (0.005, 0.01, 1.0)
     assert TrainConfig(entropy_coef=0.02).loss_config().entropy_coef == 0.02
     bad = [
         (dict(entropy_target=0.3, tp=2), "--entropy-target: .*--tp 1"),
@@ -576,6 +596,9 @@ def test_adaptive_entropy_options():
         (dict(entropy_target=0.3, entropy_coef=2.0), "--entropy-coef: the adaptive coefficient"),
         (dict(entropy_target=-1.0), "--entropy-target: must be >= 0"),
         (dict(entropy_target=0.3, entropy_coef_delta=0.0), "--entropy-coef-delta: must be > 0"),
+        (dict(entropy_target=0.3, entropy_coef_max=-1.0), "--entropy-coef-max: must be >= 0"),
+        (dict(entropy_coef_delta=0.01), "--entropy-coef-delta: is read by --entropy-target"),
+        (dict(entropy_coef_max=0.5), "--entropy-coef-max: is read by --entropy-target"),
     ]
     for options, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -34,6 +34,10 @@ ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_basel
               "dcpo_sas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLLOUTS = ("auto", "vllm", "hf")
+# Adaptive entropy control's step and bounds when unset: TRL 1.16's GRPOConfig defaults.
+ENTROPY_CONTROL_DEFAULTS = {
+    "entropy_coef_delta": 0.005, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+}
 # LossConfig fields a run may override on top of its preset (None = the preset's value).
 LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
                   "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
@@ -109,11 +113,12 @@ class TrainConfig:
     trust_region_delta: float | None = None
     trust_region_mode: str | None = None
     m2po_tau: float | None = None
-    # adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): None = off
+    # adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): None = off; the
+    # other three unset: TRL's defaults (ENTROPY_CONTROL_DEFAULTS)
     entropy_target: float | None = None
-    entropy_coef_delta: float = 0.005
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float | None = None
+    entropy_coef_min: float | None = None
+    entropy_coef_max: float | None = None
     # --- distillation ---------------------------------------------------------------------
     distill_teacher: str | None = None  # a local model directory (same vocabulary); None = off
     distill_kind: str = "reverse_kl"  # one of fusedrl.DISTILL_KINDS
@@ -166,6 +171,13 @@ class TrainConfig:
             cfg = cfg.replace(norm_constant=float(self.max_tokens))
         return cfg
 
+    def entropy_control(self) -> tuple[float, float, float]:
+        """(delta, min, max) of adaptive entropy control, TRL's defaults where unset."""
+        return tuple(
+            ENTROPY_CONTROL_DEFAULTS[name] if getattr(self, name) is None else getattr(self, name)
+            for name in ENTROPY_CONTROL_DEFAULTS
+        )
+
     def initial_entropy_coef(self) -> float:
         """The adaptive controller's starting coefficient: --entropy-coef, else the preset's."""
         if self.entropy_coef is not None:
@@ -201,18 +213,21 @@ class TrainConfig:
              "--is-correction")
         need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
              "is read by --decoupled only")
+        for name in ENTROPY_CONTROL_DEFAULTS:
+            need(getattr(self, name) is None or self.entropy_target is not None, name,
+                 "is read by --entropy-target only (adaptive entropy control)")
         if self.entropy_target is not None:
+            delta, low, high = self.entropy_control()
             need(self.entropy_target >= 0, "entropy_target",
                  f"must be >= 0 (nats per token), got {self.entropy_target}")
-            need(self.entropy_coef_delta > 0, "entropy_coef_delta",
-                 f"must be > 0, got {self.entropy_coef_delta}")
-            need(0 <= self.entropy_coef_min <= self.entropy_coef_max, "entropy_coef_min",
-                 f"must be in [0, --entropy-coef-max={self.entropy_coef_max}], got "
-                 f"{self.entropy_coef_min}")
-            need(self.entropy_coef_min <= self.initial_entropy_coef() <= self.entropy_coef_max,
-                 "entropy_coef", f"the adaptive coefficient starts at {self.initial_entropy_coef()}"
-                 f", outside [--entropy-coef-min, --entropy-coef-max] = "
-                 f"[{self.entropy_coef_min}, {self.entropy_coef_max}]")
+            need(delta > 0, "entropy_coef_delta", f"must be > 0, got {delta}")
+            need(high >= 0, "entropy_coef_max", f"must be >= 0, got {high}")
+            need(0 <= low <= high, "entropy_coef_min",
+                 f"must be in [0, --entropy-coef-max={high}], got {low}")
+            start = self.initial_entropy_coef()
+            need(low <= start <= high, "entropy_coef",
+                 f"the adaptive coefficient starts at {start}, outside [--entropy-coef-min, "
+                 f"--entropy-coef-max] = [{low}, {high}]")
             need(self.tp == 1, "entropy_target",
                  "the coefficient as a device scalar has no tensor-parallel path yet: use --tp 1")
         need(self.advantage in ADVANTAGES, "advantage",
@@ -375,9 +390,10 @@ HELP = {
     "entropy coefficient (starting at --entropy-coef) grows by --entropy-coef-delta after each "
     "optimizer step whose mean token entropy is at or below this (nats), shrinks otherwise, and "
     "applies only while the entropy is at or below it; unset: off.",
-    "entropy_coef_delta": "Adaptive entropy control: the coefficient's change per optimizer step.",
-    "entropy_coef_min": "Adaptive entropy control: the coefficient's lower bound.",
-    "entropy_coef_max": "Adaptive entropy control: the coefficient's upper bound.",
+    "entropy_coef_delta": "Adaptive entropy control: the coefficient's change per optimizer step; "
+    "unset: 0.005 (TRL's).",
+    "entropy_coef_min": "Adaptive entropy control: the coefficient's lower bound; unset: 0.",
+    "entropy_coef_max": "Adaptive entropy control: the coefficient's upper bound; unset: 1.",
     "dynamic_sampling": "DAPO: drop zero-variance groups and oversample to refill the batch.",
     "max_num_gen_batches": "Oversampling rounds of dynamic sampling before training anyway.",
     "dupo": "DUPO: refill dropped groups by duplicating kept ones.",

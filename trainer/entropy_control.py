@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class AdaptiveEntropy:
@@ -40,10 +38,6 @@ class AdaptiveEntropy:
         else:
             self.coef = max(self.coef - self.delta, self.low)
         self.last_entropy = entropy
-
-    def tensor(self, device: torch.device) -> torch.Tensor:
-        """The applied coefficient as the loss's device scalar."""
-        return torch.tensor(self.applied(), dtype=torch.float32, device=device)
 
     def state_dict(self) -> dict:
         return {"coef": self.coef, "last_entropy": self.last_entropy}

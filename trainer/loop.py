@@ -288,9 +288,8 @@ class Trainer:
         self.entropy_control = None
         if cfg.entropy_target is not None:
             self.entropy_control = AdaptiveEntropy(
-                cfg.entropy_target, cfg.entropy_coef_delta, cfg.entropy_coef_min,
-                cfg.entropy_coef_max, cfg.initial_entropy_coef(),
-            )  # fmt: skip
+                cfg.entropy_target, *cfg.entropy_control(), cfg.initial_entropy_coef()
+            )
             # One device scalar for the run, refilled before each optimizer step: the loss
             # reads it on the device (no recompile, no host sync when it changes).
             self.entropy_coef = torch.zeros((), device=self.env.device)

@@ -60,7 +60,13 @@ _OPEN_LOWER_BOUND = 1.0 - 1e-12
 
 
 def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
-    """The LossConfig that reproduces `GRPOTrainer._compute_loss` for these TRL arguments."""
+    """The LossConfig that reproduces `GRPOTrainer._compute_loss` for these TRL arguments.
+
+    TRL's entropy bonus scales with the trainer's state, which a config cannot hold: with
+    `use_adaptive_entropy` the config's coefficient is 0 (pass the current one as
+    `policy_loss(entropy_coef=tensor)`), and under gradient accumulation TRL divides the bonus by
+    the steps (dapo / cispo / vespo: divide the coefficient by them too). FusedGRPOTrainer does
+    both."""
     for name, neutral in UNSUPPORTED.items():
         value = getattr(args, name, neutral)
         if value != neutral:
@@ -363,7 +369,9 @@ class FusedGRPOTrainer(GRPOTrainer):
             bonus_coef = self._applied_entropy_coef()
             if self.loss_type in TOKEN_COUNT_LOSSES:  # the loss below is not divided: do it here
                 bonus_coef = bonus_coef / accumulation
-            loss_args["entropy_coef"] = torch.tensor(bonus_coef, device=mask.device)
+            # A fill on the device (torch.tensor(x, device=cuda) would copy from pageable host
+            # memory and wait for the stream): the host never waits here.
+            loss_args["entropy_coef"] = torch.full((), bonus_coef, device=mask.device)
         if use_lm_head:
             out = fusedrl.linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
