@@ -6,11 +6,18 @@ VmHWM after `fn()` minus VmRSS before it. Resetting matters: building the inputs
 than the call itself (randn in bf16 passes through fp32), and ru_maxrss would hide the call under
 that earlier peak. Kernels without a resettable peak fall back to ru_maxrss, which can only
 undercount.
+
+glibc's malloc raises its mmap threshold each time a large mmapped block is freed, so that a
+later block of that size may come from the heap instead and stay resident after it is freed: the
+same call then measured 138 or 250 MiB from one run to the next (and 278 under `make test`'s
+load, over a 256 MiB bound). A fixed threshold (MALLOC_MMAP_THRESHOLD_) keeps every large block
+mmapped, returned when freed: 123 MiB, five runs alike.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -38,11 +45,13 @@ def measure(fn):
 
 def peak_extra_bytes(script: str, *args: str, timeout: int = 600) -> int:
     """Run `script` (which calls `measure(fn)` once) in a fresh process; the call's extra bytes."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     result = subprocess.run(
         [sys.executable, "-c", MEASURE + script, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=True,
+        env=env,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])["extra_bytes"]
