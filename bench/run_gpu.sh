@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh sweep   [OUTDIR]  # bench/sweep_fused.py: the fused kernel's launch shape
 #   bash bench/run_gpu.sh tp      [OUTDIR]  # bench/bench_tp.py: vocab-sharded logits, 2+ GPUs
 #   bash bench/run_gpu.sh all     [OUTDIR]  # the nine above (bench on the small matrix)
+#   bash bench/run_gpu.sh session [OUTDIR]  # one call for a short lease: tests, then the rest
 #
 # `all` takes longer than one 9-minute call: on a machine lent call by call, run one stage per
 # call. OUTDIR defaults to $OUT (the device tool's output folder), else bench/results.
@@ -53,13 +54,13 @@
 set -euo pipefail
 
 usage() {
-  sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '4,14p' "$0" | sed 's/^# \{0,1\}//'
   echo "  (OUTDIR defaults to \$OUT, else bench/results; see the header of $0)"
 }
 
 STAGE=${1:-}
 case "$STAGE" in
-  tests | bench | profile | linear | steps | sampling | distill | sweep | tp | all) ;;
+  tests | bench | profile | linear | steps | sampling | distill | sweep | tp | all | session) ;;
   -h | --help) usage; exit 0 ;;
   "") echo "run_gpu.sh: missing the stage" >&2; usage >&2; exit 2 ;;
   *) echo "run_gpu.sh: unknown stage '$STAGE'" >&2; usage >&2; exit 2 ;;
@@ -375,7 +376,25 @@ stage_tp() {
     "$PY" bench/bench_tp.py --out "$OUTDIR" ${TP_ARGS:-}
 }
 
+stage_session() {
+  # A lease of 15 device-minutes, 1-2 of them to start the machine, affords one full call: the
+  # GPU tests first (both backends, ~2.5 minutes), then what the time left allows, the most
+  # telling first: the loss at a host-bound and a memory-bound shape against its peers, the
+  # fused kernel's launch shapes (two rounds), the exact KL at its 2R + 1W floor.
+  stage_tests
+  step session:bench "$((DEADLINE - SECONDS - 150))" "$PREFIX-bench_loss-session.log" \
+    "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 --presets dapo \
+    --impls fusedrl-triton fusedrl-cuda liger torch-compile --ops policy_loss_fwd_bwd \
+    --warmup-ms 50 --rep-ms 200 --tag session --out "$OUTDIR"
+  step session:sweep "$((DEADLINE - SECONDS - 60))" "$PREFIX-sweep_fused.log" \
+    "$PY" bench/sweep_fused.py --out "$OUTDIR"
+  step session:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \
+    "$PY" bench/bench_loss.py --presets full_kl --N 16384 --V 151936 \
+    --impls fusedrl-triton torch-eager --ops policy_loss_fwd_bwd --tag full_kl --out "$OUTDIR"
+}
+
 case "$STAGE" in
+  session) stage_session ;;
   tests) stage_tests ;;
   bench) stage_bench full ;;
   profile) stage_profile ;;

@@ -335,6 +335,7 @@ def test_run_gpu_sh_parses(tmp_path):
         assert "bash bench/run_gpu.sh profile [OUTDIR]" in proc.stderr
     proc = _run_gpu(["--help"], env)
     assert proc.returncode == 0 and "bash bench/run_gpu.sh all" in proc.stdout
+    assert "bash bench/run_gpu.sh session" in proc.stdout  # the last line of the list too
 
 
 def test_run_gpu_sh_refuses_without_gpu(tmp_path):
