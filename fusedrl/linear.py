@@ -174,11 +174,6 @@ def linear_policy_loss(
             "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
             "not supported yet"
         )
-    if transform is not None and sharded:
-        raise NotImplementedError(
-            "softcap / logit_scale under tensor parallelism are not supported yet: pass the "
-            "whole head, or materialise the logits and use policy_loss"
-        )
     if full_kl and (tp_group is not None or vocab_start is not None or vocab_size is not None):
         raise NotImplementedError(
             f"config.kl={config.kl!r} (the exact KL to the reference head) under tensor "
@@ -191,7 +186,7 @@ def linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
-            temperature=temperature,
+            temperature=temperature, transform=transform,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -337,16 +332,12 @@ def linear_token_logprobs(
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     transform = check_logit_transform(softcap, logit_scale)
     if tp_group is not None or vocab_start is not None or vocab_size is not None:
-        if transform is not None:
-            raise NotImplementedError(
-                "softcap / logit_scale under tensor parallelism are not supported yet"
-            )
         from .tp import linear as tp_linear
 
         return tp_linear.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
             min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            reduce_input_grad=reduce_input_grad,
+            reduce_input_grad=reduce_input_grad, transform=transform,
         )  # fmt: skip
     hidden = check_logits(hidden, name="hidden")
     weight, bias = check_lm_head(weight, bias, hidden)

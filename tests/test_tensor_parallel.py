@@ -73,6 +73,7 @@ class Case:
     oracle: bool = True  # the single-process call gives the same numbers (not so for a random pick)
     sampling: tuple = ()  # token_logprobs' top_k / top_p / min_p, as (key, value) pairs
     row_temps: bool = False  # per-token temperatures (`temperature=` a [B, T] tensor)
+    softcap: float | None = None  # the LM-head forms: the model's soft cap after the head
 
     def sampling_filters(self) -> dict:
         """The sampling mask replayed (the config's for the losses), {} when none."""
@@ -156,7 +157,7 @@ CASES = [
         ("top_k", 12), ("top_p", 0.9))),
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
-    Case("linear_dapo", kind="linear", return_entropy=True),
+    Case("linear_dapo_softcap", kind="linear", return_entropy=True, softcap=3.0),
     Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
@@ -167,13 +168,13 @@ CASES = [
         ("top_k", 40), ("top_p", 0.9))),
     Case("linear_gspo_sampling_padding_only_rank", kind="linear", preset="gspo",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
-    Case("linear_logprobs_sampling", kind="linear_logprobs", return_entropy=True,
-         sampling=(("top_k", 25), ("top_p", 0.9))),
+    Case("linear_logprobs_sampling_softcap", kind="linear_logprobs", return_entropy=True,
+         softcap=3.0, sampling=(("top_k", 25), ("top_p", 0.9))),
     # the LM-head forms with Triton: cuBLAS chunks read by the Triton row kernels
     Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", return_entropy=True,
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
-    Case("triton_linear_gspo_sampling_padded", **TRITON, kind="linear", preset="gspo",
-         layout="padded", overrides=(("top_k", 12), ("top_p", 0.9))),
+    Case("triton_linear_gspo_sampling_padded_softcap", **TRITON, kind="linear", preset="gspo",
+         layout="padded", softcap=2.5, overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("triton_linear_logprobs_sampling", **TRITON, kind="linear_logprobs",
@@ -396,6 +397,8 @@ def _fused(case: Case):
         fn = fusedrl.linear_policy_loss if linear else fusedrl.policy_loss
 
     def call(*args, **kwargs):
+        if case.softcap is not None:
+            kwargs["softcap"] = case.softcap
         return fn(*args, backend=case.backend, **kwargs)
 
     return call
@@ -407,7 +410,10 @@ def _reference(case: Case):
         return fn
 
     def call(hidden, weight, *args, bias=None, **kwargs):
-        return fn(torch.nn.functional.linear(hidden, weight, bias), *args, **kwargs)
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        if case.softcap is not None:  # Gemma's: c tanh(z / c)
+            logits = case.softcap * torch.tanh(logits / case.softcap)
+        return fn(logits, *args, **kwargs)
 
     return call
 
@@ -465,6 +471,8 @@ def unfiltered_logp(case: Case, whole: dict, data: dict) -> torch.Tensor:
         logits = whole["logits"].float()
     else:
         logits = torch.nn.functional.linear(whole["hidden"], whole["weight"], whole["bias"])
+        if case.softcap is not None:
+            logits = case.softcap * torch.tanh(logits / case.softcap)
     temperature = case.temperature if _logprobs_kind(case) else case.config().temperature
     logp, _ = reference.token_logprobs(logits, data["labels"].clamp_min(0), temperature)
     return torch.where(data["mask"].bool(), logp, 0.0) if "mask" in data else logp

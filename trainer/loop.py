@@ -273,8 +273,9 @@ class Trainer:
         # Under FSDP the head's forward hooks gather its weight: the loss must call the head.
         # Under --tp alone (one data-parallel rank) each rank holds its rows of the head: the
         # fused loss takes them with the tp group. A teacher's head must be plain too.
-        # A soft cap or logit scale after the head (Gemma, Cohere) is applied by the loss (not
-        # yet under --tp); a teacher's head must be a linear layer after its body too.
+        # A soft cap or logit scale after the head (Gemma, Cohere) is applied by the loss (the
+        # library's tensor-parallel head takes it too; under --tp the trainer keeps materialised
+        # logits for such models until a run tests it); a teacher's head must be plain too.
         transformed = any(v is not None for v in model_logit_transform(model).values())
         self.lm_head = (
             cfg.fused_lm_head and self.env.dp_size == 1 and lm_head_of(model) is not None

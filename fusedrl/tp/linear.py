@@ -27,6 +27,7 @@ from .._inputs import (
     temperature_of,
 )
 from ..config import LossConfig
+from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..sampling import check_sampling
 from ..token_terms import token_terms
@@ -122,6 +123,13 @@ class _ChunkSets:
         )
 
 
+def _transform_keywords(transform: LogitTransform | None) -> dict:
+    """The single-process functions' softcap= / logit_scale= of a transform."""
+    if transform is None:
+        return {}
+    return {"softcap": transform.softcap, "logit_scale": transform.scale}
+
+
 def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
     """The LM-head inputs restricted to this rank's token rows (views)."""
     bias = None if lin.bias is None else lin.bias[: shard.width]
@@ -213,8 +221,11 @@ def linear_policy_loss(
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
     temperature: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> LossOutput:
-    """`temperature`: per-token temperatures (replicated), in place of config.temperature."""
+    """`temperature`: per-token temperatures (replicated), in place of config.temperature.
+    `transform`: the model's soft cap / logit scale after the head, elementwise: each rank
+    applies it to its slice of the logits (and its derivative to their gradient)."""
     cfg = config if config is not None else LossConfig()
     _refuse(backend)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
@@ -227,7 +238,7 @@ def linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
             rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
-            temperature=temperature,
+            temperature=temperature, **_transform_keywords(transform),
         )  # fmt: skip
 
     def local_checks():
@@ -241,12 +252,14 @@ def linear_policy_loss(
     (inp, impl), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=repr(cfg) + (" temperature=per-token" if temperature is not None else ""),
+        call=repr(cfg) + (" temperature=per-token" if temperature is not None else "")
+        + f" {transform!r}",
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
     lin = linear_torch.LinearInputs(
-        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None)
+        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None),
+        transform=transform,
     )
     lin = _sharded(lin, shard, tp_group, cfg.sampling)
     want = single.wanted_grads(hidden, weight, bias)
@@ -325,6 +338,7 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _refuse(backend)
     sampling = check_sampling(top_k, top_p, min_p)
@@ -333,7 +347,7 @@ def linear_token_logprobs(
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return single.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend,
-            top_k=top_k, top_p=top_p, min_p=min_p,
+            top_k=top_k, top_p=top_p, min_p=min_p, **_transform_keywords(transform),
         )  # fmt: skip
 
     def local_checks():
@@ -349,13 +363,13 @@ def linear_token_logprobs(
     (ids, temperature, impl), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"linear_token_logprobs temperature={shown} {sampling}",
+        call=f"linear_token_logprobs temperature={shown} {sampling} {transform!r}",
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = ids.unsqueeze(0) if flat else ids
-    lin = _sharded(linear_torch.logprob_inputs(hidden3, weight, bias, labels2), shard,
-                   tp_group, sampling)  # fmt: skip
+    lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
+    lin = _sharded(dataclasses.replace(lin, transform=transform), shard, tp_group, sampling)
     want = single.wanted_grads(hidden, weight, bias)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
