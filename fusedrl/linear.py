@@ -174,19 +174,19 @@ def linear_policy_loss(
             "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
             "not supported yet"
         )
-    if full_kl and (tp_group is not None or vocab_start is not None or vocab_size is not None):
+    if full_kl and sharded:
         raise NotImplementedError(
             f"config.kl={config.kl!r} (the exact KL to the reference head) under tensor "
             "parallelism is not supported yet: use a per-token KL estimator with ref_logp"
         )
-    if tp_group is not None or vocab_start is not None or vocab_size is not None:
+    if sharded:
         from .tp import linear as tp_linear
 
         return tp_linear.linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
-            temperature=temperature, transform=transform,
+            temperature=temperature, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -337,7 +337,7 @@ def linear_token_logprobs(
         return tp_linear.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
             min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            reduce_input_grad=reduce_input_grad, transform=transform,
+            reduce_input_grad=reduce_input_grad, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
     hidden = check_logits(hidden, name="hidden")
     weight, bias = check_lm_head(weight, bias, hidden)

@@ -121,6 +121,12 @@ def _host_fields(tokens, vocab_rows, vocab_start, vocab_size, call, failed, seed
     ]
 
 
+def shown_temperature(temperature) -> str:
+    """How `agree`'s `call` names a temperature: per-token ones by that fact (their values are
+    replicated like every per-token input, not compared), a number by its repr."""
+    return "per-token" if isinstance(temperature, torch.Tensor) else repr(temperature)
+
+
 def agree(
     group,
     local_checks: Callable[[], object],

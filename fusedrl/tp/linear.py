@@ -27,7 +27,7 @@ from .._inputs import (
     temperature_of,
 )
 from ..config import LossConfig
-from ..logit_transform import LogitTransform
+from ..logit_transform import check_logit_transform
 from ..output import LossOutput
 from ..sampling import check_sampling
 from ..token_terms import token_terms
@@ -41,6 +41,7 @@ from .header import (
     check_vocab_arguments,
     range_unchecked,
     seeded,
+    shown_temperature,
     unseeded_pick,
 )
 from .loss import group_size
@@ -121,13 +122,6 @@ class _ChunkSets:
         tp_sampling.mask_slice(
             logits, self.columns[start:stop][None], self.floors[start:stop], temperature, logits
         )
-
-
-def _transform_keywords(transform: LogitTransform | None) -> dict:
-    """The single-process functions' softcap= / logit_scale= of a transform."""
-    if transform is None:
-        return {}
-    return {"softcap": transform.softcap, "logit_scale": transform.scale}
 
 
 def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
@@ -221,10 +215,11 @@ def linear_policy_loss(
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
     temperature: torch.Tensor | None = None,
-    transform: LogitTransform | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated), in place of config.temperature.
-    `transform`: the model's soft cap / logit scale after the head, elementwise: each rank
+    `softcap`, `logit_scale`: the model's transform after the head, elementwise: each rank
     applies it to its slice of the logits (and its derivative to their gradient)."""
     cfg = config if config is not None else LossConfig()
     _refuse(backend)
@@ -238,8 +233,9 @@ def linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
             rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
-            temperature=temperature, **_transform_keywords(transform),
+            temperature=temperature, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
+    transform = check_logit_transform(softcap, logit_scale)
 
     def local_checks():
         inp = prepare_loss_inputs(
@@ -252,8 +248,7 @@ def linear_policy_loss(
     (inp, impl), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=repr(cfg) + (" temperature=per-token" if temperature is not None else "")
-        + f" {transform!r}",
+        call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -338,7 +333,8 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
-    transform: LogitTransform | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _refuse(backend)
     sampling = check_sampling(top_k, top_p, min_p)
@@ -347,8 +343,9 @@ def linear_token_logprobs(
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return single.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend,
-            top_k=top_k, top_p=top_p, min_p=min_p, **_transform_keywords(transform),
+            top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
+    transform = check_logit_transform(softcap, logit_scale)
 
     def local_checks():
         checked = check_logits(hidden, name="hidden")
@@ -359,11 +356,11 @@ def linear_token_logprobs(
         )
         return ids, temps, _backend(backend, checked)
 
-    shown = "per-token" if isinstance(temperature, torch.Tensor) else repr(temperature)
     (ids, temperature, impl), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"linear_token_logprobs temperature={shown} {sampling} {transform!r}",
+        call=(f"linear_token_logprobs temperature={shown_temperature(temperature)} {sampling} "
+              f"{transform!r}"),
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden

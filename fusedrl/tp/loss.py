@@ -36,6 +36,7 @@ from .header import (
     check_vocab_arguments,
     range_unchecked,
     seeded,
+    shown_temperature,
     unseeded_pick,
 )
 from .ops import refuse_unsupported, slice_ops
@@ -153,10 +154,11 @@ def policy_loss(
     (inp, ops), shard, seed = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=repr(cfg) + (" temperature=per-token" if temperature is not None else ""),
+        call=f"{cfg!r} temperature={shown_temperature(temperature)}",
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
+    temperature = temperature_of(inp, cfg)  # the config's, or the per-token ones as checked
 
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
@@ -176,7 +178,7 @@ def policy_loss(
         def slice_stats(local):
             if sets is not None and grad is None:
                 return sets.stats(ops, shard.narrow(source), local, inp.valid)
-            return ops.stats(shard.narrow(source), local, inp.valid, temperature_of(inp, cfg))
+            return ops.stats(shard.narrow(source), local, inp.valid, temperature)
 
         logp, lse, entropy = whole_row_stats(slice_stats, inp.labels, inp.valid, shard, tp_group)
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
@@ -184,7 +186,7 @@ def policy_loss(
         if grad is not None:
             write_slice_grad(
                 ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
-                temperature_of(inp, cfg), shard, grad,
+                temperature, shard, grad,
             )  # fmt: skip
     if wants_grad:
         if inplace:
@@ -253,8 +255,6 @@ def token_logprobs(
         return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
                                   top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
 
-    per_token_temps = isinstance(temperature, torch.Tensor)
-
     def local_checks():
         checked = check_logits(logits)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT)
@@ -263,11 +263,10 @@ def token_logprobs(
         )
         return ids, temps, slice_ops(backend, checked.device)
 
-    shown = "per-token" if per_token_temps else repr(temperature)
     (ids, temperature, ops), shard, _ = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"token_logprobs temperature={shown} {sampling}",
+        call=f"token_logprobs temperature={shown_temperature(temperature)} {sampling}",
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
