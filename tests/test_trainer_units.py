@@ -557,7 +557,7 @@ def _trl_adaptive_entropy(entropies, coef, target, delta, low, high):
 
 
 def test_adaptive_entropy_follows_trls_rule():
-    from fusedrl.trainer.entropy_control import AdaptiveEntropy
+    from fusedrl.entropy_control import AdaptiveEntropy
 
     gen = torch.Generator().manual_seed(0)
     # Around the target, so that both branches and both bounds act.

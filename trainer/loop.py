@@ -46,6 +46,7 @@ import torch
 
 import fusedrl.advantages as adv
 from fusedrl import LossConfig
+from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
@@ -64,7 +65,6 @@ from .distributed import (
     sum_over_ranks,
     teardown,
 )
-from .entropy_control import AdaptiveEntropy
 from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
 from .rewards import exact_match, parse_rewards, score

@@ -44,6 +44,7 @@ with warnings.catch_warnings():
 
 import fusedrl
 from fusedrl import LossConfig
+from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
@@ -394,11 +395,19 @@ class FusedGRPOTrainer(GRPOTrainer):
         self._log_trl_metrics(mode, out, mask, inputs["advantages"], old_logp, ref_logp, is_weights)
         return loss
 
+    def _entropy_control(self) -> AdaptiveEntropy:
+        """TRL's controller as fusedrl's rule: its state is TRL's own attributes."""
+        args = self.args
+        return AdaptiveEntropy(
+            args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
+            args.entropy_coef_max, self.entropy_coef, self._last_world_entropy,
+        )  # fmt: skip
+
     def _applied_entropy_coef(self) -> float:
         """TRL's coefficient for this micro-batch: the one set at the last optimizer step,
         gated (adaptive) on the last window's entropy being at or below the target."""
-        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
-            return 0.0
+        if self.use_adaptive_entropy:
+            return self._entropy_control().applied()
         return self.entropy_coef
 
     def _entropy_bonus_bookkeeping(self, mode, out, mask, bonus_coef: float) -> None:
@@ -423,13 +432,9 @@ class FusedGRPOTrainer(GRPOTrainer):
             self._entropy_window_stats = stats if window is None else window + stats
             if self.accelerator.sync_gradients:
                 totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
-                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
-                step = self.args.entropy_coef_delta
-                if world_entropy <= self.args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
-                else:
-                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
-                self._last_world_entropy = world_entropy
+                control = self._entropy_control()
+                control.update((totals[0] / totals[1].clamp(min=1.0)).item())
+                self.entropy_coef, self._last_world_entropy = control.coef, control.last_entropy
                 self._entropy_window_stats = None
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)

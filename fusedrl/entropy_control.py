@@ -8,7 +8,8 @@ is at or below the target (0 before the first measurement): TRL 1.16's rule exac
 
 The loss takes the coefficient as a device scalar (`fusedrl.policy_loss(entropy_coef=)`): a new
 value is new data for the fused kernel, never a recompile, and setting it is no host sync. The
-measurement is one host read per optimizer step, beside the step's finiteness check.
+rule serves `fusedrl-train --entropy-target` and FusedGRPOTrainer's `use_adaptive_entropy` (on
+TRL's own attributes there, so that TRL's checkpointing of them carries over).
 """
 
 from __future__ import annotations
