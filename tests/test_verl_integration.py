@@ -272,28 +272,38 @@ REJECTION_CASES = [
 ]
 
 
+def _against_verls_rejection(cfg, verl_option, threshold, seeds):
+    """(fusedrl's loss under `cfg` with the rollout's log-probs, fusedrl's plain loss on the mask
+    verl's compute_rollout_rejection_mask leaves, verl's metrics), on log r = old - rollout of
+    noise large enough that the rule rejects some tokens but not all (asserted). `seeds`: the
+    batch's, the rollout noise's, the logits' and the labels'."""
+    batch = _batch(seed=seeds[0], beyond_clamp=False)
+    gens = [torch.Generator().manual_seed(seed) for seed in seeds[1:]]
+    batch["rollout"] = batch["old"] + 0.3 * torch.randn(B, T, generator=gens[0])
+    verl_mask, verl_metrics = compute_rollout_rejection_mask(
+        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
+        rollout_rs=verl_option, rollout_rs_threshold=threshold,
+    )  # fmt: skip
+    assert 0 < verl_mask.sum() < batch["mask"].sum()
+    logits = torch.randn(B, T, 97, generator=gens[1])
+    labels = torch.randint(0, 97, (B, T), generator=gens[2])
+    common = dict(labels=labels, advantages=batch["adv"], old_logp=batch["old"], backend="torch")
+    ours = fusedrl.policy_loss(
+        logits, mask=batch["mask"], rollout_logp=batch["rollout"], config=cfg, **common
+    )
+    by_mask = fusedrl.policy_loss(
+        logits, mask=verl_mask.bool(), config=fusedrl.LossConfig(), **common
+    )
+    return ours, by_mask, verl_metrics
+
+
 @pytest.mark.parametrize(("options", "threshold"), REJECTION_CASES)
 def test_rejection_sampling_parity(options, threshold):
     """LossConfig.rejection against verl's compute_rollout_rejection_mask on log r = old -
     rollout: the loss equals fusedrl's loss on verl's modified mask, the masked shares equal
     verl's metrics, and each case rejects some tokens but not all."""
-    batch = _batch(seed=41, beyond_clamp=False)
-    noise = torch.randn(B, T, generator=torch.Generator().manual_seed(3))
-    batch["rollout"] = batch["old"] + 0.3 * noise
-    verl_mask, verl_metrics = compute_rollout_rejection_mask(
-        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
-        rollout_rs=options, rollout_rs_threshold=threshold,
-    )  # fmt: skip
-    assert 0 < verl_mask.sum() < batch["mask"].sum()
     cfg = fusedrl.LossConfig(rejection=options, rejection_threshold=threshold)
-    logits = torch.randn(B, T, 97, generator=torch.Generator().manual_seed(4))
-    labels = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(5))
-    common = dict(labels=labels, advantages=batch["adv"], old_logp=batch["old"], backend="torch")
-    ours = fusedrl.policy_loss(
-        logits, mask=batch["mask"], rollout_logp=batch["rollout"], config=cfg, **common
-    )
-    plain = fusedrl.LossConfig()
-    by_mask = fusedrl.policy_loss(logits, mask=verl_mask.bool(), config=plain, **common)
+    ours, by_mask, verl_metrics = _against_verls_rejection(cfg, options, threshold, (41, 3, 4, 5))
     torch.testing.assert_close(ours.loss, by_mask.loss)
     assert float(ours.metrics["rs_masked"]) == pytest.approx(
         verl_metrics["rollout_rs_masked_fraction"], abs=1e-6
@@ -315,25 +325,9 @@ def test_trust_region_masking_is_verls_rejection_with_its_bounds(mode, delta, ve
     """LossConfig(trust_region_delta=, trust_region_mode=) masks what verl's
     compute_rollout_rejection_mask masks with seq_max_k2 at delta^2 / 2 (|log r| <= delta on
     every token) or seq_mean_k1 in [exp(-delta), exp(delta)] (the mean log r in [-delta, delta])."""
-    batch = _batch(seed=43, beyond_clamp=False)
-    noise = torch.randn(B, T, generator=torch.Generator().manual_seed(6))
-    batch["rollout"] = batch["old"] + 0.3 * noise
     threshold = 0.5 * delta * delta if mode == "max" else f"{math.exp(-delta)}_{math.exp(delta)}"
-    verl_mask, _ = compute_rollout_rejection_mask(
-        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
-        rollout_rs=verl_option, rollout_rs_threshold=threshold,
-    )  # fmt: skip
-    assert 0 < verl_mask.sum() < batch["mask"].sum()
     cfg = fusedrl.LossConfig(trust_region_delta=delta, trust_region_mode=mode)
-    logits = torch.randn(B, T, 97, generator=torch.Generator().manual_seed(7))
-    labels = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(8))
-    common = dict(labels=labels, advantages=batch["adv"], old_logp=batch["old"], backend="torch")
-    ours = fusedrl.policy_loss(
-        logits, mask=batch["mask"], rollout_logp=batch["rollout"], config=cfg, **common
-    )
-    by_mask = fusedrl.policy_loss(
-        logits, mask=verl_mask.bool(), config=fusedrl.LossConfig(), **common
-    )
+    ours, by_mask, _ = _against_verls_rejection(cfg, verl_option, threshold, (43, 6, 7, 8))
     torch.testing.assert_close(ours.loss, by_mask.loss)
 
 
