@@ -1019,6 +1019,21 @@ def test_distill_two_row_kernels_at_real_vocab(vocab, kind, inplace):
     assert (grad[~mask] == 0).all()
 
 
+def _torch_and(backend: str, data: dict, inplace: bool = False, **kwargs) -> list:
+    """policy_loss(**kwargs) on the torch backend, then on `backend` (in place on a copy with
+    `inplace`), each from a fresh leaf copy of data's logits: [(out, grad) of torch, of backend]."""
+    args = {k: v for k, v in data.items() if k != "logits"}
+    results = []
+    for impl in ("torch", backend):
+        logits = data["logits"].clone().requires_grad_(True)
+        in_place = inplace and impl != "torch"
+        work = logits.clone() if in_place else logits
+        out = fusedrl.policy_loss(work, **args, backend=impl, inplace=in_place, **kwargs)
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        results.append((out, grad))
+    return results
+
+
 @pytest.mark.parametrize("kind", ["full", "full_reverse"])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 @pytest.mark.parametrize("inplace", [False, True])
@@ -1033,18 +1048,9 @@ def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace, backend):
     data["ref_logits"] = (data["logits"].float() + 0.5 * noise).bfloat16()
     del data["ref_logp"]
     cfg = LossConfig.preset(preset, entropy_coef=0.01).replace(kl=kind, beta=0.1)
-    results = {}
-    for impl in ("torch", backend):
-        logits = data["logits"].clone().requires_grad_(True)
-        work = logits.clone() if inplace and impl != "torch" else logits
-        args = {k: v for k, v in data.items() if k != "logits"}
-        out = fusedrl.policy_loss(
-            work, **args, config=cfg, backend=impl, return_entropy=True,
-            inplace=inplace and impl != "torch",
-        )  # fmt: skip
-        (grad,) = torch.autograd.grad(out.loss, logits)
-        results[impl] = (out, grad)
-    (ref, ref_grad), (ours, grad) = results["torch"], results[backend]
+    (ref, ref_grad), (ours, grad) = _torch_and(
+        backend, data, inplace=inplace, config=cfg, return_entropy=True
+    )
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.metrics["kl"], ref.metrics["kl"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.entropy, ref.entropy, atol=1e-3, rtol=1e-4)
@@ -1059,14 +1065,8 @@ def test_per_token_temperatures_compiled(preset):
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=5))
     temps = 0.4 + 1.2 * torch.rand(data["labels"].shape, device="cuda")
     cfg = LossConfig.preset(preset, entropy_coef=0.01)
-    results = {}
-    for impl in ("torch", "triton"):
-        logits = data["logits"].clone().requires_grad_(True)
-        args = {k: v for k, v in data.items() if k != "logits"}
-        out = fusedrl.policy_loss(logits, **args, config=cfg, temperature=temps, backend=impl)
-        (grad,) = torch.autograd.grad(out.loss, logits)
-        results[impl] = (out, grad)
-    (ref, ref_grad), (ours, grad) = results["torch"], results["triton"]
+    (ref, ref_grad), (ours, grad) = _torch_and("triton", data, config=cfg, temperature=temps)
+    args = {k: v for k, v in data.items() if k != "logits"}
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.logp, ref.logp, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
@@ -1085,13 +1085,7 @@ def test_tensor_entropy_coefficient_compiled(backend):
     args = {k: v for k, v in data.items() if k != "logits"}
     cfg = LossConfig.preset("dapo")
     coef = torch.tensor(0.2, device="cuda")
-    results = {}
-    for impl in ("torch", backend):
-        logits = data["logits"].clone().requires_grad_(True)
-        out = fusedrl.policy_loss(logits, **args, config=cfg, entropy_coef=coef, backend=impl)
-        (grad,) = torch.autograd.grad(out.loss, logits)
-        results[impl] = (out, grad)
-    (ref, ref_grad), (ours, grad) = results["torch"], results[backend]
+    (ref, ref_grad), (ours, grad) = _torch_and(backend, data, config=cfg, entropy_coef=coef)
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
     counter = CompileCounterWithBackend("inductor")
