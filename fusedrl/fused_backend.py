@@ -219,6 +219,19 @@ def token_logprobs(
     return logp, entropy if return_entropy else None
 
 
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def kernel_float(value: float | None) -> float | None:
+    """A config number as the fused kernel's fp32 scalar. Triton types a Python float below
+    fp32's normal range as fp64: another variant of the kernel, whose bf16 stores the interpreter
+    writes as 0 (a hypothesis example, entropy_coef=2.2e-308, found it: a zero gradient). An fp32
+    kernel would flush such a value to 0 anyway, so it is flushed here."""
+    if value is None or abs(value) >= FP32_TINY:
+        return value
+    return 0.0
+
+
 def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     """The arguments of the fused op after the logits (FUSED_ARGS): per-token [B, T] tensors,
     then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
@@ -244,13 +257,13 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
         high,
         cfg.temperature,
         loss,
-        cfg.dual_clip_c,
-        cfg.delta,
-        cfg.sapo_tau_pos,
-        cfg.sapo_tau_neg,
+        kernel_float(cfg.dual_clip_c),
+        kernel_float(cfg.delta),
+        kernel_float(cfg.sapo_tau_pos),
+        kernel_float(cfg.sapo_tau_neg),
         cfg.kl,
-        cfg.beta,
-        cfg.entropy_coef,
+        kernel_float(cfg.beta),
+        kernel_float(cfg.entropy_coef),
     )
 
 

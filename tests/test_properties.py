@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fusedrl
@@ -98,6 +98,13 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
     prompt=st.integers(0, 3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
+# Found by hypothesis (2026-11-26): a coefficient below fp32's normal range made Triton type the
+# scalar fp64, and the bf16 gradient came out 0 (fused_backend.kernel_float).
+@example(
+    cfg=LossConfig(loss="ppo", eps_low=0.5, eps_high=0.5, entropy_coef=2.2250738585072014e-308),
+    batch=1, time=1, vocab=2, seed=1, per_token_adv=False, normalize=False, inplace=False,
+    prompt=0, dtype=torch.bfloat16,
+)  # fmt: skip
 def test_triton_backend_equals_reference(
     cfg, batch, time, vocab, seed, per_token_adv, normalize, inplace, prompt, dtype
 ):
