@@ -67,6 +67,10 @@ class LinearInputs:
     mask_chunk: Callable | None = None
     # softcap / logit_scale applied to each block or chunk of logits (fusedrl.logit_transform)
     transform: LogitTransform | None = None
+    # skip_masked_rows: the flat indices (ascending, int64) of the rows whose logits are made;
+    # the sweeps walk these alone and every other row gets logp = entropy = 0 and no gradient,
+    # as a masked row does anyway. None: every row.
+    live: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,11 +89,11 @@ RowDerivatives = Callable[
 ]
 
 
-def _grad_buffers(lin: LinearInputs, want: tuple[bool, bool, bool]):
-    """dX in the hidden states' dtype (each row written once); dW and db accumulate in fp32."""
+def _grad_buffers(lin: LinearInputs, hidden: torch.Tensor, want: tuple[bool, bool, bool]):
+    """dX like `hidden` (each row written once); dW and db accumulate in fp32."""
     want_x, want_w, want_b = want
-    acc = _accumulator_dtype(lin.hidden)
-    dx = torch.zeros(lin.hidden.shape, dtype=lin.hidden.dtype, device=lin.hidden.device)
+    acc = _accumulator_dtype(hidden)
+    dx = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     dw = torch.zeros(lin.weight.shape, dtype=acc, device=lin.weight.device)
     db = torch.zeros(lin.weight.shape[0], dtype=acc, device=lin.weight.device)
     want_b = want_b and lin.bias is not None
@@ -103,10 +107,49 @@ def _accumulator_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 def masked_rows(lin: LinearInputs) -> torch.Tensor:
     """The hidden states as [N, H] with masked rows zeroed: whatever padding they hold (NaN), their
-    logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM)."""
+    logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM). With
+    `lin.live`, the live rows alone ([n, H], gathered by (sequence, position) so that a strided
+    [B, P+T, H] view is not copied whole first)."""
     hidden = lin.hidden
+    if lin.live is not None:
+        time = hidden.shape[1]
+        return hidden[lin.live // time, lin.live % time]
     flat = hidden.reshape(-1, hidden.shape[-1])
     return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
+
+
+def live_row_indices(valid: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """The flat indices of the rows where `valid` ([B, T] bool), ascending. `count` (the caller's
+    number of such rows, known on its host) spares the host the wait for the device that
+    torch.nonzero costs; a wrong count is an error raised from the device (asynchronously on
+    CUDA), never a silently different loss."""
+    flat = valid.reshape(-1)
+    if count is None:
+        return flat.nonzero().squeeze(1)
+    torch._assert_async(
+        flat.sum() == count, "live_rows does not equal the number of rows whose mask is nonzero"
+    )
+    return torch.nonzero_static(flat, size=count).squeeze(1)
+
+
+def flat_rows(lin: LinearInputs, t):
+    """A [B, T] per-token tensor as the [1, n] rows the sweeps walk: every row, or with
+    `lin.live` the live rows' values (a gather of n elements). Non-tensors pass through."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    flat = t.reshape(1, -1)
+    return flat if lin.live is None else flat[:, lin.live]
+
+
+def spread_rows(lin: LinearInputs, rows: torch.Tensor, shape) -> torch.Tensor:
+    """The sweeps' per-row results ([1, n, ...] or [n, ...]) as a tensor of `shape` ([B, T, ...]):
+    a view, or with `lin.live` scattered into zeros (skipped rows: 0, as masked rows are)."""
+    if lin.live is None:
+        return rows.view(shape)
+    tail = tuple(shape[2:])
+    out = rows.new_zeros((shape[0] * shape[1],) + tail)
+    out.index_copy_(0, lin.live, rows.reshape((-1,) + tail))
+    return out.view(shape)
 
 
 class GradSums:
@@ -137,7 +180,7 @@ class GradSums:
     def result(self) -> LinearGrads:
         lin = self.lin
         return LinearGrads(
-            hidden=None if self.dx is None else self.dx.view(lin.hidden.shape),
+            hidden=None if self.dx is None else spread_rows(lin, self.dx, lin.hidden.shape),
             weight=None if self.dw is None else self.dw.to(lin.weight.dtype),
             bias=None if self.db is None else self.db.to(lin.bias.dtype),
         )
@@ -162,18 +205,24 @@ def sweep(
     ([B * T]) receives each row's lse over the slice; given `whole_rows` = (lse, entropy) [B, T]
     of the whole rows, the gradient is the slice of the whole rows' (labels < 0: in another
     slice), and logp / entropy are left at 0."""
-    hidden, weight, bias = lin.hidden, lin.weight, lin.bias
-    batch, time, _ = hidden.shape
+    weight, bias = lin.weight, lin.bias
+    shape = lin.hidden.shape[:2]
+    hidden = lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
+    n_rows = hidden.shape[0] * hidden.shape[1]
+    if lin.live is not None and (lse_out is not None or whole_rows is not None):
+        raise AssertionError("skip_masked_rows has no vocab-slice sweep")
     vocab = weight.shape[0] if lin.block_vocab is None else lin.block_vocab
     acc = _accumulator_dtype(hidden)
-    logp = torch.zeros(batch * time, dtype=acc, device=hidden.device)
+    logp = torch.zeros(n_rows, dtype=acc, device=hidden.device)
     entropy = torch.zeros_like(logp) if need_entropy else None
-    dx, dw, db = _grad_buffers(lin, want) if derivatives is not None else (None, None, None)
-    valid = lin.rows.valid.reshape(-1)
-    flat_labels = labels.reshape(-1)
+    no_grads = (None, None, None)
+    dx, dw, db = _grad_buffers(lin, hidden, want) if derivatives is not None else no_grads
+    valid = flat_rows(lin, lin.rows.valid).reshape(-1)
+    flat_labels = flat_rows(lin, labels).reshape(-1)
+    temperature = flat_rows(lin, temperature)
     find_floors = lin.sampling is not None and lin.saved_floors is None
     if find_floors:
-        lin.saved_floors = torch.empty(batch * time, dtype=acc, device=hidden.device)
+        lin.saved_floors = torch.empty(n_rows, dtype=acc, device=hidden.device)
     tensors = (hidden,) if dx is None else (hidden, dx)
     for start, blocks in row_blocks(*tensors, vocab=vocab):
         stop = start + blocks[0].shape[0]
@@ -223,19 +272,22 @@ def sweep(
     grads = None
     if derivatives is not None:
         grads = LinearGrads(
-            hidden=dx,
+            hidden=None if dx is None else spread_rows(lin, dx, lin.hidden.shape),
             weight=None if dw is None else dw.to(weight.dtype),
             bias=None if db is None else db.to(bias.dtype),
         )
-    logp = logp.view(batch, time)
-    return logp, None if entropy is None else entropy.view(batch, time), grads
+    logp = spread_rows(lin, logp, shape)
+    return logp, None if entropy is None else spread_rows(lin, entropy, shape), grads
 
 
-def _rows_slice(inp: LossInputs, start: int, stop: int, **fields) -> LossInputs:
-    """Flat rows [start, stop) of every per-token tensor, as a [1, n] batch."""
+def _rows_slice(
+    lin: LinearInputs, inp: LossInputs, start: int, stop: int, **fields
+) -> LossInputs:
+    """Rows [start, stop) of the sweep's rows (`flat_rows`) of every per-token tensor, as a
+    [1, n] batch."""
 
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.reshape(1, -1)[:, start:stop]
+        return None if t is None else flat_rows(lin, t)[:, start:stop]
 
     sliced = {
         name: cut(getattr(inp, name))
@@ -248,14 +300,13 @@ def token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivative
     """Per-token d(loss)/d(logp), d(loss)/d(H) of a block, with the weights that do not depend on
     the logits (aggregation, IS) computed once for the whole batch."""
     inp = lin.rows
-    agg = aggregation_weights(with_rejection(inp, cfg), cfg).reshape(1, -1)
+    agg = flat_rows(lin, aggregation_weights(with_rejection(inp, cfg), cfg))
     # One sweep only when these need no logp (fused_backend.needs_two_passes).
-    is_w = resolve_is_weights(inp.old_logp, inp, cfg)
-    flat_is = None if is_w is None else is_w.reshape(1, -1)
+    flat_is = flat_rows(lin, resolve_is_weights(inp.old_logp, inp, cfg))
 
     def derivatives(start, stop, logp, entropy):
         block = _rows_slice(
-            inp, start, stop, is_weights=None if flat_is is None else flat_is[:, start:stop]
+            lin, inp, start, stop, is_weights=None if flat_is is None else flat_is[:, start:stop]
         )
         ent = None if entropy is None else entropy[None]
         terms = token_terms(logp[None], ent, block, cfg, agg_weights=agg[:, start:stop])
@@ -295,8 +346,8 @@ def backward(
 ) -> LinearGrads:
     """The gradient sweep for known per-token dlogp / dentropy ([B, T]); `whole_rows`: see
     `sweep`."""
-    flat_dlogp = dlogp.reshape(-1).float()
-    flat_dent = None if dentropy is None else dentropy.reshape(-1).float()
+    flat_dlogp = flat_rows(lin, dlogp).reshape(-1).float()
+    flat_dent = None if dentropy is None else flat_rows(lin, dentropy).reshape(-1).float()
 
     def derivatives(start, stop, logp, entropy):
         return flat_dlogp[start:stop], None if flat_dent is None else flat_dent[start:stop]

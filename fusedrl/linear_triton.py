@@ -36,7 +36,14 @@ from .fused_backend import (
     needs_two_passes,
     temperature_keywords,
 )
-from .linear_torch import GradSums, LinearGrads, LinearInputs, masked_rows
+from .linear_torch import (
+    GradSums,
+    LinearGrads,
+    LinearInputs,
+    flat_rows,
+    masked_rows,
+    spread_rows,
+)
 from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
 
@@ -86,11 +93,6 @@ def _check_dtype(lin: LinearInputs) -> None:
         )
 
 
-def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A [B, T] per-token tensor as [1, N], so that [:, start:stop] is a chunk of flat rows."""
-    return t.reshape(1, -1) if isinstance(t, torch.Tensor) else t
-
-
 def _cut(t, start: int, stop: int):
     return t[:, start:stop] if isinstance(t, torch.Tensor) else t
 
@@ -127,7 +129,7 @@ def _logits_chunks(
     `lin.sampling`, then masked in place to the sampled sets (-inf elsewhere) by the select
     kernel, which the row kernels read as they read any logits."""
     weight, bias = lin.weight, lin.bias
-    sampling, labels = lin.sampling, _flat(lin.rows.labels)
+    sampling, labels = lin.sampling, flat_rows(lin, lin.rows.labels)
     for start, stop, out in _chunks(lin, rows):
         if bias is None:
             torch.mm(rows[start:stop], weight.t(), out=out)
@@ -165,12 +167,15 @@ def stats(lin: LinearInputs, temperature):
     ([B, T])."""
     _check_dtype(lin)
     _check_design_temperature(lin, temperature)
+    shape = lin.rows.labels.shape
+    labels, valid = flat_rows(lin, lin.rows.labels), flat_rows(lin, lin.rows.valid)
     if design(lin) == "on-chip":
-        return _on_chip_kernels().linear_stats(
-            lin.hidden, lin.weight, lin.bias, lin.rows.labels, lin.rows.valid, temperature
+        out = _on_chip_kernels().linear_stats(
+            _head_rows(lin), lin.weight, lin.bias, labels, valid, temperature
         )
+        return tuple(spread_rows(lin, t, shape) for t in out)
     ops = _row_ops()
-    labels, valid = _flat(lin.rows.labels), _flat(lin.rows.valid)
+    temperature = flat_rows(lin, temperature)
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
@@ -179,19 +184,26 @@ def stats(lin: LinearInputs, temperature):
         )
         for whole, part in zip(out, chunk):
             whole[:, start:stop] = part
-    shape = lin.rows.labels.shape
-    return tuple(t.view(shape) for t in out)
+    return tuple(spread_rows(lin, t, shape) for t in out)
+
+
+def _head_rows(lin: LinearInputs) -> torch.Tensor:
+    """The hidden states the on-chip kernels read, [B, T, H]: the caller's, or with `lin.live`
+    the live rows' as [1, n, H]."""
+    return lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
 
 
 def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     """(start, stop, d(loss)/d(logits) [n, V]) of consecutive row chunks, tiles made on chip."""
     kernels = _on_chip_kernels()
-    dlogp = dlogp.float().contiguous()
-    dentropy = None if dentropy is None else dentropy.float().contiguous()
+    labels, lse, entropy = (flat_rows(lin, t) for t in (lin.rows.labels, lse, entropy))
+    dlogp = flat_rows(lin, dlogp).float().contiguous()
+    dentropy = None if dentropy is None else flat_rows(lin, dentropy).float().contiguous()
+    hidden = _head_rows(lin)
     for start, stop, grad in _chunks(lin, rows):
         kernels.linear_logits_grad(
-            lin.hidden, lin.weight, lin.bias, lin.rows.labels, lse, entropy, dlogp, dentropy,
-            temperature, start, grad,
+            hidden, lin.weight, lin.bias, labels, lse.contiguous(), entropy.contiguous(), dlogp,
+            dentropy, temperature, start, grad,
         )  # fmt: skip
         yield start, stop, grad
 
@@ -200,9 +212,10 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     """(start, stop, d(loss)/d(logits) [n, V]) of consecutive row chunks: cuBLAS logits, then the
     gradient kernel writes G over them."""
     ops = _row_ops()
-    labels, lse, entropy = _flat(lin.rows.labels), _flat(lse), _flat(entropy)
-    dlogp = _flat(dlogp).float()
-    dentropy = None if dentropy is None else _flat(dentropy).float()
+    labels, lse, entropy = (flat_rows(lin, t) for t in (lin.rows.labels, lse, entropy))
+    dlogp = flat_rows(lin, dlogp).float()
+    dentropy = None if dentropy is None else flat_rows(lin, dentropy).float()
+    temperature = flat_rows(lin, temperature)
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         ops.logits_grad(
@@ -235,21 +248,23 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     """Token-level losses, "gemm": per chunk, cuBLAS logits -> the fused loss kernel (logp,
     entropy, G written over the logits) -> cuBLAS dX, dW."""
     ops = _row_ops()
-    args = [_flat(a) for a in fused_token_args(lin.rows, cfg)]
+    args = [flat_rows(lin, a) for a in fused_token_args(lin.rows, cfg)]
     rows = masked_rows(lin)
     sums = GradSums(lin, rows, want)
     shape = lin.rows.labels.shape
-    logp, entropy = (torch.empty(shape, dtype=torch.float32, device=rows.device) for _ in "01")
-    flat_logp, flat_entropy = _flat(logp), _flat(entropy)
-    temperature = temperature_of(lin.rows, cfg)
+    flat_logp, flat_entropy = (
+        torch.empty(args[0].shape, dtype=torch.float32, device=rows.device) for _ in "01"
+    )
+    temperature = flat_rows(lin, temperature_of(lin.rows, cfg))
+    keywords = fused_token_keywords(lin.rows, cfg)
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
-        rows_t = fused_token_keywords(lin.rows, cfg, slice(start, stop))
+        _, rows_t = temperature_keywords(temperature, slice(start, stop))
         flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
-            logits, *chunk, **rows_t
+            logits, *chunk, **{**keywords, **rows_t}
         )
         sums.add(start, stop, _chained(lin, logits[0], derivative))
-    return logp, entropy, sums.result()
+    return spread_rows(lin, flat_logp, shape), spread_rows(lin, flat_entropy, shape), sums.result()
 
 
 @torch.no_grad()

@@ -91,11 +91,16 @@ def run_loss(fn, batch, config, *, requires_grad=True, **kwargs):
     return out, grad
 
 
-def assert_lm_head_form_matches_the_oracle(hidden, weight, rows: dict, backend: str, **kwargs):
-    """fusedrl.linear_policy_loss(hidden, weight, **rows, **kwargs) against the oracle on the
-    materialised logits hidden @ weight.T: the loss and the gradients to hidden and weight."""
+def assert_lm_head_form_matches_the_oracle(
+    hidden, weight, rows: dict, backend: str, fused_only: dict | None = None, **kwargs
+):
+    """fusedrl.linear_policy_loss(hidden, weight, **rows, **kwargs, **fused_only) against the
+    oracle on the materialised logits hidden @ weight.T: the loss and the gradients to hidden and
+    weight. `fused_only`: keywords the oracle has no use for (how the logits are made)."""
     leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    ours = fusedrl.linear_policy_loss(*leaves, **rows, **kwargs, backend=backend)
+    ours = fusedrl.linear_policy_loss(
+        *leaves, **rows, **kwargs, **(fused_only or {}), backend=backend
+    )
     grads = torch.autograd.grad(ours.loss, leaves)
     oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
     want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, **kwargs)
