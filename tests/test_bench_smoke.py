@@ -367,11 +367,12 @@ def test_bench_linear_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_linear
 
-    assert bench_linear.main(["--smoke", "--out", str(tmp_path)]) == 0
+    argv = ["--smoke", "--out", str(tmp_path), "--live-fraction", "0.5"]
+    assert bench_linear.main(argv) == 0
     result = json.loads((tmp_path / "linear-smoke.json").read_text())
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
     impls = {row["impl"] for row in result["rows"]}
-    assert {"fused", "logits"} <= impls
+    assert {"fused", "fused+skip", "logits"} <= impls
     assert all(row["ms"] > 0 and row["gemm_tflops"] > 0 for row in result["rows"])
 
 

@@ -257,6 +257,7 @@ def test_collate_layout():
         assert batch.attention_mask[i].sum() == len(p) + len(c)
         expected = len(c) if i != 1 else 0
         assert batch.mask[i].sum() == expected
+        assert batch.loss_tokens[i] == expected  # the host's count, for the LM head's skip
     sub = batch.rows(slice(2, 4))
     assert sub.labels.shape[1] == max(len(c) for c in completions[2:4]) or sub.labels.shape[1] == 1
 
@@ -299,9 +300,20 @@ def test_the_adaptive_coefficient_reaches_the_loss(lm_head):
 
 
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
-def test_fused_lm_head_equals_the_logits_path(preset):
+def test_fused_lm_head_equals_the_logits_path(preset, monkeypatch):
     """--fused-lm-head (hidden states + head, no logits) gives the logits path's gradients of
-    every parameter, its metrics and its old / ref log-probs, with micro-batches."""
+    every parameter, its metrics and its old / ref log-probs, with micro-batches; its head makes
+    logits for the loss tokens alone, counted on the host (live_rows)."""
+    from fusedrl import linear_torch
+
+    counts = []
+    real = linear_torch.live_row_indices
+
+    def spied(valid, count=None):
+        counts.append((int(valid.sum()), count))
+        return real(valid, count)
+
+    monkeypatch.setattr(fusedrl.linear, "live_row_indices", spied)
     cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
     batch, _, _ = _tiny_batch(n=5)
     grads, metrics, logps = [], [], []
@@ -316,6 +328,9 @@ def test_fused_lm_head_equals_the_logits_path(preset):
     for key, value in metrics[0].items():
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert grads[0].abs().sum() > 0
+    # one skip per micro-batch of the loss, each with the host's count of its live rows
+    assert len(counts) == 3 and all(live == count for live, count in counts)
+    assert sum(live for live, _ in counts) == batch.mask.sum() < batch.mask.numel()
 
 
 def _flat_grads(model) -> torch.Tensor:

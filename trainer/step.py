@@ -40,6 +40,9 @@ class Batch:
     rollout_logp: torch.Tensor | None = None  # [B, T] vLLM's processed log-probs
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    # host-side count of each sequence's loss tokens (mask's row sums): the LM-head loss makes
+    # logits for these rows alone without asking the device how many there are
+    loss_tokens: list[int] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -51,6 +54,8 @@ class Batch:
             if isinstance(value, torch.Tensor):
                 sub[name] = value[index]
         sub["lengths"] = self.lengths[index]
+        if self.loss_tokens is not None:
+            sub["loss_tokens"] = self.loss_tokens[index]
         width = max(sub["lengths"], default=1) or 1
         for name in ("labels", "mask", "rollout_logp", "old_logp", "ref_logp"):
             if sub[name] is not None:
@@ -103,6 +108,7 @@ def collate(
         prompt_len=prompt_len,
         lengths=[len(c) for c in completions],
         rollout_logp=rollout,
+        loss_tokens=[len(c) if keep else 0 for c, keep in zip(completions, loss_rows.tolist())],
     )
 
 
@@ -252,16 +258,21 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     linear_backend = _linear_backend(backend)
     if lm_head:
         hidden, weight, bias, tp_group, transform = policy
-        ref_args = dict(transform)  # the reference is the policy's kind of model
+        head_args = dict(transform)  # the reference is the policy's kind of model
         if ref is not None:
-            ref_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
+            head_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
+
+        # Padding and filtered rows make no logits: the host knows how many rows are live.
+        # (Not yet under --tp or with the exact KL.)
+        if tp_group is None and ref is None and sub.loss_tokens is not None:
+            head_args["live_rows"] = sum(sub.loss_tokens)
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
         def policy_loss(advantages):
             return fusedrl.linear_policy_loss(
                 hidden, weight, sub.labels, advantages, sub.mask, bias=bias,
-                backend=linear_backend, tp_group=tp_group, **ref_args, **rows_args,
+                backend=linear_backend, tp_group=tp_group, **head_args, **rows_args,
             )  # fmt: skip
     else:
         logits = policy
@@ -367,6 +378,7 @@ def accumulate_gradients(
         sub = batch.rows(_nonempty(rows, len(batch)))
         if empty:
             sub.mask = torch.zeros_like(sub.mask)
+            sub.loss_tokens = [0] * len(sub)
         rows_args = dict(
             old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
             config=cfg, normalizer=normalizer, return_entropy=True,
