@@ -253,8 +253,15 @@ def test_parity_vespo_with_vllm_importance_sampling(mode, model_dir, tokenizer, 
 @pytest.mark.parametrize(
     "loss_type, level, beta", [("dapo", "token", 0.0), ("grpo", "sequence", 0.04)]
 )
-def test_parity_with_the_fused_lm_head(loss_type, level, beta, model_dir, tokenizer, tmp_path):
-    """fused_lm_head=True: the loss from hidden states and the head, TRL's numbers."""
+def test_parity_with_the_fused_lm_head(
+    loss_type, level, beta, model_dir, tokenizer, tmp_path, monkeypatch
+):
+    """fused_lm_head=True: the loss from hidden states and the head, TRL's numbers; the head
+    makes logits for the completion tokens alone (skip_masked_rows)."""
+    live = []
+    real = fusedrl.linear.live_row_indices
+    spied = lambda valid, count=None: live.append(int(valid.sum())) or real(valid, count)  # noqa: E731
+    monkeypatch.setattr(fusedrl.linear, "live_row_indices", spied)
     extra = {"use_bias_correction_kl": False} if beta else {}
     args = _args(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, **extra)
     trl_trainer = _trainer(GRPOTrainer, model_dir, tokenizer, args)
@@ -262,6 +269,7 @@ def test_parity_with_the_fused_lm_head(loss_type, level, beta, model_dir, tokeni
     fused_trainer.fused_lm_head = True
     inputs = _inputs(trl_trainer.model, loss_type, beta)
     _assert_same(trl_trainer, fused_trainer, inputs)
+    assert live and live[0] == inputs["completion_mask"].sum() < inputs["completion_mask"].numel()
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():

@@ -374,9 +374,11 @@ class FusedGRPOTrainer(GRPOTrainer):
             # memory and wait for the stream): the host never waits here.
             loss_args["entropy_coef"] = torch.full((), bonus_coef, device=mask.device)
         if use_lm_head:
+            # Padding rows make no logits (skip_masked_rows): it costs one wait for the count of
+            # live rows, beside the many of TRL's own logging.
             out = fusedrl.linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
-                backend=self._linear_backend(), **transform, **loss_args,
+                backend=self._linear_backend(), skip_masked_rows=True, **transform, **loss_args,
             )  # fmt: skip
         else:
             out = fusedrl.policy_loss(
