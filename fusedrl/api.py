@@ -110,7 +110,7 @@ def policy_loss(
             [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
             every rank; the gradient is this rank's slice. One header all-gather of 14 int64 per
             rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
-            backward. backend="cuda" and config.top_k / top_p / min_p are not supported yet.
+            backward. backend="cuda" is not supported yet.
             A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.
         vocab_start: the first global token id of this rank's slice (default: the sum of the
             lower ranks' V_r); given on every rank or on none.
@@ -128,7 +128,8 @@ def policy_loss(
             the counted tokens) in place of config.temperature (then left at 1): each row's
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
             Triton backends (the exact KL's two distributions too), under tensor parallelism
-            too; not with sampling filters yet.
+            too; with config.top_k / top_p / min_p each row's sampled set is chosen at its
+            temperature (as vLLM's per-request one), not under tensor parallelism yet.
         prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
             policy (recomputed by the trainer before the update); the ratio and its clip are
             taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
@@ -300,11 +301,11 @@ def token_logprobs(
 
     `tp_group`, `vocab_start`, `vocab_size`: vocab-sharded logits, as in `policy_loss`
     (docs/tensor_parallel.md); the gradient is this rank's slice, its backward communicates
-    nothing. top_k / top_p / min_p are not supported with them yet.
+    nothing.
 
     `temperature` may be a tensor of per-token temperatures ([B, T], or [B] one per sequence;
-    [N] for [N, V] logits), as in `policy_loss`; not with top_k / top_p / min_p or tensor
-    parallelism yet.
+    [N] for [N, V] logits), as in `policy_loss` (with top_k / top_p / min_p each row's sampled
+    set is its temperature's; not both under tensor parallelism yet).
 
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
     the Optimal Token Baseline's input), from one more no-grad read of the logits at half the
@@ -335,9 +336,7 @@ def token_logprobs(
     labels = check_labels(labels, logits, None)
     sampling = check_sampling(top_k, top_p, min_p)
     flat = logits.dim() == 2
-    temperature = check_temperature_arg(
-        temperature, tuple(labels.shape), logits.device, flat, sampling.active
-    )
+    temperature = check_temperature_arg(temperature, tuple(labels.shape), logits.device, flat)
     impl = _resolve_backend(backend, logits.device)
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels

@@ -27,7 +27,7 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
-from .torch_backend import row_blocks
+from .torch_backend import row_blocks, rows_temperature
 
 
 @dataclass(frozen=True)
@@ -157,16 +157,19 @@ class _LogprobsFn(torch.autograd.Function):
 # chip (a radix select, kernels/sampling.py) as it writes; without one, `fusedrl.sampling` finds
 # it with torch.topk / sort, a block of rows at a time.
 def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
-    """out = logits with -inf outside each row's sampled set (out may be logits)."""
+    """out = logits with -inf outside each row's sampled set (out may be logits); `temperature`
+    a float or per-token ([B, T], as `labels`)."""
     if ops.sampled_set is not None:
+        scalar, rows = temperature_args(ops, temperature)
         ops.sampled_set(
-            logits, labels, out, temperature, sampling.top_k, sampling.top_p, sampling.min_p
+            logits, labels, out, scalar, sampling.top_k, sampling.top_p, sampling.min_p, **rows
         )
         return
     flat_labels = labels.reshape(-1)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], temperature, sampling))
+        rows_t = rows_temperature(temperature, start, stop)
+        out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], rows_t, sampling))
 
 
 # Rows of a masked copy without a gradient, with the select kernel: 256 MiB of bf16, enough rows
@@ -175,7 +178,8 @@ SAMPLED_CHUNK_ELEMENTS = 1 << 27
 
 
 def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
-    """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time."""
+    """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time;
+    `temperature` a float or per-token ([B, T])."""
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
@@ -187,9 +191,12 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
         if masked is None or masked.shape[1] < block.shape[0]:
             masked = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
         rows_masked = masked[:, : block.shape[0]]
-        _write_sampled_set(ops, block[None], rows_labels, temperature, sampling, rows_masked)
+        rows_t = rows_temperature(temperature, start, stop)
+        rows_t = rows_t.reshape(1, -1) if isinstance(rows_t, torch.Tensor) else rows_t
+        _write_sampled_set(ops, block[None], rows_labels, rows_t, sampling, rows_masked)
         rows_valid = None if valid is None else flat[1][start:stop][None]
-        stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, temperature)
+        scalar, row_temps = temperature_args(ops, rows_t)
+        stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, scalar, **row_temps)
         for whole, part in zip(out, stats):
             whole[start:stop] = part[0]
     return tuple(t.view(batch, time) for t in out)
@@ -354,12 +361,13 @@ def policy_loss(
     if sampling is not None:
         if grad_out is None:
             logp, _, entropy = _sampled_stats(
-                ops, inp.logits, inp.labels, inp.valid, cfg.temperature, sampling
+                ops, inp.logits, inp.labels, inp.valid, temperature_of(inp, cfg), sampling
             )
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
-        _write_sampled_set(ops, inp.logits, inp.labels, cfg.temperature, sampling, grad_out)
+        temperature = temperature_of(inp, cfg)
+        _write_sampled_set(ops, inp.logits, inp.labels, temperature, sampling, grad_out)
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg, ops):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)

@@ -156,7 +156,7 @@ def linear_policy_loss(
             final_logit_softcapping, Cohere's logit_scale; `model_logit_transform(model)`
             reads them from a transformers model): applied to each chunk of logits, the
             gradient through tanh included; the reference head's logits take the same. None:
-            off. Not under tensor parallelism yet.
+            off. Under tensor parallelism each rank transforms its slice.
         temperature: per-token temperatures, as in `policy_loss` (the torch backend and the
             Triton `gemm` design).
         prox_logp: decoupled PPO's proximal log-probs, as in `policy_loss`.
@@ -381,9 +381,7 @@ def linear_token_logprobs(
     sampling = check_sampling(top_k, top_p, min_p)
     impl = _resolve_backend(backend, hidden.device)
     flat = hidden.dim() == 2
-    temperature = check_temperature_arg(
-        temperature, tuple(labels.shape), hidden.device, flat, sampling.active
-    )
+    temperature = check_temperature_arg(temperature, tuple(labels.shape), hidden.device, flat)
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = labels.unsqueeze(0) if flat else labels
     lin = linear_torch.logprob_inputs(

@@ -127,7 +127,8 @@ def _logits_chunks(
     row chunks, made by cuBLAS in one reused buffer: a chunk is valid until the next one is
     made. With `lin.transform` (softcap / logit_scale) applied to the chunk in place; with
     `lin.sampling`, then masked in place to the sampled sets (-inf elsewhere) by the select
-    kernel, which the row kernels read as they read any logits."""
+    kernel, which the row kernels read as they read any logits. `temperature`: a float or the
+    sweep's rows' own ([1, n], `flat_rows`)."""
     weight, bias = lin.weight, lin.bias
     sampling, labels = lin.sampling, flat_rows(lin, lin.rows.labels)
     for start, stop, out in _chunks(lin, rows):
@@ -142,9 +143,10 @@ def _logits_chunks(
         if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
             lin.mask_chunk(start, stop, logits, temperature)
         elif sampling is not None:
+            scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
             _row_ops().sampled_set(
-                logits, _cut(labels, start, stop), logits, temperature,
-                sampling.top_k, sampling.top_p, sampling.min_p,
+                logits, _cut(labels, start, stop), logits, scalar,
+                sampling.top_k, sampling.top_p, sampling.min_p, **rows_t,
             )  # fmt: skip
         yield start, stop, logits, derivative
 

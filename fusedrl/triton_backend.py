@@ -61,8 +61,11 @@ def sampled_set(
     top_k: int | None,
     top_p: float | None,
     min_p: float | None,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
-    _kernels()[2].write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p)
+    _kernels()[2].write_sampled_set(
+        logits, labels, out, temperature, top_k, top_p, min_p, row_temps
+    )
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.

@@ -111,7 +111,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         logits, labels, rows, rows, rows, rows, 1.0, torch.empty_like(logits)
     )
     yield lambda: scale.scale_rows_unless_one(logits, torch.ones(()))
-    yield lambda: sampling.write_sampled_set(logits, labels, logits, 1.0, 50, 0.9, 0.05)
+    yield lambda: sampling.write_sampled_set(logits, labels, logits, 1.0, 50, 0.9, 0.05, rows)
     yield lambda: token_loss.fused_token_loss(
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,

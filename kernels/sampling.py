@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .device import launches_on
 from .logprobs import max_registers, persistent_programs
-from .rows import LOG2E, row_offset
+from .rows import LOG2E, row_offset, row_temperature_arg
 
 # top_p: 2 bits of key a pass, each logit compared with 4 thresholds as values (a compare, select
 # and add each). top_k: 8 bits a pass, counted in shared memory by tl.histogram.
@@ -210,6 +210,7 @@ def _sampled_set_kernel(
     stride_t,
     out_stride_b,
     out_stride_t,
+    temperature_ptr,
     temperature,
     scale2,
     top_k,
@@ -218,6 +219,7 @@ def _sampled_set_kernel(
     HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Significant bits of the fp32 key: sign, exponent and the input's mantissa, in whole digits.
@@ -229,6 +231,11 @@ def _sampled_set_kernel(
         row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
+        # Only min_p's floor and top_p's masses depend on the temperature (top_k and the keys
+        # do not): per-token temperatures (vLLM's per-request ones) are one load per row.
+        row_t, row_scale2 = _row_temperature(
+            temperature_ptr, row, temperature, scale2, ROW_TEMPERATURE
+        )
         y_max2 = 0.0
         floor_key = tl.zeros([], tl.uint32)
         top_key = floor_key | 0xFFFFFFFF  # the largest key, until the row max is known
@@ -239,10 +246,10 @@ def _sampled_set_kernel(
                 x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
                 x_max = tl.maximum(x_max, x.to(tl.float32))
             x_max_row = tl.max(x_max, axis=0)
-            y_max2 = x_max_row * scale2
+            y_max2 = x_max_row * row_scale2
             top_key = _order_key(x_max_row)
             if HAS_MIN_P:
-                floor_key = _min_p_floor_key(x_max_row, temperature, log_min_p)
+                floor_key = _min_p_floor_key(x_max_row, row_t, log_min_p)
         if HAS_TOP_K:
             # The k-th largest of the whole row: where min_p left fewer than k, its floor is
             # the higher one (vLLM's top_k runs on the min_p-masked logits). So only a K above
@@ -253,7 +260,7 @@ def _sampled_set_kernel(
             floor_key = tl.maximum(floor_key, top_k_key)
         if HAS_TOP_P:
             floor_key = _mass_select(
-                row_ptr, vocab, top_p, floor_key, top_key, y_max2, scale2, KEY_BITS, BLOCK_V
+                row_ptr, vocab, top_p, floor_key, top_key, y_max2, row_scale2, KEY_BITS, BLOCK_V
             )
         floor_value = _key_value(floor_key)
         label = tl.maximum(tl.load(labels_ptr + row), 0)
@@ -270,6 +277,16 @@ def _sampled_set_kernel(
             tl.store(out_row + idx, out, mask=in_row, eviction_policy="evict_first")
 
 
+@triton.jit
+def _row_temperature(temperature_ptr, row, temperature, scale2, ROW_TEMPERATURE: tl.constexpr):
+    """(T, log2(e) / T) of a row: the kernel's scalars, or the row's own temperature."""
+    if ROW_TEMPERATURE:
+        row_t = tl.load(temperature_ptr + row)
+        return row_t, LOG2E / row_t
+    else:
+        return temperature, scale2
+
+
 @launches_on("logits")
 def write_sampled_set(
     logits: torch.Tensor,
@@ -279,10 +296,12 @@ def write_sampled_set(
     top_k: int | None,
     top_p: float | None,
     min_p: float | None,
+    row_temps: torch.Tensor | None = None,
 ) -> None:
     """out = [B, T, V] logits with -inf outside each row's sampled set (out may be logits; vocab
     contiguous, any batch/time strides). The filters are off when None (top_k >= V, top_p = 1,
-    min_p = 0 are off too)."""
+    min_p = 0 are off too). `row_temps`: per-token temperatures ([B, T]), in place of
+    `temperature`."""
     batch, time, vocab = logits.shape
     rows = batch * time
     has_top_k = top_k is not None and top_k < vocab
@@ -307,6 +326,7 @@ def write_sampled_set(
         logits.stride(1),
         out.stride(0),
         out.stride(1),
+        row_temperature_arg(row_temps, labels),
         float(temperature),
         LOG2E.value / temperature,
         int(top_k) if has_top_k else 0,
@@ -315,6 +335,7 @@ def write_sampled_set(
         HAS_TOP_K=has_top_k,
         HAS_TOP_P=has_top_p,
         HAS_MIN_P=has_min_p,
+        ROW_TEMPERATURE=row_temps is not None,
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
     )

@@ -144,6 +144,63 @@ def test_bf16_against_the_float64_truth(backend):
     assert err < 1e-2, err
 
 
+FILTERS = {
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.1),
+    "all": dict(top_k=40, top_p=0.9, min_p=0.02),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+def test_sampling_filters_take_them(filters, backend, monkeypatch):
+    """vLLM divides each request's logits by its own temperature before min_p / top_k / top_p,
+    so the sampled set itself depends on it: the select (Triton's kernel loads the row's
+    temperature; torch's divides the block by its column) against the oracle, through the
+    policy loss (one sweep and two), the log-probs with and without a gradient and the LM-head
+    forms."""
+    monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)
+    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    data = make_batch(vocab=131, seed=8, with_nan_padding=True)
+    temps = _temperatures(data["labels"].shape, seed=8, masked=~data["mask"])
+    filt = FILTERS[filters]
+    for preset in ("dapo", "gspo"):
+        kwargs = dict(config=LossConfig.preset(preset, **filt), temperature=temps)
+        ours, grad = run_loss(fusedrl.policy_loss, data, backend=backend, **kwargs)
+        want, want_grad = run_loss(reference.policy_loss, data, **kwargs)
+        torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    # Every row counts here: the padded ones get logits without ties (top_p keeps all of a tie
+    # at its boundary, vLLM's sort an arbitrary part of it).
+    fill = 2.0 * torch.randn(data["logits"].shape, generator=torch.Generator().manual_seed(1))
+    clean = torch.where(data["mask"][..., None], data["logits"], fill)
+    labels = torch.where(data["mask"], data["labels"], 0)
+    row_t = torch.where(data["mask"], temps, 1.0)
+    for grad_on in (False, True):
+        x = clean.clone().requires_grad_(grad_on)
+        logp, entropy = fusedrl.token_logprobs(x, labels, row_t, True, backend, **filt)
+        want_logp, want_entropy = reference.token_logprobs(clean, labels, row_t, True, **filt)
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+    # The sets are not those the kernels' scalar temperature (1) would choose: a select that
+    # ignored the rows' own would fail above.
+    args = (labels, filt.get("top_k"), filt.get("top_p"), filt.get("min_p"))
+    sets = [reference._vllm_sampling_set(clean / t, *args) for t in (row_t[..., None], 1.0)]
+    assert (sets[0] != sets[1]).any()
+    gen = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    assert_lm_head_form_matches_the_oracle(
+        hidden, weight, rows, backend, config=LossConfig.preset("dapo", **filt), temperature=temps
+    )
+    logp, _ = fusedrl.linear_token_logprobs(
+        hidden, weight, labels, row_t, backend=backend, **filt
+    )
+    want = reference.token_logprobs(hidden @ weight.T, labels, row_t, **filt)[0]
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=1e-5)
+
+
 def test_misuse_is_named():
     data = make_batch(vocab=37, seed=1)
     temps = _temperatures(data["labels"].shape)
@@ -155,10 +212,6 @@ def test_misuse_is_named():
     bad[0, 0] = 0.0  # a counted token (make_batch's first sequence is never empty)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         fusedrl.policy_loss(**data, temperature=bad)
-    with pytest.raises(NotImplementedError, match="top_k / top_p / min_p"):
-        fusedrl.policy_loss(**data, config=LossConfig(top_k=5), temperature=temps)
-    with pytest.raises(NotImplementedError, match="top_k / top_p / min_p"):
-        fusedrl.token_logprobs(data["logits"], data["labels"], temps, top_k=5)
     # The tensor-parallel paths take them (tests/test_tensor_parallel.py, 2 and 3 ranks); a
     # group of one is the plain call.
     one = fusedrl.policy_loss(**data, temperature=temps, vocab_start=0)

@@ -211,6 +211,8 @@ CASES = [
          expect_error="TensorParallelInputError"),
     Case("bad_row_temps_rank0_only", kind="bad", inputs="row_temps_rank0_only",
          expect_error="TensorParallelInputError"),
+    Case("bad_row_temps_with_sampling", kind="bad", inputs="row_temps_with_sampling",
+         expect_error="NotImplementedError"),
     Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
          expect_error="TensorParallelInputError"),
     Case("bad_local_error_on_last_rank", kind="bad", inputs="advantages_shape_last_rank",
@@ -566,6 +568,9 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         config = config.replace(eps_high=0.3)
     if what == "row_temps_rank0_only" and rank == 0:  # the others divide by 1: refused alike
         keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
+    if what == "row_temps_with_sampling":  # one process takes them; the group's selects do not
+        keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
+        config = config.replace(top_k=5)
     backend = "cuda" if what == "backend_cuda" else case.backend
     args = {k: v for k, v in data.items() if k != "logits"}
     fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
@@ -869,7 +874,7 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
     else:
         assert {error for error in errors} == {errors[0]}, errors  # the same on every rank
         assert errors[0][0] == case.expect_error, errors
-    if case.expect_error == "NotImplementedError":  # decided before any collective
+    if case.inputs == "backend_cuda":  # decided before any collective
         assert calls == [[]] * world, calls
         assert "backend='triton'" in errors[0][1], errors
     else:  # the header, and nothing after it
@@ -889,6 +894,7 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_time_differs": "disagree on the token shape",
         "bad_config_differs": "disagree on the settings",
         "bad_row_temps_rank0_only": "disagree on the settings",
+        "bad_row_temps_with_sampling": "top_k / top_p / min_p under tensor parallelism",
         "bad_logprobs_label": "found 1034",
         "bad_linear_label": "labels must be global token ids in [0, 1031)",
     }

@@ -241,6 +241,7 @@ def linear_policy_loss(
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
+            tensor_parallel=True,
         )  # fmt: skip
         check_lm_head(weight, bias, hidden)
         return inp, _backend(backend, inp.logits)

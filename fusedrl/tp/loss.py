@@ -146,6 +146,7 @@ def policy_loss(
         inp = prepare_loss_inputs(
             logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
             rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
+            tensor_parallel=True,
         )  # fmt: skip
         if wants_grad and inplace:
             api._check_writable(logits)
