@@ -74,7 +74,7 @@ def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
     return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))
 
 
-def _check_skip_masked_rows(skip: object, live_rows: object, sharded: bool, full_kl: bool) -> bool:
+def check_skip_masked_rows(skip: object, live_rows: object, sharded: bool) -> bool:
     """Whether the LM-head loss walks the live rows alone (`skip_masked_rows` / `live_rows`)."""
     if not isinstance(skip, bool):
         raise TypeError(f"skip_masked_rows must be a bool, got {type(skip).__name__}")
@@ -87,11 +87,6 @@ def _check_skip_masked_rows(skip: object, live_rows: object, sharded: bool, full
     if skip and sharded:
         raise NotImplementedError(
             "skip_masked_rows / live_rows under tensor parallelism is not supported yet"
-        )
-    if skip and full_kl:
-        raise NotImplementedError(
-            "skip_masked_rows / live_rows with config.kl='full' / 'full_reverse' (the exact KL "
-            "to the reference head) is not supported yet"
         )
     return skip
 
@@ -169,7 +164,8 @@ def linear_policy_loss(
             the masked fraction of the head's 6-8·N·H·V flops. Every output is as without it
             (masked rows have logp = entropy = 0 and no gradient either way). Finding the rows
             makes the host wait for the device once (their count), unless `live_rows` gives it.
-            Not with tensor parallelism or the exact KL yet.
+            The reference head of the exact KL skips them too. Not under tensor parallelism
+            yet.
         live_rows: the number of rows whose mask is nonzero, when the caller knows it on the
             host (e.g. from the rollout's lengths); implies skip_masked_rows and spares the
             wait. A wrong count raises from the device (asynchronously on CUDA).
@@ -192,7 +188,7 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    skip_masked_rows = _check_skip_masked_rows(skip_masked_rows, live_rows, sharded, full_kl)
+    skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows, sharded)
     if return_sum_pi_squared:
         from .api import _check_sum_pi_squared
 

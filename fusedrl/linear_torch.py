@@ -105,12 +105,13 @@ def _accumulator_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-def masked_rows(lin: LinearInputs) -> torch.Tensor:
+def masked_rows(lin: LinearInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """The hidden states as [N, H] with masked rows zeroed: whatever padding they hold (NaN), their
     logits are then finite and they add 0 to dW (0 x NaN would be NaN in its GEMM). With
     `lin.live`, the live rows alone ([n, H], gathered by (sequence, position) so that a strided
-    [B, P+T, H] view is not copied whole first)."""
-    hidden = lin.hidden
+    [B, P+T, H] view is not copied whole first). `hidden`: another model's [B, T, H'] states of
+    the same tokens (a teacher's, a reference's) in place of `lin.hidden`."""
+    hidden = lin.hidden if hidden is None else hidden
     if lin.live is not None:
         time = hidden.shape[1]
         return hidden[lin.live // time, lin.live % time]

@@ -12,6 +12,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig, linear_torch, linear_triton
+from fusedrl.distill import linear as distill_linear
 
 from .conftest import assert_lm_head_form_matches_the_oracle, make_batch, needs_interpreter
 
@@ -38,13 +39,13 @@ def head_rows(monkeypatch):
     seen = []
     real = linear_torch.masked_rows
 
-    def counted(lin):
-        rows = real(lin)
+    def counted(lin, hidden=None):
+        rows = real(lin, hidden)
         seen.append(rows.shape[0])
         return rows
 
-    monkeypatch.setattr(linear_torch, "masked_rows", counted)
-    monkeypatch.setattr(linear_triton, "masked_rows", counted)
+    for module in (linear_torch, linear_triton, distill_linear):
+        monkeypatch.setattr(module, "masked_rows", counted)
     return seen
 
 
@@ -117,6 +118,42 @@ def test_every_output_as_without_it(backend, head_rows):
     assert set(head_rows) == {int(mask.sum())}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_heads_skip_them_alike(backend, head_rows):
+    """The exact KL's reference head (one sweep and two) and distillation's teacher head make no
+    logits for the masked rows either (the student's and the teacher's rows both counted)."""
+    hidden, weight, rows = _head(seed=5)
+    rows.pop("ref_logp")  # the exact KL reads the reference head instead
+    rows.pop("old_logp")  # on-policy: no sequence is clipped, each one's policy gradient acts
+    mask, live = rows["mask"], int(rows["mask"].sum())
+    gen = torch.Generator().manual_seed(6)
+    ref_hidden = torch.randn(hidden.shape, generator=gen)
+    ref_hidden[~mask] = float("nan")  # the teacher's padding: never read
+    ref_weight = 0.5 * torch.randn(VOCAB, HIDDEN, generator=gen)
+    for preset in ("dapo", "gspo"):
+        cfg = LossConfig.preset(preset, kl="full", beta=0.2)
+        temps = 0.6 + torch.rand(mask.shape, generator=gen)
+        heads = dict(config=cfg, ref_weight=ref_weight, temperature=temps)
+        outs = []
+        for skip in (dict(), dict(live_rows=live)):
+            ref = ref_hidden if skip else torch.nan_to_num(ref_hidden)
+            outs.append(_outputs(backend, hidden, weight, torch.zeros(VOCAB), rows,
+                                 ref_hidden=ref, **heads, **skip))  # fmt: skip
+        _assert_same(outs[1], outs[0])
+    labels = torch.where(mask, rows["labels"], 0)
+    for kind in ("jsd", "sampled_reverse_kl"):
+        outs = []
+        for skip in (False, True):
+            student = hidden.clone().requires_grad_(True)
+            out = fusedrl.linear_distill_loss(
+                student, weight, ref_hidden if skip else torch.nan_to_num(ref_hidden),
+                ref_weight, labels, mask, kind=kind, backend=backend, skip_masked_rows=skip,
+            )  # fmt: skip
+            outs.append([out.loss, out.logp, *torch.autograd.grad(out.loss, student)])
+        _assert_same(outs[1], outs[0])
+    assert head_rows.count(live) >= 6  # the skipped calls' student and teacher rows
+
+
 @needs_interpreter
 def test_the_on_chip_design(head_rows, monkeypatch):
     monkeypatch.setenv(linear_triton.DESIGN_ENV, "on-chip")
@@ -165,6 +202,3 @@ def test_misuse_is_named():
             call(live_rows=bad)
     with pytest.raises(NotImplementedError, match="skip_masked_rows.*tensor parallelism"):
         call(skip_masked_rows=True, vocab_start=0, vocab_size=VOCAB)
-    cfg = LossConfig.preset("dapo", kl="full", beta=0.1)
-    with pytest.raises(NotImplementedError, match="skip_masked_rows.*exact KL"):
-        call(skip_masked_rows=True, config=cfg, ref_weight=weight)

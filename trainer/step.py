@@ -262,10 +262,12 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         if ref is not None:
             head_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
 
-        # Padding and filtered rows make no logits: the host knows how many rows are live.
-        # (Not yet under --tp or with the exact KL.)
-        if tp_group is None and ref is None and sub.loss_tokens is not None:
-            head_args["live_rows"] = sum(sub.loss_tokens)
+        # Padding and filtered rows make no logits (the reference's and the teacher's heads
+        # neither): the host knows how many rows are live. (Not yet under --tp.)
+        skip = {}
+        if tp_group is None and sub.loss_tokens is not None:
+            skip["live_rows"] = sum(sub.loss_tokens)
+        head_args.update(skip)
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
@@ -319,7 +321,7 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         term = fusedrl.linear_distill_loss(
             hidden, weight, taught[0], taught[1], sub.labels, sub.mask, student_bias=bias,
             teacher_bias=taught[2], backend=linear_backend, student_transform=transform,
-            teacher_transform=taught[4], **common,
+            teacher_transform=taught[4], **skip, **common,
         )  # fmt: skip
     else:
         # csrc has no two-row kernel: "cuda" runs Triton's (config.py checks it is installed)

@@ -25,7 +25,10 @@ from ..linear_torch import (
     GradSums,
     LinearGrads,
     LinearInputs,
+    flat_rows,
+    live_row_indices,
     masked_rows,
+    spread_rows,
     token_level_derivatives,
 )
 from ..logit_transform import LogitTransform, check_logit_transform
@@ -97,10 +100,9 @@ def _pair_chunks(
     """(start, stop, student logits [1, n, V], teacher logits [1, n, V], the student's dy/dx
     of lin.transform or None) of consecutive row chunks, each made by one GEMM into a reused
     buffer (and transformed there): valid until the next chunk. `rows`: the student's hidden
-    states as [N, H] with masked rows zeroed (`masked_rows`); the teacher's are zeroed here
-    alike (their padding may be NaN)."""
-    valid = lin.rows.valid.reshape(-1, 1)
-    teacher_rows = torch.where(valid, head.hidden.reshape(-1, head.hidden.shape[-1]), 0)
+    states as the sweep's rows (`masked_rows`); the teacher's are taken alike (their padding
+    may be NaN)."""
+    teacher_rows = masked_rows(lin, head.hidden)
     n_rows, vocab = rows.shape[0], lin.weight.shape[0]
     size = PAIR_CHUNK_BYTES // max(1, 2 * vocab * rows.element_size())
     size = max(1, min(n_rows, size))
@@ -147,15 +149,17 @@ def pair_sweep(
     lse_s, lse_q, D, aux, entropy; `saved`: those of an earlier pass, not computed again) and,
     when `want` asks for any, the gradients of `weight` [B, T] x D plus, with `policy`, the
     policy loss's own terms."""
-    labels, valid = lin.rows.labels.reshape(1, -1), lin.rows.valid.reshape(1, -1)
+    # The sweep's rows (`flat_rows`): every row, or with lin.live the live ones alone.
+    labels, valid = flat_rows(lin, lin.rows.labels), flat_rows(lin, lin.rows.valid)
     shape = lin.rows.labels.shape
     if saved is None:
         # fp32 rows, as the kernels write; fp64 for fp64 input (so that gradcheck can run)
         dtype = torch.float64 if lin.hidden.dtype == torch.float64 else torch.float32
         stats = [torch.zeros_like(labels, dtype=dtype) for _ in range(6)]
     else:
-        stats = [t.reshape(1, -1) for t in saved]
-    flat_weight = None if weight is None else weight.reshape(1, -1)
+        stats = [flat_rows(lin, t) for t in saved]
+    flat_weight = flat_rows(lin, weight)
+    temperature = flat_rows(lin, temperature)
     rows = masked_rows(lin)  # the student's [N, H], masked rows zeroed: the GEMMs' input
     sums = GradSums(lin, rows, want) if any(want) else None
     chunks = _pair_chunks(lin, head, rows, sums is not None)
@@ -187,7 +191,8 @@ def pair_sweep(
         if lin.transform is not None:
             grad = lin.transform.chain_(grad, derivative)
         sums.add(start, stop, grad)
-    return tuple(t.view(shape) for t in stats), None if sums is None else sums.result()
+    stats = tuple(spread_rows(lin, t, shape) for t in stats)
+    return stats, None if sums is None else sums.result()
 
 
 _KL_CODE = {"full": "kl", "full_reverse": "kl_rev"}
@@ -225,11 +230,12 @@ def policy_loss_with_reference(
     terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
     if any(want) and grads is None:
 
+        dlogp_rows, dentropy_rows = flat_rows(lin, terms.dlogp), flat_rows(lin, terms.dentropy)
+
         def known(start, stop, logp, entropy):
-            dentropy = terms.dentropy
             return (
-                terms.dlogp.reshape(-1)[start:stop],
-                None if dentropy is None else dentropy.reshape(-1)[start:stop],
+                dlogp_rows[0, start:stop],
+                None if dentropy_rows is None else dentropy_rows[0, start:stop],
             )
 
         _, grads = pair_sweep(
@@ -257,6 +263,8 @@ def linear_distill_loss(
     old_logp: torch.Tensor | None = None,
     student_transform: dict | None = None,
     teacher_transform: dict | None = None,
+    skip_masked_rows: bool = False,
+    live_rows: int | None = None,
 ) -> LossOutput:
     """`fusedrl.distill_loss` of the logits `student_hidden @ student_weight.T + student_bias`
     and `teacher_hidden @ teacher_weight.T + teacher_bias`, which are never stored whole.
@@ -274,13 +282,22 @@ def linear_distill_loss(
         student_transform, teacher_transform: each model's soft cap / logit scale after its
             head, as {"softcap": c, "logit_scale": s} (`model_logit_transform(model)`; None:
             none), applied to each chunk of its logits as in `linear_policy_loss`.
+        skip_masked_rows, live_rows: neither head makes logits for the rows whose mask is 0,
+            as in `linear_policy_loss` (sampled_reverse_kl: its policy loss; the two heads'
+            log-probs, which have no mask, are taken on every row).
 
     Returns:
         LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
         student_weight and student_bias (each that requires grad).
     """
     from .._inputs import check_temperature, prepare_loss_inputs
-    from ..linear import LINEAR_BACKENDS, attach_linear_grads, linear_policy_loss, wanted_grads
+    from ..linear import (
+        LINEAR_BACKENDS,
+        attach_linear_grads,
+        check_skip_masked_rows,
+        linear_policy_loss,
+        wanted_grads,
+    )
     from . import (
         check_distill_args,
         check_sampled_args,
@@ -291,6 +308,7 @@ def linear_distill_loss(
     from .rows import KERNEL_KIND
 
     beta = check_distill_args(kind, beta)
+    skip = check_skip_masked_rows(skip_masked_rows, live_rows, False)
     per_token_t = isinstance(temperature, torch.Tensor)
     temperature = temperature if per_token_t else check_temperature(temperature)
     if backend not in LINEAR_BACKENDS:
@@ -340,7 +358,7 @@ def linear_distill_loss(
             return linear_policy_loss(
                 student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
                 normalizer=normalizer, bias=bias, backend=backend, **student_kwargs,
-                **per_token(temperature),
+                **per_token(temperature), skip_masked_rows=skip_masked_rows, live_rows=live_rows,
             )  # fmt: skip
 
         return shifted_advantage_loss(
@@ -362,6 +380,8 @@ def linear_distill_loss(
         hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None),
         transform=check_logit_transform(**student_kwargs),
     )  # fmt: skip
+    if skip:
+        lin.live = live_row_indices(inp.valid, live_rows)
     ops = two_row_ops(backend, student_hidden.device)
     kind = resolved_kind(kind, beta)
     want = wanted_grads(student_hidden, weight, bias)
