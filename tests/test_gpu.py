@@ -335,15 +335,17 @@ def test_linear_policy_loss_replays_sampling_masks(preset):
     assert (out.logp > plain.logp).all()  # the mask acted on every row
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "filters", [(50, None, None), (None, 0.9, None), (None, None, 0.05), (50, 0.9, 0.05)]
 )
-def test_sampled_set_kernel_against_the_torch_select(filters, dtype):
+def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token):
     """The compiled radix select (kernels/sampling.py) writes what fusedrl.sampling's torch.topk /
     sort route writes, at a real vocab. top_k and min_p compare values only: bit for bit. top_p
     sums probabilities in another order: in a few rows the boundary value (with its ties, many
-    in bf16) may be in one set and not the other, and nothing else may differ."""
+    in bf16) may be in one set and not the other, and nothing else may differ. `per_token`: each
+    row at its own temperature (ROW_TEMPERATURE), the torch route dividing by the column."""
     from fusedrl.kernels.sampling import write_sampled_set
     from fusedrl.sampling import SamplingMask, mask_to_sampled_set
 
@@ -352,9 +354,11 @@ def test_sampled_set_kernel_against_the_torch_select(filters, dtype):
     logits = (2.0 * torch.randn(3, 97, 151936, generator=gen)).to("cuda", dtype)
     labels = torch.randint(0, 151936, (3, 97), generator=gen).cuda()
     out = torch.empty_like(logits)
-    write_sampled_set(logits, labels, out, 0.7, top_k, top_p, min_p)
+    temps = (0.4 + 1.2 * torch.rand(3, 97, generator=gen)).cuda() if per_token else None
+    write_sampled_set(logits, labels, out, 0.7, top_k, top_p, min_p, row_temps=temps)
+    column = 0.7 if temps is None else temps.view(-1, 1)
     expected = mask_to_sampled_set(
-        logits.view(-1, 151936), labels.view(-1), 0.7, SamplingMask(top_k, top_p, min_p)
+        logits.view(-1, 151936), labels.view(-1), column, SamplingMask(top_k, top_p, min_p)
     ).view_as(logits)
     kept, expected_kept = out != -float("inf"), expected != -float("inf")
     assert (kept.sum(-1) < 151936).all()  # every row masked something
@@ -1057,14 +1061,15 @@ def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace, backend):
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 50, "min_p": 0.05}])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
-def test_per_token_temperatures_compiled(preset):
+def test_per_token_temperatures_compiled(preset, filters):
     """temperature= a [B, T] tensor on the compiled Triton kernels (ROW_TEMPERATURE: the fused
-    kernel, the two-pass kernels) against the torch backend on the same bf16 logits; the CUDA
-    extension refuses it by name."""
+    kernel, the two-pass kernels; with filters the select kernel too) against the torch backend
+    on the same bf16 logits; the CUDA extension refuses it by name."""
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=5))
     temps = 0.4 + 1.2 * torch.rand(data["labels"].shape, device="cuda")
-    cfg = LossConfig.preset(preset, entropy_coef=0.01)
+    cfg = LossConfig.preset(preset, entropy_coef=0.01, **filters)
     (ref, ref_grad), (ours, grad) = _torch_and("triton", data, config=cfg, temperature=temps)
     args = {k: v for k, v in data.items() if k != "logits"}
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
