@@ -74,7 +74,7 @@ def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
     return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))
 
 
-def check_skip_masked_rows(skip: object, live_rows: object, sharded: bool) -> bool:
+def check_skip_masked_rows(skip: object, live_rows: object) -> bool:
     """Whether the LM-head loss walks the live rows alone (`skip_masked_rows` / `live_rows`)."""
     if not isinstance(skip, bool):
         raise TypeError(f"skip_masked_rows must be a bool, got {type(skip).__name__}")
@@ -84,10 +84,6 @@ def check_skip_masked_rows(skip: object, live_rows: object, sharded: bool) -> bo
                 f"live_rows must be a count of rows (an int >= 0) or None, got {live_rows!r}"
             )
         skip = True
-    if skip and sharded:
-        raise NotImplementedError(
-            "skip_masked_rows / live_rows under tensor parallelism is not supported yet"
-        )
     return skip
 
 
@@ -164,8 +160,8 @@ def linear_policy_loss(
             the masked fraction of the head's 6-8·N·H·V flops. Every output is as without it
             (masked rows have logp = entropy = 0 and no gradient either way). Finding the rows
             makes the host wait for the device once (their count), unless `live_rows` gives it.
-            The reference head of the exact KL skips them too. Not under tensor parallelism
-            yet.
+            The reference head of the exact KL skips them too, and under tensor parallelism
+            every rank its slice of the head (the ranks must agree on the skip).
         live_rows: the number of rows whose mask is nonzero, when the caller knows it on the
             host (e.g. from the rollout's lengths); implies skip_masked_rows and spares the
             wait. A wrong count raises from the device (asynchronously on CUDA).
@@ -188,7 +184,7 @@ def linear_policy_loss(
         )
     transform = check_logit_transform(softcap, logit_scale)
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows, sharded)
+    skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows)
     if return_sum_pi_squared:
         from .api import _check_sum_pi_squared
 
@@ -217,6 +213,7 @@ def linear_policy_loss(
             normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
             temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+            skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(

@@ -210,8 +210,12 @@ def sweep(
     shape = lin.hidden.shape[:2]
     hidden = lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
     n_rows = hidden.shape[0] * hidden.shape[1]
-    if lin.live is not None and (lse_out is not None or whole_rows is not None):
-        raise AssertionError("skip_masked_rows has no vocab-slice sweep")
+    # The sweep's rows: with lin.live the live ones alone (`flat_rows`), their lse spread back
+    if whole_rows is not None:
+        whole_rows = tuple(flat_rows(lin, t).reshape(-1) for t in whole_rows)
+    rows_lse = None
+    if lse_out is not None:
+        rows_lse = lse_out if lin.live is None else lse_out.new_zeros(n_rows)
     vocab = weight.shape[0] if lin.block_vocab is None else lin.block_vocab
     acc = _accumulator_dtype(hidden)
     logp = torch.zeros(n_rows, dtype=acc, device=hidden.device)
@@ -244,11 +248,11 @@ def sweep(
             logits, rows_t, flat_labels[start:stop], lin.sampling, floor
         )
         del logits  # log_probs replaces it: one [n, V] block less at the peak
-        if lse_out is not None:
-            lse_out[start:stop] = lse[:, 0]
+        if rows_lse is not None:
+            rows_lse[start:stop] = lse[:, 0]
         if whole_rows is not None:
-            log_probs += lse - whole_rows[0].reshape(-1)[start:stop, None]
-            block_entropy = whole_rows[1].reshape(-1)[start:stop]
+            log_probs += lse - whole_rows[0][start:stop, None]
+            block_entropy = whole_rows[1][start:stop]
         else:
             block_logp, block_entropy = block_stats(
                 log_probs, lse, flat_labels[start:stop], need_entropy
@@ -270,6 +274,8 @@ def sweep(
             dw.addmm_(grad.t(), h.to(acc))
         if db is not None:
             db += grad.sum(0)
+    if rows_lse is not None and lin.live is not None:
+        lse_out.copy_(spread_rows(lin, rows_lse, (1, lse_out.numel())).view(-1))
     grads = None
     if derivatives is not None:
         grads = LinearGrads(

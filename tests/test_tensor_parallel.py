@@ -74,6 +74,7 @@ class Case:
     sampling: tuple = ()  # token_logprobs' top_k / top_p / min_p, as (key, value) pairs
     row_temps: bool = False  # per-token temperatures (`temperature=` a [B, T] tensor)
     softcap: float | None = None  # the LM-head forms: the model's soft cap after the head
+    skip_masked_rows: bool = False  # the LM-head loss: logits for the live rows alone
 
     def sampling_filters(self) -> dict:
         """The sampling mask replayed (the config's for the losses), {} when none."""
@@ -158,23 +159,24 @@ CASES = [
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
     Case("linear_dapo_softcap", kind="linear", return_entropy=True, softcap=3.0),
-    Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
-         row_temps=True, overrides=(("entropy_coef", 0.01),)),
+    Case("linear_gspo_padded_row_temps_skip", kind="linear", preset="gspo", layout="padded",
+         row_temps=True, skip_masked_rows=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
     Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
     Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
          row_temps=True),
     Case("linear_dapo_sampling", kind="linear", return_entropy=True, overrides=(
         ("top_k", 40), ("top_p", 0.9))),
-    Case("linear_gspo_sampling_padding_only_rank", kind="linear", preset="gspo",
-         layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
+    Case("linear_gspo_sampling_padding_only_rank_skip", kind="linear", preset="gspo",
+         layout="padded_rank", skip_masked_rows=True, overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("linear_logprobs_sampling_softcap", kind="linear_logprobs", return_entropy=True,
          softcap=3.0, sampling=(("top_k", 25), ("top_p", 0.9))),
     # the LM-head forms with Triton: cuBLAS chunks read by the Triton row kernels
     Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", return_entropy=True,
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
-    Case("triton_linear_gspo_sampling_padded_softcap", **TRITON, kind="linear", preset="gspo",
-         layout="padded", softcap=2.5, overrides=(("top_k", 12), ("top_p", 0.9))),
+    Case("triton_linear_gspo_sampling_padded_softcap_skip", **TRITON, kind="linear",
+         preset="gspo", layout="padded", softcap=2.5, skip_masked_rows=True,
+         overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("triton_linear_logprobs_sampling", **TRITON, kind="linear_logprobs",
@@ -401,6 +403,8 @@ def _fused(case: Case):
     def call(*args, **kwargs):
         if case.softcap is not None:
             kwargs["softcap"] = case.softcap
+        if case.skip_masked_rows:
+            kwargs["skip_masked_rows"] = True
         return fn(*args, backend=case.backend, **kwargs)
 
     return call
@@ -787,7 +791,11 @@ def test_one_collective_forward_none_backward(worlds, world, name):
     for rank, result in enumerate(_results(worlds, world, name)):
         tokens = result["logp"].numel()
         header, *sampling, data = result["fwd"]
-        assert sampling == _sampling_collectives(case, tokens), (rank, result["fwd"])
+        selected = tokens
+        if case.skip_masked_rows:  # the selects run over the live rows alone: the skip acted
+            selected = int(case_inputs(case)["mask"].sum())
+            assert selected < tokens
+        assert sampling == _sampling_collectives(case, selected), (rank, result["fwd"])
         assert header[1][-1] == ("torch.int64", 14), (rank, header)
         assert data[1][-1] == ("torch.float32", fusedrl.tp.PARTIALS * tokens), (rank, data)
         assert fusedrl.tp.PARTIALS <= 4
@@ -820,7 +828,7 @@ def test_padding_and_degenerate_rows_behave(worlds):
         for result in _results(worlds, world, "grpo_padded_nan_rows"):
             width = 1031 - result["start"]
             assert not result["grads"]["logits"][..., width:].any()
-        for result in _results(worlds, world, "linear_gspo_padded_row_temps"):
+        for result in _results(worlds, world, "linear_gspo_padded_row_temps_skip"):
             width = 1031 - result["start"]
             assert not result["grads"]["weight"][width:].any()
             assert not result["grads"]["bias"][width:].any()

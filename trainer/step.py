@@ -263,9 +263,9 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
             head_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
 
         # Padding and filtered rows make no logits (the reference's and the teacher's heads
-        # neither): the host knows how many rows are live. (Not yet under --tp.)
+        # neither; under --tp no rank's slice): the host knows how many rows are live.
         skip = {}
-        if tp_group is None and sub.loss_tokens is not None:
+        if sub.loss_tokens is not None:
             skip["live_rows"] = sum(sub.loss_tokens)
         head_args.update(skip)
 

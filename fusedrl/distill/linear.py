@@ -308,7 +308,7 @@ def linear_distill_loss(
     from .rows import KERNEL_KIND
 
     beta = check_distill_args(kind, beta)
-    skip = check_skip_masked_rows(skip_masked_rows, live_rows, False)
+    skip = check_skip_masked_rows(skip_masked_rows, live_rows)
     per_token_t = isinstance(temperature, torch.Tensor)
     temperature = temperature if per_token_t else check_temperature(temperature)
     if backend not in LINEAR_BACKENDS:

@@ -95,7 +95,7 @@ def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling)
         scaled = _scaled(logits, temperature)
         return tp_sampling.row_floors(scaled, mask, shard.vocab_size, reduce)
 
-    chunk_sets = _ChunkSets(lin.rows.labels, shard, group, sampling)
+    chunk_sets = _ChunkSets(linear_torch.flat_rows(lin, lin.rows.labels), shard, group, sampling)
     return dataclasses.replace(
         lin, sampling=sampling, find_floors=find_floors, mask_chunk=chunk_sets
     )
@@ -135,6 +135,8 @@ def _take_part_without_rows(lin, shard: VocabShard, group, temperature) -> None:
     it runs their collectives with an empty slice, on the same row blocks as the others."""
     if shard.width == 0 and lin.sampling is not None:
         batch, time, _ = lin.hidden.shape
+        if lin.live is not None:  # the sweeps' rows: the live ones
+            batch, time = 1, lin.live.numel()
         empty = lin.hidden.new_empty(batch, time, 0)
         tp_sampling.slice_floors(empty, temperature, lin.sampling, shard, group)
 
@@ -217,10 +219,15 @@ def linear_policy_loss(
     temperature: torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    skip_masked_rows: bool = False,
+    live_rows: int | None = None,
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated), in place of config.temperature.
     `softcap`, `logit_scale`: the model's transform after the head, elementwise: each rank
-    applies it to its slice of the logits (and its derivative to their gradient)."""
+    applies it to its slice of the logits (and its derivative to their gradient).
+    `skip_masked_rows`, `live_rows`: as on one process; the mask is replicated, so every rank
+    walks the same live rows (the ranks must agree on the skip: their per-chunk collectives
+    follow the rows)."""
     cfg = config if config is not None else LossConfig()
     _refuse(backend)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
@@ -234,8 +241,10 @@ def linear_policy_loss(
             rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
             temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+            skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
     transform = check_logit_transform(softcap, logit_scale)
+    skip = live_rows if live_rows is not None else skip_masked_rows
 
     def local_checks():
         inp = prepare_loss_inputs(
@@ -249,7 +258,8 @@ def linear_policy_loss(
     (inp, impl), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
+        call=(f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r} "
+              f"skip_masked_rows={skip}"),
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -257,6 +267,8 @@ def linear_policy_loss(
         hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None),
         transform=transform,
     )
+    if skip is not False:
+        lin.live = linear_torch.live_row_indices(inp.valid, live_rows)
     lin = _sharded(lin, shard, tp_group, cfg.sampling)
     want = single.wanted_grads(hidden, weight, bias)
     need_entropy = return_entropy or cfg.needs_entropy
