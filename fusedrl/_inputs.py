@@ -95,23 +95,11 @@ def check_temperature_arg(
     shape: tuple[int, ...],
     device: torch.device,
     flat_input: bool,
-    tp_sampling: bool = False,
 ) -> float | torch.Tensor:
-    """The log-prob functions' `temperature`: a float, or per-token temperatures, checked.
-    `tp_sampling`: sampling filters under tensor parallelism, whose group-wide selects take one
-    temperature."""
+    """The log-prob functions' `temperature`: a float, or per-token temperatures, checked."""
     if not isinstance(temperature, torch.Tensor):
         return check_temperature(temperature)
-    if tp_sampling:
-        _refuse_tp_sampling()
     return check_row_temperatures(temperature, shape, device, flat_input)
-
-
-def _refuse_tp_sampling():
-    raise NotImplementedError(
-        "per-token temperatures with top_k / top_p / min_p under tensor parallelism are not "
-        "supported yet (one process takes them)"
-    )
 
 
 def check_row_temperatures(
@@ -332,11 +320,9 @@ def prepare_loss_inputs(
     temperature: torch.Tensor | None = None,
     prox_logp: object = None,
     entropy_coef: object = None,
-    tensor_parallel: bool = False,
 ) -> LossInputs:
-    """Checked inputs (`tensor_parallel`: for a rank of a vocab-sharded call); `source="hidden"`
-    (with `vocab`) checks the LM-head loss's hidden states [B, T, H] / [N, H] in place of the
-    logits, which then never exist. `ref_logits`: the
+    """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
+    [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
     reference policy's logits of config.kl="full" / "full_reverse", the logits' shape;
     `ref_head`: the LM-head loss has the reference's head instead (checked by its caller).
     `temperature`: per-token temperatures, in place of config.temperature (which must be 1).
@@ -422,8 +408,6 @@ def prepare_loss_inputs(
                 f"temperature (per token) and config.temperature={config.temperature} are both "
                 "set: pass one"
             )
-        if config.sampling is not None and tensor_parallel:
-            _refuse_tp_sampling()
         row_temps = check_row_temperatures(temperature, shape, device, flat_input, valid)
 
     def as2d(t: torch.Tensor | None) -> torch.Tensor | None:

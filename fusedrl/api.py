@@ -129,7 +129,7 @@ def policy_loss(
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
             Triton backends (the exact KL's two distributions too), under tensor parallelism
             too; with config.top_k / top_p / min_p each row's sampled set is chosen at its
-            temperature (as vLLM's per-request one), not under tensor parallelism yet.
+            temperature (as vLLM's per-request one).
         prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
             policy (recomputed by the trainer before the update); the ratio and its clip are
             taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
@@ -305,7 +305,7 @@ def token_logprobs(
 
     `temperature` may be a tensor of per-token temperatures ([B, T], or [B] one per sequence;
     [N] for [N, V] logits), as in `policy_loss` (with top_k / top_p / min_p each row's sampled
-    set is its temperature's; not both under tensor parallelism yet).
+    set is its temperature's).
 
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
     the Optimal Token Baseline's input), from one more no-grad read of the logits at half the

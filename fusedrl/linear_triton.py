@@ -141,7 +141,7 @@ def _logits_chunks(
             derivative = lin.transform.apply_(out, want_derivative)
         logits = out.unsqueeze(0)
         if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
-            lin.mask_chunk(start, stop, logits, temperature)
+            lin.mask_chunk(start, stop, logits, _cut(temperature, start, stop))
         elif sampling is not None:
             scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
             _row_ops().sampled_set(

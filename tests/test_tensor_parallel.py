@@ -132,8 +132,8 @@ CASES = [
     # sampling-mask replay: the sets found by radix selects summed over the group
     Case("dapo_top_k_top_p", return_entropy=True, overrides=(
         ("top_k", 40), ("top_p", 0.9), ("temperature", 0.8))),
-    Case("grpo_top_p_min_p_padded", preset="grpo", layout="padded", nan_padding=True,
-         overrides=(("top_p", 0.7), ("min_p", 0.02), ("entropy_coef", 0.01))),
+    Case("grpo_top_p_min_p_padded_row_temps", preset="grpo", layout="padded", nan_padding=True,
+         row_temps=True, overrides=(("top_p", 0.7), ("min_p", 0.02), ("entropy_coef", 0.01))),
     Case("gspo_top_k_inplace", preset="gspo", inplace=True, overrides=(("top_k", 5),)),
     Case("dapo_top_p_dtensor", layout="dtensor", overrides=(("top_p", 0.8),)),
     Case("dapo_top_k_padding_only_rank", layout="padded_rank", overrides=(
@@ -141,7 +141,7 @@ CASES = [
     # bf16 rows tie often: top_k keeps the ties with the k-th (top_p at a tie is the one place
     # where vLLM's unstable sort, and so the reference, keep an arbitrary part of them)
     Case("dapo_sampling_bf16", dtype=torch.bfloat16, overrides=(("top_k", 30), ("min_p", 0.05))),
-    Case("logprobs_sampling", kind="logprobs", return_entropy=True, temperature=0.7,
+    Case("logprobs_sampling_row_temps", kind="logprobs", return_entropy=True, row_temps=True,
          sampling=(("top_k", 50), ("top_p", 0.85), ("min_p", 0.01))),
     # Triton (interpreter): small rows in several vocab tiles
     Case("triton_dapo_is_entropy", **TRITON, return_entropy=True, overrides=(
@@ -165,8 +165,8 @@ CASES = [
     Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
     Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
          row_temps=True),
-    Case("linear_dapo_sampling", kind="linear", return_entropy=True, overrides=(
-        ("top_k", 40), ("top_p", 0.9))),
+    Case("linear_dapo_sampling_row_temps", kind="linear", return_entropy=True, row_temps=True,
+         overrides=(("top_k", 40), ("top_p", 0.9))),
     Case("linear_gspo_sampling_padding_only_rank_skip", kind="linear", preset="gspo",
          layout="padded_rank", skip_masked_rows=True, overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("linear_logprobs_sampling_softcap", kind="linear_logprobs", return_entropy=True,
@@ -179,8 +179,8 @@ CASES = [
          overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
-    Case("triton_linear_logprobs_sampling", **TRITON, kind="linear_logprobs",
-         return_entropy=True, sampling=(("top_k", 20), ("top_p", 0.85))),
+    Case("triton_linear_logprobs_sampling_row_temps", **TRITON, kind="linear_logprobs",
+         return_entropy=True, row_temps=True, sampling=(("top_k", 20), ("top_p", 0.85))),
     # a group of one: the single-process result, bit for bit
     Case("tp1_dapo", kind="tp1", return_entropy=True),
     Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),
@@ -213,8 +213,6 @@ CASES = [
          expect_error="TensorParallelInputError"),
     Case("bad_row_temps_rank0_only", kind="bad", inputs="row_temps_rank0_only",
          expect_error="TensorParallelInputError"),
-    Case("bad_row_temps_with_sampling", kind="bad", inputs="row_temps_with_sampling",
-         expect_error="NotImplementedError"),
     Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
          expect_error="TensorParallelInputError"),
     Case("bad_local_error_on_last_rank", kind="bad", inputs="advantages_shape_last_rank",
@@ -480,6 +478,8 @@ def unfiltered_logp(case: Case, whole: dict, data: dict) -> torch.Tensor:
         if case.softcap is not None:
             logits = case.softcap * torch.tanh(logits / case.softcap)
     temperature = case.temperature if _logprobs_kind(case) else case.config().temperature
+    if case.row_temps:
+        temperature = _temperature(case, data)
     logp, _ = reference.token_logprobs(logits, data["labels"].clamp_min(0), temperature)
     return torch.where(data["mask"].bool(), logp, 0.0) if "mask" in data else logp
 
@@ -572,9 +572,6 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         config = config.replace(eps_high=0.3)
     if what == "row_temps_rank0_only" and rank == 0:  # the others divide by 1: refused alike
         keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
-    if what == "row_temps_with_sampling":  # one process takes them; the group's selects do not
-        keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
-        config = config.replace(top_k=5)
     backend = "cuda" if what == "backend_cuda" else case.backend
     args = {k: v for k, v in data.items() if k != "logits"}
     fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
@@ -902,7 +899,6 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_time_differs": "disagree on the token shape",
         "bad_config_differs": "disagree on the settings",
         "bad_row_temps_rank0_only": "disagree on the settings",
-        "bad_row_temps_with_sampling": "top_k / top_p / min_p under tensor parallelism",
         "bad_logprobs_label": "found 1034",
         "bad_linear_label": "labels must be global token ids in [0, 1031)",
     }

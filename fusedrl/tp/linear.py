@@ -113,7 +113,8 @@ class _ChunkSets:
         self.found = 0  # rows [0, found) have their floors
         self.shard, self.group, self.sampling = shard, group, sampling
 
-    def __call__(self, start: int, stop: int, logits: torch.Tensor, temperature: float) -> None:
+    def __call__(self, start: int, stop: int, logits: torch.Tensor, temperature) -> None:
+        """`temperature`: a float or the chunk's rows' own ([1, stop - start])."""
         if stop > self.found:
             self.floors[start:stop] = tp_sampling.slice_floors(
                 logits, temperature, self.sampling, self.shard, self.group
@@ -138,7 +139,8 @@ def _take_part_without_rows(lin, shard: VocabShard, group, temperature) -> None:
         if lin.live is not None:  # the sweeps' rows: the live ones
             batch, time = 1, lin.live.numel()
         empty = lin.hidden.new_empty(batch, time, 0)
-        tp_sampling.slice_floors(empty, temperature, lin.sampling, shard, group)
+        rows_t = linear_torch.flat_rows(lin, temperature)
+        tp_sampling.slice_floors(empty, rows_t, lin.sampling, shard, group)
 
 
 def _with_labels(part: linear_torch.LinearInputs, labels: torch.Tensor):
@@ -250,7 +252,6 @@ def linear_policy_loss(
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
-            tensor_parallel=True,
         )  # fmt: skip
         check_lm_head(weight, bias, hidden)
         return inp, _backend(backend, inp.logits)
@@ -365,7 +366,7 @@ def linear_token_logprobs(
         check_lm_head(weight, bias, checked)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT, source="hidden")
         temps = check_temperature_arg(
-            temperature, tuple(ids.shape), checked.device, checked.dim() == 2, sampling.active
+            temperature, tuple(ids.shape), checked.device, checked.dim() == 2
         )
         return ids, temps, _backend(backend, checked)
 

@@ -93,10 +93,13 @@ class SampledSets:
             if buffer is None or buffer.shape[1] < block.shape[0]:
                 buffer = torch.empty((1, *block.shape), dtype=block.dtype, device=block.device)
             masked = buffer[:, : block.shape[0]]
+            rows_t = self.temperature
+            if isinstance(rows_t, torch.Tensor):  # the block's rows' own, as [1, n]
+                rows_t = rows_t.reshape(1, -1)[:, start:stop]
             mask_slice(block[None], flat_keep[start:stop][None], self.floors[start:stop],
-                       self.temperature, masked)  # fmt: skip
+                       rows_t, masked)  # fmt: skip
             rows_valid = None if flat_valid is None else flat_valid[start:stop][None]
-            part = ops.stats(masked, flat_local[start:stop][None], rows_valid, self.temperature)
+            part = ops.stats(masked, flat_local[start:stop][None], rows_valid, rows_t)
             for whole, rows in zip(out, part):
                 whole[start:stop] = rows[0]
         return tuple(t.view(batch, time) for t in out)
@@ -146,7 +149,6 @@ def policy_loss(
         inp = prepare_loss_inputs(
             logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
             rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
-            tensor_parallel=True,
         )  # fmt: skip
         if wants_grad and inplace:
             api._check_writable(logits)
@@ -170,7 +172,7 @@ def policy_loss(
                 grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         sets = None
         if cfg.sampling is not None:
-            sets = SampledSets(inp.logits, inp.labels, cfg.temperature, cfg.sampling, shard,
+            sets = SampledSets(inp.logits, inp.labels, temperature, cfg.sampling, shard,
                                tp_group)  # fmt: skip
             if grad is not None:  # the masked slice goes where the gradient will be written
                 sets.write(shard.narrow(inp.logits), shard.narrow(grad))
@@ -260,7 +262,7 @@ def token_logprobs(
         checked = check_logits(logits)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT)
         temps = check_temperature_arg(
-            temperature, tuple(ids.shape), checked.device, checked.dim() == 2, sampling.active
+            temperature, tuple(ids.shape), checked.device, checked.dim() == 2
         )
         return ids, temps, slice_ops(backend, checked.device)
 

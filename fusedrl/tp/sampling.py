@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..sampling import SamplingMask
-from ..torch_backend import _scaled, block_rows, row_blocks
+from ..torch_backend import _scaled, block_rows, row_blocks, rows_temperature
 from .comm import all_reduce
 from .shard import VocabShard
 
@@ -185,19 +185,21 @@ def _flat_rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 @torch.no_grad()
 def slice_floors(
     logits: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     sampling: SamplingMask,
     shard: VocabShard,
     group,
 ) -> torch.Tensor:
-    """[B * T] floors of the rows whose token columns on this rank are `logits` [B, T, width]."""
+    """[B * T] floors of the rows whose token columns on this rank are `logits` [B, T, width];
+    `temperature` a float or the rows' own ([B, T]: each row's set is its temperature's)."""
     batch, time, _ = logits.shape
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     floors = torch.empty(batch * time, dtype=dtype, device=logits.device)
     step = rows_per_block(shard)
     for start in range(0, batch * time, step):
         stop = min(start + step, batch * time)
-        scaled = _scaled(_flat_rows(logits, start, stop), temperature)
+        rows_t = rows_temperature(temperature, start, stop)
+        scaled = _scaled(_flat_rows(logits, start, stop), rows_t)
         floors[start:stop] = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
     return floors
 
@@ -207,16 +209,17 @@ def mask_slice(
     logits: torch.Tensor,
     labels: torch.Tensor,
     floors: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     out: torch.Tensor,
 ) -> None:
     """out = `logits` [B, T, W] with -inf below each row's floor, except the row's label (local
-    column; < 0: on another rank) and NaN; `out` may be `logits`. No communication."""
+    column; < 0: on another rank) and NaN; `out` may be `logits`. No communication.
+    `temperature`: a float or the rows' own ([B, T])."""
     flat_labels = labels.reshape(-1)
     columns = torch.arange(logits.shape[-1], device=logits.device)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        scaled = _scaled(block, temperature)
+        scaled = _scaled(block, rows_temperature(temperature, start, stop))
         keep = (scaled >= floors[start:stop, None]) | scaled.isnan()
         keep |= columns == flat_labels[start:stop, None]
         out_block.copy_(torch.where(keep, block, -math.inf))
