@@ -16,7 +16,8 @@ For each (N, H, V): forward + backward of
   `fused+skip` (linear_policy_loss(live_rows=count): logits for the live rows alone), whose time
   against `fused` is what skipping the masked rows saves;
 and the dense bf16 GEMM rate of [N, H] @ [H, V] measured in the same run. `gemm_fraction` is the
-three GEMMs of the loss (6·N·H·V flops) per second over that rate, whatever a design does.
+three GEMMs of the loss (6·N·H·V flops; N the live rows for fused+skip) per second over that
+rate, whatever a design does.
 Peak memory is above the inputs (CUDA only). Medians over the repetitions;
 inputs rotate over a few copies so that no run reads another's cache. JSON under bench/results/.
 """
@@ -166,7 +167,9 @@ def main(argv=None) -> int:
                 rows.append({"N": n, "H": h, "V": v, "impl": impl, "error": error})
                 print(f"{n:>6} {h:>5} {v:>7} {impl:>18} FAILED ({error})")
                 continue
-            fraction = 6 * n * h * v / (ms * 1e-3) / 1e12 / rate
+            # the GEMM work done: fused+skip makes the live rows' logits alone
+            rows_done = round(args.live_fraction * n) if impl.endswith("+skip") else n
+            fraction = 6 * rows_done * h * v / (ms * 1e-3) / 1e12 / rate
             rows.append(
                 {"N": n, "H": h, "V": v, "impl": impl, "ms": ms, "gemm_tflops": rate,
                  "gemm_fraction": fraction, "peak_bytes_above_inputs": peak,

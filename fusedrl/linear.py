@@ -164,7 +164,7 @@ def linear_policy_loss(
             every rank its slice of the head (the ranks must agree on the skip).
         live_rows: the number of rows whose mask is nonzero, when the caller knows it on the
             host (e.g. from the rollout's lengths); implies skip_masked_rows and spares the
-            wait. A wrong count raises from the device (asynchronously on CUDA).
+            wait. A wrong count is a device-side assert (asynchronous on CUDA).
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires

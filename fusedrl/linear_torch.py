@@ -53,7 +53,8 @@ class LinearInputs:
     saved_stats: tuple | None = None  # (lse, entropy) kept by a backend for backward
     # vLLM's top_k / top_p / min_p: logp and entropy over the sampled sets (None: the vocab)
     sampling: SamplingMask | None = None
-    # [B * T] floors of the sampled sets, found by the first sweep for the second
+    # floors of the sampled sets of the sweep's rows ([B * T], or [n] with `live`), found by the
+    # first sweep for the second
     saved_floors: torch.Tensor | None = None
     # (logits block, temperature, sampling) -> the block's floors; tensor parallelism finds them
     # over the group (fusedrl/tp/sampling.py)
@@ -82,7 +83,8 @@ class LinearGrads:
     bias: torch.Tensor | None
 
 
-# (first flat row, stop, logp, entropy) of a block -> (dlogp, dentropy) of its rows, or None
+# (first row, stop, logp, entropy) of a block of the sweep's rows (flat rows, or with
+# LinearInputs.live the live ones) -> (dlogp, dentropy) of its rows, or None
 RowDerivatives = Callable[
     [int, int, torch.Tensor, torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor | None],
@@ -122,15 +124,21 @@ def masked_rows(lin: LinearInputs, hidden: torch.Tensor | None = None) -> torch.
 def live_row_indices(valid: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """The flat indices of the rows where `valid` ([B, T] bool), ascending. `count` (the caller's
     number of such rows, known on its host) spares the host the wait for the device that
-    torch.nonzero costs; a wrong count is an error raised from the device (asynchronously on
-    CUDA), never a silently different loss."""
+    torch.nonzero costs: a stable sort puts the valid rows first, in order, and the first
+    `count` are taken (any torch, any device). A wrong count is a device-side assert (raised at
+    once on CPU, at the next sync on CUDA); where device asserts are compiled out (ROCm's
+    default) a count too high adds masked rows, which change nothing, and one too low drops
+    live rows from the loss."""
     flat = valid.reshape(-1)
     if count is None:
         return flat.nonzero().squeeze(1)
+    if count > flat.numel():
+        raise ValueError(f"live_rows={count} exceeds the {flat.numel()} rows of the batch")
     torch._assert_async(
         flat.sum() == count, "live_rows does not equal the number of rows whose mask is nonzero"
     )
-    return torch.nonzero_static(flat, size=count).squeeze(1)
+    order = torch.sort((~flat).to(torch.uint8), stable=True).indices
+    return order[:count]
 
 
 def flat_rows(lin: LinearInputs, t):
@@ -203,7 +211,8 @@ def sweep(
     gradients of the inputs flagged in `want` (hidden, weight, bias).
 
     When `weight` is a vocab slice of the head (tensor parallelism, fusedrl/tp): `lse_out`
-    ([B * T]) receives each row's lse over the slice; given `whole_rows` = (lse, entropy) [B, T]
+    ([B * T]) receives each row's lse over the slice (0 on rows `lin.live` skips); given
+    `whole_rows` = (lse, entropy) [B, T]
     of the whole rows, the gradient is the slice of the whole rows' (labels < 0: in another
     slice), and logp / entropy are left at 0."""
     weight, bias = lin.weight, lin.bias

@@ -201,7 +201,7 @@ def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     labels, lse, entropy = (flat_rows(lin, t) for t in (lin.rows.labels, lse, entropy))
     dlogp = flat_rows(lin, dlogp).float().contiguous()
     dentropy = None if dentropy is None else flat_rows(lin, dentropy).float().contiguous()
-    hidden = _head_rows(lin)
+    hidden = lin.hidden if lin.live is None else rows.unsqueeze(0)  # the gathered rows, once
     for start, stop, grad in _chunks(lin, rows):
         kernels.linear_logits_grad(
             hidden, lin.weight, lin.bias, labels, lse.contiguous(), entropy.contiguous(), dlogp,

@@ -177,12 +177,17 @@ def test_sampling_filters_take_them(filters, backend, monkeypatch):
     clean = torch.where(data["mask"][..., None], data["logits"], fill)
     labels = torch.where(data["mask"], data["labels"], 0)
     row_t = torch.where(data["mask"], temps, 1.0)
+    up = torch.randn(labels.shape, generator=torch.Generator().manual_seed(2))
     for grad_on in (False, True):
-        x = clean.clone().requires_grad_(grad_on)
+        x, x_ref = (clean.clone().requires_grad_(grad_on) for _ in "ab")
         logp, entropy = fusedrl.token_logprobs(x, labels, row_t, True, backend, **filt)
-        want_logp, want_entropy = reference.token_logprobs(clean, labels, row_t, True, **filt)
+        want_logp, want_entropy = reference.token_logprobs(x_ref, labels, row_t, True, **filt)
         torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+        if grad_on:  # backward over the kept masked copy, at the rows' own temperatures
+            (grad,) = torch.autograd.grad((logp * up).sum() + entropy.sum(), x)
+            (want_grad,) = torch.autograd.grad((want_logp * up).sum() + want_entropy.sum(), x_ref)
+            torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
     # The sets are not those the kernels' scalar temperature (1) would choose: a select that
     # ignored the rows' own would fail above.
     args = (labels, filt.get("top_k"), filt.get("top_p"), filt.get("min_p"))

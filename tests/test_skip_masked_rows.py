@@ -121,7 +121,8 @@ def test_every_output_as_without_it(backend, head_rows):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_heads_skip_them_alike(backend, head_rows):
     """The exact KL's reference head (one sweep and two) and distillation's teacher head make no
-    logits for the masked rows either (the student's and the teacher's rows both counted)."""
+    logits for the masked rows either: each skipped call's gathers are counted, the student's and
+    the teacher's (sampled_reverse_kl's two log-prob calls have no mask: every row, by design)."""
     hidden, weight, rows = _head(seed=5)
     rows.pop("ref_logp")  # the exact KL reads the reference head instead
     rows.pop("old_logp")  # on-policy: no sequence is clipped, each one's policy gradient acts
@@ -137,21 +138,28 @@ def test_two_heads_skip_them_alike(backend, head_rows):
         outs = []
         for skip in (dict(), dict(live_rows=live)):
             ref = ref_hidden if skip else torch.nan_to_num(ref_hidden)
+            head_rows.clear()
             outs.append(_outputs(backend, hidden, weight, torch.zeros(VOCAB), rows,
                                  ref_hidden=ref, **heads, **skip))  # fmt: skip
         _assert_same(outs[1], outs[0])
+        sweeps = 1 if preset == "dapo" else 2  # gspo: statistics, then the gradient
+        assert head_rows == [live, live] * sweeps  # the policy's and the reference's, each sweep
     labels = torch.where(mask, rows["labels"], 0)
     for kind in ("jsd", "sampled_reverse_kl"):
         outs = []
         for skip in (False, True):
             student = hidden.clone().requires_grad_(True)
+            head_rows.clear()
             out = fusedrl.linear_distill_loss(
                 student, weight, ref_hidden if skip else torch.nan_to_num(ref_hidden),
                 ref_weight, labels, mask, kind=kind, backend=backend, skip_masked_rows=skip,
             )  # fmt: skip
             outs.append([out.loss, out.logp, *torch.autograd.grad(out.loss, student)])
         _assert_same(outs[1], outs[0])
-    assert head_rows.count(live) >= 6  # the skipped calls' student and teacher rows
+        if kind == "jsd":
+            assert head_rows == [live, live]  # the student's and the teacher's
+        else:  # the policy loss's; its two log-prob calls (Triton gathers theirs) take every row
+            assert head_rows.count(live) == 1 and set(head_rows) <= {live, mask.numel()}
 
 
 @needs_interpreter
@@ -200,6 +208,8 @@ def test_misuse_is_named():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="live_rows must be"):
             call(live_rows=bad)
+    with pytest.raises(ValueError, match="live_rows=22 exceeds the 21 rows"):
+        call(live_rows=22)
     # Under tensor parallelism (tests/test_tensor_parallel.py, 2 and 3 ranks); a group of one is
     # the plain call.
     one = call(skip_masked_rows=True, vocab_start=0, vocab_size=VOCAB)

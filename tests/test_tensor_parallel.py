@@ -159,6 +159,8 @@ CASES = [
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
     Case("linear_dapo_softcap", kind="linear", return_entropy=True, softcap=3.0),
+    Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
+         row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_gspo_padded_row_temps_skip", kind="linear", preset="gspo", layout="padded",
          row_temps=True, skip_masked_rows=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
@@ -174,11 +176,15 @@ CASES = [
     # the LM-head forms with Triton: cuBLAS chunks read by the Triton row kernels
     Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", return_entropy=True,
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
+    Case("triton_linear_gspo_sampling_padded_softcap", **TRITON, kind="linear", preset="gspo",
+         layout="padded", softcap=2.5, overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_gspo_sampling_padded_softcap_skip", **TRITON, kind="linear",
          preset="gspo", layout="padded", softcap=2.5, skip_masked_rows=True,
          overrides=(("top_k", 12), ("top_p", 0.9))),
     Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
          layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
+    Case("triton_linear_sampling_padding_only_rank_skip", **TRITON, kind="linear",
+         layout="padded_rank", skip_masked_rows=True, overrides=(("top_p", 0.8), ("min_p", 0.02))),
     Case("triton_linear_logprobs_sampling_row_temps", **TRITON, kind="linear_logprobs",
          return_entropy=True, row_temps=True, sampling=(("top_k", 20), ("top_p", 0.85))),
     # a group of one: the single-process result, bit for bit

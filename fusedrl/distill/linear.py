@@ -160,7 +160,7 @@ def pair_sweep(
         stats = [flat_rows(lin, t) for t in saved]
     flat_weight = flat_rows(lin, weight)
     temperature = flat_rows(lin, temperature)
-    rows = masked_rows(lin)  # the student's [N, H], masked rows zeroed: the GEMMs' input
+    rows = masked_rows(lin)  # the student's sweep rows (masked ones zeroed, or skipped)
     sums = GradSums(lin, rows, want) if any(want) else None
     chunks = _pair_chunks(lin, head, rows, sums is not None)
     for start, stop, student, teacher, derivative in chunks:

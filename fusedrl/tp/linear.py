@@ -85,8 +85,10 @@ def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling)
     slice's), and with `sampling` the sets' floors found over the group as the first sweep goes
     (then kept in `lin` for the second)."""
     # Flat rows (a strided hidden, e.g. the completion positions of a sequence, would be walked
-    # sequence by sequence, a layout that could differ between ranks): a copy of [N, H] at most.
-    lin = dataclasses.replace(lin, hidden=lin.hidden.contiguous(), block_vocab=max(shard.widest, 1))
+    # sequence by sequence, a layout that could differ between ranks): a copy of [N, H] at most,
+    # none when the live rows are gathered anyway (skip_masked_rows).
+    hidden = lin.hidden if lin.live is not None else lin.hidden.contiguous()
+    lin = dataclasses.replace(lin, hidden=hidden, block_vocab=max(shard.widest, 1))
     if sampling is None or not sampling.active:
         return lin
     reduce = tp_sampling.group_reduce(group)
@@ -246,6 +248,7 @@ def linear_policy_loss(
             skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
     transform = check_logit_transform(softcap, logit_scale)
+    single.check_skip_masked_rows(skip_masked_rows, live_rows)
     skip = live_rows if live_rows is not None else skip_masked_rows
 
     def local_checks():
