@@ -303,6 +303,39 @@ def test_linear_policy_loss_designs(dtype, preset, design, monkeypatch):
         assert rel < (1e-4 if exact else 2e-2), float(rel)
 
 
+@pytest.mark.parametrize("count", [False, True])
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_linear_policy_loss_skips_masked_rows(preset, count):
+    """skip_masked_rows / live_rows on CUDA (the gather, the host-counted stable sort, the
+    scatter; the gemm design's chunks of live rows): every output as without the skip, NaN in
+    the skipped rows' hidden states never read; an all-masked call gives 0."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    batch, time, size, vocab = 4, 37, 256, 151936
+    hidden = torch.randn(batch, time, size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, size, device="cuda", generator=gen) / size**0.5).bfloat16()
+    labels = torch.randint(0, vocab, (batch, time), device="cuda", generator=gen)
+    mask = torch.rand(batch, time, device="cuda", generator=gen) < 0.6
+    adv = torch.randn(batch, device="cuda", generator=gen)
+    cfg = LossConfig.preset(preset, entropy_coef=0.01)
+    live = int(mask.sum())
+
+    def run(h, m, **skip):
+        h, w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fusedrl.linear_policy_loss(h, w, labels, adv, m, config=cfg, return_entropy=True,
+                                         backend="triton", **skip)  # fmt: skip
+        return [out.loss, out.logp, out.entropy, *torch.autograd.grad(out.loss, (h, w))]
+
+    want = run(hidden, mask)
+    padded = torch.where(mask[..., None], hidden, float("nan"))
+    skip = {"live_rows": live} if count else {"skip_masked_rows": True}
+    for got, expected in zip(run(padded, mask, **skip), want):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-3)
+    nothing = torch.zeros_like(mask)
+    empty = run(padded, nothing, **({"live_rows": 0} if count else skip))
+    assert empty[0].item() == 0.0 and not empty[-1].any() and not empty[-2].any()
+
+
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 def test_linear_policy_loss_replays_sampling_masks(preset):
     """The gemm design masks each cuBLAS logits chunk with the select kernel: against the torch
