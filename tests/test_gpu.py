@@ -328,9 +328,15 @@ def test_linear_policy_loss_skips_masked_rows(preset, count):
     want = run(hidden, mask)
     padded = torch.where(mask[..., None], hidden, float("nan"))
     skip = {"live_rows": live} if count else {"skip_masked_rows": True}
-    for got, expected in zip(run(padded, mask, **skip), want):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-3)
+    # cuBLAS may pick another kernel for fewer rows: a bf16 logit may round the other way, so
+    # bf16-sized tolerances (a row mix-up is off by whole nats)
+    got = run(padded, mask, **skip)
+    for value, expected in zip(got[:3], want[:3]):
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, expected, atol=5e-2, rtol=2e-2)
+    for grad, expected in zip(got[3:], want[3:]):
+        assert torch.isfinite(grad).all()
+        assert (grad.float() - expected.float()).norm() / expected.float().norm() < 2e-2
     nothing = torch.zeros_like(mask)
     empty = run(padded, nothing, **({"live_rows": 0} if count else skip))
     assert empty[0].item() == 0.0 and not empty[-1].any() and not empty[-2].any()
