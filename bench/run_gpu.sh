@@ -309,9 +309,12 @@ stage_profile() {
 }
 
 stage_linear() {
-  # The grid (N x H x V, 8 shapes) against materialised logits and Liger's chunked loss.
-  step linear:bench "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_linear.log" \
+  # The grid (N x H x V, 8 shapes) against materialised logits and Liger's chunked loss,
+  # then what skipping the masked rows saves at one shape with 40 % padding (fused+skip).
+  step linear:bench "$((DEADLINE - SECONDS - 90))" "$PREFIX-bench_linear.log" \
     "$PY" bench/bench_linear.py --out "$OUTDIR"
+  step linear:skip "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_linear-skip.log" \
+    "$PY" bench/bench_linear.py --N 16384 --H 4096 --V 151936 --live-fraction 0.6 --out "$OUTDIR"
 }
 
 stage_sampling() {
