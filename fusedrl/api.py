@@ -308,10 +308,21 @@ def token_logprobs(
     set is its temperature's).
 
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
-    the Optimal Token Baseline's input), from one more no-grad read of the logits at half the
-    temperature (`sum_pi_squared_of`); under tensor parallelism too, not with sampling filters.
+    the Optimal Token Baseline's input): on the Triton backend from the same read of the logits
+    (the log-prob kernel sums the squares beside the softmax), elsewhere from one more no-grad
+    read at half the temperature (`sum_pi_squared_of`); under tensor parallelism too, not with
+    sampling filters.
     """
-    if return_sum_pi_squared:
+    from .tp.dtensor import wants_tensor_parallel
+
+    sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
+    in_kernel = (
+        return_sum_pi_squared
+        and not sharded
+        and isinstance(logits, torch.Tensor)
+        and hasattr(_resolve_backend(backend, logits.device), "token_logprobs_squares")
+    )
+    if return_sum_pi_squared and not in_kernel:
         _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
         with torch.no_grad():
             sharp, _ = token_logprobs(
@@ -323,9 +334,7 @@ def token_logprobs(
             vocab_start=vocab_start, vocab_size=vocab_size,
         )  # fmt: skip
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
-    from .tp.dtensor import wants_tensor_parallel
-
-    if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+    if sharded:
         from . import tp
 
         return tp.token_logprobs(
@@ -340,6 +349,14 @@ def token_logprobs(
     impl = _resolve_backend(backend, logits.device)
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = labels.unsqueeze(0) if flat else labels
+    if return_sum_pi_squared:
+        _check_sum_pi_squared(sampling.active)
+        logp, entropy, sum_sq = impl.token_logprobs_squares(
+            logits3, labels2, temperature, return_entropy
+        )
+        if flat:
+            return logp[0], None if entropy is None else entropy[0], sum_sq[0]
+        return logp, entropy, sum_sq
     extra = {"sampling": sampling} if sampling.active else {}
     logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy, **extra)
     if flat:

@@ -61,6 +61,9 @@ class FusedOps:
     # (`entropy_coef_tensor=`); without, such a call takes the two-pass path, where the
     # coefficient is in the per-token d(loss)/d(entropy) that pass 2 reads.
     entropy_coef_tensor: bool = False
+    # `logprobs_fwd` plus sum_v pi_v^2 per row from the same read (a fourth output); None: the
+    # backend takes it from a second read at half the temperature (api.sum_pi_squared_of).
+    logprobs_squares: Callable | None = None
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -127,27 +130,31 @@ def temperature_args(ops: FusedOps, temperature) -> tuple[float, dict]:
 
 class _LogprobsFn(torch.autograd.Function):
     """`source` (default: the logits) is what the kernels read: the logits masked to a sampled
-    set; its gradient is the logits' (0 outside the set)."""
+    set; its gradient is the logits' (0 outside the set). `squares`: a last output, sum_v pi_v^2
+    per row (no gradient), from the same read (`ops.logprobs_squares`)."""
 
     @staticmethod
-    def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None):
+    def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None, squares=False):
         source = logits if source is None else source
         scalar, rows = temperature_args(ops, temperature)
-        logp, lse, entropy = ops.logprobs_fwd(source, labels, None, scalar, **rows)
+        stats = ops.logprobs_squares if squares else ops.logprobs_fwd
+        logp, lse, entropy, *sum_sq = stats(source, labels, None, scalar, **rows)
         ctx.save_for_backward(source, labels, lse, entropy)
         ctx.temperature, ctx.rows = scalar, rows
-        ctx.ops = ops
-        return (logp, entropy) if return_entropy else (logp,)
+        ctx.ops, ctx.return_entropy = ops, return_entropy
+        ctx.mark_non_differentiable(*sum_sq)
+        return (logp, entropy, *sum_sq) if return_entropy else (logp, *sum_sq)
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy=None):
+    def backward(ctx, grad_logp, *grads):
+        grad_entropy = grads[0] if ctx.return_entropy else None  # (then the squares' None)
         logits, labels, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.ops.logits_grad(
             logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad,
             **ctx.rows,
         )  # fmt: skip
-        return None, grad, None, None, None, None
+        return None, grad, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ sampling-mask replay
@@ -200,6 +207,23 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
         for whole, part in zip(out, stats):
             whole[start:stop] = part[0]
     return tuple(t.view(batch, time) for t in out)
+
+
+def token_logprobs_squares(
+    ops: FusedOps,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`token_logprobs` (no sampling filters) and sum_v pi_v^2 per token ([B, T], no gradient),
+    from one read of the logits."""
+    if logits.requires_grad and torch.is_grad_enabled():
+        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, None, True)
+        return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
+    scalar, rows = temperature_args(ops, temperature)
+    logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, None, scalar, **rows)
+    return logp, entropy if return_entropy else None, sum_sq
 
 
 def token_logprobs(

@@ -35,6 +35,25 @@ def logprobs_fwd(
     return _kernels()[0].logprobs_forward(logits, labels, valid, temperature, row_temps)
 
 
+@torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
+def logprobs_squares_fwd(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor | None,
+    temperature: float,
+    row_temps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logprobs_fwd` and sum_v pi_v^2 per row, from the same read of the logits."""
+    return _kernels()[0].logprobs_forward(
+        logits, labels, valid, temperature, row_temps, sum_pi_squared=True
+    )
+
+
+@logprobs_squares_fwd.register_fake
+def _(logits, labels, valid, temperature, row_temps=None):
+    return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
+
+
 @torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
 def logits_grad(
     logits: torch.Tensor,
@@ -169,6 +188,8 @@ OPS = FusedOps(
     TWO_ROWS,
     row_temperatures=True,
     entropy_coef_tensor=True,
+    logprobs_squares=logprobs_squares_fwd,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)
+token_logprobs_squares = functools.partial(fused_backend.token_logprobs_squares, OPS)

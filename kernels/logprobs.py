@@ -113,6 +113,7 @@ def _logprobs_fwd_kernel(
     logp_ptr,
     lse_ptr,
     entropy_ptr,
+    sum_sq_ptr,
     temperature_ptr,
     time,
     vocab,
@@ -122,9 +123,11 @@ def _logprobs_fwd_kernel(
     scale2,
     HAS_VALID: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
+    SUM_PI_SQUARED: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """SUM_PI_SQUARED: also sum_v pi_v^2 per row into sum_sq_ptr, from the same read."""
     row = tl.program_id(0).to(tl.int64)
     valid = 1
     if HAS_VALID:
@@ -135,16 +138,21 @@ def _logprobs_fwd_kernel(
         )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         label_logit = tl.load(row_ptr + tl.load(labels_ptr + row))
-        lse, mean_z = row_stats(
-            row_ptr, vocab, row_scale2, label_logit, "evict_first", FAST_EXP2, BLOCK_V
-        )
+        lse, mean_z, sum_pi_sq = row_stats(
+            row_ptr, vocab, row_scale2, label_logit, "evict_first", FAST_EXP2, SUM_PI_SQUARED,
+            BLOCK_V,
+        )  # fmt: skip
         tl.store(logp_ptr + row, logp_of(label_logit, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)
+        if SUM_PI_SQUARED:
+            tl.store(sum_sq_ptr + row, sum_pi_sq)
     else:
         tl.store(logp_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
         tl.store(entropy_ptr + row, 0.0)
+        if SUM_PI_SQUARED:
+            tl.store(sum_sq_ptr + row, 0.0)
 
 
 @triton.jit
@@ -211,16 +219,20 @@ def logprobs_forward(
     valid: torch.Tensor | None,
     temperature: float,
     row_temps: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32.
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32, and
+    with `sum_pi_squared` a fourth, sum_v pi_v^2 (0 on invalid rows), from the same read.
     `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
     batch, time, vocab = logits.shape
     rows = batch * time
-    logp, lse, entropy = (
-        torch.empty(batch, time, dtype=torch.float32, device=logits.device) for _ in range(3)
+    outs = tuple(
+        torch.empty(batch, time, dtype=torch.float32, device=logits.device)
+        for _ in range(4 if sum_pi_squared else 3)
     )
+    logp, lse, entropy = outs[:3]
     if rows == 0:
-        return logp, lse, entropy
+        return outs
     block = block_size(vocab, logits.device, logits.element_size())
     labels = labels.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else labels
@@ -231,6 +243,7 @@ def logprobs_forward(
         logp,
         lse,
         entropy,
+        outs[-1],  # sum_sq_ptr: never written without SUM_PI_SQUARED
         row_temperature_arg(row_temps, logp),
         time,
         vocab,
@@ -240,11 +253,12 @@ def logprobs_forward(
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         HAS_VALID=valid is not None,
         ROW_TEMPERATURE=row_temps is not None,
+        SUM_PI_SQUARED=sum_pi_squared,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
     )
-    return logp, lse, entropy
+    return outs
 
 
 @launches_on("logits")

@@ -137,6 +137,18 @@ def _offset(x, scale2, ref):
 
 
 @triton.jit
+def _add_terms(x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES: tl.constexpr, FAST_EXP2):
+    """A tile's terms 2^d, 2^d d (and with SQUARES 2^2d, one FFMA more) added to the sums."""
+    d = _offset(x, scale2, ref)
+    e = exp2(d, FAST_EXP2)
+    sum_exp += e
+    sum_exp_d += e * d
+    if SQUARES:
+        sum_sq += e * e
+    return sum_exp, sum_exp_d, sum_sq
+
+
+@triton.jit
 def _sums_from_reference(
     row_ptr,
     vocab,
@@ -144,37 +156,54 @@ def _sums_from_reference(
     ref,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
+    SQUARES: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """(sum_j 2^d_j, sum_j 2^d_j d_j) with d_j = y_j - ref (clamped at FLOOR): no running max,
-    so per element one FFMA, one clamp, one exp2, one add and one FFMA, no select. Overflows (to
-    inf) when some y_j exceeds ref by more than ~110, which the caller detects."""
+    """(sum_j 2^d_j, sum_j 2^d_j d_j, sum_j 2^(2 d_j) or 0 without SQUARES) with d_j = y_j - ref
+    (clamped at FLOOR): no running max, so per element one FFMA, one clamp, one exp2, one add and
+    one FFMA, no select (and one FFMA for the squares). Overflows (to inf) when some y_j exceeds
+    ref by more than ~110 (the squares: ~55), which the caller detects."""
     head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
     sum_exp_d = tl.zeros([BLOCK_V], tl.float32)
+    sum_sq = tl.zeros([BLOCK_V], tl.float32)
     if full_tiles > 0:
         x = tl.load(body_ptr + offs, eviction_policy=EVICT)
         for i in range(1, full_tiles):
             x_next = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-            d = _offset(x, scale2, ref)
-            e = exp2(d, FAST_EXP2)
-            sum_exp += e
-            sum_exp_d += e * d
+            sum_exp, sum_exp_d, sum_sq = _add_terms(
+                x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
+            )
             x = x_next
-        d = _offset(x, scale2, ref)
-        e = exp2(d, FAST_EXP2)
-        sum_exp += e
-        sum_exp_d += e * d
+        sum_exp, sum_exp_d, sum_sq = _add_terms(
+            x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
+        )
     tail_start = head + full_tiles * BLOCK_V
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        d = _offset(x, scale2, ref)
-        e = exp2(d, FAST_EXP2)
-        sum_exp += e
-        sum_exp_d += e * d
-    return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0)
+        sum_exp, sum_exp_d, sum_sq = _add_terms(
+            x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
+        )
+    return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0), tl.sum(sum_sq, axis=0)
+
+
+@triton.jit
+def _accumulate_squares(run_max, sum_sq, y, FAST_EXP2: tl.constexpr):
+    """The running sum of 2^(2 (y - max)) per slot, updated before the max is (`_accumulate`'s
+    rule, squared: the new element's term, or the old sum's factor, is exp2(-|y - max|)^2)."""
+    diff = y - run_max
+    t = exp2(-tl.abs(diff), FAST_EXP2)
+    return tl.where(diff > 0, sum_sq * t * t + 1.0, sum_sq + t * t)
+
+
+@triton.jit
+def _online_tile(run_max, sum_exp, sum_exp_y, sum_sq, y, SQUARES: tl.constexpr, FAST_EXP2):
+    if SQUARES:
+        sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
+    run_max, sum_exp, sum_exp_y = _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2)
+    return run_max, sum_exp, sum_exp_y, sum_sq
 
 
 @triton.jit
@@ -184,37 +213,41 @@ def _stats_online(
     scale2,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
+    SQUARES: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """(lse2, mean y) by the exact online softmax, a running max per element slot."""
+    """(lse2, mean y, sum_j p_j^2 or 0 without SQUARES) by the exact online softmax, a running
+    max per element slot."""
     head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
     run_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
     sum_exp_y = tl.zeros([BLOCK_V], tl.float32)
+    sum_sq = tl.zeros([BLOCK_V], tl.float32)
     for i in range(0, full_tiles):
         x = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-        run_max, sum_exp, sum_exp_y = _accumulate(
-            run_max, sum_exp, sum_exp_y, scaled(x, scale2), FAST_EXP2
+        run_max, sum_exp, sum_exp_y, sum_sq = _online_tile(
+            run_max, sum_exp, sum_exp_y, sum_sq, scaled(x, scale2), SQUARES, FAST_EXP2
         )
     tail_start = head + full_tiles * BLOCK_V
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        run_max, sum_exp, sum_exp_y = _accumulate(
-            run_max, sum_exp, sum_exp_y, scaled(x, scale2), FAST_EXP2
+        run_max, sum_exp, sum_exp_y, sum_sq = _online_tile(
+            run_max, sum_exp, sum_exp_y, sum_sq, scaled(x, scale2), SQUARES, FAST_EXP2
         )
     row_max = tl.max(run_max, axis=0)
     # Slots that saw only masked lanes hold max -inf and sums 0: weight 0, not NaN.
     weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
     total = tl.sum(sum_exp * weight, axis=0)
+    sum_pi_sq = tl.sum(sum_sq * weight * weight, axis=0) / total / total
     lse2 = row_max + tl.log2(total)
     # No logit above FLOOR: no probability mass, lse -inf (a vocab-parallel slice with no mass
     # then drops out of the merge; a whole row of them gives a NaN logp and entropy downstream).
     lse2 = tl.where(row_max <= FLOOR, -float("inf"), lse2)
     lse2 = tl.where(row_max == float("inf"), float("nan"), lse2)
     mean_y = tl.where(row_max <= FLOOR, float("nan"), tl.sum(sum_exp_y * weight, axis=0) / total)
-    return lse2, mean_y
+    return lse2, mean_y, sum_pi_sq
 
 
 @triton.jit
@@ -225,10 +258,13 @@ def row_stats(
     ref_logit,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
+    SQUARES: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One read of the row: (lse, sum_j p_j z_j) of z = logits / T, in fp32 nats; scale2 is
     log2(e) / T, a kernel argument so that the loop's FFMA reads it from the constant bank.
+    Third: with SQUARES sum_j p_j^2 (the Optimal Token Baseline's input) from the same read, one
+    FFMA per element more; else 0.
 
     `ref_logit` is a logit of the row (the label's, which the kernels load first anyway): the
     sums are taken relative to it instead of a running max, which is what makes sweep 1 cheap.
@@ -240,20 +276,28 @@ def row_stats(
     reference does.
     """
     ref = scaled(ref_logit, scale2)
-    total, sum_d = _sums_from_reference(row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, BLOCK_V)
+    total, sum_d, sum_sq = _sums_from_reference(
+        row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, SQUARES, BLOCK_V
+    )
     lse2 = ref + tl.log2(total)
     mean_y = ref + sum_d / total
+    # divided twice: total^2 alone may overflow where both quotients are finite
+    sum_pi_sq = sum_sq / total / total
     # A label logit at or below FLOOR (-inf) has p = 0, and sums relative to it mean nothing:
     # they overflow when some logit is above FLOOR, and when none is (an all -inf row) every term
     # is 2^FLOOR = 0, or 2^0 = 1 for logits that scale to FLOOR exactly (FLOOR - FLOOR = 0: a
     # finite lse). So such rows always take the exact path, which returns the label's -inf or
     # the row's NaN, instead of hanging the NaN on 0 / 0 (compiled, `/` is div.full.f32).
     overflow = (total == float("inf")) | (tl.abs(sum_d) == float("inf"))
+    if SQUARES:  # the squares overflow first: a logit ~55 / log2(e) x T above the label's
+        overflow = overflow | (sum_sq == float("inf"))
     if (ref <= FLOOR) | overflow | (mean_y != mean_y):
         # Half tiles: its three running vectors then take no more registers than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
-        lse2, mean_y = _stats_online(row_ptr, vocab, scale2, EVICT, FAST_EXP2, HALF_BLOCK_V)
-    return lse2 * LN2, mean_y * LN2
+        lse2, mean_y, sum_pi_sq = _stats_online(
+            row_ptr, vocab, scale2, EVICT, FAST_EXP2, SQUARES, HALF_BLOCK_V
+        )
+    return lse2 * LN2, mean_y * LN2, sum_pi_sq
 
 
 @triton.jit

@@ -195,8 +195,8 @@ def _fused_token_loss_kernel(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
-            lse, mean_z = row_stats(
-                row_ptr, vocab, row_scale2, label_logit, "evict_last", FAST_EXP2, BLOCK_V
+            lse, mean_z, _ = row_stats(
+                row_ptr, vocab, row_scale2, label_logit, "evict_last", FAST_EXP2, False, BLOCK_V
             )
             entropy = lse - mean_z
             logp = logp_of(label_logit, row_inv_t, lse)

@@ -72,6 +72,45 @@ def test_policy_loss_returns_it_without_changing_the_loss(backend, inplace):
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
 
 
+@needs_interpreter
+def test_triton_sums_the_squares_in_the_same_read(monkeypatch):
+    """The log-prob kernel's SUM_PI_SQUARED: no second read at T / 2 (sum_pi_squared_of is never
+    called), with and without a gradient (the squares carry none), per-token temperatures, and
+    labels so improbable that the fast sums (relative to the label) overflow: one where only the
+    squares do (60 nats below the row max), one where the sums do (100): the exact fallback."""
+    second_reads = []
+    monkeypatch.setattr(fusedrl.api, "sum_pi_squared_of", lambda *a: second_reads.append(a))
+    logits, labels = _logits(seed=6)
+    for (b, t), gap in (((0, 0), 60.0), ((0, 1), 100.0)):
+        logits[b, t] *= 0.1  # flat: many terms of one size, each running sum rescaled often
+        logits[b, t, labels[b, t]] = logits[b, t].max() - gap
+    temps = 0.6 + 0.5 * torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))
+    up = torch.randn(labels.shape, generator=torch.Generator().manual_seed(2))
+    for temperature in (1.0, temps):
+        column = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
+        want_sq = reference.sum_pi_squared(logits / column)
+        for grad_on in (False, True):
+            x, x_ref = (logits.clone().requires_grad_(grad_on) for _ in "ab")
+            logp, entropy, sum_sq = fusedrl.token_logprobs(
+                x, labels, temperature, True, "triton", return_sum_pi_squared=True
+            )
+            want_logp, want_entropy = reference.token_logprobs(x_ref, labels, temperature, True)
+            torch.testing.assert_close(sum_sq, want_sq, atol=1e-6, rtol=1e-4)
+            torch.testing.assert_close(logp, want_logp, atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+            assert not sum_sq.requires_grad
+            if grad_on:
+                (grad,) = torch.autograd.grad((logp * up).sum() + entropy.sum(), x)
+                want = (want_logp * up).sum() + want_entropy.sum()
+                torch.testing.assert_close(grad, torch.autograd.grad(want, x_ref)[0])
+            no_entropy = fusedrl.token_logprobs(
+                x, labels, temperature, False, "triton", return_sum_pi_squared=True
+            )
+            assert no_entropy[1] is None and torch.equal(no_entropy[2], sum_sq)
+    assert not second_reads
+    assert want_sq.min() < 0.05 and want_sq.max() > 0.9
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_against_the_float64_truth(backend):
     logits, labels = _logits(seed=2)
