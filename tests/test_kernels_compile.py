@@ -287,7 +287,7 @@ def _fast_stats_loop(loops):
 def test_static_performance_budget(compiled, triton):
     """aot.SWEEP_BUDGET per main loop and aot.FUSED_BUDGET for both sweeps of the fused kernel,
     in warp-instructions per element (the budget's reasoning is beside it in kernels/aot.py)."""
-    from fusedrl.kernels.aot import FUSED_BUDGET, SWEEP_BUDGET
+    from fusedrl.kernels.aot import FUSED_BUDGET, SQUARES_STATS_BUDGET, SWEEP_BUDGET
 
     failures, table = [], []
     for r in _sass_checked(compiled, triton):
@@ -306,8 +306,11 @@ def test_static_performance_budget(compiled, triton):
                 f"{r['variant']:<100} {r['arch']:<6} {role:<18} {cost:.3f} w-instr/elem "
                 f"{mufu:.2f} MUFU/elem {loop['barriers']} BAR"
             )
-            if cost > SWEEP_BUDGET[role]:
-                failures.append(f"{r['variant']} {role}: {cost:.3f} > {SWEEP_BUDGET[role]}")
+            budget = SWEEP_BUDGET[role]
+            if role == "stats" and "SUM_PI_SQUARED=1" in r["variant"]:
+                budget = SQUARES_STATS_BUDGET  # one FFMA per element more, by design
+            if cost > budget:
+                failures.append(f"{r['variant']} {role}: {cost:.3f} > {budget}")
             if loop["mufu_per_element"] > 1:
                 failures.append(f"{r['variant']} {role}: {loop['mufu_per_element']} MUFU/elem")
             if loop["barriers"]:
