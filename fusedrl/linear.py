@@ -286,17 +286,27 @@ def linear_policy_loss(
 
 
 class _LinearLogprobsFn(torch.autograd.Function):
-    """logp (and entropy) with nothing of [N, V] saved: backward sweeps the vocab again."""
+    """logp (and entropy) with nothing of [N, V] saved: backward sweeps the vocab again.
+    `squares`: a last output, sum_v pi_v^2 (no gradient), from the same sweep."""
 
     @staticmethod
-    def forward(ctx, impl, lin, temperature, want, hidden, weight, bias, return_entropy):
-        logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
+    def forward(
+        ctx, impl, lin, temperature, want, hidden, weight, bias, return_entropy, squares=False
+    ):
+        if squares:
+            logp, entropy, sum_sq = impl.token_logprobs_squares(lin, temperature, True)
+            ctx.mark_non_differentiable(sum_sq)
+            extra = (sum_sq,)
+        else:
+            logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
+            extra = ()
         ctx.impl, ctx.lin, ctx.temperature, ctx.want = impl, lin, temperature, want
-        ctx.hidden_shape = hidden.shape
-        return (logp, entropy) if return_entropy else (logp,)
+        ctx.hidden_shape, ctx.return_entropy = hidden.shape, return_entropy
+        return (logp, entropy, *extra) if return_entropy else (logp, *extra)
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy=None):
+    def backward(ctx, grad_logp, *grads):
+        grad_entropy = grads[0] if ctx.return_entropy else None  # (then the squares' None)
         lin = ctx.lin
         if lin is None:
             raise RuntimeError(
@@ -308,7 +318,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
             lin, lin.rows.labels, ctx.temperature, grad_logp, grad_entropy, ctx.want
         )
         grad_hidden = None if grads.hidden is None else grads.hidden.view(ctx.hidden_shape)
-        return None, None, None, None, grad_hidden, grads.weight, grads.bias, None
+        return None, None, None, None, grad_hidden, grads.weight, grads.bias, None, None
 
 
 def linear_token_logprobs(
@@ -338,10 +348,18 @@ def linear_token_logprobs(
     `tp_group`, `vocab_start`, `vocab_size`, `reduce_input_grad`: a vocab-sharded LM head, as in
     `linear_policy_loss`. `softcap`, `logit_scale`: the model's transform of its head's output,
     as in `linear_policy_loss`. `temperature` may be per-token, as in `fusedrl.token_logprobs`.
-    `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token, from one more no-grad sweep
-    at half the temperature, as in `fusedrl.token_logprobs`.
+    `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token: with the Triton "gemm"
+    design from the same sweep (the row kernels sum the squares), else from one more no-grad
+    sweep at half the temperature, as in `fusedrl.token_logprobs`.
     """
-    if return_sum_pi_squared:
+    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    in_sweep = (
+        return_sum_pi_squared
+        and not sharded
+        and isinstance(hidden, torch.Tensor)
+        and getattr(_resolve_backend(backend, hidden.device), "squares_in_sweep", bool)()
+    )
+    if return_sum_pi_squared and not in_sweep:
         from .api import _check_sum_pi_squared, sum_pi_squared_of
 
         _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
@@ -360,7 +378,7 @@ def linear_token_logprobs(
         )  # fmt: skip
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     transform = check_logit_transform(softcap, logit_scale)
-    if tp_group is not None or vocab_start is not None or vocab_size is not None:
+    if sharded:
         from .tp import linear as tp_linear
 
         return tp_linear.linear_token_logprobs(
@@ -382,17 +400,28 @@ def linear_token_logprobs(
     )
     lin.transform = transform
     want = wanted_grads(hidden, weight, bias)
+    squares = ()
+    if return_sum_pi_squared:
+        from .api import _check_sum_pi_squared
+
+        _check_sum_pi_squared(sampling.active)
     if any(want):
         out = _LinearLogprobsFn.apply(
-            impl, lin, temperature, want, hidden, weight, bias, return_entropy
-        )
+            impl, lin, temperature, want, hidden, weight, bias, return_entropy,
+            return_sum_pi_squared,
+        )  # fmt: skip
         logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
+        squares = out[-1:] if return_sum_pi_squared else ()
+    elif return_sum_pi_squared:
+        logp, entropy, sum_sq = impl.token_logprobs_squares(lin, temperature, return_entropy)
+        squares = (sum_sq,)
     else:
         logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
     if flat:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
-    return logp, entropy
+        squares = tuple(t[0] for t in squares)
+    return (logp, entropy, *squares)
 
 
 def lm_head_of(model) -> torch.nn.Linear | None:

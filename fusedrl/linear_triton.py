@@ -164,9 +164,9 @@ def _check_design_temperature(lin: LinearInputs, temperature) -> None:
         )
 
 
-def stats(lin: LinearInputs, temperature):
+def stats(lin: LinearInputs, temperature, squares: bool = False):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows); `temperature` a float or per-token
-    ([B, T])."""
+    ([B, T]). `squares` ("gemm" design): a fourth, sum_v pi_v^2, from the same sweep."""
     _check_dtype(lin)
     _check_design_temperature(lin, temperature)
     shape = lin.rows.labels.shape
@@ -178,10 +178,13 @@ def stats(lin: LinearInputs, temperature):
         return tuple(spread_rows(lin, t, shape) for t in out)
     ops = _row_ops()
     temperature = flat_rows(lin, temperature)
-    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(3)]
+    count = 4 if squares else 3
+    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in "1234"]
+    out = out[:count]
+    row_stats = ops.logprobs_squares if squares else ops.logprobs_fwd
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
-        chunk = ops.logprobs_fwd(
+        chunk = row_stats(
             logits, _cut(labels, start, stop), _cut(valid, start, stop), scalar, **rows_t
         )
         for whole, part in zip(out, chunk):
@@ -295,6 +298,21 @@ def token_logprobs(
     logp, lse, entropy = stats(lin, temperature)
     lin.saved_stats = (lse, entropy)  # for backward: the stats need not be swept again
     return logp, entropy if return_entropy else None
+
+
+def squares_in_sweep() -> bool:
+    """Whether `token_logprobs_squares` serves: the "gemm" design's row kernels sum pi^2."""
+    return design() == "gemm"
+
+
+@torch.no_grad()
+def token_logprobs_squares(
+    lin: LinearInputs, temperature, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`token_logprobs` and sum_v pi_v^2 per token from the same sweep of the head."""
+    logp, lse, entropy, sum_sq = stats(lin, temperature, squares=True)
+    lin.saved_stats = (lse, entropy)
+    return logp, entropy if return_entropy else None, sum_sq
 
 
 @torch.no_grad()

@@ -167,20 +167,37 @@ def test_over_vocab_sharded_logits(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_lm_head_form(backend):
-    """linear_token_logprobs(return_sum_pi_squared=True): the same identity on the head's logits
-    (with a soft cap, which the half-temperature sweep applies too)."""
+def test_the_lm_head_form(backend, monkeypatch):
+    """linear_token_logprobs(return_sum_pi_squared=True) on the head's soft-capped logits: the
+    Triton "gemm" design sums the squares in its own sweep (no sweep at T / 2), with and without
+    a gradient; the torch backend takes the half-temperature sweep (the cap applied there too)."""
+    second_sweeps = []
+    real = fusedrl.api.sum_pi_squared_of
+    monkeypatch.setattr(
+        fusedrl.api, "sum_pi_squared_of", lambda *a: second_sweeps.append(1) or real(*a)
+    )
     gen = torch.Generator().manual_seed(11)
     hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
     labels = torch.randint(0, 131, (3, 7), generator=gen)
-    logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
-        hidden, weight, labels, 0.8, True, backend=backend, softcap=3.0,
-        return_sum_pi_squared=True,
-    )  # fmt: skip
     logits = 3.0 * torch.tanh(hidden @ weight.T / 3.0)
-    torch.testing.assert_close(sum_sq, reference.sum_pi_squared(logits, 0.8), atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
-    assert entropy is not None
+    for grad_on in (False, True):
+        h = hidden.clone().requires_grad_(grad_on)
+        logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
+            h, weight, labels, 0.8, True, backend=backend, softcap=3.0,
+            return_sum_pi_squared=True,
+        )  # fmt: skip
+        want_sq = reference.sum_pi_squared(logits, 0.8)
+        torch.testing.assert_close(sum_sq, want_sq, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
+        assert entropy is not None and not sum_sq.requires_grad
+        if grad_on:  # the gradient of logp through the capped head
+            (grad,) = torch.autograd.grad(logp.sum(), h)
+            h_ref = hidden.clone().requires_grad_(True)
+            capped = 3.0 * torch.tanh(h_ref @ weight.T / 3.0)
+            want_logp = reference.token_logprobs(capped, labels, 0.8)[0]
+            (want,) = torch.autograd.grad(want_logp.sum(), h_ref)
+            torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+    assert len(second_sweeps) == (0 if backend == "triton" else 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
