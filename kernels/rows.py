@@ -137,18 +137,6 @@ def _offset(x, scale2, ref):
 
 
 @triton.jit
-def _add_terms(x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES: tl.constexpr, FAST_EXP2):
-    """A tile's terms 2^d, 2^d d (and with SQUARES 2^2d, one FFMA more) added to the sums."""
-    d = _offset(x, scale2, ref)
-    e = exp2(d, FAST_EXP2)
-    sum_exp += e
-    sum_exp_d += e * d
-    if SQUARES:
-        sum_sq += e * e
-    return sum_exp, sum_exp_d, sum_sq
-
-
-@triton.jit
 def _sums_from_reference(
     row_ptr,
     vocab,
@@ -162,31 +150,45 @@ def _sums_from_reference(
     """(sum_j 2^d_j, sum_j 2^d_j d_j, sum_j 2^(2 d_j) or 0 without SQUARES) with d_j = y_j - ref
     (clamped at FLOOR): no running max, so per element one FFMA, one clamp, one exp2, one add and
     one FFMA, no select (and one FFMA for the squares). Overflows (to inf) when some y_j exceeds
-    ref by more than ~110 (the squares: ~55), which the caller detects."""
+    ref by more than ~110 (the squares: ~55), which the caller detects. (The squares' lines sit
+    under constexpr ifs, not in a helper: the interpreter pays for every call and op.)"""
     head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
     sum_exp_d = tl.zeros([BLOCK_V], tl.float32)
-    sum_sq = tl.zeros([BLOCK_V], tl.float32)
+    if SQUARES:
+        sum_sq = tl.zeros([BLOCK_V], tl.float32)
     if full_tiles > 0:
         x = tl.load(body_ptr + offs, eviction_policy=EVICT)
         for i in range(1, full_tiles):
             x_next = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-            sum_exp, sum_exp_d, sum_sq = _add_terms(
-                x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
-            )
+            d = _offset(x, scale2, ref)
+            e = exp2(d, FAST_EXP2)
+            sum_exp += e
+            sum_exp_d += e * d
+            if SQUARES:
+                sum_sq += e * e
             x = x_next
-        sum_exp, sum_exp_d, sum_sq = _add_terms(
-            x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
-        )
+        d = _offset(x, scale2, ref)
+        e = exp2(d, FAST_EXP2)
+        sum_exp += e
+        sum_exp_d += e * d
+        if SQUARES:
+            sum_sq += e * e
     tail_start = head + full_tiles * BLOCK_V
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        sum_exp, sum_exp_d, sum_sq = _add_terms(
-            x, scale2, ref, sum_exp, sum_exp_d, sum_sq, SQUARES, FAST_EXP2
-        )
-    return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0), tl.sum(sum_sq, axis=0)
+        d = _offset(x, scale2, ref)
+        e = exp2(d, FAST_EXP2)
+        sum_exp += e
+        sum_exp_d += e * d
+        if SQUARES:
+            sum_sq += e * e
+    if SQUARES:
+        return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0), tl.sum(sum_sq, axis=0)
+    else:
+        return tl.sum(sum_exp, axis=0), tl.sum(sum_exp_d, axis=0), 0.0
 
 
 @triton.jit
@@ -196,14 +198,6 @@ def _accumulate_squares(run_max, sum_sq, y, FAST_EXP2: tl.constexpr):
     diff = y - run_max
     t = exp2(-tl.abs(diff), FAST_EXP2)
     return tl.where(diff > 0, sum_sq * t * t + 1.0, sum_sq + t * t)
-
-
-@triton.jit
-def _online_tile(run_max, sum_exp, sum_exp_y, sum_sq, y, SQUARES: tl.constexpr, FAST_EXP2):
-    if SQUARES:
-        sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
-    run_max, sum_exp, sum_exp_y = _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2)
-    return run_max, sum_exp, sum_exp_y, sum_sq
 
 
 @triton.jit
@@ -223,24 +217,29 @@ def _stats_online(
     run_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
     sum_exp_y = tl.zeros([BLOCK_V], tl.float32)
-    sum_sq = tl.zeros([BLOCK_V], tl.float32)
+    if SQUARES:
+        sum_sq = tl.zeros([BLOCK_V], tl.float32)
     for i in range(0, full_tiles):
         x = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-        run_max, sum_exp, sum_exp_y, sum_sq = _online_tile(
-            run_max, sum_exp, sum_exp_y, sum_sq, scaled(x, scale2), SQUARES, FAST_EXP2
-        )
+        y = scaled(x, scale2)
+        if SQUARES:
+            sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
+        run_max, sum_exp, sum_exp_y = _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2)
     tail_start = head + full_tiles * BLOCK_V
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        run_max, sum_exp, sum_exp_y, sum_sq = _online_tile(
-            run_max, sum_exp, sum_exp_y, sum_sq, scaled(x, scale2), SQUARES, FAST_EXP2
-        )
+        y = scaled(x, scale2)
+        if SQUARES:
+            sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
+        run_max, sum_exp, sum_exp_y = _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2)
     row_max = tl.max(run_max, axis=0)
     # Slots that saw only masked lanes hold max -inf and sums 0: weight 0, not NaN.
     weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
     total = tl.sum(sum_exp * weight, axis=0)
-    sum_pi_sq = tl.sum(sum_sq * weight * weight, axis=0) / total / total
+    sum_pi_sq = 0.0
+    if SQUARES:
+        sum_pi_sq = tl.sum(sum_sq * weight * weight, axis=0) / total / total
     lse2 = row_max + tl.log2(total)
     # No logit above FLOOR: no probability mass, lse -inf (a vocab-parallel slice with no mass
     # then drops out of the merge; a whole row of them gives a NaN logp and entropy downstream).
@@ -281,8 +280,9 @@ def row_stats(
     )
     lse2 = ref + tl.log2(total)
     mean_y = ref + sum_d / total
-    # divided twice: total^2 alone may overflow where both quotients are finite
-    sum_pi_sq = sum_sq / total / total
+    sum_pi_sq = 0.0
+    if SQUARES:  # divided twice: total^2 alone may overflow where both quotients are finite
+        sum_pi_sq = sum_sq / total / total
     # A label logit at or below FLOOR (-inf) has p = 0, and sums relative to it mean nothing:
     # they overflow when some logit is above FLOOR, and when none is (an all -inf row) every term
     # is 2^FLOOR = 0, or 2^0 = 1 for logits that scale to FLOOR exactly (FLOOR - FLOOR = 0: a
