@@ -12,11 +12,13 @@ from ._autograd import attach_grad
 from ._inputs import (
     check_labels,
     check_logits,
+    check_temperature,
     check_temperature_arg,
     prepare_loss_inputs,
     temperature_of,
 )
 from .config import LossConfig
+from .logit_transform import check_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
 
@@ -82,6 +84,7 @@ def policy_loss(
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -143,6 +146,11 @@ def policy_loss(
             included. Triton reads it in the fused kernel; the CUDA extension's fused kernel
             takes a number, so there the call takes the two-pass path (one more read of the
             logits). Not under tensor parallelism yet.
+        logit_scale: the model's logits are s x of these (Cohere's `logit_scale`, Granite's
+            1 / `logits_scaling`, applied after the head): s x / T = x / (T / s), so the scale
+            is folded into the temperature (config.temperature or the per-token ones): exact,
+            on every backend and under tensor parallelism, the gradient w.r.t. x included.
+            (A soft cap, which is not a rescale, is taken by the LM-head forms.)
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -151,6 +159,12 @@ def policy_loss(
     """
     from .tp.dtensor import wants_tensor_parallel
 
+    if logit_scale is not None:
+        if isinstance(temperature, torch.Tensor):
+            temperature = scaled_temperature(temperature, logit_scale)
+        else:
+            cfg = config if config is not None else LossConfig()
+            config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
         if prox_logp is not None or entropy_coef is not None:
             raise NotImplementedError(
@@ -219,6 +233,18 @@ def policy_loss(
         loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
         sum_pi_squared=sum_pi_squared,
     )  # fmt: skip
+
+
+def scaled_temperature(temperature, logit_scale):
+    """The temperature with the model's logit scale s folded in: (s x) / T = x / (T / s), the
+    softmax, its sampled sets and the gradient w.r.t. x alike. None: `temperature` as given."""
+    if logit_scale is None:
+        return temperature
+    transform = check_logit_transform(None, logit_scale)  # the argument checked by name
+    scale = 1.0 if transform is None else transform.scale
+    if isinstance(temperature, torch.Tensor):
+        return temperature / scale
+    return check_temperature(temperature) / scale
 
 
 def sum_pi_squared_of(logp: torch.Tensor, sharp_logp: torch.Tensor) -> torch.Tensor:
@@ -291,6 +317,7 @@ def token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     return_sum_pi_squared: bool = False,
+    logit_scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
@@ -312,8 +339,13 @@ def token_logprobs(
     (the log-prob kernel sums the squares beside the softmax), elsewhere from one more no-grad
     read at half the temperature (`sum_pi_squared_of`); under tensor parallelism too, not with
     sampling filters.
+
+    `logit_scale`: the model's logits are s x of these, folded into the temperature as in
+    `policy_loss`.
     """
     from .tp.dtensor import wants_tensor_parallel
+
+    temperature = scaled_temperature(temperature, logit_scale)
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     in_kernel = (

@@ -81,6 +81,11 @@ def _log_softmax_stats(
     return logp, entropy
 
 
+def _scaled_logits(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """s x in fp32 (fp64 stays fp64), as the model's head would output them."""
+    return (logits.double() if logits.dtype == torch.float64 else logits.float()) * scale
+
+
 def token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -90,13 +95,17 @@ def token_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    logit_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature)[labels] in fp32, optionally the entropy; differentiable.
     With top_k / top_p / min_p, over the set vLLM's sampler kept (the rest at -inf). A tensor
-    `temperature` holds one per token (or one per sequence, [B]).
+    `temperature` holds one per token (or one per sequence, [B]). `logit_scale`: the logits are
+    s x, scaled here first.
 
     `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
     """
+    if logit_scale is not None:
+        logits = _scaled_logits(logits, logit_scale)
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
     if isinstance(temperature, torch.Tensor):
@@ -556,6 +565,7 @@ def policy_loss(
     temperature: torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
@@ -565,7 +575,12 @@ def policy_loss(
     token's loss times pi_prox / pi_behav (old_logp: the behaviour policy), dropped above
     config.decoupled_is_cap.
     `entropy_coef`: the bonus's coefficient as a tensor, in place of config.entropy_coef.
+    `logit_scale`: the model's logits are s x (Cohere's logit_scale): x scaled here, the
+    reference's logits too.
     """
+    if logit_scale is not None:
+        logits = _scaled_logits(logits, logit_scale)
+        ref_logits = None if ref_logits is None else _scaled_logits(ref_logits, logit_scale)
     cfg = config if config is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
         behaviour = torch.exp(prox_logp.float() - old_logp.float())

@@ -160,6 +160,64 @@ def test_arguments_are_checked_and_refused_where_unsupported(monkeypatch):
             fusedrl.linear_policy_loss(*args, softcap=CAP, backend="triton")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logit_scale_on_the_logits_entry_points(backend):
+    """policy_loss / token_logprobs(logit_scale=s): the model's logits are s x; folded into the
+    temperature (config's or per-token), against the oracle scaling x itself: the loss, logp,
+    entropy, the gradient w.r.t. x (a factor s), sampling replay (the sets of s x / T) and the
+    exact KL (the reference's logits scaled alike); and far from the unscaled call."""
+    from .conftest import make_batch
+
+    data = make_batch(vocab=131, seed=21, with_nan_padding=True)
+    temps = 0.6 + torch.rand(data["labels"].shape, generator=torch.Generator().manual_seed(3))
+    noise = torch.randn(data["logits"].shape, generator=torch.Generator().manual_seed(4))
+    rows = {k: v for k, v in data.items() if k != "logits"}
+    cases = (
+        dict(config=LossConfig.preset("dapo", temperature=0.8, entropy_coef=0.01)),
+        dict(config=LossConfig.preset("gspo", top_k=40, min_p=0.02), temperature=temps),
+        dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
+             ref_logits=data["logits"] + 0.5 * noise),
+    )  # fmt: skip
+    for kwargs in cases:
+        args = dict(rows, **kwargs)
+        if "ref_logits" in kwargs:
+            args.pop("ref_logp")
+        outs = []
+        for fn, extra in ((fusedrl.policy_loss, {"backend": backend}), (reference.policy_loss, {})):
+            x = data["logits"].clone().requires_grad_(True)
+            out = fn(x, **args, **extra, logit_scale=SCALE, return_entropy=True)
+            outs.append((out, torch.autograd.grad(out.loss, x)[0]))
+        (ours, grad), (want, want_grad) = outs
+        torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+        plain = fusedrl.policy_loss(data["logits"], **args, backend=backend)
+        assert (plain.logp - ours.logp).abs().max() > 0.1  # the scale acted
+    # every row counts here: padded rows get logits without ties (top_p keeps all of a tie)
+    clean = torch.where(data["mask"][..., None], data["logits"], noise)
+    labels = torch.where(data["mask"], data["labels"], 0)
+    for temperature in (0.7, torch.where(data["mask"], temps, 1.0)):
+        for grad_on in (False, True):
+            x, x_ref = (clean.clone().requires_grad_(grad_on) for _ in "ab")
+            logp, entropy = fusedrl.token_logprobs(
+                x, labels, temperature, True, backend, top_p=0.9, logit_scale=SCALE
+            )
+            want = reference.token_logprobs(
+                x_ref, labels, temperature, True, top_p=0.9, logit_scale=SCALE
+            )
+            torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
+            if grad_on:
+                (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), x)
+                (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), x_ref)
+                torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
+        fusedrl.token_logprobs(clean, labels, logit_scale=-1.0)
+    with pytest.raises(TypeError, match="logit_scale must be a number"):
+        fusedrl.policy_loss(**data, logit_scale="2")
+
+
 def test_the_transform_is_read_from_the_models_configs():
     from transformers import AutoConfig
 
