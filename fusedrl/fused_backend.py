@@ -61,8 +61,9 @@ class FusedOps:
     # (`entropy_coef_tensor=`); without, such a call takes the two-pass path, where the
     # coefficient is in the per-token d(loss)/d(entropy) that pass 2 reads.
     entropy_coef_tensor: bool = False
-    # `logprobs_fwd` plus sum_v pi_v^2 per row from the same read (a fourth output); None: the
-    # backend takes it from a second read at half the temperature (api.sum_pi_squared_of).
+    # (logits, labels, temperature, row_temps?) -> `logprobs_fwd`'s three of every row and
+    # sum_v pi_v^2 from the same read; None: the backend takes it from a second read at half the
+    # temperature (api.sum_pi_squared_of).
     logprobs_squares: Callable | None = None
 
 
@@ -137,8 +138,12 @@ class _LogprobsFn(torch.autograd.Function):
     def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None, squares=False):
         source = logits if source is None else source
         scalar, rows = temperature_args(ops, temperature)
-        stats = ops.logprobs_squares if squares else ops.logprobs_fwd
-        logp, lse, entropy, *sum_sq = stats(source, labels, None, scalar, **rows)
+        if squares:
+            logp, lse, entropy, *sum_sq = ops.logprobs_squares(
+                source, labels, scalar, rows.get("row_temps")
+            )
+        else:
+            logp, lse, entropy, *sum_sq = ops.logprobs_fwd(source, labels, None, scalar, **rows)
         ctx.save_for_backward(source, labels, lse, entropy)
         ctx.temperature, ctx.rows = scalar, rows
         ctx.ops, ctx.return_entropy = ops, return_entropy
@@ -222,7 +227,7 @@ def token_logprobs_squares(
         out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, None, True)
         return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
     scalar, rows = temperature_args(ops, temperature)
-    logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, None, scalar, **rows)
+    logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, scalar, rows.get("row_temps"))
     return logp, entropy if return_entropy else None, sum_sq
 
 

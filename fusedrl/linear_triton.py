@@ -181,12 +181,15 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
     count = 4 if squares else 3
     out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in "1234"]
     out = out[:count]
-    row_stats = ops.logprobs_squares if squares else ops.logprobs_fwd
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
-        chunk = row_stats(
-            logits, _cut(labels, start, stop), _cut(valid, start, stop), scalar, **rows_t
-        )
+        chunk_labels = _cut(labels, start, stop)
+        if squares:  # (the log-prob calls, whose rows all count)
+            chunk = ops.logprobs_squares(logits, chunk_labels, scalar, rows_t.get("row_temps"))
+        else:
+            chunk = ops.logprobs_fwd(
+                logits, chunk_labels, _cut(valid, start, stop), scalar, **rows_t
+            )
         for whole, part in zip(out, chunk):
             whole[:, start:stop] = part
     return tuple(spread_rows(lin, t, shape) for t in out)

@@ -37,20 +37,16 @@ def logprobs_fwd(
 
 @torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
 def logprobs_squares_fwd(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor | None,
-    temperature: float,
-    row_temps: torch.Tensor | None = None,
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, row_temps: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`logprobs_fwd` and sum_v pi_v^2 per row, from the same read of the logits."""
-    return _kernels()[0].logprobs_forward(
-        logits, labels, valid, temperature, row_temps, sum_pi_squared=True
-    )
+    """`logprobs_fwd` of every row (the log-prob calls have no mask) and sum_v pi_v^2 per row,
+    from the same read of the logits."""
+    kernels = _kernels()[0]
+    return kernels.logprobs_forward(logits, labels, None, temperature, row_temps, True)
 
 
 @logprobs_squares_fwd.register_fake
-def _(logits, labels, valid, temperature, row_temps=None):
+def _(logits, labels, temperature, row_temps):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
 
 

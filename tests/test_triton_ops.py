@@ -28,11 +28,16 @@ def _op_args(seed=0):
 def test_opcheck_logprobs_fwd():
     data, valid, _ = _op_args()
     row_temps = 0.5 + torch.rand(2, 3)  # per-token temperatures: the ops' own keyword
-    # logprobs_squares_fwd: the same op with sum_v pi_v^2 as a fourth output
-    for op in (triton_backend.logprobs_fwd, triton_backend.logprobs_squares_fwd):
-        torch.library.opcheck(op, (data["logits"], data["labels"], valid, 0.9))
+    torch.library.opcheck(triton_backend.logprobs_fwd, (data["logits"], data["labels"], valid, 0.9))
+    torch.library.opcheck(
+        triton_backend.logprobs_fwd,
+        (data["logits"], data["labels"], valid, 1.0),
+        {"row_temps": row_temps},
+    )
+    # logprobs_squares_fwd: every row's three and sum_v pi_v^2 as a fourth output
+    for temps in (None, row_temps):
         torch.library.opcheck(
-            op, (data["logits"], data["labels"], valid, 1.0), {"row_temps": row_temps}
+            triton_backend.logprobs_squares_fwd, (data["logits"], data["labels"], 0.8, temps)
         )
 
 
