@@ -150,7 +150,8 @@ def _sums_from_reference(
     """(sum_j 2^d_j, sum_j 2^d_j d_j, sum_j 2^(2 d_j) or 0 without SQUARES) with d_j = y_j - ref
     (clamped at FLOOR): no running max, so per element one FFMA, one clamp, one exp2, one add and
     one FFMA, no select (and one FFMA for the squares). Overflows (to inf) when some y_j exceeds
-    ref by more than ~110 (the squares: ~55), which the caller detects. (The squares' lines sit
+    ref by more than ~127 in base 2 (the squares: ~64, i.e. ~44 nats x T), which the caller
+    detects. (The squares' lines sit
     under constexpr ifs, not in a helper: the interpreter pays for every call and op.)"""
     head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
@@ -238,8 +239,9 @@ def _stats_online(
     weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
     total = tl.sum(sum_exp * weight, axis=0)
     sum_pi_sq = 0.0
-    if SQUARES:
+    if SQUARES:  # NaN where there is no mass, as lse and the mean say (the padding lanes count)
         sum_pi_sq = tl.sum(sum_sq * weight * weight, axis=0) / total / total
+        sum_pi_sq = tl.where(row_max <= FLOOR, float("nan"), sum_pi_sq)
     lse2 = row_max + tl.log2(total)
     # No logit above FLOOR: no probability mass, lse -inf (a vocab-parallel slice with no mass
     # then drops out of the merge; a whole row of them gives a NaN logp and entropy downstream).
@@ -289,10 +291,11 @@ def row_stats(
     # finite lse). So such rows always take the exact path, which returns the label's -inf or
     # the row's NaN, instead of hanging the NaN on 0 / 0 (compiled, `/` is div.full.f32).
     overflow = (total == float("inf")) | (tl.abs(sum_d) == float("inf"))
-    if SQUARES:  # the squares overflow first: a logit ~55 / log2(e) x T above the label's
+    if SQUARES:  # the squares overflow first: a logit ~64 / log2(e) x T above the label's
         overflow = overflow | (sum_sq == float("inf"))
     if (ref <= FLOOR) | overflow | (mean_y != mean_y):
-        # Half tiles: its three running vectors then take no more registers than the fast path.
+        # Half tiles: its three running vectors (four with SQUARES) then take no more registers
+        # than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
         lse2, mean_y, sum_pi_sq = _stats_online(
             row_ptr, vocab, scale2, EVICT, FAST_EXP2, SQUARES, HALF_BLOCK_V
