@@ -150,7 +150,9 @@ def policy_loss(
             1 / `logits_scaling`, applied after the head): s x / T = x / (T / s), so the scale
             is folded into the temperature (config.temperature or the per-token ones): exact,
             on every backend and under tensor parallelism, the gradient w.r.t. x included.
-            (A soft cap, which is not a rescale, is taken by the LM-head forms.)
+            `ref_logits` (the exact KL) are taken as the same model's, scaled alike; ref_logp
+            must then be of s x too. (A soft cap, which is not a rescale, is taken by the
+            LM-head forms.)
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -160,9 +162,10 @@ def policy_loss(
     from .tp.dtensor import wants_tensor_parallel
 
     if logit_scale is not None:
+        # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)
         if isinstance(temperature, torch.Tensor):
             temperature = scaled_temperature(temperature, logit_scale)
-        else:
+        elif config is None or isinstance(config, LossConfig):
             cfg = config if config is not None else LossConfig()
             config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
@@ -243,6 +246,8 @@ def scaled_temperature(temperature, logit_scale):
     transform = check_logit_transform(None, logit_scale)  # the argument checked by name
     scale = 1.0 if transform is None else transform.scale
     if isinstance(temperature, torch.Tensor):
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            return temperature  # refused by name where temperatures are checked
         return temperature / scale
     return check_temperature(temperature) / scale
 
@@ -337,8 +342,9 @@ def token_logprobs(
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
     the Optimal Token Baseline's input): on the Triton backend from the same read of the logits
     (the log-prob kernel sums the squares beside the softmax), elsewhere from one more no-grad
-    read at half the temperature (`sum_pi_squared_of`); under tensor parallelism too, not with
-    sampling filters.
+    read at half the temperature (`sum_pi_squared_of`, exact where the label's pi > 0: NaN for a
+    label of probability 0, where Triton's own sum is still exact); under tensor parallelism
+    too, not with sampling filters.
 
     `logit_scale`: the model's logits are s x of these, folded into the temperature as in
     `policy_loss`.

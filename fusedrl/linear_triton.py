@@ -166,9 +166,12 @@ def _check_design_temperature(lin: LinearInputs, temperature) -> None:
 
 def stats(lin: LinearInputs, temperature, squares: bool = False):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows); `temperature` a float or per-token
-    ([B, T]). `squares` ("gemm" design): a fourth, sum_v pi_v^2, from the same sweep."""
+    ([B, T]). `squares` ("gemm" design, the log-prob calls whose rows all count): a fourth,
+    sum_v pi_v^2, from the same sweep."""
     _check_dtype(lin)
     _check_design_temperature(lin, temperature)
+    if squares and (design(lin) != "gemm" or lin.live is not None):
+        raise AssertionError("stats(squares=True) serves the gemm design's unmasked log-probs")
     shape = lin.rows.labels.shape
     labels, valid = flat_rows(lin, lin.rows.labels), flat_rows(lin, lin.rows.valid)
     if design(lin) == "on-chip":

@@ -212,8 +212,21 @@ def test_logit_scale_on_the_logits_entry_points(backend):
                 (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), x)
                 (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), x_ref)
                 torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    # the default config, and sum pi^2 (Triton's own sum, torch's half-temperature read)
+    plain_rows = {k: rows[k] for k in ("labels", "advantages", "mask")}
+    ours = fusedrl.policy_loss(data["logits"], **plain_rows, backend=backend, logit_scale=SCALE)
+    want = reference.policy_loss(data["logits"], **plain_rows, logit_scale=SCALE)
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _, _, sum_sq = fusedrl.token_logprobs(
+        clean, labels, 0.7, backend=backend, logit_scale=SCALE, return_sum_pi_squared=True
+    )
+    torch.testing.assert_close(sum_sq, reference.sum_pi_squared(clean * SCALE, 0.7))
     with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
         fusedrl.token_logprobs(clean, labels, logit_scale=-1.0)
+    with pytest.raises(TypeError, match="config must be a fusedrl.LossConfig"):
+        fusedrl.policy_loss(**data, config="dapo", logit_scale=SCALE)
+    with pytest.raises(TypeError, match="temperature must be a float tensor"):
+        fusedrl.token_logprobs(clean, labels, torch.ones_like(data["mask"]), logit_scale=SCALE)
     with pytest.raises(TypeError, match="logit_scale must be a number"):
         fusedrl.policy_loss(**data, logit_scale="2")
 

@@ -135,6 +135,22 @@ def test_unsupported_combinations_say_so():
         fusedrl.policy_loss(**data, vocab_start=0, return_sum_pi_squared=True)
 
 
+@needs_interpreter
+def test_the_in_kernel_paths_refuse_sampling_filters_too():
+    """Triton's own sums (token_logprobs, the gemm design's sweep) take no sampled set: refused
+    by name, as the half-temperature route is."""
+    data = make_batch(vocab=37, seed=1)
+    with pytest.raises(NotImplementedError, match="with top_k / top_p / min_p"):
+        fusedrl.token_logprobs(
+            data["logits"], data["labels"], top_k=5, backend="triton", return_sum_pi_squared=True
+        )
+    hidden, weight = torch.randn(3, 7, 8), torch.randn(37, 8)
+    with pytest.raises(NotImplementedError, match="with top_k / top_p / min_p"):
+        fusedrl.linear_token_logprobs(
+            hidden, weight, data["labels"], top_p=0.9, backend="triton", return_sum_pi_squared=True
+        )
+
+
 def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -190,14 +206,23 @@ def test_the_lm_head_form(backend, monkeypatch):
         torch.testing.assert_close(sum_sq, want_sq, atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
         assert entropy is not None and not sum_sq.requires_grad
-        if grad_on:  # the gradient of logp through the capped head
-            (grad,) = torch.autograd.grad(logp.sum(), h)
+        if grad_on:  # the gradient of logp and the entropy through the capped head
+            (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), h)
             h_ref = hidden.clone().requires_grad_(True)
             capped = 3.0 * torch.tanh(h_ref @ weight.T / 3.0)
-            want_logp = reference.token_logprobs(capped, labels, 0.8)[0]
-            (want,) = torch.autograd.grad(want_logp.sum(), h_ref)
+            want_logp, want_entropy = reference.token_logprobs(capped, labels, 0.8, True)
+            (want,) = torch.autograd.grad(want_logp.sum() + want_entropy.sum(), h_ref)
             torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
-    assert len(second_sweeps) == (0 if backend == "triton" else 2)
+    # [N, H], no entropy asked, with a gradient: (logp, None, sum pi^2)
+    flat = hidden.reshape(-1, 16).clone().requires_grad_(True)
+    logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
+        flat, weight, labels.reshape(-1), 0.8, False, backend=backend, softcap=3.0,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    assert entropy is None and sum_sq.shape == (21,)
+    torch.testing.assert_close(sum_sq, want_sq.reshape(-1), atol=1e-6, rtol=1e-4)
+    torch.autograd.grad(logp.sum(), flat)
+    assert len(second_sweeps) == (0 if backend == "triton" else 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
