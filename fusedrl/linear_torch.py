@@ -121,6 +121,12 @@ def masked_rows(lin: LinearInputs, hidden: torch.Tensor | None = None) -> torch.
     return torch.where(lin.rows.valid.reshape(-1, 1), flat, 0)
 
 
+def sweep_hidden(lin: LinearInputs) -> torch.Tensor:
+    """The hidden states the sweeps read as [B, T, H]: the caller's, or with `lin.live` the live
+    rows' as [1, n, H]."""
+    return lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
+
+
 def live_row_indices(valid: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """The flat indices of the rows where `valid` ([B, T] bool), ascending. `count` (the caller's
     number of such rows, known on its host) spares the host the wait for the device that
@@ -217,7 +223,7 @@ def sweep(
     slice), and logp / entropy are left at 0."""
     weight, bias = lin.weight, lin.bias
     shape = lin.hidden.shape[:2]
-    hidden = lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
+    hidden = sweep_hidden(lin)
     n_rows = hidden.shape[0] * hidden.shape[1]
     # The sweep's rows: with lin.live the live ones alone (`flat_rows`), their lse spread back
     if whole_rows is not None:

@@ -43,6 +43,7 @@ from .linear_torch import (
     flat_rows,
     masked_rows,
     spread_rows,
+    sweep_hidden,
 )
 from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
@@ -176,14 +177,14 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
     labels, valid = flat_rows(lin, lin.rows.labels), flat_rows(lin, lin.rows.valid)
     if design(lin) == "on-chip":
         out = _on_chip_kernels().linear_stats(
-            _head_rows(lin), lin.weight, lin.bias, labels, valid, temperature
+            sweep_hidden(lin), lin.weight, lin.bias, labels, valid, temperature
         )
         return tuple(spread_rows(lin, t, shape) for t in out)
     ops = _row_ops()
     temperature = flat_rows(lin, temperature)
-    count = 4 if squares else 3
-    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in "1234"]
-    out = out[:count]
+    outputs = 4 if squares else 3
+    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+           for _ in range(outputs)]  # fmt: skip
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         chunk_labels = _cut(labels, start, stop)
@@ -196,12 +197,6 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
         for whole, part in zip(out, chunk):
             whole[:, start:stop] = part
     return tuple(spread_rows(lin, t, shape) for t in out)
-
-
-def _head_rows(lin: LinearInputs) -> torch.Tensor:
-    """The hidden states the on-chip kernels read, [B, T, H]: the caller's, or with `lin.live`
-    the live rows' as [1, n, H]."""
-    return lin.hidden if lin.live is None else masked_rows(lin).unsqueeze(0)
 
 
 def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
