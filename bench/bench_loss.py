@@ -67,13 +67,23 @@ MATRICES = {
 }
 SMOKE_NOTE = "smoke run, not a measurement"
 # Presets of the benchmark beyond LossConfig's: the exact KL to the reference over the whole
-# vocabulary (kl="full": the reference's logits read beside the policy's, floor 2R + 1W).
-BENCH_PRESETS = {"full_kl": dict(preset="dapo", kl="full", beta=0.04)}
+# vocabulary (kl="full": the reference's logits read beside the policy's, floor 2R + 1W), and
+# DAPO on raw logits of a soft-capped head (Gemma 2/3's cap of 30: the kernels apply c tanh(x / c)
+# as they read, floor 1R + 1W; eager caps an fp32 copy first; Liger has no cap).
+BENCH_PRESETS = {
+    "full_kl": dict(preset="dapo", kl="full", beta=0.04),
+    "softcap": dict(preset="dapo", softcap=30.0),
+}
 
 
 def bench_config(preset: str) -> LossConfig:
     extra = dict(BENCH_PRESETS.get(preset, {"preset": preset}))
+    extra.pop("softcap", None)
     return LossConfig.preset(extra.pop("preset"), **extra)
+
+
+def bench_softcap(preset: str) -> float | None:
+    return BENCH_PRESETS.get(preset, {}).get("softcap")
 
 
 # ------------------------------------------------------------------------------ timing
@@ -173,6 +183,7 @@ class Case:
     def __init__(self, n, vocab, preset, dtype, device, copies, sequences, pristine=False):
         gen = torch.Generator(device=device).manual_seed(0)
         self.cfg = bench_config(preset)
+        self.softcap = bench_softcap(preset)
         self.batch = sequences
         self.time = n // sequences
         shape = (self.batch, self.time, vocab)
@@ -196,7 +207,7 @@ class Case:
         ] if self.cfg.full_kl else None  # fmt: skip
         for buf in self.buffers:
             with torch.no_grad():
-                logp, _ = fusedrl.token_logprobs(buf[:, :-1], self.labels)
+                logp, _ = fusedrl.token_logprobs(buf[:, :-1], self.labels, softcap=self.softcap)
             self.old.append(logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device))
             self.ref.append(logp + 0.1 * torch.randn(shape[:2], generator=gen, device=device))
         self._next = 0
@@ -231,6 +242,8 @@ class Case:
 def trl_style_loss(logits, case: Case, old, ref, ref_logits=None):
     """What TRL's GRPOTrainer does per step: fp32 log-softmax + gather, loss math, autograd."""
     cfg = case.cfg
+    if case.softcap is not None:  # Gemma 2's forward: c tanh(x / c), here on an fp32 copy
+        logits = case.softcap * torch.tanh(logits.float() / case.softcap)
     logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
     logp = logp.gather(-1, case.labels[..., None]).squeeze(-1)
     mask = case.mask.float()
@@ -289,9 +302,11 @@ def make_step(op: str, impl: str, case: Case):
     cfg = case.cfg
 
     def loss_kwargs(inp: Inputs):
+        cap = {} if case.softcap is None else {"softcap": case.softcap}
         if cfg.full_kl:
-            return dict(old_logp=inp.old, ref_logits=inp.ref_logits, config=cfg)
-        return dict(old_logp=inp.old, ref_logp=inp.ref if cfg.beta > 0 else None, config=cfg)
+            return dict(old_logp=inp.old, ref_logits=inp.ref_logits, config=cfg, **cap)
+        ref = inp.ref if cfg.beta > 0 else None
+        return dict(old_logp=inp.old, ref_logp=ref, config=cfg, **cap)
 
     if op == "token_logprobs_fwd":
         if impl in INPLACE_IMPLS:
@@ -321,6 +336,8 @@ def make_step(op: str, impl: str, case: Case):
     if impl.startswith("fusedrl"):
         backend = impl.split("-")[1]  # triton | cuda | torch
         inplace = impl.endswith("inplace")
+        if backend == "cuda" and case.softcap is not None:
+            return None  # the CUDA extension has no soft cap (policy_loss refuses it)
 
         def step():
             inp = _leaf(case.take())
@@ -348,8 +365,8 @@ def make_step(op: str, impl: str, case: Case):
             out = fn(inp.logits, case.labels, case.advantages, case.mask, **loss_kwargs(inp))
             torch.autograd.grad(out.loss, inp.logits)
     elif impl == "liger":
-        if cfg.full_kl:
-            return None  # Liger's GRPO loss has no exact KL over the vocabulary
+        if cfg.full_kl or case.softcap is not None:
+            return None  # Liger's GRPO loss has no exact KL over the vocabulary, no soft cap
         run = _liger_fn()
 
         def step():

@@ -330,9 +330,15 @@ stage_distill() {
     "$PY" bench/bench_distill.py --out "$OUTDIR"
   # The exact KL to the reference in the policy loss (kl="full"), at its 2R + 1W floor, against
   # eager (both log-softmaxes in fp32) and torch.compile of the oracle.
-  step distill:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \
+  step distill:full_kl "$((DEADLINE - SECONDS - 70))" "$PREFIX-bench_loss-full_kl.log" \
     "$PY" bench/bench_loss.py --presets full_kl --N 16384 --V 151936 \
     --ops policy_loss_fwd_bwd --tag full_kl --out "$OUTDIR"
+  # The soft cap inside the row kernels (policy_loss(softcap=30), Gemma's) beside plain DAPO in
+  # one run: what its tanh per element costs against the 1R + 1W floor.
+  step distill:softcap "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-softcap.log" \
+    "$PY" bench/bench_loss.py --presets dapo softcap --N 16384 --V 151936 \
+    --impls fusedrl-triton fusedrl-triton-inplace torch-eager --ops policy_loss_fwd_bwd \
+    --tag softcap --out "$OUTDIR"
 }
 
 stage_sweep() {

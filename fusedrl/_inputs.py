@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LossConfig
+from .logit_transform import LogitTransform
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -40,6 +41,9 @@ class LossInputs:
     # 0-dim fp32 entropy coefficient on the logits' device (`entropy_coef=` a tensor), in place
     # of cfg.entropy_coef: adaptive entropy control changes it without a recompile or a sync
     entropy_coef: torch.Tensor | None = None
+    # the model's soft cap (and logit scale) the backends apply to the logits (`softcap=`);
+    # None: the logits are the model's (a bare logit scale is folded into the temperature)
+    transform: LogitTransform | None = None
 
 
 def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:

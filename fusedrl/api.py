@@ -18,7 +18,7 @@ from ._inputs import (
     temperature_of,
 )
 from .config import LossConfig
-from .logit_transform import check_logit_transform
+from .logit_transform import LogitTransform, check_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
 
@@ -85,6 +85,7 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
     logit_scale: float | None = None,
+    softcap: float | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -151,8 +152,14 @@ def policy_loss(
             is folded into the temperature (config.temperature or the per-token ones): exact,
             on every backend and under tensor parallelism, the gradient w.r.t. x included.
             `ref_logits` (the exact KL) are taken as the same model's, scaled alike; ref_logp
-            must then be of s x too. (A soft cap, which is not a rescale, is taken by the
-            LM-head forms.)
+            must then be of s x too.
+        softcap: the model's logits are c tanh(s x / c) of these (Gemma 2/3's
+            `final_logit_softcapping` c, s the logit_scale or 1), applied inside the kernels
+            as they read each row (one exp2 and one reciprocal per element; the gradient
+            through the tanh), never as a copy; `ref_logits` are capped alike. A -inf logit (or
+            one below -2e20, as masks write -finfo.max) stays banned, not -c. Sampled sets
+            (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch"; not
+            under tensor parallelism yet (the LM-head forms take it there).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -161,7 +168,8 @@ def policy_loss(
     """
     from .tp.dtensor import wants_tensor_parallel
 
-    if logit_scale is not None:
+    transform = capping_transform(softcap, logit_scale)
+    if logit_scale is not None and transform is None:
         # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)
         if isinstance(temperature, torch.Tensor):
             temperature = scaled_temperature(temperature, logit_scale)
@@ -169,6 +177,7 @@ def policy_loss(
             cfg = config if config is not None else LossConfig()
             config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
+        _check_no_softcap_sharded(transform)
         if prox_logp is not None or entropy_coef is not None:
             raise NotImplementedError(
                 "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism "
@@ -209,14 +218,16 @@ def policy_loss(
         prox_logp=prox_logp,
         entropy_coef=entropy_coef,
     )
+    inp.transform = transform
     impl = _resolve_backend(backend, inp.logits.device)
     sharp = None
     if return_sum_pi_squared:  # read before the loss, which may overwrite the logits
         _check_sum_pi_squared(cfg.sampling is not None)
         with torch.no_grad():
             sharp, _ = impl.token_logprobs(
-                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False
-            )
+                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False,
+                **_transform_keyword(transform),
+            )  # fmt: skip
 
     def compute(grad):
         logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
@@ -236,6 +247,26 @@ def policy_loss(
         loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
         sum_pi_squared=sum_pi_squared,
     )  # fmt: skip
+
+
+def capping_transform(softcap, logit_scale) -> LogitTransform | None:
+    """The transform the backends apply for `softcap=` (with `logit_scale`, which a cap does not
+    let fold into the temperature); None without a cap (the arguments checked by name)."""
+    if softcap is None:
+        return None
+    return check_logit_transform(softcap, logit_scale)
+
+
+def _transform_keyword(transform: LogitTransform | None) -> dict:
+    return {} if transform is None else {"transform": transform}
+
+
+def _check_no_softcap_sharded(transform: LogitTransform | None) -> None:
+    if transform is not None:
+        raise NotImplementedError(
+            "softcap= on vocab-sharded logits (tensor parallelism) is not supported yet: pass "
+            "the capped logits, or use fusedrl.tp.linear_policy_loss(softcap=...)"
+        )
 
 
 def scaled_temperature(temperature, logit_scale):
@@ -323,6 +354,7 @@ def token_logprobs(
     vocab_size: int | None = None,
     return_sum_pi_squared: bool = False,
     logit_scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
@@ -347,13 +379,20 @@ def token_logprobs(
     too, not with sampling filters.
 
     `logit_scale`: the model's logits are s x of these, folded into the temperature as in
-    `policy_loss`.
+    `policy_loss`. `softcap`: the model's logits are c tanh(s x / c), applied in the kernels as
+    in `policy_loss` (triton, torch; not under tensor parallelism yet).
     """
     from .tp.dtensor import wants_tensor_parallel
 
-    temperature = scaled_temperature(temperature, logit_scale)
+    transform = capping_transform(softcap, logit_scale)
+    if transform is None:
+        temperature = scaled_temperature(temperature, logit_scale)
+    # a recursive call's own softcap / logit_scale (the latter folded above without a cap)
+    capping = {} if transform is None else {"softcap": softcap, "logit_scale": logit_scale}
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
+    if sharded:
+        _check_no_softcap_sharded(transform)
     in_kernel = (
         return_sum_pi_squared
         and not sharded
@@ -365,11 +404,11 @@ def token_logprobs(
         with torch.no_grad():
             sharp, _ = token_logprobs(
                 logits.detach(), labels, temperature / 2, backend=backend, tp_group=tp_group,
-                vocab_start=vocab_start, vocab_size=vocab_size,
+                vocab_start=vocab_start, vocab_size=vocab_size, **capping,
             )  # fmt: skip
         logp, entropy = token_logprobs(
             logits, labels, temperature, return_entropy, backend, tp_group=tp_group,
-            vocab_start=vocab_start, vocab_size=vocab_size,
+            vocab_start=vocab_start, vocab_size=vocab_size, **capping,
         )  # fmt: skip
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
@@ -390,12 +429,13 @@ def token_logprobs(
     if return_sum_pi_squared:
         _check_sum_pi_squared(sampling.active)
         logp, entropy, sum_sq = impl.token_logprobs_squares(
-            logits3, labels2, temperature, return_entropy
+            logits3, labels2, temperature, return_entropy, **_transform_keyword(transform)
         )
         if flat:
             return logp[0], None if entropy is None else entropy[0], sum_sq[0]
         return logp, entropy, sum_sq
     extra = {"sampling": sampling} if sampling.active else {}
+    extra.update(_transform_keyword(transform))
     logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy, **extra)
     if flat:
         logp = logp[0]

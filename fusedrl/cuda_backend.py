@@ -24,7 +24,7 @@ def policy_loss(inp, cfg, need_entropy, grad_out):
     return fused_backend.policy_loss(_ops(), inp, cfg, need_entropy, grad_out)
 
 
-def token_logprobs(logits, labels, temperature, return_entropy, sampling=None):
+def token_logprobs(logits, labels, temperature, return_entropy, sampling=None, transform=None):
     return fused_backend.token_logprobs(
-        _ops(), logits, labels, temperature, return_entropy, sampling
+        _ops(), logits, labels, temperature, return_entropy, sampling, transform
     )

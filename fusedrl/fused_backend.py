@@ -18,6 +18,7 @@ import torch
 
 from ._inputs import LossInputs, has_entropy_bonus, needs_entropy, temperature_of
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
+from .logit_transform import LogitTransform
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
     TokenTerms,
@@ -65,6 +66,9 @@ class FusedOps:
     # sum_v pi_v^2 from the same read; None: the backend takes it from a second read at half the
     # temperature (api.sum_pi_squared_of).
     logprobs_squares: Callable | None = None
+    # Whether the row ops (log-probs, gradient, fused loss, two rows) take a soft cap (`cap=`:
+    # the kernels read tanh(a x), `kernels/rows.capped`); without, `softcap=` is refused.
+    softcap: bool = False
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -82,11 +86,11 @@ def register_fakes(prefix: str) -> None:
     _FAKES_REGISTERED.add(prefix)
 
     @torch.library.register_fake(f"fusedrl::{prefix}logprobs_fwd")
-    def _(logits, labels, valid, temperature, *row_temps):
+    def _(logits, labels, valid, temperature, *row_temps, **cap):
         return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
 
     @torch.library.register_fake(f"fusedrl::{prefix}logits_grad")
-    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *row_temps):
+    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *row_temps, **cap):
         return None
 
     @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss")
@@ -108,40 +112,58 @@ FUSED_ARGS = (
 )
 
 
-def temperature_keywords(temperature, rows: slice | None = None) -> tuple[float, dict]:
+def temperature_keywords(
+    temperature, rows: slice | None = None, transform: LogitTransform | None = None
+) -> tuple[float, dict]:
     """(the ops' float temperature, their `row_temps=` keyword) of a float or of per-token
-    temperatures ([B, T] tensor; `rows`: the flat rows of a chunk, taken as [1, n])."""
+    temperatures ([B, T] tensor; `rows`: the flat rows of a chunk, taken as [1, n]). With a
+    soft cap (`transform`: y = c tanh(s x / c)) the ops read tanh(a x), a = s / c, at the
+    temperature T / c (y / T = tanh(a x) / (T / c)): their `cap=` keyword is a."""
+    keywords = {}
+    if transform is not None and transform.softcap is not None:
+        keywords["cap"] = transform.scale / transform.softcap
+        temperature = temperature / transform.softcap
     if not isinstance(temperature, torch.Tensor):
-        return temperature, {}
+        return temperature, keywords
     if rows is not None:
         temperature = temperature.reshape(1, -1)[:, rows]
-    return 1.0, {"row_temps": temperature}
+    return 1.0, {"row_temps": temperature, **keywords}
 
 
-def temperature_args(ops: FusedOps, temperature) -> tuple[float, dict]:
-    """`temperature_keywords` for a backend's row ops: per-token temperatures are refused
-    where they have none."""
+def temperature_args(
+    ops: FusedOps, temperature, transform: LogitTransform | None = None
+) -> tuple[float, dict]:
+    """`temperature_keywords` for a backend's row ops: per-token temperatures and a soft cap are
+    refused where they have none."""
     if isinstance(temperature, torch.Tensor) and not ops.row_temperatures:
         raise ValueError(
             "per-token temperatures (a temperature tensor) have no kernel in this backend (the "
             "CUDA extension takes one temperature): use backend='triton' or 'torch'"
         )
-    return temperature_keywords(temperature)
+    check_softcap_kernels(ops, transform)
+    return temperature_keywords(temperature, transform=transform)
+
+
+def check_softcap_kernels(ops: FusedOps, transform: LogitTransform | None) -> None:
+    if transform is not None and transform.softcap is not None and not ops.softcap:
+        raise ValueError(
+            "softcap= has no kernel in this backend (the CUDA extension reads the logits as "
+            "they are): use backend='triton' or 'torch'"
+        )
 
 
 class _LogprobsFn(torch.autograd.Function):
-    """`source` (default: the logits) is what the kernels read: the logits masked to a sampled
+    """`source` (None: the logits) is what the kernels read: the logits masked to a sampled
     set; its gradient is the logits' (0 outside the set). `squares`: a last output, sum_v pi_v^2
-    per row (no gradient), from the same read (`ops.logprobs_squares`)."""
+    per row (no gradient), from the same read (`ops.logprobs_squares`). `transform`: a soft cap
+    the kernels apply (or None)."""
 
     @staticmethod
-    def forward(ctx, ops, logits, labels, temperature, return_entropy, source=None, squares=False):
+    def forward(ctx, ops, logits, labels, temperature, return_entropy, source, squares, transform):
         source = logits if source is None else source
-        scalar, rows = temperature_args(ops, temperature)
+        scalar, rows = temperature_args(ops, temperature, transform)
         if squares:
-            logp, lse, entropy, *sum_sq = ops.logprobs_squares(
-                source, labels, scalar, rows.get("row_temps")
-            )
+            logp, lse, entropy, *sum_sq = ops.logprobs_squares(source, labels, scalar, **rows)
         else:
             logp, lse, entropy, *sum_sq = ops.logprobs_fwd(source, labels, None, scalar, **rows)
         ctx.save_for_backward(source, labels, lse, entropy)
@@ -159,7 +181,7 @@ class _LogprobsFn(torch.autograd.Function):
             logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad,
             **ctx.rows,
         )  # fmt: skip
-        return None, grad, None, None, None, None, None
+        return None, grad, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ sampling-mask replay
@@ -168,10 +190,13 @@ class _LogprobsFn(torch.autograd.Function):
 # buffer when there is no gradient. The backend's `sampled_set` kernel finds each row's set on
 # chip (a radix select, kernels/sampling.py) as it writes; without one, `fusedrl.sampling` finds
 # it with torch.topk / sort, a block of rows at a time.
-def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
+def _write_sampled_set(ops, logits, labels, temperature, sampling, out, transform=None) -> None:
     """out = logits with -inf outside each row's sampled set (out may be logits); `temperature`
-    a float or per-token ([B, T], as `labels`)."""
-    if ops.sampled_set is not None:
+    a float or per-token ([B, T], as `labels`). Under a soft cap (`transform`) the sets are the
+    capped logits' (min_p and top_p weigh them), found by the torch route: the select kernel
+    reads the logits as they are."""
+    capped = transform is not None and transform.softcap is not None
+    if ops.sampled_set is not None and not capped:
         scalar, rows = temperature_args(ops, temperature)
         ops.sampled_set(
             logits, labels, out, scalar, sampling.top_k, sampling.top_p, sampling.min_p, **rows
@@ -181,7 +206,15 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
-        out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], rows_t, sampling))
+        if not capped:
+            out_block.copy_(mask_to_sampled_set(block, flat_labels[start:stop], rows_t, sampling))
+            continue
+        # The raw logits outside the capped rows' sets (and banned ones) become -inf: the
+        # kernels keep a -inf banned under the cap.
+        kept = mask_to_sampled_set(
+            transform.rows(block), flat_labels[start:stop], rows_t, sampling
+        )  # fmt: skip
+        out_block.copy_(block.masked_fill(kept == float("-inf"), float("-inf")))
 
 
 # Rows of a masked copy without a gradient, with the select kernel: 256 MiB of bf16, enough rows
@@ -189,9 +222,9 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out) -> None:
 SAMPLED_CHUNK_ELEMENTS = 1 << 27
 
 
-def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
+def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=None):
     """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time;
-    `temperature` a float or per-token ([B, T])."""
+    `temperature` a float or per-token ([B, T]); `transform`: a soft cap or None."""
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
@@ -205,9 +238,11 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling):
         rows_masked = masked[:, : block.shape[0]]
         rows_t = rows_temperature(temperature, start, stop)
         rows_t = rows_t.reshape(1, -1) if isinstance(rows_t, torch.Tensor) else rows_t
-        _write_sampled_set(ops, block[None], rows_labels, rows_t, sampling, rows_masked)
+        _write_sampled_set(
+            ops, block[None], rows_labels, rows_t, sampling, rows_masked, transform
+        )  # fmt: skip
         rows_valid = None if valid is None else flat[1][start:stop][None]
-        scalar, row_temps = temperature_args(ops, rows_t)
+        scalar, row_temps = temperature_args(ops, rows_t, transform)
         stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, scalar, **row_temps)
         for whole, part in zip(out, stats):
             whole[start:stop] = part[0]
@@ -220,14 +255,17 @@ def token_logprobs_squares(
     labels: torch.Tensor,
     temperature: float | torch.Tensor,
     return_entropy: bool,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`token_logprobs` (no sampling filters) and sum_v pi_v^2 per token ([B, T], no gradient),
     from one read of the logits."""
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, None, True)
+        out = _LogprobsFn.apply(
+            ops, logits, labels, temperature, return_entropy, None, True, transform
+        )
         return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
-    scalar, rows = temperature_args(ops, temperature)
-    logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, scalar, rows.get("row_temps"))
+    scalar, rows = temperature_args(ops, temperature, transform)
+    logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, scalar, **rows)
     return logp, entropy if return_entropy else None, sum_sq
 
 
@@ -238,19 +276,27 @@ def token_logprobs(
     temperature: float,
     return_entropy: bool,
     sampling: SamplingMask | None = None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     sampling = sampling if sampling is not None and sampling.active else None
+    check_softcap_kernels(ops, transform)  # before a masked copy is made
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
         if sampling is not None:  # one masked copy of the logits, kept for backward
             source = torch.empty_like(logits)
-            _write_sampled_set(ops, logits.detach(), labels, temperature, sampling, source)
-        out = _LogprobsFn.apply(ops, logits, labels, temperature, return_entropy, source)
+            _write_sampled_set(
+                ops, logits.detach(), labels, temperature, sampling, source, transform
+            )  # fmt: skip
+        out = _LogprobsFn.apply(
+            ops, logits, labels, temperature, return_entropy, source, False, transform
+        )
         return (out[0], out[1]) if return_entropy else (out[0], None)
     if sampling is not None:
-        logp, _, entropy = _sampled_stats(ops, logits, labels, None, temperature, sampling)
+        logp, _, entropy = _sampled_stats(
+            ops, logits, labels, None, temperature, sampling, transform
+        )
     else:
-        scalar, rows = temperature_args(ops, temperature)
+        scalar, rows = temperature_args(ops, temperature, transform)
         logp, _, entropy = ops.logprobs_fwd(logits, labels, None, scalar, **rows)
     return logp, entropy if return_entropy else None
 
@@ -291,7 +337,7 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
         aggregation_weights(inp, cfg),
         low,
         high,
-        cfg.temperature,
+        temperature_keywords(cfg.temperature, transform=inp.transform)[0],  # T / c under a cap
         loss,
         kernel_float(cfg.dual_clip_c),
         kernel_float(cfg.delta),
@@ -306,7 +352,7 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
 def fused_token_keywords(inp: LossInputs, cfg: LossConfig, rows: slice | None = None) -> dict:
     """The fused op's keywords beside FUSED_ARGS: per-token temperatures (`rows`: a chunk's
     flat rows) and the entropy coefficient as a device scalar."""
-    keywords = temperature_keywords(temperature_of(inp, cfg), rows)[1]
+    keywords = temperature_keywords(temperature_of(inp, cfg), rows, inp.transform)[1]
     if inp.entropy_coef is not None:
         keywords["entropy_coef_tensor"] = inp.entropy_coef
     return keywords
@@ -315,7 +361,7 @@ def fused_token_keywords(inp: LossInputs, cfg: LossConfig, rows: slice | None = 
 def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
     """One kernel: logp, entropy and the gradient."""
     args = fused_token_args(inp, cfg)
-    temperature_args(ops, temperature_of(inp, cfg))  # refuses where the ops have none
+    temperature_args(ops, temperature_of(inp, cfg), inp.transform)  # refuses what ops lack
     rows = fused_token_keywords(inp, cfg)
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
@@ -360,8 +406,8 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
-    # The two-row ops of every backend take per-token temperatures.
-    scalar, rows = temperature_keywords(temperature_of(inp, cfg))
+    # The two-row ops of every backend take per-token temperatures and a soft cap.
+    scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(
         inp.logits, inp.ref_logits, inp.labels, inp.valid, scalar, kind, 0.0, **rows
     )
@@ -390,19 +436,23 @@ def policy_loss(
     if sampling is not None:
         if grad_out is None:
             logp, _, entropy = _sampled_stats(
-                ops, inp.logits, inp.labels, inp.valid, temperature_of(inp, cfg), sampling
-            )
+                ops, inp.logits, inp.labels, inp.valid, temperature_of(inp, cfg), sampling,
+                inp.transform,
+            )  # fmt: skip
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
         temperature = temperature_of(inp, cfg)
-        _write_sampled_set(ops, inp.logits, inp.labels, temperature, sampling, grad_out)
+        check_softcap_kernels(ops, inp.transform)  # before the masked copy is written
+        _write_sampled_set(
+            ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
+        )  # fmt: skip
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg, ops):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
-    scalar, rows = temperature_args(ops, temperature_of(inp, cfg))
+    scalar, rows = temperature_args(ops, temperature_of(inp, cfg), inp.transform)
     logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:

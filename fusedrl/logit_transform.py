@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Logits below this stay banned (-inf) under a soft cap: kernels/rows.py's BANNED.
+BANNED = -2e20
+
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -40,6 +43,22 @@ class LogitTransform:
                 derivative.mul_(self.scale)
         logits.mul_(self.softcap)
         return derivative
+
+    def rows(self, block: torch.Tensor, want_derivative: bool = False):
+        """y = transform(x) of a block of the caller's logits, in fp32 (fp64 stays fp64), not in
+        place; with `want_derivative`, (y, dy/dx). Under a cap a banned logit (below BANNED:
+        -inf, or -finfo.max as masks write it) stays -inf, as in the kernels
+        (`kernels/rows.capped`), instead of becoming -c; its derivative is 0."""
+        dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
+        work = block.to(dtype, copy=True)  # (apply_ works in place)
+        derivative = self.apply_(work, want_derivative)
+        if self.softcap is not None:
+            work = work.masked_fill(block < BANNED, float("-inf"))
+        if not want_derivative:
+            return work
+        if derivative is None:
+            derivative = torch.full_like(work, self.scale)
+        return work, derivative
 
     def chain_(self, grad: torch.Tensor, derivative: torch.Tensor | None) -> torch.Tensor:
         """d(loss)/dx = d(loss)/dy dy/dx, in place on `grad` (d(loss)/dy of the chunk)."""

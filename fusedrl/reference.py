@@ -81,9 +81,21 @@ def _log_softmax_stats(
     return logp, entropy
 
 
-def _scaled_logits(logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """s x in fp32 (fp64 stays fp64), as the model's head would output them."""
-    return (logits.double() if logits.dtype == torch.float64 else logits.float()) * scale
+def _model_logits(
+    logits: torch.Tensor, logit_scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """The logits the model outputs from these, in fp32 (fp64 stays fp64): s x, or under a soft
+    cap c tanh(s x / c), where a banned logit (-inf, or below -2e20 as masks write -finfo.max)
+    stays -inf (a banned token is not given probability by the cap)."""
+    scale = 1.0 if logit_scale is None else logit_scale
+    work = (logits.double() if logits.dtype == torch.float64 else logits.float()) * scale
+    if softcap is None:
+        return work
+    # NaN (padding) goes around the tanh: its backward would turn a zero gradient into NaN
+    nan = torch.isnan(work)
+    capped = softcap * torch.tanh(torch.where(nan, 0.0, work) / softcap)
+    capped = torch.where(nan, float("nan"), capped)
+    return torch.where(logits < -2e20, float("-inf"), capped)
 
 
 def token_logprobs(
@@ -96,16 +108,17 @@ def token_logprobs(
     top_p: float | None = None,
     min_p: float | None = None,
     logit_scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature)[labels] in fp32, optionally the entropy; differentiable.
     With top_k / top_p / min_p, over the set vLLM's sampler kept (the rest at -inf). A tensor
     `temperature` holds one per token (or one per sequence, [B]). `logit_scale`: the logits are
-    s x, scaled here first.
+    s x, scaled here first; `softcap`: they are c tanh(s x / c) (`_model_logits`).
 
     `backend` is accepted (and ignored) so the reference is a drop-in for `fusedrl.token_logprobs`.
     """
-    if logit_scale is not None:
-        logits = _scaled_logits(logits, logit_scale)
+    if logit_scale is not None or softcap is not None:
+        logits = _model_logits(logits, logit_scale, softcap)
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)
     if isinstance(temperature, torch.Tensor):
@@ -566,6 +579,7 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
     logit_scale: float | None = None,
+    softcap: float | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
@@ -576,11 +590,13 @@ def policy_loss(
     config.decoupled_is_cap.
     `entropy_coef`: the bonus's coefficient as a tensor, in place of config.entropy_coef.
     `logit_scale`: the model's logits are s x (Cohere's logit_scale): x scaled here, the
-    reference's logits too.
+    reference's logits too. `softcap`: they are c tanh(s x / c) (Gemma 2/3), the reference's
+    too (`_model_logits`).
     """
-    if logit_scale is not None:
-        logits = _scaled_logits(logits, logit_scale)
-        ref_logits = None if ref_logits is None else _scaled_logits(ref_logits, logit_scale)
+    if logit_scale is not None or softcap is not None:
+        logits = _model_logits(logits, logit_scale, softcap)
+        if ref_logits is not None:
+            ref_logits = _model_logits(ref_logits, logit_scale, softcap)
     cfg = config if config is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
         behaviour = torch.exp(prox_logp.float() - old_logp.float())

@@ -20,6 +20,7 @@ import torch
 
 from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
+from .logit_transform import LogitTransform
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
 
@@ -210,11 +211,12 @@ def forward_stats(
     ref_logits: torch.Tensor | None = None,
     kl_kind: str | None = None,
     full_kl: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp [B, T] and entropy [B, T] (or None) of [B, T, V] logits, block by block, fp32. With
     `sampling` and a [B * T] `floors` buffer, each row's floor is kept there for pass 2. With
     `ref_logits` (and `kl_kind`), each row's exact KL goes into the [B * T] `full_kl` buffer,
-    from the same blocks."""
+    from the same blocks. `transform`: a soft cap applied to each block (the reference's too)."""
     batch, time, _ = logits.shape
     logp = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if need_entropy else None
@@ -223,6 +225,9 @@ def forward_stats(
     for start, (block, *ref_block) in pairs:
         stop = start + block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
+        if transform is not None:
+            block = transform.rows(block)
+            ref_block = [transform.rows(ref) for ref in ref_block]
         floor = None
         if floors is not None and sampling is not None:
             floor = floors[start:stop] = block_floor(block, rows_t, sampling)
@@ -260,6 +265,7 @@ def write_logits_grad(
     kl_kind: str | None = None,
     dfull_kl: torch.Tensor | None = None,
     full_kl: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> None:
     """out[b, t, :] = d(loss)/d(logits[b, t, :]) given per-token dlogp / dentropy ([B, T]);
     with `ref_logits`, plus dfull_kl x d KL_t / d(logits) of the exact KL (`full_kl`: [B, T]);
@@ -268,6 +274,8 @@ def write_logits_grad(
     parallelism; labels < 0 are then in another slice), else found from `logits`.
 
     `out` may be `logits` itself (in-place): each block is read completely before it is written.
+    `transform`: a soft cap applied to each block (the reference's too), the gradient taken
+    through it.
     """
     flat_labels = labels.reshape(-1)
     flat_dlogp = dlogp.reshape(-1)
@@ -277,6 +285,10 @@ def write_logits_grad(
         stop = start + block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
         floor = None if floors is None else floors[start:stop]
+        derivative = None
+        if transform is not None:
+            block, derivative = transform.rows(block, want_derivative=True)
+            ref_block = [transform.rows(ref) for ref in ref_block]
         if lse is None:
             log_probs, _ = block_log_probs(block, rows_t, flat_labels[start:stop], sampling, floor)
         else:
@@ -293,6 +305,8 @@ def write_logits_grad(
             kl = full_kl.reshape(-1)[start:stop]
             kl_grad = full_kl_grad(log_probs, ref_log_probs, kl, kl_kind) / rows_t
             grad += torch.where(weight != 0, weight * kl_grad, 0.0)
+        if derivative is not None:  # (not on rows without a gradient: NaN padding stays out)
+            grad = torch.where(grad != 0, grad * derivative, grad)
         out_block.copy_(grad)
 
 
@@ -308,13 +322,14 @@ class _LogprobsFn(torch.autograd.Function):
     """token_logprobs with the logits kept by reference (no fp32 copy saved for backward)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, return_entropy, sampling):
+    def forward(ctx, logits, labels, temperature, return_entropy, sampling, transform):
         floors = _floors_buffer(logits, sampling)
         logp, entropy = forward_stats(
-            logits, labels, temperature, return_entropy, sampling=sampling, floors=floors
-        )
+            logits, labels, temperature, return_entropy, sampling=sampling, floors=floors,
+            transform=transform,
+        )  # fmt: skip
         ctx.save_for_backward(logits, labels, floors)
-        ctx.temperature, ctx.sampling = temperature, sampling
+        ctx.temperature, ctx.sampling, ctx.transform = temperature, sampling, transform
         return (logp, entropy) if return_entropy else (logp,)
 
     @staticmethod
@@ -330,8 +345,9 @@ class _LogprobsFn(torch.autograd.Function):
             grad,
             ctx.sampling,
             floors,
+            transform=ctx.transform,
         )
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def token_logprobs(
@@ -340,12 +356,16 @@ def token_logprobs(
     temperature: float,
     return_entropy: bool,
     sampling: SamplingMask | None = None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable."""
+    """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable.
+    `transform`: a soft cap applied to the logits first (the gradient taken through it)."""
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy, sampling)
+        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy, sampling, transform)
         return (out[0], out[1]) if return_entropy else (out[0], None)
-    return forward_stats(logits, labels, temperature, return_entropy, sampling=sampling)
+    return forward_stats(
+        logits, labels, temperature, return_entropy, sampling=sampling, transform=transform
+    )
 
 
 def policy_loss(
@@ -361,7 +381,7 @@ def policy_loss(
     temperature = temperature_of(inp, cfg)
     logp, entropy = forward_stats(
         inp.logits, inp.labels, temperature, need_entropy, inp.valid, sampling, floors,
-        inp.ref_logits, cfg.kl, full_kl,
+        inp.ref_logits, cfg.kl, full_kl, inp.transform,
     )  # fmt: skip
     if full_kl is not None:
         full_kl = torch.where(inp.valid, full_kl.view_as(logp), 0.0)
@@ -372,6 +392,6 @@ def policy_loss(
         write_logits_grad(
             inp.logits, inp.labels, temperature, terms.dlogp, terms.dentropy, grad_out,
             sampling, floors, ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
-            dfull_kl=terms.dfull_kl, full_kl=full_kl,
+            dfull_kl=terms.dfull_kl, full_kl=full_kl, transform=inp.transform,
         )  # fmt: skip
     return logp, entropy, terms

@@ -31,22 +31,29 @@ def logprobs_fwd(
     valid: torch.Tensor | None,
     temperature: float,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature, row_temps)
+    """`cap` (every row op): a soft cap's a = s / c, the rows read as tanh(a x) at the
+    temperature T / c (`fused_backend.temperature_keywords`)."""
+    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature, row_temps, cap=cap)
 
 
 @torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
 def logprobs_squares_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, row_temps: torch.Tensor | None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`logprobs_fwd` of every row (the log-prob calls have no mask) and sum_v pi_v^2 per row,
     from the same read of the logits."""
     kernels = _kernels()[0]
-    return kernels.logprobs_forward(logits, labels, None, temperature, row_temps, True)
+    return kernels.logprobs_forward(logits, labels, None, temperature, row_temps, True, cap)
 
 
 @logprobs_squares_fwd.register_fake
-def _(logits, labels, temperature, row_temps):
+def _(logits, labels, temperature, row_temps=None, cap=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
 
 
@@ -61,9 +68,10 @@ def logits_grad(
     temperature: float,
     out: torch.Tensor,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> None:
     _kernels()[0].logits_backward(
-        logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps
+        logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps, cap
     )
 
 
@@ -84,9 +92,9 @@ def sampled_set(
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
-# Per-token temperatures and the entropy coefficient as a device scalar are the Triton ops' own
-# (the CUDA extension's schema is FUSED_ARGS).
-_ROW_TEMPS = "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None"
+# Per-token temperatures, the entropy coefficient as a device scalar and the soft cap are the
+# Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
+_ROW_TEMPS = "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None"
 torch.library.define(
     "fusedrl::fused_token_loss",
     f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
@@ -130,14 +138,15 @@ def two_rows_fwd(
     kind: str,
     beta: float,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _two_rows_kernels().two_rows_forward(
-        student, teacher, labels, valid, temperature, kind, beta, row_temps
+        student, teacher, labels, valid, temperature, kind, beta, row_temps, cap
     )
 
 
 @two_rows_fwd.register_fake
-def _(student, teacher, labels, valid, temperature, kind, beta, row_temps=None):
+def _(student, teacher, labels, valid, temperature, kind, beta, row_temps=None, cap=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(6))
 
 
@@ -159,10 +168,11 @@ def two_rows_grad(
     dlogp: torch.Tensor | None,
     dentropy: torch.Tensor | None,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> None:
     _two_rows_kernels().two_rows_backward(
         student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, beta, out,
-        labels, entropy, dlogp, dentropy, row_temps,
+        labels, entropy, dlogp, dentropy, row_temps, cap,
     )  # fmt: skip
 
 
@@ -185,6 +195,7 @@ OPS = FusedOps(
     row_temperatures=True,
     entropy_coef_tensor=True,
     logprobs_squares=logprobs_squares_fwd,
+    softcap=True,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

@@ -443,6 +443,16 @@ FUSED_BUDGET = 0.60
 # elements/s against the same ~0.92e12 warp-instructions/s, so 0.61 would keep the schedulers as
 # busy as the memory; 0.34 leaves them idle 44 % of the time.
 SQUARES_STATS_BUDGET = 0.34
+# A soft cap (SOFTCAP: the row read as tanh(a x), `rows.capped`) costs every element one exp2,
+# one reciprocal and ~5 FP instructions more in each sweep: Triton 3.6 / 3.9 on sm_90 issue
+# 0.47-0.50 (stats) and 0.48-0.50 (grad) against the plain 0.26 / 0.20, up to 1.0 for both
+# sweeps of the fused kernel: under the 1.2 at which the schedulers are as busy as the memory.
+# Its 3 MUFU per element and sweep are the tighter bound: an H100's 16 MUFU/clk/SM (~3.7e12/s)
+# against the 6 per element of both sweeps caps the fused loss near 0.62e12 elements/s, ~80 % of
+# its 1R + 1W floor (the GPU issue measures it). Exact tanh, not tanh.approx (2^-11 relative).
+SOFTCAP_BUDGET = {"stats": 0.52, "grad": 0.60, "grad_unaligned_out": 0.60}
+SOFTCAP_FUSED_BUDGET = 1.05
+SOFTCAP_MUFU_PER_ELEMENT = 3
 
 
 def loop_role(loop: dict) -> str:

@@ -20,6 +20,8 @@ import triton.language as tl
 from .device import launches_on
 from .rows import (
     LOG2E,
+    cap_arg,
+    capped,
     logp_of,
     row_offset,
     row_stats,
@@ -121,13 +123,16 @@ def _logprobs_fwd_kernel(
     stride_t,
     inv_temperature,
     scale2,
+    cap2,
     HAS_VALID: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     SUM_PI_SQUARED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """SUM_PI_SQUARED: also sum_v pi_v^2 per row into sum_sq_ptr, from the same read."""
+    """SUM_PI_SQUARED: also sum_v pi_v^2 per row into sum_sq_ptr, from the same read. SOFTCAP:
+    the row is read as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e))."""
     row = tl.program_id(0).to(tl.int64)
     valid = 1
     if HAS_VALID:
@@ -138,9 +143,11 @@ def _logprobs_fwd_kernel(
         )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         label_logit = tl.load(row_ptr + tl.load(labels_ptr + row))
+        if SOFTCAP:
+            label_logit, _ = capped(label_logit, cap2, FAST_EXP2)
         lse, mean_z, sum_pi_sq = row_stats(
-            row_ptr, vocab, row_scale2, label_logit, "evict_first", FAST_EXP2, SUM_PI_SQUARED,
-            BLOCK_V,
+            row_ptr, vocab, row_scale2, label_logit, cap2, "evict_first", FAST_EXP2,
+            SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
         )  # fmt: skip
         tl.store(logp_ptr + row, logp_of(label_logit, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
@@ -173,8 +180,10 @@ def _logits_grad_kernel(
     out_stride_t,
     inv_temperature,
     scale2,
+    cap2,
     WITH_ENTROPY: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -203,8 +212,10 @@ def _logits_grad_kernel(
             tl.load(entropy_ptr + row),
             dlogp,
             dentropy,
+            cap2,
             "evict_first",
             WITH_ENTROPY,
+            SOFTCAP,
             FAST_EXP2,
             BLOCK_V,
         )
@@ -220,10 +231,12 @@ def logprobs_forward(
     temperature: float,
     row_temps: torch.Tensor | None = None,
     sum_pi_squared: bool = False,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32, and
     with `sum_pi_squared` a fourth, sum_v pi_v^2 (0 on invalid rows), from the same read.
-    `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
+    `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`: a soft cap's
+    a = s / c: the rows are read as tanh(a x) (`rows.capped`), at `temperature` T / c."""
     batch, time, vocab = logits.shape
     rows = batch * time
     outs = tuple(
@@ -251,9 +264,11 @@ def logprobs_forward(
         logits.stride(1),
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
+        cap_arg(cap),
         HAS_VALID=valid is not None,
         ROW_TEMPERATURE=row_temps is not None,
         SUM_PI_SQUARED=sum_pi_squared,
+        SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
@@ -272,11 +287,12 @@ def logits_backward(
     temperature: float,
     out: torch.Tensor,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> None:
     """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place). A negative
     label means the row's label is not in these logits (tensor parallelism: another rank holds
     its vocab slice): the row gets the softmax terms only, no one-hot term. `row_temps`: [B, T]
-    per-token temperatures, in place of `temperature`."""
+    per-token temperatures, in place of `temperature`; `cap`: as `logprobs_forward`."""
     batch, time, vocab = logits.shape
     if batch * time == 0:
         return
@@ -300,8 +316,10 @@ def logits_backward(
         out.stride(1),
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
+        cap_arg(cap),
         WITH_ENTROPY=dentropy is not None,
         ROW_TEMPERATURE=row_temps is not None,
+        SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),

@@ -32,6 +32,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 # exp2(FLOOR - max) is 0 in fp32 for any max a real row has, and FLOOR x (dentropy ln2 / T) stays
 # finite for any |dentropy / T| < 1e18, so a clamped logit contributes exact zeros.
 FLOOR = tl.constexpr(-1e20)
+# Under a soft cap, logits below this (-inf; -finfo.max of fp32 / bf16, which masks use) stay
+# banned instead of becoming -c (`capped`).
+BANNED = tl.constexpr(-2e20)
 
 
 @triton.jit
@@ -52,6 +55,11 @@ def row_temperature(temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATU
         return inv_temperature, scale2
 
 
+def cap_arg(cap: float | None) -> float:
+    """The kernels' cap2 = 2 a log2(e) of a soft cap's a (`capped`); 0.0 (never read) without."""
+    return 0.0 if cap is None else 2.0 * cap * LOG2E.value
+
+
 def row_temperature_arg(row_temps, placeholder):
     """The per-token temperatures as the kernels read them (flat fp32), or a placeholder tensor
     (never read) when there are none."""
@@ -69,6 +77,18 @@ def exp2(x, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def reciprocal(x, FAST: tl.constexpr):
+    """1 / x; FAST (compiled kernels): rcp.approx.ftz, one MUFU.RCP (`/` is div.full.f32, a
+    reciprocal and a Newton step)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / x
+
+
+@triton.jit
 def to_fp32(x):
     """x in fp32. bf16 is the upper half of an fp32, so one shift per element converts it: the
     generic conversion of a 16-bit load packs pairs into registers and unpacks them again (three
@@ -83,6 +103,21 @@ def to_fp32(x):
 def scaled(x, scale2):
     """y = x * scale2 in fp32, clamped below at FLOOR (NaN stays NaN)."""
     return tl.maximum(x.to(tl.float32) * scale2, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def capped(x, cap2, FAST_EXP2: tl.constexpr):
+    """(v, r) of a logit x under a soft cap: v = tanh(a x) and r = 1 / (1 + 2^(x cap2)) with
+    cap2 = 2 a log2(e), so that v = 1 - 2 r (one exp2 and one reciprocal per element) and
+    dv/dx = 4 a r (1 - r), finite for every x (1 - v^2 of a banned logit would not be).
+
+    The model's logits are c tanh(s x / c) (Gemma 2/3's final_logit_softcapping, s a logit
+    scale): the kernels read v = tanh(a x), a = s / c, as their logits at temperature T / c.
+    A banned logit (below BANNED: -inf, -finfo.max) keeps probability 0 rather than becoming
+    -c: v = min(1 - 2 r, x - BANNED) is then a huge negative number (-inf for -inf)."""
+    xf = to_fp32(x)
+    r = reciprocal(1.0 + exp2(xf * cap2, FAST_EXP2), FAST_EXP2)
+    return tl.minimum(1.0 - 2.0 * r, xf - BANNED), r
 
 
 @triton.jit
@@ -131,8 +166,11 @@ def _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
-def _offset(x, scale2, ref):
-    """d = x * scale2 - ref in one FFMA, clamped below at FLOOR (NaN stays NaN)."""
+def _offset(x, scale2, ref, cap2, SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr):
+    """d = x * scale2 - ref in one FFMA, clamped below at FLOOR (NaN stays NaN); with SOFTCAP,
+    of the capped logit."""
+    if SOFTCAP:
+        x, _ = capped(x, cap2, FAST_EXP2)
     return tl.maximum(x.to(tl.float32) * scale2 - ref, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -142,9 +180,11 @@ def _sums_from_reference(
     vocab,
     scale2,
     ref,
+    cap2,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     SQUARES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """(sum_j 2^d_j, sum_j 2^d_j d_j, sum_j 2^(2 d_j) or 0 without SQUARES) with d_j = y_j - ref
@@ -163,14 +203,14 @@ def _sums_from_reference(
         x = tl.load(body_ptr + offs, eviction_policy=EVICT)
         for i in range(1, full_tiles):
             x_next = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-            d = _offset(x, scale2, ref)
+            d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
             e = exp2(d, FAST_EXP2)
             sum_exp += e
             sum_exp_d += e * d
             if SQUARES:
                 sum_sq += e * e
             x = x_next
-        d = _offset(x, scale2, ref)
+        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
         e = exp2(d, FAST_EXP2)
         sum_exp += e
         sum_exp_d += e * d
@@ -180,7 +220,7 @@ def _sums_from_reference(
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        d = _offset(x, scale2, ref)
+        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
         e = exp2(d, FAST_EXP2)
         sum_exp += e
         sum_exp_d += e * d
@@ -206,9 +246,11 @@ def _stats_online(
     row_ptr,
     vocab,
     scale2,
+    cap2,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     SQUARES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """(lse2, mean y, sum_j p_j^2 or 0 without SQUARES) by the exact online softmax, a running
@@ -222,6 +264,8 @@ def _stats_online(
         sum_sq = tl.zeros([BLOCK_V], tl.float32)
     for i in range(0, full_tiles):
         x = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
+        if SOFTCAP:
+            x, _ = capped(x, cap2, FAST_EXP2)
         y = scaled(x, scale2)
         if SQUARES:
             sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
@@ -230,6 +274,8 @@ def _stats_online(
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
+        if SOFTCAP:
+            x, _ = capped(x, cap2, FAST_EXP2)
         y = scaled(x, scale2)
         if SQUARES:
             sum_sq = _accumulate_squares(run_max, sum_sq, y, FAST_EXP2)
@@ -257,15 +303,18 @@ def row_stats(
     vocab,
     scale2,
     ref_logit,
+    cap2,
     EVICT: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     SQUARES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One read of the row: (lse, sum_j p_j z_j) of z = logits / T, in fp32 nats; scale2 is
     log2(e) / T, a kernel argument so that the loop's FFMA reads it from the constant bank.
     Third: with SQUARES sum_j p_j^2 (the Optimal Token Baseline's input) from the same read, one
-    FFMA per element more; else 0.
+    FFMA per element more; else 0. With SOFTCAP each logit is read as `capped(x, cap2)` (and
+    `ref_logit` is the capped label's).
 
     `ref_logit` is a logit of the row (the label's, which the kernels load first anyway): the
     sums are taken relative to it instead of a running max, which is what makes sweep 1 cheap.
@@ -278,7 +327,7 @@ def row_stats(
     """
     ref = scaled(ref_logit, scale2)
     total, sum_d, sum_sq = _sums_from_reference(
-        row_ptr, vocab, scale2, ref, EVICT, FAST_EXP2, SQUARES, BLOCK_V
+        row_ptr, vocab, scale2, ref, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, BLOCK_V
     )
     lse2 = ref + tl.log2(total)
     mean_y = ref + sum_d / total
@@ -298,7 +347,7 @@ def row_stats(
         # than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
         lse2, mean_y, sum_pi_sq = _stats_online(
-            row_ptr, vocab, scale2, EVICT, FAST_EXP2, SQUARES, HALF_BLOCK_V
+            row_ptr, vocab, scale2, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, HALF_BLOCK_V
         )
     return lse2 * LN2, mean_y * LN2, sum_pi_sq
 
@@ -312,15 +361,34 @@ def logp_of(label_logit, inv_temperature, lse):
 
 
 @triton.jit
-def _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr):
+def _grad_tile(
+    x,
+    scale2,
+    lse2,
+    k0,
+    k1,
+    cap2,
+    WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+):
     """p (k0 + k1 log2 p): the gradient of one tile except the label's one-hot term. A -inf logit
-    gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one."""
-    log2_p = to_fp32(x) * scale2 - lse2
+    gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one. With SOFTCAP
+    the row is v = tanh(a x) and the tile's gradient w.r.t. x is this times r (1 - r) (`capped`;
+    the caller folded 4 a into k0 and k1)."""
+    if SOFTCAP:
+        v, r = capped(x, cap2, FAST_EXP2)
+        log2_p = v * scale2 - lse2
+    else:
+        log2_p = to_fp32(x) * scale2 - lse2
     if WITH_ENTROPY:
         log2_p = tl.maximum(log2_p, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-        return exp2(log2_p, FAST_EXP2) * (k0 + k1 * log2_p)
+        grad = exp2(log2_p, FAST_EXP2) * (k0 + k1 * log2_p)
     else:
-        return exp2(log2_p, FAST_EXP2) * k0
+        grad = exp2(log2_p, FAST_EXP2) * k0
+    if SOFTCAP:
+        grad = grad * (r - r * r)
+    return grad
 
 
 @triton.jit
@@ -333,8 +401,10 @@ def _grad_tiles(
     lse2,
     k0,
     k1,
+    cap2,
     EVICT: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     PREFETCH: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -353,7 +423,7 @@ def _grad_tiles(
             x_next = to_fp32(tl.load(in_ptr + next_start + offs, eviction_policy=EVICT))
         else:
             x = tl.load(in_ptr + start + offs, eviction_policy=EVICT)
-        grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
+        grad = _grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2)
         grad = grad.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + start + offs, grad, eviction_policy="evict_first")
         if PREFETCH:
@@ -373,8 +443,10 @@ def write_row_grad(
     entropy,
     dlogp,
     dentropy,
+    cap2,
     EVICT: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -383,6 +455,8 @@ def write_row_grad(
     With log2_p = y - lse2 this is p (k0 + k1 log2_p) + onehot dlogp / T, k0 = -(dlogp + dH H) / T
     and k1 = -dH ln2 / T, so the loop has no compare with the label: its entry is stored once
     after the sweep, from `label_logit`, which the caller loaded from the row before this call.
+    With SOFTCAP (`capped`) the row is v = tanh(a x): every entry, the label's too, is then
+    d(loss)/dv x 4 a r (1 - r), 4 a folded into k0, k1 and the one-hot coefficient here.
 
     In place (`out_ptr` == `row_ptr`) the row is overwritten while being read, so two orderings
     are enforced here by a barrier each, whatever the caller did before:
@@ -407,6 +481,12 @@ def write_row_grad(
     lse2 = lse * LOG2E
     k0 = -(dlogp + dentropy * entropy) * inv_temperature
     k1 = -dentropy * LN2 * inv_temperature
+    onehot = dlogp * inv_temperature
+    if SOFTCAP:
+        four_a = cap2 * (2.0 * LN2)  # 4 a from cap2 = 2 a log2(e)
+        k0 = k0 * four_a
+        k1 = k1 * four_a
+        onehot = onehot * four_a
     out_ty = out_ptr.dtype.element_ty
     head, _, _ = row_layout(row_ptr, vocab, BLOCK_V)
     out_head, full_tiles, out_body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
@@ -414,30 +494,35 @@ def write_row_grad(
     for r in range(0, remainder_tiles(out_head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, out_head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=0.0, eviction_policy=EVICT)
-        grad = _grad_tile(x, scale2, lse2, k0, k1, WITH_ENTROPY, FAST_EXP2)
+        grad = _grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2)
         tl.store(out_ptr + roffs, grad.to(out_ty), mask=in_row, eviction_policy="evict_first")
     if full_tiles > 0:
         if out_head == head:
             body_ptr = tl.multiple_of(row_ptr + out_head, 16)
-            _grad_tiles(body_ptr, out_body_ptr, 0, full_tiles, scale2, lse2, k0, k1,
-                        EVICT, WITH_ENTROPY, FAST_EXP2, True, BLOCK_V)  # fmt: skip
+            _grad_tiles(body_ptr, out_body_ptr, 0, full_tiles, scale2, lse2, k0, k1, cap2,
+                        EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2, True, BLOCK_V)  # fmt: skip
         else:
             # Unaligned input: its 16-bit loads are not carried over the back edge (see
             # _grad_tiles), and two tiles a trip share the trip's fixed cost (counter, addresses,
             # the stores' cache policy); an odd last tile goes alone.
             pairs = full_tiles // 2
-            _grad_tiles(row_ptr + out_head, out_body_ptr, 0, pairs, scale2, lse2, k0, k1,
-                        EVICT, WITH_ENTROPY, FAST_EXP2, False, 2 * BLOCK_V)  # fmt: skip
+            _grad_tiles(row_ptr + out_head, out_body_ptr, 0, pairs, scale2, lse2, k0, k1, cap2,
+                        EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False, 2 * BLOCK_V)  # fmt: skip
             if full_tiles % 2 != 0:
                 _grad_tiles(row_ptr + out_head, out_body_ptr, full_tiles - 1, full_tiles,
-                            scale2, lse2, k0, k1, EVICT, WITH_ENTROPY, FAST_EXP2, False,
-                            BLOCK_V)  # fmt: skip
+                            scale2, lse2, k0, k1, cap2, EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2,
+                            False, BLOCK_V)  # fmt: skip
     # The label's entry: the same p-term plus the one-hot term, stored after every other write.
-    label_log2_p = scaled(label_logit, scale2) - lse2
+    label_value = label_logit
+    if SOFTCAP:
+        label_value, label_r = capped(label_logit, cap2, FAST_EXP2)
+    label_log2_p = scaled(label_value, scale2) - lse2
     label_p = tl.exp2(label_log2_p)
-    label_grad = label_p * k0 + dlogp * inv_temperature
+    label_grad = label_p * k0 + onehot
     if WITH_ENTROPY:
         label_grad += label_p * k1 * label_log2_p
+    if SOFTCAP:
+        label_grad = label_grad * (label_r - label_r * label_r)
     tl.debug_barrier()
     if label >= 0:  # else the label is in another rank's vocab slice (tensor parallelism)
         tl.store(out_ptr + label, label_grad.to(out_ty))

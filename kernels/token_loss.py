@@ -20,6 +20,8 @@ from .device import launches_on
 from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
 from .rows import (
     LOG2E,
+    cap_arg,
+    capped,
     logp_of,
     row_offset,
     row_stats,
@@ -141,6 +143,7 @@ def _fused_token_loss_kernel(
     grad_stride_t,
     inv_temperature,
     scale2,
+    cap2,
     dual_clip_c,
     delta,
     tau_pos,
@@ -157,13 +160,15 @@ def _fused_token_loss_kernel(
     ENTROPY_BONUS: tl.constexpr,
     ENTROPY_COEF_FROM_PTR: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
     are in flight as the launcher sized to L2 (`persistent_programs`). ENTROPY_COEF_FROM_PTR:
     the entropy coefficient is a device scalar (adaptive entropy control changes it between
-    steps without a recompile or a host sync), read once per program."""
+    steps without a recompile or a host sync), read once per program. SOFTCAP: the rows are read
+    as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e))."""
     bonus_coef = entropy_coef
     if ENTROPY_COEF_FROM_PTR:
         bonus_coef = tl.load(entropy_coef_ptr)
@@ -194,12 +199,16 @@ def _fused_token_loss_kernel(
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
+            label_value = label_logit
+            if SOFTCAP:
+                label_value, _ = capped(label_logit, cap2, FAST_EXP2)
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
             lse, mean_z, _ = row_stats(
-                row_ptr, vocab, row_scale2, label_logit, "evict_last", FAST_EXP2, False, BLOCK_V
-            )
+                row_ptr, vocab, row_scale2, label_value, cap2, "evict_last", FAST_EXP2, False,
+                SOFTCAP, BLOCK_V,
+            )  # fmt: skip
             entropy = lse - mean_z
-            logp = logp_of(label_logit, row_inv_t, lse)
+            logp = logp_of(label_value, row_inv_t, lse)
             if not HAS_OLD:
                 old = logp
             d_token = policy_dlogp(
@@ -232,8 +241,10 @@ def _fused_token_loss_kernel(
                 entropy,
                 d_token * agg_weight,
                 dentropy,
+                cap2,
                 "evict_first",
                 ENTROPY_BONUS,
+                SOFTCAP,
                 FAST_EXP2,
                 BLOCK_V,
             )
@@ -269,11 +280,13 @@ def fused_token_loss(
     entropy_coef: float,
     row_temps: torch.Tensor | None = None,
     entropy_coef_tensor: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]; `row_temps`: per-token
     temperatures, in place of `temperature`; `entropy_coef_tensor`: a one-element device tensor,
-    the entropy coefficient in place of `entropy_coef` (the bonus then always applies)."""
+    the entropy coefficient in place of `entropy_coef` (the bonus then always applies); `cap`:
+    a soft cap's a = s / c, the rows read as tanh(a x) at `temperature` T / c."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -312,6 +325,7 @@ def fused_token_loss(
         grad.stride(1),
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
+        cap_arg(cap),
         float(dual_clip_c or 0.0),
         float(delta or 0.0),
         float(tau_pos),
@@ -328,6 +342,7 @@ def fused_token_loss(
         ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
         ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
         ROW_TEMPERATURE=row_temps is not None,
+        SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),

@@ -42,6 +42,8 @@ from .rows import (
     LN2,
     LOG2E,
     accumulate_weighted,
+    cap_arg,
+    capped,
     exp2,
     row_offset,
     row_temperature,
@@ -75,14 +77,30 @@ def launch_options(block: int, elem_bytes: int = 2) -> dict[str, int]:
 
 
 @triton.jit
-def _load_pair(s_row, q_row, start, vocab, scale2, BLOCK_V: tl.constexpr):
-    """(y_s, y_q, in_row) of one tile of both rows: y = x log2(e) / T in fp32, clamped below at
-    FLOOR (a -inf logit weighs 0 without a NaN; off the row: FLOOR too)."""
+def _load_pair(
+    s_row,
+    q_row,
+    start,
+    vocab,
+    scale2,
+    cap2,
+    SOFTCAP: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """(y_s, y_q, in_row, r_s) of one tile of both rows: y = x log2(e) / T in fp32, clamped below
+    at FLOOR (a -inf logit weighs 0 without a NaN; off the row: FLOOR too). With SOFTCAP both
+    rows are read as tanh(a x) (`rows.capped`) and r_s is the student's r (d tanh(a x) / dx =
+    4 a r (1 - r)); else r_s is 0."""
     offs = start + tl.arange(0, BLOCK_V)
     in_row = offs < vocab
-    ys = scaled(tl.load(s_row + offs, mask=in_row, other=-float("inf")), scale2)
-    yq = scaled(tl.load(q_row + offs, mask=in_row, other=-float("inf")), scale2)
-    return ys, yq, in_row
+    xs = tl.load(s_row + offs, mask=in_row, other=-float("inf"))
+    xq = tl.load(q_row + offs, mask=in_row, other=-float("inf"))
+    r_s = 0.0
+    if SOFTCAP:
+        xs, r_s = capped(xs, cap2, FAST_EXP2)
+        xq, _ = capped(xq, cap2, FAST_EXP2)
+    return scaled(xs, scale2), scaled(xq, scale2), in_row, r_s
 
 
 @triton.jit
@@ -139,9 +157,11 @@ def _two_rows_fwd_kernel(
     beta,
     log2_beta,
     log2_rest,
+    cap2,
     KIND: tl.constexpr,
     HAS_VALID: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -164,7 +184,9 @@ def _two_rows_fwd_kernel(
         other_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_q: E_s[y_q]
         cross_q = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_q - max) (y_q - y_s): E_q
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, _ = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
+            ys, yq, unused_in_row, unused_r = _load_pair(
+                s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, FAST_EXP2, BLOCK_V
+            )
             max_s, total_s, own_s, other_s = _accumulate_two(
                 max_s, total_s, own_s, other_s, ys, yq, FAST_EXP2
             )
@@ -184,7 +206,9 @@ def _two_rows_fwd_kernel(
             sum_d = tl.zeros([BLOCK_V], tl.float32)
             sum_sg = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
-                ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
+                ys, yq, in_row, unused_r = _load_pair(
+                    s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, FAST_EXP2, BLOCK_V
+                )
                 ls2 = ys - lse2_s
                 lq2 = yq - lse2_q
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)
@@ -194,7 +218,10 @@ def _two_rows_fwd_kernel(
                 sum_sg += ps * (1.0 - beta) * (ls2 - lm2)
             value = tl.sum(sum_d, axis=0) * LN2
             aux = tl.sum(sum_sg, axis=0) * LN2
-        label_y = scaled(tl.load(s_row + tl.load(labels_ptr + row)), row_scale2)
+        label_x = tl.load(s_row + tl.load(labels_ptr + row))
+        if SOFTCAP:
+            label_x, _ = capped(label_x, cap2, FAST_EXP2)
+        label_y = scaled(label_x, row_scale2)
         tl.store(logp_ptr + row, (label_y - lse2_s) * LN2)
         tl.store(lse_s_ptr + row, lse2_s * LN2)
         tl.store(lse_q_ptr + row, lse2_q * LN2)
@@ -238,9 +265,11 @@ def _two_rows_grad_kernel(
     log2_beta,
     log2_rest,
     one_minus_beta,
+    cap2,
     KIND: tl.constexpr,
     WITH_POLICY: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -271,7 +300,9 @@ def _two_rows_grad_kernel(
             label = tl.load(labels_ptr + row)
             entropy = tl.load(entropy_ptr + row)
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, in_row = _load_pair(s_row, q_row, start, vocab, row_scale2, BLOCK_V)
+            ys, yq, in_row, r_s = _load_pair(
+                s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, False, BLOCK_V
+            )
             ls2 = ys - lse2_s
             lq2 = yq - lse2_q
             ps = tl.exp2(ls2)
@@ -288,6 +319,8 @@ def _two_rows_grad_kernel(
                 onehot = tl.where(start + offs == label, 1.0, 0.0)
                 policy = dlogp * (onehot - ps) - dentropy * ps * (ls2 * LN2 + entropy)
                 grad += policy * row_inv_t
+            if SOFTCAP:  # d/dx = d/dv 4 a r (1 - r), 4 a = cap2 2 ln(2)
+                grad = grad * ((r_s - r_s * r_s) * (cap2 * (2.0 * LN2)))
             tl.store(out_row + start + offs, grad.to(out_ptr.dtype.element_ty), mask=in_row)
     else:
         zeros = tl.zeros([BLOCK_V], out_ptr.dtype.element_ty)
@@ -312,11 +345,13 @@ def two_rows_forward(
     kind: str,
     beta: float = 0.5,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] student and teacher logits (vocab contiguous, any batch/time strides) ->
     (student logp of labels, lse of student, lse of teacher, D, sum s g, student entropy), each
     [B, T] fp32. `kind`: "kl", "kl_rev" or "jsd" (0 < beta < 1). Masked rows (valid == 0) get
-    zeros. `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
+    zeros. `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`: a soft
+    cap's a = s / c: both rows read as tanh(a x) (`rows.capped`) at `temperature` T / c."""
     batch, time, vocab = student.shape
     outs = tuple(
         torch.empty(batch, time, dtype=torch.float32, device=student.device) for _ in range(6)
@@ -344,9 +379,11 @@ def two_rows_forward(
         beta,
         log2_beta,
         log2_rest,
+        cap_arg(cap),
         KIND=KIND_CODES[kind],
         HAS_VALID=valid is not None,
         ROW_TEMPERATURE=row_temps is not None,
+        SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(student.device),
         BLOCK_V=block,
         **launch_options(block, student.element_size()),
@@ -372,11 +409,13 @@ def two_rows_backward(
     dlogp: torch.Tensor | None = None,
     dentropy: torch.Tensor | None = None,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> None:
     """out[b, t] = weight[b, t] dD/d(student[b, t]) ([B, T, V]; out may be `student`). With
     `dlogp` (and labels, the forward's entropy, and dentropy or None), plus the policy loss's own
     terms dlogp (onehot - s) / T + dentropy dH/dx: the whole gradient of a policy loss with the
-    exact KL in one pass over both rows. `row_temps`: per-token temperatures, as forward."""
+    exact KL in one pass over both rows. `row_temps`: per-token temperatures, `cap`: a soft
+    cap, as forward."""
     batch, time, vocab = student.shape
     if batch * time == 0:
         return
@@ -416,9 +455,11 @@ def two_rows_backward(
         log2_beta,
         log2_rest,
         1.0 - beta,
+        cap_arg(cap),
         KIND=KIND_CODES[kind],
         WITH_POLICY=with_policy,
         ROW_TEMPERATURE=row_temps is not None,
+        SOFTCAP=cap is not None,
         BLOCK_V=block,
         **launch_options(block, student.element_size()),
     )

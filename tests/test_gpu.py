@@ -1118,6 +1118,51 @@ def test_per_token_temperatures_compiled(preset, filters):
         fusedrl.policy_loss(data["logits"], **args, config=cfg, temperature=temps, backend="cuda")
 
 
+@pytest.mark.parametrize(
+    "case", ["dapo", "dapo-inplace", "gspo-top-k-min-p", "dapo-exact-kl", "logprobs"]
+)
+def test_soft_cap_in_the_compiled_row_kernels(case):
+    """policy_loss / token_logprobs(softcap=) on the compiled kernels (SOFTCAP: tanh(a x) at
+    each load, rcp.approx and ex2.approx, 4 a r (1 - r) at each gradient store; the fused kernel
+    in place too, the two passes, the two-row kernels) against the torch backend on the same
+    bf16 logits of V = 151936, a share of them past the cap; the CUDA extension refuses it."""
+    data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=8))
+    data["logits"] = data["logits"] * 8  # |x| up to ~60 against the cap of 30
+    cap = 30.0
+    if case == "logprobs":
+        results = []
+        for impl in ("torch", "triton"):
+            x = data["logits"].clone().requires_grad_(True)
+            logp, entropy, sum_sq = fusedrl.token_logprobs(
+                x, data["labels"], 0.7, True, impl, softcap=cap, return_sum_pi_squared=True
+            )
+            (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), x)
+            results.append((logp, entropy, sum_sq, grad))
+        for want, got in zip(*results):
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+        return
+    preset = case.split("-")[0]
+    kwargs = {"config": LossConfig.preset(preset, entropy_coef=0.01), "softcap": cap}
+    if case == "gspo-top-k-min-p":
+        kwargs["config"] = LossConfig.preset("gspo", top_k=50, min_p=0.05)
+    if case == "dapo-exact-kl":
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        noise = torch.randn(data["logits"].shape, generator=gen, device="cuda")
+        kwargs["ref_logits"] = (data["logits"] + noise).bfloat16()
+        kwargs["config"] = LossConfig.preset("dapo", kl="full", beta=0.1)
+        data.pop("ref_logp")
+    (ref, ref_grad), (ours, grad) = _torch_and(
+        "triton", data, inplace=case.endswith("inplace"), **kwargs
+    )
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
+    if case != "dapo-exact-kl":  # (the CUDA backend's exact KL runs the Triton two-row kernels)
+        args = {k: v for k, v in data.items() if k != "logits"}
+        with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
+            fusedrl.policy_loss(data["logits"], **args, **kwargs, backend="cuda")
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_tensor_entropy_coefficient_compiled(backend):
     """entropy_coef= a device scalar on the compiled fused kernel (ENTROPY_COEF_FROM_PTR; the

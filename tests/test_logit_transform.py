@@ -231,6 +231,129 @@ def test_logit_scale_on_the_logits_entry_points(backend):
         fusedrl.policy_loss(**data, logit_scale="2")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_on_the_logits_entry_points(backend):
+    """policy_loss / token_logprobs(softcap=c, logit_scale=s): the model's logits are
+    c tanh(s x / c) of these, applied by the kernels as they read each row (`rows.capped`),
+    against the oracle capping x itself (checked against the formula here): the fused kernel
+    (in place too, sum pi^2 beside it), the two-pass path with per-token temperatures and every
+    sampling filter (the capped logits' sets), the exact KL (both rows capped), log-probs with
+    and without a gradient; a banned logit (-inf, -finfo.max) stays banned; far from the
+    uncapped call."""
+    from .conftest import make_batch
+
+    data = make_batch(vocab=131, seed=23, with_nan_padding=True)
+    mask = data["mask"]
+    x = 2.0 * data["logits"]
+    x[0, 0, 5] = float("-inf")  # banned tokens in a counted row: probability 0, not -c
+    x[0, 0, 9] = torch.finfo(torch.float32).min
+    assert mask[0, 0]
+    # the cap acts: a share of the counted logits is pressed toward it
+    assert ((SCALE * x).abs() > CAP)[mask].float().mean() > 0.3
+    capped = _transformed(torch.where(mask[..., None], x, 0.0), CAP, SCALE)
+    capped[0, 0, 5] = capped[0, 0, 9] = float("-inf")
+    oracle_logp = reference.token_logprobs(capped, torch.where(mask, data["labels"], 0))[0]
+    torch.testing.assert_close(  # the oracle's own cap is the formula
+        reference.token_logprobs(x, torch.where(mask, data["labels"], 0), softcap=CAP,
+                                 logit_scale=SCALE)[0][mask],
+        oracle_logp[mask],
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    temps = 0.6 + torch.rand(mask.shape, generator=gen)
+    noise = torch.randn(x.shape, generator=gen)
+    rows = dict(labels=data["labels"], advantages=data["advantages"], mask=mask)
+    # The oracle's autograd through the exact KL gives NaN at a banned token (0 log 0): that case
+    # reads finite logits.
+    finite = torch.where(x < -1e20, 0.0, x)
+    cases = (  # (the sampler's log-probs off the policy's by this much: ratios straddle the clip)
+        (0.3, x, dict(config=LossConfig.preset("dapo", temperature=0.8, entropy_coef=0.01))),
+        (2e-4, x, dict(config=LossConfig.preset("gspo", top_k=40, top_p=0.9, min_p=0.02),
+                       temperature=temps, logit_scale=SCALE)),
+        (0.3, finite, dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
+                           ref_logits=finite + noise, logit_scale=SCALE)),
+    )  # fmt: skip
+    for spread, logits, kwargs in cases:
+        now = reference.policy_loss(logits, **rows, **kwargs, softcap=CAP).logp
+        rows["old_logp"] = now + spread * torch.randn(now.shape, generator=gen)
+        outs = []
+        for fn, extra in ((fusedrl.policy_loss, {"backend": backend}), (reference.policy_loss, {})):
+            leaf = logits.clone().requires_grad_(True)
+            out = fn(leaf, **rows, **kwargs, **extra, softcap=CAP, return_entropy=True)
+            outs.append((out, torch.autograd.grad(out.loss, leaf)[0]))
+        (ours, grad), (want, want_grad) = outs
+        torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.logp, want.logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+        assert want_grad.abs().max() > 1e-2
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+        if logits is x:
+            assert grad[0, 0, 5] == 0 and grad[0, 0, 9] == 0  # banned: no gradient
+        plain = fusedrl.policy_loss(logits, **rows, **kwargs, backend=backend)
+        assert (plain.logp - ours.logp).abs().max() > 0.1  # the cap acted
+    # in place (the fused kernel overwrites the logits) and sum pi^2 beside the loss
+    leaf = x.clone().requires_grad_(True)
+    buffer = leaf * 1.0
+    out = fusedrl.policy_loss(
+        buffer, **rows, **cases[0][2], backend=backend, softcap=CAP, inplace=True,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    torch.testing.assert_close(grad, _oracle_grad(x, rows, cases[0][2]), atol=1e-6, rtol=1e-5)
+    unscaled = reference._model_logits(torch.where(mask[..., None], x, 0.0), None, CAP)
+    want_sq = reference.sum_pi_squared(unscaled, 0.8)
+    torch.testing.assert_close(out.sum_pi_squared, torch.where(mask, want_sq, 0.0))
+    # log-probs: top_p over the capped logits, float and per-token temperatures, +- a gradient
+    clean = torch.where(mask[..., None], x, noise)
+    labels = torch.where(mask, data["labels"], 0)
+    for temperature in (0.7, torch.where(mask, temps, 1.0)):
+        for grad_on in (False, True):
+            got, ref_in = (clean.clone().requires_grad_(grad_on) for _ in "ab")
+            logp, entropy = fusedrl.token_logprobs(
+                got, labels, temperature, True, backend, top_p=0.9, softcap=CAP
+            )
+            want = reference.token_logprobs(ref_in, labels, temperature, True, top_p=0.9,
+                                            softcap=CAP)  # fmt: skip
+            torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
+            if grad_on:
+                (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), got)
+                (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), ref_in)
+                torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    _, _, sum_sq = fusedrl.token_logprobs(
+        clean, labels, 0.7, backend=backend, softcap=CAP, logit_scale=SCALE,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    want_sq = reference.sum_pi_squared(_transformed(clean, CAP, SCALE), 0.7)
+    torch.testing.assert_close(sum_sq, want_sq)
+
+
+def _oracle_grad(x, rows, kwargs):
+    leaf = x.clone().requires_grad_(True)
+    out = reference.policy_loss(leaf, **rows, **kwargs, softcap=CAP)
+    return torch.autograd.grad(out.loss, leaf)[0]
+
+
+def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
+    from fusedrl import fused_backend
+    from fusedrl.logit_transform import LogitTransform
+
+    from .conftest import make_batch
+
+    data = make_batch(vocab=131, seed=2)
+    cuda_like = fused_backend.FusedOps(None, None, None, None)  # the CUDA extension's flags
+    with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
+        fused_backend.temperature_args(cuda_like, 1.0, LogitTransform(1.0, CAP))
+    assert fused_backend.temperature_args(cuda_like, 2.0) == (2.0, {})
+    with pytest.raises(NotImplementedError, match="softcap= on vocab-sharded logits"):
+        fusedrl.policy_loss(**data, softcap=CAP, vocab_start=0)
+    with pytest.raises(NotImplementedError, match="softcap= on vocab-sharded logits"):
+        fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP, vocab_start=0)
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        fusedrl.policy_loss(**data, softcap=0.0)
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        fusedrl.token_logprobs(data["logits"], data["labels"], softcap="30")
+
+
 def test_the_transform_is_read_from_the_models_configs():
     from transformers import AutoConfig
 
