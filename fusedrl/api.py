@@ -126,8 +126,10 @@ def policy_loss(
             backend="triton" reads both rows once a pass (kernels/two_rows.py; "cuda" runs the
             same kernels), "torch" blocks of both; tensor parallelism refuses it for now.
         return_sum_pi_squared: also return sum_v pi_v^2 per token (the Optimal Token Baseline's
-            input; verl's calculate_sum_pi_squared), from one more no-grad read of the logits
-            (`sum_pi_squared`); not with sampling filters or tensor parallelism yet.
+            input; verl's calculate_sum_pi_squared) as `sum_pi_squared`: on Triton from the
+            loss's own read (one FFMA per element in the fused kernel's sweep 1, or pass 1),
+            elsewhere (and with the exact KL) from one more no-grad read of the logits at half
+            the temperature; not with sampling filters or tensor parallelism yet.
         temperature: per-token temperatures ([B, T], or [B] one per sequence; finite > 0 on
             the counted tokens) in place of config.temperature (then left at 1): each row's
             logits are divided by its own (prime-rl's per-token temperature), on the torch and
@@ -158,8 +160,8 @@ def policy_loss(
             as they read each row (one exp2 and one reciprocal per element; the gradient
             through the tanh), never as a copy; `ref_logits` are capped alike. A -inf logit (or
             one below -2e20, as masks write -finfo.max) stays banned, not -c. Sampled sets
-            (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch"; not
-            under tensor parallelism yet (the LM-head forms take it there).
+            (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch", under
+            tensor parallelism too (each rank caps its slice).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -177,7 +179,6 @@ def policy_loss(
             cfg = config if config is not None else LossConfig()
             config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
     if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        _check_no_softcap_sharded(transform)
         if prox_logp is not None or entropy_coef is not None:
             raise NotImplementedError(
                 "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism "
@@ -199,7 +200,7 @@ def policy_loss(
             logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, inplace, backend, return_entropy, is_weights,
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            temperature=temperature,
+            temperature=temperature, transform=transform,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
@@ -221,8 +222,13 @@ def policy_loss(
     inp.transform = transform
     impl = _resolve_backend(backend, inp.logits.device)
     sharp = None
-    if return_sum_pi_squared:  # read before the loss, which may overwrite the logits
+    # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels
+    # do not); elsewhere one more read at half the temperature, before the loss, which may
+    # overwrite the logits.
+    in_loss = hasattr(impl, "policy_loss_squares") and not cfg.full_kl
+    if return_sum_pi_squared:
         _check_sum_pi_squared(cfg.sampling is not None)
+    if return_sum_pi_squared and not in_loss:
         with torch.no_grad():
             sharp, _ = impl.token_logprobs(
                 inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False,
@@ -230,15 +236,20 @@ def policy_loss(
             )  # fmt: skip
 
     def compute(grad):
+        if return_sum_pi_squared and in_loss:
+            logp, entropy, terms, sum_sq = impl.policy_loss_squares(inp, cfg, return_entropy, grad)
+            return terms.loss, (logp, entropy, terms, sum_sq)
         logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
-        return terms.loss, (logp, entropy, terms)
+        return terms.loss, (logp, entropy, terms, None)
 
-    loss, (logp, entropy, terms) = with_known_grad(
+    loss, (logp, entropy, terms, sum_sq) = with_known_grad(
         logits, inp.logits, inplace, inp.flat_input, compute
     )
     sum_pi_squared = None
     if sharp is not None:
         sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)
+    elif sum_sq is not None:
+        sum_pi_squared = torch.where(inp.valid, sum_sq, 0.0)
     if inp.flat_input:
         logp = logp[0]
         entropy = None if entropy is None else entropy[0]
@@ -259,14 +270,6 @@ def capping_transform(softcap, logit_scale) -> LogitTransform | None:
 
 def _transform_keyword(transform: LogitTransform | None) -> dict:
     return {} if transform is None else {"transform": transform}
-
-
-def _check_no_softcap_sharded(transform: LogitTransform | None) -> None:
-    if transform is not None:
-        raise NotImplementedError(
-            "softcap= on vocab-sharded logits (tensor parallelism) is not supported yet: pass "
-            "the capped logits, or use fusedrl.tp.linear_policy_loss(softcap=...)"
-        )
 
 
 def scaled_temperature(temperature, logit_scale):
@@ -380,7 +383,7 @@ def token_logprobs(
 
     `logit_scale`: the model's logits are s x of these, folded into the temperature as in
     `policy_loss`. `softcap`: the model's logits are c tanh(s x / c), applied in the kernels as
-    in `policy_loss` (triton, torch; not under tensor parallelism yet).
+    in `policy_loss` (triton, torch; under tensor parallelism too).
     """
     from .tp.dtensor import wants_tensor_parallel
 
@@ -391,8 +394,6 @@ def token_logprobs(
     capping = {} if transform is None else {"softcap": softcap, "logit_scale": logit_scale}
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
-    if sharded:
-        _check_no_softcap_sharded(transform)
     in_kernel = (
         return_sum_pi_squared
         and not sharded
@@ -417,6 +418,7 @@ def token_logprobs(
         return tp.token_logprobs(
             logits, labels, temperature, return_entropy, backend, top_k, top_p, min_p,
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+            transform=transform,
         )  # fmt: skip
     logits = check_logits(logits)
     labels = check_labels(labels, logits, None)

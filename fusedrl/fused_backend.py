@@ -69,6 +69,9 @@ class FusedOps:
     # Whether the row ops (log-probs, gradient, fused loss, two rows) take a soft cap (`cap=`:
     # the kernels read tanh(a x), `kernels/rows.capped`); without, `softcap=` is refused.
     softcap: bool = False
+    # Whether the log-prob and fused-loss ops fill a `sum_sq=` buffer ([B, T] fp32) with
+    # sum_v pi_v^2 per row from their own read (`policy_loss_squares`).
+    loss_squares: bool = False
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -358,11 +361,19 @@ def fused_token_keywords(inp: LossInputs, cfg: LossConfig, rows: slice | None = 
     return keywords
 
 
-def _fused_token_level(ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor):
-    """One kernel: logp, entropy and the gradient."""
+def _fused_token_level(
+    ops: FusedOps,
+    inp: LossInputs,
+    cfg: LossConfig,
+    grad_out: torch.Tensor,
+    sum_sq: torch.Tensor | None = None,
+):
+    """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`)."""
     args = fused_token_args(inp, cfg)
     temperature_args(ops, temperature_of(inp, cfg), inp.transform)  # refuses what ops lack
     rows = fused_token_keywords(inp, cfg)
+    if sum_sq is not None:
+        rows["sum_sq"] = sum_sq
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
     return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
@@ -420,6 +431,22 @@ def _with_exact_kl(
     return logp, entropy if need_entropy else None, terms
 
 
+def policy_loss_squares(
+    ops: FusedOps,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+    grad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, torch.Tensor]:
+    """`policy_loss` and sum_v pi_v^2 per token ([B, T] fp32, 0 on masked rows) from the same
+    read of the logits: the fused kernel's sweep 1, or pass 1 of the two-pass path. Not for the
+    exact KL (its two-row kernels keep no squares) or sampled sets."""
+    if cfg.full_kl or cfg.sampling is not None or not ops.loss_squares:
+        raise ValueError("policy_loss_squares: no read of this config sums pi^2")
+    sum_sq = torch.empty(inp.labels.shape, dtype=torch.float32, device=inp.logits.device)
+    return (*policy_loss(ops, inp, cfg, need_entropy, grad_out, sum_sq), sum_sq)
+
+
 @torch.no_grad()
 def policy_loss(
     ops: FusedOps,
@@ -427,8 +454,10 @@ def policy_loss(
     cfg: LossConfig,
     need_entropy: bool,
     grad_out: torch.Tensor | None,
+    sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
-    """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2."""
+    """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2. `sum_sq`:
+    a [B, T] buffer for sum_v pi_v^2 (`policy_loss_squares`)."""
     need_entropy = need_entropy or needs_entropy(inp, cfg)
     if cfg.full_kl:
         return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
@@ -449,11 +478,14 @@ def policy_loss(
         )  # fmt: skip
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg, ops):
-        logp, entropy = _fused_token_level(ops, inp, cfg, grad_out)
+        logp, entropy = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
     scalar, rows = temperature_args(ops, temperature_of(inp, cfg), inp.transform)
-    logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
+    squares = {} if sum_sq is None else {"sum_sq": sum_sq}
+    logp, lse, entropy = ops.logprobs_fwd(
+        inp.logits, inp.labels, inp.valid, scalar, **rows, **squares
+    )
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(

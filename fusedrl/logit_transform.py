@@ -88,6 +88,14 @@ def check_logit_transform(
     return LogitTransform(scale=scale, softcap=cap)
 
 
+def capping_keywords(transform: LogitTransform | None) -> dict:
+    """`softcap=` / `logit_scale=` of the logits entry points that give `transform` back."""
+    if transform is None:
+        return {}
+    scale = None if transform.scale == 1.0 else transform.scale
+    return {"softcap": transform.softcap, "logit_scale": scale}
+
+
 def model_logit_transform(model) -> dict[str, float | None]:
     """softcap / logit_scale of a transformers model's LM head output, from its config
     (Gemma 2/3 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`):

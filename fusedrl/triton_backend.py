@@ -24,7 +24,7 @@ def _kernels():
 
 
 # ------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=())
+@torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=("sum_sq",))
 def logprobs_fwd(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -32,10 +32,14 @@ def logprobs_fwd(
     temperature: float,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
+    sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cap` (every row op): a soft cap's a = s / c, the rows read as tanh(a x) at the
-    temperature T / c (`fused_backend.temperature_keywords`)."""
-    return _kernels()[0].logprobs_forward(logits, labels, valid, temperature, row_temps, cap=cap)
+    temperature T / c (`fused_backend.temperature_keywords`). `sum_sq` (this op and the fused
+    loss): a [B, T] fp32 buffer that gets sum_v pi_v^2 per row from the same read."""
+    return _kernels()[0].logprobs_forward(
+        logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
+    )
 
 
 @torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
@@ -92,9 +96,12 @@ def sampled_set(
 
 
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
-# Per-token temperatures, the entropy coefficient as a device scalar and the soft cap are the
-# Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
-_ROW_TEMPS = "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None"
+# Per-token temperatures, the entropy coefficient as a device scalar, the soft cap and the sum
+# of squares' buffer are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
+_ROW_TEMPS = (
+    "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
+    "Tensor(b!)? sum_sq=None"
+)
 torch.library.define(
     "fusedrl::fused_token_loss",
     f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
@@ -196,7 +203,9 @@ OPS = FusedOps(
     entropy_coef_tensor=True,
     logprobs_squares=logprobs_squares_fwd,
     softcap=True,
+    loss_squares=True,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)
 token_logprobs_squares = functools.partial(fused_backend.token_logprobs_squares, OPS)
+policy_loss_squares = functools.partial(fused_backend.policy_loss_squares, OPS)

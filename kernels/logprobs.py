@@ -232,17 +232,20 @@ def logprobs_forward(
     row_temps: torch.Tensor | None = None,
     sum_pi_squared: bool = False,
     cap: float | None = None,
+    sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32, and
-    with `sum_pi_squared` a fourth, sum_v pi_v^2 (0 on invalid rows), from the same read.
+    with `sum_pi_squared` a fourth, sum_v pi_v^2 (0 on invalid rows), from the same read (into
+    `sum_sq`, a [B, T] fp32 buffer, when given: then the three alone are returned).
     `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`: a soft cap's
     a = s / c: the rows are read as tanh(a x) (`rows.capped`), at `temperature` T / c."""
     batch, time, vocab = logits.shape
     rows = batch * time
     outs = tuple(
         torch.empty(batch, time, dtype=torch.float32, device=logits.device)
-        for _ in range(4 if sum_pi_squared else 3)
+        for _ in range(4 if sum_pi_squared and sum_sq is None else 3)
     )
+    squares_out = outs[-1] if sum_sq is None else sum_sq
     logp, lse, entropy = outs[:3]
     if rows == 0:
         return outs
@@ -256,7 +259,7 @@ def logprobs_forward(
         logp,
         lse,
         entropy,
-        outs[-1],  # sum_sq_ptr: never written without SUM_PI_SQUARED
+        squares_out,  # sum_sq_ptr: never written without SUM_PI_SQUARED
         row_temperature_arg(row_temps, logp),
         time,
         vocab,
@@ -267,7 +270,7 @@ def logprobs_forward(
         cap_arg(cap),
         HAS_VALID=valid is not None,
         ROW_TEMPERATURE=row_temps is not None,
-        SUM_PI_SQUARED=sum_pi_squared,
+        SUM_PI_SQUARED=sum_pi_squared or sum_sq is not None,
         SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,

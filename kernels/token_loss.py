@@ -133,6 +133,7 @@ def _fused_token_loss_kernel(
     high_ptr,
     logp_ptr,
     entropy_ptr,
+    sum_sq_ptr,
     temperature_ptr,
     entropy_coef_ptr,
     time,
@@ -161,6 +162,7 @@ def _fused_token_loss_kernel(
     ENTROPY_COEF_FROM_PTR: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SUM_PI_SQUARED: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -168,7 +170,9 @@ def _fused_token_loss_kernel(
     are in flight as the launcher sized to L2 (`persistent_programs`). ENTROPY_COEF_FROM_PTR:
     the entropy coefficient is a device scalar (adaptive entropy control changes it between
     steps without a recompile or a host sync), read once per program. SOFTCAP: the rows are read
-    as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e))."""
+    as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). SUM_PI_SQUARED: sweep 1 also sums
+    sum_v pi_v^2 per row into sum_sq_ptr (the Optimal Token Baseline's input), one FFMA per
+    element more."""
     bonus_coef = entropy_coef
     if ENTROPY_COEF_FROM_PTR:
         bonus_coef = tl.load(entropy_coef_ptr)
@@ -203,9 +207,9 @@ def _fused_token_loss_kernel(
             if SOFTCAP:
                 label_value, _ = capped(label_logit, cap2, FAST_EXP2)
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
-            lse, mean_z, _ = row_stats(
-                row_ptr, vocab, row_scale2, label_value, cap2, "evict_last", FAST_EXP2, False,
-                SOFTCAP, BLOCK_V,
+            lse, mean_z, sum_pi_sq = row_stats(
+                row_ptr, vocab, row_scale2, label_value, cap2, "evict_last", FAST_EXP2,
+                SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
             )  # fmt: skip
             entropy = lse - mean_z
             logp = logp_of(label_value, row_inv_t, lse)
@@ -250,10 +254,14 @@ def _fused_token_loss_kernel(
             )
             tl.store(logp_ptr + row, logp)
             tl.store(entropy_ptr + row, entropy)
+            if SUM_PI_SQUARED:
+                tl.store(sum_sq_ptr + row, sum_pi_sq)
         else:
             write_row_zeros(grad_row, vocab, BLOCK_V)
             tl.store(logp_ptr + row, 0.0)
             tl.store(entropy_ptr + row, 0.0)
+            if SUM_PI_SQUARED:
+                tl.store(sum_sq_ptr + row, 0.0)
 
 
 @launches_on("logits")
@@ -281,12 +289,14 @@ def fused_token_loss(
     row_temps: torch.Tensor | None = None,
     entropy_coef_tensor: torch.Tensor | None = None,
     cap: float | None = None,
+    sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]; `row_temps`: per-token
     temperatures, in place of `temperature`; `entropy_coef_tensor`: a one-element device tensor,
     the entropy coefficient in place of `entropy_coef` (the bonus then always applies); `cap`:
-    a soft cap's a = s / c, the rows read as tanh(a x) at `temperature` T / c."""
+    a soft cap's a = s / c, the rows read as tanh(a x) at `temperature` T / c; `sum_sq`: a
+    [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows) from sweep 1."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -315,6 +325,7 @@ def fused_token_loss(
         flat(high),
         logp,
         entropy,
+        logp if sum_sq is None else sum_sq,  # never written without SUM_PI_SQUARED
         row_temperature_arg(row_temps, logp),
         logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
         time,
@@ -343,6 +354,7 @@ def fused_token_loss(
         ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
         ROW_TEMPERATURE=row_temps is not None,
         SOFTCAP=cap is not None,
+        SUM_PI_SQUARED=sum_sq is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),

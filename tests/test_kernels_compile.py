@@ -209,8 +209,9 @@ def test_no_local_memory(compiled, triton):
 
 
 # The one known spill: Triton 3.6's sm_120 build of the fused loss at the 64-register cap keeps
-# 8-16 bytes on the stack in some variants (Triton 3.9 none; docs/benchmarks.md). Bounded.
-KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 16}
+# 8-16 bytes on the stack in some variants, 24 with SUM_PI_SQUARED (one more running sum per
+# slot) (Triton 3.9 none; docs/benchmarks.md). Bounded.
+KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 24}
 
 
 def _stack_allowed(r: dict) -> int:

@@ -334,6 +334,8 @@ def _oracle_grad(x, rows, kwargs):
 
 
 def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
+    """The CUDA extension's ops refuse it by name; a group of one under tensor parallelism is
+    the plain call; bad values are named."""
     from fusedrl import fused_backend
     from fusedrl.logit_transform import LogitTransform
 
@@ -344,10 +346,13 @@ def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
     with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
         fused_backend.temperature_args(cuda_like, 1.0, LogitTransform(1.0, CAP))
     assert fused_backend.temperature_args(cuda_like, 2.0) == (2.0, {})
-    with pytest.raises(NotImplementedError, match="softcap= on vocab-sharded logits"):
-        fusedrl.policy_loss(**data, softcap=CAP, vocab_start=0)
-    with pytest.raises(NotImplementedError, match="softcap= on vocab-sharded logits"):
-        fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP, vocab_start=0)
+    # a group of one under tensor parallelism is the plain call (2 and 3 ranks:
+    # tests/test_tensor_parallel.py)
+    one = fusedrl.policy_loss(**data, softcap=CAP, logit_scale=SCALE, vocab_start=0)
+    plain = fusedrl.policy_loss(**data, softcap=CAP, logit_scale=SCALE)
+    assert torch.equal(one.loss, plain.loss)
+    one = fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP, vocab_start=0)[0]
+    assert torch.equal(one, fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP)[0])
     with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
         fusedrl.policy_loss(**data, softcap=0.0)
     with pytest.raises(TypeError, match="softcap must be a number"):

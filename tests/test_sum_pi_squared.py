@@ -111,6 +111,53 @@ def test_triton_sums_the_squares_in_the_same_read(monkeypatch):
     assert want_sq.min() < 0.05 and want_sq.max() > 0.9
 
 
+@needs_interpreter
+def test_triton_policy_loss_sums_the_squares_in_its_own_read(monkeypatch):
+    """policy_loss(return_sum_pi_squared=True) on Triton: the fused kernel's sweep 1 (in place
+    too) and pass 1 of the two-pass path (gspo) sum pi^2 beside the loss, with per-token
+    temperatures and a soft cap: no second read at T / 2; the exact KL (two-row kernels, no
+    squares) takes that read. The loss, logp and gradient are the call's without it."""
+    second_reads = []
+    real = fusedrl.api.sum_pi_squared_of
+    monkeypatch.setattr(
+        fusedrl.api, "sum_pi_squared_of", lambda *a: second_reads.append(1) or real(*a)
+    )
+    data = make_batch(vocab=131, seed=12, with_nan_padding=True)
+    mask = data["mask"]
+    temps = 0.6 + 0.5 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(data["logits"].shape, generator=torch.Generator().manual_seed(2))
+    args = {k: v for k, v in data.items() if k not in ("logits", "ref_logp")}
+    cases = (  # (kwargs, whether the loss's own read sums the squares)
+        (dict(config=LossConfig.preset("dapo", entropy_coef=0.01), temperature=temps), True),
+        (dict(config=LossConfig.preset("dapo"), inplace=True, softcap=3.0), True),
+        (dict(config=LossConfig.preset("gspo", temperature=0.8)), True),
+        (dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
+              ref_logits=data["logits"] + noise), False),
+    )  # fmt: skip
+    for kwargs, in_loss in cases:
+        second_reads.clear()
+        outs, grads = [], []
+        for asked in (False, True):
+            logits = data["logits"].clone().requires_grad_(True)
+            work = logits * 1.0 if kwargs.get("inplace") else logits
+            out = fusedrl.policy_loss(
+                work, **args, **kwargs, backend="triton", return_sum_pi_squared=asked
+            )
+            grads.append(torch.autograd.grad(out.loss, logits)[0])
+            outs.append(out)
+        assert len(second_reads) == (0 if in_loss else 1), kwargs
+        column = kwargs.get("temperature", kwargs["config"].temperature)
+        column = column[..., None] if isinstance(column, torch.Tensor) else column
+        clean = torch.where(mask[..., None], data["logits"], 0.0)
+        if "softcap" in kwargs:
+            clean = reference._model_logits(clean, None, kwargs["softcap"])
+        want = torch.where(mask, reference.sum_pi_squared(clean / column), 0.0)
+        torch.testing.assert_close(outs[1].sum_pi_squared, want, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=0, rtol=0)
+        torch.testing.assert_close(outs[1].logp, outs[0].logp, atol=0, rtol=0)
+        torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_against_the_float64_truth(backend):
     logits, labels = _logits(seed=2)

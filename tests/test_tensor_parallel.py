@@ -73,7 +73,7 @@ class Case:
     oracle: bool = True  # the single-process call gives the same numbers (not so for a random pick)
     sampling: tuple = ()  # token_logprobs' top_k / top_p / min_p, as (key, value) pairs
     row_temps: bool = False  # per-token temperatures (`temperature=` a [B, T] tensor)
-    softcap: float | None = None  # the LM-head forms: the model's soft cap after the head
+    softcap: float | None = None  # the model's soft cap (logits: raw ones; LM head: after it)
     skip_masked_rows: bool = False  # the LM-head loss: logits for the live rows alone
 
     def sampling_filters(self) -> dict:
@@ -157,6 +157,14 @@ CASES = [
     Case("triton_dapo_sampling", **TRITON, return_entropy=True, overrides=(
         ("top_k", 12), ("top_p", 0.9))),
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
+    # a soft cap on raw logits: each rank caps its slice as it reads it (the sets: the capped
+    # logits')
+    Case("dapo_softcap_sampling_padded_row_temps", layout="padded", nan_padding=True,
+         row_temps=True, softcap=3.0, return_entropy=True,
+         overrides=(("top_k", 40), ("min_p", 0.02), ("entropy_coef", 0.01))),
+    Case("logprobs_softcap_sampling", kind="logprobs", return_entropy=True, softcap=3.0,
+         temperature=0.7, sampling=(("top_p", 0.85),)),
+    Case("triton_gspo_softcap_inplace", **TRITON, preset="gspo", softcap=2.5, inplace=True),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
     Case("linear_dapo_softcap", kind="linear", return_entropy=True, softcap=3.0),
     Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
@@ -193,6 +201,7 @@ CASES = [
     Case("tp1_triton_gspo", kind="tp1", **TRITON, preset="gspo"),
     Case("tp1_triton_dapo", kind="tp1", **TRITON, return_entropy=True),  # the fused kernel
     Case("tp1_logprobs", kind="tp1", inputs="logprobs"),
+    Case("tp1_triton_softcap", kind="tp1", **TRITON, softcap=2.5, return_entropy=True),
     Case("tp1_linear_padded", kind="tp1", inputs="linear", layout="padded", preset="grpo"),
     Case("tp1_dapo_sampling", kind="tp1", overrides=(("top_k", 30), ("top_p", 0.9))),
     Case("tp1_logprobs_sampling", kind="tp1", inputs="logprobs", sampling=(("top_p", 0.8),)),
@@ -218,6 +227,8 @@ CASES = [
     Case("bad_config_differs", kind="bad", inputs="config_differs",
          expect_error="TensorParallelInputError"),
     Case("bad_row_temps_rank0_only", kind="bad", inputs="row_temps_rank0_only",
+         expect_error="TensorParallelInputError"),
+    Case("bad_softcap_differs", kind="bad", inputs="softcap_differs",
          expect_error="TensorParallelInputError"),
     Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
          expect_error="TensorParallelInputError"),
@@ -417,7 +428,9 @@ def _fused(case: Case):
 def _reference(case: Case):
     fn = reference.token_logprobs if _logprobs_kind(case) else reference.policy_loss
     if not _linear_kind(case):
-        return fn
+        if case.softcap is None:
+            return fn
+        return lambda *args, **kwargs: fn(*args, softcap=case.softcap, **kwargs)
 
     def call(hidden, weight, *args, bias=None, **kwargs):
         logits = torch.nn.functional.linear(hidden, weight, bias)
@@ -479,6 +492,8 @@ def unfiltered_logp(case: Case, whole: dict, data: dict) -> torch.Tensor:
     """The reference's logp over the whole vocabulary (no sampling mask), 0 where not counted."""
     if "logits" in whole:
         logits = whole["logits"].float()
+        if case.softcap is not None:
+            logits = reference._model_logits(logits, None, case.softcap)
     else:
         logits = torch.nn.functional.linear(whole["hidden"], whole["weight"], whole["bias"])
         if case.softcap is not None:
@@ -578,6 +593,8 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         config = config.replace(eps_high=0.3)
     if what == "row_temps_rank0_only" and rank == 0:  # the others divide by 1: refused alike
         keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
+    if what == "softcap_differs":  # rank 1 caps at another value: refused alike
+        keywords["softcap"] = 3.0 if rank == 1 else 2.0
     backend = "cuda" if what == "backend_cuda" else case.backend
     args = {k: v for k, v in data.items() if k != "logits"}
     fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
@@ -905,6 +922,7 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_time_differs": "disagree on the token shape",
         "bad_config_differs": "disagree on the settings",
         "bad_row_temps_rank0_only": "disagree on the settings",
+        "bad_softcap_differs": "disagree on the settings",
         "bad_logprobs_label": "found 1034",
         "bad_linear_label": "labels must be global token ids in [0, 1031)",
     }

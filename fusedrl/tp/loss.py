@@ -24,6 +24,7 @@ from .._inputs import (
     temperature_of,
 )
 from ..config import LossConfig
+from ..logit_transform import LogitTransform, capping_keywords
 from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
 from ..token_terms import token_terms
@@ -69,14 +70,18 @@ class SampledSets:
     the labels as columns of the slice (< 0: on another rank), which are kept whatever their
     value."""
 
-    def __init__(self, logits, labels, temperature, sampling: SamplingMask, shard, group):
-        self.temperature = temperature
+    def __init__(
+        self, logits, labels, temperature, sampling: SamplingMask, shard, group, transform=None
+    ):
+        self.temperature, self.transform = temperature, transform
         self.labels = shard.local_labels(labels, missing=-1)
-        self.floors = slice_floors(shard.narrow(logits), temperature, sampling, shard, group)
+        self.floors = slice_floors(
+            shard.narrow(logits), temperature, sampling, shard, group, transform
+        )
 
     def write(self, logits: torch.Tensor, out: torch.Tensor) -> None:
         """out = the token columns `logits` with -inf outside the sets (out may be logits)."""
-        mask_slice(logits, self.labels, self.floors, self.temperature, out)
+        mask_slice(logits, self.labels, self.floors, self.temperature, out, self.transform)
 
     @torch.no_grad()
     def stats(self, ops, logits, local, valid):
@@ -97,7 +102,7 @@ class SampledSets:
             if isinstance(rows_t, torch.Tensor):  # the block's rows' own, as [1, n]
                 rows_t = rows_t.reshape(1, -1)[:, start:stop]
             mask_slice(block[None], flat_keep[start:stop][None], self.floors[start:stop],
-                       rows_t, masked)  # fmt: skip
+                       rows_t, masked, self.transform)  # fmt: skip
             rows_valid = None if flat_valid is None else flat_valid[start:stop][None]
             part = ops.stats(masked, flat_local[start:stop][None], rows_valid, rows_t)
             for whole, rows in zip(out, part):
@@ -124,9 +129,12 @@ def policy_loss(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     temperature: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated, as every per-token input), in place
-    of config.temperature: each rank divides its slice's rows by them."""
+    of config.temperature: each rank divides its slice's rows by them. `transform`: a soft cap
+    (`api.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
+    (the ranks must agree on it: the header compares it)."""
     cfg = config if config is not None else LossConfig()
     refuse_unsupported(backend)
     logits, tp_group = unwrap_logits(logits, tp_group)
@@ -140,6 +148,7 @@ def policy_loss(
             old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
             normalizer=normalizer, inplace=inplace, backend=backend,
             return_entropy=return_entropy, is_weights=is_weights, temperature=temperature,
+            **capping_keywords(transform),
         )  # fmt: skip
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -152,12 +161,12 @@ def policy_loss(
         )  # fmt: skip
         if wants_grad and inplace:
             api._check_writable(logits)
-        return inp, slice_ops(backend, inp.logits.device)
+        return inp, slice_ops(backend, inp.logits.device, transform)
 
     (inp, ops), shard, seed = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"{cfg!r} temperature={shown_temperature(temperature)}",
+        call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -173,7 +182,7 @@ def policy_loss(
         sets = None
         if cfg.sampling is not None:
             sets = SampledSets(inp.logits, inp.labels, temperature, cfg.sampling, shard,
-                               tp_group)  # fmt: skip
+                               tp_group, transform)  # fmt: skip
             if grad is not None:  # the masked slice goes where the gradient will be written
                 sets.write(shard.narrow(inp.logits), shard.narrow(grad))
                 source = grad
@@ -248,7 +257,10 @@ def token_logprobs(
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`api.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
+    `policy_loss`."""
     refuse_unsupported(backend)
     sampling = check_sampling(top_k, top_p, min_p)
     logits, tp_group = unwrap_logits(logits, tp_group)
@@ -256,7 +268,8 @@ def token_logprobs(
     if group_size(tp_group) == 1:
         columns = token_columns(logits, vocab_start, vocab_size)
         return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
-                                  top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
+                                  top_k=top_k, top_p=top_p, min_p=min_p,
+                                  **capping_keywords(transform))  # fmt: skip
 
     def local_checks():
         checked = check_logits(logits)
@@ -264,19 +277,22 @@ def token_logprobs(
         temps = check_temperature_arg(
             temperature, tuple(ids.shape), checked.device, checked.dim() == 2
         )
-        return ids, temps, slice_ops(backend, checked.device)
+        return ids, temps, slice_ops(backend, checked.device, transform)
 
     (ids, temperature, ops), shard, _ = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"token_logprobs temperature={shown_temperature(temperature)} {sampling}",
+        call=f"token_logprobs temperature={shown_temperature(temperature)} {sampling} "
+        f"{transform!r}",
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = ids.unsqueeze(0) if flat else ids
     sets = None
     if sampling.active:
-        sets = SampledSets(logits3.detach(), labels2, temperature, sampling, shard, tp_group)
+        sets = SampledSets(
+            logits3.detach(), labels2, temperature, sampling, shard, tp_group, transform
+        )
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
         if sets is not None:  # one masked copy of the slice, kept for backward

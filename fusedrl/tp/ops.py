@@ -9,7 +9,8 @@
   (no one-hot term here).
 
 The Triton backend's `logprobs_fwd` / `logits_grad` ops are exactly these; the torch backend gets
-them from its block helpers.
+them from its block helpers. A soft cap (`transform`) is elementwise: each slice is capped as it
+is read (the Triton kernels' `cap=`, the torch blocks in fp32).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .. import torch_backend
 from ..fused_backend import temperature_args
+from ..logit_transform import LogitTransform
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class SliceOps:
 
 
 @torch.no_grad()
-def _torch_stats(logits, labels, valid, temperature):
+def _torch_stats(logits, labels, valid, temperature, transform=None):
     batch, time, _ = logits.shape
     logp, lse, entropy = (
         torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in range(3)
@@ -39,6 +41,8 @@ def _torch_stats(logits, labels, valid, temperature):
     for start, (block,) in torch_backend.row_blocks(logits):
         stop = start + block.shape[0]
         rows_t = torch_backend.rows_temperature(temperature, start, stop)
+        if transform is not None:
+            block = transform.rows(block)
         log_probs, block_lse = torch_backend.block_log_probs(block, rows_t)
         logp[start:stop], entropy[start:stop] = torch_backend.block_stats(
             log_probs, block_lse, flat_labels[start:stop], True
@@ -51,13 +55,12 @@ def _torch_stats(logits, labels, valid, temperature):
     return tuple(torch.where(valid, t, 0.0) for t in out)
 
 
-def _torch_grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
+def _torch_grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, transform=None):
     torch_backend.write_logits_grad(
-        logits, labels, temperature, dlogp, dentropy, out, lse=lse, entropy=entropy
-    )
+        logits, labels, temperature, dlogp, dentropy, out, lse=lse, entropy=entropy,
+        transform=transform,
+    )  # fmt: skip
 
-
-TORCH = SliceOps(_torch_stats, _torch_grad)
 
 WORKING_BACKENDS = "backend='triton' (CUDA tensors), 'torch', or 'auto'"
 
@@ -72,20 +75,30 @@ def refuse_unsupported(backend: str) -> None:
         )
 
 
-def slice_ops(backend: str, device: torch.device) -> SliceOps:
+def slice_ops(
+    backend: str, device: torch.device, transform: LogitTransform | None = None
+) -> SliceOps:
+    """The backend's two slice ops; `transform`: a soft cap they apply as they read."""
     from ..api import _resolve_backend
 
     impl = _resolve_backend(backend, device)
     if impl is torch_backend:
-        return TORCH
+
+        def torch_stats(logits, labels, valid, temperature):
+            return _torch_stats(logits, labels, valid, temperature, transform)
+
+        def torch_grad(*args):
+            _torch_grad(*args, transform=transform)
+
+        return SliceOps(torch_stats, torch_grad)
     ops = impl.OPS
 
     def stats(logits, labels, valid, temperature):
-        scalar, rows = temperature_args(ops, temperature)
+        scalar, rows = temperature_args(ops, temperature, transform)
         return ops.logprobs_fwd(logits, labels, valid, scalar, **rows)
 
     def grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
-        scalar, rows = temperature_args(ops, temperature)
+        scalar, rows = temperature_args(ops, temperature, transform)
         ops.logits_grad(logits, labels, lse, entropy, dlogp, dentropy, scalar, out, **rows)
 
     return SliceOps(stats, grad)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..logit_transform import LogitTransform
 from ..sampling import SamplingMask
 from ..torch_backend import _scaled, block_rows, row_blocks, rows_temperature
 from .comm import all_reduce
@@ -182,6 +183,10 @@ def _flat_rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return x[flat // time, flat % time]
 
 
+def _capped(block: torch.Tensor, transform: LogitTransform | None) -> torch.Tensor:
+    return block if transform is None else transform.rows(block)
+
+
 @torch.no_grad()
 def slice_floors(
     logits: torch.Tensor,
@@ -189,9 +194,11 @@ def slice_floors(
     sampling: SamplingMask,
     shard: VocabShard,
     group,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """[B * T] floors of the rows whose token columns on this rank are `logits` [B, T, width];
-    `temperature` a float or the rows' own ([B, T]: each row's set is its temperature's)."""
+    `temperature` a float or the rows' own ([B, T]: each row's set is its temperature's).
+    `transform`: a soft cap: the sets (and floors) are the capped logits'."""
     batch, time, _ = logits.shape
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     floors = torch.empty(batch * time, dtype=dtype, device=logits.device)
@@ -199,7 +206,7 @@ def slice_floors(
     for start in range(0, batch * time, step):
         stop = min(start + step, batch * time)
         rows_t = rows_temperature(temperature, start, stop)
-        scaled = _scaled(_flat_rows(logits, start, stop), rows_t)
+        scaled = _scaled(_capped(_flat_rows(logits, start, stop), transform), rows_t)
         floors[start:stop] = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
     return floors
 
@@ -211,15 +218,17 @@ def mask_slice(
     floors: torch.Tensor,
     temperature: float | torch.Tensor,
     out: torch.Tensor,
+    transform: LogitTransform | None = None,
 ) -> None:
     """out = `logits` [B, T, W] with -inf below each row's floor, except the row's label (local
     column; < 0: on another rank) and NaN; `out` may be `logits`. No communication.
-    `temperature`: a float or the rows' own ([B, T])."""
+    `temperature`: a float or the rows' own ([B, T]); `transform`: a soft cap (the floors are
+    the capped logits'; `out` keeps the raw ones, which the kernels cap as they read)."""
     flat_labels = labels.reshape(-1)
     columns = torch.arange(logits.shape[-1], device=logits.device)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        scaled = _scaled(block, rows_temperature(temperature, start, stop))
+        scaled = _scaled(_capped(block, transform), rows_temperature(temperature, start, stop))
         keep = (scaled >= floors[start:stop, None]) | scaled.isnan()
         keep |= columns == flat_labels[start:stop, None]
         out_block.copy_(torch.where(keep, block, -math.inf))
