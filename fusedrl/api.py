@@ -159,7 +159,7 @@ def policy_loss(
             `final_logit_softcapping` c, s the logit_scale or 1), applied inside the kernels
             as they read each row (one exp2 and one reciprocal per element; the gradient
             through the tanh), never as a copy; `ref_logits` are capped alike. A -inf logit (or
-            one below -2e20, as masks write -finfo.max) stays banned, not -c. Sampled sets
+            -finfo.max of the logits' dtype, as masks write it) stays banned, not -c. Sampled sets
             (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch", under
             tensor parallelism too (each rank caps its slice).
 
@@ -446,10 +446,16 @@ def token_logprobs(
 
 
 class PolicyLoss(torch.nn.Module):
-    """nn.Module wrapper of `policy_loss` with a fixed config and backend."""
+    """nn.Module wrapper of `policy_loss` with a fixed config and backend (and the model's soft
+    cap / logit scale, for raw logits of such a head)."""
 
     def __init__(
-        self, config: LossConfig | str | None = None, backend: str = "auto", inplace: bool = False
+        self,
+        config: LossConfig | str | None = None,
+        backend: str = "auto",
+        inplace: bool = False,
+        softcap: float | None = None,
+        logit_scale: float | None = None,
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -459,6 +465,8 @@ class PolicyLoss(torch.nn.Module):
         self.config = config if config is not None else LossConfig()
         self.backend = backend
         self.inplace = inplace
+        check_logit_transform(softcap, logit_scale)  # named at construction
+        self.softcap, self.logit_scale = softcap, logit_scale
 
     def forward(
         self,
@@ -489,7 +497,14 @@ class PolicyLoss(torch.nn.Module):
             return_entropy=return_entropy,
             is_weights=is_weights,
             ref_logits=ref_logits,
+            softcap=self.softcap,
+            logit_scale=self.logit_scale,
         )
 
     def extra_repr(self) -> str:
-        return f"config={self.config}, backend={self.backend!r}, inplace={self.inplace}"
+        extra = "".join(
+            f", {name}={value}"
+            for name, value in (("softcap", self.softcap), ("logit_scale", self.logit_scale))
+            if value is not None
+        )
+        return f"config={self.config}, backend={self.backend!r}, inplace={self.inplace}{extra}"

@@ -228,6 +228,7 @@ SAMPLED_CHUNK_ELEMENTS = 1 << 27
 def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=None):
     """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time;
     `temperature` a float or per-token ([B, T]); `transform`: a soft cap or None."""
+    check_softcap_kernels(ops, transform)  # before the first masked block is made
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
@@ -417,6 +418,8 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
+    # (the CUDA extension's two-row ops are Triton's, but its others have no cap: refused alike)
+    check_softcap_kernels(ops, inp.transform)
     # The two-row ops of every backend take per-token temperatures and a soft cap.
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(

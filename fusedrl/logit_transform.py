@@ -18,9 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Logits below this stay banned (-inf) under a soft cap: kernels/rows.py's BANNED.
-BANNED = -2e20
-
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -46,14 +43,14 @@ class LogitTransform:
 
     def rows(self, block: torch.Tensor, want_derivative: bool = False):
         """y = transform(x) of a block of the caller's logits, in fp32 (fp64 stays fp64), not in
-        place; with `want_derivative`, (y, dy/dx). Under a cap a banned logit (below BANNED:
-        -inf, or -finfo.max as masks write it) stays -inf, as in the kernels
-        (`kernels/rows.capped`), instead of becoming -c; its derivative is 0."""
+        place; with `want_derivative`, (y, dy/dx). Under a cap a banned logit (`banned`) stays
+        -inf, as in the kernels (`kernels/rows.capped`), instead of becoming -c; its derivative
+        is 0."""
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         work = block.to(dtype, copy=True)  # (apply_ works in place)
         derivative = self.apply_(work, want_derivative)
         if self.softcap is not None:
-            work = work.masked_fill(block < BANNED, float("-inf"))
+            work = work.masked_fill(banned(block), float("-inf"))
         if not want_derivative:
             return work
         if derivative is None:
@@ -67,6 +64,13 @@ class LogitTransform:
         if self.scale != 1.0:
             return grad.mul_(self.scale)
         return grad
+
+
+def banned(logits: torch.Tensor) -> torch.Tensor:
+    """Where a logit bans its token under a soft cap: -inf, or the lowest finite value of its
+    dtype (-finfo.max, as attention-style masks write it), which the cap would otherwise turn
+    into -c, a probability > 0."""
+    return logits <= -torch.finfo(logits.dtype).max
 
 
 def check_logit_transform(

@@ -85,8 +85,8 @@ def _model_logits(
     logits: torch.Tensor, logit_scale: float | None, softcap: float | None
 ) -> torch.Tensor:
     """The logits the model outputs from these, in fp32 (fp64 stays fp64): s x, or under a soft
-    cap c tanh(s x / c), where a banned logit (-inf, or below -2e20 as masks write -finfo.max)
-    stays -inf (a banned token is not given probability by the cap)."""
+    cap c tanh(s x / c), where a banned logit (-inf, or -finfo.max of the logits' dtype, as
+    masks write it) stays -inf (a banned token is not given probability by the cap)."""
     scale = 1.0 if logit_scale is None else logit_scale
     work = (logits.double() if logits.dtype == torch.float64 else logits.float()) * scale
     if softcap is None:
@@ -95,7 +95,7 @@ def _model_logits(
     nan = torch.isnan(work)
     capped = softcap * torch.tanh(torch.where(nan, 0.0, work) / softcap)
     capped = torch.where(nan, float("nan"), capped)
-    return torch.where(logits < -2e20, float("-inf"), capped)
+    return torch.where(logits <= -torch.finfo(logits.dtype).max, float("-inf"), capped)
 
 
 def token_logprobs(

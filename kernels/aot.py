@@ -17,7 +17,8 @@ Variants come from the launchers themselves, never from a copied list:
 - every constexpr of the kernel is then varied: a `<NAME>_CODES` table in the kernel's module
   gives the values of a code (LOSS, KL); BLOCK_V takes what `block_size()` picks on a CUDA device
   for each vocab in `VOCABS` (launch options follow through `launch_options()`); any other is a
-  switch, compiled on and off around the base configuration. Code pairs (LOSS x KL) are crossed.
+  switch, compiled on and off around the base configuration. Code pairs (LOSS x KL) are crossed,
+  and so are the switch pairs a module lists in `CROSSED_SWITCHES` (both on).
 - the logits/gradient dtype is crossed with the base configuration.
 
 Must run without TRITON_INTERPRET (under the interpreter `@triton.jit` builds no JITFunction).
@@ -203,6 +204,9 @@ def variants(launch: Launch) -> list[Variant]:
     configs += [(base, EXAMPLE_VOCAB, dtype) for dtype in DTYPES]
     for name, values in choices.items():
         configs += [({**base, name: v}, EXAMPLE_VOCAB, "bf16") for v in values]
+    for pair in getattr(module, "CROSSED_SWITCHES", ()):
+        if set(pair) <= set(names):  # (a module's pairs name the switches its kernels have)
+            configs.append(({**base, **{n: True for n in pair}}, EXAMPLE_VOCAB, "bf16"))
     codes = [n for n in names if getattr(module, f"{n}_CODES", None) is not None]
     for a, b in itertools.combinations(codes, 2):
         configs += [
@@ -445,13 +449,16 @@ FUSED_BUDGET = 0.60
 SQUARES_STATS_BUDGET = 0.34
 # A soft cap (SOFTCAP: the row read as tanh(a x), `rows.capped`) costs every element one exp2,
 # one reciprocal and ~5 FP instructions more in each sweep: Triton 3.6 / 3.9 on sm_90 issue
-# 0.47-0.50 (stats) and 0.48-0.50 (grad) against the plain 0.26 / 0.20, up to 1.0 for both
-# sweeps of the fused kernel: under the 1.2 at which the schedulers are as busy as the memory.
+# 0.47-0.50 (stats) and 0.48-0.56 (grad) against the plain 0.26 / 0.20; both sweeps of the fused
+# kernel up to 1.0, 1.09 with the entropy bonus or per-token temperatures (Triton 3.6, sm_120:
+# its grad loop 0.60): under the 1.2 at which the schedulers are as busy as the memory.
 # Its 3 MUFU per element and sweep are the tighter bound: an H100's 16 MUFU/clk/SM (~3.7e12/s)
 # against the 6 per element of both sweeps caps the fused loss near 0.62e12 elements/s, ~80 % of
 # its 1R + 1W floor (the GPU issue measures it). Exact tanh, not tanh.approx (2^-11 relative).
-SOFTCAP_BUDGET = {"stats": 0.52, "grad": 0.60, "grad_unaligned_out": 0.60}
-SOFTCAP_FUSED_BUDGET = 1.05
+# (sm_80, whose SASS is not held to the budgets, issues 0.56 in the stats sweep.) With
+# SUM_PI_SQUARED the stats sweep may add what the squares add without the cap.
+SOFTCAP_BUDGET = {"stats": 0.52, "grad": 0.62, "grad_unaligned_out": 0.62}
+SOFTCAP_FUSED_BUDGET = 1.10
 SOFTCAP_MUFU_PER_ELEMENT = 3
 
 

@@ -27,6 +27,7 @@ from .rows import (
     row_stats,
     row_temperature,
     row_temperature_arg,
+    rows_buffer,
     write_row_grad,
     write_row_zeros,
 )
@@ -37,6 +38,9 @@ from .rows import (
 # amortise). Under the interpreter every tile is a numpy array; tests lower the CPU cap to force
 # many tiles and a partial last one.
 BYTES_PER_THREAD = 16
+# Switches compiled together on top of the base configuration (aot.variants), beside each alone:
+# the soft cap with what else its sweeps may carry.
+CROSSED_SWITCHES = (("SOFTCAP", "SUM_PI_SQUARED"), ("SOFTCAP", "ROW_TEMPERATURE"))
 MAX_WARPS = 16
 MAX_BLOCK_V_INTERPRETED = 2048
 
@@ -245,7 +249,7 @@ def logprobs_forward(
         torch.empty(batch, time, dtype=torch.float32, device=logits.device)
         for _ in range(4 if sum_pi_squared and sum_sq is None else 3)
     )
-    squares_out = outs[-1] if sum_sq is None else sum_sq
+    squares_out = outs[-1] if sum_sq is None else rows_buffer(sum_sq, labels, "sum_sq")
     logp, lse, entropy = outs[:3]
     if rows == 0:
         return outs

@@ -24,6 +24,7 @@ issue few enough instructions per element that it never becomes issue-bound):
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -32,9 +33,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # exp2(FLOOR - max) is 0 in fp32 for any max a real row has, and FLOOR x (dentropy ln2 / T) stays
 # finite for any |dentropy / T| < 1e18, so a clamped logit contributes exact zeros.
 FLOOR = tl.constexpr(-1e20)
-# Under a soft cap, logits below this (-inf; -finfo.max of fp32 / bf16, which masks use) stay
-# banned instead of becoming -c (`capped`).
-BANNED = tl.constexpr(-2e20)
 
 
 @triton.jit
@@ -58,6 +56,23 @@ def row_temperature(temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATU
 def cap_arg(cap: float | None) -> float:
     """The kernels' cap2 = 2 a log2(e) of a soft cap's a (`capped`); 0.0 (never read) without."""
     return 0.0 if cap is None else 2.0 * cap * LOG2E.value
+
+
+def rows_buffer(buffer: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A caller's per-row output buffer, written by flat row index: it must be a contiguous fp32
+    tensor shaped and placed like `like` (the labels)."""
+    if (
+        buffer.dtype != torch.float32
+        or buffer.shape != like.shape
+        or buffer.device != like.device
+        or not buffer.is_contiguous()
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous float32 tensor of shape {tuple(like.shape)} on "
+            f"{like.device}, got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device} "
+            f"(contiguous: {buffer.is_contiguous()})"
+        )
+    return buffer
 
 
 def row_temperature_arg(row_temps, placeholder):
@@ -113,11 +128,17 @@ def capped(x, cap2, FAST_EXP2: tl.constexpr):
 
     The model's logits are c tanh(s x / c) (Gemma 2/3's final_logit_softcapping, s a logit
     scale): the kernels read v = tanh(a x), a = s / c, as their logits at temperature T / c.
-    A banned logit (below BANNED: -inf, -finfo.max) keeps probability 0 rather than becoming
-    -c: v = min(1 - 2 r, x - BANNED) is then a huge negative number (-inf for -inf)."""
+    A banned logit (-inf, or -finfo.max of its dtype, as masks write it) keeps probability 0
+    (v = -inf) rather than becoming -c; its r is 1, so its gradient factor is 0."""
     xf = to_fp32(x)
     r = reciprocal(1.0 + exp2(xf * cap2, FAST_EXP2), FAST_EXP2)
-    return tl.minimum(1.0 - 2.0 * r, xf - BANNED), r
+    if x.dtype == tl.float16:
+        lowest: tl.constexpr = -65504.0
+    elif x.dtype == tl.bfloat16:
+        lowest: tl.constexpr = -3.3895313892515355e38
+    else:
+        lowest: tl.constexpr = -3.4028234663852886e38
+    return tl.where(xf <= lowest, -float("inf"), 1.0 - 2.0 * r), r
 
 
 @triton.jit

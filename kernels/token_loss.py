@@ -27,10 +27,18 @@ from .rows import (
     row_stats,
     row_temperature,
     row_temperature_arg,
+    rows_buffer,
     write_row_grad,
     write_row_zeros,
 )
 
+# Switches compiled together on top of the base configuration (aot.variants), beside each alone:
+# the soft cap with what else the fused kernel's sweeps may carry.
+CROSSED_SWITCHES = (
+    ("SOFTCAP", "ENTROPY_BONUS"),
+    ("SOFTCAP", "SUM_PI_SQUARED"),
+    ("SOFTCAP", "ROW_TEMPERATURE"),
+)
 # constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 5, "k3+": 5}  # + -> k2 gradient
@@ -325,7 +333,7 @@ def fused_token_loss(
         flat(high),
         logp,
         entropy,
-        logp if sum_sq is None else sum_sq,  # never written without SUM_PI_SQUARED
+        logp if sum_sq is None else rows_buffer(sum_sq, labels, "sum_sq"),  # (SUM_PI_SQUARED)
         row_temperature_arg(row_temps, logp),
         logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
         time,

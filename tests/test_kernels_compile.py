@@ -210,8 +210,8 @@ def test_no_local_memory(compiled, triton):
 
 # The one known spill: Triton 3.6's sm_120 build of the fused loss at the 64-register cap keeps
 # 8-16 bytes on the stack in some variants, 24 with SUM_PI_SQUARED (one more running sum per
-# slot) (Triton 3.9 none; docs/benchmarks.md). Bounded.
-KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 24}
+# slot), 40 with SUM_PI_SQUARED under a soft cap (Triton 3.9 none; docs/benchmarks.md). Bounded.
+KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 40}
 
 
 def _stack_allowed(r: dict) -> int:
@@ -300,6 +300,7 @@ def test_static_performance_budget(compiled, triton):
     failures, table = [], []
     for r in _sass_checked(compiled, triton):
         capped = r["constexprs"].get("SOFTCAP", False)  # tanh per element: its own budget
+        squares = r["constexprs"].get("SUM_PI_SQUARED", False)
         fast = _fast_stats_loop(r["loops"])
         grads = [loop for loop in r["loops"] if loop["role"] == "grad"]
         # The gradient loop for rows whose gradient buffer is aligned unlike the logits (an odd V
@@ -316,8 +317,8 @@ def test_static_performance_budget(compiled, triton):
                 f"{mufu:.2f} MUFU/elem {loop['barriers']} BAR"
             )
             budget = (SOFTCAP_BUDGET if capped else SWEEP_BUDGET)[role]
-            if role == "stats" and "SUM_PI_SQUARED=1" in r["variant"]:
-                budget = SQUARES_STATS_BUDGET  # one FFMA per element more, by design
+            if role == "stats" and squares:  # one FFMA per element more, by design
+                budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if cost > budget:
                 failures.append(f"{r['variant']} {role}: {cost:.3f} > {budget}")
             if loop["mufu_per_element"] > (SOFTCAP_MUFU_PER_ELEMENT if capped else 1):
@@ -327,6 +328,8 @@ def test_static_performance_budget(compiled, triton):
         if r["kernel"] == "_fused_token_loss_kernel":
             total = sum(loop["warp_instructions_per_element"] for loop in [fast, *grads] if loop)
             fused_budget = SOFTCAP_FUSED_BUDGET if capped else FUSED_BUDGET
+            if squares:
+                fused_budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if total > fused_budget:
                 failures.append(f"{r['variant']}: both sweeps {total:.3f} > {fused_budget}")
     print("\n" + "\n".join(table))

@@ -327,6 +327,32 @@ def test_softcap_on_the_logits_entry_points(backend):
     torch.testing.assert_close(sum_sq, want_sq)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_keeps_each_dtypes_masks_banned(backend):
+    """Under the cap a -inf logit and the lowest finite value of the logits' dtype (fp16's
+    -65504 too: what masks write) keep probability 0 instead of becoming -c: against the oracle
+    and the probabilities of the capped logits with those tokens dropped; a label on a banned
+    token gets logp -inf."""
+    gen = torch.Generator().manual_seed(31)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = (3.0 * torch.randn(2, 5, 131, generator=gen)).to(dtype)
+        labels = torch.randint(0, 131, (2, 5), generator=gen)
+        x[..., 7] = torch.finfo(dtype).min
+        x[..., 9] = float("-inf")
+        labels[0, 2], labels[1, 3] = 7, 9
+        logp, entropy = fusedrl.token_logprobs(x, labels, 0.9, True, backend, softcap=CAP)
+        want = reference.token_logprobs(x, labels, 0.9, True, softcap=CAP)
+        torch.testing.assert_close(logp, want[0], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(entropy, want[1], atol=1e-3, rtol=1e-3)
+        assert logp[0, 2] == float("-inf") and logp[1, 3] == float("-inf")
+        kept = torch.ones(131, dtype=torch.bool)
+        kept[7] = kept[9] = False
+        capped = CAP * torch.tanh(x.double()[..., kept] / CAP)
+        probs = torch.softmax(capped / 0.9, -1)
+        dropped = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(entropy.double(), dropped, atol=1e-3, rtol=1e-3)
+
+
 def _oracle_grad(x, rows, kwargs):
     leaf = x.clone().requires_grad_(True)
     out = reference.policy_loss(leaf, **rows, **kwargs, softcap=CAP)
@@ -353,6 +379,10 @@ def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
     assert torch.equal(one.loss, plain.loss)
     one = fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP, vocab_start=0)[0]
     assert torch.equal(one, fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP)[0])
+    module = fusedrl.PolicyLoss("dapo", softcap=CAP, logit_scale=SCALE)
+    want = fusedrl.policy_loss(**data, config=LossConfig.preset("dapo"), softcap=CAP,
+                               logit_scale=SCALE)  # fmt: skip
+    assert torch.equal(module(**data).loss, want.loss) and "softcap=4.0" in repr(module)
     with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
         fusedrl.policy_loss(**data, softcap=0.0)
     with pytest.raises(TypeError, match="softcap must be a number"):
