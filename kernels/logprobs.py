@@ -21,7 +21,6 @@ from .device import launches_on
 from .rows import (
     LOG2E,
     cap_arg,
-    capped,
     logp_of,
     row_offset,
     row_stats,
@@ -146,14 +145,11 @@ def _logprobs_fwd_kernel(
             temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
         )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
-        label_logit = tl.load(row_ptr + tl.load(labels_ptr + row))
-        if SOFTCAP:
-            label_logit, _ = capped(label_logit, cap2, FAST_EXP2)
-        lse, mean_z, sum_pi_sq = row_stats(
-            row_ptr, vocab, row_scale2, label_logit, cap2, "evict_first", FAST_EXP2,
-            SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
+        label_value, lse, mean_z, sum_pi_sq = row_stats(
+            row_ptr, vocab, row_scale2, tl.load(row_ptr + tl.load(labels_ptr + row)), cap2,
+            "evict_first", FAST_EXP2, SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
         )  # fmt: skip
-        tl.store(logp_ptr + row, logp_of(label_logit, row_inv_t, lse))
+        tl.store(logp_ptr + row, logp_of(label_value, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)
         if SUM_PI_SQUARED:

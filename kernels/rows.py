@@ -331,11 +331,11 @@ def row_stats(
     SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One read of the row: (lse, sum_j p_j z_j) of z = logits / T, in fp32 nats; scale2 is
-    log2(e) / T, a kernel argument so that the loop's FFMA reads it from the constant bank.
-    Third: with SQUARES sum_j p_j^2 (the Optimal Token Baseline's input) from the same read, one
-    FFMA per element more; else 0. With SOFTCAP each logit is read as `capped(x, cap2)` (and
-    `ref_logit` is the capped label's).
+    """One read of the row: (ref, lse, sum_j p_j z_j, sum_j p_j^2) of z = logits / T, in fp32
+    nats; scale2 is log2(e) / T, a kernel argument so that the loop's FFMA reads it from the
+    constant bank. `ref`: `ref_logit` as the kernels read it (with SOFTCAP each logit is read as
+    `capped(x, cap2)`, this one too), for `logp_of`. The sum of squares (the Optimal Token
+    Baseline's input) only with SQUARES, one FFMA per element more; else 0.
 
     `ref_logit` is a logit of the row (the label's, which the kernels load first anyway): the
     sums are taken relative to it instead of a running max, which is what makes sweep 1 cheap.
@@ -346,6 +346,8 @@ def row_stats(
     the mean then NaN: the callers surface both as a NaN logp (`logp_of`) and entropy, as the
     reference does.
     """
+    if SOFTCAP:
+        ref_logit, _ = capped(ref_logit, cap2, FAST_EXP2)
     ref = scaled(ref_logit, scale2)
     total, sum_d, sum_sq = _sums_from_reference(
         row_ptr, vocab, scale2, ref, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, BLOCK_V
@@ -370,7 +372,7 @@ def row_stats(
         lse2, mean_y, sum_pi_sq = _stats_online(
             row_ptr, vocab, scale2, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, HALF_BLOCK_V
         )
-    return lse2 * LN2, mean_y * LN2, sum_pi_sq
+    return ref_logit, lse2 * LN2, mean_y * LN2, sum_pi_sq
 
 
 @triton.jit

@@ -21,7 +21,6 @@ from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
 from .rows import (
     LOG2E,
     cap_arg,
-    capped,
     logp_of,
     row_offset,
     row_stats,
@@ -211,12 +210,9 @@ def _fused_token_loss_kernel(
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
-            label_value = label_logit
-            if SOFTCAP:
-                label_value, _ = capped(label_logit, cap2, FAST_EXP2)
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
-            lse, mean_z, sum_pi_sq = row_stats(
-                row_ptr, vocab, row_scale2, label_value, cap2, "evict_last", FAST_EXP2,
+            label_value, lse, mean_z, sum_pi_sq = row_stats(
+                row_ptr, vocab, row_scale2, label_logit, cap2, "evict_last", FAST_EXP2,
                 SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
             )  # fmt: skip
             entropy = lse - mean_z

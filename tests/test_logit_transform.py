@@ -160,6 +160,25 @@ def test_arguments_are_checked_and_refused_where_unsupported(monkeypatch):
             fusedrl.linear_policy_loss(*args, softcap=CAP, backend="triton")
 
 
+def _check_logprobs_with_top_p(backend, logits, labels, temperatures, **transform):
+    """token_logprobs(top_p=0.9, **transform) at each temperature (a float, per-token ones),
+    with and without a gradient, against the oracle: logp, entropy and the gradient."""
+    for temperature in temperatures:
+        for grad_on in (False, True):
+            x, x_ref = (logits.clone().requires_grad_(grad_on) for _ in "ab")
+            logp, entropy = fusedrl.token_logprobs(
+                x, labels, temperature, True, backend, top_p=0.9, **transform
+            )
+            want = reference.token_logprobs(x_ref, labels, temperature, True, top_p=0.9,
+                                            **transform)  # fmt: skip
+            torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
+            if grad_on:
+                (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), x)
+                (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), x_ref)
+                torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logit_scale_on_the_logits_entry_points(backend):
     """policy_loss / token_logprobs(logit_scale=s): the model's logits are s x; folded into the
@@ -197,21 +216,8 @@ def test_logit_scale_on_the_logits_entry_points(backend):
     # every row counts here: padded rows get logits without ties (top_p keeps all of a tie)
     clean = torch.where(data["mask"][..., None], data["logits"], noise)
     labels = torch.where(data["mask"], data["labels"], 0)
-    for temperature in (0.7, torch.where(data["mask"], temps, 1.0)):
-        for grad_on in (False, True):
-            x, x_ref = (clean.clone().requires_grad_(grad_on) for _ in "ab")
-            logp, entropy = fusedrl.token_logprobs(
-                x, labels, temperature, True, backend, top_p=0.9, logit_scale=SCALE
-            )
-            want = reference.token_logprobs(
-                x_ref, labels, temperature, True, top_p=0.9, logit_scale=SCALE
-            )
-            torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
-            if grad_on:
-                (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), x)
-                (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), x_ref)
-                torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    temperatures = (0.7, torch.where(data["mask"], temps, 1.0))
+    _check_logprobs_with_top_p(backend, clean, labels, temperatures, logit_scale=SCALE)
     # the default config, and sum pi^2 (Triton's own sum, torch's half-temperature read)
     plain_rows = {k: rows[k] for k in ("labels", "advantages", "mask")}
     ours = fusedrl.policy_loss(data["logits"], **plain_rows, backend=backend, logit_scale=SCALE)
@@ -305,20 +311,8 @@ def test_softcap_on_the_logits_entry_points(backend):
     # log-probs: top_p over the capped logits, float and per-token temperatures, +- a gradient
     clean = torch.where(mask[..., None], x, noise)
     labels = torch.where(mask, data["labels"], 0)
-    for temperature in (0.7, torch.where(mask, temps, 1.0)):
-        for grad_on in (False, True):
-            got, ref_in = (clean.clone().requires_grad_(grad_on) for _ in "ab")
-            logp, entropy = fusedrl.token_logprobs(
-                got, labels, temperature, True, backend, top_p=0.9, softcap=CAP
-            )
-            want = reference.token_logprobs(ref_in, labels, temperature, True, top_p=0.9,
-                                            softcap=CAP)  # fmt: skip
-            torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
-            if grad_on:
-                (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), got)
-                (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), ref_in)
-                torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    temperatures = (0.7, torch.where(mask, temps, 1.0))
+    _check_logprobs_with_top_p(backend, clean, labels, temperatures, softcap=CAP)
     _, _, sum_sq = fusedrl.token_logprobs(
         clean, labels, 0.7, backend=backend, softcap=CAP, logit_scale=SCALE,
         return_sum_pi_squared=True,
