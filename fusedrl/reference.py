@@ -756,8 +756,14 @@ def distill_loss(
     backend: str | None = None,
     advantages: torch.Tensor | None = None,
     old_logp: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
-    """`fusedrl.distill_loss` in plain autograd; `inplace` / `backend` are ignored."""
+    """`fusedrl.distill_loss` in plain autograd; `inplace` / `backend` are ignored. `softcap`,
+    `logit_scale`: both models' logits are c tanh(s x / c) (or s x) of these (`_model_logits`)."""
+    if logit_scale is not None or softcap is not None:
+        student_logits = _model_logits(student_logits, logit_scale, softcap)
+        teacher_logits = _model_logits(teacher_logits, logit_scale, softcap)
     cfg = config if config is not None else LossConfig()
     if kind == "sampled_reverse_kl":
         return _sampled_reverse_kl(

@@ -234,6 +234,41 @@ def _sampled_inputs(seed=5):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_capped_student_and_teacher(backend):
+    """distill_loss(softcap=c, logit_scale=s): both models' raw logits capped as the kernels
+    read them (the two-row kernels' SOFTCAP; torch's blocks), per-token temperatures, NaN
+    padding; reverse KL, jsd and the sampled reverse KL, against the oracle
+    (whose cap is the formula, checked here) and far from the uncapped loss."""
+    student, teacher, labels, mask = _inputs(seed=41, nan_padding=True)
+    student, teacher = 2.0 * student, 2.0 * teacher  # |s x| well past the cap of 3
+    temps = 0.6 + torch.rand(labels.shape, generator=torch.Generator().manual_seed(2))
+    cap = dict(softcap=3.0, logit_scale=1.3)
+    capped = [reference._model_logits(t, 1.3, 3.0) for t in (student, teacher)]
+    direct = reference.distill_loss(*capped, labels, mask, temperature=temps).loss
+    torch.testing.assert_close(  # the oracle's own cap is the formula
+        reference.distill_loss(student, teacher, labels, mask, temperature=temps, **cap).loss,
+        direct,
+    )  # fmt: skip
+    old = reference.distill_loss(student, teacher, labels, mask, temperature=temps, **cap).logp
+    cases = (
+        dict(kind="reverse_kl", temperature=temps),
+        dict(kind="jsd", beta=0.3, temperature=0.8),
+        dict(kind="sampled_reverse_kl", beta=0.7, config=LossConfig.preset("dapo"),
+             old_logp=old + 0.1),
+    )  # fmt: skip
+    for kwargs in cases:
+        ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs,
+                             **cap)  # fmt: skip
+        ours, grad = _run(fusedrl.distill_loss, student, teacher, labels, mask, **kwargs, **cap,
+                          backend=backend)  # fmt: skip
+        torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+        assert ref_grad.abs().max() > 1e-4 and (grad[~mask] == 0).all()
+        plain = fusedrl.distill_loss(student, teacher, labels, mask, **kwargs, backend=backend)
+        assert (plain.loss - ours.loss).abs() > 1e-2  # the cap acted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("preset", ["dapo", "gspo", "pg"])
 def test_sampled_reverse_kl_equals_the_oracle(preset, backend):
     """The teacher's log-ratio on the sampled tokens as a negative advantage, with the RL

@@ -26,6 +26,7 @@ import torch
 from .._inputs import check_logits, check_temperature, prepare_loss_inputs
 from ..api import with_known_grad
 from ..config import LossConfig
+from ..logit_transform import capping_keywords
 from ..output import LossOutput
 from ..token_terms import masked_mean
 from .rows import distill as distill_rows
@@ -129,6 +130,8 @@ def distill_loss(
     backend: str = "auto",
     advantages: torch.Tensor | None = None,
     old_logp: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> LossOutput:
     """The student-teacher divergence over the whole vocabulary, per token, aggregated; or the
     teacher's log-ratio on the sampled tokens as a negative advantage of a policy loss.
@@ -157,12 +160,21 @@ def distill_loss(
         old_logp: sampled_reverse_kl only: the sampler's log-probs of `labels` (the rollouts'),
             both the policy loss's old_logp and the k_t estimate's; None: on-policy, the
             student's own (one more read of its logits).
+        softcap, logit_scale: both models' logits are c tanh(s x / c) (or s x) of these, as in
+            `policy_loss`: the kernels cap both rows as they read them (a student and a teacher
+            of one family, e.g. Gemma 2 sizes; heads that differ: pass their final logits, or
+            `linear_distill_loss(student_transform=, teacher_transform=)`).
 
     Returns:
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
         entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
     """
+    from ..api import capping_transform, scaled_temperature
+
     beta = check_distill_args(kind, beta)
+    transform = capping_transform(softcap, logit_scale)
+    if transform is None:  # a bare scale of both rows is one of the temperature
+        temperature = scaled_temperature(temperature, logit_scale)
     per_token = isinstance(temperature, torch.Tensor)
     temperature = temperature if per_token else check_temperature(temperature)
     if backend not in DISTILL_BACKENDS:
@@ -179,7 +191,7 @@ def distill_loss(
         cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
             student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
-            backend, advantages, old_logp,
+            backend, advantages, old_logp, capping_keywords(transform),
         )  # fmt: skip
     cfg = distill_config(config)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
@@ -196,7 +208,7 @@ def distill_loss(
 
     def compute(grad):
         loss, logp, divergence = distill_rows(
-            ops, inp, teacher3, kind, beta, temperature, cfg, grad
+            ops, inp, teacher3, kind, beta, temperature, cfg, grad, transform
         )
         return loss, (logp, divergence)
 

@@ -11,6 +11,7 @@ import torch
 from .._inputs import LossInputs
 from ..config import LossConfig
 from ..fused_backend import TwoRowOps, temperature_keywords
+from ..logit_transform import LogitTransform
 from ..token_terms import aggregation_weights
 
 # distill kind -> the two-row ops' kind ("kl": KL(student || teacher))
@@ -26,12 +27,13 @@ def distill(
     temperature: float,
     cfg: LossConfig,
     grad_out: torch.Tensor | None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, the student's logp of the labels [B, T], the divergence per token [B, T]); writes
     d(loss)/d(student logits) into grad_out (which may be the student's logits). `kind` is
-    resolved (jsd at beta 0 / 1 is a KL)."""
+    resolved (jsd at beta 0 / 1 is a KL). `transform`: a soft cap both rows are read under."""
     code = KERNEL_KIND[kind]
-    temperature, rows_t = temperature_keywords(temperature)
+    temperature, rows_t = temperature_keywords(temperature, transform=transform)
     logp, lse_s, lse_q, value, aux, _ = ops.forward(
         inp.logits, teacher, inp.labels, inp.valid, temperature, code, beta, **rows_t
     )

@@ -106,7 +106,9 @@ def sampled_reverse_kl(
     backend: str,
     advantages: torch.Tensor | None,
     old_logp: torch.Tensor | None,
+    capping: dict | None = None,
 ) -> LossOutput:
+    """`capping`: the softcap / logit_scale keywords both models' logits are read under."""
     from .._inputs import prepare_loss_inputs
     from ..api import policy_loss, token_logprobs
 
@@ -122,13 +124,14 @@ def sampled_reverse_kl(
 
     def logprobs(logits, filters):
         return lambda labels: token_logprobs(
-            logits, labels, temperature, backend=backend, **filters
+            logits, labels, temperature, backend=backend, **filters, **(capping or {})
         )[0]
 
     def loss(shifted):
         return policy_loss(
             student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
             normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
+            **(capping or {}),
         )  # fmt: skip
 
     # The sampler's log-probs over the engine's sampled sets (as its old_logp are); the

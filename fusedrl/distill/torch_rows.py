@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..fused_backend import TwoRowOps
+from ..logit_transform import LogitTransform
 from ..torch_backend import (
     block_grad,
     block_log_probs,
@@ -71,10 +72,12 @@ def forward(
     kind: str,
     beta: float,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """[B, T, V] student and teacher logits -> (student logp of labels, lse of student, lse of
     teacher, D, aux, student entropy), each [B, T]; masked rows (valid False) get zeros.
-    `row_temps`: [B, T] per-token temperatures, in place of `temperature`."""
+    `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`: both rows are
+    read as tanh(cap x) (a soft cap, as the Triton kernels' `cap=`; banned logits stay -inf)."""
     temperature = temperature if row_temps is None else row_temps
     batch, time, _ = student.shape
     outs = [
@@ -86,8 +89,8 @@ def forward(
     for start, (s_block, q_block) in row_blocks(student, teacher):
         stop = start + s_block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
-        log_s, block_lse_s = block_log_probs(s_block, rows_t)
-        log_q, block_lse_q = block_log_probs(q_block, rows_t)
+        log_s, block_lse_s = block_log_probs(_read(s_block, cap), rows_t)
+        log_q, block_lse_q = block_log_probs(_read(q_block, cap), rows_t)
         if kind == "jsd":
             value[start:stop], aux[start:stop] = _jsd(log_s, log_q, beta)
         else:
@@ -120,10 +123,12 @@ def grad(
     dlogp: torch.Tensor | None = None,
     dentropy: torch.Tensor | None = None,
     row_temps: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> None:
     """out = weight x dD/d(student) ([B, T, V]; out may be `student`), plus with `dlogp` the
     policy loss's own terms dlogp (onehot - s) / T + dentropy dH/dx. Rows with nothing to
-    write get exact zeros, whatever their logits hold. `row_temps`: as forward."""
+    write get exact zeros, whatever their logits hold. `row_temps`, `cap`: as forward (the
+    gradient taken through the cap)."""
     temperature = temperature if row_temps is None else row_temps
     flat = [
         None if t is None else t.reshape(-1)
@@ -133,8 +138,11 @@ def grad(
     for start, (s_block, q_block, out_block) in row_blocks(student, teacher, out):
         stop = start + s_block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
+        derivative = None
+        if cap is not None:
+            s_block, derivative = _capping(cap).rows(s_block, want_derivative=True)
         log_s, _ = block_log_probs(s_block, rows_t)
-        log_q, _ = block_log_probs(q_block, rows_t)
+        log_q, _ = block_log_probs(_read(q_block, cap), rows_t)
         w = flat_weight[start:stop, None].to(log_s.dtype)
         if kind == "jsd":
             log_m = _log_mixture(log_s, log_q, beta)
@@ -153,8 +161,19 @@ def grad(
             live = live | (block_dlogp != 0)[:, None]
             if block_dent is not None:
                 live = live | (block_dent != 0)[:, None]
+        if derivative is not None:
+            block = block * derivative
         # masked rows (nothing to write) get exact zeros, whatever their logits hold (NaN)
         out_block.copy_(torch.where(live, block, 0.0))
+
+
+def _capping(cap: float) -> LogitTransform:
+    """tanh(cap x) as a transform: c tanh(s x / c) with c = 1, s = cap."""
+    return LogitTransform(scale=cap, softcap=1.0)
+
+
+def _read(block: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return block if cap is None else _capping(cap).rows(block)
 
 
 TORCH_TWO_ROWS = TwoRowOps(forward, grad)
