@@ -18,7 +18,7 @@ from ._inputs import (
     temperature_of,
 )
 from .config import LossConfig
-from .logit_transform import LogitTransform, check_logit_transform
+from .logit_transform import LogitTransform, capping_keywords, check_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
 
@@ -391,7 +391,7 @@ def token_logprobs(
     if transform is None:
         temperature = scaled_temperature(temperature, logit_scale)
     # a recursive call's own softcap / logit_scale (the latter folded above without a cap)
-    capping = {} if transform is None else {"softcap": softcap, "logit_scale": logit_scale}
+    capping = capping_keywords(transform)
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     in_kernel = (

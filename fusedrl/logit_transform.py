@@ -66,6 +66,11 @@ class LogitTransform:
         return grad
 
 
+def capped_rows(block: torch.Tensor, transform: LogitTransform | None) -> torch.Tensor:
+    """`transform.rows(block)`, or the block as it is without a transform."""
+    return block if transform is None else transform.rows(block)
+
+
 def banned(logits: torch.Tensor) -> torch.Tensor:
     """Where a logit bans its token under a soft cap: -inf, or the lowest finite value of its
     dtype (-finfo.max, as attention-style masks write it), which the cap would otherwise turn

@@ -20,7 +20,7 @@ import torch
 
 from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
-from .logit_transform import LogitTransform
+from .logit_transform import LogitTransform, capped_rows
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
 
@@ -225,9 +225,8 @@ def forward_stats(
     for start, (block, *ref_block) in pairs:
         stop = start + block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
-        if transform is not None:
-            block = transform.rows(block)
-            ref_block = [transform.rows(ref) for ref in ref_block]
+        block = capped_rows(block, transform)
+        ref_block = [capped_rows(ref, transform) for ref in ref_block]
         floor = None
         if floors is not None and sampling is not None:
             floor = floors[start:stop] = block_floor(block, rows_t, sampling)

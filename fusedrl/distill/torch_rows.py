@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..fused_backend import TwoRowOps
-from ..logit_transform import LogitTransform
+from ..logit_transform import LogitTransform, capped_rows
 from ..torch_backend import (
     block_grad,
     block_log_probs,
@@ -173,7 +173,7 @@ def _capping(cap: float) -> LogitTransform:
 
 
 def _read(block: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return block if cap is None else _capping(cap).rows(block)
+    return capped_rows(block, None if cap is None else _capping(cap))
 
 
 TORCH_TWO_ROWS = TwoRowOps(forward, grad)

@@ -22,7 +22,7 @@ import torch
 
 from .. import torch_backend
 from ..fused_backend import temperature_args
-from ..logit_transform import LogitTransform
+from ..logit_transform import LogitTransform, capped_rows
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ def _torch_stats(logits, labels, valid, temperature, transform=None):
     for start, (block,) in torch_backend.row_blocks(logits):
         stop = start + block.shape[0]
         rows_t = torch_backend.rows_temperature(temperature, start, stop)
-        if transform is not None:
-            block = transform.rows(block)
-        log_probs, block_lse = torch_backend.block_log_probs(block, rows_t)
+        log_probs, block_lse = torch_backend.block_log_probs(capped_rows(block, transform), rows_t)
         logp[start:stop], entropy[start:stop] = torch_backend.block_stats(
             log_probs, block_lse, flat_labels[start:stop], True
         )

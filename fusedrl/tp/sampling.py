@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..logit_transform import LogitTransform
+from ..logit_transform import LogitTransform, capped_rows
 from ..sampling import SamplingMask
 from ..torch_backend import _scaled, block_rows, row_blocks, rows_temperature
 from .comm import all_reduce
@@ -183,10 +183,6 @@ def _flat_rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return x[flat // time, flat % time]
 
 
-def _capped(block: torch.Tensor, transform: LogitTransform | None) -> torch.Tensor:
-    return block if transform is None else transform.rows(block)
-
-
 @torch.no_grad()
 def slice_floors(
     logits: torch.Tensor,
@@ -206,7 +202,7 @@ def slice_floors(
     for start in range(0, batch * time, step):
         stop = min(start + step, batch * time)
         rows_t = rows_temperature(temperature, start, stop)
-        scaled = _scaled(_capped(_flat_rows(logits, start, stop), transform), rows_t)
+        scaled = _scaled(capped_rows(_flat_rows(logits, start, stop), transform), rows_t)
         floors[start:stop] = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
     return floors
 
@@ -228,7 +224,7 @@ def mask_slice(
     columns = torch.arange(logits.shape[-1], device=logits.device)
     for start, (block, out_block) in row_blocks(logits, out):
         stop = start + block.shape[0]
-        scaled = _scaled(_capped(block, transform), rows_temperature(temperature, start, stop))
+        scaled = _scaled(capped_rows(block, transform), rows_temperature(temperature, start, stop))
         keep = (scaled >= floors[start:stop, None]) | scaled.isnan()
         keep |= columns == flat_labels[start:stop, None]
         out_block.copy_(torch.where(keep, block, -math.inf))
