@@ -52,8 +52,11 @@ def logprobs_squares_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`logprobs_fwd` of every row (the log-prob calls have no mask) and sum_v pi_v^2 per row,
     from the same read of the logits."""
-    kernels = _kernels()[0]
-    return kernels.logprobs_forward(logits, labels, None, temperature, row_temps, True, cap)
+    sum_sq = fused_backend._empty_rows_like(labels)
+    stats = _kernels()[0].logprobs_forward(
+        logits, labels, None, temperature, row_temps, cap=cap, sum_sq=sum_sq
+    )
+    return (*stats, sum_sq)
 
 
 @logprobs_squares_fwd.register_fake

@@ -230,25 +230,23 @@ def logprobs_forward(
     valid: torch.Tensor | None,
     temperature: float,
     row_temps: torch.Tensor | None = None,
-    sum_pi_squared: bool = False,
     cap: float | None = None,
     sum_sq: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32, and
-    with `sum_pi_squared` a fourth, sum_v pi_v^2 (0 on invalid rows), from the same read (into
-    `sum_sq`, a [B, T] fp32 buffer, when given: then the three alone are returned).
-    `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`: a soft cap's
-    a = s / c: the rows are read as tanh(a x) (`rows.capped`), at `temperature` T / c."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32; with
+    `sum_sq` (a [B, T] fp32 buffer) also sum_v pi_v^2 per row (0 on invalid rows) into it, from
+    the same read. `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`:
+    a soft cap's a = s / c: the rows are read as tanh(a x) (`rows.capped`), at `temperature`
+    T / c."""
     batch, time, vocab = logits.shape
     rows = batch * time
-    outs = tuple(
-        torch.empty(batch, time, dtype=torch.float32, device=logits.device)
-        for _ in range(4 if sum_pi_squared and sum_sq is None else 3)
+    logp, lse, entropy = (
+        torch.empty(batch, time, dtype=torch.float32, device=logits.device) for _ in range(3)
     )
-    squares_out = outs[-1] if sum_sq is None else rows_buffer(sum_sq, labels, "sum_sq")
-    logp, lse, entropy = outs[:3]
+    if sum_sq is not None:
+        rows_buffer(sum_sq, labels, "sum_sq")
     if rows == 0:
-        return outs
+        return logp, lse, entropy
     block = block_size(vocab, logits.device, logits.element_size())
     labels = labels.contiguous()
     valid_arg = valid.to(torch.int8).contiguous() if valid is not None else labels
@@ -259,7 +257,7 @@ def logprobs_forward(
         logp,
         lse,
         entropy,
-        squares_out,  # sum_sq_ptr: never written without SUM_PI_SQUARED
+        logp if sum_sq is None else sum_sq,  # never written without SUM_PI_SQUARED
         row_temperature_arg(row_temps, logp),
         time,
         vocab,
@@ -270,13 +268,13 @@ def logprobs_forward(
         cap_arg(cap),
         HAS_VALID=valid is not None,
         ROW_TEMPERATURE=row_temps is not None,
-        SUM_PI_SQUARED=sum_pi_squared or sum_sq is not None,
+        SUM_PI_SQUARED=sum_sq is not None,
         SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
     )
-    return outs
+    return logp, lse, entropy
 
 
 @launches_on("logits")
