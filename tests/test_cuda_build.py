@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -443,6 +444,26 @@ def test_bindings_pass_a_syntax_check(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 0 and not errors, "\n".join(errors[:20]) or result.stderr[-4000:]
+
+
+def test_the_module_init_imports_as_fusedrl_C(tmp_path):
+    """bindings.cpp's module init (a plain CPython one, no pybind11), built as setup.py names
+    it (TORCH_EXTENSION_NAME=_C) and imported: `import fusedrl._C` finds PyInit__C."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    text = (CSRC / "bindings.cpp").read_text()
+    source = tmp_path / "module_init.cpp"
+    source.write_text("#include <Python.h>\n" + text[text.index("// Importable as fusedrl._C") :])
+    library = tmp_path / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cmd = [cxx, "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", "-DTORCH_EXTENSION_NAME=_C",
+           f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(library)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check = "import _C; assert _C.__name__ == '_C' and 'torch.ops.fusedrl' in _C.__doc__"
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_cuda_op_schema_matches_the_triton_op():
