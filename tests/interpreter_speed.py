@@ -9,9 +9,10 @@ per row and loop trip: in tests/test_sampling_replay.py that was a third of the 
 `skip_nested_language_patches()` patches, at each launch, both modules a helper can see
 (`triton.language` and `triton.language.core`, which triton.language.standard's helpers such as
 `tl.zeros` and `tl.sum` use), and restores both when the launch ends; a helper call inside the
-launch then skips its own patch, which would set the same attributes to the same objects (upstream
-patches no other module, and drops a helper's patches unrestored). The kernels' results are unchanged: this is
-only the interpreter's bookkeeping. Applied by tests/conftest.py where TRITON_INTERPRET=1.
+launch then skips its own patch, which would set the same attributes to the same objects
+(upstream patches no other module, and drops a helper's patches unrestored). The kernels' results
+are unchanged: this is only the interpreter's bookkeeping. Applied by tests/conftest.py where
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
