@@ -69,7 +69,8 @@ SMOKE_NOTE = "smoke run, not a measurement"
 # Presets of the benchmark beyond LossConfig's: the exact KL to the reference over the whole
 # vocabulary (kl="full": the reference's logits read beside the policy's, floor 2R + 1W), and
 # DAPO on raw logits of a soft-capped head (Gemma 2/3's cap of 30: the kernels apply c tanh(x / c)
-# as they read, floor 1R + 1W; eager caps an fp32 copy first; Liger has no cap).
+# as they read, floor 1R + 1W, Triton's and the CUDA extension's; eager caps an fp32 copy first;
+# Liger has no cap).
 BENCH_PRESETS = {
     "full_kl": dict(preset="dapo", kl="full", beta=0.04),
     "softcap": dict(preset="dapo", softcap=30.0),
@@ -336,8 +337,6 @@ def make_step(op: str, impl: str, case: Case):
     if impl.startswith("fusedrl"):
         backend = impl.split("-")[1]  # triton | cuda | torch
         inplace = impl.endswith("inplace")
-        if backend == "cuda" and case.softcap is not None:
-            return None  # the CUDA extension has no soft cap (policy_loss refuses it)
 
         def step():
             inp = _leaf(case.take())

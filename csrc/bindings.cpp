@@ -96,6 +96,16 @@ const float* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// How the kernels read the rows (fused_loss.h, RowRead): `temperature` unless per-token
+// temperatures `row_temps` ([B, T], kept alive by the caller until the launch is queued), and
+// the soft cap's a (y = c tanh(a x) read at T / c: fusedrl.fused_backend.temperature_keywords).
+RowRead row_read(double temperature, const std::optional<at::Tensor>& row_temps,
+                 std::optional<double> cap) {
+  TORCH_CHECK(!cap.has_value() || *cap > 0, "fusedrl: cap must be > 0 (the soft cap's s / c)");
+  return RowRead{static_cast<float>(1.0 / temperature), data_or_null(row_temps),
+                 static_cast<float>(cap.value_or(0.0))};
+}
+
 // The current stream of the logits' device (not of the caller's current device).
 cudaStream_t stream_of(const at::Tensor& logits) {
   return c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
@@ -142,7 +152,7 @@ int kl_code(const std::optional<std::string>& kl, double beta) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(
     const at::Tensor& logits, const at::Tensor& labels_in, const std::optional<at::Tensor>& valid,
-    double temperature) {
+    double temperature, const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
   const RowLayout layout = layout_of(logits, "logits");
   // The launch on the logits' device and that device's current stream, whatever device is
   // current in the caller (allocations follow logits.options() regardless).
@@ -154,11 +164,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(
   at::Tensor entropy = at::empty(labels.sizes(), opts);
   std::optional<at::Tensor> valid_c;
   if (valid.has_value()) valid_c = checked_valid(*valid, labels, logits);
+  const auto temps_c = per_token(row_temps, labels, logits, "row_temps");
   check_launch(launch_logprobs_forward(
                    logits.data_ptr(), dtype_of(logits.scalar_type(), "logits"), layout,
                    labels.data_ptr<int64_t>(),
                    valid_c.has_value() ? valid_c->data_ptr<int8_t>() : nullptr,
-                   static_cast<float>(1.0 / temperature), logp.data_ptr<float>(),
+                   row_read(temperature, temps_c, cap), logp.data_ptr<float>(),
                    lse.data_ptr<float>(), entropy.data_ptr<float>(), stream_of(logits)),
                "logprobs_forward");
   return {logp, lse, entropy};
@@ -166,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(
 
 void logits_grad(const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
                  const at::Tensor& entropy, const at::Tensor& dlogp,
-                 const std::optional<at::Tensor>& dentropy, double temperature, at::Tensor out) {
+                 const std::optional<at::Tensor>& dentropy, double temperature, at::Tensor out,
+                 const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
   const RowLayout layout = layout_of(logits, "logits");
   const c10::cuda::CUDAGuard device_guard(logits.device());
   check_device(out, logits, "out");
@@ -178,12 +190,13 @@ void logits_grad(const at::Tensor& logits, const at::Tensor& labels_in, const at
   const at::Tensor entropy_c = per_token(entropy, labels, logits, "entropy");
   const at::Tensor dlogp_c = per_token(dlogp, labels, logits, "dlogp");
   const auto dentropy_c = per_token(dentropy, labels, logits, "dentropy");
+  const auto temps_c = per_token(row_temps, labels, logits, "row_temps");
   check_launch(launch_logits_grad(logits.data_ptr(), out.data_ptr(),
                                   dtype_of(logits.scalar_type(), "logits"), layout, out_layout,
                                   labels.data_ptr<int64_t>(), lse_c.data_ptr<float>(),
                                   entropy_c.data_ptr<float>(), dlogp_c.data_ptr<float>(),
-                                  data_or_null(dentropy_c),
-                                  static_cast<float>(1.0 / temperature), stream_of(logits)),
+                                  data_or_null(dentropy_c), row_read(temperature, temps_c, cap),
+                                  stream_of(logits)),
                "logits_grad");
 }
 
@@ -195,7 +208,8 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
     const std::optional<at::Tensor>& low, const std::optional<at::Tensor>& high,
     double temperature, const std::string& loss, std::optional<double> dual_clip_c,
     std::optional<double> delta, double tau_pos, double tau_neg,
-    const std::optional<std::string>& kl, double beta, double entropy_coef) {
+    const std::optional<std::string>& kl, double beta, double entropy_coef,
+    const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
   const RowLayout layout = layout_of(logits, "logits");
   const c10::cuda::CUDAGuard device_guard(logits.device());
   check_device(grad, logits, "grad");
@@ -211,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
   const at::Tensor agg_c = per_token(agg_weight, labels, logits, "agg_weight");
   const auto low_c = per_token(low, labels, logits, "low");
   const auto high_c = per_token(high, labels, logits, "high");
+  const auto temps_c = per_token(row_temps, labels, logits, "row_temps");
   const int kl_kind = kl_code(kl, beta);
   TORCH_CHECK(kl_kind == 0 || ref_c.has_value(), "fusedrl: ref_logp is required when beta > 0");
   const TokenLossParams params{loss_code(loss),
@@ -223,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
                                kl_kind,
                                static_cast<float>(beta),
                                static_cast<float>(entropy_coef),
-                               static_cast<float>(1.0 / temperature)};
+                               row_read(temperature, temps_c, cap)};
   const TokenLossInputs inputs{labels.data_ptr<int64_t>(), valid_c.data_ptr<int8_t>(),
                                adv_c.data_ptr<float>(),    data_or_null(old_c),
                                data_or_null(ref_c),        data_or_null(is_c),
@@ -247,10 +262,11 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss_inplace(
     const at::Tensor& agg_weight, const std::optional<at::Tensor>& low,
     const std::optional<at::Tensor>& high, double temperature, const std::string& loss,
     std::optional<double> dual_clip_c, std::optional<double> delta, double tau_pos,
-    double tau_neg, const std::optional<std::string>& kl, double beta, double entropy_coef) {
+    double tau_neg, const std::optional<std::string>& kl, double beta, double entropy_coef,
+    const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
   return fused_token_loss(logits, logits, labels, valid, advantages, old_logp, ref_logp,
                           is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
-                          tau_pos, tau_neg, kl, beta, entropy_coef);
+                          tau_pos, tau_neg, kl, beta, entropy_coef, row_temps, cap);
 }
 
 // [available, ptx_version, binary_version, max_dynamic_smem, attribute_sets] of the one-read
@@ -277,17 +293,22 @@ std::vector<int64_t> cluster_kernel_info(c10::Device device, c10::ScalarType dty
   "str loss, float? dual_clip_c, float? delta, float tau_pos, float tau_neg, str? kl, "    \
   "float beta, float entropy_coef"
 
+// The keywords of the Triton ops by which every row op reads per-token temperatures and a soft
+// cap (fusedrl.fused_backend.temperature_keywords).
+#define FUSEDRL_ROW_READ "Tensor? row_temps=None, float? cap=None"
+
 TORCH_LIBRARY(fusedrl, m) {
   m.def(
-      "cuda_logprobs_fwd(Tensor logits, Tensor labels, Tensor? valid, float temperature) -> "
-      "(Tensor, Tensor, Tensor)");
+      "cuda_logprobs_fwd(Tensor logits, Tensor labels, Tensor? valid, float temperature, "
+      "*, " FUSEDRL_ROW_READ ") -> (Tensor, Tensor, Tensor)");
   m.def(
       "cuda_logits_grad(Tensor logits, Tensor labels, Tensor lse, Tensor entropy, "
-      "Tensor dlogp, Tensor? dentropy, float temperature, Tensor(a!) out) -> ()");
+      "Tensor dlogp, Tensor? dentropy, float temperature, Tensor(a!) out, *, " FUSEDRL_ROW_READ
+      ") -> ()");
   m.def("cuda_fused_token_loss(Tensor logits, Tensor(a!) grad, " FUSEDRL_FUSED_ARGS
-        ") -> (Tensor, Tensor)");
+        ", *, " FUSEDRL_ROW_READ ") -> (Tensor, Tensor)");
   m.def("cuda_fused_token_loss_inplace(Tensor(a!) logits, " FUSEDRL_FUSED_ARGS
-        ") -> (Tensor, Tensor)");
+        ", *, " FUSEDRL_ROW_READ ") -> (Tensor, Tensor)");
   // No tensor argument, so no dispatch key: one kernel for every backend.
   m.def("cuda_cluster_kernel_info(Device device, ScalarType dtype) -> int[]",
         &fusedrl::cluster_kernel_info);

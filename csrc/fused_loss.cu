@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "fused_loss.h"
 
@@ -59,6 +60,13 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// One MUFU.RCP.
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>
@@ -80,6 +88,46 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
+
+// The most negative finite T, as a float: masks write it (or -inf) for banned tokens.
+template <typename T>
+__device__ __forceinline__ float lowest();
+template <>
+__device__ __forceinline__ float lowest<float>() { return __int_as_float(0xff7fffff); }
+template <>
+__device__ __forceinline__ float lowest<__half>() { return -65504.f; }
+template <>
+__device__ __forceinline__ float lowest<__nv_bfloat16>() { return __int_as_float(0xff7f0000); }
+
+// A soft-capped logit x (fused_loss.h, RowRead): (v, d v / d x / (4 cap)) with v = tanh(cap x) =
+// 1 - 2 r, r = 1 / (1 + 2^(x cap2)), cap2 = 2 cap log2(e): one ex2 and one rcp (the formula of
+// kernels/rows.py `capped`), and d v / d x = 4 cap r (1 - r). A banned logit (at or below T's
+// lowest) stays -inf instead of becoming -1 (-c after the cap's scale).
+template <typename T>
+__device__ __forceinline__ float2 capped(float x, float cap2) {
+  const float r = rcp(1.f + ex2(x * cap2));
+  return make_float2(x <= lowest<T>() ? -kInf : fmaf(-2.f, r, 1.f), fmaf(-r, r, r));
+}
+
+// How one row's logits are read: z = v * inv_temperature, v = x or, with kCap, tanh(cap x).
+template <typename T, bool kCap>
+struct Reader {
+  float inv_temperature;  // the row's (per-token temperatures: 1 / temperatures[row])
+  float cap2;             // 2 cap log2(e)
+
+  __device__ static Reader make(const RowRead& read, int64_t row) {
+    // rcp.approx-based (2 ulp), as Triton divides: an IEEE division is a subroutine call, whose
+    // saved registers spilled in the capped cluster kernel.
+    const float inv_temperature = read.temperatures != nullptr
+                                      ? __fdividef(1.f, read.temperatures[row])
+                                      : read.inv_temperature;
+    return Reader{inv_temperature, 2.f * kLog2e * read.cap};
+  }
+
+  __device__ __forceinline__ float value(float x) const {
+    return kCap ? capped<T>(x, cap2).x : x;
+  }
+};
 
 // 16 bytes of T: the unit of every global load / store of the sweeps.
 template <typename T>
@@ -180,12 +228,13 @@ __device__ Stats block_reduce(Stats st) {
 
 // The exact online softmax (running max per thread, then a block merge): the fallback for rows
 // whose sums relative to the label logit overflow.
-template <typename T>
-__device__ Stats row_stats_online(const T* row, int vocab, float inv_temperature) {
+template <typename T, bool kCap>
+__device__ Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>& read) {
   Stats st;
+  const float inv_temperature = read.inv_temperature;
   const int head = unaligned_head<T>(row, vocab);
   for (int j = threadIdx.x; j < head; j += blockDim.x) {
-    const float z = to_float(row[j]) * inv_temperature;
+    const float z = read.value(to_float(row[j])) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
   }
@@ -198,7 +247,7 @@ __device__ Stats row_stats_online(const T* row, int vocab, float inv_temperature
     float pack_max = -kInf;
 #pragma unroll
     for (int k = 0; k < kPack; ++k) {
-      z[k] = to_float(p.v[k]) * inv_temperature;
+      z[k] = read.value(to_float(p.v[k])) * inv_temperature;
       pack_max = fmaxf(pack_max, z[k]);
     }
     if (pack_max > st.m) rescale_to(st, pack_max);
@@ -206,7 +255,7 @@ __device__ Stats row_stats_online(const T* row, int vocab, float inv_temperature
     for (int k = 0; k < kPack; ++k) accumulate(st, z[k]);
   }
   for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
-    const float z = to_float(row[j]) * inv_temperature;
+    const float z = read.value(to_float(row[j])) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
   }
@@ -258,23 +307,25 @@ struct RowStats {
   float mean_z;  // sum_j p_j z_j, nats
 };
 
-// One read of the row (see the file comment); `ref_logit` is a logit of the row (the label's).
-template <typename T>
-__device__ RowStats row_stats(const T* row, int vocab, float inv_temperature, float ref_logit) {
-  const float scale2 = kLog2e * inv_temperature;
-  RefSums acc{scale2, max_nan(ref_logit * scale2, kFloor)};
+// One read of the row (see the file comment); `ref_value` is a value of the row as read (the
+// label's).
+template <typename T, bool kCap>
+__device__ RowStats row_stats(const T* row, int vocab, const Reader<T, kCap>& read,
+                              float ref_value) {
+  const float scale2 = kLog2e * read.inv_temperature;
+  RefSums acc{scale2, max_nan(ref_value * scale2, kFloor)};
   const int head = unaligned_head<T>(row, vocab);
-  for (int j = threadIdx.x; j < head; j += blockDim.x) acc.add(to_float(row[j]));
+  for (int j = threadIdx.x; j < head; j += blockDim.x) acc.add(read.value(to_float(row[j])));
   constexpr int kPack = Pack<T>::kSize;
   const int packs = (vocab - head) / kPack;
   const auto* packed = reinterpret_cast<const Pack<T>*>(row + head);
   for (int i = threadIdx.x; i < packs; i += blockDim.x) {
     const Pack<T> p = packed[i];
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) acc.add(to_float(p.v[k]));
+    for (int k = 0; k < kPack; ++k) acc.add(read.value(to_float(p.v[k])));
   }
   for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
-    acc.add(to_float(row[j]));
+    acc.add(read.value(to_float(row[j])));
   }
   const float2 sums = block_sum2(acc.s, acc.t);
   const float mean_d = sums.y / sums.x;
@@ -283,7 +334,7 @@ __device__ RowStats row_stats(const T* row, int vocab, float inv_temperature, fl
   if (acc.ref > kFloor && sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {
     return {(acc.ref + log2f(sums.x)) * kLn2, (acc.ref + mean_d) * kLn2};
   }
-  const Stats st = row_stats_online(row, vocab, inv_temperature);
+  const Stats st = row_stats_online(row, vocab, read);
   // No logit above kFloor (all -inf): no distribution, NaN as in the Triton kernels.
   const bool undefined = st.m == kInf || st.m * kLog2e <= kFloor;
   const float lse = undefined ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
@@ -292,39 +343,63 @@ __device__ RowStats row_stats(const T* row, int vocab, float inv_temperature, fl
 
 // ------------------------------------------------------------------------------ gradient sweep
 // d loss / d logit_j = p_j (k0 + k1 log2 p_j), plus dlogp / T at the label (written separately):
-// k0 = -(dlogp + dH H) / T, k1 = -dH ln2 / T, log2 p_j = y_j - lse2.
+// k0 = -(dlogp + dH H) / T, k1 = -dH ln2 / T, log2 p_j = y_j - lse2. Under a soft cap each entry
+// is that of v_j = tanh(cap x_j) times d v / d x = 4 cap r_j (1 - r_j) (`capped`): 4 cap is folded
+// into k0, k1 and the label term, r (1 - r) is one more FFMA and FMUL per element.
 struct RowGrad {
   int label;
-  float label_logit;  // read before the row is overwritten (in place)
+  float label_logit;  // as stored, read before the row is overwritten (in place)
   float lse2;
   float k0;
   float k1;
   float scale2;
   float label_term;  // dlogp / T
+  float cap2;        // Reader::cap2
 
+  template <typename T, bool kCap>
   __device__ static RowGrad make(int label, float label_logit, float lse, float entropy,
-                                 float dlogp, float dentropy, float inv_temperature) {
+                                 float dlogp, float dentropy, const Reader<T, kCap>& read) {
+    const float inv_temperature = read.inv_temperature;
+    const float slope = kCap ? 2.f * kLn2 * read.cap2 : 1.f;  // 4 cap
     return RowGrad{label,
                    label_logit,
                    lse * kLog2e,
-                   -(dlogp + dentropy * entropy) * inv_temperature,
-                   -dentropy * kLn2 * inv_temperature,
+                   -(dlogp + dentropy * entropy) * inv_temperature * slope,
+                   -dentropy * kLn2 * inv_temperature * slope,
                    kLog2e * inv_temperature,
-                   dlogp * inv_temperature};
+                   dlogp * inv_temperature * slope,
+                   read.cap2};
   }
 
+  // The entry of a value v as read (v = x without a cap).
   template <bool kEntropy>
-  __device__ __forceinline__ float p_term(float x) const {
-    const float log2_p = fmaf(x, scale2, -lse2);
+  __device__ __forceinline__ float p_of(float v) const {
+    const float log2_p = fmaf(v, scale2, -lse2);
     if (kEntropy) {
       const float clamped = max_nan(log2_p, kFloor);  // -inf: 0 * finite, not 0 * -inf
       return ex2(clamped) * fmaf(k1, clamped, k0);
     }
     return ex2(log2_p) * k0;  // -inf: ex2 gives 0
   }
+
+  // d loss / d x of a stored logit x, the label's one-hot term aside.
+  template <typename T, bool kEntropy, bool kCap>
+  __device__ __forceinline__ float p_term(float x) const {
+    if (!kCap) return p_of<kEntropy>(x);
+    const float2 v = capped<T>(x, cap2);
+    return p_of<kEntropy>(v.x) * v.y;
+  }
+
+  // The label's entry, its one-hot term dlogp / T included.
+  template <typename T, bool kEntropy, bool kCap>
+  __device__ __forceinline__ float label_entry() const {
+    if (!kCap) return p_of<kEntropy>(label_logit) + label_term;
+    const float2 v = capped<T>(label_logit, cap2);
+    return (p_of<kEntropy>(v.x) + label_term) * v.y;
+  }
 };
 
-template <typename T, bool kEntropy>
+template <typename T, bool kEntropy, bool kCap>
 __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f) {
   const int head = unaligned_head<T>(row, vocab);
   constexpr int kPack = Pack<T>::kSize;
@@ -335,7 +410,7 @@ __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f
       const Pack<T> p = packed_in[i];
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        out[head + i * kPack + k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+        out[head + i * kPack + k] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(p.v[k])));
       }
     }
   } else {
@@ -345,28 +420,28 @@ __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f
       const Pack<T> p = packed_in[i];
       Pack<T> g;
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) g.v[k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      for (int k = 0; k < kPack; ++k) {
+        g.v[k] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(p.v[k])));
+      }
       packed_out[i] = g;
     }
   }
   for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
-    out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row[j])));
+    out[j] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(row[j])));
   }
   for (int j = threadIdx.x; j < head; j += blockDim.x) {
-    out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row[j])));
+    out[j] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(row[j])));
   }
   __syncthreads();  // the label's entry last: another thread's pack store covered it
-  if (threadIdx.x == 0) {
-    out[f.label] = from_float<T>(f.p_term<kEntropy>(f.label_logit) + f.label_term);
-  }
+  if (threadIdx.x == 0) out[f.label] = from_float<T>(f.label_entry<T, kEntropy, kCap>());
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f, bool entropy) {
   if (entropy) {
-    write_row_grad<T, true>(row, out, vocab, f);
+    write_row_grad<T, true, kCap>(row, out, vocab, f);
   } else {
-    write_row_grad<T, false>(row, out, vocab, f);
+    write_row_grad<T, false, kCap>(row, out, vocab, f);
   }
 }
 
@@ -443,11 +518,14 @@ __device__ float kl_dlogp(float logp, float ref, int kind) {
 // ------------------------------------------------------------------------------ kernels
 // The token's d loss / d logp and d loss / dH from its row statistics, as the gradient sweep's
 // constants; writes logp and entropy unless logp_out is nullptr. One thread per row calls it.
+// `label_logit` as stored, `label_value` as read (capped).
+template <typename T, bool kCap>
 __device__ RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossParams& params,
-                                  int64_t row, int label, float label_logit, float lse,
-                                  float mean_z, float* logp_out, float* entropy_out) {
+                                  const Reader<T, kCap>& read, int64_t row, int label,
+                                  float label_logit, float label_value, float lse, float mean_z,
+                                  float* logp_out, float* entropy_out) {
   const float entropy = lse - mean_z;
-  const float logp = label_logit * params.inv_temperature - lse;
+  const float logp = label_value * read.inv_temperature - lse;
   const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
   const float low = in.low != nullptr ? in.low[row] : 0.f;
   const float high = in.high != nullptr ? in.high[row] : 0.f;
@@ -460,13 +538,13 @@ __device__ RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossPara
     entropy_out[row] = entropy;
   }
   return RowGrad::make(label, label_logit, lse, entropy, d * agg, -params.entropy_coef * agg,
-                       params.inv_temperature);
+                       read);
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads)
     logprobs_forward_kernel(const T* logits, RowLayout layout, const int64_t* labels,
-                            const int8_t* valid, float inv_temperature, float* logp, float* lse,
+                            const int8_t* valid, RowRead read, float* logp, float* lse,
                             float* entropy) {
   const int vocab = static_cast<int>(layout.vocab);
   for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
@@ -475,21 +553,22 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     const T* row_ptr = logits + row_offset(row, layout);
-    const float label_logit = to_float(row_ptr[labels[row]]);
-    const RowStats st = row_stats(row_ptr, vocab, inv_temperature, label_logit);
+    const auto reader = Reader<T, kCap>::make(read, row);
+    const float label_value = reader.value(to_float(row_ptr[labels[row]]));
+    const RowStats st = row_stats(row_ptr, vocab, reader, label_value);
     if (threadIdx.x == 0) {
-      logp[row] = label_logit * inv_temperature - st.lse;
+      logp[row] = label_value * reader.inv_temperature - st.lse;
       lse[row] = st.lse;
       entropy[row] = st.lse - st.mean_z;
     }
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads)
     logits_grad_kernel(const T* logits, T* out, RowLayout layout, RowLayout out_layout,
                        const int64_t* labels, const float* lse, const float* entropy,
-                       const float* dlogp, const float* dentropy, float inv_temperature) {
+                       const float* dlogp, const float* dentropy, RowRead read) {
   const int vocab = static_cast<int>(layout.vocab);
   for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
     T* out_row = out + row_offset(row, out_layout);
@@ -501,15 +580,15 @@ __global__ void __launch_bounds__(kThreads)
       const T* row_ptr = logits + row_offset(row, layout);
       const int label = static_cast<int>(labels[row]);
       const RowGrad f = RowGrad::make(label, to_float(row_ptr[label]), lse[row], entropy[row],
-                                      row_dlogp, row_dentropy, inv_temperature);
+                                      row_dlogp, row_dentropy, Reader<T, kCap>::make(read, row));
       __syncthreads();  // in place: every thread has read the label logit before any write
-      write_row_grad(row_ptr, out_row, vocab, f, dentropy != nullptr);
+      write_row_grad<T, kCap>(row_ptr, out_row, vocab, f, dentropy != nullptr);
     }
     __syncthreads();  // in place: the next row's reads never overlap, but keep blocks in step
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     fused_token_loss_kernel(const T* logits, T* grad, RowLayout layout, RowLayout grad_layout,
                             TokenLossInputs in, TokenLossParams params, float* logp_out,
@@ -526,14 +605,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     const T* row_ptr = logits + row_offset(row, layout);
     const int label = static_cast<int>(in.labels[row]);
     const float label_logit = to_float(row_ptr[label]);  // before any write (block_sum2 syncs)
-    const RowStats st = row_stats(row_ptr, vocab, params.inv_temperature, label_logit);
+    const auto reader = Reader<T, kCap>::make(params.read, row);
+    const float label_value = reader.value(label_logit);
+    const RowStats st = row_stats(row_ptr, vocab, reader, label_value);
     if (threadIdx.x == 0) {
-      shared_grad = token_row_grad(in, params, row, label, label_logit, st.lse, st.mean_z,
-                                   logp_out, entropy_out);
+      shared_grad = token_row_grad(in, params, reader, row, label, label_logit, label_value,
+                                   st.lse, st.mean_z, logp_out, entropy_out);
     }
     __syncthreads();
     const RowGrad f = shared_grad;
-    write_row_grad(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
+    write_row_grad<T, kCap>(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
     __syncthreads();  // shared_grad is rewritten by the next row
   }
 }
@@ -603,7 +684,7 @@ __device__ float2 cluster_sum2(Cluster& cluster, float2* mine, float2 value) {
   return total;
 }
 
-template <typename T, bool kEntropy>
+template <typename T, bool kEntropy, bool kCap>
 __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
                                  const ClusterRow& r, int vocab, bool last_rank,
                                  const RowGrad& f) {
@@ -614,7 +695,9 @@ __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
       const Pack<T> p = slice[i];
       Pack<T> g;
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) g.v[k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+      for (int k = 0; k < kPack; ++k) {
+        g.v[k] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(p.v[k])));
+      }
       packed_out[i] = g;
     }
   } else {  // the gradient rows are aligned differently from the logits: scalar stores
@@ -623,18 +706,18 @@ __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
       const Pack<T> p = slice[i];
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        slice_out[i * kPack + k] = from_float<T>(f.p_term<kEntropy>(to_float(p.v[k])));
+        slice_out[i * kPack + k] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(p.v[k])));
       }
     }
   }
   if (last_rank) {
     for_each_loose_element<T>(r, vocab, [&](int j) {
-      out[j] = from_float<T>(f.p_term<kEntropy>(to_float(row_ptr[j])));
+      out[j] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(row_ptr[j])));
     });
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(kClusterThreads)
     fused_token_loss_cluster_kernel(const T* logits, T* grad, RowLayout layout,
                                     RowLayout grad_layout, TokenLossInputs in,
@@ -652,7 +735,6 @@ __global__ void __launch_bounds__(kClusterThreads)
   __shared__ int label_owner;
   constexpr int kPack = Pack<T>::kSize;
   const int vocab = static_cast<int>(layout.vocab);
-  const float scale2 = kLog2e * params.inv_temperature;
   const int64_t clusters = gridDim.x / kClusterSize;
   for (int64_t row = blockIdx.x / kClusterSize; row < layout.rows; row += clusters) {
     T* grad_row = grad + row_offset(row, grad_layout);
@@ -667,17 +749,22 @@ __global__ void __launch_bounds__(kClusterThreads)
     }
     const int label = static_cast<int>(in.labels[row]);
     const float label_logit = to_float(row_ptr[label]);  // before any write: cluster.sync below
+    const auto reader = Reader<T, kCap>::make(params.read, row);
+    const float label_value = reader.value(label_logit);
+    const float scale2 = kLog2e * reader.inv_temperature;
     const ClusterRow r = cluster_row(row_ptr, vocab, rank);
     // Sweep 1: the slice into shared memory, summed relative to the label logit on the way.
-    RefSums acc{scale2, max_nan(label_logit * scale2, kFloor)};
+    RefSums acc{scale2, max_nan(label_value * scale2, kFloor)};
     const auto* packed = reinterpret_cast<const Pack<T>*>(row_ptr + r.head) + r.first;
     for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
       const Pack<T> p = packed[i];
       slice[i] = p;
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) acc.add(to_float(p.v[k]));
+      for (int k = 0; k < kPack; ++k) acc.add(reader.value(to_float(p.v[k])));
     }
-    if (last_rank) for_each_loose_element<T>(r, vocab, [&](int j) { acc.add(to_float(row_ptr[j])); });
+    if (last_rank) {
+      for_each_loose_element<T>(r, vocab, [&](int j) { acc.add(reader.value(to_float(row_ptr[j]))); });
+    }
     const float2 sums = cluster_sum2(cluster, &partial, block_sum2(acc.s, acc.t));
     float lse, mean_z;
     const float mean_d = sums.y / sums.x;
@@ -688,7 +775,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     } else {  // the exact online softmax, from the on-chip slices
       Stats st;
       auto online = [&](float x) {
-        const float z = x * params.inv_temperature;
+        const float z = reader.value(x) * reader.inv_temperature;
         if (z > st.m) rescale_to(st, z);
         accumulate(st, z);
       };
@@ -717,8 +804,8 @@ __global__ void __launch_bounds__(kClusterThreads)
     }
     if (threadIdx.x == 0) {
       // Every CTA derives the same scalars; rank 0 writes logp and entropy.
-      shared_grad = token_row_grad(in, params, row, label, label_logit, lse, mean_z,
-                                   rank == 0 ? logp_out : nullptr, entropy_out);
+      shared_grad = token_row_grad(in, params, reader, row, label, label_logit, label_value, lse,
+                                   mean_z, rank == 0 ? logp_out : nullptr, entropy_out);
       const int in_packs = label - r.head;
       const bool loose = in_packs < 0 || in_packs >= r.packs * kPack;
       label_owner = loose ? kClusterSize - 1 : (in_packs / kPack) / r.per_cta;
@@ -727,15 +814,14 @@ __global__ void __launch_bounds__(kClusterThreads)
     const RowGrad f = shared_grad;
     // Sweep 2, from shared memory: the only other read of the row is the loose elements'.
     if (params.entropy_coef != 0.f) {
-      write_slice_grad<T, true>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
+      write_slice_grad<T, true, kCap>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
     } else {
-      write_slice_grad<T, false>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
+      write_slice_grad<T, false, kCap>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
     }
     __syncthreads();  // the label's entry after this CTA's own store of it
     if (rank == label_owner && threadIdx.x == 0) {
-      const float p_term = params.entropy_coef != 0.f ? f.p_term<true>(f.label_logit)
-                                                      : f.p_term<false>(f.label_logit);
-      grad_row[label] = from_float<T>(p_term + f.label_term);
+      grad_row[label] = from_float<T>(params.entropy_coef != 0.f ? f.label_entry<T, true, kCap>()
+                                                                 : f.label_entry<T, false, kCap>());
     }
     cluster.sync();  // no CTA rewrites `partial` or its slice while another still reads them
   }
@@ -811,7 +897,7 @@ ClusterState probe_cluster_kernel(const void* kernel, int device) {
   return s;
 }
 
-template <typename T>
+template <typename T, bool kCap>
 const ClusterState& cluster_state(int device) {
   static std::once_flag once[kMaxDevices];
   static ClusterState state[kMaxDevices];
@@ -819,7 +905,7 @@ const ClusterState& cluster_state(int device) {
   if (device < 0 || device >= kMaxDevices) return none;
   std::call_once(once[device], [device] {
     state[device] = probe_cluster_kernel(
-        reinterpret_cast<const void*>(fused_token_loss_cluster_kernel<T>), device);
+        reinterpret_cast<const void*>(fused_token_loss_cluster_kernel<T, kCap>), device);
   });
   return state[device];
 }
@@ -827,7 +913,7 @@ const ClusterState& cluster_state(int device) {
 // The one-read kernel when its loaded code has the body (cluster_state), its slices fit shared
 // memory, and FUSEDRL_CUDA_ONE_READ is not "0" (set it to time the two-sweep kernel on the same
 // GPU). The current device is the tensors' (bindings.cpp holds a guard).
-template <typename T>
+template <typename T, bool kCap>
 bool use_cluster_kernel(int64_t vocab) {
   const char* env = std::getenv("FUSEDRL_CUDA_ONE_READ");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
@@ -836,15 +922,15 @@ bool use_cluster_kernel(int64_t vocab) {
     (void)cudaGetLastError();
     return false;
   }
-  const ClusterState& s = cluster_state<T>(device);
+  const ClusterState& s = cluster_state<T, kCap>(device);
   return s.usable && cluster_smem_bytes(vocab, sizeof(T)) <= s.max_dynamic_smem;
 }
 
-template <typename T>
+template <typename T, bool kCap>
 cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout grad_layout,
                            TokenLossInputs inputs, TokenLossParams params, float* logp,
                            float* entropy, cudaStream_t stream) {
-  const auto kernel = fused_token_loss_cluster_kernel<T>;
+  const auto kernel = fused_token_loss_cluster_kernel<T, kCap>;
   const int64_t smem = cluster_smem_bytes(layout.vocab, sizeof(T));
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attribute[1];
@@ -889,15 +975,22 @@ int grid_for_l2(int64_t rows, int64_t row_bytes) {
   return static_cast<int>(rows < blocks ? (rows > 0 ? rows : 1) : blocks);
 }
 
+template <bool kValue>
+using Flag = std::integral_constant<bool, kValue>;
+
+// fn(T{}, Flag<kCap>{}) for the logits' dtype and whether they are read through a soft cap.
 template <typename Fn>
-cudaError_t dispatch(DType dtype, Fn&& fn) {
+cudaError_t dispatch(DType dtype, float cap, Fn&& fn) {
+  const auto with_cap = [&](auto tag) {
+    return cap != 0.f ? fn(tag, Flag<true>{}) : fn(tag, Flag<false>{});
+  };
   switch (dtype) {
     case DType::kFloat32:
-      return fn(float{});
+      return with_cap(float{});
     case DType::kFloat16:
-      return fn(__half{});
+      return with_cap(__half{});
     case DType::kBFloat16:
-      return fn(__nv_bfloat16{});
+      return with_cap(__nv_bfloat16{});
   }
   return cudaErrorInvalidValue;
 }
@@ -905,14 +998,13 @@ cudaError_t dispatch(DType dtype, Fn&& fn) {
 }  // namespace
 
 cudaError_t launch_logprobs_forward(const void* logits, DType dtype, RowLayout layout,
-                                    const int64_t* labels, const int8_t* valid,
-                                    float inv_temperature, float* logp, float* lse, float* entropy,
-                                    cudaStream_t stream) {
+                                    const int64_t* labels, const int8_t* valid, RowRead read,
+                                    float* logp, float* lse, float* entropy, cudaStream_t stream) {
   if (layout.rows == 0) return cudaSuccess;
-  return dispatch(dtype, [&](auto tag) {
+  return dispatch(dtype, read.cap, [&](auto tag, auto cap) {
     using T = decltype(tag);
-    logprobs_forward_kernel<T><<<grid_for(layout.rows), kThreads, 0, stream>>>(
-        static_cast<const T*>(logits), layout, labels, valid, inv_temperature, logp, lse, entropy);
+    logprobs_forward_kernel<T, decltype(cap)::value><<<grid_for(layout.rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), layout, labels, valid, read, logp, lse, entropy);
     return cudaGetLastError();
   });
 }
@@ -920,13 +1012,13 @@ cudaError_t launch_logprobs_forward(const void* logits, DType dtype, RowLayout l
 cudaError_t launch_logits_grad(const void* logits, void* out, DType dtype, RowLayout layout,
                                RowLayout out_layout, const int64_t* labels, const float* lse,
                                const float* entropy, const float* dlogp, const float* dentropy,
-                               float inv_temperature, cudaStream_t stream) {
+                               RowRead read, cudaStream_t stream) {
   if (layout.rows == 0) return cudaSuccess;
-  return dispatch(dtype, [&](auto tag) {
+  return dispatch(dtype, read.cap, [&](auto tag, auto cap) {
     using T = decltype(tag);
-    logits_grad_kernel<T><<<grid_for(layout.rows), kThreads, 0, stream>>>(
+    logits_grad_kernel<T, decltype(cap)::value><<<grid_for(layout.rows), kThreads, 0, stream>>>(
         static_cast<const T*>(logits), static_cast<T*>(out), layout, out_layout, labels, lse,
-        entropy, dlogp, dentropy, inv_temperature);
+        entropy, dlogp, dentropy, read);
     return cudaGetLastError();
   });
 }
@@ -936,16 +1028,16 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
                                     TokenLossParams params, float* logp, float* entropy,
                                     cudaStream_t stream) {
   if (layout.rows == 0) return cudaSuccess;
-  return dispatch(dtype, [&](auto tag) {
+  return dispatch(dtype, params.read.cap, [&](auto tag, auto cap) {
     using T = decltype(tag);
-    if (use_cluster_kernel<T>(layout.vocab)) {
-      const cudaError_t err = launch_cluster(static_cast<const T*>(logits), static_cast<T*>(grad),
-                                             layout, grad_layout, inputs, params, logp, entropy,
-                                             stream);
+    if (use_cluster_kernel<T, decltype(cap)::value>(layout.vocab)) {
+      const cudaError_t err = launch_cluster<T, decltype(cap)::value>(
+          static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs,
+          params, logp, entropy, stream);
       return err != cudaSuccess ? err : cudaGetLastError();
     }
     const int blocks = grid_for_l2(layout.rows, layout.vocab * static_cast<int64_t>(sizeof(T)));
-    fused_token_loss_kernel<T><<<blocks, kThreads, 0, stream>>>(
+    fused_token_loss_kernel<T, decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs, params,
         logp, entropy);
     return cudaGetLastError();
@@ -956,8 +1048,8 @@ cudaError_t query_cluster_kernel(DType dtype, ClusterKernelInfo* info) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  return dispatch(dtype, [&](auto tag) {
-    const ClusterState& s = cluster_state<decltype(tag)>(device);
+  return dispatch(dtype, 0.f, [&](auto tag, auto) {
+    const ClusterState& s = cluster_state<decltype(tag), false>(device);
     *info = ClusterKernelInfo{s.usable, s.ptx_version, s.binary_version, s.max_dynamic_smem,
                               s.attribute_sets};
     return cudaSuccess;

@@ -22,6 +22,15 @@ struct RowLayout {
   int64_t stride_t;  // elements
 };
 
+// How the kernels read a row's logits x: as z = v / T with v = x, or, under a soft cap
+// (y = c tanh(s x / c), passed as cap = s / c and the temperature T / c), v = tanh(cap x).
+// `temperatures`: per-row T ([rows] fp32), or nullptr for 1 / inv_temperature.
+struct RowRead {
+  float inv_temperature;
+  const float* temperatures;
+  float cap;  // 0: no cap
+};
+
 // Token-level variant of the policy loss, as constants of one launch.
 struct TokenLossParams {
   int loss;            // 0 ppo/dcpo (per-token bounds), 1 cispo, 2 sapo, 3 pg
@@ -34,7 +43,7 @@ struct TokenLossParams {
   int kl;              // 0 none, 1 k1, 2 k2, 3 abs, 4 k3, 5 straight-through (k2 gradient)
   float beta;
   float entropy_coef;
-  float inv_temperature;
+  RowRead read;
 };
 
 // Per-token inputs of the fused loss ([B, T] contiguous fp32 unless noted; nullptr = absent).
@@ -52,15 +61,14 @@ struct TokenLossInputs {
 
 // logp, lse, entropy of each row (fp32 [rows]); `valid` may be nullptr.
 cudaError_t launch_logprobs_forward(const void* logits, DType dtype, RowLayout layout,
-                                    const int64_t* labels, const int8_t* valid,
-                                    float inv_temperature, float* logp, float* lse, float* entropy,
-                                    cudaStream_t stream);
+                                    const int64_t* labels, const int8_t* valid, RowRead read,
+                                    float* logp, float* lse, float* entropy, cudaStream_t stream);
 
 // out = d loss / d logits from per-row dlogp (and dentropy, may be nullptr); out may be logits.
 cudaError_t launch_logits_grad(const void* logits, void* out, DType dtype, RowLayout layout,
                                RowLayout out_layout, const int64_t* labels, const float* lse,
                                const float* entropy, const float* dlogp, const float* dentropy,
-                               float inv_temperature, cudaStream_t stream);
+                               RowRead read, cudaStream_t stream);
 
 // The fused token-level loss: logp, entropy per row, and the gradient written into `grad`
 // (which may be `logits`).

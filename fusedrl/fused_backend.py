@@ -140,8 +140,8 @@ def temperature_args(
     refused where they have none."""
     if isinstance(temperature, torch.Tensor) and not ops.row_temperatures:
         raise ValueError(
-            "per-token temperatures (a temperature tensor) have no kernel in this backend (the "
-            "CUDA extension takes one temperature): use backend='triton' or 'torch'"
+            "per-token temperatures (a temperature tensor) have no kernel in this backend: use "
+            "backend='triton' or 'torch'"
         )
     check_softcap_kernels(ops, transform)
     return temperature_keywords(temperature, transform=transform)
@@ -149,10 +149,7 @@ def temperature_args(
 
 def check_softcap_kernels(ops: FusedOps, transform: LogitTransform | None) -> None:
     if transform is not None and transform.softcap is not None and not ops.softcap:
-        raise ValueError(
-            "softcap= has no kernel in this backend (the CUDA extension reads the logits as "
-            "they are): use backend='triton' or 'torch'"
-        )
+        raise ValueError("softcap= has no kernel in this backend: use backend='triton' or 'torch'")
 
 
 class _LogprobsFn(torch.autograd.Function):
@@ -418,8 +415,7 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
-    # (the CUDA extension's two-row ops are Triton's, but its others have no cap: refused alike)
-    check_softcap_kernels(ops, inp.transform)
+    check_softcap_kernels(ops, inp.transform)  # as a backend's other row ops would refuse it
     # The two-row ops of every backend take per-token temperatures and a soft cap.
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(

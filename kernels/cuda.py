@@ -90,6 +90,8 @@ def load(verbose: bool = False):
         ops.cuda_fused_token_loss_inplace.default,
         _from_triton("sampled_set"),
         _from_triton("TWO_ROWS"),
+        row_temperatures=True,
+        softcap=True,
     )
 
 

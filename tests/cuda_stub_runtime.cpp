@@ -13,7 +13,8 @@
 //   device ID CLUSTER_LAUNCH OPTIN_SMEM PTX_VERSION BINARY_VERSION CLUSTER_BODY
 //                                 (PTX_VERSION 0: no image of the module loads on it)
 //   env VALUE                     FUSEDRL_CUDA_ONE_READ=VALUE ("-": unset)
-//   launch ID DTYPE VOCAB         launch_fused_token_loss on device ID (DTYPE as fusedrl::DType)
+//   launch ID DTYPE VOCAB [CAP]   launch_fused_token_loss on device ID (DTYPE as fusedrl::DType),
+//                                 CAP the soft cap's a (default 0: none)
 //   info ID DTYPE                 query_cluster_kernel on device ID
 #include <cuda_runtime.h>
 
@@ -227,7 +228,7 @@ cudaError_t cudaOccupancyMaxActiveClusters(int* clusters, const void*,
 // ------------------------------------------------------------------ the driver of the stub
 namespace {
 
-void launch(int device, int dtype, int64_t vocab) {
+void launch(int device, int dtype, int64_t vocab, float cap) {
   current = device;
   const int64_t rows = 4;
   const fusedrl::RowLayout layout{rows, rows, vocab, rows * vocab, vocab};
@@ -238,7 +239,8 @@ void launch(int device, int dtype, int64_t vocab) {
   const auto* floats = reinterpret_cast<const float*>(storage);
   const fusedrl::TokenLossInputs inputs{labels, valid,  floats,  floats, floats,
                                         floats, floats, floats, floats};
-  const fusedrl::TokenLossParams params{};
+  fusedrl::TokenLossParams params{};
+  params.read.cap = cap;
   auto* out = reinterpret_cast<float*>(storage);
   // A stream per device, so that the test sees the launch went to the one it passed.
   auto* stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(0x5000 + device));
@@ -249,12 +251,17 @@ void launch(int device, int dtype, int64_t vocab) {
   const Device& d = devices[device];
   const auto set = d.max_dynamic_smem.find(last_launch.fun);
   const int limit = set == d.max_dynamic_smem.end() ? 0 : set->second;
+  // The soft-capped instantiation <T, kCap = true>, by its mangled name.
+  const auto name = names.find(last_launch.fun);
+  const bool capped = name != names.end() && name->second.find("Lb1EE") != std::string::npos;
   std::printf(
       "{\"kernel\": \"%s\", \"trapped\": %s, \"stream_ok\": %s, \"dynamic_smem\": %zu, "
-      "\"cluster\": %u, \"error\": %d, \"attribute_sets\": %d, \"max_dynamic_smem\": %d}\n",
+      "\"cluster\": %u, \"error\": %d, \"attribute_sets\": %d, \"max_dynamic_smem\": %d, "
+      "\"capped\": %s}\n",
       last_launch.kernel.c_str(), last_launch.trapped ? "true" : "false",
       last_launch.stream == stream ? "true" : "false", last_launch.dynamic_smem,
-      last_launch.cluster_x, static_cast<int>(err), d.attribute_sets, limit);
+      last_launch.cluster_x, static_cast<int>(err), d.attribute_sets, limit,
+      capped ? "true" : "false");
 }
 
 void info(int device, int dtype) {
@@ -296,8 +303,10 @@ int main() {
     } else if (command == "launch") {
       int id = 0, dtype = 0;
       int64_t vocab = 0;
+      float cap = 0.f;
       in >> id >> dtype >> vocab;
-      launch(id, dtype, vocab);
+      in >> cap;  // optional: the soft cap's a (0: none)
+      launch(id, dtype, vocab, cap);
     } else if (command == "info") {
       int id = 0, dtype = 0;
       in >> id >> dtype;

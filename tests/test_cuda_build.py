@@ -153,8 +153,18 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
     extension's SASS: per kernel and dtype, the sweep-1 loop (the cheaper stats loop: the other is
     the exact online fallback) and every gradient loop (with and without the entropy term) load and
     store 128 bits, hold no barrier, issue one MUFU per element, and stay within
-    fusedrl.kernels.aot.SWEEP_BUDGET; the fused kernel's two sweeps within FUSED_BUDGET."""
-    from fusedrl.kernels.aot import FUSED_BUDGET, SWEEP_BUDGET, sass_loops, with_costs
+    fusedrl.kernels.aot.SWEEP_BUDGET; the fused kernel's two sweeps within FUSED_BUDGET. The
+    soft-capped kernels (kCap: the Triton kernels' SOFTCAP) within SOFTCAP_BUDGET and
+    SOFTCAP_FUSED_BUDGET, with SOFTCAP_MUFU_PER_ELEMENT."""
+    from fusedrl.kernels.aot import (
+        FUSED_BUDGET,
+        SOFTCAP_BUDGET,
+        SOFTCAP_FUSED_BUDGET,
+        SOFTCAP_MUFU_PER_ELEMENT,
+        SWEEP_BUDGET,
+        sass_loops,
+        with_costs,
+    )
 
     _needs_arch(arch)
     sass = subprocess.run(
@@ -162,7 +172,7 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     functions = re.split(r"\n\s*Function : ", sass)[1:]
-    assert len(functions) >= 9, f"expected 3 kernels x 3 dtypes in the {arch} SASS"
+    assert len(functions) >= 18, f"expected 3 kernels x 3 dtypes x (capped or not) in {arch}"
     failures, table = [], []
     for text in functions:
         name = text.split("\n", 1)[0].strip()
@@ -172,6 +182,9 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
         dtype = "bf16" if "bfloat16" in name else "fp16" if "__half" in name else "fp32"
         elem_bytes = 4 if dtype == "fp32" else 2
         assert kernel, name
+        capped = re.search(r"Lb1EE", name) is not None  # <T, kCap = true>, mangled
+        budget, mufu = (SOFTCAP_BUDGET, SOFTCAP_MUFU_PER_ELEMENT) if capped else (SWEEP_BUDGET, 1)
+        label = f"{kernel.group(1)}{'+cap' if capped else ''}"
         if kernel.group(1) == "fused_token_loss_cluster" and int(arch[3:]) < cluster_arch():
             continue  # thread-block clusters exist from sm_90 on: before, the kernel is a trap
         loops = with_costs(sass_loops(text), 16 // elem_bytes, elem_bytes)
@@ -181,10 +194,10 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
         assert checked, f"{kernel.group(1)} {dtype}: no 128-bit main loop found"
         for loop in checked:
             cost, role = loop["warp_instructions_per_element"], loop["role"]
-            table.append(f"{arch} {kernel.group(1):<24} {dtype} {role:<5} {cost:.3f} w-instr/elem")
+            table.append(f"{arch} {label:<28} {dtype} {role:<5} {cost:.3f} w-instr/elem")
             memory = {**loop["loads"], **loop["stores"], **loop["shared_loads"]}
             wide = all(op.endswith(".128") for op in memory)
-            if cost > SWEEP_BUDGET[role] or loop["mufu_per_element"] > 1 or loop["barriers"]:
+            if cost > budget[role] or loop["mufu_per_element"] > mufu or loop["barriers"]:
                 failures.append(f"{table[-1]}, {loop['mufu_per_element']} MUFU/elem, "
                                 f"{loop['barriers']} BAR")  # fmt: skip
             if not wide:
@@ -193,8 +206,9 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
             total = checked[0]["warp_instructions_per_element"] + max(
                 loop["warp_instructions_per_element"] for loop in grads
             )
-            if total > FUSED_BUDGET:
-                failures.append(f"{arch} fused {dtype}: both sweeps {total:.3f} > {FUSED_BUDGET}")
+            fused_budget = SOFTCAP_FUSED_BUDGET if capped else FUSED_BUDGET
+            if total > fused_budget:
+                failures.append(f"{arch} {label} {dtype}: both sweeps {total:.3f} > {fused_budget}")
     print("\n" + "\n".join(table))
     assert not failures, "\n".join(failures)
 
@@ -416,6 +430,33 @@ def test_cluster_kernel_attribute_set_once_per_device_at_its_maximum(stub_runtim
 
 @needs_nvcc
 @pytest.mark.slow
+def test_soft_capped_launches_take_their_own_instantiations(stub_runtime):
+    """A launch with a soft cap (TokenLossParams.read.cap != 0) runs the kCap instantiation of
+    the kernel it chooses, by the same rule; the capped cluster kernel gets its own shared-memory
+    attribute, set once (its state is per dtype and cap), so that its launch fits."""
+    optin = 232448
+    commands = [
+        f"device 0 1 {optin} 90 90 1",  # H100, sm_90 code
+        "device 1 0 166912 80 80 0",  # A100
+        f"launch 0 {BF16} 151936",
+        *(f"launch 0 {BF16} 151936 0.0333" for _ in range(2)),
+        f"launch 0 {FP32} 151936 0.0333",
+        f"launch 0 {BF16} {1 << 22} 0.0333",  # rows too long for shared memory
+        f"launch 1 {BF16} 151936 0.0333",
+    ]
+    plain, *capped, fp32, too_long, a100 = stub_runtime(commands)[2:]
+    assert plain["kernel"] == "cluster" and not plain["capped"] and plain["attribute_sets"] == 1
+    maximum = optin - STUB_STATIC_SMEM
+    for launch in capped + [fp32]:
+        assert launch["kernel"] == "cluster" and launch["capped"] and not launch["error"], launch
+        assert launch["max_dynamic_smem"] == maximum, launch
+    assert [launch["attribute_sets"] for launch in capped + [fp32]] == [2, 2, 3]
+    for launch in (too_long, a100):
+        assert launch["kernel"] == "two_sweep" and launch["capped"] and not launch["error"], launch
+
+
+@needs_nvcc
+@pytest.mark.slow
 def test_bindings_pass_a_syntax_check(tmp_path):
     """bindings.cpp against this machine's torch headers. A CPU wheel of torch lacks one header
     generated at CUDA build time; a stub with its real content stands in for it."""
@@ -472,6 +513,19 @@ def test_cuda_op_schema_matches_the_triton_op():
     block = re.search(r"#define FUSEDRL_FUSED_ARGS(.*?)\n\n", text, re.S).group(1)
     cpp_args = "".join(re.findall(r'"([^"]*)"', block))
     assert cpp_args == FUSED_ARGS
+    # ... and every row op takes the Triton ops' keywords for per-token temperatures and a cap
+    from fusedrl import triton_backend
+
+    row_read = re.search(r'#define FUSEDRL_ROW_READ "([^"]*)"', text).group(1)
+    assert row_read == "Tensor? row_temps=None, float? cap=None"
+    assert row_read.replace("float? cap=None", "") in triton_backend._ROW_TEMPS
+    assert "float? cap=None" in triton_backend._ROW_TEMPS
+    for op in ("logprobs_fwd", "logits_grad"):
+        names = {a.name for a in getattr(torch.ops.fusedrl, op).default._schema.arguments}
+        assert {"row_temps", "cap"} <= names, op
+    for op in ("cuda_logprobs_fwd", "cuda_logits_grad", "cuda_fused_token_loss",
+               "cuda_fused_token_loss_inplace"):  # fmt: skip
+        assert re.search(rf'"{op}\(.*?FUSEDRL_ROW_READ', text, re.S), op
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

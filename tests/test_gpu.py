@@ -1102,36 +1102,55 @@ def test_exact_kl_two_row_kernels_at_real_vocab(kind, preset, inplace, backend):
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 50, "min_p": 0.05}])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
-def test_per_token_temperatures_compiled(preset, filters):
-    """temperature= a [B, T] tensor on the compiled Triton kernels (ROW_TEMPERATURE: the fused
-    kernel, the two-pass kernels; with filters the select kernel too) against the torch backend
-    on the same bf16 logits; the CUDA extension refuses it by name."""
+@FUSED
+def test_per_token_temperatures_compiled(preset, filters, backend):
+    """temperature= a [B, T] tensor on the compiled kernels (Triton's ROW_TEMPERATURE: the fused
+    kernel, the two-pass kernels, with filters the select kernel too; the CUDA extension's
+    RowRead.temperatures in all four of its kernels) against the torch backend on the same bf16
+    logits; the CUDA fused kernel in place too, and its two passes (entropy_coef as a tensor)."""
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=5))
     temps = 0.4 + 1.2 * torch.rand(data["labels"].shape, device="cuda")
     cfg = LossConfig.preset(preset, entropy_coef=0.01, **filters)
-    (ref, ref_grad), (ours, grad) = _torch_and("triton", data, config=cfg, temperature=temps)
-    args = {k: v for k, v in data.items() if k != "logits"}
-    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ours.logp, ref.logp, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
-    with pytest.raises(ValueError, match="CUDA extension takes one temperature"):
-        fusedrl.policy_loss(data["logits"], **args, config=cfg, temperature=temps, backend="cuda")
+    calls = [{}, {"inplace": True}] if backend == "cuda" else [{}]
+    for call in calls:
+        (ref, ref_grad), (ours, grad) = _torch_and(
+            backend, data, config=cfg, temperature=temps, **call
+        )
+        torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.logp, ref.logp, atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
+    # the log-prob and gradient kernels (the two passes), against the torch backend
+    results = []
+    for impl in ("torch", backend):
+        x = data["logits"].clone().requires_grad_(True)
+        logp, entropy = fusedrl.token_logprobs(x, data["labels"], temps, True, impl, **filters)
+        (grad,) = torch.autograd.grad(logp.sum() + 0.1 * entropy.sum(), x)
+        results.append((logp, entropy, grad))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+    # and they act: far from the call at the mean temperature
+    plain = fusedrl.token_logprobs(data["logits"], data["labels"], 1.0, False, backend)[0]
+    assert (results[1][0] - plain).abs().max() > 0.1
 
 
 @pytest.mark.parametrize(
     "case", ["dapo", "dapo-inplace", "gspo-top-k-min-p", "dapo-exact-kl", "logprobs"]
 )
-def test_soft_cap_in_the_compiled_row_kernels(case):
-    """policy_loss / token_logprobs(softcap=) on the compiled kernels (SOFTCAP: tanh(a x) at
-    each load, rcp.approx and ex2.approx, 4 a r (1 - r) at each gradient store; the fused kernel
-    in place too, the two passes, the two-row kernels) against the torch backend on the same
-    bf16 logits of V = 151936, a share of them past the cap; the CUDA extension refuses it."""
+@FUSED
+def test_soft_cap_in_the_compiled_row_kernels(case, backend):
+    """policy_loss / token_logprobs(softcap=) on the compiled kernels (Triton's SOFTCAP, the CUDA
+    extension's kCap: tanh(a x) at each load, rcp.approx and ex2.approx, 4 a r (1 - r) at each
+    gradient store; the fused kernel in place too, the two passes, the two-row kernels) against
+    the torch backend on the same bf16 logits of V = 151936, a share of them past the cap, and
+    some banned (-inf and bf16's lowest, as masks write them)."""
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=8))
     data["logits"] = data["logits"] * 8  # |x| up to ~60 against the cap of 30
+    data["logits"][0, :, 7] = float("-inf")
+    data["logits"][2, :, 11] = torch.finfo(torch.bfloat16).min
     cap = 30.0
     if case == "logprobs":
         results = []
-        for impl in ("torch", "triton"):
+        for impl in ("torch", backend):
             x = data["logits"].clone().requires_grad_(True)
             logp, entropy, sum_sq = fusedrl.token_logprobs(
                 x, data["labels"], 0.7, True, impl, softcap=cap, return_sum_pi_squared=True
@@ -1140,6 +1159,8 @@ def test_soft_cap_in_the_compiled_row_kernels(case):
             results.append((logp, entropy, sum_sq, grad))
         for want, got in zip(*results):
             torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+        plain = fusedrl.token_logprobs(data["logits"], data["labels"], 0.7, False, backend)[0]
+        assert (results[1][0] - plain).abs().max() > 0.1  # the cap acted
         return
     preset = case.split("-")[0]
     kwargs = {"config": LossConfig.preset(preset, entropy_coef=0.01), "softcap": cap}
@@ -1152,15 +1173,12 @@ def test_soft_cap_in_the_compiled_row_kernels(case):
         kwargs["config"] = LossConfig.preset("dapo", kl="full", beta=0.1)
         data.pop("ref_logp")
     (ref, ref_grad), (ours, grad) = _torch_and(
-        "triton", data, inplace=case.endswith("inplace"), **kwargs
+        backend, data, inplace=case.endswith("inplace"), **kwargs
     )
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.logp, ref.logp, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2**-7)
-    if case != "dapo-exact-kl":  # (the CUDA backend's exact KL runs the Triton two-row kernels)
-        args = {k: v for k, v in data.items() if k != "logits"}
-        with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
-            fusedrl.policy_loss(data["logits"], **args, **kwargs, backend="cuda")
+    assert torch.isfinite(grad).all() and (grad[0, :, 7] == 0).all()  # banned: no gradient
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])

@@ -354,18 +354,18 @@ def _oracle_grad(x, rows, kwargs):
 
 
 def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
-    """The CUDA extension's ops refuse it by name; a group of one under tensor parallelism is
-    the plain call; bad values are named."""
+    """A backend whose ops have no cap refuses it by name; a group of one under tensor
+    parallelism is the plain call; bad values are named."""
     from fusedrl import fused_backend
     from fusedrl.logit_transform import LogitTransform
 
     from .conftest import make_batch
 
     data = make_batch(vocab=131, seed=2)
-    cuda_like = fused_backend.FusedOps(None, None, None, None)  # the CUDA extension's flags
+    without = fused_backend.FusedOps(None, None, None, None)  # ops with no `cap=`
     with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
-        fused_backend.temperature_args(cuda_like, 1.0, LogitTransform(1.0, CAP))
-    assert fused_backend.temperature_args(cuda_like, 2.0) == (2.0, {})
+        fused_backend.temperature_args(without, 1.0, LogitTransform(1.0, CAP))
+    assert fused_backend.temperature_args(without, 2.0) == (2.0, {})
     # a group of one under tensor parallelism is the plain call (2 and 3 ranks:
     # tests/test_tensor_parallel.py)
     one = fusedrl.policy_loss(**data, softcap=CAP, logit_scale=SCALE, vocab_start=0)
