@@ -46,65 +46,126 @@ constexpr float kLn2 = 0.6931471805599453f;
 // without a select, and kFloor x (dentropy ln2 / T) stays finite.
 constexpr float kFloor = -1e20f;
 
+// The row functions of the two-sweep kernels are also built for the host, where
+// tests/cuda_host_kernels.cu runs them on the CPU as blocks of one thread (the kernels' own code,
+// checked against the oracle without a GPU): there the thread's rank is 0, the block has one
+// thread, the barrier and the block reductions are no-ops, and the approximate instructions are
+// their exact libm counterparts. On the device these are the built-ins themselves.
+#define FUSEDRL_HD __host__ __device__
+
+FUSEDRL_HD __forceinline__ unsigned thread_rank() {
+#ifdef __CUDA_ARCH__
+  return threadIdx.x;
+#else
+  return 0;
+#endif
+}
+
+FUSEDRL_HD __forceinline__ unsigned block_threads() {
+#ifdef __CUDA_ARCH__
+  return blockDim.x;
+#else
+  return 1;
+#endif
+}
+
+FUSEDRL_HD __forceinline__ void block_sync() {
+#ifdef __CUDA_ARCH__
+  __syncthreads();
+#endif
+}
+
+FUSEDRL_HD __forceinline__ float float_from_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+#endif
+}
+
 // One MUFU.EX2 (denormal results flush to 0: nothing a softmax can see).
-__device__ __forceinline__ float ex2(float x) {
+FUSEDRL_HD __forceinline__ float ex2(float x) {
+#ifdef __CUDA_ARCH__
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#else
+  const float y = exp2f(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+#endif
 }
 
 // max that keeps a NaN operand (fmaxf would drop it and hide a NaN logit): sm_80+.
-__device__ __forceinline__ float max_nan(float a, float b) {
+FUSEDRL_HD __forceinline__ float max_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return a != a || b != b ? float_from_bits(0x7fffffffu) : fmaxf(a, b);
+#endif
 }
 
 // One MUFU.RCP.
-__device__ __forceinline__ float rcp(float x) {
+FUSEDRL_HD __forceinline__ float rcp(float x) {
+#ifdef __CUDA_ARCH__
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#else
+  return 1.f / x;
+#endif
+}
+
+// a / b with the device's approximate division (2 ulp; an IEEE division is a subroutine call).
+FUSEDRL_HD __forceinline__ float fast_divide(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
 }
 
 template <typename T>
-__device__ __forceinline__ float to_float(T x);
+FUSEDRL_HD __forceinline__ float to_float(T x);
 template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
+FUSEDRL_HD __forceinline__ float to_float<float>(float x) { return x; }
 template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+FUSEDRL_HD __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+FUSEDRL_HD __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
 template <typename T>
-__device__ __forceinline__ T from_float(float x);
+FUSEDRL_HD __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+FUSEDRL_HD __forceinline__ float from_float<float>(float x) { return x; }
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+FUSEDRL_HD __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+FUSEDRL_HD __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
 // The most negative finite T, as a float: masks write it (or -inf) for banned tokens.
 template <typename T>
-__device__ __forceinline__ float lowest();
+FUSEDRL_HD __forceinline__ float lowest();
 template <>
-__device__ __forceinline__ float lowest<float>() { return __int_as_float(0xff7fffff); }
+FUSEDRL_HD __forceinline__ float lowest<float>() { return float_from_bits(0xff7fffffu); }
 template <>
-__device__ __forceinline__ float lowest<__half>() { return -65504.f; }
+FUSEDRL_HD __forceinline__ float lowest<__half>() { return -65504.f; }
 template <>
-__device__ __forceinline__ float lowest<__nv_bfloat16>() { return __int_as_float(0xff7f0000); }
+FUSEDRL_HD __forceinline__ float lowest<__nv_bfloat16>() { return float_from_bits(0xff7f0000u); }
 
 // A soft-capped logit x (fused_loss.h, RowRead): (v, d v / d x / (4 cap)) with v = tanh(cap x) =
 // 1 - 2 r, r = 1 / (1 + 2^(x cap2)), cap2 = 2 cap log2(e): one ex2 and one rcp (the formula of
 // kernels/rows.py `capped`), and d v / d x = 4 cap r (1 - r). A banned logit (at or below T's
 // lowest) stays -inf instead of becoming -1 (-c after the cap's scale).
 template <typename T>
-__device__ __forceinline__ float2 capped(float x, float cap2) {
+FUSEDRL_HD __forceinline__ float2 capped(float x, float cap2) {
   const float r = rcp(1.f + ex2(x * cap2));
   return make_float2(x <= lowest<T>() ? -kInf : fmaf(-2.f, r, 1.f), fmaf(-r, r, r));
 }
@@ -115,16 +176,16 @@ struct Reader {
   float inv_temperature;  // the row's (per-token temperatures: 1 / temperatures[row])
   float cap2;             // 2 cap log2(e)
 
-  __device__ static Reader make(const RowRead& read, int64_t row) {
+  FUSEDRL_HD static Reader make(const RowRead& read, int64_t row) {
     // rcp.approx-based (2 ulp), as Triton divides: an IEEE division is a subroutine call, whose
     // saved registers spilled in the capped cluster kernel.
     const float inv_temperature = read.temperatures != nullptr
-                                      ? __fdividef(1.f, read.temperatures[row])
+                                      ? fast_divide(1.f, read.temperatures[row])
                                       : read.inv_temperature;
     return Reader{inv_temperature, 2.f * kLog2e * read.cap};
   }
 
-  __device__ __forceinline__ float value(float x) const {
+  FUSEDRL_HD __forceinline__ float value(float x) const {
     return kCap ? capped<T>(x, cap2).x : x;
   }
 };
@@ -136,13 +197,13 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
-__device__ __forceinline__ int64_t row_offset(int64_t row, const RowLayout& layout) {
+FUSEDRL_HD __forceinline__ int64_t row_offset(int64_t row, const RowLayout& layout) {
   return (row / layout.time) * layout.stride_b + (row % layout.time) * layout.stride_t;
 }
 
 // Elements before the first 16-byte boundary of a row (0 when the row starts aligned).
 template <typename T>
-__device__ __forceinline__ int unaligned_head(const void* ptr, int vocab) {
+FUSEDRL_HD __forceinline__ int unaligned_head(const void* ptr, int vocab) {
   const auto addr = reinterpret_cast<uintptr_t>(ptr);
   const int head = static_cast<int>((16 - addr % 16) % 16) / static_cast<int>(sizeof(T));
   return head < vocab ? head : vocab;
@@ -159,22 +220,22 @@ struct Stats {
 // While the max is still -inf (a prefix of banned tokens) it is taken as 0 so that
 // exp(-inf - max) = 0 instead of NaN. A +inf logit makes s NaN (exp(inf - inf)), which the
 // callers surface as a NaN logp, as the reference does.
-__device__ __forceinline__ float safe_max(float m) { return m == -kInf ? 0.f : m; }
+FUSEDRL_HD __forceinline__ float safe_max(float m) { return m == -kInf ? 0.f : m; }
 
-__device__ __forceinline__ void rescale_to(Stats& st, float new_m) {
+FUSEDRL_HD __forceinline__ void rescale_to(Stats& st, float new_m) {
   const float scale = st.s == 0.f ? 0.f : expf(st.m - safe_max(new_m));
   st.s *= scale;
   st.t *= scale;
   st.m = new_m;
 }
 
-__device__ __forceinline__ void accumulate(Stats& st, float z) {
+FUSEDRL_HD __forceinline__ void accumulate(Stats& st, float z) {
   const float e = expf(z - safe_max(st.m));
   st.s += e;
   st.t += e > 0.f ? e * z : 0.f;  // -inf logits: p = 0 contributes 0, not 0 * -inf
 }
 
-__device__ __forceinline__ Stats merge(const Stats& a, const Stats& b) {
+FUSEDRL_HD __forceinline__ Stats merge(const Stats& a, const Stats& b) {
   Stats out;
   out.m = fmaxf(a.m, b.m);
   const float ref = safe_max(out.m);
@@ -186,7 +247,10 @@ __device__ __forceinline__ Stats merge(const Stats& a, const Stats& b) {
 }
 
 // Block-wide merge; every thread gets the result.
-__device__ Stats block_reduce(Stats st) {
+FUSEDRL_HD Stats block_reduce(Stats st) {
+#ifndef __CUDA_ARCH__
+  return st;  // a block of one thread
+#else
   __shared__ float sm[kWarps], ss[kWarps], stt[kWarps];
   __shared__ Stats total;
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -196,17 +260,17 @@ __device__ Stats block_reduce(Stats st) {
     other.t = __shfl_xor_sync(0xffffffffu, st.t, offset);
     st = merge(st, other);
   }
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int warp = thread_rank() / 32;
+  const int lane = thread_rank() % 32;
   if (lane == 0) {
     sm[warp] = st.m;
     ss[warp] = st.s;
     stt[warp] = st.t;
   }
-  __syncthreads();
+  block_sync();
   if (warp == 0) {
     Stats w;
-    if (lane < static_cast<int>(blockDim.x / 32)) {  // the cluster kernel's blocks are smaller
+    if (lane < static_cast<int>(block_threads() / 32)) {  // the cluster kernel's blocks are smaller
       w.m = sm[lane];
       w.s = ss[lane];
       w.t = stt[lane];
@@ -220,20 +284,21 @@ __device__ Stats block_reduce(Stats st) {
     }
     if (lane == 0) total = w;
   }
-  __syncthreads();
+  block_sync();
   const Stats result = total;
-  __syncthreads();  // `total` is reused by the next row of the grid-stride loop
+  block_sync();  // `total` is reused by the next row of the grid-stride loop
   return result;
+#endif
 }
 
 // The exact online softmax (running max per thread, then a block merge): the fallback for rows
 // whose sums relative to the label logit overflow.
 template <typename T, bool kCap>
-__device__ Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>& read) {
+FUSEDRL_HD Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>& read) {
   Stats st;
   const float inv_temperature = read.inv_temperature;
   const int head = unaligned_head<T>(row, vocab);
-  for (int j = threadIdx.x; j < head; j += blockDim.x) {
+  for (int j = thread_rank(); j < head; j += block_threads()) {
     const float z = read.value(to_float(row[j])) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
@@ -241,7 +306,7 @@ __device__ Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>
   constexpr int kPack = Pack<T>::kSize;
   const int packs = (vocab - head) / kPack;
   const auto* packed = reinterpret_cast<const Pack<T>*>(row + head);
-  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+  for (int i = thread_rank(); i < packs; i += block_threads()) {
     const Pack<T> p = packed[i];
     float z[kPack];
     float pack_max = -kInf;
@@ -254,7 +319,7 @@ __device__ Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>
 #pragma unroll
     for (int k = 0; k < kPack; ++k) accumulate(st, z[k]);
   }
-  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+  for (int j = head + packs * kPack + thread_rank(); j < vocab; j += block_threads()) {
     const float z = read.value(to_float(row[j])) * inv_temperature;
     if (z > st.m) rescale_to(st, z);
     accumulate(st, z);
@@ -263,29 +328,33 @@ __device__ Stats row_stats_online(const T* row, int vocab, const Reader<T, kCap>
 }
 
 // Block-wide sum of two floats (any block of at most kThreads); every thread gets the result.
-__device__ float2 block_sum2(float a, float b) {
+FUSEDRL_HD float2 block_sum2(float a, float b) {
+#ifndef __CUDA_ARCH__
+  return make_float2(a, b);  // a block of one thread
+#else
   __shared__ float2 partial[kWarps];
   __shared__ float2 total;
   for (int offset = 16; offset > 0; offset >>= 1) {
     a += __shfl_xor_sync(0xffffffffu, a, offset);
     b += __shfl_xor_sync(0xffffffffu, b, offset);
   }
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int warp = thread_rank() / 32;
+  const int lane = thread_rank() % 32;
   if (lane == 0) partial[warp] = make_float2(a, b);
-  __syncthreads();
+  block_sync();
   if (warp == 0) {
-    float2 w = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : make_float2(0.f, 0.f);
+    float2 w = lane < static_cast<int>(block_threads() / 32) ? partial[lane] : make_float2(0.f, 0.f);
     for (int offset = 16; offset > 0; offset >>= 1) {
       w.x += __shfl_xor_sync(0xffffffffu, w.x, offset);
       w.y += __shfl_xor_sync(0xffffffffu, w.y, offset);
     }
     if (lane == 0) total = w;
   }
-  __syncthreads();
+  block_sync();
   const float2 result = total;
-  __syncthreads();  // `total` is reused by the next row of the grid-stride loop
+  block_sync();  // `total` is reused by the next row of the grid-stride loop
   return result;
+#endif
 }
 
 // Sums of one element relative to the reference: d = y - ref clamped at kFloor (NaN kept).
@@ -294,7 +363,7 @@ struct RefSums {
   float ref;     // the reference logit in base-2 units
   float s = 0.f;
   float t = 0.f;
-  __device__ __forceinline__ void add(float x) {
+  FUSEDRL_HD __forceinline__ void add(float x) {
     const float d = max_nan(fmaf(x, scale2, -ref), kFloor);
     const float e = ex2(d);
     s += e;
@@ -303,28 +372,29 @@ struct RefSums {
 };
 
 struct RowStats {
-  float lse;     // nats
-  float mean_z;  // sum_j p_j z_j, nats
+  float lse;      // nats
+  float entropy;  // lse - sum_j p_j z_j, nats: from the sums relative to the label, not as that
+                  // difference (whose terms both carry the label logit: ulps of it, not of H)
 };
 
 // One read of the row (see the file comment); `ref_value` is a value of the row as read (the
 // label's).
 template <typename T, bool kCap>
-__device__ RowStats row_stats(const T* row, int vocab, const Reader<T, kCap>& read,
+FUSEDRL_HD RowStats row_stats(const T* row, int vocab, const Reader<T, kCap>& read,
                               float ref_value) {
   const float scale2 = kLog2e * read.inv_temperature;
   RefSums acc{scale2, max_nan(ref_value * scale2, kFloor)};
   const int head = unaligned_head<T>(row, vocab);
-  for (int j = threadIdx.x; j < head; j += blockDim.x) acc.add(read.value(to_float(row[j])));
+  for (int j = thread_rank(); j < head; j += block_threads()) acc.add(read.value(to_float(row[j])));
   constexpr int kPack = Pack<T>::kSize;
   const int packs = (vocab - head) / kPack;
   const auto* packed = reinterpret_cast<const Pack<T>*>(row + head);
-  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+  for (int i = thread_rank(); i < packs; i += block_threads()) {
     const Pack<T> p = packed[i];
 #pragma unroll
     for (int k = 0; k < kPack; ++k) acc.add(read.value(to_float(p.v[k])));
   }
-  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+  for (int j = head + packs * kPack + thread_rank(); j < vocab; j += block_threads()) {
     acc.add(read.value(to_float(row[j])));
   }
   const float2 sums = block_sum2(acc.s, acc.t);
@@ -332,13 +402,14 @@ __device__ RowStats row_stats(const T* row, int vocab, const Reader<T, kCap>& re
   // A reference at kFloor (a label logit of -inf, or one that scales to kFloor) says nothing
   // about the row: its offsets would all be 0 and count each element as p = 1.
   if (acc.ref > kFloor && sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {
-    return {(acc.ref + log2f(sums.x)) * kLn2, (acc.ref + mean_d) * kLn2};
+    const float log2_sum = log2f(sums.x);
+    return {(acc.ref + log2_sum) * kLn2, (log2_sum - mean_d) * kLn2};
   }
   const Stats st = row_stats_online(row, vocab, read);
   // No logit above kFloor (all -inf): no distribution, NaN as in the Triton kernels.
   const bool undefined = st.m == kInf || st.m * kLog2e <= kFloor;
-  const float lse = undefined ? __int_as_float(0x7fc00000) : st.m + logf(st.s);
-  return {lse, st.t / st.s};
+  const float lse = undefined ? float_from_bits(0x7fc00000u) : st.m + logf(st.s);
+  return {lse, lse - st.t / st.s};
 }
 
 // ------------------------------------------------------------------------------ gradient sweep
@@ -357,7 +428,7 @@ struct RowGrad {
   float cap2;        // Reader::cap2
 
   template <typename T, bool kCap>
-  __device__ static RowGrad make(int label, float label_logit, float lse, float entropy,
+  FUSEDRL_HD static RowGrad make(int label, float label_logit, float lse, float entropy,
                                  float dlogp, float dentropy, const Reader<T, kCap>& read) {
     const float inv_temperature = read.inv_temperature;
     const float slope = kCap ? 2.f * kLn2 * read.cap2 : 1.f;  // 4 cap
@@ -373,7 +444,7 @@ struct RowGrad {
 
   // The entry of a value v as read (v = x without a cap).
   template <bool kEntropy>
-  __device__ __forceinline__ float p_of(float v) const {
+  FUSEDRL_HD __forceinline__ float p_of(float v) const {
     const float log2_p = fmaf(v, scale2, -lse2);
     if (kEntropy) {
       const float clamped = max_nan(log2_p, kFloor);  // -inf: 0 * finite, not 0 * -inf
@@ -384,7 +455,7 @@ struct RowGrad {
 
   // d loss / d x of a stored logit x, the label's one-hot term aside.
   template <typename T, bool kEntropy, bool kCap>
-  __device__ __forceinline__ float p_term(float x) const {
+  FUSEDRL_HD __forceinline__ float p_term(float x) const {
     if (!kCap) return p_of<kEntropy>(x);
     const float2 v = capped<T>(x, cap2);
     return p_of<kEntropy>(v.x) * v.y;
@@ -392,7 +463,7 @@ struct RowGrad {
 
   // The label's entry, its one-hot term dlogp / T included.
   template <typename T, bool kEntropy, bool kCap>
-  __device__ __forceinline__ float label_entry() const {
+  FUSEDRL_HD __forceinline__ float label_entry() const {
     if (!kCap) return p_of<kEntropy>(label_logit) + label_term;
     const float2 v = capped<T>(label_logit, cap2);
     return (p_of<kEntropy>(v.x) + label_term) * v.y;
@@ -400,13 +471,13 @@ struct RowGrad {
 };
 
 template <typename T, bool kEntropy, bool kCap>
-__device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f) {
+FUSEDRL_HD void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f) {
   const int head = unaligned_head<T>(row, vocab);
   constexpr int kPack = Pack<T>::kSize;
   const int packs = (vocab - head) / kPack;
   if (head != unaligned_head<T>(out, vocab)) {  // input and output disagree on alignment
     const auto* packed_in = reinterpret_cast<const Pack<T>*>(row + head);
-    for (int i = packs - 1 - static_cast<int>(threadIdx.x); i >= 0; i -= blockDim.x) {
+    for (int i = packs - 1 - static_cast<int>(thread_rank()); i >= 0; i -= block_threads()) {
       const Pack<T> p = packed_in[i];
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
@@ -416,7 +487,7 @@ __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f
   } else {
     const auto* packed_in = reinterpret_cast<const Pack<T>*>(row + head);
     auto* packed_out = reinterpret_cast<Pack<T>*>(out + head);
-    for (int i = packs - 1 - static_cast<int>(threadIdx.x); i >= 0; i -= blockDim.x) {
+    for (int i = packs - 1 - static_cast<int>(thread_rank()); i >= 0; i -= block_threads()) {
       const Pack<T> p = packed_in[i];
       Pack<T> g;
 #pragma unroll
@@ -426,18 +497,18 @@ __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f
       packed_out[i] = g;
     }
   }
-  for (int j = head + packs * kPack + threadIdx.x; j < vocab; j += blockDim.x) {
+  for (int j = head + packs * kPack + thread_rank(); j < vocab; j += block_threads()) {
     out[j] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(row[j])));
   }
-  for (int j = threadIdx.x; j < head; j += blockDim.x) {
+  for (int j = thread_rank(); j < head; j += block_threads()) {
     out[j] = from_float<T>(f.p_term<T, kEntropy, kCap>(to_float(row[j])));
   }
-  __syncthreads();  // the label's entry last: another thread's pack store covered it
-  if (threadIdx.x == 0) out[f.label] = from_float<T>(f.label_entry<T, kEntropy, kCap>());
+  block_sync();  // the label's entry last: another thread's pack store covered it
+  if (thread_rank() == 0) out[f.label] = from_float<T>(f.label_entry<T, kEntropy, kCap>());
 }
 
 template <typename T, bool kCap>
-__device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f, bool entropy) {
+FUSEDRL_HD void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f, bool entropy) {
   if (entropy) {
     write_row_grad<T, true, kCap>(row, out, vocab, f);
   } else {
@@ -446,21 +517,21 @@ __device__ void write_row_grad(const T* row, T* out, int vocab, const RowGrad& f
 }
 
 template <typename T>
-__device__ void write_row_zeros(T* out, int vocab) {
-  for (int j = threadIdx.x; j < vocab; j += blockDim.x) out[j] = from_float<T>(0.f);
+FUSEDRL_HD void write_row_zeros(T* out, int vocab) {
+  for (int j = thread_rank(); j < vocab; j += block_threads()) out[j] = from_float<T>(0.f);
 }
 
 // ------------------------------------------------------------------------------ token scalars
-__device__ __forceinline__ float clampf(float x, float lo, float hi) {
+FUSEDRL_HD __forceinline__ float clampf(float x, float lo, float hi) {
   return fminf(fmaxf(x, lo), hi);
 }
 
 // d max(a, b): the larger branch's derivative, half of each at a tie (torch.maximum).
-__device__ __forceinline__ float select_max_grad(float a, float b, float da, float db) {
+FUSEDRL_HD __forceinline__ float select_max_grad(float a, float b, float da, float db) {
   return a > b ? da : (b > a ? db : 0.5f * (da + db));
 }
 
-__device__ float policy_dlogp(float logp, float old, float adv, float low, float high,
+FUSEDRL_HD float policy_dlogp(float logp, float old, float adv, float low, float high,
                               const TokenLossParams& p) {
   const float raw_log_ratio = logp - old;
   const float ratio = expf(clampf(raw_log_ratio, -kLogRatioClamp, kLogRatioClamp));
@@ -493,7 +564,7 @@ __device__ float policy_dlogp(float logp, float old, float adv, float low, float
   return d;
 }
 
-__device__ float kl_dlogp(float logp, float ref, int kind) {
+FUSEDRL_HD float kl_dlogp(float logp, float ref, int kind) {
   const float delta = logp - ref;
   switch (kind) {
     case 1:
@@ -520,11 +591,10 @@ __device__ float kl_dlogp(float logp, float ref, int kind) {
 // constants; writes logp and entropy unless logp_out is nullptr. One thread per row calls it.
 // `label_logit` as stored, `label_value` as read (capped).
 template <typename T, bool kCap>
-__device__ RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossParams& params,
+FUSEDRL_HD RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossParams& params,
                                   const Reader<T, kCap>& read, int64_t row, int label,
-                                  float label_logit, float label_value, float lse, float mean_z,
+                                  float label_logit, float label_value, float lse, float entropy,
                                   float* logp_out, float* entropy_out) {
-  const float entropy = lse - mean_z;
   const float logp = label_value * read.inv_temperature - lse;
   const float old = in.old_logp != nullptr ? in.old_logp[row] : logp;
   const float low = in.low != nullptr ? in.low[row] : 0.f;
@@ -541,36 +611,46 @@ __device__ RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossPara
                        read);
 }
 
+// Each kernel's body is a function of its rows (first, first + stride, ...): the kernel passes its
+// block's grid-stride rows, tests/cuda_host_kernels.cu all rows on the host.
 template <typename T, bool kCap>
-__global__ void __launch_bounds__(kThreads)
-    logprobs_forward_kernel(const T* logits, RowLayout layout, const int64_t* labels,
-                            const int8_t* valid, RowRead read, float* logp, float* lse,
-                            float* entropy) {
+FUSEDRL_HD void logprobs_forward_rows(const T* logits, RowLayout layout, const int64_t* labels,
+                                      const int8_t* valid, RowRead read, float* logp, float* lse,
+                                      float* entropy, int64_t first, int64_t stride) {
   const int vocab = static_cast<int>(layout.vocab);
-  for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
+  for (int64_t row = first; row < layout.rows; row += stride) {
     if (valid != nullptr && valid[row] == 0) {
-      if (threadIdx.x == 0) logp[row] = lse[row] = entropy[row] = 0.f;
+      if (thread_rank() == 0) logp[row] = lse[row] = entropy[row] = 0.f;
       continue;
     }
     const T* row_ptr = logits + row_offset(row, layout);
     const auto reader = Reader<T, kCap>::make(read, row);
     const float label_value = reader.value(to_float(row_ptr[labels[row]]));
     const RowStats st = row_stats(row_ptr, vocab, reader, label_value);
-    if (threadIdx.x == 0) {
+    if (thread_rank() == 0) {
       logp[row] = label_value * reader.inv_temperature - st.lse;
       lse[row] = st.lse;
-      entropy[row] = st.lse - st.mean_z;
+      entropy[row] = st.entropy;
     }
   }
 }
 
 template <typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads)
-    logits_grad_kernel(const T* logits, T* out, RowLayout layout, RowLayout out_layout,
-                       const int64_t* labels, const float* lse, const float* entropy,
-                       const float* dlogp, const float* dentropy, RowRead read) {
+    logprobs_forward_kernel(const T* logits, RowLayout layout, const int64_t* labels,
+                            const int8_t* valid, RowRead read, float* logp, float* lse,
+                            float* entropy) {
+  logprobs_forward_rows<T, kCap>(logits, layout, labels, valid, read, logp, lse, entropy,
+                                 blockIdx.x, gridDim.x);
+}
+
+template <typename T, bool kCap>
+FUSEDRL_HD void logits_grad_rows(const T* logits, T* out, RowLayout layout, RowLayout out_layout,
+                                 const int64_t* labels, const float* lse, const float* entropy,
+                                 const float* dlogp, const float* dentropy, RowRead read,
+                                 int64_t first, int64_t stride) {
   const int vocab = static_cast<int>(layout.vocab);
-  for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
+  for (int64_t row = first; row < layout.rows; row += stride) {
     T* out_row = out + row_offset(row, out_layout);
     const float row_dlogp = dlogp[row];
     const float row_dentropy = dentropy != nullptr ? dentropy[row] : 0.f;
@@ -581,10 +661,51 @@ __global__ void __launch_bounds__(kThreads)
       const int label = static_cast<int>(labels[row]);
       const RowGrad f = RowGrad::make(label, to_float(row_ptr[label]), lse[row], entropy[row],
                                       row_dlogp, row_dentropy, Reader<T, kCap>::make(read, row));
-      __syncthreads();  // in place: every thread has read the label logit before any write
+      block_sync();  // in place: every thread has read the label logit before any write
       write_row_grad<T, kCap>(row_ptr, out_row, vocab, f, dentropy != nullptr);
     }
-    __syncthreads();  // in place: the next row's reads never overlap, but keep blocks in step
+    block_sync();  // in place: the next row's reads never overlap, but keep blocks in step
+  }
+}
+
+template <typename T, bool kCap>
+__global__ void __launch_bounds__(kThreads)
+    logits_grad_kernel(const T* logits, T* out, RowLayout layout, RowLayout out_layout,
+                       const int64_t* labels, const float* lse, const float* entropy,
+                       const float* dlogp, const float* dentropy, RowRead read) {
+  logits_grad_rows<T, kCap>(logits, out, layout, out_layout, labels, lse, entropy, dlogp,
+                            dentropy, read, blockIdx.x, gridDim.x);
+}
+
+// `shared_grad`: the row's gradient constants, made by thread 0 for the block (shared memory).
+template <typename T, bool kCap>
+FUSEDRL_HD void fused_token_loss_rows(const T* logits, T* grad, RowLayout layout,
+                                      RowLayout grad_layout, const TokenLossInputs& in,
+                                      const TokenLossParams& params, float* logp_out,
+                                      float* entropy_out, RowGrad* shared_grad, int64_t first,
+                                      int64_t stride) {
+  const int vocab = static_cast<int>(layout.vocab);
+  for (int64_t row = first; row < layout.rows; row += stride) {
+    T* grad_row = grad + row_offset(row, grad_layout);
+    if (in.valid[row] == 0) {
+      write_row_zeros(grad_row, vocab);
+      if (thread_rank() == 0) logp_out[row] = entropy_out[row] = 0.f;
+      continue;
+    }
+    const T* row_ptr = logits + row_offset(row, layout);
+    const int label = static_cast<int>(in.labels[row]);
+    const float label_logit = to_float(row_ptr[label]);  // before any write (block_sum2 syncs)
+    const auto reader = Reader<T, kCap>::make(params.read, row);
+    const float label_value = reader.value(label_logit);
+    const RowStats st = row_stats(row_ptr, vocab, reader, label_value);
+    if (thread_rank() == 0) {
+      *shared_grad = token_row_grad(in, params, reader, row, label, label_logit, label_value,
+                                    st.lse, st.entropy, logp_out, entropy_out);
+    }
+    block_sync();
+    const RowGrad f = *shared_grad;
+    write_row_grad<T, kCap>(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
+    block_sync();  // shared_grad is rewritten by the next row
   }
 }
 
@@ -594,29 +715,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
                             TokenLossInputs in, TokenLossParams params, float* logp_out,
                             float* entropy_out) {
   __shared__ RowGrad shared_grad;
-  const int vocab = static_cast<int>(layout.vocab);
-  for (int64_t row = blockIdx.x; row < layout.rows; row += gridDim.x) {
-    T* grad_row = grad + row_offset(row, grad_layout);
-    if (in.valid[row] == 0) {
-      write_row_zeros(grad_row, vocab);
-      if (threadIdx.x == 0) logp_out[row] = entropy_out[row] = 0.f;
-      continue;
-    }
-    const T* row_ptr = logits + row_offset(row, layout);
-    const int label = static_cast<int>(in.labels[row]);
-    const float label_logit = to_float(row_ptr[label]);  // before any write (block_sum2 syncs)
-    const auto reader = Reader<T, kCap>::make(params.read, row);
-    const float label_value = reader.value(label_logit);
-    const RowStats st = row_stats(row_ptr, vocab, reader, label_value);
-    if (threadIdx.x == 0) {
-      shared_grad = token_row_grad(in, params, reader, row, label, label_logit, label_value,
-                                   st.lse, st.mean_z, logp_out, entropy_out);
-    }
-    __syncthreads();
-    const RowGrad f = shared_grad;
-    write_row_grad<T, kCap>(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
-    __syncthreads();  // shared_grad is rewritten by the next row
-  }
+  fused_token_loss_rows<T, kCap>(logits, grad, layout, grad_layout, in, params, logp_out,
+                                 entropy_out, &shared_grad, blockIdx.x, gridDim.x);
 }
 
 // ------------------------------------------------------------------------------ sm_90: one read
@@ -659,7 +759,7 @@ __device__ __forceinline__ ClusterRow cluster_row(const T* row_ptr, int vocab, i
 template <typename T, typename Fn>
 __device__ __forceinline__ void for_each_loose_element(const ClusterRow& r, int vocab, Fn&& fn) {
   const int tail = r.head + r.packs * Pack<T>::kSize;
-  for (int j = threadIdx.x; j < r.head + (vocab - tail); j += blockDim.x) {
+  for (int j = thread_rank(); j < r.head + (vocab - tail); j += block_threads()) {
     fn(j < r.head ? j : tail + (j - r.head));
   }
 }
@@ -669,9 +769,9 @@ __device__ __forceinline__ void for_each_loose_element(const ClusterRow& r, int 
 template <typename Cluster>
 __device__ float2 cluster_sum2(Cluster& cluster, float2* mine, float2 value) {
   __shared__ float2 total;
-  if (threadIdx.x == 0) *mine = value;
+  if (thread_rank() == 0) *mine = value;
   cluster.sync();
-  if (threadIdx.x == 0) {
+  if (thread_rank() == 0) {
     float2 acc = make_float2(0.f, 0.f);
     for (int r = 0; r < kClusterSize; ++r) {
       const float2 other = *cluster.map_shared_rank(mine, r);
@@ -680,7 +780,7 @@ __device__ float2 cluster_sum2(Cluster& cluster, float2* mine, float2 value) {
     }
     total = acc;
   }
-  __syncthreads();
+  block_sync();
   return total;
 }
 
@@ -691,7 +791,7 @@ __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
   constexpr int kPack = Pack<T>::kSize;
   if (unaligned_head<T>(out, vocab) == r.head) {
     auto* packed_out = reinterpret_cast<Pack<T>*>(out + r.head) + r.first;
-    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+    for (int i = thread_rank(); i < r.count; i += block_threads()) {
       const Pack<T> p = slice[i];
       Pack<T> g;
 #pragma unroll
@@ -702,7 +802,7 @@ __device__ void write_slice_grad(const Pack<T>* slice, const T* row_ptr, T* out,
     }
   } else {  // the gradient rows are aligned differently from the logits: scalar stores
     T* slice_out = out + r.head + static_cast<int64_t>(r.first) * kPack;
-    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+    for (int i = thread_rank(); i < r.count; i += block_threads()) {
       const Pack<T> p = slice[i];
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
@@ -740,10 +840,10 @@ __global__ void __launch_bounds__(kClusterThreads)
     T* grad_row = grad + row_offset(row, grad_layout);
     const T* row_ptr = logits + row_offset(row, layout);
     if (in.valid[row] == 0) {
-      for (int j = rank * blockDim.x + threadIdx.x; j < vocab; j += kClusterSize * blockDim.x) {
+      for (int j = rank * block_threads() + thread_rank(); j < vocab; j += kClusterSize * block_threads()) {
         grad_row[j] = from_float<T>(0.f);
       }
-      if (rank == 0 && threadIdx.x == 0) logp_out[row] = entropy_out[row] = 0.f;
+      if (rank == 0 && thread_rank() == 0) logp_out[row] = entropy_out[row] = 0.f;
       cluster.sync();
       continue;
     }
@@ -756,7 +856,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     // Sweep 1: the slice into shared memory, summed relative to the label logit on the way.
     RefSums acc{scale2, max_nan(label_value * scale2, kFloor)};
     const auto* packed = reinterpret_cast<const Pack<T>*>(row_ptr + r.head) + r.first;
-    for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+    for (int i = thread_rank(); i < r.count; i += block_threads()) {
       const Pack<T> p = packed[i];
       slice[i] = p;
 #pragma unroll
@@ -766,12 +866,13 @@ __global__ void __launch_bounds__(kClusterThreads)
       for_each_loose_element<T>(r, vocab, [&](int j) { acc.add(reader.value(to_float(row_ptr[j]))); });
     }
     const float2 sums = cluster_sum2(cluster, &partial, block_sum2(acc.s, acc.t));
-    float lse, mean_z;
+    float lse, entropy;  // see RowStats
     const float mean_d = sums.y / sums.x;
     // uniform over the cluster; a reference at kFloor says nothing about the row (see row_stats)
     if (acc.ref > kFloor && sums.x < kInf && fabsf(sums.y) < kInf && mean_d == mean_d) {
-      lse = (acc.ref + log2f(sums.x)) * kLn2;
-      mean_z = (acc.ref + mean_d) * kLn2;
+      const float log2_sum = log2f(sums.x);
+      lse = (acc.ref + log2_sum) * kLn2;
+      entropy = (log2_sum - mean_d) * kLn2;
     } else {  // the exact online softmax, from the on-chip slices
       Stats st;
       auto online = [&](float x) {
@@ -779,7 +880,7 @@ __global__ void __launch_bounds__(kClusterThreads)
         if (z > st.m) rescale_to(st, z);
         accumulate(st, z);
       };
-      for (int i = threadIdx.x; i < r.count; i += blockDim.x) {
+      for (int i = thread_rank(); i < r.count; i += block_threads()) {
         const Pack<T> p = slice[i];
 #pragma unroll
         for (int k = 0; k < kPack; ++k) online(to_float(p.v[k]));
@@ -787,30 +888,30 @@ __global__ void __launch_bounds__(kClusterThreads)
       if (last_rank) for_each_loose_element<T>(r, vocab, [&](int j) { online(to_float(row_ptr[j])); });
       st = block_reduce(st);
       // Rescale each CTA's sums to the cluster-wide max, then add them up in rank order.
-      if (threadIdx.x == 0) partial_m = make_float2(st.m, 0.f);
+      if (thread_rank() == 0) partial_m = make_float2(st.m, 0.f);
       cluster.sync();
       __shared__ float row_max;
-      if (threadIdx.x == 0) {
+      if (thread_rank() == 0) {
         float m = -kInf;
         for (int q = 0; q < kClusterSize; ++q) m = fmaxf(m, cluster.map_shared_rank(&partial_m, q)->x);
         row_max = m;
       }
-      __syncthreads();
+      block_sync();
       const float scale = st.s == 0.f ? 0.f : expf(st.m - safe_max(row_max));
       const float2 total = cluster_sum2(cluster, &partial_st, make_float2(st.s * scale, st.t * scale));
       const bool undefined = row_max == kInf || row_max * kLog2e <= kFloor;  // see row_stats
-      lse = undefined ? __int_as_float(0x7fc00000) : safe_max(row_max) + logf(total.x);
-      mean_z = total.y / total.x;
+      lse = undefined ? float_from_bits(0x7fc00000u) : safe_max(row_max) + logf(total.x);
+      entropy = lse - total.y / total.x;
     }
-    if (threadIdx.x == 0) {
+    if (thread_rank() == 0) {
       // Every CTA derives the same scalars; rank 0 writes logp and entropy.
       shared_grad = token_row_grad(in, params, reader, row, label, label_logit, label_value, lse,
-                                   mean_z, rank == 0 ? logp_out : nullptr, entropy_out);
+                                   entropy, rank == 0 ? logp_out : nullptr, entropy_out);
       const int in_packs = label - r.head;
       const bool loose = in_packs < 0 || in_packs >= r.packs * kPack;
       label_owner = loose ? kClusterSize - 1 : (in_packs / kPack) / r.per_cta;
     }
-    __syncthreads();
+    block_sync();
     const RowGrad f = shared_grad;
     // Sweep 2, from shared memory: the only other read of the row is the loose elements'.
     if (params.entropy_coef != 0.f) {
@@ -818,8 +919,8 @@ __global__ void __launch_bounds__(kClusterThreads)
     } else {
       write_slice_grad<T, false, kCap>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
     }
-    __syncthreads();  // the label's entry after this CTA's own store of it
-    if (rank == label_owner && threadIdx.x == 0) {
+    block_sync();  // the label's entry after this CTA's own store of it
+    if (rank == label_owner && thread_rank() == 0) {
       grad_row[label] = from_float<T>(params.entropy_coef != 0.f ? f.label_entry<T, true, kCap>()
                                                                  : f.label_entry<T, false, kCap>());
     }

@@ -32,6 +32,43 @@ needs_interpreter = pytest.mark.skipif(
 import fusedrl  # noqa: E402
 from fusedrl import reference  # noqa: E402
 
+# The CUDA extension's kernel code on CPU tensors: built for the host and driven through the same
+# Python path as backend="cuda" on a GPU (tests/cuda_host_ops.py). A backend matrix that lists
+# CUDA_ON_THE_HOST gets it: fusedrl's `backend=CUDA_ON_THE_HOST` is routed there.
+CUDA_ON_THE_HOST = "cuda-host"
+
+
+@pytest.fixture(scope="session")
+def cuda_host_kernels(tmp_path_factory):
+    from . import cuda_host_ops
+
+    if cuda_host_ops.NVCC is None:
+        pytest.skip("nvcc is not installed: the CUDA extension's code cannot be built")
+    # the run's temporary root: shared by its xdist workers, which build the harness once
+    return cuda_host_ops.HostKernels(cuda_host_ops.build(tmp_path_factory.getbasetemp().parent))
+
+
+@pytest.fixture
+def cuda_on_the_host(cuda_host_kernels, monkeypatch):
+    from fusedrl import api, cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "_OPS", cuda_host_kernels.ops())
+    resolve = api._resolve_backend
+
+    def resolve_host(backend, device):
+        return cuda_backend if backend == CUDA_ON_THE_HOST else resolve(backend, device)
+
+    monkeypatch.setattr(api, "_resolve_backend", resolve_host)
+    cuda_host_kernels.calls.clear()
+    return cuda_host_kernels
+
+
+@pytest.fixture(autouse=True)
+def _cuda_on_the_host_where_asked(request):
+    spec = getattr(request.node, "callspec", None)
+    if spec is not None and spec.params.get("backend") == CUDA_ON_THE_HOST:
+        request.getfixturevalue("cuda_on_the_host")
+
 
 def make_batch(
     batch=3,

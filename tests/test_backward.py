@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
 
 class _OpsOnStorage(TorchDispatchMode):
@@ -35,7 +35,7 @@ class _OpsOnStorage(TorchDispatchMode):
         return out
 
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 
 
 @pytest.mark.parametrize("inplace", [False, True])

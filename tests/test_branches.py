@@ -16,9 +16,9 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 
 
 def _data(seed=0, batch=4, time=6, vocab=131, per_token_adv=True, empty_rows=()):

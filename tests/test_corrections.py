@@ -12,9 +12,9 @@ import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl.token_terms import masked_quantile
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 
 
 def _data(seed=0, batch=6, time=7, vocab=137):

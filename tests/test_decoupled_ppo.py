@@ -15,9 +15,11 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# the logits entry points: the CUDA extension's kernel code too (built for the host)
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 
 
 def _data(seed=0):
@@ -41,7 +43,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backend_equals_the_oracle(case, backend):
     data, cfg = _data(seed=len(case)), CASES[case]
@@ -79,7 +81,7 @@ def test_equals_areals_actor_loss(cap):
     torch.testing.assert_close(grad, areal_grad, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_prox_equal_to_old_is_the_plain_loss(backend):
     data = _data(seed=3)
     cfg = LossConfig.preset("dapo")

@@ -19,9 +19,9 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, linear_triton, reference, torch_backend
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 DEGENERATE = (0, 1)  # valid, all -inf
 MASKED = (1, 2)  # masked (the whole of sequence 1 is), all -inf too
 # vLLM's filters of the rollouts: the sampled set of an all -inf row is the row itself. (top_k

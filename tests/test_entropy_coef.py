@@ -21,6 +21,7 @@ from fusedrl import LossConfig, fused_backend, reference
 from fusedrl._inputs import prepare_loss_inputs
 
 from .conftest import (
+    CUDA_ON_THE_HOST,
     assert_lm_head_form_matches_the_oracle,
     make_batch,
     needs_interpreter,
@@ -28,6 +29,8 @@ from .conftest import (
 )
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# the logits entry points: the CUDA extension's kernel code too (built for the host)
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 COEF = 0.3  # large, so the bonus moves the loss and the gradient far beyond the tolerances
 
 
@@ -37,7 +40,7 @@ def _close(ours, want, grad, want_grad):
     torch.testing.assert_close(ours.metrics["entropy"], want.metrics["entropy"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])  # the fused kernel; two passes
 def test_tensor_coefficient_equals_the_oracle_and_the_number(preset, backend):
     data = make_batch(vocab=131, seed=3, with_nan_padding=True)
@@ -56,7 +59,7 @@ def test_tensor_coefficient_equals_the_oracle_and_the_number(preset, backend):
     assert (grad[~data["mask"]] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_a_zero_coefficient_still_computes_the_entropy(backend):
     """Adaptive control starts (or falls) to 0: the bonus then adds nothing, but the entropy it
     steers by is still measured, in the same graph."""
@@ -183,7 +186,7 @@ def test_tensor_parallel_refuses_it():
                  vocab_start=0, vocab_size=67)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize(
     "preset, overrides",
     [

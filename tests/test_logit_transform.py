@@ -19,9 +19,11 @@ from fusedrl import LossConfig, linear_triton, reference
 from fusedrl.distill import linear as pair
 from fusedrl.logit_transform import check_logit_transform, model_logit_transform
 
-from .conftest import needs_interpreter
+from .conftest import CUDA_ON_THE_HOST, needs_interpreter
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# the logits entry points: the CUDA extension's kernel code too (built for the host)
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 CAP, SCALE = 4.0, 1.7
 
 
@@ -179,7 +181,7 @@ def _check_logprobs_with_top_p(backend, logits, labels, temperatures, **transfor
                 torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_logit_scale_on_the_logits_entry_points(backend):
     """policy_loss / token_logprobs(logit_scale=s): the model's logits are s x; folded into the
     temperature (config's or per-token), against the oracle scaling x itself: the loss, logp,
@@ -237,7 +239,7 @@ def test_logit_scale_on_the_logits_entry_points(backend):
         fusedrl.policy_loss(**data, logit_scale="2")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_softcap_on_the_logits_entry_points(backend):
     """policy_loss / token_logprobs(softcap=c, logit_scale=s): the model's logits are
     c tanh(s x / c) of these, applied by the kernels as they read each row (`rows.capped`),
@@ -321,7 +323,7 @@ def test_softcap_on_the_logits_entry_points(backend):
     torch.testing.assert_close(sum_sq, want_sq)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_softcap_keeps_each_dtypes_masks_banned(backend):
     """Under the cap a -inf logit and the lowest finite value of the logits' dtype (fp16's
     -65504 too: what masks write) keep probability 0 instead of becoming -c: against the oracle

@@ -17,6 +17,7 @@ import fusedrl
 from fusedrl import LossConfig, fused_backend, linear_triton, reference
 
 from .conftest import (
+    CUDA_ON_THE_HOST,
     assert_lm_head_form_matches_the_oracle,
     make_batch,
     needs_interpreter,
@@ -24,6 +25,8 @@ from .conftest import (
 )
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# the logits entry points: the CUDA extension's kernel code too (built for the host)
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 
 
 def _temperatures(shape, seed=0, masked=None):
@@ -43,7 +46,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_policy_loss_equals_the_oracle(case, backend):
     preset, overrides = CASES[case]
@@ -64,7 +67,7 @@ def test_policy_loss_equals_the_oracle(case, backend):
     assert (scalar.logp - ours.logp).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_in_place_flat_and_per_sequence(backend):
     data = make_batch(vocab=131, seed=7)
     cfg = LossConfig.preset("dapo")
@@ -88,7 +91,7 @@ def test_in_place_flat_and_per_sequence(backend):
     torch.testing.assert_close(flat_grad.view_as(want_grad), want_grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_token_logprobs_row_by_row(backend):
     """Each row equals the scalar-temperature call at its own temperature (not the oracle's
     broadcast: the plain scalar path), with and without a gradient."""
@@ -131,7 +134,7 @@ def test_lm_head_forms_equal_the_oracle(preset, backend, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_bf16_against_the_float64_truth(backend):
     data = make_batch(vocab=131, seed=5, dtype=torch.bfloat16)
     temps = _temperatures(data["labels"].shape, seed=5)

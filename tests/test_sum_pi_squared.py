@@ -17,9 +17,11 @@ import torch.multiprocessing as mp
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+# the logits entry points: the CUDA extension's kernel code too (built for the host)
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 
 
 def _logits(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32):
@@ -33,7 +35,7 @@ def _logits(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32):
     return logits.to(dtype), labels
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_token_logprobs_equals_the_oracle(backend):
     logits, labels = _logits()
     for temperature, flat in ((1.0, False), (0.7, True)):
@@ -49,7 +51,7 @@ def test_token_logprobs_equals_the_oracle(backend):
         assert want.min() < 0.05 and want.max() > 0.9  # flat and peaked rows both present
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_policy_loss_returns_it_without_changing_the_loss(backend, inplace):
     data = make_batch(vocab=131, seed=4, with_nan_padding=True)
@@ -158,7 +160,7 @@ def test_triton_policy_loss_sums_the_squares_in_its_own_read(monkeypatch):
         torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_bf16_against_the_float64_truth(backend):
     logits, labels = _logits(seed=2)
     truth = reference.sum_pi_squared(logits.double())
