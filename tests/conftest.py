@@ -8,6 +8,7 @@ device it stays off: tests/test_gpu.py must run the compiled kernels, never the 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -39,13 +40,16 @@ CUDA_ON_THE_HOST = "cuda-host"
 
 
 @pytest.fixture(scope="session")
-def cuda_host_kernels(tmp_path_factory):
+def cuda_host_kernels():
+    import tempfile
+
     from . import cuda_host_ops
 
     if cuda_host_ops.NVCC is None:
         pytest.skip("nvcc is not installed: the CUDA extension's code cannot be built")
-    # the run's temporary root: shared by its xdist workers, which build the harness once
-    return cuda_host_ops.HostKernels(cuda_host_ops.build(tmp_path_factory.getbasetemp().parent))
+    # one folder for every worker and run, each build keyed by the hash of its sources
+    cache = Path(tempfile.gettempdir()) / f"fusedrl-cuda-host-{os.getuid()}"
+    return cuda_host_ops.HostKernels(cuda_host_ops.build(cache))
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, torch_backend
 
-from .conftest import ALL_PRESETS, make_batch, needs_interpreter
+from .conftest import ALL_PRESETS, CUDA_ON_THE_HOST, make_batch, needs_interpreter
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 # Batches made of the same pool of sequences: (pool indices), the sequence under test is 2.
 BATCHES = {"whole pool": [0, 1, 2, 3, 4], "moved, fewer rows": [4, 2], "alone": [2]}
 WATCHED = 2
