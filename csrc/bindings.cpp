@@ -209,7 +209,8 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
     double temperature, const std::string& loss, std::optional<double> dual_clip_c,
     std::optional<double> delta, double tau_pos, double tau_neg,
     const std::optional<std::string>& kl, double beta, double entropy_coef,
-    const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
+    const std::optional<at::Tensor>& row_temps, std::optional<double> cap,
+    const std::optional<at::Tensor>& entropy_coef_tensor) {
   const RowLayout layout = layout_of(logits, "logits");
   const c10::cuda::CUDAGuard device_guard(logits.device());
   check_device(grad, logits, "grad");
@@ -226,6 +227,14 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
   const auto low_c = per_token(low, labels, logits, "low");
   const auto high_c = per_token(high, labels, logits, "high");
   const auto temps_c = per_token(row_temps, labels, logits, "row_temps");
+  std::optional<at::Tensor> coef_c;
+  if (entropy_coef_tensor.has_value()) {
+    check_device(*entropy_coef_tensor, logits, "entropy_coef_tensor");
+    TORCH_CHECK(entropy_coef_tensor->numel() == 1,
+                "fusedrl: entropy_coef_tensor must hold one value, got shape ",
+                dims(entropy_coef_tensor->sizes()));
+    coef_c = entropy_coef_tensor->to(at::kFloat).contiguous();
+  }
   const int kl_kind = kl_code(kl, beta);
   TORCH_CHECK(kl_kind == 0 || ref_c.has_value(), "fusedrl: ref_logp is required when beta > 0");
   const TokenLossParams params{loss_code(loss),
@@ -243,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss(
                                adv_c.data_ptr<float>(),    data_or_null(old_c),
                                data_or_null(ref_c),        data_or_null(is_c),
                                agg_c.data_ptr<float>(),    data_or_null(low_c),
-                               data_or_null(high_c)};
+                               data_or_null(high_c),       data_or_null(coef_c)};
   auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty(labels.sizes(), opts);
   at::Tensor entropy = at::empty(labels.sizes(), opts);
@@ -263,10 +272,12 @@ std::tuple<at::Tensor, at::Tensor> fused_token_loss_inplace(
     const std::optional<at::Tensor>& high, double temperature, const std::string& loss,
     std::optional<double> dual_clip_c, std::optional<double> delta, double tau_pos,
     double tau_neg, const std::optional<std::string>& kl, double beta, double entropy_coef,
-    const std::optional<at::Tensor>& row_temps, std::optional<double> cap) {
+    const std::optional<at::Tensor>& row_temps, std::optional<double> cap,
+    const std::optional<at::Tensor>& entropy_coef_tensor) {
   return fused_token_loss(logits, logits, labels, valid, advantages, old_logp, ref_logp,
                           is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
-                          tau_pos, tau_neg, kl, beta, entropy_coef, row_temps, cap);
+                          tau_pos, tau_neg, kl, beta, entropy_coef, row_temps, cap,
+                          entropy_coef_tensor);
 }
 
 // [available, ptx_version, binary_version, max_dynamic_smem, attribute_sets] of the one-read
@@ -296,6 +307,8 @@ std::vector<int64_t> cluster_kernel_info(c10::Device device, c10::ScalarType dty
 // The keywords of the Triton ops by which every row op reads per-token temperatures and a soft
 // cap (fusedrl.fused_backend.temperature_keywords).
 #define FUSEDRL_ROW_READ "Tensor? row_temps=None, float? cap=None"
+// ... and the fused ops' entropy coefficient as a device scalar (read by the kernel: no sync).
+#define FUSEDRL_ENTROPY_COEF "Tensor? entropy_coef_tensor=None"
 
 TORCH_LIBRARY(fusedrl, m) {
   m.def(
@@ -306,9 +319,9 @@ TORCH_LIBRARY(fusedrl, m) {
       "Tensor dlogp, Tensor? dentropy, float temperature, Tensor(a!) out, *, " FUSEDRL_ROW_READ
       ") -> ()");
   m.def("cuda_fused_token_loss(Tensor logits, Tensor(a!) grad, " FUSEDRL_FUSED_ARGS
-        ", *, " FUSEDRL_ROW_READ ") -> (Tensor, Tensor)");
+        ", *, " FUSEDRL_ROW_READ ", " FUSEDRL_ENTROPY_COEF ") -> (Tensor, Tensor)");
   m.def("cuda_fused_token_loss_inplace(Tensor(a!) logits, " FUSEDRL_FUSED_ARGS
-        ", *, " FUSEDRL_ROW_READ ") -> (Tensor, Tensor)");
+        ", *, " FUSEDRL_ROW_READ ", " FUSEDRL_ENTROPY_COEF ") -> (Tensor, Tensor)");
   // No tensor argument, so no dispatch key: one kernel for every backend.
   m.def("cuda_cluster_kernel_info(Device device, ScalarType dtype) -> int[]",
         &fusedrl::cluster_kernel_info);

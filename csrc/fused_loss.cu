@@ -199,6 +199,13 @@ struct alignas(16) Pack {
 };
 
 FUSEDRL_HD __forceinline__ int64_t row_offset(int64_t row, const RowLayout& layout) {
+  // A 32-bit division where the row and T fit (any real batch): inline, where a 64-bit one is
+  // a subroutine call whose saved registers went to the stack in the capped cluster kernel.
+  if (row <= INT32_MAX && layout.time <= INT32_MAX) {
+    const auto r = static_cast<uint32_t>(row), time = static_cast<uint32_t>(layout.time);
+    return static_cast<int64_t>(r / time) * layout.stride_b +
+           static_cast<int64_t>(r % time) * layout.stride_t;
+  }
   return (row / layout.time) * layout.stride_b + (row % layout.time) * layout.stride_t;
 }
 
@@ -608,8 +615,8 @@ FUSEDRL_HD RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossPara
     logp_out[row] = logp;
     entropy_out[row] = entropy;
   }
-  return RowGrad::make(label, label_logit, lse, entropy, d * agg, -params.entropy_coef * agg,
-                       read);
+  const float coef = in.entropy_coef != nullptr ? *in.entropy_coef : params.entropy_coef;
+  return RowGrad::make(label, label_logit, lse, entropy, d * agg, -coef * agg, read);
 }
 
 // Each kernel's body is a function of its rows (first, first + stride, ...): the kernel passes its
@@ -705,7 +712,9 @@ FUSEDRL_HD void fused_token_loss_rows(const T* logits, T* grad, RowLayout layout
     }
     block_sync();
     const RowGrad f = *shared_grad;
-    write_row_grad<T, kCap>(row_ptr, grad_row, vocab, f, params.entropy_coef != 0.f);
+    // The entropy term where the row has one (a coefficient of 0, from the host or the device,
+    // or a row of aggregation weight 0: k1 = 0, and the term would add p * 0).
+    write_row_grad<T, kCap>(row_ptr, grad_row, vocab, f, f.k1 != 0.f);
     block_sync();  // shared_grad is rewritten by the next row
   }
 }
@@ -915,14 +924,14 @@ __global__ void __launch_bounds__(kClusterThreads)
     block_sync();
     const RowGrad f = shared_grad;
     // Sweep 2, from shared memory: the only other read of the row is the loose elements'.
-    if (params.entropy_coef != 0.f) {
+    if (f.k1 != 0.f) {  // the entropy term (see fused_token_loss_rows)
       write_slice_grad<T, true, kCap>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
     } else {
       write_slice_grad<T, false, kCap>(slice, row_ptr, grad_row, r, vocab, last_rank, f);
     }
     block_sync();  // the label's entry after this CTA's own store of it
     if (rank == label_owner && thread_rank() == 0) {
-      grad_row[label] = from_float<T>(params.entropy_coef != 0.f ? f.label_entry<T, true, kCap>()
+      grad_row[label] = from_float<T>(f.k1 != 0.f ? f.label_entry<T, true, kCap>()
                                                                  : f.label_entry<T, false, kCap>());
     }
     cluster.sync();  // no CTA rewrites `partial` or its slice while another still reads them

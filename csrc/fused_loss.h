@@ -57,6 +57,9 @@ struct TokenLossInputs {
   const float* agg_weight;
   const float* low;          // ratio bounds (ppo/dcpo/cispo)
   const float* high;
+  // The entropy coefficient as one device float (adaptive entropy control moves it between
+  // steps without a host sync); nullptr: params.entropy_coef.
+  const float* entropy_coef;
 };
 
 // logp, lse, entropy of each row (fp32 [rows]); `valid` may be nullptr.

@@ -91,6 +91,7 @@ def load(verbose: bool = False):
         _from_triton("sampled_set"),
         _from_triton("TWO_ROWS"),
         row_temperatures=True,
+        entropy_coef_tensor=True,
         softcap=True,
     )
 

@@ -105,9 +105,11 @@ int run(const std::string& op, const Files& files, std::map<std::string, double>
     const std::vector<float> agg_weight = files.load<float>("agg_weight");
     const std::vector<float> low = files.load<float>("low");
     const std::vector<float> high = files.load<float>("high");
-    const TokenLossInputs inputs{labels.data(),       valid.data(),        advantages.data(),
-                                 or_null(old_logp),   or_null(ref_logp),   or_null(is_weight),
-                                 agg_weight.data(),   or_null(low),        or_null(high)};
+    const std::vector<float> coef = files.load<float>("entropy_coef_tensor");
+    const TokenLossInputs inputs{labels.data(),     valid.data(),      advantages.data(),
+                                 or_null(old_logp), or_null(ref_logp), or_null(is_weight),
+                                 agg_weight.data(), or_null(low),      or_null(high),
+                                 or_null(coef)};
     const TokenLossParams params{static_cast<int>(p["loss"]),
                                  p["dual_clip"] != 0,
                                  static_cast<float>(p["dual_clip_c"]),

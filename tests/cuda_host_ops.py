@@ -86,6 +86,7 @@ class HostKernels:
             _from_triton("sampled_set"),
             _from_triton("TWO_ROWS"),
             row_temperatures=True,
+            entropy_coef_tensor=True,
             softcap=True,
         )
 
@@ -107,9 +108,13 @@ class HostKernels:
     def fused_token_loss(self, logits, grad, labels, valid, advantages, old_logp, ref_logp,
                          is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
                          tau_pos, tau_neg, kl, beta, entropy_coef, *, row_temps=None,
-                         cap=None):  # fmt: skip
+                         cap=None, entropy_coef_tensor=None):  # fmt: skip
         arrays = {"labels": labels, "valid": valid.to(torch.int8), "advantages": advantages,
                   "agg_weight": agg_weight}  # fmt: skip
+        if entropy_coef_tensor is not None:
+            if entropy_coef_tensor.numel() != 1:
+                raise RuntimeError("fusedrl: entropy_coef_tensor must hold one value")
+            arrays["entropy_coef_tensor"] = entropy_coef_tensor
         for name, value in [("old_logp", old_logp), ("ref_logp", ref_logp),
                             ("is_weight", is_weight), ("low", low), ("high", high)]:  # fmt: skip
             if value is not None:

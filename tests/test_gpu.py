@@ -1183,9 +1183,10 @@ def test_soft_cap_in_the_compiled_row_kernels(case, backend):
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_tensor_entropy_coefficient_compiled(backend):
-    """entropy_coef= a device scalar on the compiled fused kernel (ENTROPY_COEF_FROM_PTR; the
-    CUDA backend: two passes) against the torch backend, and under inductor one graph for every
-    value of the coefficient (adaptive entropy control moves it between steps)."""
+    """entropy_coef= a device scalar on the compiled fused kernel (Triton's ENTROPY_COEF_FROM_PTR,
+    the CUDA extension's TokenLossInputs.entropy_coef) against the torch backend, and under
+    inductor one graph for every value of the coefficient (adaptive entropy control moves it
+    between steps)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=8))
