@@ -39,6 +39,12 @@ from fusedrl import reference  # noqa: E402
 CUDA_ON_THE_HOST = "cuda-host"
 
 
+# The backends of the matrices: torch and Triton (through the interpreter without a GPU); the
+# logits entry points (policy_loss, token_logprobs) also the CUDA extension's kernel code.
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
+
+
 @pytest.fixture(scope="session")
 def cuda_host_kernels():
     import tempfile

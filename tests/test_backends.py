@@ -12,13 +12,18 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference, torch_backend
 
-from .conftest import ALL_PRESETS, CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
+from .conftest import (
+    ALL_PRESETS,
+    CUDA_ON_THE_HOST,
+    LOGITS_BACKENDS,
+    make_batch,
+    run_loss,
+)
 
 ATOL = 1e-6
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=LOGITS_BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "triton":
         logprobs = pytest.importorskip("fusedrl.kernels.logprobs")
@@ -415,7 +420,7 @@ def test_is_weights_and_is_correction_are_exclusive():
         fusedrl.policy_loss(**data, config=LossConfig.preset("gmpo"), is_weights=torch.ones(3, 7))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("shape", [(2, 0, 7), (0, 3, 7)])
 def test_token_logprobs_backward_of_an_empty_batch(backend, shape):
     """No rows: empty log-probs and entropy, and an empty gradient (no launch, no division)."""

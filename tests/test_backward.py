@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
+from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
 
 class _OpsOnStorage(TorchDispatchMode):
@@ -35,12 +35,11 @@ class _OpsOnStorage(TorchDispatchMode):
         return out
 
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 
 
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_terminal_backward_touches_no_gradient(backend, preset, inplace):
     data = make_batch(batch=3, time=5, vocab=131, dtype=torch.bfloat16, seed=31)
     logits = data.pop("logits").clone().requires_grad_(True)
@@ -58,7 +57,7 @@ def test_terminal_backward_touches_no_gradient(backend, preset, inplace):
     assert grad.data_ptr() == grad_buffer.data_ptr()  # handed on, not copied
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_upstream_gradient_scales_once(backend):
     data = make_batch(batch=3, time=5, vocab=131, seed=32)
     cfg = LossConfig.preset("dapo")

@@ -20,15 +20,14 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, torch_backend
 
-from .conftest import ALL_PRESETS, CUDA_ON_THE_HOST, make_batch, needs_interpreter
+from .conftest import ALL_PRESETS, LOGITS_BACKENDS, make_batch
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 # Batches made of the same pool of sequences: (pool indices), the sequence under test is 2.
 BATCHES = {"whole pool": [0, 1, 2, 3, 4], "moved, fewer rows": [4, 2], "alone": [2]}
 WATCHED = 2
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=LOGITS_BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "torch":
         # Blocks of a few rows: the sequence lands at another offset of a block in each batch.

@@ -16,9 +16,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
+from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
 
 def _data(seed=0, batch=4, time=6, vocab=131, per_token_adv=True, empty_rows=()):
@@ -44,7 +42,7 @@ def _compare(data, cfg, backend, **kwargs):
     return ref
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_dual_clip_caps_negative_advantages(backend):
     data, logp = _data(seed=1)
     data["advantages"] = -data["advantages"].abs()  # all A < 0
@@ -53,7 +51,7 @@ def test_dual_clip_caps_negative_advantages(backend):
     assert ref.metrics["dual_clipfrac"] > 0  # ratios e^2, e^1.5 > c = 3 with A < 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_delta_caps_the_unclipped_ratio(backend):
     data, logp = _data(seed=2)
     data["old_logp"] = logp - torch.tensor([1.5, 0.0, 0.1, -0.5, 2.0, 0.2]).expand_as(logp)
@@ -64,7 +62,7 @@ def test_delta_caps_the_unclipped_ratio(backend):
     _compare(data, cfg, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_asymmetric_eps_with_tokens_beyond_both_bounds(backend):
     data, logp = _data(seed=3)
     data["old_logp"] = logp - torch.tensor([0.5, -0.5, 0.05, 0.0, 0.3, -0.3]).expand_as(logp)
@@ -75,7 +73,7 @@ def test_asymmetric_eps_with_tokens_beyond_both_bounds(backend):
     assert ref.metrics["clip_low"] > 0 and ref.metrics["clip_high"] > 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_log_ratio_clamp_at_20(backend):
     data, logp = _data(seed=4)
     data["old_logp"] = logp.clone()
@@ -88,7 +86,7 @@ def test_log_ratio_clamp_at_20(backend):
 
 
 @pytest.mark.parametrize("kind", ["k3", "k3+", "k1", "k2", "abs", "k1+"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_kl_clamps_act(kind, backend):
     data, logp = _data(seed=5)
     # (no token at logp == ref exactly: abs's kink, where a last-bit difference in logp between
@@ -101,7 +99,7 @@ def test_kl_clamps_act(kind, backend):
     _compare(data, LossConfig(kl=kind, beta=0.1), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_fractional_float_mask(backend):
     data, _ = _data(seed=6)
     weights = torch.rand(data["mask"].shape, generator=torch.Generator().manual_seed(6))
@@ -120,7 +118,7 @@ def test_fractional_float_mask(backend):
 
 
 @pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_sequence_is_weights_over_several_tokens(mode, backend):
     data, logp = _data(seed=7)
     data["old_logp"] = logp + 0.05
@@ -132,7 +130,7 @@ def test_sequence_is_weights_over_several_tokens(mode, backend):
     assert ref.metrics["is_weight_mean"] != 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_kl_penalty_together_with_an_is_correction(backend):
     data, logp = _data(seed=8)
     data["rollout_logp"] = data["old_logp"] + 0.3
@@ -146,7 +144,7 @@ def test_kl_penalty_together_with_an_is_correction(backend):
     torch.testing.assert_close(ref.loss - no_kl.loss, kl_only.loss - pg.loss, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_exact_ties_take_the_tie_rule(backend):
     """On policy (old = logp) every ratio is exactly 1: the clipped and unclipped branches tie
     (torch.maximum splits the gradient in half each, which sums to the whole)."""
@@ -177,7 +175,7 @@ def _exactly_known_logp(label_logit, backend, batch=3, time=5, vocab=131, seed=1
     return data, logp
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_ratios_exactly_on_the_clip_bounds(backend):
     """r = 2 = 1 + eps_high and r = 1/2 = 1 - eps_low exactly, with A of both signs: clip passes
     the gradient at its bounds (torch.clamp, as verl and TRL), max() of the tied branches gives
@@ -199,7 +197,7 @@ def test_ratios_exactly_on_the_clip_bounds(backend):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter,
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # on the p = 0 rows
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_log_ratios_exactly_on_their_clamps(backend):
     """logp = -1000 exactly, so old_logp puts the log-ratio exactly on the +-20 clamp, GMPO's
     [-eps_low, eps_high] and GSPO's sequence cap of 10: each clamp passes the gradient there."""
@@ -221,7 +219,7 @@ def test_log_ratios_exactly_on_their_clamps(backend):
     _compare(data, LossConfig.preset("gspo"), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_dcpo_bounds_depend_on_the_old_probability(backend):
     data, logp = _data(seed=10)
     data["old_logp"] = logp + torch.tensor([math.log(0.9), -6.0, -0.1, -3.0, 0.0, -9.0]).expand_as(
@@ -234,7 +232,7 @@ def test_dcpo_bounds_depend_on_the_old_probability(backend):
 # ---- tests that kill survivors of the mutation sample (docs/testing.md)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_zero_advantages_gmpo(backend):
     data, logp = _data(seed=7, per_token_adv=False)
     data["advantages"][0] = 0.0  # a group whose rewards all tie: A = 0
@@ -242,7 +240,7 @@ def test_zero_advantages_gmpo(backend):
     _compare(data, LossConfig(loss="gmpo"), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_zero_advantages_ratio_losses(backend):
     data, logp = _data(seed=8, per_token_adv=False)
     data["advantages"][0] = 0.0
@@ -251,7 +249,7 @@ def test_zero_advantages_ratio_losses(backend):
         _compare(data, cfg, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_gmpo_fractional_mask(backend):
     data, logp = _data(seed=6)
     weights = torch.rand(data["mask"].shape, generator=torch.Generator().manual_seed(6))
@@ -259,7 +257,7 @@ def test_gmpo_fractional_mask(backend):
     _compare(data, LossConfig(loss="gmpo"), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_log_ratio_21_with_negative_advantage(backend):
     data, logp = _data(seed=4)
     data["old_logp"] = logp.clone()
@@ -282,7 +280,7 @@ def test_triton_beta_zero_with_kl_and_infinite_ref():
     _compare(data, LossConfig(kl="k2", beta=0.0), "triton")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_abs_kl_at_its_kink(backend):
     """ref_logp == logp exactly: |delta|'s gradient there is sign(0) = 0 (torch.sign), in every
     backend (random data cannot hit the kink: a last-bit difference flips the sign)."""

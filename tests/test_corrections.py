@@ -12,9 +12,7 @@ import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl.token_terms import masked_quantile
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
+from .conftest import LOGITS_BACKENDS, make_batch, run_loss
 
 
 def _data(seed=0, batch=6, time=7, vocab=137):
@@ -51,7 +49,7 @@ def _trl():
 
 
 # ------------------------------------------------------------------------------------ VESPO
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("is_correction", [None, "token_mask"])
 def test_vespo_weights_both_advantage_signs(backend, is_correction):
     data, logp = _data(seed=1)
@@ -96,7 +94,7 @@ def test_luspo_is_gspo_summed_over_each_sequences_tokens():
     assert not torch.allclose(luspo, gspo)  # the per-sequence sum, not the mean
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_luspo_with_a_token_ratio_takes_the_fused_kernel(backend):
     data, _ = _data(seed=4)
     cfg = LossConfig(loss="luspo", ratio_level="token", eps_low=0.1, eps_high=0.1)
@@ -105,7 +103,7 @@ def test_luspo_with_a_token_ratio_takes_the_fused_kernel(backend):
 
 
 # -------------------------------------------------------------------- the bias-corrected KL
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("preset", ["grpo", "gspo"])
 def test_kl_bias_correction_multiplies_the_kl_by_the_ratio(backend, preset):
     data, logp = _data(seed=5)
@@ -140,7 +138,7 @@ def _off_policy_data(seed):
     return data
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("with_rollout", [True, False])
 def test_off_policy_mask_drops_negative_advantage_sequences_that_drifted(backend, with_rollout):
     data = _off_policy_data(seed=7)
@@ -168,7 +166,7 @@ def test_off_policy_mask_is_trls():
 
 
 # ------------------------------------------------------------------- top-entropy token selection
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("rho", [0.0, 0.2, 0.5])
 def test_top_entropy_quantile_trains_the_high_entropy_tokens(backend, rho):
     data, _ = _data(seed=9)
@@ -212,7 +210,7 @@ def test_masked_quantile_is_torch_quantile(count, q):
 
 
 # ------------------------------------------------------------------------- mismatch metrics
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_mismatch_metrics_vanish_without_a_mismatch_and_grow_with_it(backend):
     data, logp = _data(seed=11)
     data["old_logp"] = None
@@ -228,7 +226,7 @@ def test_mismatch_metrics_vanish_without_a_mismatch_and_grow_with_it(backend):
     assert ref.metrics["mismatch_kl_k1"].item() == pytest.approx(gap.mean().item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_effective_sample_size_and_masked_share_of_the_is_weights(backend):
     data, _ = _data(seed=12)
     counted = data["mask"]

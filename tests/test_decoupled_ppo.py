@@ -15,11 +15,12 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-# the logits entry points: the CUDA extension's kernel code too (built for the host)
-LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
+from .conftest import (
+    BACKENDS,
+    LOGITS_BACKENDS,
+    make_batch,
+    run_loss,
+)
 
 
 def _data(seed=0):

@@ -19,9 +19,8 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, linear_triton, reference, torch_backend
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
+from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter), CUDA_ON_THE_HOST]
 DEGENERATE = (0, 1)  # valid, all -inf
 MASKED = (1, 2)  # masked (the whole of sequence 1 is), all -inf too
 # vLLM's filters of the rollouts: the sampled set of an all -inf row is the row itself. (top_k
@@ -29,7 +28,7 @@ MASKED = (1, 2)  # masked (the whole of sequence 1 is), all -inf too
 SAMPLING = {"off": {}, "on": dict(top_k=20, min_p=0.05)}
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=LOGITS_BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "triton":
         logprobs = pytest.importorskip("fusedrl.kernels.logprobs")

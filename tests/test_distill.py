@@ -17,12 +17,11 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import needs_interpreter
+from .conftest import BACKENDS
 
 KINDS = ("reverse_kl", "forward_kl", "jsd")
 # The torch backend's row blocks, and the two-row Triton kernels (interpreted: tiles of 128, so
 # the test vocabulary of 131 takes a full and a partial one).
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def _inputs(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32, nan_padding=False):

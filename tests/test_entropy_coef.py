@@ -21,16 +21,14 @@ from fusedrl import LossConfig, fused_backend, reference
 from fusedrl._inputs import prepare_loss_inputs
 
 from .conftest import (
-    CUDA_ON_THE_HOST,
+    BACKENDS,
+    LOGITS_BACKENDS,
     assert_lm_head_form_matches_the_oracle,
     make_batch,
     needs_interpreter,
     run_loss,
 )
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-# the logits entry points: the CUDA extension's kernel code too (built for the host)
-LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 COEF = 0.3  # large, so the bonus moves the loss and the gradient far beyond the tolerances
 
 

@@ -18,7 +18,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter
+from .conftest import BACKENDS, make_batch, needs_interpreter
 
 KINDS = ("full", "full_reverse")
 
@@ -108,7 +108,6 @@ CASES = {
 
 # The torch backend's blocks; the two-row Triton kernels (interpreted, tiles of 128: the test
 # vocabulary of 131 takes a full and a partial one).
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

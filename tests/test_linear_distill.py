@@ -17,10 +17,9 @@ import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl.distill import linear as pair
 
-from .conftest import needs_interpreter, numeric_gradient
+from .conftest import BACKENDS, numeric_gradient
 
 KINDS = ("reverse_kl", "forward_kl", "jsd")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def _heads(seed=0, batch=3, time=7, hidden=16, teacher_hidden=12, vocab=131, dtype=torch.float32):

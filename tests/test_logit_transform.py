@@ -19,11 +19,8 @@ from fusedrl import LossConfig, linear_triton, reference
 from fusedrl.distill import linear as pair
 from fusedrl.logit_transform import check_logit_transform, model_logit_transform
 
-from .conftest import CUDA_ON_THE_HOST, needs_interpreter
+from .conftest import BACKENDS, LOGITS_BACKENDS
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-# the logits entry points: the CUDA extension's kernel code too (built for the host)
-LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 CAP, SCALE = 4.0, 1.7
 
 

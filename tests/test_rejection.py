@@ -14,10 +14,8 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import BACKENDS, make_batch, run_loss
 from .test_backends import REJECTION_OPTIONS
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def _impl(backend):

@@ -17,16 +17,12 @@ import fusedrl
 from fusedrl import LossConfig, fused_backend, linear_triton, reference
 
 from .conftest import (
-    CUDA_ON_THE_HOST,
+    BACKENDS,
+    LOGITS_BACKENDS,
     assert_lm_head_form_matches_the_oracle,
     make_batch,
-    needs_interpreter,
     run_loss,
 )
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-# the logits entry points: the CUDA extension's kernel code too (built for the host)
-LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
 
 
 def _temperatures(shape, seed=0, masked=None):

@@ -13,11 +13,10 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import BACKENDS, make_batch, run_loss
 
 # The torch backend applies the mask per block; the fused backends (Triton here, through the
 # interpreter; CUDA shares the driver) read logits masked to the set.
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 # (temperature, top_k, top_p, min_p): each filter alone, then all three (vLLM: min_p, top_k, top_p)
 FILTERS = {

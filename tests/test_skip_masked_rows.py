@@ -14,9 +14,13 @@ import fusedrl
 from fusedrl import LossConfig, linear_torch, linear_triton
 from fusedrl.distill import linear as distill_linear
 
-from .conftest import assert_lm_head_form_matches_the_oracle, make_batch, needs_interpreter
+from .conftest import (
+    BACKENDS,
+    assert_lm_head_form_matches_the_oracle,
+    make_batch,
+    needs_interpreter,
+)
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 VOCAB, HIDDEN = 131, 16
 
 

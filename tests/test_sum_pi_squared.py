@@ -17,11 +17,7 @@ import torch.multiprocessing as mp
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter
-
-BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-# the logits entry points: the CUDA extension's kernel code too (built for the host)
-LOGITS_BACKENDS = [*BACKENDS, CUDA_ON_THE_HOST]
+from .conftest import BACKENDS, LOGITS_BACKENDS, make_batch, needs_interpreter
 
 
 def _logits(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32):
