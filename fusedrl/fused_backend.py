@@ -56,19 +56,10 @@ class FusedOps:
     # The two-row ops, for the exact KL to the reference (kl="full" / "full_reverse") and
     # distillation; None: the backend has none.
     two_rows: TwoRowOps | None = None
-    # Whether the ops take per-token temperatures (`row_temps=`, a [B, T] tensor)
-    row_temperatures: bool = False
-    # Whether the fused token-loss ops take the entropy coefficient as a device scalar
-    # (`entropy_coef_tensor=`); without, such a call takes the two-pass path, where the
-    # coefficient is in the per-token d(loss)/d(entropy) that pass 2 reads.
-    entropy_coef_tensor: bool = False
     # (logits, labels, temperature, row_temps?) -> `logprobs_fwd`'s three of every row and
     # sum_v pi_v^2 from the same read; None: the backend takes it from a second read at half the
     # temperature (api.sum_pi_squared_of).
     logprobs_squares: Callable | None = None
-    # Whether the row ops (log-probs, gradient, fused loss, two rows) take a soft cap (`cap=`:
-    # the kernels read tanh(a x), `kernels/rows.capped`); without, `softcap=` is refused.
-    softcap: bool = False
     # Whether the log-prob and fused-loss ops fill a `sum_sq=` buffer ([B, T] fp32) with
     # sum_v pi_v^2 per row from their own read (`policy_loss_squares`).
     loss_squares: bool = False
@@ -133,25 +124,6 @@ def temperature_keywords(
     return 1.0, {"row_temps": temperature, **keywords}
 
 
-def temperature_args(
-    ops: FusedOps, temperature, transform: LogitTransform | None = None
-) -> tuple[float, dict]:
-    """`temperature_keywords` for a backend's row ops: per-token temperatures and a soft cap are
-    refused where they have none."""
-    if isinstance(temperature, torch.Tensor) and not ops.row_temperatures:
-        raise ValueError(
-            "per-token temperatures (a temperature tensor) have no kernel in this backend: use "
-            "backend='triton' or 'torch'"
-        )
-    check_softcap_kernels(ops, transform)
-    return temperature_keywords(temperature, transform=transform)
-
-
-def check_softcap_kernels(ops: FusedOps, transform: LogitTransform | None) -> None:
-    if transform is not None and transform.softcap is not None and not ops.softcap:
-        raise ValueError("softcap= has no kernel in this backend: use backend='triton' or 'torch'")
-
-
 class _LogprobsFn(torch.autograd.Function):
     """`source` (None: the logits) is what the kernels read: the logits masked to a sampled
     set; its gradient is the logits' (0 outside the set). `squares`: a last output, sum_v pi_v^2
@@ -161,7 +133,7 @@ class _LogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops, logits, labels, temperature, return_entropy, source, squares, transform):
         source = logits if source is None else source
-        scalar, rows = temperature_args(ops, temperature, transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform)
         if squares:
             logp, lse, entropy, *sum_sq = ops.logprobs_squares(source, labels, scalar, **rows)
         else:
@@ -197,7 +169,7 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out, transfor
     reads the logits as they are."""
     capped = transform is not None and transform.softcap is not None
     if ops.sampled_set is not None and not capped:
-        scalar, rows = temperature_args(ops, temperature)
+        scalar, rows = temperature_keywords(temperature)
         ops.sampled_set(
             logits, labels, out, scalar, sampling.top_k, sampling.top_p, sampling.min_p, **rows
         )
@@ -225,7 +197,6 @@ SAMPLED_CHUNK_ELEMENTS = 1 << 27
 def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=None):
     """logp, lse, entropy [B, T] over the sampled sets, a masked block of rows at a time;
     `temperature` a float or per-token ([B, T]); `transform`: a soft cap or None."""
-    check_softcap_kernels(ops, transform)  # before the first masked block is made
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
     out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
@@ -243,7 +214,7 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=
             ops, block[None], rows_labels, rows_t, sampling, rows_masked, transform
         )  # fmt: skip
         rows_valid = None if valid is None else flat[1][start:stop][None]
-        scalar, row_temps = temperature_args(ops, rows_t, transform)
+        scalar, row_temps = temperature_keywords(rows_t, transform=transform)
         stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, scalar, **row_temps)
         for whole, part in zip(out, stats):
             whole[start:stop] = part[0]
@@ -265,7 +236,7 @@ def token_logprobs_squares(
             ops, logits, labels, temperature, return_entropy, None, True, transform
         )
         return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
-    scalar, rows = temperature_args(ops, temperature, transform)
+    scalar, rows = temperature_keywords(temperature, transform=transform)
     logp, _, entropy, sum_sq = ops.logprobs_squares(logits, labels, scalar, **rows)
     return logp, entropy if return_entropy else None, sum_sq
 
@@ -280,7 +251,6 @@ def token_logprobs(
     transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     sampling = sampling if sampling is not None and sampling.active else None
-    check_softcap_kernels(ops, transform)  # before a masked copy is made
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
         if sampling is not None:  # one masked copy of the logits, kept for backward
@@ -297,7 +267,7 @@ def token_logprobs(
             ops, logits, labels, None, temperature, sampling, transform
         )
     else:
-        scalar, rows = temperature_args(ops, temperature, transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform)
         logp, _, entropy = ops.logprobs_fwd(logits, labels, None, scalar, **rows)
     return logp, entropy if return_entropy else None
 
@@ -368,7 +338,6 @@ def _fused_token_level(
 ):
     """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`)."""
     args = fused_token_args(inp, cfg)
-    temperature_args(ops, temperature_of(inp, cfg), inp.transform)  # refuses what ops lack
     rows = fused_token_keywords(inp, cfg)
     if sum_sq is not None:
         rows["sum_sq"] = sum_sq
@@ -377,11 +346,9 @@ def _fused_token_level(
     return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
 
 
-def needs_two_passes(inp: LossInputs, cfg: LossConfig, ops: FusedOps | None = None) -> bool:
+def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     if cfg.is_sequence_level or cfg.loss in SCALAR_LOSSES:  # the kernels know neither
         return True
-    if inp.entropy_coef is not None and ops is not None and not ops.entropy_coef_tensor:
-        return True  # (the CUDA extension's fused kernel takes the coefficient as a number)
     if cfg.entropy_agg is not None and has_entropy_bonus(inp, cfg):
         return True  # the kernel weighs d(loss)/d(entropy) with the policy's aggregation weight
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
@@ -415,7 +382,6 @@ def _with_exact_kl(
             "use backend='torch', or install triton"
         )
     kind = _KL_KERNEL_KIND[cfg.kl]
-    check_softcap_kernels(ops, inp.transform)  # as a backend's other row ops would refuse it
     # The two-row ops of every backend take per-token temperatures and a soft cap.
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     logp, lse, ref_lse, kl, aux, entropy = ops.two_rows.forward(
@@ -471,16 +437,15 @@ def policy_loss(
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
         temperature = temperature_of(inp, cfg)
-        check_softcap_kernels(ops, inp.transform)  # before the masked copy is written
         _write_sampled_set(
             ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
         )  # fmt: skip
         inp = replace(inp, logits=grad_out)
-    if grad_out is not None and not needs_two_passes(inp, cfg, ops):
+    if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
-    scalar, rows = temperature_args(ops, temperature_of(inp, cfg), inp.transform)
+    scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     squares = {} if sum_sq is None else {"sum_sq": sum_sq}
     logp, lse, entropy = ops.logprobs_fwd(
         inp.logits, inp.labels, inp.valid, scalar, **rows, **squares

@@ -279,7 +279,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
     _check_dtype(lin)
     need_entropy = need_entropy or needs_entropy(lin.rows, cfg)
-    if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg, _row_ops()):
+    if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg):
         logp, entropy, grads = _one_sweep(lin, cfg, want)
         entropy = entropy if need_entropy else None
         return logp, entropy, token_terms(logp, entropy, lin.rows, cfg, grads=False), grads

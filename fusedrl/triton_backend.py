@@ -202,10 +202,7 @@ OPS = FusedOps(
     fused_token_loss_inplace,
     sampled_set,
     TWO_ROWS,
-    row_temperatures=True,
-    entropy_coef_tensor=True,
     logprobs_squares=logprobs_squares_fwd,
-    softcap=True,
     loss_squares=True,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)

@@ -90,9 +90,6 @@ def load(verbose: bool = False):
         ops.cuda_fused_token_loss_inplace.default,
         _from_triton("sampled_set"),
         _from_triton("TWO_ROWS"),
-        row_temperatures=True,
-        entropy_coef_tensor=True,
-        softcap=True,
     )
 
 

@@ -85,9 +85,6 @@ class HostKernels:
             self.fused_token_loss_inplace,
             _from_triton("sampled_set"),
             _from_triton("TWO_ROWS"),
-            row_temperatures=True,
-            entropy_coef_tensor=True,
-            softcap=True,
         )
 
     # ------------------------------------------------------------------ the ops

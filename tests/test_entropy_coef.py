@@ -4,8 +4,8 @@ without a recompile or a host sync.
 
 Against the oracle (`fusedrl.reference` with the same tensor) and against the plain number in
 LossConfig.entropy_coef: token-level losses (the fused kernel reads the scalar), sequence-level
-ones (two passes: the coefficient is in d(loss)/d(entropy)), the fused path of a backend whose
-kernel takes only a number (the CUDA extension's: two passes), the LM-head forms, in place;
+ones (two passes: the coefficient is in d(loss)/d(entropy)), the fused kernel's one pass, the
+LM-head forms, in place;
 a coefficient of 0 still computes the entropy; one compiled graph serves every value; then the
 contracts (what is refused, by name)."""
 
@@ -75,29 +75,26 @@ def test_a_zero_coefficient_still_computes_the_entropy(backend):
 
 
 @needs_interpreter
-def test_a_fused_kernel_without_the_scalar_takes_two_passes():
-    """The CUDA extension's fused kernel takes the coefficient as a number: there the call must
-    take pass 1, the terms, pass 2 (the coefficient inside d(loss)/d(entropy)). Run on Triton's
-    ops with that capability switched off, so that the routing itself is what is checked."""
+def test_a_token_level_loss_reads_the_scalar_in_the_fused_kernel():
+    """A tensor coefficient keeps a token-level loss in one pass: the fused kernel reads it (both
+    fused backends take `entropy_coef_tensor=`), with the oracle's numbers."""
     from fusedrl import triton_backend
 
     data = make_batch(vocab=131, seed=5)
     cfg = LossConfig.preset("dapo")
     coef = torch.tensor(COEF)
-    numbers_only = dataclasses.replace(triton_backend.OPS, entropy_coef_tensor=False)
     args = [data[k] for k in ("labels", "advantages", "mask", "old_logp", "ref_logp")]
     inp = prepare_loss_inputs(data["logits"], *args, None, cfg, None, entropy_coef=coef)
-    assert fused_backend.needs_two_passes(inp, cfg, numbers_only)
-    assert not fused_backend.needs_two_passes(inp, cfg, triton_backend.OPS)
+    assert not fused_backend.needs_two_passes(inp, cfg)
     calls = []
-    for ops in (numbers_only, triton_backend.OPS):
-        ops = dataclasses.replace(ops, fused_token_loss=_spy(ops.fused_token_loss, calls, ops))
-        grad = torch.empty_like(data["logits"])
-        _, _, terms = fused_backend.policy_loss(ops, inp, cfg, False, grad)
-        want, want_grad = run_loss(reference.policy_loss, data, cfg, entropy_coef=coef)
-        torch.testing.assert_close(terms.loss, want.loss, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
-    assert calls == [triton_backend.OPS]  # the fused kernel ran only where it takes the scalar
+    ops = triton_backend.OPS
+    ops = dataclasses.replace(ops, fused_token_loss=_spy(ops.fused_token_loss, calls, ops))
+    grad = torch.empty_like(data["logits"])
+    _, _, terms = fused_backend.policy_loss(ops, inp, cfg, False, grad)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, entropy_coef=coef)
+    torch.testing.assert_close(terms.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert calls == [triton_backend.OPS]  # one pass: the fused kernel ran, once
 
 
 def _spy(op, calls, ops):

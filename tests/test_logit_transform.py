@@ -352,19 +352,19 @@ def _oracle_grad(x, rows, kwargs):
     return torch.autograd.grad(out.loss, leaf)[0]
 
 
-def test_softcap_on_logits_is_refused_where_it_has_no_kernel():
-    """A backend whose ops have no cap refuses it by name; a group of one under tensor
-    parallelism is the plain call; bad values are named."""
+def test_softcap_keywords_and_the_plain_forms():
+    """The ops' `cap=` keyword; a group of one under tensor parallelism is the plain call; bad
+    values are named."""
     from fusedrl import fused_backend
     from fusedrl.logit_transform import LogitTransform
 
     from .conftest import make_batch
 
     data = make_batch(vocab=131, seed=2)
-    without = fused_backend.FusedOps(None, None, None, None)  # ops with no `cap=`
-    with pytest.raises(ValueError, match="softcap= has no kernel in this backend"):
-        fused_backend.temperature_args(without, 1.0, LogitTransform(1.0, CAP))
-    assert fused_backend.temperature_args(without, 2.0) == (2.0, {})
+    # The ops' keywords: a = s / c (`cap=`) at the temperature T / c.
+    assert fused_backend.temperature_keywords(2.0) == (2.0, {})
+    capped = fused_backend.temperature_keywords(2.0, transform=LogitTransform(SCALE, CAP))
+    assert capped == (2.0 / CAP, {"cap": SCALE / CAP})
     # a group of one under tensor parallelism is the plain call (2 and 3 ranks:
     # tests/test_tensor_parallel.py)
     one = fusedrl.policy_loss(**data, softcap=CAP, logit_scale=SCALE, vocab_start=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, fused_backend, linear_triton, reference
+from fusedrl import LossConfig, linear_triton, reference
 
 from .conftest import (
     BACKENDS,
@@ -221,10 +221,6 @@ def test_misuse_is_named():
     # group of one is the plain call.
     one = fusedrl.policy_loss(**data, temperature=temps, vocab_start=0)
     torch.testing.assert_close(one.loss, fusedrl.policy_loss(**data, temperature=temps).loss)
-    without = fused_backend.FusedOps(*[None] * 4)  # ops with no `row_temps=`
-    with pytest.raises(ValueError, match="per-token temperatures .* have no kernel in this"):
-        fused_backend.temperature_args(without, temps)
-    assert fused_backend.temperature_args(without, 0.7) == (0.7, {})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import torch_backend
-from ..fused_backend import temperature_args
+from ..fused_backend import temperature_keywords
 from ..logit_transform import LogitTransform, capped_rows
 
 
@@ -92,11 +92,11 @@ def slice_ops(
     ops = impl.OPS
 
     def stats(logits, labels, valid, temperature):
-        scalar, rows = temperature_args(ops, temperature, transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform)
         return ops.logprobs_fwd(logits, labels, valid, scalar, **rows)
 
     def grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
-        scalar, rows = temperature_args(ops, temperature, transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform)
         ops.logits_grad(logits, labels, lse, entropy, dlogp, dentropy, scalar, out, **rows)
 
     return SliceOps(stats, grad)
