@@ -14,6 +14,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cfloat>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -101,7 +103,11 @@ const float* data_or_null(const std::optional<at::Tensor>& t) {
 // the soft cap's a (y = c tanh(a x) read at T / c: fusedrl.fused_backend.temperature_keywords).
 RowRead row_read(double temperature, const std::optional<at::Tensor>& row_temps,
                  std::optional<double> cap) {
-  TORCH_CHECK(!cap.has_value() || *cap > 0, "fusedrl: cap must be > 0 (the soft cap's s / c)");
+  // A cap that is not a normal fp32 number would read as inf (NaN at x = 0) or as 0 (the
+  // uncapped kernel at the capped temperature): fusedrl.logit_transform refuses both by name.
+  TORCH_CHECK(!cap.has_value() || (std::isfinite(static_cast<float>(*cap)) &&
+                                   static_cast<float>(*cap) >= FLT_MIN),
+              "fusedrl: cap must be a normal float32 number > 0 (the soft cap's s / c)");
   return RowRead{static_cast<float>(1.0 / temperature), data_or_null(row_temps),
                  static_cast<float>(cap.value_or(0.0))};
 }

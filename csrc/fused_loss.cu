@@ -1037,10 +1037,13 @@ bool use_cluster_kernel(int64_t vocab) {
   return s.usable && cluster_smem_bytes(vocab, sizeof(T)) <= s.max_dynamic_smem;
 }
 
+// `*launched` false (and nothing queued) when no cluster fits on the GPU at once (an MPS or
+// green-context SM limit can leave too few SMs for 8 CTAs of ~227 KB): the caller then runs the
+// two-sweep kernel, as it does where the slices do not fit.
 template <typename T, bool kCap>
 cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout grad_layout,
                            TokenLossInputs inputs, TokenLossParams params, float* logp,
-                           float* entropy, cudaStream_t stream) {
+                           float* entropy, cudaStream_t stream, bool* launched) {
   const auto kernel = fused_token_loss_cluster_kernel<T, kCap>;
   const int64_t smem = cluster_smem_bytes(layout.vocab, sizeof(T));
   cudaLaunchConfig_t config = {};
@@ -1057,8 +1060,9 @@ cudaError_t launch_cluster(const T* logits, T* grad, RowLayout layout, RowLayout
   int active = 0;  // clusters that fit on the GPU at once: the grid, rows permitting
   config.gridDim = dim3(kClusterSize);
   cudaError_t err = cudaOccupancyMaxActiveClusters(&active, kernel, &config);
-  if (err != cudaSuccess) return err;
-  const int64_t clusters = layout.rows < active ? layout.rows : (active > 0 ? active : 1);
+  *launched = err == cudaSuccess && active > 0;
+  if (err != cudaSuccess || active <= 0) return err;
+  const int64_t clusters = layout.rows < active ? layout.rows : active;
   config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
   return cudaLaunchKernelEx(&config, kernel, logits, grad, layout, grad_layout, inputs, params,
                             logp, entropy);
@@ -1142,10 +1146,11 @@ cudaError_t launch_fused_token_loss(const void* logits, void* grad, DType dtype,
   return dispatch(dtype, params.read.cap, [&](auto tag, auto cap) {
     using T = decltype(tag);
     if (use_cluster_kernel<T, decltype(cap)::value>(layout.vocab)) {
+      bool launched = false;
       const cudaError_t err = launch_cluster<T, decltype(cap)::value>(
           static_cast<const T*>(logits), static_cast<T*>(grad), layout, grad_layout, inputs,
-          params, logp, entropy, stream);
-      return err != cudaSuccess ? err : cudaGetLastError();
+          params, logp, entropy, stream, &launched);
+      if (err != cudaSuccess || launched) return err != cudaSuccess ? err : cudaGetLastError();
     }
     const int blocks = grid_for_l2(layout.rows, layout.vocab * static_cast<int64_t>(sizeof(T)));
     fused_token_loss_kernel<T, decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(

@@ -92,6 +92,15 @@ def check_logit_transform(
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     scale = 1.0 if logit_scale is None else float(logit_scale)
     cap = None if softcap is None else float(softcap)
+    # The kernels multiply by s and read tanh(a x), a = s / c, in fp32: a factor that is not a
+    # normal fp32 number would read every logit as inf, or (a subnormal, flushed to 0) as 0.
+    fp32 = torch.finfo(torch.float32)
+    for name, factor in (("logit_scale", scale), ("logit_scale / softcap", scale / (cap or 1.0))):
+        if not fp32.tiny <= factor <= fp32.max:
+            raise ValueError(
+                f"{name} must be a normal float32 number (in [{fp32.tiny:.3g}, {fp32.max:.3g}]), "
+                f"got {factor!r}"
+            )
     if scale == 1.0 and cap is None:
         return None
     return LogitTransform(scale=scale, softcap=cap)

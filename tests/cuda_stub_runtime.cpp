@@ -12,6 +12,8 @@
 // Commands, one a line on stdin; each prints one line of JSON on stdout:
 //   device ID CLUSTER_LAUNCH OPTIN_SMEM PTX_VERSION BINARY_VERSION CLUSTER_BODY
 //                                 (PTX_VERSION 0: no image of the module loads on it)
+//   clusters ID N                 cudaOccupancyMaxActiveClusters answers N on device ID
+//                                 (default 16 where it launches clusters, else 0)
 //   env VALUE                     FUSEDRL_CUDA_ONE_READ=VALUE ("-": unset)
 //   launch ID DTYPE VOCAB [CAP]   launch_fused_token_loss on device ID (DTYPE as fusedrl::DType),
 //                                 CAP the soft cap's a (default 0: none)
@@ -42,6 +44,7 @@ struct Device {
   bool cluster_body = false;
   std::map<const void*, int> max_dynamic_smem;  // per function, as set by cudaFuncSetAttribute
   int attribute_sets = 0;
+  int active_clusters = -1;  // -1: 16 where it launches clusters, else 0
 };
 
 struct Launch {
@@ -221,7 +224,8 @@ cudaError_t cudaFuncSetAttribute(const void* fun, cudaFuncAttribute attr, int va
 
 cudaError_t cudaOccupancyMaxActiveClusters(int* clusters, const void*,
                                            const cudaLaunchConfig_t*) {
-  *clusters = devices[current].cluster_launch != 0 ? 16 : 0;
+  const Device& d = devices[current];
+  *clusters = d.active_clusters >= 0 ? d.active_clusters : (d.cluster_launch != 0 ? 16 : 0);
   return cudaSuccess;
 }
 
@@ -290,6 +294,11 @@ int main() {
       in >> id >> d.cluster_launch >> d.optin_smem >> d.ptx_version >> d.binary_version >> body;
       d.cluster_body = body != 0;
       devices[id] = d;
+      std::printf("{}\n");
+    } else if (command == "clusters") {
+      int id = 0, n = 0;
+      in >> id >> n;
+      devices[id].active_clusters = n;
       std::printf("{}\n");
     } else if (command == "env") {
       std::string value;

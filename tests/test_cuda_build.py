@@ -457,6 +457,27 @@ def test_soft_capped_launches_take_their_own_instantiations(stub_runtime):
 
 @needs_nvcc
 @pytest.mark.slow
+def test_no_cluster_fits_takes_the_two_sweep_kernel(stub_runtime):
+    """Where the occupancy query says no cluster fits at once (an MPS or green-context SM limit),
+    the launch is the two-sweep kernel's, without an error, and the next launch that fits takes
+    the cluster kernel again."""
+    commands = [
+        "device 0 1 232448 90 90 1",  # H100, sm_90 code
+        "clusters 0 0",
+        f"launch 0 {BF16} 151936",
+        f"launch 0 {BF16} 151936 0.0333",
+        "clusters 0 3",
+        f"launch 0 {BF16} 151936",
+    ]
+    _, _, plain, capped, _, fits = stub_runtime(commands)
+    for launch in (plain, capped):
+        assert launch["kernel"] == "two_sweep" and not launch["error"], launch
+    assert capped["capped"]
+    assert fits["kernel"] == "cluster" and fits["cluster"] == 8 and not fits["error"], fits
+
+
+@needs_nvcc
+@pytest.mark.slow
 def test_bindings_pass_a_syntax_check(tmp_path):
     """bindings.cpp against this machine's torch headers. A CPU wheel of torch lacks one header
     generated at CUDA build time; a stub with its real content stands in for it."""

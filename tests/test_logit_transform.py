@@ -147,6 +147,16 @@ def test_arguments_are_checked_and_refused_where_unsupported(monkeypatch):
         check_logit_transform(0.0, None)
     with pytest.raises(TypeError, match="logit_scale must be a number"):
         check_logit_transform(None, "2")
+    # Finite and > 0, but not a normal fp32 factor: every logit would read as inf, or as 0.
+    for softcap, scale, name in (
+        (1e-40, None, "logit_scale / softcap"),
+        (1e40, None, "logit_scale / softcap"),
+        (30.0, 1e39, "logit_scale"),
+        (None, 1e-39, "logit_scale"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name} must be a normal float32 number"):
+            check_logit_transform(softcap, scale)
+    assert check_logit_transform(1e30, 1e-7) is not None  # a = 1e-37: still normal
     data = _data(seed=1)
     args = (data["hidden"], data["weight"], data["labels"], data["advantages"], data["mask"])
     # A group of one under tensor parallelism is the plain call (2 and 3 ranks:
