@@ -105,6 +105,7 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
         (["--distill-teacher", "t", "--tp", "2"], "--distill-teacher: .* no tensor-parallel"),
         (["--decoupled", "--is-correction", "token_truncate"], "--decoupled: decoupled PPO's"),
         (["--decoupled-is-cap", "2"], "--decoupled-is-cap: is read by --decoupled only"),
+        (["--decoupled", "--tp", "2"], "--decoupled: the proximal log-probs .* tensor-parallel"),
         (["--decoupled", "--decoupled-is-cap", "0.5"], "decoupled_is_cap must be > 1"),
         (["--loss", "ppo", "--kl-tau", "0.1"], "kl_tau=0.1 is DPPO's trust-region KL"),
     ],

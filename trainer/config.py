@@ -213,6 +213,8 @@ class TrainConfig:
              "--is-correction")
         need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
              "is read by --decoupled only")
+        need(not self.decoupled or self.tp == 1, "decoupled",
+             "the proximal log-probs (prox_logp) have no tensor-parallel path yet: use --tp 1")
         for name in ENTROPY_CONTROL_DEFAULTS:
             need(getattr(self, name) is None or self.entropy_target is not None, name,
                  "is read by --entropy-target only (adaptive entropy control)")
