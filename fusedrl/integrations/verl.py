@@ -632,7 +632,8 @@ def vocab_parallel_log_probs_and_entropy(
 
 
 def _linear_backend(sharded: bool) -> str:
-    # The LM-head form has no "cuda" backend, and with a process group runs its torch backend.
+    # The LM-head form has no "cuda" backend. "auto" runs the Triton gemm design on CUDA tensors
+    # (with a process group too) and the torch blocks elsewhere, such as a CPU gloo group.
     if BACKEND == "cuda" or (sharded and BACKEND == "triton"):
         return "auto"
     return BACKEND
