@@ -296,8 +296,12 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     inp = with_rejection(inp, cfg)
     low = high = None
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
-    if loss in ("ppo", "cispo", "dcpo"):
-        low, high = ratio_bounds(old if old is not None else torch.zeros_like(inp.mask), cfg)
+    if loss in ("ppo", "cispo", "dcpo"):  # the kernels read the bounds per token
+        like = old if old is not None else torch.zeros_like(inp.mask)
+        low, high = (
+            b if isinstance(b, torch.Tensor) else torch.full_like(like, b)
+            for b in ratio_bounds(like, cfg)
+        )
     return (
         inp.labels,
         inp.valid,

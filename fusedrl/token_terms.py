@@ -72,6 +72,52 @@ def masked_mean(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     return (torch.where(inp.valid, x.float(), 0.0) * weights).sum() / total
 
 
+class Metrics(dict):
+    """A call's metrics, whose masked means are taken together when its terms are done
+    (`finish`): one stack, one weighted sum and one division for all the means over the same
+    mask, where each mean alone is three to five launches, the host's time at a short row.
+    `mean(name, x, inp)` reserves the name's place; a plain assignment to the name replaces it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, tuple[torch.Tensor, LossInputs]] = {}
+
+    def mean(self, name: str, x: torch.Tensor, inp: LossInputs) -> None:
+        super().__setitem__(name, None)
+        self._pending[name] = (x, inp)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._pending.pop(name, None)
+        super().__setitem__(name, value)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The metrics as a plain dict, every reserved mean taken (`masked_mean`'s values)."""
+        groups: dict[int, tuple[LossInputs, list[str]]] = {}
+        for name, (_, inp) in self._pending.items():
+            groups.setdefault(id(inp), (inp, []))[1].append(name)
+        for inp, names in groups.values():
+            weights, total = _mean_weights(inp)
+            parts = [self._pending[name][0] for name in names]
+            stacked = torch.stack([x if x.shape == weights.shape else x.expand_as(weights)
+                                   for x in parts])  # fmt: skip
+            if stacked.dtype not in (torch.bool, torch.float32):
+                stacked = stacked.float()
+            stacked = torch.where(inp.valid, stacked, 0.0)  # (a flag stack becomes fp32 here)
+            means = (stacked * weights).sum((-2, -1)) / total
+            for name, value in zip(names, means.unbind()):
+                super().__setitem__(name, value)
+        self._pending.clear()
+        return dict(self)
+
+
+def _put_mean(metrics: dict, name: str, x: torch.Tensor, inp: LossInputs) -> None:
+    """metrics[name] = masked_mean(x, inp), deferred to `Metrics.finish` where it can be."""
+    if isinstance(metrics, Metrics):
+        metrics.mean(name, x, inp)
+    else:
+        metrics[name] = masked_mean(x, inp)
+
+
 def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     """Largest x over counted tokens (x >= 0 here); 0 when there is none."""
     if x.numel() == 0:
@@ -87,22 +133,23 @@ def add_token_metrics(
     is_weight: torch.Tensor | None,
     inp: LossInputs,
 ) -> None:
-    metrics["ppo_kl"] = masked_mean(old - logp, inp)
-    metrics["logp_mean"] = masked_mean(logp, inp)
+    _put_mean(metrics, "ppo_kl", old - logp, inp)
+    _put_mean(metrics, "logp_mean", logp, inp)
     if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy, inp)
+        _put_mean(metrics, "entropy", entropy, inp)
     if is_weight is not None:
-        metrics["is_weight_mean"] = masked_mean(is_weight, inp)
+        _put_mean(metrics, "is_weight_mean", is_weight, inp)
         metrics["is_weight_max"] = _max_over_valid(is_weight, inp)
 
 
-def ratio_bounds(old: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """[low, high] of the ratio per token: 1 -+ eps, or DCPO's bounds from the old probability q:
-    1/2 (1 + sqrt(1 - 4 eps_low / q)) (0 under the root when negative) and
+def ratio_bounds(
+    old: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """[low, high] of the ratio: the numbers 1 -+ eps, or per token DCPO's bounds from the old
+    probability q: 1/2 (1 + sqrt(1 - 4 eps_low / q)) (0 under the root when negative) and
     min(1/2 (1 + sqrt(1 + 4 eps_high / q)), r_max)."""
     if cfg.loss != "dcpo":
-        low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-        return old.new_full(old.shape, low), old.new_full(old.shape, high)
+        return 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     inv_q = torch.exp(-old)
     low = 0.5 * (1.0 + (1.0 - 4.0 * cfg.eps_low * inv_q).clamp_min(0.0).sqrt())
     high = (0.5 * (1.0 + (1.0 + 4.0 * cfg.eps_high * inv_q).sqrt())).clamp_max(cfg.dcpo_r_max)
@@ -183,22 +230,25 @@ def _aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
 
 
 def kl_and_grad(
-    logp: torch.Tensor, ref: torch.Tensor, kind: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value, d value / d logp) of the KL estimators of `fusedrl.reference.kl_estimate`."""
+    logp: torch.Tensor, ref: torch.Tensor, kind: str, grads: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(value, d value / d logp) of the KL estimators of `fusedrl.reference.kl_estimate`; the
+    value alone (derivative None) without `grads`."""
     delta = logp - ref
     if kind in ("k1+", "k3+"):  # straight-through: value of k1/k3, gradient of k2
-        value, _ = kl_and_grad(logp, ref, kind[:-1])
-        return value, delta
+        value, _ = kl_and_grad(logp, ref, kind[:-1], grads=False)
+        return value, delta if grads else None
     if kind == "k1":
-        return delta, torch.ones_like(delta)
+        return delta, torch.ones_like(delta) if grads else None
     if kind == "k2":
-        return 0.5 * delta.square(), delta
+        return 0.5 * delta.square(), delta if grads else None
     if kind == "abs":
-        return delta.abs(), torch.sign(delta)
+        return delta.abs(), torch.sign(delta) if grads else None
     log_ratio = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
     raw = log_ratio.exp() - log_ratio - 1.0
     value = torch.clamp(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    if not grads:
+        return value, None
     grad = -(log_ratio.exp() - 1.0) * _inside(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
     return value, grad * _inside(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
 
@@ -227,8 +277,8 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
     for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
     ratio, dratio = _ratio(logp, old, inp, cfg, grads)
     low, high = ratio_bounds(old, cfg)
-    metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
-    metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
+    _put_mean(metrics, "clip_low", (ratio < low) & (adv < 0), inp)
+    _put_mean(metrics, "clip_high", (ratio > high) & (adv > 0), inp)
 
     if cfg.loss == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
@@ -236,9 +286,9 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
         loss = -(4.0 / tau) * gate * adv
         return loss, -4.0 * gate * (1.0 - gate) * dratio * adv if grads else None
 
-    clipped_ratio = torch.minimum(torch.maximum(ratio, low), high)
+    clipped_ratio = torch.clamp(ratio, low, high)
     if cfg.loss == "cispo":
-        metrics["clipfrac"] = masked_mean(ratio != clipped_ratio, inp)
+        _put_mean(metrics, "clipfrac", ratio != clipped_ratio, inp)
         return -clipped_ratio * adv * logp, -clipped_ratio * adv if grads else None
 
     if cfg.delta is None:
@@ -255,10 +305,10 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
             d_unclipped = -adv * dratio * (ratio <= cfg.delta).float()
         d_clipped = -adv * dratio * _inside(ratio, low, high)
         dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
-    metrics["clipfrac"] = masked_mean(loss_clipped > loss_unclipped, inp)
+    _put_mean(metrics, "clipfrac", loss_clipped > loss_unclipped, inp)
     if cfg.dual_clip_c is not None:
         loss_dual = -adv * cfg.dual_clip_c
-        metrics["dual_clipfrac"] = masked_mean((per_token > loss_dual) & (adv < 0), inp)
+        _put_mean(metrics, "dual_clipfrac", (per_token > loss_dual) & (adv < 0), inp)
         if grads:
             # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
             keep = torch.where(
@@ -291,9 +341,9 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
         coef = coef * w[:, :1]
     high = (log_ratio > cfg.eps_high) & (adv > 0)
     low = (log_ratio < -cfg.eps_low) & (adv < 0)
-    metrics["clip_high"] = masked_mean(high, inp)
-    metrics["clip_low"] = masked_mean(low, inp)
-    metrics["clipfrac"] = masked_mean(high | low, inp)
+    _put_mean(metrics, "clip_high", high, inp)
+    _put_mean(metrics, "clip_low", low, inp)
+    _put_mean(metrics, "clipfrac", high | low, inp)
     return coef.sum(), coef * weighted / seq_len * d_min
 
 
@@ -312,7 +362,7 @@ def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
     lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
     phi = torch.exp(lam + k * log_w - lam * log_w.exp())
     phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
-    metrics["vespo_phi_mean"] = masked_mean(phi, inp)
+    _put_mean(metrics, "vespo_phi_mean", phi, inp)
     return -phi * adv * logp, -phi * adv
 
 
@@ -357,11 +407,11 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
             up_ok = (kl <= cfg.eps_high) | (prob <= old_prob)
             down_ok = (kl <= cfg.eps_low) | (prob >= old_prob)
         inside = torch.where(adv > 0, up_ok, down_ok).float()
-        metrics["clipfrac"] = masked_mean(1.0 - inside, inp)
-        metrics["ratio_capped"] = masked_mean((ratio > cfg.dppo_ratio_cap).float() * inside, inp)
+        _put_mean(metrics, "clipfrac", 1.0 - inside, inp)
+        _put_mean(metrics, "ratio_capped", (ratio > cfg.dppo_ratio_cap).float() * inside, inp)
         per_token, dper_token = -adv * weight * logp * inside, -adv * weight * inside
         if cfg.kl_tau > 0:  # on every counted token, the trust region's outsiders too
-            metrics["dppo_kl_term"] = masked_mean(log_ratio.square(), inp)
+            _put_mean(metrics, "dppo_kl_term", log_ratio.square(), inp)
             per_token = per_token + cfg.kl_tau * log_ratio.square()
             dper_token = dper_token + 2.0 * cfg.kl_tau * log_ratio
         return per_token, dper_token
@@ -370,7 +420,7 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
         cov = _covariance(logp, adv, inp, counted, eps=0.0)
         count = (counted.float().sum() * cfg.kl_cov_ratio).floor().clamp_min(1.0)
         picked = _ranked_first(-cov, counted, count).float()
-        metrics["cov_selected"] = masked_mean(picked, inp)
+        _put_mean(metrics, "cov_selected", picked, inp)
         per_token = -adv * ratio + picked * cfg.kl_cov_coef * log_ratio.abs()
         return per_token, -adv * ratio + picked * cfg.kl_cov_coef * torch.sign(log_ratio)
     # clip_cov
@@ -386,9 +436,9 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
     keys = torch.rand(logp.shape, generator=gen, device=logp.device)
     count = (counted.float().sum() * cfg.clip_cov_ratio).floor().clamp_min(1.0)
     keep = 1.0 - _ranked_first(keys, candidates, count).float()
-    metrics["clipfrac"] = masked_mean(1.0 - keep, inp)
-    metrics["clip_low"] = masked_mean((ratio < low) & (adv < 0), inp)
-    metrics["clip_high"] = masked_mean((ratio > high) & (adv > 0), inp)
+    _put_mean(metrics, "clipfrac", 1.0 - keep, inp)
+    _put_mean(metrics, "clip_low", (ratio < low) & (adv < 0), inp)
+    _put_mean(metrics, "clip_high", (ratio > high) & (adv > 0), inp)
     per_token = torch.maximum(unclipped, clipped) * keep
     return per_token, _select_max(unclipped, clipped, d_unclipped, d_clipped) * keep
 
@@ -428,9 +478,9 @@ def with_rejection(
         ok = ok.expand_as(counted)
         keep = keep & ok
         if metrics is not None:
-            metrics[f"rs_{rule.option}_masked"] = masked_mean(~ok, inp)
+            _put_mean(metrics, f"rs_{rule.option}_masked", ~ok, inp)
     if metrics is not None:
-        metrics["rs_masked"] = masked_mean(~keep, inp)
+        _put_mean(metrics, "rs_masked", ~keep, inp)
         # over every row, empty ones included (verl's rollout_rs_seq_masked_fraction)
         hit = (~keep & counted).any(-1).float()
         metrics["rs_masked_seqs"] = hit.sum() / max(hit.numel(), 1)
@@ -454,7 +504,7 @@ def with_m2po(
     above = (suffix_sums / suffix_counts >= cfg.m2po_tau) & torch.isfinite(ordered)
     count = torch.minimum(above.sum(), (total - 1).clamp_min(0))
     dropped = _ranked_first(-m2, counted, count)
-    metrics["m2po_masked"] = masked_mean(dropped, inp)
+    _put_mean(metrics, "m2po_masked", dropped, inp)
     return replace(inp, mask=inp.mask * ~dropped)
 
 
@@ -487,7 +537,7 @@ def _off_policy_keep(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
     seq_gap = (torch.where(inp.valid, gap, 0.0) * weights).sum(-1, keepdim=True)
     seq_gap = seq_gap / weights.sum(-1, keepdim=True).clamp_min(1.0)
     keep = (adv >= 0) | (seq_gap <= cfg.off_policy_mask)
-    metrics["off_policy_masked"] = masked_mean(~keep, inp)
+    _put_mean(metrics, "off_policy_masked", ~keep, inp)
     metrics["off_policy_masked_seqs"] = _share_of_sequences(~keep, inp)
     return keep.float()
 
@@ -498,7 +548,7 @@ def _top_entropy_keep(entropy, inp, cfg, metrics) -> torch.Tensor:
     counted = inp.valid & (inp.mask > 0)
     threshold = masked_quantile(entropy, counted, 1.0 - cfg.top_entropy_quantile)
     keep = (entropy >= threshold) & counted
-    metrics["entropy_masked"] = masked_mean(~keep, inp)
+    _put_mean(metrics, "entropy_masked", ~keep, inp)
     return keep.float()
 
 
@@ -533,7 +583,7 @@ def add_mismatch_metrics(
         mean_w = masked_mean(w, inp)
         second = masked_mean((w / mean_w.clamp_min(1e-8)).square(), inp)
         metrics["is_ess"] = torch.where(second > 0, 1.0 / second.clamp_min(1e-30), 0.0)
-        metrics["is_masked"] = masked_mean(w == 0, inp)
+        _put_mean(metrics, "is_masked", w == 0, inp)
         metrics["is_masked_seqs"] = _share_of_sequences(w == 0, inp)
 
 
@@ -561,7 +611,7 @@ def token_terms(
     old = inp.old_logp if inp.old_logp is not None else logp
     adv = inp.advantages
     zero = torch.zeros((), device=logp.device)
-    metrics = {"clipfrac": zero, "clip_low": zero, "clip_high": zero, "dual_clipfrac": zero}
+    metrics = Metrics(clipfrac=zero, clip_low=zero, clip_high=zero, dual_clipfrac=zero)
     sampled = inp  # the mismatch metrics look at every sampled token, rejected ones too
     if agg_weights is None:  # (given weights already leave the rejected tokens out)
         inp = with_rejection(inp, cfg, old, metrics)
@@ -601,19 +651,19 @@ def token_terms(
         # The exact KL is a function of the whole row, not of logp: its derivative goes to the
         # backend as a per-token weight, d(loss)/d(KL_t) = beta x the token's aggregation weight.
         kl = torch.where(inp.valid, full_kl, 0.0)
-        metrics["kl"] = masked_mean(kl, inp)
+        _put_mean(metrics, "kl", kl, inp)
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
         dfull_kl = torch.where(inp.valid, cfg.beta * agg_w, 0.0)
     elif inp.ref_logp is not None:
-        kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3")
-        metrics["kl"] = masked_mean(kl, inp)
+        kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3", grads)
+        _put_mean(metrics, "kl", kl, inp)
         if cfg.beta > 0:
             if cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
-                ratio, dratio = _ratio(logp, old, inp, cfg)
-                kl, dkl = kl * ratio, dkl * ratio + kl * dratio
+                ratio, dratio = _ratio(logp, old, inp, cfg, grads)
+                kl, dkl = kl * ratio, None if dkl is None else dkl * ratio + kl * dratio
             per_token = per_token + cfg.beta * kl
-            dper_token = None if dper_token is None else dper_token + cfg.beta * dkl
+            dper_token = None if dkl is None else dper_token + cfg.beta * dkl
     dentropy = None
     if has_entropy_bonus(inp, cfg):
         coef = entropy_coef_of(inp, cfg)  # a number, or a 0-dim tensor (adaptive control)
@@ -635,5 +685,5 @@ def token_terms(
     add_token_metrics(metrics, old, logp, entropy, w, measured)
     add_mismatch_metrics(metrics, logp, w, sampled)
     return TokenTerms(
-        loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics, dfull_kl=dfull_kl
+        loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics.finish(), dfull_kl=dfull_kl
     )
