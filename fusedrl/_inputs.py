@@ -240,12 +240,17 @@ def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> to
         raise ValueError(f"mask is on {mask.device} but logits are on {device}")
     if mask.is_complex():
         raise TypeError(f"mask must be bool or real, got dtype {mask.dtype}")
-    mask = mask.detach().float()
+    weights = mask.detach().float()
+    if mask.dtype == torch.bool:  # 0 / 1: nothing to check, nothing to launch
+        return weights
     # A negative weight would flip the token's gradient, a NaN one poison the loss: neither is a
     # mask. Checked exactly on CPU; queued on the device elsewhere (no host sync).
-    bad = ~(mask >= 0) | (mask == float("inf"))
+    if mask.dtype.is_floating_point:
+        bad = ~(weights >= 0) | (weights == float("inf"))
+    else:  # an integer mask cannot be NaN or inf
+        bad = mask < 0
     _fail_if(bad.any(), "mask must hold finite weights >= 0 (bool or 0/1 or fractional)", mask)
-    return mask
+    return weights
 
 
 def _fail_if(condition: torch.Tensor, message: str, like: torch.Tensor) -> None:

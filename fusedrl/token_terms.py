@@ -214,15 +214,15 @@ def aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
 
 def _aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     mask = torch.where(inp.valid, inp.mask, 0.0)
-    seq_len = mask.sum(-1, keepdim=True)
-    nonempty = (seq_len > 0).float()
     if cfg.agg == "token-mean":
         denom = inp.normalizer if inp.normalizer is not None else mask.sum().clamp_min(1e-8)
         return mask / denom
-    n_seq = inp.normalizer if inp.normalizer is not None else nonempty.sum().clamp_min(1)
-    if cfg.agg == "seq-mean-token-mean":
-        return mask * nonempty / seq_len.clamp_min(1e-8) / n_seq
-    if cfg.agg == "seq-mean-token-sum":
+    if cfg.agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        seq_len = mask.sum(-1, keepdim=True)
+        nonempty = (seq_len > 0).float()
+        n_seq = inp.normalizer if inp.normalizer is not None else nonempty.sum().clamp_min(1)
+        if cfg.agg == "seq-mean-token-mean":
+            return mask * nonempty / seq_len.clamp_min(1e-8) / n_seq
         return mask * nonempty / n_seq
     n_all = inp.normalizer if inp.normalizer is not None else float(mask.shape[0])
     norm = cfg.norm_constant if cfg.norm_constant is not None else float(mask.shape[-1])

@@ -144,10 +144,17 @@ def test_token_logprobs_checks():
 
 
 def test_float_mask_is_a_weight(data):
-    """A 0/1 float mask behaves exactly like the boolean one."""
+    """A 0/1 float or integer mask behaves exactly like the boolean one; a negative integer
+    weight is refused as a negative float one is."""
     as_bool = fusedrl.policy_loss(**data).loss
     as_float = fusedrl.policy_loss(**(data | {"mask": data["mask"].float()})).loss
     torch.testing.assert_close(as_bool, as_float)
+    as_int = fusedrl.policy_loss(**(data | {"mask": data["mask"].long()})).loss
+    torch.testing.assert_close(as_bool, as_int)
+    negative = data["mask"].long()
+    negative[0, 0] = -1
+    with pytest.raises(ValueError, match="mask must hold finite weights >= 0"):
+        fusedrl.policy_loss(**(data | {"mask": negative}))
 
 
 # ---------------------------------------------------------------- inputs that used to get through

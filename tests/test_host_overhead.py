@@ -31,12 +31,13 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# Measured when the budgets were set (2026-11-27): dapo 78, grpo 93, gspo 112. It was 143, 184,
+# Measured when the budgets were set (2026-11-27): dapo 69, grpo 87, gspo 106. It was 143, 184,
 # 144 before the masked means and aggregation weights were made once per call and the fused path
-# stopped recomputing in torch the derivatives its kernel had applied (93, 127, 127), then the
+# stopped recomputing in torch the derivatives its kernel had applied (93, 127, 127); then the
 # metrics' means were taken in one batch per mask (`token_terms.Metrics`), the fused path's KL
-# without its derivative, and constant ratio bounds as numbers.
-BUDGET = {"dapo": 82, "grpo": 97, "gspo": 116}
+# without its derivative, constant ratio bounds as numbers, a token-mean weight without the
+# sequence counts, and a bool mask without the weight check it cannot fail.
+BUDGET = {"dapo": 72, "grpo": 91, "gspo": 110}
 
 
 @needs_interpreter
