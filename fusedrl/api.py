@@ -112,7 +112,7 @@ def policy_loss(
         tp_group: a torch.distributed process group over which the vocabulary is sharded
             (tensor parallelism, docs/tensor_parallel.md): `logits` is then this rank's slice
             [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
-            every rank; the gradient is this rank's slice. One header all-gather of 14 int64 per
+            every rank; the gradient is this rank's slice. One header all-gather of 15 int64 per
             rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
             backward. backend="cuda" is not supported yet.
             A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.
@@ -169,31 +169,23 @@ def policy_loss(
         without tp_group).
     """
     from .tp.dtensor import wants_tensor_parallel
+    from .tp.header import argument_checks
 
-    transform = capping_transform(softcap, logit_scale)
-    if logit_scale is not None and transform is None:
-        # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)
-        if isinstance(temperature, torch.Tensor):
-            temperature = scaled_temperature(temperature, logit_scale)
-        elif config is None or isinstance(config, LossConfig):
-            cfg = config if config is not None else LossConfig()
-            config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
-    if wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size):
-        if prox_logp is not None or entropy_coef is not None:
-            raise NotImplementedError(
-                "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism "
-                "are not supported yet"
+    sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
+    with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
+        transform = capping_transform(softcap, logit_scale)
+        if logit_scale is not None and transform is None:
+            # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)
+            if isinstance(temperature, torch.Tensor):
+                temperature = scaled_temperature(temperature, logit_scale)
+            elif config is None or isinstance(config, LossConfig):
+                cfg = config if config is not None else LossConfig()
+                config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
+        if sharded:
+            _refuse_under_tensor_parallelism(
+                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
-        if return_sum_pi_squared:
-            raise NotImplementedError(
-                "return_sum_pi_squared under tensor parallelism is not supported by policy_loss "
-                "yet: take it from token_logprobs(..., return_sum_pi_squared=True, tp_group=...)"
-            )
-        if ref_logits is not None or (config is not None and config.full_kl):
-            raise NotImplementedError(
-                "config.kl='full' / 'full_reverse' (ref_logits) under tensor parallelism is not "
-                "supported yet: gather the vocabulary or use a per-token KL estimator"
-            )
+    if sharded:
         from . import tp
 
         return tp.policy_loss(
@@ -328,6 +320,26 @@ def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
     return loss, result
 
 
+def _refuse_under_tensor_parallelism(
+    prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config
+) -> None:
+    if prox_logp is not None or entropy_coef is not None:
+        raise NotImplementedError(
+            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
+            "not supported yet"
+        )
+    if return_sum_pi_squared:
+        raise NotImplementedError(
+            "return_sum_pi_squared under tensor parallelism is not supported by policy_loss "
+            "yet: take it from token_logprobs(..., return_sum_pi_squared=True, tp_group=...)"
+        )
+    if ref_logits is not None or (isinstance(config, LossConfig) and config.full_kl):
+        raise NotImplementedError(
+            "config.kl='full' / 'full_reverse' (ref_logits) under tensor parallelism is not "
+            "supported yet: gather the vocabulary or use a per-token KL estimator"
+        )
+
+
 def _check_writable(logits: torch.Tensor) -> None:
     """inplace=True writes one gradient per element: the logits must not alias themselves."""
     if any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
@@ -386,22 +398,24 @@ def token_logprobs(
     in `policy_loss` (triton, torch; under tensor parallelism too).
     """
     from .tp.dtensor import wants_tensor_parallel
-
-    transform = capping_transform(softcap, logit_scale)
-    if transform is None:
-        temperature = scaled_temperature(temperature, logit_scale)
-    # a recursive call's own softcap / logit_scale (the latter folded above without a cap)
-    capping = capping_keywords(transform)
+    from .tp.header import argument_checks
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
-    in_kernel = (
-        return_sum_pi_squared
-        and not sharded
-        and isinstance(logits, torch.Tensor)
-        and hasattr(_resolve_backend(backend, logits.device), "token_logprobs_squares")
-    )
+    with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
+        transform = capping_transform(softcap, logit_scale)
+        if transform is None:
+            temperature = scaled_temperature(temperature, logit_scale)
+        # a recursive call's own softcap / logit_scale (the latter folded above without a cap)
+        capping = capping_keywords(transform)
+        in_kernel = (
+            return_sum_pi_squared
+            and not sharded
+            and isinstance(logits, torch.Tensor)
+            and hasattr(_resolve_backend(backend, logits.device), "token_logprobs_squares")
+        )
+        if return_sum_pi_squared and not in_kernel:
+            _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
     if return_sum_pi_squared and not in_kernel:
-        _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
         with torch.no_grad():
             sharp, _ = token_logprobs(
                 logits.detach(), labels, temperature / 2, backend=backend, tp_group=tp_group,

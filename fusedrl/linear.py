@@ -87,6 +87,48 @@ def check_skip_masked_rows(skip: object, live_rows: object) -> bool:
     return skip
 
 
+def _check_linear_loss_arguments(
+    config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows, live_rows,
+    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool,
+):  # fmt: skip
+    """linear_policy_loss's checks of its arguments alone: (the logits' transform, the skip)."""
+    full_kl = config is not None and config.full_kl
+    if not full_kl and (ref_weight is not None or ref_hidden is not None or ref_bias is not None):
+        raise ValueError(
+            "ref_weight / ref_hidden / ref_bias are read only by config.kl='full' or "
+            "'full_reverse' (the exact KL to the reference head): set the KL, or pass ref_logp "
+            "for a per-token estimator"
+        )
+    if full_kl and ref_weight is None:
+        raise ValueError(
+            f"ref_weight (the reference policy's LM head, [V, H]) is required when "
+            f"config.kl={config.kl!r}"
+        )
+    transform = check_logit_transform(softcap, logit_scale)
+    skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows)
+    if return_sum_pi_squared:
+        from .api import _check_sum_pi_squared
+
+        _check_sum_pi_squared(config is not None and config.sampling is not None)
+    if return_sum_pi_squared and sharded:
+        raise NotImplementedError(
+            "return_sum_pi_squared under tensor parallelism is not supported by "
+            "linear_policy_loss yet: take it from linear_token_logprobs(..., "
+            "return_sum_pi_squared=True, tp_group=...)"
+        )
+    if (prox_logp is not None or entropy_coef is not None) and sharded:
+        raise NotImplementedError(
+            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
+            "not supported yet"
+        )
+    if full_kl and sharded:
+        raise NotImplementedError(
+            f"config.kl={config.kl!r} (the exact KL to the reference head) under tensor "
+            "parallelism is not supported yet: use a per-token KL estimator with ref_logp"
+        )
+    return transform, skip_masked_rows
+
+
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -170,41 +212,15 @@ def linear_policy_loss(
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
-    full_kl = config is not None and config.full_kl
-    if not full_kl and (ref_weight is not None or ref_hidden is not None or ref_bias is not None):
-        raise ValueError(
-            "ref_weight / ref_hidden / ref_bias are read only by config.kl='full' or "
-            "'full_reverse' (the exact KL to the reference head): set the KL, or pass ref_logp "
-            "for a per-token estimator"
-        )
-    if full_kl and ref_weight is None:
-        raise ValueError(
-            f"ref_weight (the reference policy's LM head, [V, H]) is required when "
-            f"config.kl={config.kl!r}"
-        )
-    transform = check_logit_transform(softcap, logit_scale)
-    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows)
-    if return_sum_pi_squared:
-        from .api import _check_sum_pi_squared
+    from .tp.header import argument_checks
 
-        _check_sum_pi_squared(config is not None and config.sampling is not None)
-    if return_sum_pi_squared and sharded:
-        raise NotImplementedError(
-            "return_sum_pi_squared under tensor parallelism is not supported by "
-            "linear_policy_loss yet: take it from linear_token_logprobs(..., "
-            "return_sum_pi_squared=True, tp_group=...)"
-        )
-    if (prox_logp is not None or entropy_coef is not None) and sharded:
-        raise NotImplementedError(
-            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
-            "not supported yet"
-        )
-    if full_kl and sharded:
-        raise NotImplementedError(
-            f"config.kl={config.kl!r} (the exact KL to the reference head) under tensor "
-            "parallelism is not supported yet: use a per-token KL estimator with ref_logp"
-        )
+    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
+        transform, skip_masked_rows = _check_linear_loss_arguments(
+            config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows,
+            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded,
+        )  # fmt: skip
+    full_kl = config is not None and config.full_kl
     if sharded:
         from .tp import linear as tp_linear
 
@@ -352,17 +368,21 @@ def linear_token_logprobs(
     design from the same sweep (the row kernels sum the squares), else from one more no-grad
     sweep at half the temperature, as in `fusedrl.token_logprobs`.
     """
-    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    in_sweep = (
-        return_sum_pi_squared
-        and not sharded
-        and isinstance(hidden, torch.Tensor)
-        and getattr(_resolve_backend(backend, hidden.device), "squares_in_sweep", bool)()
-    )
-    if return_sum_pi_squared and not in_sweep:
-        from .api import _check_sum_pi_squared, sum_pi_squared_of
+    from .api import _check_sum_pi_squared, sum_pi_squared_of
+    from .tp.header import argument_checks
 
-        _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+    sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
+    with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
+        in_sweep = (
+            return_sum_pi_squared
+            and not sharded
+            and isinstance(hidden, torch.Tensor)
+            and getattr(_resolve_backend(backend, hidden.device), "squares_in_sweep", bool)()
+        )
+        if return_sum_pi_squared and not in_sweep:
+            _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+        transform = check_logit_transform(softcap, logit_scale)
+    if return_sum_pi_squared and not in_sweep:
         common = dict(
             bias=bias, backend=backend, tp_group=tp_group, vocab_start=vocab_start,
             vocab_size=vocab_size, softcap=softcap, logit_scale=logit_scale,
@@ -377,7 +397,6 @@ def linear_token_logprobs(
             reduce_input_grad=reduce_input_grad, **common,
         )  # fmt: skip
         return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
-    transform = check_logit_transform(softcap, logit_scale)
     if sharded:
         from .tp import linear as tp_linear
 

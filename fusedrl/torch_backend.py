@@ -130,12 +130,12 @@ def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
 def block_stats(
     log_probs: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, need_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp of `labels` and the entropy of a block's rows; NaN for rows holding +inf and for
-    rows with no logit above -inf."""
+    """logp of `labels` and the entropy of a block's rows; NaN for rows holding +inf or NaN and
+    for rows with no logit above -inf."""
     # +inf anywhere in the row (lse = +inf): NaN, as in the reference, never a quiet -inf. All
     # -inf (lse = -inf): no distribution, NaN as in the reference and the kernels, where
     # `entropy_of` alone would sum no term and say 0.
-    corrupt = lse.squeeze(-1).abs() == float("inf")
+    corrupt = ~torch.isfinite(lse.squeeze(-1))  # (a NaN logit makes lse NaN)
     # A label outside [0, V) is in another vocab slice (tensor parallelism): its logp here is
     # never used.
     picked = log_probs.gather(-1, labels.clamp(0, log_probs.shape[-1] - 1)[:, None]).squeeze(-1)

@@ -134,6 +134,21 @@ def test_token_logprobs_says_nan_for_an_all_inf_row(dtype, sampling, backend):
     torch.testing.assert_close(fast_ent, ref_ent, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
+def test_a_nan_logit_makes_its_row_nan(backend):
+    """One NaN logit, not the label's: the row's logp and entropy are NaN, as the reference says
+    (the torch backend's entropy summed no term for it and said -0.0), the other rows unchanged."""
+    data = make_batch(batch=2, time=4, vocab=131, seed=31)
+    logits, labels = data["logits"].clone(), data["labels"]
+    logits[0, 1, (labels[0, 1] + 1) % 131] = float("nan")
+    want = reference.token_logprobs(logits, labels, temperature=0.9, return_entropy=True)
+    with torch.no_grad():
+        got = fusedrl.token_logprobs(logits, labels, 0.9, return_entropy=True, backend=backend)
+    for values in (*want, *got):
+        assert torch.isnan(values[0, 1]) and torch.isfinite(values[0, 0]), values
+    for ours, truth in zip(got, want):
+        torch.testing.assert_close(ours, truth, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 LINEAR_BACKENDS = [
     "torch",
     pytest.param("triton:gemm", marks=needs_interpreter),

@@ -114,6 +114,10 @@ CASES = [
     Case("dapo_padding_only_rank", layout="padded_rank", return_entropy=True),
     # input forms
     Case("grpo_dtensor", preset="grpo", layout="dtensor", return_entropy=True),
+    # per-token temperatures as a replicated DTensor (taken as their local values)
+    Case("grpo_dtensor_row_temps", preset="grpo", layout="dtensor", row_temps=True),
+    Case("logprobs_dtensor_row_temps", kind="logprobs", layout="dtensor", row_temps=True,
+         return_entropy=True),
     Case("logprobs_dtensor", kind="logprobs", layout="dtensor", return_entropy=True),
     Case("dapo_flat", flat=True, per_token_adv=True),
     Case("dapo_inplace", inplace=True),
@@ -236,6 +240,18 @@ CASES = [
          expect_error="local"),
     Case("bad_backend_cuda", kind="bad", inputs="backend_cuda",
          expect_error="NotImplementedError"),
+    # one rank's argument refused before its header: it joins the header with the failure
+    Case("bad_softcap_on_last_rank", kind="bad", inputs="softcap_last_rank", expect_error="local"),
+    Case("bad_top_k_on_last_rank", kind="bad", inputs="logprobs_top_k_last_rank",
+         expect_error="local"),
+    Case("bad_labels_permuted", kind="bad", inputs="labels_permuted",
+         expect_error="TensorParallelInputError"),
+    Case("bad_mask_weights_differ", kind="bad", inputs="mask_weights_differ",
+         expect_error="TensorParallelInputError"),
+    Case("bad_linear_reduce_differs", kind="bad", inputs="linear_reduce_differs",
+         expect_error="TensorParallelInputError"),
+    Case("bad_linear_hidden_size_differs", kind="bad", inputs="linear_hidden_size_differs",
+         expect_error="TensorParallelInputError"),
     Case("bad_linear_label", kind="bad", inputs="linear_label_too_big_rank0",
          expect_error="TensorParallelInputError"),
 ]  # fmt: skip
@@ -385,8 +401,14 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
     if "bias" in leaves:
         tp["bias"] = leaves["bias"]
     args = {k: v for k, v in data.items() if k != "logits"}
+    temperature = _temperature(case, data)
+    if tp.pop("replicated_temperature", False):  # a replicated DTensor, as FSDP / TP code has
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        temperature = distribute_tensor(temperature, MESH[0], [Replicate()])
+        log.take()  # distributing is the test's doing
     if _logprobs_kind(case):
-        logp, entropy = fn(*head, args["labels"], _temperature(case, data), case.return_entropy,
+        logp, entropy = fn(*head, args["labels"], temperature, case.return_entropy,
                            **dict(case.sampling), **tp)  # fmt: skip
         fwd = log.take() if log else []
         up_logp, up_entropy = _upstream(data)
@@ -396,7 +418,7 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
         if case.inplace and fn is not reference.policy_loss:
             tp["inplace"] = True
         if case.row_temps:
-            tp["temperature"] = _temperature(case, data)
+            tp["temperature"] = temperature
         result = fn(*head, config=case.config(), return_entropy=case.return_entropy, **args, **tp)
         fwd = log.take() if log else []
         total, out = result.loss, _detached(result)
@@ -519,7 +541,7 @@ def run_parallel(case: Case, world: int, rank: int, group, log: CollectiveLog) -
 
         mine = {"logits": distribute_tensor(whole["logits"], MESH[0], [Shard(-1)])}
         assert mine["logits"].to_local().shape[-1] == sizes[rank]
-        keywords = {}
+        keywords = {"replicated_temperature": True} if case.row_temps else {}
         log.take()  # distributing is the test's doing
     out, grads, fwd, bwd = _call(_fused(case), case, mine, data, log, **keywords)
     result = dict(out, grads=grads, fwd=fwd, bwd=bwd, start=starts[rank], size=sizes[rank])
@@ -566,7 +588,14 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         data["labels"][0, 0] = (data["labels"][0, 0] + 1) % case.vocab
     if what == "advantages_shape_last_rank" and rank == world - 1:
         data["advantages"] = data["advantages"][:-1]
+    if what == "labels_permuted" and rank == 1:  # the same sum and count, moved between tokens
+        data["labels"] = data["labels"].flip(-1)
+        data["mask"] = data["mask"].flip(-1)
+    if what == "mask_weights_differ":  # the same tokens counted, another weight on rank 1
+        data["mask"] = data["mask"].float() * (0.5 if rank == 1 else 1.0)
     keywords = {"tp_group": group}
+    if what == "softcap_last_rank":
+        keywords["softcap"] = -1.0 if rank == world - 1 else 3.0
     if what == "vocab_size_too_big":
         keywords["vocab_size"] = case.vocab + 5
     if what == "start_overlap":
@@ -581,12 +610,22 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         labels[-1, -1] = case.vocab + 3
         fusedrl.token_logprobs(mine, labels, backend="torch", **keywords)
         return
+    if what == "logprobs_top_k_last_rank":
+        top_k = 0 if rank == world - 1 else 5
+        fusedrl.token_logprobs(mine, data["labels"], backend="torch", top_k=top_k, **keywords)
+        return
     if what.startswith("linear"):
         head = whole_inputs(Case("head", inputs="linear"))[0]
         part = rank_inputs(head, starts[rank], sizes[rank])
+        hidden, weight = part["hidden"], part["weight"]
+        if what == "linear_hidden_size_differs" and rank == 1:  # a head of another width
+            hidden, weight = hidden[..., :-1], weight[:, :-1]
+        hidden = hidden.detach().requires_grad_(True)
+        if what == "linear_reduce_differs":
+            keywords["reduce_input_grad"] = rank != 1
         args = {k: v for k, v in data.items() if k != "logits"}
-        fusedrl.linear_policy_loss(part["hidden"], part["weight"], bias=part["bias"],
-                                   backend="torch", **args, **keywords)  # fmt: skip
+        fusedrl.linear_policy_loss(hidden, weight, bias=part["bias"], backend="torch", **args,
+                                   **keywords)  # fmt: skip
         return
     config = case.config()
     if what == "config_differs" and rank == 1:
@@ -804,7 +843,7 @@ def _sampling_collectives(case: Case, tokens: int) -> list:
 @pytest.mark.parametrize("name", PARALLEL)
 @pytest.mark.parametrize("world", WORLDS)
 def test_one_collective_forward_none_backward(worlds, world, name):
-    """Forward: the header (14 int64) and one all-gather of PARTIALS fp32 per token (with a
+    """Forward: the header (15 int64) and one all-gather of PARTIALS fp32 per token (with a
     sampling mask, the selects' all-reduces of at most 256 fp32 per token between them).
     Backward: nothing, except the LM-head forms' one all-reduce of the [N, H] input gradient."""
     case = BY_NAME[name]
@@ -816,7 +855,7 @@ def test_one_collective_forward_none_backward(worlds, world, name):
             selected = int(case_inputs(case)["mask"].sum())
             assert selected < tokens
         assert sampling == _sampling_collectives(case, selected), (rank, result["fwd"])
-        assert header[1][-1] == ("torch.int64", 14), (rank, header)
+        assert header[1][-1] == ("torch.int64", 15), (rank, header)
         assert data[1][-1] == ("torch.float32", fusedrl.tp.PARTIALS * tokens), (rank, data)
         assert fusedrl.tp.PARTIALS <= 4
         expected_bwd = []
@@ -895,18 +934,18 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
     assert all(error is not None for error in errors), errors
     calls = [result["calls"] for result in per_rank]
     if case.expect_error == "local":  # its own error there, a pointer to it everywhere else
-        assert errors[-1][0] == "ValueError" and "advantages" in errors[-1][1], errors
+        named = {"advantages_shape_last_rank": "advantages", "softcap_last_rank": "softcap",
+                 "logprobs_top_k_last_rank": "top_k"}[case.inputs]  # fmt: skip
+        assert errors[-1][0] == "ValueError" and named in errors[-1][1], errors
         for error in errors[:-1]:
             assert error[0] == "TensorParallelInputError", errors
             assert f"rank(s) [{world - 1}] rejected their inputs" in error[1], errors
     else:
         assert {error for error in errors} == {errors[0]}, errors  # the same on every rank
         assert errors[0][0] == case.expect_error, errors
-    if case.inputs == "backend_cuda":  # decided before any collective
-        assert calls == [[]] * world, calls
+    if case.inputs == "backend_cuda":  # every rank refuses it, in the header
         assert "backend='triton'" in errors[0][1], errors
-    else:  # the header, and nothing after it
-        assert all(len(c) == 1 for c in calls), calls
+    assert all(len(c) == 1 for c in calls), calls  # the header, and nothing after it
 
 
 def test_bad_input_messages_name_the_problem(worlds):
@@ -923,6 +962,10 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_config_differs": "disagree on the settings",
         "bad_row_temps_rank0_only": "disagree on the settings",
         "bad_softcap_differs": "disagree on the settings",
+        "bad_labels_permuted": "disagree on the labels / mask",
+        "bad_mask_weights_differ": "disagree on the labels / mask",
+        "bad_linear_reduce_differs": "disagree on the settings",
+        "bad_linear_hidden_size_differs": "disagree on the settings",
         "bad_logprobs_label": "found 1034",
         "bad_linear_label": "labels must be global token ids in [0, 1031)",
     }

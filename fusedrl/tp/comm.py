@@ -6,6 +6,11 @@ import torch
 import torch.distributed as dist
 
 
+def group_size(tp_group) -> int:
+    """Ranks in the group (1 without one)."""
+    return 1 if tp_group is None else group_rank_and_size(tp_group)[1]
+
+
 def group_rank_and_size(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

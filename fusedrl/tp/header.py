@@ -10,9 +10,11 @@ It costs one all-gather of len(FIELDS) int64 per rank and one device-to-host rea
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import torch
 
@@ -27,7 +29,7 @@ _NO_LABEL = 1 << 62
 # Host-side fields first, then the label statistics computed on the labels' device.
 HOST_FIELDS = ("failed", "batch", "time", "flat", "size", "start", "vocab_size", "dtype", "call",
                "seed")  # fmt: skip
-LABEL_FIELDS = ("label_min", "label_max", "label_sum", "label_count")
+LABEL_FIELDS = ("label_min", "label_max", "label_sum", "label_count", "mask_sum")
 FIELDS = HOST_FIELDS + LABEL_FIELDS
 
 
@@ -72,8 +74,11 @@ def check_vocab_arguments(vocab_start: object, vocab_size: object) -> None:
 
 
 def _label_stats(labels: object, valid: object, tokens: object, device) -> torch.Tensor:
-    """[label_min, label_max, label_sum, label_count] over the counted tokens, on the device
-    (no host sync); placeholders when the inputs are malformed (their own checks say why)."""
+    """[label_min, label_max, label_sum, label_count, mask_sum] over the counted tokens, on the
+    device (no host sync); placeholders when the inputs are malformed (their own checks say
+    why). The sums weigh each token by its position (int64, wrapping alike on every rank), so
+    that labels or mask weights moved between tokens change them; mask_sum sums the bits of the
+    fp32 mask weights, so that a weight changed anywhere does."""
     well_formed = (
         isinstance(labels, torch.Tensor)
         and isinstance(tokens, torch.Tensor)
@@ -91,14 +96,20 @@ def _label_stats(labels: object, valid: object, tokens: object, device) -> torch
         )
     )
     if not well_formed or labels.numel() == 0:
-        return torch.tensor([_NO_LABEL, -_NO_LABEL, 0, 0], dtype=torch.int64, device=device)
+        return torch.tensor([_NO_LABEL, -_NO_LABEL, 0, 0, 0], dtype=torch.int64, device=device)
     labels = labels.long()
-    valid = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid != 0
+    position = torch.arange(1, labels.numel() + 1, device=device).view(labels.shape)
+    if valid is None:
+        counted, bits = torch.ones_like(labels, dtype=torch.bool), torch.zeros_like(labels)
+    else:
+        counted = valid != 0
+        bits = valid.float().contiguous().view(torch.int32).long()
     return torch.stack([
-        torch.where(valid, labels, _NO_LABEL).amin(),
-        torch.where(valid, labels, -_NO_LABEL).amax(),
-        torch.where(valid, labels, 0).sum(),
-        valid.sum(),
+        torch.where(counted, labels, _NO_LABEL).amin(),
+        torch.where(counted, labels, -_NO_LABEL).amax(),
+        (torch.where(counted, labels, 0) * position).sum(),
+        counted.sum(),
+        (bits * position).sum(),
     ])  # fmt: skip
 
 
@@ -250,10 +261,45 @@ def _check_labels(rows: list[dict], vocab_size: int) -> None:
                 f"labels must be global token ids in [0, {vocab_size}) where mask is set "
                 f"(vocab_size = {vocab_size}), found {low if low < 0 else high}"
             )
-    sums = [(h["label_sum"], h["label_count"]) for h in rows]
+    sums = [(h["label_sum"], h["label_count"], h["mask_sum"]) for h in rows]
     if len(set(sums)) > 1:
         raise _disagree(
-            "the labels / mask, which must be the same on every rank (sum of counted labels, "
-            "count)",
+            "the labels / mask, which must be the same on every rank (position-weighted sums of "
+            "the counted labels, their count, and of the mask weights' bits)",
             sums,
         )
+
+
+def join_refusing(group, error: BaseException, tokens: object) -> NoReturn:
+    """A rank whose arguments failed before its header still takes part in it, carrying the
+    failure: it raises `error`, every other rank a TensorParallelInputError naming it, where
+    they would otherwise wait for it forever in their header."""
+
+    def local_checks() -> None:
+        raise error
+
+    agree(group, local_checks, tokens=tokens, vocab_rows=lambda: NONE, labels=None, valid=None,
+          vocab_start=None, vocab_size=None, call="")  # fmt: skip
+    raise error  # (agree raised it already)
+
+
+@contextlib.contextmanager
+def argument_checks(sharded: bool, logits: object, tp_group) -> Iterator[None]:
+    """Around the checks an entry point runs before a tensor-parallel call reaches its header:
+    a bad argument on one rank joins the group's header (`join_refusing`) instead of raising
+    there alone. `logits`: the call's logits (or hidden states), DTensor or local."""
+    try:
+        yield
+    except (TypeError, ValueError, NotImplementedError) as err:
+        if not sharded or isinstance(err, TensorParallelInputError):
+            raise
+        from .comm import group_size
+        from .dtensor import unwrap_logits
+
+        try:
+            tokens, group = unwrap_logits(logits, tp_group)
+        except (TypeError, ValueError):
+            raise err from None
+        if group_size(group) == 1:
+            raise
+        join_refusing(group, err, tokens)

@@ -33,7 +33,7 @@ from ..sampling import check_sampling
 from ..token_terms import token_terms
 from ..torch_backend import _scaled
 from . import sampling as tp_sampling
-from .comm import sum_grad_over_group
+from .comm import group_size, sum_grad_over_group
 from .dtensor import local_value
 from .header import (
     NO_LIMIT,
@@ -44,7 +44,6 @@ from .header import (
     shown_temperature,
     unseeded_pick,
 )
-from .loss import group_size
 from .ops import refuse_unsupported
 from .rows import whole_row_stats
 from .shard import VocabShard
@@ -57,14 +56,28 @@ def _refuse(backend: str) -> None:
 
 
 def _backend(backend: str, hidden: torch.Tensor):
-    """The LM-head backend module (linear_torch or linear_triton), resolved as on one process."""
+    """The LM-head backend module (linear_torch or linear_triton), resolved as on one process;
+    its dtype refusal here, before the header: a rank whose slice is all padding would not reach
+    the kernels that check it, and the others would wait for it."""
     impl = single._resolve_backend(backend, hidden.device)
     if impl is not linear_torch and linear_triton.design() == "on-chip":
         raise NotImplementedError(
             f"{linear_triton.DESIGN_ENV}=on-chip has no tensor-parallel path: its kernels make "
             "the logits tiles of the whole head; unset it (the 'gemm' design runs with tp_group)"
         )
+    if impl is linear_triton and hidden.dtype == torch.float64:
+        raise TypeError(
+            "backend='triton' takes bf16 / fp16 / fp32 hidden states, got torch.float64; "
+            "use backend='torch' for fp64"
+        )
     return impl
+
+
+def _head_settings(hidden: object, want: tuple, reduce_input_grad: bool) -> str:
+    """What the ranks of an LM-head call must share beside the config: the hidden size (the
+    backward all-reduce of d(hidden) is [N, H]) and whether that all-reduce runs at all."""
+    size = hidden.shape[-1] if isinstance(hidden, torch.Tensor) and hidden.dim() else None
+    return f"hidden_size={size} grads={tuple(want)} reduce_input_grad={reduce_input_grad}"
 
 
 def _head_rows(weight, bias, vocab_start, vocab_size):
@@ -233,12 +246,13 @@ def linear_policy_loss(
     walks the same live rows (the ranks must agree on the skip: their per-chunk collectives
     follow the rows)."""
     cfg = config if config is not None else LossConfig()
-    _refuse(backend)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
     labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
         local_value, per_token
     )
+    temperature, normalizer = local_value(temperature), local_value(normalizer)
     if group_size(tp_group) == 1:
+        _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return single.linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
@@ -247,23 +261,26 @@ def linear_policy_loss(
             temperature=temperature, softcap=softcap, logit_scale=logit_scale,
             skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
-    transform = check_logit_transform(softcap, logit_scale)
-    single.check_skip_masked_rows(skip_masked_rows, live_rows)
     skip = live_rows if live_rows is not None else skip_masked_rows
+    want = single.wanted_grads(hidden, weight, bias)
 
     def local_checks():
+        _refuse(backend)
+        transform = check_logit_transform(softcap, logit_scale)
+        single.check_skip_masked_rows(skip_masked_rows, live_rows)
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
         )  # fmt: skip
         check_lm_head(weight, bias, hidden)
-        return inp, _backend(backend, inp.logits)
+        return inp, _backend(backend, inp.logits), transform
 
-    (inp, impl), shard, seed = agree(
+    (inp, impl, transform), shard, seed = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=(f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r} "
-              f"skip_masked_rows={skip}"),
+        call=(f"{cfg!r} temperature={shown_temperature(temperature)} softcap={softcap!r} "
+              f"logit_scale={logit_scale!r} skip_masked_rows={skip} "
+              f"{_head_settings(hidden, want, reduce_input_grad)}"),
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -274,7 +291,6 @@ def linear_policy_loss(
     if skip is not False:
         lin.live = linear_torch.live_row_indices(inp.valid, live_rows)
     lin = _sharded(lin, shard, tp_group, cfg.sampling)
-    want = single.wanted_grads(hidden, weight, bias)
     need_entropy = return_entropy or cfg.needs_entropy
     with torch.no_grad():
         part = _slice_inputs(lin, shard)
@@ -353,38 +369,40 @@ def linear_token_logprobs(
     softcap: float | None = None,
     logit_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _refuse(backend)
-    sampling = check_sampling(top_k, top_p, min_p)
-    labels = local_value(labels)
+    labels, temperature = local_value(labels), local_value(temperature)
     if group_size(tp_group) == 1:
+        _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return single.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend,
             top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
-    transform = check_logit_transform(softcap, logit_scale)
+    want = single.wanted_grads(hidden, weight, bias)
 
     def local_checks():
+        _refuse(backend)
+        sampling = check_sampling(top_k, top_p, min_p)
+        transform = check_logit_transform(softcap, logit_scale)
         checked = check_logits(hidden, name="hidden")
         check_lm_head(weight, bias, checked)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT, source="hidden")
         temps = check_temperature_arg(
             temperature, tuple(ids.shape), checked.device, checked.dim() == 2
         )
-        return ids, temps, _backend(backend, checked)
+        return ids, temps, _backend(backend, checked), sampling, transform
 
-    (ids, temperature, impl), shard, _ = agree(
+    (ids, temperature, impl, sampling, transform), shard, _ = agree(
         tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=(f"linear_token_logprobs temperature={shown_temperature(temperature)} {sampling} "
-              f"{transform!r}"),
+        call=(f"linear_token_logprobs temperature={shown_temperature(temperature)} "
+              f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
+              f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"),
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = ids.unsqueeze(0) if flat else ids
     lin = linear_torch.logprob_inputs(hidden3, weight, bias, labels2)
     lin = _sharded(dataclasses.replace(lin, transform=transform), shard, tp_group, sampling)
-    want = single.wanted_grads(hidden, weight, bias)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
             hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad,

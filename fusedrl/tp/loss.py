@@ -29,7 +29,7 @@ from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
 from ..token_terms import token_terms
 from ..torch_backend import row_blocks
-from .comm import group_rank_and_size
+from .comm import group_size
 from .dtensor import local_value, unwrap_logits
 from .header import (
     NO_LIMIT,
@@ -43,10 +43,6 @@ from .header import (
 from .ops import refuse_unsupported, slice_ops
 from .rows import whole_row_stats, write_slice_grad
 from .sampling import mask_slice, slice_floors
-
-
-def group_size(tp_group) -> int:
-    return 1 if tp_group is None else group_rank_and_size(tp_group)[1]
 
 
 def token_columns(logits: object, vocab_start: object, vocab_size: object) -> torch.Tensor:
@@ -136,13 +132,14 @@ def policy_loss(
     (`api.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
     (the ranks must agree on it: the header compares it)."""
     cfg = config if config is not None else LossConfig()
-    refuse_unsupported(backend)
     logits, tp_group = unwrap_logits(logits, tp_group)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
     labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
         local_value, per_token
     )
+    temperature, normalizer = local_value(temperature), local_value(normalizer)
     if group_size(tp_group) == 1:
+        refuse_unsupported(backend)
         return api.policy_loss(
             token_columns(logits, vocab_start, vocab_size), labels, advantages, mask,
             old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
@@ -155,6 +152,7 @@ def policy_loss(
     wants_grad = wants_grad and torch.is_grad_enabled()
 
     def local_checks():
+        refuse_unsupported(backend)
         inp = prepare_loss_inputs(
             logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
             rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
@@ -261,29 +259,30 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`api.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
     `policy_loss`."""
-    refuse_unsupported(backend)
-    sampling = check_sampling(top_k, top_p, min_p)
     logits, tp_group = unwrap_logits(logits, tp_group)
-    labels = local_value(labels)
+    labels, temperature = local_value(labels), local_value(temperature)
     if group_size(tp_group) == 1:
+        refuse_unsupported(backend)
         columns = token_columns(logits, vocab_start, vocab_size)
         return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
                                   top_k=top_k, top_p=top_p, min_p=min_p,
                                   **capping_keywords(transform))  # fmt: skip
 
     def local_checks():
+        refuse_unsupported(backend)
+        sampling = check_sampling(top_k, top_p, min_p)
         checked = check_logits(logits)
         ids = check_labels(range_unchecked(labels), checked, None, vocab=NO_LIMIT)
         temps = check_temperature_arg(
             temperature, tuple(ids.shape), checked.device, checked.dim() == 2
         )
-        return ids, temps, slice_ops(backend, checked.device, transform)
+        return ids, temps, slice_ops(backend, checked.device, transform), sampling
 
-    (ids, temperature, ops), shard, _ = agree(
+    (ids, temperature, ops, sampling), shard, _ = agree(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=f"token_logprobs temperature={shown_temperature(temperature)} {sampling} "
-        f"{transform!r}",
+        call=f"token_logprobs temperature={shown_temperature(temperature)} "
+        f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} {transform!r}",
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
