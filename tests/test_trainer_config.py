@@ -106,6 +106,7 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
         (["--decoupled", "--is-correction", "token_truncate"], "--decoupled: decoupled PPO's"),
         (["--decoupled-is-cap", "2"], "--decoupled-is-cap: is read by --decoupled only"),
         (["--decoupled", "--tp", "2"], "--decoupled: the proximal log-probs .* tensor-parallel"),
+        (["--decoupled", "--preset", "gmpo"], "--decoupled: gmpo weighs whole sequences"),
         (["--decoupled", "--decoupled-is-cap", "0.5"], "decoupled_is_cap must be > 1"),
         (["--loss", "ppo", "--kl-tau", "0.1"], "kl_tau=0.1 is DPPO's trust-region KL"),
     ],
@@ -215,3 +216,16 @@ def test_the_console_script_imports_rewards_from_the_working_directory(tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     # Found (the module was imported from the working directory), then the missing name named.
     assert "module 'myrewards'" in proc.stderr and "has no 'fn'" in proc.stderr, proc.stderr
+
+
+def test_vllm_rollouts_need_vllm(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    def without_vllm(name, *args):
+        return None if name == "vllm" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_vllm)
+    with pytest.raises(ValueError, match="--rollout: vllm is not installed"):
+        parse_config(["--rollout", "vllm"]).validate()
+    parse_config(["--rollout", "auto"]).validate()

@@ -16,7 +16,7 @@ import torch
 from fusedrl.trainer import checkpoint
 from fusedrl.trainer.config import TrainConfig
 from fusedrl.trainer.logger import MetricsLogger
-from fusedrl.trainer.loop import claim_run_dir
+from fusedrl.trainer.loop import claim_run_dir, lock_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,9 +138,52 @@ def test_an_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
     with pytest.raises(ValueError, match=f"--out {run} holds a run \\(metrics.jsonl\\): pass "
                        f"--resume {run} to continue it, --overwrite to replace it"):  # fmt: skip
         claim_run_dir(run, TrainConfig(out=str(run)))
-    claim_run_dir(run, TrainConfig(out=str(run), resume=str(run)))  # its own resume is fine
-    claim_run_dir(run, TrainConfig(out=str(run), overwrite=True))
-    assert not (run / "metrics.jsonl").exists() and (run / "notes.txt").read_text() == "mine"
+    assert claim_run_dir(run, TrainConfig(out=str(run), resume=str(run))) == []  # its own
+    # --overwrite names what goes, removed only once the new run's start has passed its checks
+    assert claim_run_dir(run, TrainConfig(out=str(run), overwrite=True)) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").exists() and (run / "notes.txt").read_text() == "mine"
+    (run / "final_model").mkdir()
+    inside = TrainConfig(out=str(run), overwrite=True, model=str(run / "final_model"))
+    with pytest.raises(ValueError, match="--model .* is inside .*final_model, which --overwrite"):
+        claim_run_dir(run, inside)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        claim_run_dir(tmp_path / "a-file", TrainConfig(out=str(tmp_path / "a-file")))
+
+
+def test_one_run_directory_takes_one_trainer_at_a_time(tmp_path):
+    """A second fusedrl-train into a directory another one is writing is refused (they wrote,
+    and on a failed start deleted, each other's files); the lock goes with its holder."""
+    held = lock_run_dir(tmp_path / "run")
+    with pytest.raises(ValueError, match="another fusedrl-train is writing to it"):
+        lock_run_dir(tmp_path / "run")
+    held.close()
+    lock_run_dir(tmp_path / "run").close()
+
+
+def test_overwrite_and_resume_are_the_command_lines_not_the_saved_jobs(tmp_path):
+    """A config.yaml read back by --config or --resume never overwrites or resumes anything by
+    itself: the two are not saved, and an older file's are ignored."""
+    cfg = TrainConfig(out=str(tmp_path / "r"), overwrite=True, resume=str(tmp_path / "old"))
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cfg.to_yaml())
+    keys = {line.split(":")[0] for line in saved.read_text().splitlines()}
+    assert "out" in keys and not keys & {"overwrite", "resume"}, keys
+    saved.write_text(saved.read_text() + "overwrite: true\nresume: somewhere\n")  # an old file
+    loaded = TrainConfig.from_yaml(saved)
+    assert not loaded.overwrite and loaded.resume is None and loaded.out == cfg.out
+
+
+def test_a_failed_start_with_overwrite_keeps_the_old_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "fusedrl.trainer", "--out", str(run), "--overwrite",
+               "--reward", "no_such_module:fn"]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "no_such_module" in proc.stderr, proc.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):

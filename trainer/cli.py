@@ -60,10 +60,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     from .checkpoint import WriteError
     from .loop import NonFiniteError, Stopped
+    from .rewards import RewardError
 
     try:
         run_dir = trainer.train()
-    except (NonFiniteError, WriteError) as exc:
+    except (NonFiniteError, WriteError, RewardError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 1
     except Stopped as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -53,6 +54,11 @@ def _triton_installed() -> bool:
 
     return api._TRITON_INSTALLED  # looked up once, at fusedrl's import
 
+
+# What a command does with its --out, not the job it trains: never saved in config.yaml (a
+# config read back by --config or --resume overwrites or resumes only what its own command
+# line asks for).
+PER_INVOCATION = ("overwrite", "resume")
 
 @dataclass
 class TrainConfig:
@@ -213,6 +219,11 @@ class TrainConfig:
              "--is-correction")
         need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
              "is read by --decoupled only")
+        need(not self.decoupled or self.loss_config().loss != "gmpo", "decoupled",
+             "gmpo weighs whole sequences, where decoupled PPO's proximal policy weighs tokens: "
+             "use another loss, or drop --decoupled")
+        need(self.rollout != "vllm" or importlib.util.find_spec("vllm") is not None, "rollout",
+             "vllm is not installed: use --rollout hf (transformers' generate) or auto")
         need(not self.decoupled or self.tp == 1, "decoupled",
              "the proximal log-probs (prox_logp) have no tensor-parallel path yet: use --tp 1")
         for name in ENTROPY_CONTROL_DEFAULTS:
@@ -290,6 +301,9 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"--config {path}: expected a mapping of options, got {type(data)}")
         known = {f.name for f in dataclasses.fields(cls)}
+        # A run's saved config.yaml from before these were left out of it: they are actions of
+        # the command that wrote it, not options of the job.
+        data = {k: v for k, v in data.items() if k not in PER_INVOCATION}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"--config {path}: unknown option(s) {unknown}")
@@ -299,7 +313,8 @@ class TrainConfig:
             raise ValueError(f"--config {path}: {exc}") from None
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in PER_INVOCATION}
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 # One sentence per option for --help (tests/test_trainer_units.py checks every field has one).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 # The panels of plots.png: (title, metric keys); a key absent from the run is left out, and a
@@ -65,7 +66,10 @@ class MetricsLogger:
                     continue
                 if row.get("step", resume_step) < resume_step:
                     kept.append(line)
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # A new file moved over the old one: a crash mid-write loses nothing.
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
         elif resume_step is None:
             self.path.write_text("")
         self.writer = None

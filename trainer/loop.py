@@ -103,23 +103,58 @@ def _remove(run_dir: Path, names, ignore_errors: bool = False) -> None:
             path.unlink()
 
 
-def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
+def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
     """Never write over a run by accident: an --out that holds one is refused unless this is
-    that run resumed (--resume pointing into it) or --overwrite replaces it."""
+    that run resumed (--resume pointing into it) or --overwrite replaces it. Returns what
+    --overwrite will remove, once the new run's data, rewards and model have passed their checks
+    (`Trainer._start`): a run that fails its start leaves the old one as it was."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a directory")
     present = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
     if not present:
-        return
+        return []
     if cfg.resume:
         resumed = Path(cfg.resume)
         own = _same_dir(resumed, run_dir) or _same_dir(resumed.parent.parent, run_dir)
         if own:
-            return
+            return []
     if not cfg.overwrite:
         raise ValueError(
             f"--out {run_dir} holds a run ({', '.join(present)}): pass --resume {run_dir} to "
             f"continue it, --overwrite to replace it, or another --out"
         )
-    _remove(run_dir, present)
+    if cfg.model is not None and Path(cfg.model).exists():
+        inside = [name for name in present if Path(cfg.model).resolve().is_relative_to(
+            (run_dir / name).resolve())]  # fmt: skip
+        if inside:
+            raise ValueError(
+                f"--model {cfg.model} is inside {run_dir / inside[0]}, which --overwrite would "
+                "remove: copy the model out of the run first, or use another --out"
+            )
+    return present
+
+
+# Held (flock) by the fusedrl-train writing a run directory, for as long as it runs: the kernel
+# drops it when the process ends, however it ends, so a stale lock never blocks a later run.
+LOCK_NAME = ".fusedrl-train.lock"
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on --out, or a ValueError when another fusedrl-train holds it (two runs
+    into one directory would write, and on a failed start delete, each other's files)."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / LOCK_NAME, "a")  # noqa: SIM115 - held until the trainer closes
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ValueError(
+            f"--out {run_dir}: another fusedrl-train is writing to it (it holds {LOCK_NAME}): "
+            "wait for it to end, or use another --out"
+        ) from None
+    return handle
 
 
 def resumed_base_model(cfg: TrainConfig) -> Path | None:
@@ -208,21 +243,34 @@ class Trainer:
                 f"ranks ({self.env.dp_size}): every rank needs at least one prompt"
             )
         self.run_dir = Path(cfg.out)
-        if self.env.is_main:
-            claim_run_dir(self.run_dir, cfg)
+        self.replaced: list[str] = []  # what --overwrite removes once the start's checks passed
+        self.cleared = False  # whether it did
+        self._lock = None
         existed = self.run_dir.exists()
+        if self.env.is_main:
+            self.replaced = claim_run_dir(self.run_dir, cfg)
+            self._lock = lock_run_dir(self.run_dir)
         fresh = not any((self.run_dir / name).exists() for name in RUN_ARTIFACTS)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start()
         except BaseException:
             # A failed start leaves nothing behind: no base model or config of a run that never
-            # ran (a fresh --out only; a resumed run's directory is left as it was).
-            if self.env.is_main and fresh:
+            # ran (a fresh --out, or one whose old run --overwrite had removed; a resumed run's
+            # directory is left as it was, and so is the run --overwrite had not removed yet).
+            if self.env.is_main and (fresh or self.cleared):
                 _remove(self.run_dir, (*RUN_ARTIFACTS, ".base_model.tmp"), ignore_errors=True)
-                if not existed and not any(self.run_dir.iterdir()):
-                    self.run_dir.rmdir()
+                if not existed:
+                    _remove(self.run_dir, (LOCK_NAME,), ignore_errors=True)
+                    if not any(self.run_dir.iterdir()):
+                        self.run_dir.rmdir()
+            self._unlock()
             raise
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # (closing the file drops its flock)
+            self._lock = None
 
     def _start(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,6 +281,9 @@ class Trainer:
         # model (a warm start of seconds to minutes) is built and written.
         rows = task_rows(cfg)
         self.rewards = parse_rewards(cfg.reward)
+        if self.replaced:  # --overwrite: the old run goes now that the new one can start
+            _remove(self.run_dir, self.replaced)
+            self.replaced, self.cleared = [], True
         model_path = prepare_model(cfg, self.run_dir, rows) if self.env.is_main else None
         if self.env.world_size > 1:
             import torch.distributed as dist
@@ -306,6 +357,7 @@ class Trainer:
                 raise ValueError(f"--resume {ckpt}: the checkpoint does not fit the model "
                                  f"{model_path} ({first})") from None
             self.start_step, self.cursor = state["step"], state["cursor"]
+            self.skipped_nonfinite = state.get("skipped_nonfinite", 0)
             resume_step = self.start_step
             if self.start_step >= cfg.max_steps:
                 raise ValueError(f"--resume {ckpt}: the checkpoint is at step {self.start_step}, "
@@ -552,6 +604,7 @@ class Trainer:
         """vLLM first (it tears down the process groups it uses), then our own group."""
         self.engine.close()
         teardown(self.env)
+        self._unlock()
 
     # --- the loop ------------------------------------------------------------------------
     def train(self) -> Path:
@@ -604,8 +657,9 @@ class Trainer:
                     "entropy_control": None if self.entropy_control is None
                     else self.entropy_control.state_dict(),
                 }  # fmt: skip
-                checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer,
-                                {"cursor": self.cursor}, extra, cfg.keep_last)
+                state = {"cursor": self.cursor, "skipped_nonfinite": self.skipped_nonfinite}
+                checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer, state, extra,
+                                cfg.keep_last)
             if stop and step + 1 < cfg.max_steps:
                 if bar is not None:
                     bar.close()

@@ -114,6 +114,10 @@ BUILTIN: dict[str, RewardFn] = {
 }
 
 
+class RewardError(RuntimeError):
+    """A reward function raised, or returned no finite number where one was due."""
+
+
 @dataclass
 class Reward:
     name: str
@@ -195,14 +199,14 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str],
             values = reward.fn(prompts, completions, **columns)
         except Exception as exc:
             prompt = _failing_prompt(reward.fn, prompts, completions, columns)
-            raise RuntimeError(
+            raise RewardError(
                 f"reward function {reward.name!r} raised {type(exc).__name__}: {exc} "
                 f"(prompt: {str(prompt)[:200]!r})"
             ) from exc
         values = list(values) if values is not None else None
         if values is None or len(values) != len(prompts):
             got = "None" if values is None else f"{len(values)} values"
-            raise RuntimeError(
+            raise RewardError(
                 f"reward function {reward.name!r} returned {got} for {len(prompts)} "
                 f"completions (prompt: {str(prompts[0])[:200]!r})"
             )
@@ -212,7 +216,7 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str],
                 continue
             number = _as_number(value)
             if number is None:
-                raise RuntimeError(
+                raise RewardError(
                     f"reward function {reward.name!r} returned {value!r} (not a finite number) "
                     f"for prompt {str(prompts[i])[:200]!r}"
                 )
@@ -221,7 +225,7 @@ def score(rewards: list[Reward], prompts: list[str], completions: list[str],
         if not applied and prompts:
             # None means "does not apply to this sample"; for every sample of a step it is a
             # broken function (or the wrong dataset columns), not a reward of 0.
-            raise RuntimeError(
+            raise RewardError(
                 f"reward function {reward.name!r} returned None for all {len(prompts)} "
                 f"completions of this step (prompt: {str(prompts[0])[:200]!r}); check the "
                 "function and the dataset columns it reads"
