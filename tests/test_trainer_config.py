@@ -229,3 +229,19 @@ def test_vllm_rollouts_need_vllm(monkeypatch):
     with pytest.raises(ValueError, match="--rollout: vllm is not installed"):
         parse_config(["--rollout", "vllm"]).validate()
     parse_config(["--rollout", "auto"]).validate()
+
+
+def test_a_config_file_cannot_change_the_job_it_resumes(tmp_path):
+    """--config with --resume: the file's job options are checked against the run's own
+    config.yaml, as flags are (it continued a different job silently)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(TrainConfig(out=str(run), seed=1).to_yaml())
+    other = tmp_path / "other.yaml"
+    other.write_text("seed: 7\nreward: format\n")
+    with pytest.raises(ValueError, match=r"--reward 'arith' -> 'format', --seed 1 -> 7 would"):
+        parse_config(["--config", str(other), "--resume", str(run)])
+    assert parse_config(["--config", str(other), "--resume", str(run), "--allow-job-change"])
+    same = tmp_path / "same.yaml"
+    same.write_text("seed: 1\nmax_steps: 9\n")
+    assert parse_config(["--config", str(same), "--resume", str(run)]).max_steps == 9

@@ -228,9 +228,23 @@ def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):
                          "--dataset", str(data), "--reward", "tests.test_trainer_units:bad_reward",
                          "--max-steps", "1", "--prompts-per-step", "1", "--group-size", "2",
                          "--rollout", "hf")
-    assert proc.returncode != 0
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "reward function 'tests.test_trainer_units:bad_reward' raised KeyError" in proc.stderr
     assert "prompt: 'boom 1'" in proc.stderr
+
+
+def test_dynamic_sampling_keeping_fewer_sequences_than_minibatches(tmp_path):
+    """Dynamic sampling without refills keeps 0, 2 or 4 of 4 sequences, with 4 minibatches: a
+    step that keeps 2 takes two minibatches, not two empty ones (their optimizer steps had no
+    gradient, and adaptive entropy control had no entropy to steer by: a KeyError)."""
+    out = tmp_path / "r"
+    check(fusedrl_train("--out", str(out), "--max-steps", "6", "--prompts-per-step", "2",
+                        "--group-size", "2", "--max-tokens", "8", "--rollout", "hf",
+                        "--warmstart-steps", "5", "--dynamic-sampling", "true",
+                        "--max-num-gen-batches", "1", "--minibatches", "4",
+                        "--entropy-target", "1"))  # fmt: skip
+    rows = read_metrics(out)
+    assert len(rows) == 6 and any(0 < r["frac_zero_std"] < 1 for r in rows), rows  # it acted
 
 
 def test_config_errors_before_any_rollout(default_run, tmp_path):

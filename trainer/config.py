@@ -268,6 +268,10 @@ class TrainConfig:
         need(self.backend in BACKENDS, "backend",
              f"must be one of {BACKENDS}, got {self.backend!r}")
         need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+             f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb",
+             f"must be > 0 (GB), got {self.vllm_kv_cache_gb}")
         # What fusedrl's tensor-parallel loss has no path for yet (docs/tensor_parallel.md).
         need(self.tp == 1 or self.backend != "cuda", "tp",
              "--backend cuda has no tensor-parallel path: use auto, triton or torch")
@@ -576,14 +580,24 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise ValueError(f"--resume {args['resume']}: {saved} is missing, so the job to "
                              "continue is unknown; pass its options with --config run.yaml")
         cfg = dataclasses.replace(TrainConfig.from_yaml(saved), out=str(run))
-        changed = {name: (getattr(cfg, name), args[name]) for name in JOB_OPTIONS
-                   if name in args and args[name] != getattr(cfg, name)}  # fmt: skip
-        if changed and not allow_change:
-            listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}"
-                               for k, (old, new) in changed.items())  # fmt: skip
-            raise ValueError(f"--resume {args['resume']}: {listed} would change the job this run "
-                             "trains; pass --allow-job-change if that is intended")
+        if not allow_change:
+            _refuse_job_change(cfg, args, args["resume"])
     else:
         cfg = TrainConfig()
     cfg = dataclasses.replace(cfg, **args)
+    if path and cfg.resume and not allow_change:  # the --config file must continue that job too
+        saved = resumed_run_dir(cfg.resume) / "config.yaml"
+        if saved.exists():
+            _refuse_job_change(TrainConfig.from_yaml(saved), dataclasses.asdict(cfg), cfg.resume)
     return cfg.validate()
+
+
+def _refuse_job_change(saved: TrainConfig, new: dict, resume: str) -> None:
+    """ValueError when `new` (options by name) changes the job `saved` (a run's config) trains."""
+    changed = {name: (getattr(saved, name), new[name]) for name in JOB_OPTIONS
+               if name in new and new[name] != getattr(saved, name)}  # fmt: skip
+    if changed:
+        listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {value!r}"
+                           for k, (old, value) in changed.items())  # fmt: skip
+        raise ValueError(f"--resume {resume}: {listed} would change the job this run trains; "
+                         "pass --allow-job-change if that is intended")

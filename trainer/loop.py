@@ -365,16 +365,11 @@ class Trainer:
                                  "larger --max-steps")
             if self.env.is_main:
                 print(f"fusedrl-train: resumed from step {self.start_step} ({ckpt})")
-            if self.env.is_main and _same_dir(ckpt.parent.parent, self.run_dir):
-                for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
-                    print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
-                          f"one resumes from step {self.start_step}, set aside")
             if self.sas is not None and extra.get("sas") is not None:
                 self.sas.load_state_dict(extra["sas"])
             if self.entropy_control is not None and extra.get("entropy_control") is not None:
                 self.entropy_control.load_state_dict(extra["entropy_control"])
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             print(run_summary(cfg, self.loss_cfg, model_path, len(self.prompts), self.lr,
                               self.run_dir))  # fmt: skip
         if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available()):
@@ -384,6 +379,14 @@ class Trainer:
             with native_stderr_hidden(cfg.verbose):
                 self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype,
                                          self.env.device, distributed=self.env.world_size > 1)
+        # Only now that everything has started does the run directory change: a start that
+        # fails (an engine without memory, say) leaves a resumed run as it was.
+        if self.env.is_main:
+            if resume_step is not None and _same_dir(ckpt.parent.parent, self.run_dir):
+                for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
+                    print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
+                          f"one resumes from step {self.start_step}, set aside")
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if resume_step is not None:
             self.engine.sync_weights(full_state(self.model))
         self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)
@@ -522,7 +525,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * warmup
         n = len(batch)
-        bounds = [round(i * n / cfg.minibatches) for i in range(cfg.minibatches + 1)]
+        # Dynamic sampling can keep fewer sequences than --minibatches: an empty minibatch would
+        # take an optimizer step with no gradient (and no entropy to steer by). As many
+        # minibatches as the fullest rank has sequences, at most --minibatches (a collective:
+        # every rank steps alike).
+        count = max(1, min(cfg.minibatches, max_over_ranks(n)))
+        bounds = [round(i * n / count) for i in range(count + 1)]
         sums: dict[str, torch.Tensor] = {}
         updates = 0
         for _ in range(cfg.ppo_epochs):
