@@ -951,7 +951,7 @@ def test_megatron_helpers_collectives(tp_world, world):
             assert [call[0] for call in ours["fwd"]] == ["all_gather_into_tensor"] * 2 or [
                 call[0] for call in ours["fwd"]
             ] == ["all_gather_single"] * 2, (name, rank, ours["fwd"])
-            assert ours["fwd"][0][1][-1] == ("torch.int64", 14), (name, ours["fwd"])
+            assert ours["fwd"][0][1][-1] == ("torch.int64", 15), (name, ours["fwd"])
             assert ours["fwd"][1][1][-1] == ("torch.float32", 3 * tokens), (name, ours["fwd"])
             assert ours["bwd"] == [], (name, rank, ours["bwd"])
             if name in verl_calls:
