@@ -45,8 +45,9 @@ train: $(STAMP)
 # for sm_80/sm_90 with this venv's Triton (the newest supported) and with the oldest supported one.
 # The suite runs on every core (pytest-xdist: PYTEST_WORKERS=auto, one worker per core; 0 runs it
 # in this process). --dist loadgroup: tests/xdist_groups.py puts the files that each use both
-# cores (the compile test, vLLM, torch.distributed worlds, nvcc) in one group, run one after
-# another on one worker, and each file with a costly module fixture in a group of its own.
+# cores and GBs of memory (the compile test, vLLM, torch.distributed worlds) in one group, run one
+# after another on one worker, and each file with a costly module fixture (the nvcc builds of
+# test_cuda_build.py among them) in a group of its own.
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 # OpenMP threads that spin while they wait for work (GNU OpenMP's default, in torch and in vLLM's
