@@ -110,14 +110,6 @@ class Metrics(dict):
         return dict(self)
 
 
-def _put_mean(metrics: dict, name: str, x: torch.Tensor, inp: LossInputs) -> None:
-    """metrics[name] = masked_mean(x, inp), deferred to `Metrics.finish` where it can be."""
-    if isinstance(metrics, Metrics):
-        metrics.mean(name, x, inp)
-    else:
-        metrics[name] = masked_mean(x, inp)
-
-
 def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     """Largest x over counted tokens (x >= 0 here); 0 when there is none."""
     if x.numel() == 0:
@@ -126,19 +118,19 @@ def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
 
 
 def add_token_metrics(
-    metrics: dict,
+    metrics: Metrics,
     old: torch.Tensor,
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
     is_weight: torch.Tensor | None,
     inp: LossInputs,
 ) -> None:
-    _put_mean(metrics, "ppo_kl", old - logp, inp)
-    _put_mean(metrics, "logp_mean", logp, inp)
+    metrics.mean("ppo_kl", old - logp, inp)
+    metrics.mean("logp_mean", logp, inp)
     if entropy is not None:
-        _put_mean(metrics, "entropy", entropy, inp)
+        metrics.mean("entropy", entropy, inp)
     if is_weight is not None:
-        _put_mean(metrics, "is_weight_mean", is_weight, inp)
+        metrics.mean("is_weight_mean", is_weight, inp)
         metrics["is_weight_max"] = _max_over_valid(is_weight, inp)
 
 
@@ -277,8 +269,8 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
     for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
     ratio, dratio = _ratio(logp, old, inp, cfg, grads)
     low, high = ratio_bounds(old, cfg)
-    _put_mean(metrics, "clip_low", (ratio < low) & (adv < 0), inp)
-    _put_mean(metrics, "clip_high", (ratio > high) & (adv > 0), inp)
+    metrics.mean("clip_low", (ratio < low) & (adv < 0), inp)
+    metrics.mean("clip_high", (ratio > high) & (adv > 0), inp)
 
     if cfg.loss == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
@@ -288,7 +280,7 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
 
     clipped_ratio = torch.clamp(ratio, low, high)
     if cfg.loss == "cispo":
-        _put_mean(metrics, "clipfrac", ratio != clipped_ratio, inp)
+        metrics.mean("clipfrac", ratio != clipped_ratio, inp)
         return -clipped_ratio * adv * logp, -clipped_ratio * adv if grads else None
 
     if cfg.delta is None:
@@ -305,10 +297,10 @@ def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
             d_unclipped = -adv * dratio * (ratio <= cfg.delta).float()
         d_clipped = -adv * dratio * _inside(ratio, low, high)
         dper_token = _select_max(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
-    _put_mean(metrics, "clipfrac", loss_clipped > loss_unclipped, inp)
+    metrics.mean("clipfrac", loss_clipped > loss_unclipped, inp)
     if cfg.dual_clip_c is not None:
         loss_dual = -adv * cfg.dual_clip_c
-        _put_mean(metrics, "dual_clipfrac", (per_token > loss_dual) & (adv < 0), inp)
+        metrics.mean("dual_clipfrac", (per_token > loss_dual) & (adv < 0), inp)
         if grads:
             # torch.minimum(per_token, constant): keep below, drop above, half at a tie.
             keep = torch.where(
@@ -341,9 +333,9 @@ def _gmpo_terms(logp, old, adv, w, inp, cfg, metrics):
         coef = coef * w[:, :1]
     high = (log_ratio > cfg.eps_high) & (adv > 0)
     low = (log_ratio < -cfg.eps_low) & (adv < 0)
-    _put_mean(metrics, "clip_high", high, inp)
-    _put_mean(metrics, "clip_low", low, inp)
-    _put_mean(metrics, "clipfrac", high | low, inp)
+    metrics.mean("clip_high", high, inp)
+    metrics.mean("clip_low", low, inp)
+    metrics.mean("clipfrac", high | low, inp)
     return coef.sum(), coef * weighted / seq_len * d_min
 
 
@@ -362,7 +354,7 @@ def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
     lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
     phi = torch.exp(lam + k * log_w - lam * log_w.exp())
     phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
-    _put_mean(metrics, "vespo_phi_mean", phi, inp)
+    metrics.mean("vespo_phi_mean", phi, inp)
     return -phi * adv * logp, -phi * adv
 
 
@@ -407,11 +399,11 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
             up_ok = (kl <= cfg.eps_high) | (prob <= old_prob)
             down_ok = (kl <= cfg.eps_low) | (prob >= old_prob)
         inside = torch.where(adv > 0, up_ok, down_ok).float()
-        _put_mean(metrics, "clipfrac", 1.0 - inside, inp)
-        _put_mean(metrics, "ratio_capped", (ratio > cfg.dppo_ratio_cap).float() * inside, inp)
+        metrics.mean("clipfrac", 1.0 - inside, inp)
+        metrics.mean("ratio_capped", (ratio > cfg.dppo_ratio_cap).float() * inside, inp)
         per_token, dper_token = -adv * weight * logp * inside, -adv * weight * inside
         if cfg.kl_tau > 0:  # on every counted token, the trust region's outsiders too
-            _put_mean(metrics, "dppo_kl_term", log_ratio.square(), inp)
+            metrics.mean("dppo_kl_term", log_ratio.square(), inp)
             per_token = per_token + cfg.kl_tau * log_ratio.square()
             dper_token = dper_token + 2.0 * cfg.kl_tau * log_ratio
         return per_token, dper_token
@@ -420,7 +412,7 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
         cov = _covariance(logp, adv, inp, counted, eps=0.0)
         count = (counted.float().sum() * cfg.kl_cov_ratio).floor().clamp_min(1.0)
         picked = _ranked_first(-cov, counted, count).float()
-        _put_mean(metrics, "cov_selected", picked, inp)
+        metrics.mean("cov_selected", picked, inp)
         per_token = -adv * ratio + picked * cfg.kl_cov_coef * log_ratio.abs()
         return per_token, -adv * ratio + picked * cfg.kl_cov_coef * torch.sign(log_ratio)
     # clip_cov
@@ -436,9 +428,9 @@ def _verl_terms(logp, old, adv, inp, cfg, metrics):
     keys = torch.rand(logp.shape, generator=gen, device=logp.device)
     count = (counted.float().sum() * cfg.clip_cov_ratio).floor().clamp_min(1.0)
     keep = 1.0 - _ranked_first(keys, candidates, count).float()
-    _put_mean(metrics, "clipfrac", 1.0 - keep, inp)
-    _put_mean(metrics, "clip_low", (ratio < low) & (adv < 0), inp)
-    _put_mean(metrics, "clip_high", (ratio > high) & (adv > 0), inp)
+    metrics.mean("clipfrac", 1.0 - keep, inp)
+    metrics.mean("clip_low", (ratio < low) & (adv < 0), inp)
+    metrics.mean("clip_high", (ratio > high) & (adv > 0), inp)
     per_token = torch.maximum(unclipped, clipped) * keep
     return per_token, _select_max(unclipped, clipped, d_unclipped, d_clipped) * keep
 
@@ -451,7 +443,10 @@ def _rejection_statistics(old: torch.Tensor, inp: LossInputs) -> dict[str, torch
 
 
 def with_rejection(
-    inp: LossInputs, cfg: LossConfig, old: torch.Tensor | None = None, metrics: dict | None = None
+    inp: LossInputs,
+    cfg: LossConfig,
+    old: torch.Tensor | None = None,
+    metrics: Metrics | None = None,
 ) -> LossInputs:
     """`inp` whose mask drops the tokens / sequences that cfg.rejection rejects (verl's rollout
     rejection sampling); every option is measured on the original mask, and all must keep."""
@@ -478,9 +473,9 @@ def with_rejection(
         ok = ok.expand_as(counted)
         keep = keep & ok
         if metrics is not None:
-            _put_mean(metrics, f"rs_{rule.option}_masked", ~ok, inp)
+            metrics.mean(f"rs_{rule.option}_masked", ~ok, inp)
     if metrics is not None:
-        _put_mean(metrics, "rs_masked", ~keep, inp)
+        metrics.mean("rs_masked", ~keep, inp)
         # over every row, empty ones included (verl's rollout_rs_seq_masked_fraction)
         hit = (~keep & counted).any(-1).float()
         metrics["rs_masked_seqs"] = hit.sum() / max(hit.numel(), 1)
@@ -488,7 +483,7 @@ def with_rejection(
 
 
 def with_m2po(
-    inp: LossInputs, cfg: LossConfig, logp: torch.Tensor, old: torch.Tensor, metrics: dict
+    inp: LossInputs, cfg: LossConfig, logp: torch.Tensor, old: torch.Tensor, metrics: Metrics
 ) -> LossInputs:
     """M2PO: `inp` whose mask drops the counted tokens of largest m2 = (logp - old)^2 until the
     mean m2 of the rest is below cfg.m2po_tau (all but the smallest when no count reaches it).
@@ -504,7 +499,7 @@ def with_m2po(
     above = (suffix_sums / suffix_counts >= cfg.m2po_tau) & torch.isfinite(ordered)
     count = torch.minimum(above.sum(), (total - 1).clamp_min(0))
     dropped = _ranked_first(-m2, counted, count)
-    _put_mean(metrics, "m2po_masked", dropped, inp)
+    metrics.mean("m2po_masked", dropped, inp)
     return replace(inp, mask=inp.mask * ~dropped)
 
 
@@ -537,7 +532,7 @@ def _off_policy_keep(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
     seq_gap = (torch.where(inp.valid, gap, 0.0) * weights).sum(-1, keepdim=True)
     seq_gap = seq_gap / weights.sum(-1, keepdim=True).clamp_min(1.0)
     keep = (adv >= 0) | (seq_gap <= cfg.off_policy_mask)
-    _put_mean(metrics, "off_policy_masked", ~keep, inp)
+    metrics.mean("off_policy_masked", ~keep, inp)
     metrics["off_policy_masked_seqs"] = _share_of_sequences(~keep, inp)
     return keep.float()
 
@@ -548,12 +543,12 @@ def _top_entropy_keep(entropy, inp, cfg, metrics) -> torch.Tensor:
     counted = inp.valid & (inp.mask > 0)
     threshold = masked_quantile(entropy, counted, 1.0 - cfg.top_entropy_quantile)
     keep = (entropy >= threshold) & counted
-    _put_mean(metrics, "entropy_masked", ~keep, inp)
+    metrics.mean("entropy_masked", ~keep, inp)
     return keep.float()
 
 
 def add_mismatch_metrics(
-    metrics: dict, logp: torch.Tensor, w: torch.Tensor | None, inp: LossInputs
+    metrics: Metrics, logp: torch.Tensor, w: torch.Tensor | None, inp: LossInputs
 ) -> None:
     """Train/inference mismatch from the pass's own log-probs: KL(rollout || trainer) by k1 and
     k3, the chi-square divergence of the token and sequence ratios trainer / rollout (verl's
@@ -583,7 +578,7 @@ def add_mismatch_metrics(
         mean_w = masked_mean(w, inp)
         second = masked_mean((w / mean_w.clamp_min(1e-8)).square(), inp)
         metrics["is_ess"] = torch.where(second > 0, 1.0 / second.clamp_min(1e-30), 0.0)
-        _put_mean(metrics, "is_masked", w == 0, inp)
+        metrics.mean("is_masked", w == 0, inp)
         metrics["is_masked_seqs"] = _share_of_sequences(w == 0, inp)
 
 
@@ -651,13 +646,13 @@ def token_terms(
         # The exact KL is a function of the whole row, not of logp: its derivative goes to the
         # backend as a per-token weight, d(loss)/d(KL_t) = beta x the token's aggregation weight.
         kl = torch.where(inp.valid, full_kl, 0.0)
-        _put_mean(metrics, "kl", kl, inp)
+        metrics.mean("kl", kl, inp)
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
         dfull_kl = torch.where(inp.valid, cfg.beta * agg_w, 0.0)
     elif inp.ref_logp is not None:
         kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3", grads)
-        _put_mean(metrics, "kl", kl, inp)
+        metrics.mean("kl", kl, inp)
         if cfg.beta > 0:
             if cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
                 ratio, dratio = _ratio(logp, old, inp, cfg, grads)
