@@ -86,8 +86,8 @@ def _row_ops():
     return triton_backend.OPS
 
 
-def _check_dtype(lin: LinearInputs) -> None:
-    if lin.hidden.dtype == torch.float64:
+def check_hidden_dtype(hidden: torch.Tensor) -> None:
+    if hidden.dtype == torch.float64:
         raise TypeError(
             "backend='triton' takes bf16 / fp16 / fp32 hidden states, got torch.float64; "
             "use backend='torch' for fp64"
@@ -169,7 +169,7 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
     """logp, lse, entropy [B, T] fp32 (0 on masked rows); `temperature` a float or per-token
     ([B, T]). `squares` ("gemm" design, the log-prob calls whose rows all count): a fourth,
     sum_v pi_v^2, from the same sweep."""
-    _check_dtype(lin)
+    check_hidden_dtype(lin.hidden)
     _check_design_temperature(lin, temperature)
     if squares and (design(lin) != "gemm" or lin.live is not None):
         raise AssertionError("stats(squares=True) serves the gemm design's unmasked log-probs")
@@ -277,7 +277,7 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
 def policy_loss(
     lin: LinearInputs, cfg: LossConfig, need_entropy: bool, want: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms, LinearGrads | None]:
-    _check_dtype(lin)
+    check_hidden_dtype(lin.hidden)
     need_entropy = need_entropy or needs_entropy(lin.rows, cfg)
     if any(want) and design(lin) == "gemm" and not needs_two_passes(lin.rows, cfg):
         logp, entropy, grads = _one_sweep(lin, cfg, want)

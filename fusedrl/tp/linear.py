@@ -65,11 +65,8 @@ def _backend(backend: str, hidden: torch.Tensor):
             f"{linear_triton.DESIGN_ENV}=on-chip has no tensor-parallel path: its kernels make "
             "the logits tiles of the whole head; unset it (the 'gemm' design runs with tp_group)"
         )
-    if impl is linear_triton and hidden.dtype == torch.float64:
-        raise TypeError(
-            "backend='triton' takes bf16 / fp16 / fp32 hidden states, got torch.float64; "
-            "use backend='torch' for fp64"
-        )
+    if impl is linear_triton:
+        linear_triton.check_hidden_dtype(hidden)
     return impl
 
 
