@@ -196,6 +196,9 @@ def check_labels(
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but {source} are on {logits.device}")
     vocab = logits.shape[-1] if vocab is None else vocab
+    # int64 before the compare: an int32 tensor compared with a bound past its range (the
+    # tensor-parallel local checks' 2^62) would wrap the bound instead of widening the labels.
+    labels = labels.long()
     out_of_range = (labels < 0) | (labels >= vocab)
     where = ""
     if valid is not None:
@@ -207,7 +210,6 @@ def check_labels(
             raise ValueError(f"labels must be in [0, {vocab}){where}, found {bad}")
     elif labels.numel() > 0:
         torch._assert_async(~out_of_range.any(), f"labels must be in [0, {vocab}){where}")
-    labels = labels.long()
     if valid is not None:
         labels = torch.where(valid, labels, 0)
     return labels

@@ -112,7 +112,7 @@ def policy_loss(
         tp_group: a torch.distributed process group over which the vocabulary is sharded
             (tensor parallelism, docs/tensor_parallel.md): `logits` is then this rank's slice
             [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
-            every rank; the gradient is this rank's slice. One header all-gather of 15 int64 per
+            every rank; the gradient is this rank's slice. One header all-gather of 22 int64 per
             rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
             backward. backend="cuda" is not supported yet.
             A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fusedrl
+from fusedrl.tp.header import FIELDS
 
 from .conftest import needs_interpreter
 
@@ -422,7 +423,7 @@ def test_bench_tp_smoke(tmp_path):
     for op, preset, eager, reduces in ops:
         fused = rows[(op, "fusedrl", preset, 2)]
         assert sum(fused["collectives"].values()) == 2, fused["collectives"]
-        assert fused["comm_bytes_per_token"] == (15 * 8 + 3 * 4 * tokens) / tokens
+        assert fused["comm_bytes_per_token"] == (len(FIELDS) * 8 + 3 * 4 * tokens) / tokens
         assert fused["V_rank"] == result["V"] // 2
         peer = rows[(op, eager, preset, 2)]
         assert peer["collectives"] == {"all_reduce": reduces}

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 import fusedrl
 import fusedrl.tp
 from fusedrl import LossConfig, reference
+from fusedrl.tp.header import FIELDS
 
 from .conftest import make_batch
 
@@ -119,13 +120,15 @@ CASES = [
     Case("logprobs_dtensor_row_temps", kind="logprobs", layout="dtensor", row_temps=True,
          return_entropy=True),
     Case("logprobs_dtensor", kind="logprobs", layout="dtensor", return_entropy=True),
-    Case("dapo_flat", flat=True, per_token_adv=True),
+    # int32 labels (vLLM's, tokenizers'), as one process takes them, on every entry point
+    Case("dapo_flat_int32_labels", flat=True, per_token_adv=True, inputs="int32_labels"),
     Case("dapo_inplace", inplace=True),
     Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True),
     Case("dapo_bf16", dtype=torch.bfloat16),
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
-    Case("logprobs_padded", kind="logprobs", layout="padded", return_entropy=True),
+    Case("logprobs_padded_int32_labels", kind="logprobs", layout="padded", return_entropy=True,
+         inputs="int32_labels"),
     Case("logprobs_row_temps_flat", kind="logprobs", row_temps=True, return_entropy=True,
          flat=True),
     # degenerate rows: a slice of only -inf (drops out), a whole row of -inf (NaN)
@@ -170,13 +173,15 @@ CASES = [
          temperature=0.7, sampling=(("top_p", 0.85),)),
     Case("triton_gspo_softcap_inplace", **TRITON, preset="gspo", softcap=2.5, inplace=True),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
-    Case("linear_dapo_softcap", kind="linear", return_entropy=True, softcap=3.0),
+    Case("linear_dapo_softcap_int32_labels", kind="linear", return_entropy=True, softcap=3.0,
+         inputs="int32_labels"),
     Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_gspo_padded_row_temps_skip", kind="linear", preset="gspo", layout="padded",
          row_temps=True, skip_masked_rows=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
-    Case("linear_logprobs", kind="linear_logprobs", return_entropy=True, temperature=0.7),
+    Case("linear_logprobs_int32_labels", kind="linear_logprobs", return_entropy=True,
+         temperature=0.7, inputs="int32_labels"),
     Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
          row_temps=True),
     Case("linear_dapo_sampling_row_temps", kind="linear", return_entropy=True, row_temps=True,
@@ -254,6 +259,13 @@ CASES = [
          expect_error="TensorParallelInputError"),
     Case("bad_linear_label", kind="bad", inputs="linear_label_too_big_rank0",
          expect_error="TensorParallelInputError"),
+    # replicated inputs that differ on one rank: each compared by a hash of its bits
+    Case("bad_labels_collide", kind="bad", inputs="labels_collide",
+         expect_error="TensorParallelInputError"),
+    *[Case(f"bad_{name}_differs", kind="bad", inputs=f"{name}_differs",
+           expect_error="TensorParallelInputError")
+      for name in ("advantages", "old_logp", "ref_logp", "rollout_logp", "is_weights",
+                   "normalizer", "row_temps", "logprobs_row_temps", "linear_advantages")],
 ]  # fmt: skip
 BY_NAME = {case.name: case for case in CASES}
 assert len(BY_NAME) == len(CASES)
@@ -299,6 +311,8 @@ def case_inputs(case: Case) -> dict:
                       with_nan_padding=case.nan_padding)  # fmt: skip
     if case.inputs == "all_masked":
         data["mask"] = torch.zeros_like(data["mask"])
+    if case.inputs == "int32_labels":
+        data["labels"] = data["labels"].int()
     if case.flat:
         data = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items()}
     return data
@@ -593,6 +607,18 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         data["mask"] = data["mask"].flip(-1)
     if what == "mask_weights_differ":  # the same tokens counted, another weight on rank 1
         data["mask"] = data["mask"].float() * (0.5 if rank == 1 else 1.0)
+    if what == "labels_collide" and rank == 1:  # a position-weighted sum keeps this change
+        data["labels"] = _colliding_labels(data["labels"], data["mask"], case.vocab)
+    changed = what.removeprefix("linear_").removesuffix("_differs")
+    if changed in ("advantages", "old_logp", "ref_logp", "rollout_logp") and rank == 1:
+        data[changed] = _one_counted_token_changed(data[changed], data["mask"])
+    if what in ("is_weights_differs", "normalizer_differs"):
+        data["is_weights"] = torch.ones(data["labels"].shape)
+        data["normalizer"] = torch.tensor(11.0)
+        if what == "is_weights_differs" and rank == 1:
+            data["is_weights"] = _one_counted_token_changed(data["is_weights"], data["mask"])
+        if what == "normalizer_differs" and rank == 1:
+            data["normalizer"] = torch.tensor(11.0).nextafter(torch.tensor(12.0))
     keywords = {"tp_group": group}
     if what == "softcap_last_rank":
         keywords["softcap"] = -1.0 if rank == world - 1 else 3.0
@@ -609,6 +635,11 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         labels = data["labels"].clone()
         labels[-1, -1] = case.vocab + 3
         fusedrl.token_logprobs(mine, labels, backend="torch", **keywords)
+        return
+    if what == "logprobs_row_temps_differs":
+        temps = torch.full(data["labels"].shape, 0.7)
+        temps = _one_counted_token_changed(temps, None) if rank == 1 else temps
+        fusedrl.token_logprobs(mine, data["labels"], temps, backend="torch", **keywords)
         return
     if what == "logprobs_top_k_last_rank":
         top_k = 0 if rank == world - 1 else 5
@@ -632,11 +663,49 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         config = config.replace(eps_high=0.3)
     if what == "row_temps_rank0_only" and rank == 0:  # the others divide by 1: refused alike
         keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
+    if what == "row_temps_differs":
+        temps = torch.full(data["labels"].shape, 0.7)
+        keywords["temperature"] = _one_counted_token_changed(temps, data["mask"]) if rank == 1 \
+            else temps
     if what == "softcap_differs":  # rank 1 caps at another value: refused alike
         keywords["softcap"] = 3.0 if rank == 1 else 2.0
     backend = "cuda" if what == "backend_cuda" else case.backend
     args = {k: v for k, v in data.items() if k != "logits"}
     fusedrl.policy_loss(mine, config=config, backend=backend, **args, **keywords)
+
+
+def _counted_positions(mask: torch.Tensor | None, shape) -> list[int]:
+    flat = torch.ones(shape, dtype=torch.bool) if mask is None else mask.bool()
+    return flat.reshape(-1).nonzero().flatten().tolist()
+
+
+def _one_counted_token_changed(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`values` with the last counted token's (or sequence's, for [B] advantages) value moved by
+    one ulp (of fp32)."""
+    if mask is not None and values.shape != mask.shape:
+        mask = mask.reshape(values.shape[0], -1).bool().any(-1)
+    out = values.clone().reshape(-1)
+    last = _counted_positions(mask, values.shape)[-1]
+    out[last] = torch.nextafter(out[last], torch.tensor(float("inf")))
+    return out.view(values.shape)
+
+
+def _colliding_labels(labels: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Labels changed by (+1, -2, +1) at three neighbouring counted tokens: the position-weighted
+    sum p1 + ... of the old checksum is unchanged (1 p - 2 (p + 1) + 1 (p + 2) = 0)."""
+    counted = _counted_positions(mask, labels.shape)
+    flat = labels.clone().reshape(-1)
+    for p in counted:
+        run = [p, p + 1, p + 2]
+        if all(q in counted for q in run) and flat[p + 1] >= 2 and flat[p] < vocab - 1 \
+                and flat[p + 2] < vocab - 1:
+            weighted = sum((q + 1) * int(flat[q]) for q in run)
+            flat[run[0]] += 1
+            flat[run[1]] -= 2
+            flat[run[2]] += 1
+            assert sum((q + 1) * int(flat[q]) for q in run) == weighted  # the old sum is fooled
+            return flat.view(labels.shape)
+    raise AssertionError("no three neighbouring counted tokens to change")
 
 
 def run_bad(case: Case, world: int, rank: int, group, log: CollectiveLog) -> dict:
@@ -843,7 +912,7 @@ def _sampling_collectives(case: Case, tokens: int) -> list:
 @pytest.mark.parametrize("name", PARALLEL)
 @pytest.mark.parametrize("world", WORLDS)
 def test_one_collective_forward_none_backward(worlds, world, name):
-    """Forward: the header (15 int64) and one all-gather of PARTIALS fp32 per token (with a
+    """Forward: the header (len(FIELDS) int64) and one all-gather of PARTIALS fp32 per token (with a
     sampling mask, the selects' all-reduces of at most 256 fp32 per token between them).
     Backward: nothing, except the LM-head forms' one all-reduce of the [N, H] input gradient."""
     case = BY_NAME[name]
@@ -855,7 +924,7 @@ def test_one_collective_forward_none_backward(worlds, world, name):
             selected = int(case_inputs(case)["mask"].sum())
             assert selected < tokens
         assert sampling == _sampling_collectives(case, selected), (rank, result["fwd"])
-        assert header[1][-1] == ("torch.int64", 15), (rank, header)
+        assert header[1][-1] == ("torch.int64", len(FIELDS)), (rank, header)
         assert data[1][-1] == ("torch.float32", fusedrl.tp.PARTIALS * tokens), (rank, data)
         assert fusedrl.tp.PARTIALS <= 4
         expected_bwd = []
@@ -952,7 +1021,17 @@ def test_bad_input_messages_name_the_problem(worlds):
     expected = {
         "bad_label_on_one_rank": "labels must be global token ids in [0, 1031) where mask is set",
         "bad_negative_label": "found -7",
-        "bad_labels_differ": "disagree on the labels",
+        "bad_labels_differ": "disagree on labels",
+        "bad_labels_collide": "disagree on labels",
+        "bad_advantages_differs": "disagree on advantages",
+        "bad_old_logp_differs": "disagree on old_logp",
+        "bad_ref_logp_differs": "disagree on ref_logp",
+        "bad_rollout_logp_differs": "disagree on rollout_logp",
+        "bad_is_weights_differs": "disagree on is_weights",
+        "bad_normalizer_differs": "disagree on normalizer",
+        "bad_row_temps_differs": "disagree on temperature",
+        "bad_logprobs_row_temps_differs": "disagree on temperature",
+        "bad_linear_advantages_differs": "disagree on advantages",
         "bad_vocab_size_too_big": "but vocab_size is 1036",
         "bad_vocab_start_overlap": "overlap",
         "bad_vocab_start_gap": "leave a gap",
@@ -962,8 +1041,8 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_config_differs": "disagree on the settings",
         "bad_row_temps_rank0_only": "disagree on the settings",
         "bad_softcap_differs": "disagree on the settings",
-        "bad_labels_permuted": "disagree on the labels / mask",
-        "bad_mask_weights_differ": "disagree on the labels / mask",
+        "bad_labels_permuted": "disagree on labels",
+        "bad_mask_weights_differ": "disagree on mask",
         "bad_linear_reduce_differs": "disagree on the settings",
         "bad_linear_hidden_size_differs": "disagree on the settings",
         "bad_logprobs_label": "found 1034",
@@ -1018,3 +1097,35 @@ def test_merge_of_one_slice_is_that_slice_bit_for_bit():
     merged = fusedrl.tp.merge.merge(gathered, torch.zeros(40, dtype=torch.long))
     for got, want in zip(merged, (logp, lse, entropy)):
         assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------ the header's hash
+def test_replicated_hash_sees_bits_and_positions_not_masked_tokens():
+    from fusedrl.tp.header import replicated_hash
+
+    def digest(value, counted=None):
+        return int(replicated_hash(value, counted, torch.device("cpu")))
+
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 9, generator=gen)
+    counted = torch.rand(4, 9, generator=gen) > 0.3
+    base = digest(values, counted)
+    assert base == digest(values.clone(), counted)  # deterministic
+    hidden = values.clone()
+    hidden[~counted] = float("nan")  # what a masked token holds never counts
+    assert digest(hidden, counted) == base
+    moved = values.clone()
+    spot = counted.nonzero()[0].tolist()
+    moved[tuple(spot)] = torch.nextafter(moved[tuple(spot)], torch.tensor(9.0))
+    assert digest(moved, counted) != base  # one ulp at one counted token
+    zero, negative_zero = torch.zeros(5), torch.zeros(5)
+    negative_zero[2] = -0.0
+    assert digest(zero) != digest(negative_zero)  # bit-exact: -0.0 is not 0.0
+    ids = torch.arange(10, 19)
+    collided = ids.clone()
+    collided[3:6] += torch.tensor([1, -2, 1])  # fools any position-weighted sum
+    assert digest(ids) != digest(collided)
+    assert digest(ids) != digest(ids.flip(0))  # positions count
+    assert digest(torch.tensor(7.0)) == digest(7.0)  # a scalar tensor is its number
+    assert digest(None) != digest(0.0)
+    assert digest(torch.ones(3, dtype=torch.bfloat16)) != digest(torch.ones(3))  # its dtype's bits

@@ -29,6 +29,7 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl.integrations import verl as fverl  # noqa: E402
+from fusedrl.tp.header import FIELDS  # noqa: E402
 
 from .test_tensor_parallel import CollectiveLog, _free_port, rank_slice  # noqa: E402
 
@@ -951,7 +952,7 @@ def test_megatron_helpers_collectives(tp_world, world):
             assert [call[0] for call in ours["fwd"]] == ["all_gather_into_tensor"] * 2 or [
                 call[0] for call in ours["fwd"]
             ] == ["all_gather_single"] * 2, (name, rank, ours["fwd"])
-            assert ours["fwd"][0][1][-1] == ("torch.int64", 15), (name, ours["fwd"])
+            assert ours["fwd"][0][1][-1] == ("torch.int64", len(FIELDS)), (name, ours["fwd"])
             assert ours["fwd"][1][1][-1] == ("torch.float32", 3 * tokens), (name, ours["fwd"])
             assert ours["bwd"] == [], (name, rank, ours["bwd"])
             if name in verl_calls:

@@ -3,8 +3,8 @@
 A rank that raised alone would leave the others waiting in the next collective forever. So the
 ranks first share what must agree (shapes, the vocab layout, the dtype, the settings) and the
 facts about their inputs that need the whole group to judge (the label range against the global
-vocab size, a checksum of the replicated labels, whether their own checks passed); then every
-rank runs the same checks on the same gathered numbers and raises the same error, or none does.
+vocab size, a hash of each replicated input, whether their own checks passed); then every rank
+runs the same checks on the same gathered numbers and raises the same error, or none does.
 It costs one all-gather of len(FIELDS) int64 per rank and one device-to-host read.
 """
 
@@ -29,8 +29,14 @@ _NO_LABEL = 1 << 62
 # Host-side fields first, then the label statistics computed on the labels' device.
 HOST_FIELDS = ("failed", "batch", "time", "flat", "size", "start", "vocab_size", "dtype", "call",
                "seed")  # fmt: skip
-LABEL_FIELDS = ("label_min", "label_max", "label_sum", "label_count", "mask_sum")
-FIELDS = HOST_FIELDS + LABEL_FIELDS
+LABEL_FIELDS = ("label_min", "label_max", "label_count")
+# The per-token (and scalar) inputs every rank must hold alike, each compared by a hash of its
+# bits in the header (`replicated_hash`); the LM-head forms' hidden states are not (hashing
+# [N, H] would cost more than the call's header is worth; docs/tensor_parallel.md says so).
+REPLICATED = ("labels", "mask", "advantages", "old_logp", "ref_logp", "rollout_logp",
+              "is_weights", "temperature", "normalizer")  # fmt: skip
+FIELDS = HOST_FIELDS + LABEL_FIELDS + tuple(f"hash_{name}" for name in REPLICATED)
+_ABSENT = 0  # the hash of an input not given (None, or a number folded into `call`)
 
 
 class TensorParallelInputError(ValueError):
@@ -74,11 +80,8 @@ def check_vocab_arguments(vocab_start: object, vocab_size: object) -> None:
 
 
 def _label_stats(labels: object, valid: object, tokens: object, device) -> torch.Tensor:
-    """[label_min, label_max, label_sum, label_count, mask_sum] over the counted tokens, on the
-    device (no host sync); placeholders when the inputs are malformed (their own checks say
-    why). The sums weigh each token by its position (int64, wrapping alike on every rank), so
-    that labels or mask weights moved between tokens change them; mask_sum sums the bits of the
-    fp32 mask weights, so that a weight changed anywhere does."""
+    """[label_min, label_max, label_count] over the counted tokens, on the device (no host
+    sync); placeholders when the inputs are malformed (their own checks say why)."""
     well_formed = (
         isinstance(labels, torch.Tensor)
         and isinstance(tokens, torch.Tensor)
@@ -96,20 +99,70 @@ def _label_stats(labels: object, valid: object, tokens: object, device) -> torch
         )
     )
     if not well_formed or labels.numel() == 0:
-        return torch.tensor([_NO_LABEL, -_NO_LABEL, 0, 0, 0], dtype=torch.int64, device=device)
+        return torch.tensor([_NO_LABEL, -_NO_LABEL, 0], dtype=torch.int64, device=device)
     labels = labels.long()
-    position = torch.arange(1, labels.numel() + 1, device=device).view(labels.shape)
-    if valid is None:
-        counted, bits = torch.ones_like(labels, dtype=torch.bool), torch.zeros_like(labels)
-    else:
-        counted = valid != 0
-        bits = valid.float().contiguous().view(torch.int32).long()
+    counted = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid != 0
     return torch.stack([
         torch.where(counted, labels, _NO_LABEL).amin(),
         torch.where(counted, labels, -_NO_LABEL).amax(),
-        (torch.where(counted, labels, 0) * position).sum(),
         counted.sum(),
-        (bits * position).sum(),
+    ])  # fmt: skip
+
+
+# splitmix64's finaliser (as signed int64): every input bit flips about half of the output bits,
+# so a sum of mixed (value, position) words has no linear collisions: changes that cancel in a
+# weighted sum of the values ((+1, -2, +1) at neighbouring positions) do not cancel here.
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # logical: torch's >> on int64 keeps the sign
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MIX1  # int64 products wrap alike on every rank
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as int64, one word per element: bit-exact, so that -0.0 and 0.0 or two
+    NaN payloads differ as they would in the computation."""
+    value = value.detach().contiguous()
+    if value.dtype.is_floating_point:
+        value = value.view(_INT_OF_WIDTH[value.element_size()])
+    return value.long()
+
+
+def replicated_hash(value: object, counted: torch.Tensor | None, device) -> torch.Tensor:
+    """A 0-dim int64 hash of `value`'s bits and their positions, over the tokens `counted`
+    (broadcast over its trailing dims: what a masked token holds never counts); a number is
+    hashed as its float64 bits, None as _ABSENT. On the device, no host sync."""
+    if value is None:
+        return torch.full((), _ABSENT, dtype=torch.int64, device=device)
+    if not isinstance(value, torch.Tensor):
+        value = torch.full((), float(value), dtype=torch.float64, device=device)
+    elif value.dim() == 0:
+        value = value.double()  # a scalar tensor and the same number hash alike
+    bits = _bits(value)
+    position = torch.arange(1, bits.numel() + 1, device=bits.device).view(bits.shape)
+    mixed = _mix(bits ^ _mix(position))
+    if counted is not None and counted.shape == bits.shape[: counted.dim()]:
+        keep = counted.reshape(*counted.shape, *([1] * (bits.dim() - counted.dim())))
+        mixed = torch.where(keep, mixed, 0)
+    return mixed.sum().to(device)
+
+
+def _replicated_hashes(values: dict, counted: object, device) -> torch.Tensor:
+    unknown = set(values) - set(REPLICATED)
+    if unknown:  # a programming error of the caller's, never the user's
+        raise KeyError(f"no header field for {sorted(unknown)}; known: {REPLICATED}")
+    counted = counted if isinstance(counted, torch.Tensor) else None
+    return torch.stack([
+        replicated_hash(values.get(name), None if name == "mask" else counted, device)
+        for name in REPLICATED
     ])  # fmt: skip
 
 
@@ -149,6 +202,7 @@ def agree(
     vocab_start: object,
     vocab_size: object,
     call: str,
+    replicated: Callable[[object], tuple[dict, object]] | None = None,
     draw_seed: bool = False,
 ) -> tuple[object, VocabShard, int]:
     """This rank's own checks, then the header: (what `local_checks()` returned, the group's
@@ -157,9 +211,10 @@ def agree(
     `tokens`: the per-token tensor the call reads ([B, T, V_r] / [N, V_r] logits, or the hidden
     states of the LM-head forms), giving B, T and the dtype; `vocab_rows()`: this rank's V_r
     (asked once the local checks passed). `call` describes the settings every rank must share
-    (the config, the temperature). `draw_seed`: draw a seed from this rank's generator; every
-    rank uses rank 0's, so that random token selections (clip_cov without a seed) are the same
-    everywhere.
+    (the config, the temperature). `replicated(checked)`: ({name in REPLICATED: the checked
+    input, or None}, the counted tokens [B, T] bool or None), hashed for the header once the
+    local checks passed. `draw_seed`: draw a seed from this rank's generator; every rank uses
+    rank 0's, so that random token selections (clip_cov without a seed) are the same everywhere.
     """
     rank, world = group_rank_and_size(group)
     failure = checked = None
@@ -173,14 +228,31 @@ def agree(
     device = header_device(group, tokens)
     seed = int(torch.randint(0, 1 << 62, ())) if draw_seed else 0
     host = _host_fields(tokens, size, vocab_start, vocab_size, call, failure is not None, seed)
+    values, counted = ({}, None)
+    if failure is None and replicated is not None:
+        values, counted = replicated(checked)
     local = torch.cat(
         [
             torch.tensor(host, dtype=torch.int64, device=device),
             _label_stats(labels, valid, tokens, device),
+            _replicated_hashes(values, counted, device),
         ]
     )
     rows = [dict(zip(FIELDS, row)) for row in all_gather(local, group, world).tolist()]
     return checked, check(rows, rank, failure), rows[0]["seed"]
+
+
+def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
+    """`agree`'s `replicated` for the policy losses: their checked `LossInputs`."""
+    values = {name: getattr(inp, name) for name in REPLICATED if hasattr(inp, name)}
+    values["temperature"] = inp.row_temps  # (a number is in the call's settings)
+    return values, inp.valid
+
+
+def logprob_inputs_replicated(labels, temperature) -> tuple[dict, None]:
+    """`agree`'s `replicated` for the log-prob functions: the checked labels and temperature."""
+    per_token = temperature if isinstance(temperature, torch.Tensor) else None
+    return {"labels": labels, "temperature": per_token}, None
 
 
 def _disagree(what: str, values: list) -> TensorParallelInputError:
@@ -212,7 +284,7 @@ def check(rows: list[dict], rank: int, failure: BaseException | None) -> VocabSh
             "the settings (config / temperature; crc32 of each)", [h["call"] for h in rows]
         )
     shard = _layout(rows, rank)
-    _check_labels(rows, shard.vocab_size)
+    _check_replicated(rows, shard.vocab_size)
     return shard
 
 
@@ -251,7 +323,7 @@ def _layout(rows: list[dict], rank: int) -> VocabShard:
     return VocabShard(rank=rank, starts=tuple(starts), sizes=tuple(sizes), vocab_size=vocab_size)
 
 
-def _check_labels(rows: list[dict], vocab_size: int) -> None:
+def _check_replicated(rows: list[dict], vocab_size: int) -> None:
     counted = [h for h in rows if h["label_count"] > 0]
     if counted:
         low = min(h["label_min"] for h in counted)
@@ -261,13 +333,18 @@ def _check_labels(rows: list[dict], vocab_size: int) -> None:
                 f"labels must be global token ids in [0, {vocab_size}) where mask is set "
                 f"(vocab_size = {vocab_size}), found {low if low < 0 else high}"
             )
-    sums = [(h["label_sum"], h["label_count"], h["mask_sum"]) for h in rows]
-    if len(set(sums)) > 1:
-        raise _disagree(
-            "the labels / mask, which must be the same on every rank (position-weighted sums of "
-            "the counted labels, their count, and of the mask weights' bits)",
-            sums,
-        )
+    counts = [h["label_count"] for h in rows]
+    if len(set(counts)) > 1:
+        raise _disagree("the number of counted tokens (mask != 0)", counts)
+    for name in REPLICATED:
+        hashes = [h[f"hash_{name}"] for h in rows]
+        if len(set(hashes)) > 1:
+            shown = ["not given" if v == _ABSENT else f"{v & ((1 << 64) - 1):016x}" for v in hashes]
+            raise _disagree(
+                f"{name}, which must be the same on every rank (a hash of its bits where the mask "
+                "is set)",
+                shown,
+            )
 
 
 def join_refusing(group, error: BaseException, tokens: object) -> NoReturn:

@@ -39,6 +39,8 @@ from .header import (
     NO_LIMIT,
     agree,
     check_vocab_arguments,
+    logprob_inputs_replicated,
+    loss_inputs_replicated,
     range_unchecked,
     seeded,
     shown_temperature,
@@ -278,6 +280,7 @@ def linear_policy_loss(
         call=(f"{cfg!r} temperature={shown_temperature(temperature)} softcap={softcap!r} "
               f"logit_scale={logit_scale!r} skip_masked_rows={skip} "
               f"{_head_settings(hidden, want, reduce_input_grad)}"),
+        replicated=lambda checked: loss_inputs_replicated(checked[0]),
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -394,6 +397,7 @@ def linear_token_logprobs(
         call=(f"linear_token_logprobs temperature={shown_temperature(temperature)} "
               f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
               f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"),
+        replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
     )  # fmt: skip
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden

@@ -35,6 +35,8 @@ from .header import (
     NO_LIMIT,
     agree,
     check_vocab_arguments,
+    logprob_inputs_replicated,
+    loss_inputs_replicated,
     range_unchecked,
     seeded,
     shown_temperature,
@@ -165,6 +167,7 @@ def policy_loss(
         tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
         labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
         call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
+        replicated=lambda checked: loss_inputs_replicated(checked[0]),
         draw_seed=unseeded_pick(cfg),
     )  # fmt: skip
     cfg = seeded(cfg, seed)
@@ -283,6 +286,7 @@ def token_logprobs(
         labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
         call=f"token_logprobs temperature={shown_temperature(temperature)} "
         f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} {transform!r}",
+        replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
     )  # fmt: skip
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
