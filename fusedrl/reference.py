@@ -217,16 +217,55 @@ def exact_kl(
 ) -> torch.Tensor:
     """KL(pi || pi_ref) ("full") or KL(pi_ref || pi) ("full_reverse") summed over the vocabulary
     per token, both distributions softmax(logits / temperature); differentiable in `logits`."""
-    upcast = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    log_pi = torch.log_softmax(logits.to(upcast) / temperature, dim=-1)
-    log_ref = torch.log_softmax(ref_logits.to(upcast) / temperature, dim=-1)
     if kind == "full":
-        first, second = log_pi, log_ref
-    else:
-        first, second = log_ref, log_pi
-    weight = first.exp()
-    # sum_v P(v) (log P(v) - log Q(v)), with 0 log 0 = 0 where P cannot emit v
-    return torch.where(weight > 0, weight * (first - second), 0.0).sum(-1)
+        return vocab_kl(logits, ref_logits, temperature)
+    return vocab_kl(ref_logits, logits, temperature)
+
+
+class _Unbounded(torch.autograd.Function):
+    """+inf per row of `logits` [..., V], whose derivative is not defined: NaN in every element
+    of a row that the loss weighs (a zero upstream gradient stays zero)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        ctx.shape = logits.shape
+        return torch.full(logits.shape[:-1], float("inf"), dtype=logits.dtype,
+                          device=logits.device)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.where(grad[..., None] != 0, float("nan"), 0.0).expand(ctx.shape)
+
+
+def vocab_kl(first: torch.Tensor, second: torch.Tensor, temperature) -> torch.Tensor:
+    """KL(P || Q) = sum_v P(v) (log P(v) - log Q(v)) per row, P = softmax(first / T), Q =
+    softmax(second / T), differentiable in either.
+
+    A banned token (a -inf logit, or -finfo.max of the logits' dtype, as masks write it) has
+    probability 0; any other logit has probability > 0, however small it rounds. So: 0 log 0 = 0
+    where P bans v, and the KL is +inf where P can emit a token that Q bans. There the
+    derivative in P's logits is not defined (NaN, `_Unbounded`); the derivative in Q's logits
+    is the finite d/dz (-sum_v P(v) log Q(v)) = (Q - P) / T, exact, kept."""
+    upcast = torch.float64 if first.dtype == torch.float64 else torch.float32
+    p_bans = first <= -torch.finfo(first.dtype).max
+    q_bans = second <= -torch.finfo(second.dtype).max
+    log_p = torch.log_softmax(first.to(upcast) / temperature, dim=-1)
+    log_q = torch.log_softmax(second.to(upcast) / temperature, dim=-1)
+    finite = _kl_terms(log_p, log_q, ~p_bans & ~q_bans)
+    infinite = (~p_bans & q_bans).any(-1)
+    if not bool(infinite.any()):
+        return finite
+    # Where infinite: +inf, NaN in P's logits, and in Q's the gradient of the cross-entropy
+    # terms -P(v) log Q(v) of every token P emits, those Q bans included (+inf there).
+    cross = _kl_terms(log_p, log_q, ~p_bans & (log_p.exp() > 0))
+    return torch.where(infinite, cross + _Unbounded.apply(first), finite)
+
+
+def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """sum_v P(v) (log P(v) - log Q(v)) over the tokens `keep`; the others' -inf log-probs are
+    replaced before the product, so that their zero gradient is not 0 x inf = NaN."""
+    safe_p = torch.where(keep, log_p, 0.0)
+    return torch.where(keep, safe_p.exp() * (safe_p - log_q), 0.0).sum(-1)
 
 
 def is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
@@ -474,9 +513,7 @@ def _m2po(logp, old, inp: LossInputs, cfg: LossConfig, metrics: dict) -> LossInp
     time, while the mean over the tokens left is >= tau (keeping at least one)."""
     counted = (inp.valid & (inp.mask > 0)).flatten()
     m2 = ((logp - old) ** 2).flatten()
-    order = sorted(
-        (i for i in range(m2.numel()) if counted[i]), key=lambda i: (-float(m2[i]), i)
-    )
+    order = sorted((i for i in range(m2.numel()) if counted[i]), key=lambda i: (-float(m2[i]), i))
     dropped = torch.zeros_like(counted)
     remaining = list(order)
     while len(remaining) > 1 and sum(float(m2[i]) for i in remaining) / len(remaining) >= (
@@ -727,6 +764,10 @@ def distill_divergence(
         kind = "forward_kl"
     if kind == "jsd" and beta == 1.0:
         kind = "reverse_kl"
+    if kind == "reverse_kl":
+        return vocab_kl(student_logits, teacher_logits, temperature)
+    if kind == "forward_kl":
+        return vocab_kl(teacher_logits, student_logits, temperature)
     upcast = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     s = torch.softmax(student_logits.to(upcast) / temperature, dim=-1)
     q = torch.softmax(teacher_logits.to(upcast) / temperature, dim=-1)
@@ -734,10 +775,6 @@ def distill_divergence(
     def kl(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # sum_v p log(p / r), 0 log 0 = 0
         return torch.where(p > 0, p * (torch.log(p) - torch.log(r)), 0.0).sum(-1)
 
-    if kind == "reverse_kl":
-        return kl(s, q)
-    if kind == "forward_kl":
-        return kl(q, s)
     m = beta * q + (1.0 - beta) * s
     return beta * kl(q, m) + (1.0 - beta) * kl(s, m)
 

@@ -20,7 +20,7 @@ import torch
 
 from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
-from .logit_transform import LogitTransform, capped_rows
+from .logit_transform import LogitTransform, banned, capped_rows
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
 
@@ -179,24 +179,36 @@ def block_grad(
     return torch.where(live, grad, 0.0)
 
 
-def full_kl_of(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+def full_kl_of(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kind: str,
+    bans: torch.Tensor,
+    ref_bans: torch.Tensor,
+) -> torch.Tensor:
     """[n] exact KL per row over the vocabulary: KL(pi || ref) for "full", KL(ref || pi) for
-    "full_reverse" (0 log 0 = 0: a token one side cannot emit adds nothing there)."""
+    "full_reverse". `bans` / `ref_bans` ([n, V] bool, `logit_transform.banned` of each block):
+    the tokens each side cannot emit. 0 log 0 = 0: a token the weighting side bans adds nothing;
+    a token it can emit (any other logit: its probability is > 0, however small it rounds) that
+    the other side bans makes the row's KL +inf (docs/losses.md, "Exact KL")."""
     if kind == "full_reverse":
-        log_probs, ref_log_probs = ref_log_probs, log_probs
-    probs = log_probs.exp()
-    return row_sum(torch.where(probs > 0, probs * (log_probs - ref_log_probs), 0.0))
+        log_probs, ref_log_probs, bans, ref_bans = ref_log_probs, log_probs, ref_bans, bans
+    both = ~bans & ~ref_bans
+    finite = row_sum(torch.where(both, log_probs.exp() * (log_probs - ref_log_probs), 0.0))
+    return torch.where((~bans & ref_bans).any(-1), float("inf"), finite)
 
 
 def full_kl_grad(
     log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl: torch.Tensor, kind: str
 ) -> torch.Tensor:
     """[n, V] d KL / d(logits / temperature): p (log p - log ref - KL) for "full", p - ref for
-    "full_reverse"."""
+    "full_reverse". A "full" row whose KL is +inf has no derivative: NaN (the reverse KL's p - ref
+    stays the exact, finite derivative of its +inf)."""
     probs = log_probs.exp()
     if kind == "full_reverse":
         return probs - ref_log_probs.exp()
-    return torch.where(probs > 0, probs * (log_probs - ref_log_probs - kl[:, None]), 0.0)
+    finite = torch.where(probs > 0, probs * (log_probs - ref_log_probs - kl[:, None]), 0.0)
+    return torch.where(kl[:, None] == float("inf"), float("nan"), finite)
 
 
 @torch.no_grad()
@@ -239,7 +251,9 @@ def forward_stats(
             entropy[start:stop] = block_entropy
         if ref_block:
             ref_log_probs, _ = block_log_probs(ref_block[0], rows_t)
-            full_kl[start:stop] = full_kl_of(log_probs, ref_log_probs, kl_kind)
+            full_kl[start:stop] = full_kl_of(
+                log_probs, ref_log_probs, kl_kind, banned(block), banned(ref_block[0])
+            )
     logp = logp.view(batch, time)
     entropy = None if entropy is None else entropy.view(batch, time)
     if valid is not None:  # masked rows may hold anything (NaN padding): they must not leak

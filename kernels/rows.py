@@ -132,13 +132,20 @@ def capped(x, cap2, FAST_EXP2: tl.constexpr):
     (v = -inf) rather than becoming -c; its r is 1, so its gradient factor is 0."""
     xf = to_fp32(x)
     r = reciprocal(1.0 + exp2(xf * cap2, FAST_EXP2), FAST_EXP2)
+    return tl.where(banned(x), -float("inf"), 1.0 - 2.0 * r), r
+
+
+@triton.jit
+def banned(x):
+    """Whether a logit bans its token: -inf, or the lowest finite value of its dtype
+    (-finfo.max, as attention-style masks write it)."""
     if x.dtype == tl.float16:
         lowest: tl.constexpr = -65504.0
     elif x.dtype == tl.bfloat16:
         lowest: tl.constexpr = -3.3895313892515355e38
     else:
         lowest: tl.constexpr = -3.4028234663852886e38
-    return tl.where(xf <= lowest, -float("inf"), 1.0 - 2.0 * r), r
+    return to_fp32(x) <= lowest
 
 
 @triton.jit

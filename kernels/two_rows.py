@@ -42,6 +42,7 @@ from .rows import (
     LN2,
     LOG2E,
     accumulate_weighted,
+    banned,
     cap_arg,
     capped,
     exp2,
@@ -84,14 +85,19 @@ def _load_pair(
     vocab,
     scale2,
     cap2,
+    KIND: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """(y_s, y_q, in_row, r_s) of one tile of both rows: y = x log2(e) / T in fp32, clamped below
-    at FLOOR (a -inf logit weighs 0 without a NaN; off the row: FLOOR too). With SOFTCAP both
-    rows are read as tanh(a x) (`rows.capped`) and r_s is the student's r (d tanh(a x) / dx =
-    4 a r (1 - r)); else r_s is 0."""
+    """(y_s, y_q, in_row, r_s, unbounded) of one tile of both rows: y = x log2(e) / T in fp32,
+    clamped below at FLOOR (a -inf logit weighs 0 without a NaN; off the row: FLOOR too). With
+    SOFTCAP both rows are read as tanh(a x) (`rows.capped`) and r_s is the student's r
+    (d tanh(a x) / dx = 4 a r (1 - r)); else r_s is 0. `unbounded`: the elements where the KL's
+    weighting row can emit a token (a logit that is not `banned`: its probability is > 0,
+    however small it rounds) that the other row bans, which make the KL +inf (FLOOR would make
+    it a large finite number instead); none for jsd (its mixture bans nothing either row
+    emits)."""
     offs = start + tl.arange(0, BLOCK_V)
     in_row = offs < vocab
     xs = tl.load(s_row + offs, mask=in_row, other=-float("inf"))
@@ -100,7 +106,13 @@ def _load_pair(
     if SOFTCAP:
         xs, r_s = capped(xs, cap2, FAST_EXP2)
         xq, _ = capped(xq, cap2, FAST_EXP2)
-    return scaled(xs, scale2), scaled(xq, scale2), in_row, r_s
+    if KIND == 0:
+        unbounded = banned(xq) & ~banned(xs)
+    elif KIND == 1:
+        unbounded = banned(xs) & ~banned(xq)
+    else:
+        unbounded = in_row & False
+    return scaled(xs, scale2), scaled(xq, scale2), in_row, r_s, unbounded
 
 
 @triton.jit
@@ -183,10 +195,12 @@ def _two_rows_fwd_kernel(
         own_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_s: E_s[y_s], the entropy
         other_s = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_s - max) y_q: E_s[y_q]
         cross_q = tl.zeros([BLOCK_V], tl.float32)  # sum 2^(y_q - max) (y_q - y_s): E_q
+        unbounded_seen = tl.zeros([BLOCK_V], tl.int32)
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, unused_in_row, unused_r = _load_pair(
-                s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, FAST_EXP2, BLOCK_V
+            ys, yq, unused_in_row, unused_r, unbounded = _load_pair(
+                s_row, q_row, start, vocab, row_scale2, cap2, KIND, SOFTCAP, FAST_EXP2, BLOCK_V
             )
+            unbounded_seen |= unbounded.to(tl.int32)
             max_s, total_s, own_s, other_s = _accumulate_two(
                 max_s, total_s, own_s, other_s, ys, yq, FAST_EXP2
             )
@@ -201,14 +215,17 @@ def _two_rows_fwd_kernel(
             value = (mean_ys - mean_yq - lse2_s + lse2_q) * LN2
         elif KIND == 1:
             value = (mean_q - lse2_q + lse2_s) * LN2
+        if KIND != 2:
+            value = tl.where(tl.max(unbounded_seen, axis=0) > 0, float("inf"), value)
         else:
             # log m needs both lse's: a second sweep over the pair
             sum_d = tl.zeros([BLOCK_V], tl.float32)
             sum_sg = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
-                ys, yq, in_row, unused_r = _load_pair(
-                    s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, FAST_EXP2, BLOCK_V
-                )
+                ys, yq, in_row, unused_r, unused_unbounded = _load_pair(
+                    s_row, q_row, start, vocab, row_scale2, cap2, KIND, SOFTCAP, FAST_EXP2,
+                    BLOCK_V,
+                )  # fmt: skip
                 ls2 = ys - lse2_s
                 lq2 = yq - lse2_q
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)
@@ -299,9 +316,13 @@ def _two_rows_grad_kernel(
             # so in place no thread reads an element another one has overwritten.
             label = tl.load(labels_ptr + row)
             entropy = tl.load(entropy_ptr + row)
+        # KL(s || q) = +inf has no derivative in x: its rows get NaN where the loss weighs them
+        # (KL(q || s)'s (s - q) / T stays the exact, finite derivative of its +inf)
+        undefined = (KIND == 0) & (value == float("inf")) & (weight != 0)
+        value = tl.where(value == float("inf"), 0.0, value)
         for start in range(0, vocab, BLOCK_V):
-            ys, yq, in_row, r_s = _load_pair(
-                s_row, q_row, start, vocab, row_scale2, cap2, SOFTCAP, False, BLOCK_V
+            ys, yq, in_row, r_s, unused_unbounded = _load_pair(
+                s_row, q_row, start, vocab, row_scale2, cap2, KIND, SOFTCAP, False, BLOCK_V
             )
             ls2 = ys - lse2_s
             lq2 = yq - lse2_q
@@ -313,7 +334,7 @@ def _two_rows_grad_kernel(
             else:
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)
                 grad = ps * (one_minus_beta * (ls2 - lm2) * LN2 - aux)
-            grad = factor * grad
+            grad = tl.where(undefined, float("nan"), factor * grad)
             if WITH_POLICY:
                 # d logp / dx = (onehot - s) / T; d H / dx = -s (log s + H) / T
                 onehot = tl.where(start + offs == label, 1.0, 0.0)

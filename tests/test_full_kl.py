@@ -302,3 +302,78 @@ def test_rows_with_only_an_entropy_gradient(backend):
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
     assert grad[data["mask"]].abs().amax(-1).min() > 0  # every counted row has a gradient
+
+
+# ------------------------------------------------------------------ an infinite KL, one behaviour
+def _banning_batch(dtype: torch.dtype, ban: str) -> dict:
+    """Row (0, 0): the reference bans a token the policy emits (KL(pi || ref) = +inf); row (0, 1):
+    the policy bans a token the reference emits (KL(ref || pi) = +inf); row (2, 0): both at
+    once, on a masked token (never counted); the rest finite. `ban`: "-inf", or "lowest" (-finfo.max
+    of the dtype, as attention-style masks write it)."""
+    data = _batch(seed=6, vocab=67, dtype=dtype)
+    value = float("-inf") if ban == "-inf" else -torch.finfo(dtype).max
+    logits, ref = data["logits"].clone(), data["ref_logits"].clone()
+    ref[0, 0, 5] = value
+    logits[0, 1, 9] = value
+    data["labels"][0, 1] = 3  # a token the policy emits
+    logits[2, 0, 4] = ref[2, 0, 7] = value
+    data["mask"][0, :2] = True
+    data["mask"][2, 0] = False
+    data.update(logits=logits, ref_logits=ref)
+    return data
+
+
+def _distill(logits, labels, mask, ref_logits, config, kind, distill_fn, **kwargs):
+    """distill_loss in policy_loss's calling form (the KL direction by `kind`)."""
+    return distill_fn(logits, ref_logits, labels, mask, kind=kind, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ban", ["-inf", "lowest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "form, differentiated_weights",
+    [("full", True), ("full_reverse", False), ("reverse_kl", True), ("forward_kl", False)],
+)
+def test_an_infinite_kl_is_inf_on_every_backend(form, differentiated_weights, dtype, ban, backend):
+    """KL = +inf where the weighting distribution emits a token the other bans (-inf or
+    -finfo.max alike), on every backend and the oracle: the loss and the metric are +inf. When
+    the weighting side is the one differentiated (KL(pi || ref), distillation's reverse KL), the
+    row's gradient is NaN (undefined), every element; otherwise it is the exact, finite
+    (p - q) / T. Every other row's gradient equals the oracle's, finite."""
+    data = _banning_batch(dtype, ban)
+    if form.startswith("full"):
+        cfg = LossConfig.preset("grpo").replace(kl=form, beta=0.1)
+        ours, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend)
+        truth, truth_grad = _run(reference.policy_loss, data, cfg)
+        metric = "kl"
+    else:
+        data = {k: data[k] for k in ("logits", "labels", "mask", "ref_logits")}
+        ours, grad = _run(_distill, data, None, kind=form, distill_fn=fusedrl.distill_loss,
+                          backend=backend)  # fmt: skip
+        truth, truth_grad = _run(_distill, data, None, kind=form, distill_fn=reference.distill_loss)
+        metric = "distill"
+    assert ours.loss.item() == truth.loss.item() == math.inf
+    assert ours.metrics[metric].item() == truth.metrics[metric].item() == math.inf
+    infinite_row = (0, 0) if form in ("full", "reverse_kl") else (0, 1)
+    nan_rows = grad.isnan().any(-1)
+    assert torch.equal(nan_rows, truth_grad.isnan().any(-1))
+    if differentiated_weights:
+        assert grad[infinite_row].isnan().all() and nan_rows.sum() == 1
+    else:
+        assert not nan_rows.any()
+        assert torch.isfinite(grad).all()
+    keep = ~nan_rows[..., None].expand_as(grad)
+    assert (grad[~keep].isnan()).all()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad.float()[keep], truth_grad.float()[keep], **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infinite_kl_with_beta_zero_is_a_metric_only(backend):
+    """beta = 0: the +inf KL is reported, the loss and the gradient stay finite."""
+    data = _banning_batch(torch.float32, "-inf")
+    cfg = LossConfig.preset("grpo").replace(kl="full", beta=0.0)
+    ours, grad = _run(fusedrl.policy_loss, data, cfg, backend=backend)
+    assert math.isfinite(ours.loss.item()) and torch.isfinite(grad).all()
+    assert ours.metrics["kl"].item() == math.inf

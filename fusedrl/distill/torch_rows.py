@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..fused_backend import TwoRowOps
-from ..logit_transform import LogitTransform, capped_rows
+from ..logit_transform import LogitTransform, banned, capped_rows
 from ..torch_backend import (
     block_grad,
     block_log_probs,
@@ -89,12 +89,15 @@ def forward(
     for start, (s_block, q_block) in row_blocks(student, teacher):
         stop = start + s_block.shape[0]
         rows_t = rows_temperature(temperature, start, stop)
-        log_s, block_lse_s = block_log_probs(_read(s_block, cap), rows_t)
-        log_q, block_lse_q = block_log_probs(_read(q_block, cap), rows_t)
+        s_block, q_block = _read(s_block, cap), _read(q_block, cap)
+        log_s, block_lse_s = block_log_probs(s_block, rows_t)
+        log_q, block_lse_q = block_log_probs(q_block, rows_t)
         if kind == "jsd":
             value[start:stop], aux[start:stop] = _jsd(log_s, log_q, beta)
         else:
-            value[start:stop] = full_kl_of(log_s, log_q, _KL_DIRECTION[kind])
+            value[start:stop] = full_kl_of(
+                log_s, log_q, _KL_DIRECTION[kind], banned(s_block), banned(q_block)
+            )
         picked = flat_labels[start:stop].clamp(0, log_s.shape[-1] - 1)
         logp[start:stop] = log_s.gather(-1, picked[:, None]).squeeze(-1)
         lse_s[start:stop], lse_q[start:stop] = block_lse_s[:, 0], block_lse_q[:, 0]
@@ -149,8 +152,8 @@ def grad(
             d_value = log_s.exp() * (_jsd_g(log_s, log_m, beta) - flat_aux[start:stop, None])
         else:
             d_value = full_kl_grad(log_s, log_q, flat_value[start:stop], _KL_DIRECTION[kind])
-        block = w * d_value / rows_t
         live = w != 0
+        block = torch.where(live, w * d_value / rows_t, 0.0)  # (a NaN of an unweighted +inf KL)
         if flat_dlogp is not None:
             block_dlogp = flat_dlogp[start:stop]
             block_dent = None if flat_dent is None else flat_dent[start:stop]
