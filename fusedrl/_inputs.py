@@ -451,7 +451,9 @@ def decoupled_inputs(prox_logp, old, weights, valid, shape, device, config):
     """Decoupled PPO (AReaL, asynchronous RL): the proximal policy's log-probs take the old
     log-probs' place in the ratio and its clip, and each token's loss is weighted by
     pi_prox / pi_behav (the behaviour policy: old_logp, the sampler's), 0 where that exceeds
-    config.decoupled_is_cap. Returns (the ratio's old log-probs, the IS weights)."""
+    config.decoupled_is_cap. log(pi_prox / pi_behav) is clamped at +-20 before the exp (as verl
+    clamps its log-ratios: w <= e^20 ~ 4.9e8, never inf). Returns (the ratio's old log-probs,
+    the IS weights)."""
     prox = _per_token("prox_logp", prox_logp, shape, device)
     if old is None:
         raise ValueError(

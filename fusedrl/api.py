@@ -139,8 +139,9 @@ def policy_loss(
         prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
             policy (recomputed by the trainer before the update); the ratio and its clip are
             taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
-            behaviour policy being `old_logp` (the sampler's), 0 above
-            config.decoupled_is_cap (none by default). prox_logp == old_logp is the plain loss.
+            behaviour policy being `old_logp` (the sampler's), its log clamped at +-20 before
+            the exp (as verl clamps log-ratios), 0 above config.decoupled_is_cap (none by
+            default). prox_logp == old_logp is the plain loss.
             Exclusive with config.is_correction; not under tensor parallelism yet.
         entropy_coef: the entropy bonus's coefficient as a one-element tensor on the logits'
             device, in place of config.entropy_coef (then left at 0): adaptive entropy control

@@ -623,8 +623,8 @@ def policy_loss(
     `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
     `temperature`: per-token temperatures, each token's logits divided by its own.
     `prox_logp`: decoupled PPO (AReaL's ppo_actor_loss_fn): the ratio against pi_prox, each
-    token's loss times pi_prox / pi_behav (old_logp: the behaviour policy), dropped above
-    config.decoupled_is_cap.
+    token's loss times pi_prox / pi_behav (old_logp: the behaviour policy; its log clamped at
+    +-20 before the exp, as verl clamps log-ratios), dropped above config.decoupled_is_cap.
     `entropy_coef`: the bonus's coefficient as a tensor, in place of config.entropy_coef.
     `logit_scale`: the model's logits are s x (Cohere's logit_scale): x scaled here, the
     reference's logits too. `softcap`: they are c tanh(s x / c) (Gemma 2/3), the reference's
@@ -636,7 +636,9 @@ def policy_loss(
             ref_logits = _model_logits(ref_logits, logit_scale, softcap)
     cfg = config if config is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
-        behaviour = torch.exp(prox_logp.float() - old_logp.float())
+        # log(pi_prox / pi_behav) clamped at +-20 before the exp, as verl clamps its log-ratios
+        log_w = (prox_logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        behaviour = torch.exp(log_w)
         if cfg.decoupled_is_cap is not None:
             behaviour = torch.where(behaviour <= cfg.decoupled_is_cap, behaviour, 0.0)
         is_weights = behaviour if is_weights is None else is_weights * behaviour

@@ -125,3 +125,25 @@ def test_misuse_is_named():
         fusedrl.policy_loss(**dict(data, prox_logp=data["prox_logp"][:, :3]))
     with pytest.raises(NotImplementedError, match="prox_logp .* tensor parallelism"):
         fusedrl.policy_loss(**data, vocab_start=0)
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_the_behaviour_log_weight_is_clamped_alike_in_the_oracle(backend):
+    """log(pi_prox / pi_behav) beyond +-20 (a token the sampler gave e^-25 of the proximal
+    policy's probability, and one the other way round): clamped at +-20 before the exp, in the
+    library and in the oracle alike."""
+    data = _data(seed=4)
+    valid = data["mask"].nonzero()
+    high, low = tuple(valid[0].tolist()), tuple(valid[-1].tolist())
+    data["old_logp"][high] = data["prox_logp"][high] - 25.0
+    data["old_logp"][low] = data["prox_logp"][low] + 25.0
+    cfg = LossConfig.preset("dapo")
+    ours, grad = run_loss(fusedrl.policy_loss, data, config=cfg, backend=backend)
+    want, want_grad = run_loss(reference.policy_loss, data, config=cfg)
+    torch.testing.assert_close(ours.loss, want.loss, atol=0, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-3, rtol=1e-5)
+    clamped = dict(data, old_logp=data["old_logp"].clone())
+    clamped["old_logp"][high] = data["prox_logp"][high] - 20.0
+    clamped["old_logp"][low] = data["prox_logp"][low] + 20.0
+    at_the_clamp, _ = run_loss(reference.policy_loss, clamped, config=cfg)
+    torch.testing.assert_close(want.loss, at_the_clamp.loss, atol=0, rtol=1e-6)
