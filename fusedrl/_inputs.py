@@ -540,9 +540,11 @@ def check_lm_head(
         raise TypeError(f"{weight_name} must be a torch.Tensor, got {type(weight).__name__}")
     hidden_size = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        transposed = weight.dim() == 2 and weight.shape[0] == hidden_size
+        hint = f" (a transposed [H, V] head? pass {weight_name}.T)" if transposed else ""
         raise ValueError(
             f"{weight_name} must be [V, H] with H = {hidden_size} (the last dimension of "
-            f"{hidden_name}), got shape {tuple(weight.shape)}"
+            f"{hidden_name}), got shape {tuple(weight.shape)}{hint}"
         )
     if weight.shape[0] == 0:
         raise ValueError(f"{weight_name} has an empty vocab dimension: shape {tuple(weight.shape)}")

@@ -232,6 +232,8 @@ def linear_policy_loss(
             skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
     cfg = config if config is not None else LossConfig()
+    if isinstance(hidden, torch.Tensor):  # the head's shape before the labels are checked
+        check_lm_head(weight, bias, hidden)  # against its rows (a [H, V] head is named as such)
     inp = prepare_loss_inputs(
         hidden,
         labels,
@@ -243,7 +245,7 @@ def linear_policy_loss(
         cfg,
         normalizer,
         is_weights,
-        vocab=weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
+        vocab=weight.shape[0] if isinstance(weight, torch.Tensor) else None,
         source="hidden",
         ref_head=full_kl,
         temperature=temperature,

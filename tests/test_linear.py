@@ -271,6 +271,12 @@ def test_bad_inputs_name_the_argument():
         fusedrl.linear_policy_loss(h, w, **rows, backend="cuda")
     with pytest.raises(ValueError, match="labels shape .* does not match hidden shape"):
         fusedrl.linear_token_logprobs(h, w, rows["labels"][:, :3])
+    # a transposed [H, V] head: named as the head's shape, before the labels meet its rows
+    transposed = "weight must be \\[V, H\\] .* got shape \\(24, 1031\\) \\(a transposed"
+    with pytest.raises(ValueError, match=transposed):
+        fusedrl.linear_policy_loss(h, w.T, **rows)
+    with pytest.raises(ValueError, match=transposed):
+        fusedrl.linear_token_logprobs(h, w.T, rows["labels"])
 
 
 def test_torch_backend_sweeps_token_level_once_and_sequence_level_twice(monkeypatch):

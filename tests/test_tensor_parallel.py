@@ -259,6 +259,8 @@ CASES = [
          expect_error="TensorParallelInputError"),
     Case("bad_linear_label", kind="bad", inputs="linear_label_too_big_rank0",
          expect_error="TensorParallelInputError"),
+    Case("bad_linear_head_transposed_on_last_rank", kind="bad",
+         inputs="linear_head_transposed_last_rank", expect_error="local"),
     # replicated inputs that differ on one rank: each compared by a hash of its bits
     Case("bad_labels_collide", kind="bad", inputs="labels_collide",
          expect_error="TensorParallelInputError"),
@@ -652,6 +654,8 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         if what == "linear_hidden_size_differs" and rank == 1:  # a head of another width
             hidden, weight = hidden[..., :-1], weight[:, :-1]
         hidden = hidden.detach().requires_grad_(True)
+        if what == "linear_head_transposed_last_rank" and rank == world - 1:
+            weight = weight.T
         if what == "linear_reduce_differs":
             keywords["reduce_input_grad"] = rank != 1
         args = {k: v for k, v in data.items() if k != "logits"}
@@ -1004,7 +1008,8 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
     calls = [result["calls"] for result in per_rank]
     if case.expect_error == "local":  # its own error there, a pointer to it everywhere else
         named = {"advantages_shape_last_rank": "advantages", "softcap_last_rank": "softcap",
-                 "logprobs_top_k_last_rank": "top_k"}[case.inputs]  # fmt: skip
+                 "logprobs_top_k_last_rank": "top_k",
+                 "linear_head_transposed_last_rank": "a transposed [H, V] head"}[case.inputs]  # fmt: skip
         assert errors[-1][0] == "ValueError" and named in errors[-1][1], errors
         for error in errors[:-1]:
             assert error[0] == "TensorParallelInputError", errors

@@ -267,11 +267,11 @@ def linear_policy_loss(
         _refuse(backend)
         transform = check_logit_transform(softcap, logit_scale)
         single.check_skip_masked_rows(skip_masked_rows, live_rows)
+        check_lm_head(weight, bias, check_logits(hidden, name="hidden"))
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
         )  # fmt: skip
-        check_lm_head(weight, bias, hidden)
         return inp, _backend(backend, inp.logits), transform
 
     (inp, impl, transform), shard, seed = agree(
