@@ -1009,7 +1009,8 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
     if case.expect_error == "local":  # its own error there, a pointer to it everywhere else
         named = {"advantages_shape_last_rank": "advantages", "softcap_last_rank": "softcap",
                  "logprobs_top_k_last_rank": "top_k",
-                 "linear_head_transposed_last_rank": "a transposed [H, V] head"}[case.inputs]  # fmt: skip
+                 "linear_head_transposed_last_rank": "a transposed [H, V] head",
+                 }[case.inputs]  # fmt: skip
         assert errors[-1][0] == "ValueError" and named in errors[-1][1], errors
         for error in errors[:-1]:
             assert error[0] == "TensorParallelInputError", errors
