@@ -609,7 +609,14 @@ FUSEDRL_HD RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossPara
   const float high = in.high != nullptr ? in.high[row] : 0.f;
   float d = policy_dlogp(logp, old, in.advantages[row], low, high, params);
   if (in.is_weight != nullptr) d *= in.is_weight[row];
-  if (params.kl != 0) d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
+  // A NaN input the token's loss reads makes its row's gradient NaN, as its loss term is (the
+  // clamps and selects of policy_dlogp would drop it; docs/losses.md, "NaN inputs").
+  bool unread = old != old;  // (NaN: IEEE compares, no fast-math in this build)
+  if (params.kl != 0) {
+    d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
+    unread = unread || in.ref_logp[row] != in.ref_logp[row];
+  }
+  if (unread) d = float_from_bits(0x7fc00000u);
   const float agg = in.agg_weight[row];
   if (logp_out != nullptr) {
     logp_out[row] = logp;

@@ -237,6 +237,30 @@ class _Unbounded(torch.autograd.Function):
         return torch.where(grad[..., None] != 0, float("nan"), 0.0).expand(ctx.shape)
 
 
+def _nan_inputs_term(logp, old, adv, w, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    """The rule for a NaN in an input that a counted token's loss term computes with (its old
+    or ref log-prob, its advantage, its IS weight): the term is NaN, and so is the token's
+    gradient row, on every backend; where the input enters a value its sequence shares (the
+    old log-probs of a sequence-level ratio; GMPO's per-sequence objective, its advantages
+    too), every counted token's row of that sequence. A sequence IS weight carries its NaN to
+    each of its tokens' `w`. Not NaN: a mask decided on a NaN (is_correction's "_mask" modes)
+    drops the token (no comparison with NaN holds), and VESPO's phi of a NaN sequence ratio is
+    0 (TRL's nan_to_num), so its old log-probs drop the sequence. Autograd through clamp / min /
+    where would drop the NaN from the gradient; this term (0 elsewhere, with a zero gradient)
+    keeps it."""
+    old_nan = torch.isnan(old) if cfg.loss != "vespo" else torch.zeros_like(inp.valid)
+    unread = old_nan | torch.isnan(adv)
+    if w is not None:
+        unread = unread | torch.isnan(w)
+    if cfg.beta > 0 and inp.ref_logp is not None:
+        unread = unread | torch.isnan(inp.ref_logp)
+    if cfg.ratio_level == "sequence" or cfg.loss == "gmpo":
+        shared = old_nan | (torch.isnan(adv) if cfg.loss == "gmpo" else False)
+        unread = unread | (shared & inp.valid).any(-1, keepdim=True)
+    unread = unread & inp.valid
+    return torch.where(unread, logp, 0.0) * torch.where(unread, float("nan"), 0.0)
+
+
 def vocab_kl(first: torch.Tensor, second: torch.Tensor, temperature) -> torch.Tensor:
     """KL(P || Q) = sum_v P(v) (log P(v) - log Q(v)) per row, P = softmax(first / T), Q =
     softmax(second / T), differentiable in either.
@@ -278,7 +302,8 @@ def is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Ten
         w = torch.clamp(w, min=cfg.is_cap_low, max=cfg.is_cap)
     else:
         low = cfg.is_cap_low if cfg.is_cap_low is not None else 1.0 / cfg.is_cap
-        w = w * ((w >= low) & (w <= cfg.is_cap)).float()
+        # outside the bounds: 0 (a NaN weight too: no comparison with it holds)
+        w = torch.where((w >= low) & (w <= cfg.is_cap), w, 0.0)
     return w.detach()
 
 
@@ -721,6 +746,7 @@ def policy_loss(
             if cfg.kl_bias_correction:  # KL(pi || ref) under samples of pi_old: times the ratio
                 kl = kl * _ratio(logp, old, inp, cfg)
             per_token = per_token + cfg.beta * kl
+    per_token = per_token + _nan_inputs_term(logp, old, adv, w, inp, cfg)
     if has_bonus:
         bonus = entropy if top_entropy is None else entropy * top_entropy
         if cfg.entropy_agg == "token-mean":

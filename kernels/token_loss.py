@@ -234,8 +234,13 @@ def _fused_token_loss_kernel(
                 HAS_DELTA,
             )
             d_token = d_token * is_weight
+            # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term
+            # is (the clamps and selects above would drop it; docs/losses.md, "NaN inputs")
+            unread = old != old
             if KL != 0:
                 d_token += beta * kl_dlogp(logp, ref, KL)
+                unread = unread | (ref != ref)
+            d_token = tl.where(unread, float("nan"), d_token)
             dentropy = -bonus_coef * agg_weight
             write_row_grad(
                 row_ptr,

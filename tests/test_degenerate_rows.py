@@ -149,6 +149,65 @@ def test_a_nan_logit_makes_its_row_nan(backend):
         torch.testing.assert_close(ours, truth, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
+NAN_INPUT_CONFIGS = {
+    "dapo": LossConfig.preset("dapo"),  # the fused kernel
+    "grpo_k3": LossConfig.preset("grpo", beta=0.1),  # + a KL estimate reading ref_logp
+    "ppo_dual_clip": LossConfig.preset("ppo", dual_clip_c=3.0),
+    "cispo": LossConfig.preset("cispo"),
+    "sapo": LossConfig.preset("sapo"),
+    "dapo_token_is": LossConfig.preset("dapo", is_correction="token_truncate", is_cap=2.0),
+    "gspo": LossConfig.preset("gspo"),  # sequence-level ratio: the whole sequence
+    "gmpo": LossConfig.preset("gmpo"),
+    "vespo": LossConfig.preset("vespo"),
+    "dapo_sequence_is": LossConfig.preset("dapo", is_correction="sequence_truncate", is_cap=2.0),
+    "dapo_sequence_is_mask": LossConfig.preset("dapo", is_correction="sequence_mask",
+                                               is_cap=2.0),
+}  # fmt: skip
+
+
+# Which gradient rows a NaN at token (0, 1) makes NaN: "token", "sequence" (sequence 0's four
+# counted tokens), or None (the input is not read, or a mask / VESPO's phi drops it: the loss stays
+# finite). Not listed: "token".
+NAN_INPUT_ROWS = {
+    ("old_logp", "gspo"): "sequence", ("old_logp", "gmpo"): "sequence",
+    ("old_logp", "dapo_sequence_is"): "sequence", ("old_logp", "vespo"): None,
+    ("advantages", "gmpo"): "sequence",
+    ("rollout_logp", "dapo_sequence_is"): "sequence", ("rollout_logp", "dapo_sequence_is_mask"): None,
+    **{("rollout_logp", name): None for name in NAN_INPUT_CONFIGS
+       if name not in ("dapo_token_is", "dapo_sequence_is", "dapo_sequence_is_mask")},
+    **{("ref_logp", name): None for name in NAN_INPUT_CONFIGS if name != "grpo_k3"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NAN_INPUT_CONFIGS))
+@pytest.mark.parametrize("field", ["old_logp", "advantages", "ref_logp", "rollout_logp"])
+def test_a_nan_input_makes_the_rows_that_read_it_nan(name, field, backend):
+    """A NaN in an input a counted token's loss computes with: the loss is NaN and so is the
+    gradient row of every token whose loss term reads it (the token's; its sequence's where the
+    input enters a shared sequence value), on every backend and the oracle alike (the fused
+    kernels' clamps and selects dropped it: Triton and the oracle gave a finite row, torch a NaN
+    one). An input the loss does not read (ref_logp with beta = 0, rollout_logp without IS
+    correction), a mask decided on a NaN, or VESPO's phi (0 for a NaN ratio, as TRL) leave the
+    loss finite. docs/losses.md, "NaN inputs"."""
+    cfg = NAN_INPUT_CONFIGS[name]
+    data = make_batch(batch=3, time=5, vocab=131, seed=41, per_token_adv=True)
+    data["mask"][0, :4] = True  # sequence 0: four counted tokens, the NaN at the second
+    data[field][0, 1] = float("nan")
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend=backend)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg)
+    rows = NAN_INPUT_ROWS.get((field, name), "token")
+    expected = torch.zeros(data["mask"].shape, dtype=torch.bool)
+    if rows is not None:
+        expected[0, 1] = True
+        if rows == "sequence":
+            expected[0, :4] = True
+    assert torch.isnan(ours.loss) == torch.isnan(want.loss) == (rows is not None)
+    assert torch.equal(grad.isnan().any(-1), expected), grad.isnan().any(-1)
+    assert torch.equal(want_grad.isnan().any(-1), expected), want_grad.isnan().any(-1)
+    assert grad[expected].isnan().all()  # every element of those rows
+    torch.testing.assert_close(grad[~expected], want_grad[~expected], atol=1e-6, rtol=1e-5)
+
+
 LINEAR_BACKENDS = [
     "torch",
     pytest.param("triton:gemm", marks=needs_interpreter),
