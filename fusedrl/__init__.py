@@ -7,11 +7,12 @@ out.loss.backward()
 """
 
 from . import advantages, reference
-from .api import BACKENDS, PolicyLoss, policy_loss, token_logprobs
+from .api import PolicyLoss, policy_loss, token_logprobs
+from .backends import BACKENDS, LINEAR_BACKENDS
 from .config import PRESETS, LossConfig
 from .distill import DISTILL_KINDS, distill_loss
 from .distill.linear import linear_distill_loss
-from .linear import LINEAR_BACKENDS, linear_policy_loss, linear_token_logprobs
+from .linear import linear_policy_loss, linear_token_logprobs
 from .output import LossOutput
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The autograd node every fused backend ends with: a loss whose gradient is already known.
+"""The autograd layer: a loss whose gradient is already known, and how the entry points attach it.
 
 The fused backends compute d(loss)/d(logits) while they compute the loss (that is the point: the
 logits are read once), so backward has nothing left to derive; it only scales the stored gradient
@@ -7,11 +7,9 @@ by the upstream gradient, and touches nothing when that is 1 (the loss is the te
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+from .backends import TRITON_INSTALLED
 
 
 def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
@@ -28,7 +26,7 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
         if not bool(grad_loss == 1):
             grad.mul_(grad_loss.to(grad.dtype))
         return grad
-    if grad.device.type == "cuda" and _HAS_TRITON:
+    if grad.device.type == "cuda" and TRITON_INSTALLED:
         from fusedrl.kernels.scale import scale_rows_unless_one
 
         scale_rows_unless_one(grad, grad_loss)
@@ -78,3 +76,62 @@ def attach_grads(
     """Like attach_grad, for several inputs (hidden, weight, bias); None inputs are skipped."""
     pairs = [(x, g) for x, g in zip(inputs, grads) if x is not None]
     return LossWithKnownGrads.apply(loss, tuple(g for _, g in pairs), *(x for x, _ in pairs))
+
+
+def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
+    """Runs `compute(grad)` without autograd, where `grad` is the buffer the backend writes
+    d(loss)/d(logits) into (the logits themselves when `inplace`; None when no gradient is
+    wanted), and returns (loss attached to `logits` with that gradient, what compute returned).
+    `compute` returns (loss, result); `logits3` is the [B, T, V] view of `logits`."""
+    wants_grad = logits.requires_grad and torch.is_grad_enabled()
+    grad = None
+    if wants_grad:
+        if inplace:
+            check_writable(logits)
+            grad = logits3
+        else:
+            grad = torch.empty(logits3.shape, dtype=logits.dtype, device=logits.device)
+    with torch.no_grad():
+        loss, result = compute(grad)
+    if wants_grad and inplace:
+        # The kernels wrote through a raw pointer: tell autograd, so that a graph that saved the
+        # logits (logits = x.exp(), say) raises at backward instead of using the gradient values.
+        torch.autograd.graph.increment_version(logits)
+    if wants_grad:
+        # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
+        # that autograd hands the gradient buffer on without a copy.
+        loss = attach_grad(logits, loss, grad[0] if flat_input else grad)
+    return loss, result
+
+
+def check_writable(logits: torch.Tensor) -> None:
+    """inplace=True writes one gradient per element: the logits must not alias themselves."""
+    if any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
+        raise ValueError(
+            f"inplace=True needs logits whose elements are distinct memory, got strides "
+            f"{tuple(logits.stride())} for shape {tuple(logits.shape)} (an expand()ed tensor); "
+            "pass inplace=False or a materialised tensor"
+        )
+    if torch._debug_has_internal_overlap(logits) == 1:  # 1: overlap for sure
+        raise ValueError(
+            f"inplace=True needs logits without overlapping elements, got strides "
+            f"{tuple(logits.stride())} for shape {tuple(logits.shape)}"
+        )
+
+
+def wanted_grads(hidden, weight, bias) -> tuple[bool, bool, bool]:
+    if not torch.is_grad_enabled():
+        return False, False, False
+    return (
+        hidden.requires_grad,
+        weight.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
+
+
+def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
+    grad_hidden = grads.hidden
+    if grad_hidden is not None and flat:
+        grad_hidden = grad_hidden[0]
+    inputs = (hidden if want[0] else None, weight if want[1] else None, bias if want[2] else None)
+    return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))

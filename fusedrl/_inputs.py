@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LossConfig
-from .logit_transform import LogitTransform
+from .logit_transform import LogitTransform, check_logit_transform
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -568,3 +568,46 @@ def check_lm_head(
             f"{weight_name})"
         )
     return weight, bias
+
+
+def capping_transform(softcap, logit_scale) -> LogitTransform | None:
+    """The transform the backends apply for `softcap=` (with `logit_scale`, which a cap does not
+    let fold into the temperature); None without a cap (the arguments checked by name)."""
+    if softcap is None:
+        return None
+    return check_logit_transform(softcap, logit_scale)
+
+
+def scaled_temperature(temperature, logit_scale):
+    """The temperature with the model's logit scale s folded in: (s x) / T = x / (T / s), the
+    softmax, its sampled sets and the gradient w.r.t. x alike. None: `temperature` as given."""
+    if logit_scale is None:
+        return temperature
+    transform = check_logit_transform(None, logit_scale)  # the argument checked by name
+    scale = 1.0 if transform is None else transform.scale
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            return temperature  # refused by name where temperatures are checked
+        return temperature / scale
+    return check_temperature(temperature) / scale
+
+
+def check_sum_pi_squared(sampling_active: bool) -> None:
+    if sampling_active:
+        raise NotImplementedError(
+            "return_sum_pi_squared with top_k / top_p / min_p is not supported yet: the sampled "
+            "set at half the temperature is not the engine's"
+        )
+
+
+def check_skip_masked_rows(skip: object, live_rows: object) -> bool:
+    """Whether the LM-head loss walks the live rows alone (`skip_masked_rows` / `live_rows`)."""
+    if not isinstance(skip, bool):
+        raise TypeError(f"skip_masked_rows must be a bool, got {type(skip).__name__}")
+    if live_rows is not None:
+        if isinstance(live_rows, bool) or not isinstance(live_rows, int) or live_rows < 0:
+            raise ValueError(
+                f"live_rows must be a count of rows (an int >= 0) or None, got {live_rows!r}"
+            )
+        skip = True
+    return skip

@@ -2,64 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from . import torch_backend
-from ._autograd import attach_grad
+from . import output, single_process
 from ._inputs import (
-    check_labels,
-    check_logits,
-    check_temperature,
-    check_temperature_arg,
-    prepare_loss_inputs,
-    temperature_of,
+    capping_transform,
+    check_sum_pi_squared,
+    scaled_temperature,
 )
+from .backends import BACKENDS
 from .config import LossConfig
-from .logit_transform import LogitTransform, capping_keywords, check_logit_transform
+from .logit_transform import capping_keywords, check_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
-
-BACKENDS = ("auto", "triton", "cuda", "torch")
-
-
-# Looked up once: torch.compile cannot trace importlib (a graph break under fullgraph=True).
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-
-
-def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _TRITON_INSTALLED
-
-
-def _resolve_backend(backend: str, device: torch.device):
-    """The backend module for `backend` on `device` (auto: Triton on CUDA, torch elsewhere)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
-    if backend == "triton":
-        if not _triton_usable(device):
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors (got {device.type}) and the triton package; "
-                "on CPU set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-            )
-        from . import triton_backend
-
-        return triton_backend
-    if backend == "cuda":
-        if device.type != "cuda":
-            raise RuntimeError(
-                f"backend='cuda' (the csrc/ extension) needs CUDA tensors, got {device.type}; "
-                "use backend='torch' (or 'auto')"
-            )
-        from . import cuda_backend
-
-        return cuda_backend
-    return torch_backend
 
 
 def policy_loss(
@@ -195,130 +150,12 @@ def policy_loss(
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
             temperature=temperature, transform=transform,
         )  # fmt: skip
-    cfg = config if config is not None else LossConfig()
-    inp = prepare_loss_inputs(
-        logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        cfg,
-        normalizer,
-        is_weights,
-        ref_logits=ref_logits,
-        temperature=temperature,
-        prox_logp=prox_logp,
-        entropy_coef=entropy_coef,
-    )
-    inp.transform = transform
-    impl = _resolve_backend(backend, inp.logits.device)
-    sharp = None
-    # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels
-    # do not); elsewhere one more read at half the temperature, before the loss, which may
-    # overwrite the logits.
-    in_loss = hasattr(impl, "policy_loss_squares") and not cfg.full_kl
-    if return_sum_pi_squared:
-        _check_sum_pi_squared(cfg.sampling is not None)
-    if return_sum_pi_squared and not in_loss:
-        with torch.no_grad():
-            sharp, _ = impl.token_logprobs(
-                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False,
-                **_transform_keyword(transform),
-            )  # fmt: skip
-
-    def compute(grad):
-        if return_sum_pi_squared and in_loss:
-            logp, entropy, terms, sum_sq = impl.policy_loss_squares(inp, cfg, return_entropy, grad)
-            return terms.loss, (logp, entropy, terms, sum_sq)
-        logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
-        return terms.loss, (logp, entropy, terms, None)
-
-    loss, (logp, entropy, terms, sum_sq) = with_known_grad(
-        logits, inp.logits, inplace, inp.flat_input, compute
-    )
-    sum_pi_squared = None
-    if sharp is not None:
-        sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)
-    elif sum_sq is not None:
-        sum_pi_squared = torch.where(inp.valid, sum_sq, 0.0)
-    if inp.flat_input:
-        logp = logp[0]
-        entropy = None if entropy is None else entropy[0]
-        sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
-    return LossOutput(
-        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
-        sum_pi_squared=sum_pi_squared,
+    return single_process.policy_loss(
+        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
+        inplace, backend, return_entropy, is_weights, ref_logits=ref_logits,
+        temperature=temperature, prox_logp=prox_logp, entropy_coef=entropy_coef,
+        transform=transform, return_sum_pi_squared=return_sum_pi_squared,
     )  # fmt: skip
-
-
-def capping_transform(softcap, logit_scale) -> LogitTransform | None:
-    """The transform the backends apply for `softcap=` (with `logit_scale`, which a cap does not
-    let fold into the temperature); None without a cap (the arguments checked by name)."""
-    if softcap is None:
-        return None
-    return check_logit_transform(softcap, logit_scale)
-
-
-def _transform_keyword(transform: LogitTransform | None) -> dict:
-    return {} if transform is None else {"transform": transform}
-
-
-def scaled_temperature(temperature, logit_scale):
-    """The temperature with the model's logit scale s folded in: (s x) / T = x / (T / s), the
-    softmax, its sampled sets and the gradient w.r.t. x alike. None: `temperature` as given."""
-    if logit_scale is None:
-        return temperature
-    transform = check_logit_transform(None, logit_scale)  # the argument checked by name
-    scale = 1.0 if transform is None else transform.scale
-    if isinstance(temperature, torch.Tensor):
-        if temperature.dtype == torch.bool or temperature.is_complex():
-            return temperature  # refused by name where temperatures are checked
-        return temperature / scale
-    return check_temperature(temperature) / scale
-
-
-def sum_pi_squared_of(logp: torch.Tensor, sharp_logp: torch.Tensor) -> torch.Tensor:
-    """sum_v pi_v^2 per token from the log-prob of any one token y at the temperature T and at
-    T / 2: with z = logits / T, log pi(y) = z_y - lse(z) and log pi_{T/2}(y) = 2 z_y - lse(2 z),
-    so 2 log pi(y) - log pi_{T/2}(y) = lse(2 z) - 2 lse(z) = log sum_v pi_v^2 (exact whenever
-    pi(y) > 0; the sampled token's always is)."""
-    return torch.exp(2.0 * logp.float() - sharp_logp.float())
-
-
-def _check_sum_pi_squared(sampling_active: bool) -> None:
-    if sampling_active:
-        raise NotImplementedError(
-            "return_sum_pi_squared with top_k / top_p / min_p is not supported yet: the sampled "
-            "set at half the temperature is not the engine's"
-        )
-
-
-def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
-    """Runs `compute(grad)` without autograd, where `grad` is the buffer the backend writes
-    d(loss)/d(logits) into (the logits themselves when `inplace`; None when no gradient is
-    wanted), and returns (loss attached to `logits` with that gradient, what compute returned).
-    `compute` returns (loss, result); `logits3` is the [B, T, V] view of `logits`."""
-    wants_grad = logits.requires_grad and torch.is_grad_enabled()
-    grad = None
-    if wants_grad:
-        if inplace:
-            _check_writable(logits)
-            grad = logits3
-        else:
-            grad = torch.empty(logits3.shape, dtype=logits.dtype, device=logits.device)
-    with torch.no_grad():
-        loss, result = compute(grad)
-    if wants_grad and inplace:
-        # The kernels wrote through a raw pointer: tell autograd, so that a graph that saved the
-        # logits (logits = x.exp(), say) raises at backward instead of using the gradient values.
-        torch.autograd.graph.increment_version(logits)
-    if wants_grad:
-        # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
-        # that autograd hands the gradient buffer on without a copy.
-        loss = attach_grad(logits, loss, grad[0] if flat_input else grad)
-    return loss, result
 
 
 def _refuse_under_tensor_parallelism(
@@ -338,21 +175,6 @@ def _refuse_under_tensor_parallelism(
         raise NotImplementedError(
             "config.kl='full' / 'full_reverse' (ref_logits) under tensor parallelism is not "
             "supported yet: gather the vocabulary or use a per-token KL estimator"
-        )
-
-
-def _check_writable(logits: torch.Tensor) -> None:
-    """inplace=True writes one gradient per element: the logits must not alias themselves."""
-    if any(stride == 0 and size > 1 for stride, size in zip(logits.stride(), logits.shape)):
-        raise ValueError(
-            f"inplace=True needs logits whose elements are distinct memory, got strides "
-            f"{tuple(logits.stride())} for shape {tuple(logits.shape)} (an expand()ed tensor); "
-            "pass inplace=False or a materialised tensor"
-        )
-    if torch._debug_has_internal_overlap(logits) == 1:  # 1: overlap for sure
-        raise ValueError(
-            f"inplace=True needs logits without overlapping elements, got strides "
-            f"{tuple(logits.stride())} for shape {tuple(logits.shape)}"
         )
 
 
@@ -412,10 +234,10 @@ def token_logprobs(
             return_sum_pi_squared
             and not sharded
             and isinstance(logits, torch.Tensor)
-            and hasattr(_resolve_backend(backend, logits.device), "token_logprobs_squares")
+            and single_process.sums_squares_in_kernel(backend, logits.device)
         )
         if return_sum_pi_squared and not in_kernel:
-            _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+            check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
     if return_sum_pi_squared and not in_kernel:
         with torch.no_grad():
             sharp, _ = token_logprobs(
@@ -426,7 +248,7 @@ def token_logprobs(
             logits, labels, temperature, return_entropy, backend, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, **capping,
         )  # fmt: skip
-        return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
+        return logp, entropy, output.sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
         from . import tp
 
@@ -435,29 +257,10 @@ def token_logprobs(
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
             transform=transform,
         )  # fmt: skip
-    logits = check_logits(logits)
-    labels = check_labels(labels, logits, None)
-    sampling = check_sampling(top_k, top_p, min_p)
-    flat = logits.dim() == 2
-    temperature = check_temperature_arg(temperature, tuple(labels.shape), logits.device, flat)
-    impl = _resolve_backend(backend, logits.device)
-    logits3 = logits.unsqueeze(0) if flat else logits
-    labels2 = labels.unsqueeze(0) if flat else labels
-    if return_sum_pi_squared:
-        _check_sum_pi_squared(sampling.active)
-        logp, entropy, sum_sq = impl.token_logprobs_squares(
-            logits3, labels2, temperature, return_entropy, **_transform_keyword(transform)
-        )
-        if flat:
-            return logp[0], None if entropy is None else entropy[0], sum_sq[0]
-        return logp, entropy, sum_sq
-    extra = {"sampling": sampling} if sampling.active else {}
-    extra.update(_transform_keyword(transform))
-    logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy, **extra)
-    if flat:
-        logp = logp[0]
-        entropy = None if entropy is None else entropy[0]
-    return logp, entropy
+    return single_process.token_logprobs(
+        logits, labels, temperature, return_entropy, backend, top_k, top_p, min_p,
+        transform=transform, return_sum_pi_squared=return_sum_pi_squared,
+    )  # fmt: skip
 
 
 class PolicyLoss(torch.nn.Module):

@@ -58,7 +58,7 @@ class FusedOps:
     two_rows: TwoRowOps | None = None
     # (logits, labels, temperature, row_temps?) -> `logprobs_fwd`'s three of every row and
     # sum_v pi_v^2 from the same read; None: the backend takes it from a second read at half the
-    # temperature (api.sum_pi_squared_of).
+    # temperature (output.sum_pi_squared_of).
     logprobs_squares: Callable | None = None
     # Whether the log-prob and fused-loss ops fill a `sum_sq=` buffer ([B, T] fp32) with
     # sum_v pi_v^2 per row from their own read (`policy_loss_squares`).

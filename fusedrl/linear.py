@@ -8,83 +8,17 @@ bias are computed in the forward call (backward only scales them, as in `policy_
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import os
-
 import torch
 
-from . import linear_torch
-from ._autograd import attach_grads
+from . import linear_single_process, output
 from ._inputs import (
-    check_labels,
-    check_lm_head,
-    check_logits,
-    check_temperature_arg,
-    prepare_loss_inputs,
-    temperature_of,
+    check_skip_masked_rows,
+    check_sum_pi_squared,
 )
 from .config import LossConfig
-from .linear_torch import LinearInputs, live_row_indices
 from .logit_transform import check_logit_transform, model_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
-
-LINEAR_BACKENDS = ("auto", "triton", "torch")
-
-
-def _resolve_backend(backend: str, device: torch.device):
-    """auto: the on-chip Triton kernels for CUDA tensors, the block-wise torch backend elsewhere."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(
-            f"backend={backend!r} is not one of {LINEAR_BACKENDS} (the LM-head loss has no "
-            "CUDA C++ kernel)"
-        )
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    has_triton = importlib.util.find_spec("triton") is not None
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and has_triton else "torch"
-    if backend == "torch":
-        return linear_torch
-    if not has_triton or (device.type != "cuda" and not interpreted):
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (got {device.type}) and the triton package; "
-            "on CPU set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
-    from . import linear_triton
-
-    return linear_triton
-
-
-def wanted_grads(hidden, weight, bias) -> tuple[bool, bool, bool]:
-    if not torch.is_grad_enabled():
-        return False, False, False
-    return (
-        hidden.requires_grad,
-        weight.requires_grad,
-        bias is not None and bias.requires_grad,
-    )
-
-
-def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
-    grad_hidden = grads.hidden
-    if grad_hidden is not None and flat:
-        grad_hidden = grad_hidden[0]
-    inputs = (hidden if want[0] else None, weight if want[1] else None, bias if want[2] else None)
-    return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))
-
-
-def check_skip_masked_rows(skip: object, live_rows: object) -> bool:
-    """Whether the LM-head loss walks the live rows alone (`skip_masked_rows` / `live_rows`)."""
-    if not isinstance(skip, bool):
-        raise TypeError(f"skip_masked_rows must be a bool, got {type(skip).__name__}")
-    if live_rows is not None:
-        if isinstance(live_rows, bool) or not isinstance(live_rows, int) or live_rows < 0:
-            raise ValueError(
-                f"live_rows must be a count of rows (an int >= 0) or None, got {live_rows!r}"
-            )
-        skip = True
-    return skip
 
 
 def _check_linear_loss_arguments(
@@ -107,9 +41,7 @@ def _check_linear_loss_arguments(
     transform = check_logit_transform(softcap, logit_scale)
     skip_masked_rows = check_skip_masked_rows(skip_masked_rows, live_rows)
     if return_sum_pi_squared:
-        from .api import _check_sum_pi_squared
-
-        _check_sum_pi_squared(config is not None and config.sampling is not None)
+        check_sum_pi_squared(config is not None and config.sampling is not None)
     if return_sum_pi_squared and sharded:
         raise NotImplementedError(
             "return_sum_pi_squared under tensor parallelism is not supported by "
@@ -220,7 +152,6 @@ def linear_policy_loss(
             config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows,
             live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded,
         )  # fmt: skip
-    full_kl = config is not None and config.full_kl
     if sharded:
         from .tp import linear as tp_linear
 
@@ -231,112 +162,13 @@ def linear_policy_loss(
             temperature=temperature, softcap=softcap, logit_scale=logit_scale,
             skip_masked_rows=skip_masked_rows, live_rows=live_rows,
         )  # fmt: skip
-    cfg = config if config is not None else LossConfig()
-    if isinstance(hidden, torch.Tensor):  # the head's shape before the labels are checked
-        check_lm_head(weight, bias, hidden)  # against its rows (a [H, V] head is named as such)
-    inp = prepare_loss_inputs(
-        hidden,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        cfg,
-        normalizer,
-        is_weights,
-        vocab=weight.shape[0] if isinstance(weight, torch.Tensor) else None,
-        source="hidden",
-        ref_head=full_kl,
-        temperature=temperature,
-        prox_logp=prox_logp,
-        entropy_coef=entropy_coef,
-    )
-    weight, bias = check_lm_head(weight, bias, hidden)
-    ref_head = None
-    if full_kl:
-        from .distill.linear import check_teacher_head
-
-        ref_head = check_teacher_head(
-            hidden if ref_hidden is None else ref_hidden, ref_weight, ref_bias, hidden,
-            weight.shape[0], ("ref_hidden", "ref_weight", "ref_bias"),
-        )  # fmt: skip
-        ref_head.transform = transform
-    lin = LinearInputs(
-        hidden=inp.logits,
-        weight=weight,
-        bias=bias,
-        rows=dataclasses.replace(inp, logits=None),
-        sampling=cfg.sampling,
-        transform=transform,
-    )
-    if skip_masked_rows:
-        lin.live = live_row_indices(inp.valid, live_rows)
-    impl = _resolve_backend(backend, hidden.device)
-    want = wanted_grads(hidden, weight, bias)
-    if ref_head is not None:
-        from .distill import two_row_ops
-        from .distill.linear import policy_loss_with_reference
-
-        ops = two_row_ops(backend, hidden.device)
-        result = policy_loss_with_reference(lin, ref_head, ops, cfg, return_entropy, want)
-    else:
-        result = impl.policy_loss(lin, cfg, return_entropy, want)
-    logp, entropy, terms, grads = result
-    loss = terms.loss
-    if any(want):
-        loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
-    sum_pi_squared = None
-    if return_sum_pi_squared:
-        from .api import sum_pi_squared_of
-
-        with torch.no_grad():  # the head once more at T / 2, over the whole vocabulary
-            sharp, _ = impl.token_logprobs(lin, temperature_of(inp, cfg) / 2, False)
-        sum_pi_squared = torch.where(inp.valid, sum_pi_squared_of(logp, sharp), 0.0)
-    if inp.flat_input:
-        logp = logp[0]
-        entropy = None if entropy is None else entropy[0]
-        sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
-    return LossOutput(
-        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
-        sum_pi_squared=sum_pi_squared,
+    return linear_single_process.linear_policy_loss(
+        hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
+        normalizer, bias, backend, return_entropy, is_weights, ref_weight=ref_weight,
+        ref_hidden=ref_hidden, ref_bias=ref_bias, temperature=temperature, prox_logp=prox_logp,
+        entropy_coef=entropy_coef, transform=transform, skip_masked_rows=skip_masked_rows,
+        live_rows=live_rows, return_sum_pi_squared=return_sum_pi_squared,
     )  # fmt: skip
-
-
-class _LinearLogprobsFn(torch.autograd.Function):
-    """logp (and entropy) with nothing of [N, V] saved: backward sweeps the vocab again.
-    `squares`: a last output, sum_v pi_v^2 (no gradient), from the same sweep."""
-
-    @staticmethod
-    def forward(
-        ctx, impl, lin, temperature, want, hidden, weight, bias, return_entropy, squares=False
-    ):
-        if squares:
-            logp, entropy, sum_sq = impl.token_logprobs_squares(lin, temperature, True)
-            ctx.mark_non_differentiable(sum_sq)
-            extra = (sum_sq,)
-        else:
-            logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
-            extra = ()
-        ctx.impl, ctx.lin, ctx.temperature, ctx.want = impl, lin, temperature, want
-        ctx.hidden_shape, ctx.return_entropy = hidden.shape, return_entropy
-        return (logp, entropy, *extra) if return_entropy else (logp, *extra)
-
-    @staticmethod
-    def backward(ctx, grad_logp, *grads):
-        grad_entropy = grads[0] if ctx.return_entropy else None  # (then the squares' None)
-        lin = ctx.lin
-        if lin is None:
-            raise RuntimeError(
-                "fusedrl.linear_token_logprobs: backward ran twice through the same graph "
-                "(retain_graph is not supported)"
-            )
-        ctx.lin = None
-        grads = ctx.impl.backward(
-            lin, lin.rows.labels, ctx.temperature, grad_logp, grad_entropy, ctx.want
-        )
-        grad_hidden = None if grads.hidden is None else grads.hidden.view(ctx.hidden_shape)
-        return None, None, None, None, grad_hidden, grads.weight, grads.bias, None, None
 
 
 def linear_token_logprobs(
@@ -370,7 +202,6 @@ def linear_token_logprobs(
     design from the same sweep (the row kernels sum the squares), else from one more no-grad
     sweep at half the temperature, as in `fusedrl.token_logprobs`.
     """
-    from .api import _check_sum_pi_squared, sum_pi_squared_of
     from .tp.header import argument_checks
 
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
@@ -379,10 +210,10 @@ def linear_token_logprobs(
             return_sum_pi_squared
             and not sharded
             and isinstance(hidden, torch.Tensor)
-            and getattr(_resolve_backend(backend, hidden.device), "squares_in_sweep", bool)()
+            and linear_single_process.sums_squares_in_sweep(backend, hidden.device)
         )
         if return_sum_pi_squared and not in_sweep:
-            _check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
+            check_sum_pi_squared(check_sampling(top_k, top_p, min_p).active)
         transform = check_logit_transform(softcap, logit_scale)
     if return_sum_pi_squared and not in_sweep:
         common = dict(
@@ -398,7 +229,7 @@ def linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy,
             reduce_input_grad=reduce_input_grad, **common,
         )  # fmt: skip
-        return logp, entropy, sum_pi_squared_of(logp.detach(), sharp)
+        return logp, entropy, output.sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
         from .tp import linear as tp_linear
 
@@ -407,42 +238,10 @@ def linear_token_logprobs(
             min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
             reduce_input_grad=reduce_input_grad, softcap=softcap, logit_scale=logit_scale,
         )  # fmt: skip
-    hidden = check_logits(hidden, name="hidden")
-    weight, bias = check_lm_head(weight, bias, hidden)
-    labels = check_labels(labels, hidden, None, vocab=weight.shape[0], source="hidden")
-    sampling = check_sampling(top_k, top_p, min_p)
-    impl = _resolve_backend(backend, hidden.device)
-    flat = hidden.dim() == 2
-    temperature = check_temperature_arg(temperature, tuple(labels.shape), hidden.device, flat)
-    hidden3 = hidden.unsqueeze(0) if flat else hidden
-    labels2 = labels.unsqueeze(0) if flat else labels
-    lin = linear_torch.logprob_inputs(
-        hidden3, weight, bias, labels2, sampling if sampling.active else None
-    )
-    lin.transform = transform
-    want = wanted_grads(hidden, weight, bias)
-    squares = ()
-    if return_sum_pi_squared:
-        from .api import _check_sum_pi_squared
-
-        _check_sum_pi_squared(sampling.active)
-    if any(want):
-        out = _LinearLogprobsFn.apply(
-            impl, lin, temperature, want, hidden, weight, bias, return_entropy,
-            return_sum_pi_squared,
-        )  # fmt: skip
-        logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
-        squares = out[-1:] if return_sum_pi_squared else ()
-    elif return_sum_pi_squared:
-        logp, entropy, sum_sq = impl.token_logprobs_squares(lin, temperature, return_entropy)
-        squares = (sum_sq,)
-    else:
-        logp, entropy = impl.token_logprobs(lin, temperature, return_entropy)
-    if flat:
-        logp = logp[0]
-        entropy = None if entropy is None else entropy[0]
-        squares = tuple(t[0] for t in squares)
-    return (logp, entropy, *squares)
+    return linear_single_process.linear_token_logprobs(
+        hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
+        min_p, transform=transform, return_sum_pi_squared=return_sum_pi_squared,
+    )  # fmt: skip
 
 
 def lm_head_of(model) -> torch.nn.Linear | None:

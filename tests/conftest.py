@@ -60,15 +60,15 @@ def cuda_host_kernels():
 
 @pytest.fixture
 def cuda_on_the_host(cuda_host_kernels, monkeypatch):
-    from fusedrl import api, cuda_backend
+    from fusedrl import backends, cuda_backend
 
     monkeypatch.setattr(cuda_backend, "_OPS", cuda_host_kernels.ops())
-    resolve = api._resolve_backend
+    resolve = backends.resolve
 
     def resolve_host(backend, device):
         return cuda_backend if backend == CUDA_ON_THE_HOST else resolve(backend, device)
 
-    monkeypatch.setattr(api, "_resolve_backend", resolve_host)
+    monkeypatch.setattr(backends, "resolve", resolve_host)
     cuda_host_kernels.calls.clear()
     return cuda_host_kernels
 

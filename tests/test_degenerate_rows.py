@@ -172,7 +172,8 @@ NAN_INPUT_ROWS = {
     ("old_logp", "gspo"): "sequence", ("old_logp", "gmpo"): "sequence",
     ("old_logp", "dapo_sequence_is"): "sequence", ("old_logp", "vespo"): None,
     ("advantages", "gmpo"): "sequence",
-    ("rollout_logp", "dapo_sequence_is"): "sequence", ("rollout_logp", "dapo_sequence_is_mask"): None,
+    ("rollout_logp", "dapo_sequence_is"): "sequence",
+    ("rollout_logp", "dapo_sequence_is_mask"): None,
     **{("rollout_logp", name): None for name in NAN_INPUT_CONFIGS
        if name not in ("dapo_token_is", "dapo_sequence_is", "dapo_sequence_is_mask")},
     **{("ref_logp", name): None for name in NAN_INPUT_CONFIGS if name != "grpo_k3"},

@@ -15,7 +15,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig, reference
-from fusedrl.distill import linear as pair
+from fusedrl.distill import heads as pair
 
 from .conftest import BACKENDS, numeric_gradient
 

@@ -16,7 +16,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig, linear_triton, reference
-from fusedrl.distill import linear as pair
+from fusedrl.distill import heads as pair
 from fusedrl.logit_transform import check_logit_transform, model_logit_transform
 
 from .conftest import BACKENDS, LOGITS_BACKENDS
@@ -164,7 +164,8 @@ def test_arguments_are_checked_and_refused_where_unsupported(monkeypatch):
     one = fusedrl.linear_policy_loss(*args, softcap=CAP, vocab_start=0)
     torch.testing.assert_close(one.loss, fusedrl.linear_policy_loss(*args, softcap=CAP).loss)
     monkeypatch.setenv(linear_triton.DESIGN_ENV, "on-chip")
-    if fusedrl.api._TRITON_INSTALLED and __import__("os").environ.get("TRITON_INTERPRET") == "1":
+    interpreted = __import__("os").environ.get("TRITON_INTERPRET") == "1"
+    if fusedrl.backends.TRITON_INSTALLED and interpreted:
         with pytest.raises(ValueError, match="on-chip does not apply softcap"):
             fusedrl.linear_policy_loss(*args, softcap=CAP, backend="triton")
 

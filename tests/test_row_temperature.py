@@ -255,7 +255,7 @@ def test_distillation_takes_them(kind, backend):
 def test_the_exact_kl_takes_them(kl, backend, monkeypatch):
     """policy_loss(ref_logits=) and linear_policy_loss(ref_weight=) with kl="full": the two-row
     ops on the row's own temperature, against the oracle."""
-    monkeypatch.setattr(fusedrl.distill.linear, "PAIR_CHUNK_BYTES", 2 * 5 * 131 * 4)
+    monkeypatch.setattr(fusedrl.distill.heads, "PAIR_CHUNK_BYTES", 2 * 5 * 131 * 4)
     data = make_batch(vocab=131, seed=14)
     del data["ref_logp"]
     gen = torch.Generator().manual_seed(15)

@@ -12,7 +12,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig, linear_torch, linear_triton
-from fusedrl.distill import linear as distill_linear
+from fusedrl.distill import heads as distill_heads
 
 from .conftest import (
     BACKENDS,
@@ -48,7 +48,7 @@ def head_rows(monkeypatch):
         seen.append(rows.shape[0])
         return rows
 
-    for module in (linear_torch, linear_triton, distill_linear):
+    for module in (linear_torch, linear_triton, distill_heads):
         monkeypatch.setattr(module, "masked_rows", counted)
     return seen
 

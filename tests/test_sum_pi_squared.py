@@ -77,7 +77,7 @@ def test_triton_sums_the_squares_in_the_same_read(monkeypatch):
     labels so improbable that the fast sums (relative to the label) overflow: one where only the
     squares do (60 nats below the row max), one where the sums do (100): the exact fallback."""
     second_reads = []
-    monkeypatch.setattr(fusedrl.api, "sum_pi_squared_of", lambda *a: second_reads.append(a))
+    monkeypatch.setattr(fusedrl.output, "sum_pi_squared_of", lambda *a: second_reads.append(a))
     logits, labels = _logits(seed=6)
     for (b, t), gap in (((0, 0), 60.0), ((0, 1), 100.0)):
         logits[b, t] *= 0.1  # flat: many terms of one size, each running sum rescaled often
@@ -116,9 +116,9 @@ def test_triton_policy_loss_sums_the_squares_in_its_own_read(monkeypatch):
     temperatures and a soft cap: no second read at T / 2; the exact KL (two-row kernels, no
     squares) takes that read. The loss, logp and gradient are the call's without it."""
     second_reads = []
-    real = fusedrl.api.sum_pi_squared_of
+    real = fusedrl.output.sum_pi_squared_of
     monkeypatch.setattr(
-        fusedrl.api, "sum_pi_squared_of", lambda *a: second_reads.append(1) or real(*a)
+        fusedrl.output, "sum_pi_squared_of", lambda *a: second_reads.append(1) or real(*a)
     )
     data = make_batch(vocab=131, seed=12, with_nan_padding=True)
     mask = data["mask"]
@@ -233,9 +233,9 @@ def test_the_lm_head_form(backend, monkeypatch):
     Triton "gemm" design sums the squares in its own sweep (no sweep at T / 2), with and without
     a gradient; the torch backend takes the half-temperature sweep (the cap applied there too)."""
     second_sweeps = []
-    real = fusedrl.api.sum_pi_squared_of
+    real = fusedrl.output.sum_pi_squared_of
     monkeypatch.setattr(
-        fusedrl.api, "sum_pi_squared_of", lambda *a: second_sweeps.append(1) or real(*a)
+        fusedrl.output, "sum_pi_squared_of", lambda *a: second_sweeps.append(1) or real(*a)
     )
     gen = torch.Generator().manual_seed(11)
     hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)

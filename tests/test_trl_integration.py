@@ -259,9 +259,9 @@ def test_parity_with_the_fused_lm_head(
     """fused_lm_head=True: the loss from hidden states and the head, TRL's numbers; the head
     makes logits for the completion tokens alone (skip_masked_rows)."""
     live = []
-    real = fusedrl.linear.live_row_indices
+    real = fusedrl.linear_single_process.live_row_indices
     spied = lambda valid, count=None: live.append(int(valid.sum())) or real(valid, count)  # noqa: E731
-    monkeypatch.setattr(fusedrl.linear, "live_row_indices", spied)
+    monkeypatch.setattr(fusedrl.linear_single_process, "live_row_indices", spied)
     extra = {"use_bias_correction_kl": False} if beta else {}
     args = _args(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, **extra)
     trl_trainer = _trainer(GRPOTrainer, model_dir, tokenizer, args)

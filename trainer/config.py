@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from fusedrl.api import BACKENDS
+from fusedrl.backends import BACKENDS
 from fusedrl.config import (
     AGGS,
     FULL_KLS,
@@ -50,9 +50,9 @@ LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", 
 
 
 def _triton_installed() -> bool:
-    from fusedrl import api
+    from fusedrl import backends
 
-    return api._TRITON_INSTALLED  # looked up once, at fusedrl's import
+    return backends.TRITON_INSTALLED  # looked up once, at fusedrl's import
 
 
 # What a command does with its --out, not the job it trains: never saved in config.yaml (a

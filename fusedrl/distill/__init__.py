@@ -18,102 +18,25 @@ backward pass reads nothing. `kind="sampled_reverse_kl"` is the policy-gradient 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
+from .._autograd import with_known_grad
 from .._inputs import check_logits, check_temperature, prepare_loss_inputs
-from ..api import with_known_grad
 from ..config import LossConfig
-from ..logit_transform import capping_keywords
 from ..output import LossOutput
 from ..token_terms import masked_mean
+from .args import (
+    DISTILL_BACKENDS,
+    DISTILL_KINDS,  # noqa: F401 (the package's public names)
+    FULL_DISTILL_KINDS,  # noqa: F401
+    check_distill_args,
+    check_sampled_args,
+    check_teacher,
+    distill_config,
+    resolved_kind,
+)
 from .rows import distill as distill_rows
-
-# The divergence over the whole vocabulary (one pass over both logits), or the teacher's log-ratio
-# on the sampled tokens as a negative advantage of the policy loss (sampled.py).
-FULL_DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd")
-DISTILL_KINDS = (*FULL_DISTILL_KINDS, "sampled_reverse_kl")
-DISTILL_BACKENDS = ("auto", "torch", "triton")
-
-
-def resolved_kind(kind: str, beta: float) -> str:
-    """jsd at beta = 0 / 1 is forward_kl / reverse_kl (TRL's endpoints; the mixture's logs would
-    take log 0 there)."""
-    if kind == "jsd" and beta in (0.0, 1.0):
-        return "forward_kl" if beta == 0.0 else "reverse_kl"
-    return kind
-
-
-def check_distill_args(kind: object, beta: object) -> float:
-    if kind not in DISTILL_KINDS:
-        raise ValueError(f"kind={kind!r} is not one of {DISTILL_KINDS}")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta):
-        raise ValueError(f"beta must be a finite number, got {beta!r}")
-    if kind == "sampled_reverse_kl":
-        if beta < 0:
-            raise ValueError(f"beta (the teacher term's coefficient) must be >= 0, got {beta}")
-    elif not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1] (the teacher's share of the mixture), got {beta}")
-    return float(beta)
-
-
-def check_sampled_args(kind: str, advantages: object, old_logp: object) -> None:
-    """advantages / old_logp belong to kind="sampled_reverse_kl" (whose policy loss checks them)."""
-    if kind == "sampled_reverse_kl":
-        return
-    for name, value in (("advantages", advantages), ("old_logp", old_logp)):
-        if value is not None:
-            raise ValueError(
-                f"{name} is read only by kind='sampled_reverse_kl' (the policy loss with the "
-                f"teacher's log-ratio in its advantages), got kind={kind!r}"
-            )
-
-
-def check_teacher(teacher_logits: object, student_logits: torch.Tensor) -> torch.Tensor:
-    teacher_logits = check_logits(teacher_logits, name="teacher_logits")
-    if tuple(teacher_logits.shape) != tuple(student_logits.shape):
-        raise ValueError(
-            f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
-            f"{tuple(student_logits.shape)} (the same tokens over the same vocabulary)"
-        )
-    if teacher_logits.device != student_logits.device:
-        raise ValueError(
-            f"teacher_logits is on {teacher_logits.device} but student_logits are on "
-            f"{student_logits.device}"
-        )
-    return teacher_logits.detach()
-
-
-def distill_config(config: object) -> LossConfig:
-    """The aggregation of the per-token divergence: config.agg / norm_constant (token-mean by
-    default). The temperature is distill_loss's own argument."""
-    cfg = config if config is not None else LossConfig()
-    if not isinstance(cfg, LossConfig):
-        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(cfg).__name__}")
-    if cfg.temperature != 1.0:
-        raise ValueError(
-            f"config.temperature={cfg.temperature!r}: distill_loss takes its temperature as an "
-            "argument (temperature=), not from the config"
-        )
-    return cfg
-
-
-def two_row_ops(backend: str, device: torch.device):
-    """The two-row ops where policy_loss's dispatch picks Triton ("triton", or "auto" on CUDA):
-    the kernels of fusedrl.kernels.two_rows; else torch_rows' blocks ("cuda" is refused
-    before: csrc/ has no two-row kernel)."""
-    from .. import torch_backend
-    from ..api import _resolve_backend
-
-    if _resolve_backend(backend, device) is torch_backend:
-        from .torch_rows import TORCH_TWO_ROWS
-
-        return TORCH_TWO_ROWS
-    from ..triton_backend import TWO_ROWS
-
-    return TWO_ROWS
+from .rows import two_row_ops
 
 
 def distill_loss(
@@ -169,7 +92,7 @@ def distill_loss(
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
         entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
     """
-    from ..api import capping_transform, scaled_temperature
+    from .._inputs import capping_transform, scaled_temperature
 
     beta = check_distill_args(kind, beta)
     transform = capping_transform(softcap, logit_scale)
@@ -191,7 +114,7 @@ def distill_loss(
         cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
             student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
-            backend, advantages, old_logp, capping_keywords(transform),
+            backend, advantages, old_logp, transform,
         )  # fmt: skip
     cfg = distill_config(config)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a

@@ -46,3 +46,18 @@ def distill(
             grad_out, None, None, None, None, **rows_t,
         )  # fmt: skip
     return loss, torch.where(inp.valid, logp, 0.0), divergence
+
+
+def two_row_ops(backend: str, device: torch.device):
+    """The two-row ops where policy_loss's dispatch picks Triton ("triton", or "auto" on CUDA):
+    the kernels of fusedrl.kernels.two_rows; else torch_rows' blocks ("cuda" is refused
+    before: csrc/ has no two-row kernel)."""
+    from .. import backends, torch_backend
+
+    if backends.resolve(backend, device) is torch_backend:
+        from .torch_rows import TORCH_TWO_ROWS
+
+        return TORCH_TWO_ROWS
+    from ..triton_backend import TWO_ROWS
+
+    return TWO_ROWS

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import LossConfig
+from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..token_terms import masked_mean
 
@@ -106,11 +107,11 @@ def sampled_reverse_kl(
     backend: str,
     advantages: torch.Tensor | None,
     old_logp: torch.Tensor | None,
-    capping: dict | None = None,
+    transform: LogitTransform | None = None,
 ) -> LossOutput:
-    """`capping`: the softcap / logit_scale keywords both models' logits are read under."""
+    """`transform`: the soft cap both models' logits are read under (None: none)."""
+    from .. import single_process
     from .._inputs import prepare_loss_inputs
-    from ..api import policy_loss, token_logprobs
 
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
@@ -123,15 +124,15 @@ def sampled_reverse_kl(
     temperature = checked_temperature(inp, temperature)
 
     def logprobs(logits, filters):
-        return lambda labels: token_logprobs(
-            logits, labels, temperature, backend=backend, **filters, **(capping or {})
+        return lambda labels: single_process.token_logprobs(
+            logits, labels, temperature, backend=backend, **filters, transform=transform
         )[0]
 
     def loss(shifted):
-        return policy_loss(
+        return single_process.policy_loss(
             student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
             normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
-            **(capping or {}),
+            transform=transform,
         )  # fmt: skip
 
     # The sampler's log-probs over the engine's sampled sets (as its old_logp are); the

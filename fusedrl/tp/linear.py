@@ -16,16 +16,18 @@ import dataclasses
 
 import torch
 
-from .. import linear as single
-from .. import linear_torch, linear_triton
+from .. import backends, linear_single_process, linear_torch, linear_triton
+from .._autograd import attach_linear_grads, wanted_grads
 from .._inputs import (
     check_labels,
     check_lm_head,
     check_logits,
+    check_skip_masked_rows,
     check_temperature_arg,
     prepare_loss_inputs,
     temperature_of,
 )
+from ..backends import LINEAR_BACKENDS
 from ..config import LossConfig
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
@@ -52,8 +54,8 @@ from .shard import VocabShard
 
 
 def _refuse(backend: str) -> None:
-    if backend not in single.LINEAR_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {single.LINEAR_BACKENDS}")
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
     refuse_unsupported(backend)
 
 
@@ -61,7 +63,7 @@ def _backend(backend: str, hidden: torch.Tensor):
     """The LM-head backend module (linear_torch or linear_triton), resolved as on one process;
     its dtype refusal here, before the header: a rank whose slice is all padding would not reach
     the kernels that check it, and the others would wait for it."""
-    impl = single._resolve_backend(backend, hidden.device)
+    impl = backends.resolve_linear(backend, hidden.device)
     if impl is not linear_torch and linear_triton.design() == "on-chip":
         raise NotImplementedError(
             f"{linear_triton.DESIGN_ENV}=on-chip has no tensor-parallel path: its kernels make "
@@ -253,20 +255,21 @@ def linear_policy_loss(
     if group_size(tp_group) == 1:
         _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
-        return single.linear_policy_loss(
+        return linear_single_process.linear_policy_loss(
             hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
             rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-            skip_masked_rows=skip_masked_rows, live_rows=live_rows,
+            temperature=temperature, transform=check_logit_transform(softcap, logit_scale),
+            skip_masked_rows=check_skip_masked_rows(skip_masked_rows, live_rows),
+            live_rows=live_rows,
         )  # fmt: skip
     skip = live_rows if live_rows is not None else skip_masked_rows
-    want = single.wanted_grads(hidden, weight, bias)
+    want = wanted_grads(hidden, weight, bias)
 
     def local_checks():
         _refuse(backend)
         transform = check_logit_transform(softcap, logit_scale)
-        single.check_skip_masked_rows(skip_masked_rows, live_rows)
+        check_skip_masked_rows(skip_masked_rows, live_rows)
         check_lm_head(weight, bias, check_logits(hidden, name="hidden"))
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
@@ -310,7 +313,7 @@ def linear_policy_loss(
     if any(want):
         if want[0] and reduce_input_grad:
             hidden = sum_grad_over_group(hidden, tp_group)
-        loss = single.attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
+        loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
     entropy = entropy if need_entropy else None
     if inp.flat_input:
         logp = logp[0]
@@ -373,11 +376,12 @@ def linear_token_logprobs(
     if group_size(tp_group) == 1:
         _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
-        return single.linear_token_logprobs(
+        return linear_single_process.linear_token_logprobs(
             hidden, weight, labels, temperature, return_entropy, bias, backend,
-            top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap, logit_scale=logit_scale,
+            top_k=top_k, top_p=top_p, min_p=min_p,
+            transform=check_logit_transform(softcap, logit_scale),
         )  # fmt: skip
-    want = single.wanted_grads(hidden, weight, bias)
+    want = wanted_grads(hidden, weight, bias)
 
     def local_checks():
         _refuse(backend)

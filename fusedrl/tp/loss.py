@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import api
-from .._autograd import attach_grad
+from .. import single_process
+from .._autograd import attach_grad, check_writable
 from .._inputs import (
     check_labels,
     check_logits,
@@ -24,7 +24,7 @@ from .._inputs import (
     temperature_of,
 )
 from ..config import LossConfig
-from ..logit_transform import LogitTransform, capping_keywords
+from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
 from ..token_terms import token_terms
@@ -131,7 +131,7 @@ def policy_loss(
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated, as every per-token input), in place
     of config.temperature: each rank divides its slice's rows by them. `transform`: a soft cap
-    (`api.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
+    (`fusedrl.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
     (the ranks must agree on it: the header compares it)."""
     cfg = config if config is not None else LossConfig()
     logits, tp_group = unwrap_logits(logits, tp_group)
@@ -142,12 +142,12 @@ def policy_loss(
     temperature, normalizer = local_value(temperature), local_value(normalizer)
     if group_size(tp_group) == 1:
         refuse_unsupported(backend)
-        return api.policy_loss(
+        return single_process.policy_loss(
             token_columns(logits, vocab_start, vocab_size), labels, advantages, mask,
             old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
             normalizer=normalizer, inplace=inplace, backend=backend,
             return_entropy=return_entropy, is_weights=is_weights, temperature=temperature,
-            **capping_keywords(transform),
+            transform=transform,
         )  # fmt: skip
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -160,7 +160,7 @@ def policy_loss(
             rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
         )  # fmt: skip
         if wants_grad and inplace:
-            api._check_writable(logits)
+            check_writable(logits)
         return inp, slice_ops(backend, inp.logits.device, transform)
 
     (inp, ops), shard, seed = agree(
@@ -260,16 +260,16 @@ def token_logprobs(
     vocab_size: int | None = None,
     transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`api.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
+    """`fusedrl.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
     `policy_loss`."""
     logits, tp_group = unwrap_logits(logits, tp_group)
     labels, temperature = local_value(labels), local_value(temperature)
     if group_size(tp_group) == 1:
         refuse_unsupported(backend)
         columns = token_columns(logits, vocab_start, vocab_size)
-        return api.token_logprobs(columns, labels, temperature, return_entropy, backend,
-                                  top_k=top_k, top_p=top_p, min_p=min_p,
-                                  **capping_keywords(transform))  # fmt: skip
+        return single_process.token_logprobs(columns, labels, temperature, return_entropy,
+                                             backend, top_k, top_p, min_p,
+                                             transform=transform)  # fmt: skip
 
     def local_checks():
         refuse_unsupported(backend)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import torch_backend
+from .. import backends, torch_backend
 from ..fused_backend import temperature_keywords
 from ..logit_transform import LogitTransform, capped_rows
 
@@ -77,9 +77,8 @@ def slice_ops(
     backend: str, device: torch.device, transform: LogitTransform | None = None
 ) -> SliceOps:
     """The backend's two slice ops; `transform`: a soft cap they apply as they read."""
-    from ..api import _resolve_backend
 
-    impl = _resolve_backend(backend, device)
+    impl = backends.resolve(backend, device)
     if impl is torch_backend:
 
         def torch_stats(logits, labels, valid, temperature):

@@ -1,0 +1,158 @@
+"""The single-process loss on whole-vocabulary logits: what `fusedrl.policy_loss` and
+`fusedrl.token_logprobs` run once their arguments are settled (the model's transform resolved,
+tensor parallelism dispatched), and what a tensor-parallel group of one runs.
+
+Below the entry points (api.py), beside the families (tp/, distill/): it uses only what lies
+below it (the inputs, the backends, the autograd layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backends, output
+from ._autograd import with_known_grad
+from ._inputs import (
+    check_labels,
+    check_logits,
+    check_sum_pi_squared,
+    check_temperature_arg,
+    prepare_loss_inputs,
+    temperature_of,
+)
+from .config import LossConfig
+from .logit_transform import LogitTransform
+from .output import LossOutput
+from .sampling import check_sampling
+
+
+def sums_squares_in_kernel(backend: str, device: torch.device) -> bool:
+    """Whether the backend's log-prob kernel sums pi^2 in its own read (Triton)."""
+    return hasattr(backends.resolve(backend, device), "token_logprobs_squares")
+
+
+def policy_loss(
+    logits,
+    labels,
+    advantages,
+    mask,
+    old_logp=None,
+    ref_logp=None,
+    rollout_logp=None,
+    config: LossConfig | None = None,
+    normalizer=None,
+    inplace: bool = False,
+    backend: str = "auto",
+    return_entropy: bool = False,
+    is_weights=None,
+    *,
+    ref_logits=None,
+    temperature=None,
+    prox_logp=None,
+    entropy_coef=None,
+    transform: LogitTransform | None = None,
+    return_sum_pi_squared: bool = False,
+) -> LossOutput:
+    """`fusedrl.policy_loss` on one process, `transform` the model's soft cap (or None)."""
+    cfg = config if config is not None else LossConfig()
+    inp = prepare_loss_inputs(
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        cfg,
+        normalizer,
+        is_weights,
+        ref_logits=ref_logits,
+        temperature=temperature,
+        prox_logp=prox_logp,
+        entropy_coef=entropy_coef,
+    )
+    inp.transform = transform
+    impl = backends.resolve(backend, inp.logits.device)
+    sharp = None
+    # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels
+    # do not); elsewhere one more read at half the temperature, before the loss, which may
+    # overwrite the logits.
+    in_loss = hasattr(impl, "policy_loss_squares") and not cfg.full_kl
+    if return_sum_pi_squared:
+        check_sum_pi_squared(cfg.sampling is not None)
+    if return_sum_pi_squared and not in_loss:
+        with torch.no_grad():
+            sharp, _ = impl.token_logprobs(
+                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False,
+                **transform_keyword(transform),
+            )  # fmt: skip
+
+    def compute(grad):
+        if return_sum_pi_squared and in_loss:
+            logp, entropy, terms, sum_sq = impl.policy_loss_squares(inp, cfg, return_entropy, grad)
+            return terms.loss, (logp, entropy, terms, sum_sq)
+        logp, entropy, terms = impl.policy_loss(inp, cfg, return_entropy, grad)
+        return terms.loss, (logp, entropy, terms, None)
+
+    loss, (logp, entropy, terms, sum_sq) = with_known_grad(
+        logits, inp.logits, inplace, inp.flat_input, compute
+    )
+    sum_pi_squared = None
+    if sharp is not None:
+        sum_pi_squared = torch.where(inp.valid, output.sum_pi_squared_of(logp, sharp), 0.0)
+    elif sum_sq is not None:
+        sum_pi_squared = torch.where(inp.valid, sum_sq, 0.0)
+    if inp.flat_input:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+        sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
+    return LossOutput(
+        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
+        sum_pi_squared=sum_pi_squared,
+    )  # fmt: skip
+
+
+
+
+def token_logprobs(
+    logits,
+    labels,
+    temperature=1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    *,
+    transform: LogitTransform | None = None,
+    return_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """`fusedrl.token_logprobs` on one process; `return_sum_pi_squared` only where the kernel
+    sums the squares itself (`sums_squares_in_kernel`)."""
+    logits = check_logits(logits)
+    labels = check_labels(labels, logits, None)
+    sampling = check_sampling(top_k, top_p, min_p)
+    flat = logits.dim() == 2
+    temperature = check_temperature_arg(temperature, tuple(labels.shape), logits.device, flat)
+    impl = backends.resolve(backend, logits.device)
+    logits3 = logits.unsqueeze(0) if flat else logits
+    labels2 = labels.unsqueeze(0) if flat else labels
+    if return_sum_pi_squared:
+        check_sum_pi_squared(sampling.active)
+        logp, entropy, sum_sq = impl.token_logprobs_squares(
+            logits3, labels2, temperature, return_entropy, **transform_keyword(transform)
+        )
+        if flat:
+            return logp[0], None if entropy is None else entropy[0], sum_sq[0]
+        return logp, entropy, sum_sq
+    extra = {"sampling": sampling} if sampling.active else {}
+    extra.update(transform_keyword(transform))
+    logp, entropy = impl.token_logprobs(logits3, labels2, temperature, return_entropy, **extra)
+    if flat:
+        logp = logp[0]
+        entropy = None if entropy is None else entropy[0]
+    return logp, entropy
+
+
+def transform_keyword(transform: LogitTransform | None) -> dict:
+    return {} if transform is None else {"transform": transform}

@@ -1,0 +1,118 @@
+"""The house has one direction: no import cycle among fusedrl's modules, and no family or lower
+layer importing an entry point.
+
+Read from the source (every `import` / `from ... import`, those inside functions too, package
+`__init__` files included), not from what happens to be loaded: a lazy import that closes a
+cycle is a cycle all the same. docs/design.md ("Layers") draws the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where each installed package's source lies (pyproject.toml maps the last two into fusedrl).
+SOURCES = {"fusedrl": ROOT / "fusedrl", "fusedrl.kernels": ROOT / "kernels",
+           "fusedrl.trainer": ROOT / "trainer"}  # fmt: skip
+
+# The public entry points: what users call. Everything else lies below them.
+ENTRY_MODULES = {
+    "fusedrl",  # the package root re-exports the entry points
+    "fusedrl.api",  # policy_loss, token_logprobs, PolicyLoss
+    "fusedrl.linear",  # linear_policy_loss, linear_token_logprobs
+    "fusedrl.distill.linear",  # linear_distill_loss
+}
+# The trainer and the drop-ins for other trainers sit on top of the entry points.
+ABOVE_THE_ENTRY_POINTS = ("fusedrl.integrations", "fusedrl.trainer")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The fusedrl modules `name` imports, anywhere in its file. (A package's `__init__` is a
+    module like the others; a submodule's implicit run of its parent package is not an edge:
+    an `__init__` that imports its own submodules is how packages are made.)"""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                child = f"{module}.{alias.name}"
+                found.add(child if child in MODULES else module)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph`, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_source_is_read():
+    assert {"fusedrl.api", "fusedrl.tp.loss", "fusedrl.kernels.token_loss"} <= set(MODULES)
+    assert "fusedrl.single_process" in GRAPH["fusedrl.tp.loss"]  # a function-level import
+    assert "fusedrl.distill.args" in GRAPH["fusedrl.distill"]  # a package's __init__
+
+
+def test_no_import_cycle():
+    cycle = _cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - ENTRY_MODULES))
+def test_nothing_below_the_entry_points_imports_one(name):
+    if name.startswith(ABOVE_THE_ENTRY_POINTS):
+        return
+    explicit = GRAPH[name] - {p for p in ENTRY_MODULES if name.startswith(p + ".")}
+    assert not explicit & ENTRY_MODULES, (name, sorted(explicit & ENTRY_MODULES))
+
+
+def test_a_planted_cycle_is_found():
+    """The check itself: an import of an entry point from a backend closes a cycle."""
+    planted = {**GRAPH, "fusedrl.torch_backend": GRAPH["fusedrl.torch_backend"] | {"fusedrl.api"}}
+    assert _cycle(planted) is not None
