@@ -313,7 +313,7 @@ def test_fused_lm_head_equals_the_logits_path(preset, monkeypatch):
         counts.append((int(valid.sum()), count))
         return real(valid, count)
 
-    monkeypatch.setattr(fusedrl.linear, "live_row_indices", spied)
+    monkeypatch.setattr(fusedrl.linear_single_process, "live_row_indices", spied)
     cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
     batch, _, _ = _tiny_batch(n=5)
     grads, metrics, logps = [], [], []
