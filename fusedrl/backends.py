@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Protocol
 
 import torch
 
@@ -19,6 +20,35 @@ LINEAR_BACKENDS = ("auto", "triton", "torch")
 
 # Looked up once: torch.compile cannot trace importlib (a graph break under fullgraph=True).
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+class Backend(Protocol):
+    """What a logits backend module (torch_backend, triton_backend, cuda_backend) provides to
+    `single_process` and `tp.ops`. tests/test_backends.py checks every module against it."""
+
+    # Sums pi^2 in the call's own read of the logits: then `policy_loss_squares` and
+    # `token_logprobs_squares` exist (else the entry points take one more read at T / 2).
+    SUMS_PI_SQUARED_IN_PASS: bool
+
+    def policy_loss(self, inp, cfg, return_entropy: bool, grad) -> tuple: ...
+
+    def token_logprobs(self, logits, labels, temperature, return_entropy: bool, **kwargs) -> tuple:
+        ...
+
+
+class LinearBackend(Protocol):
+    """What an LM-head loss backend module (linear_torch, linear_triton) provides to
+    `linear_single_process` and `tp.linear`."""
+
+    def squares_in_sweep(self) -> bool:
+        """Whether `token_logprobs_squares` serves: pi^2 summed in the log-prob sweep itself."""
+        ...
+
+    def policy_loss(self, lin, cfg, return_entropy: bool, want) -> tuple: ...
+
+    def token_logprobs(self, lin, temperature, return_entropy: bool) -> tuple: ...
+
+    def backward(self, lin, labels, temperature, grad_logp, grad_entropy, want): ...
 
 
 def triton_usable(device: torch.device) -> bool:

@@ -34,7 +34,7 @@ from .sampling import check_sampling
 
 def sums_squares_in_sweep(backend: str, device: torch.device) -> bool:
     """Whether the backend sums pi^2 in the log-prob sweep itself (Triton's "gemm" design)."""
-    return getattr(backends.resolve_linear(backend, device), "squares_in_sweep", bool)()
+    return backends.resolve_linear(backend, device).squares_in_sweep()
 
 
 def linear_policy_loss(

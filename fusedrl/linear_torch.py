@@ -409,3 +409,9 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     logp, entropy, _ = sweep(lin, lin.rows.labels, temperature, return_entropy)
     return logp, entropy
+
+
+def squares_in_sweep() -> bool:
+    """backends.LinearBackend: no; pi^2 takes one more sweep of the head at half the
+    temperature."""
+    return False

@@ -28,7 +28,7 @@ from .sampling import check_sampling
 
 def sums_squares_in_kernel(backend: str, device: torch.device) -> bool:
     """Whether the backend's log-prob kernel sums pi^2 in its own read (Triton)."""
-    return hasattr(backends.resolve(backend, device), "token_logprobs_squares")
+    return backends.resolve(backend, device).SUMS_PI_SQUARED_IN_PASS
 
 
 def policy_loss(
@@ -77,7 +77,7 @@ def policy_loss(
     # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels
     # do not); elsewhere one more read at half the temperature, before the loss, which may
     # overwrite the logits.
-    in_loss = hasattr(impl, "policy_loss_squares") and not cfg.full_kl
+    in_loss = impl.SUMS_PI_SQUARED_IN_PASS and not cfg.full_kl
     if return_sum_pi_squared:
         check_sum_pi_squared(cfg.sampling is not None)
     if return_sum_pi_squared and not in_loss:

@@ -26,6 +26,8 @@ from .token_terms import TokenTerms, token_terms
 
 # Rows per block are chosen so that one fp32 temporary of the block holds about this many elements
 # (16 MiB): large enough to amortise the Python loop, small next to any real logits tensor.
+# backends.Backend: pi^2 takes one more read at half the temperature (no *_squares ops)
+SUMS_PI_SQUARED_IN_PASS = False
 BLOCK_ELEMENTS = 1 << 22
 
 

@@ -195,6 +195,7 @@ TWO_ROWS = fused_backend.TwoRowOps(two_rows_fwd, two_rows_grad)
 
 
 # ------------------------------------------------------------------------------ backends
+SUMS_PI_SQUARED_IN_PASS = True  # backends.Backend: the fused kernel's sweep 1, or pass 1
 OPS = FusedOps(
     logprobs_fwd,
     logits_grad,

@@ -430,3 +430,35 @@ def test_token_logprobs_backward_of_an_empty_batch(backend, shape):
     assert logp.shape == entropy.shape == shape[:2]
     (logp.sum() + entropy.sum()).backward()
     assert logits.grad.shape == shape
+
+
+# ------------------------------------------------------------------------------ the contract
+def _protocol_members(protocol) -> set[str]:
+    own = set(vars(protocol)) | set(getattr(protocol, "__annotations__", {}))
+    return {name for name in own if not name.startswith("_")}
+
+
+def test_every_backend_module_keeps_the_backend_contract():
+    """backends.Backend / LinearBackend: every member present on every module, and the
+    capability flag says what the module has (no hasattr probing by the callers)."""
+    import importlib
+
+    from fusedrl import backends
+
+    logits = [torch_backend, importlib.import_module("fusedrl.cuda_backend")]
+    linear = [importlib.import_module("fusedrl.linear_torch")]
+    if backends.TRITON_INSTALLED:
+        logits.append(importlib.import_module("fusedrl.triton_backend"))
+        linear.append(importlib.import_module("fusedrl.linear_triton"))
+    assert _protocol_members(backends.Backend) >= {"policy_loss", "SUMS_PI_SQUARED_IN_PASS"}
+    for module in logits:
+        missing = _protocol_members(backends.Backend) - set(dir(module))
+        assert not missing, (module.__name__, missing)
+        squares = {"policy_loss_squares", "token_logprobs_squares"} <= set(dir(module))
+        assert module.SUMS_PI_SQUARED_IN_PASS is squares, module.__name__
+    for module in linear:
+        missing = _protocol_members(backends.LinearBackend) - set(dir(module))
+        assert not missing, (module.__name__, missing)
+        assert module.squares_in_sweep() in (True, False)
+        if module.squares_in_sweep():
+            assert hasattr(module, "token_logprobs_squares"), module.__name__
