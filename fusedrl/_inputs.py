@@ -340,6 +340,51 @@ def prepare_loss_inputs(
     `prox_logp`: decoupled PPO (`decoupled_inputs`): the ratio is taken against it, and the
     behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights. `entropy_coef`: the
     entropy bonus's coefficient as a device scalar (`check_entropy_coef`)."""
+    logits, flat_input = _checked_source(logits, config, source)
+    shape, device = tuple(logits.shape[:-1]), logits.device
+    mask_f = check_mask(mask, shape, device)
+    valid = mask_f != 0
+    labels_l = check_labels(labels, logits, valid, vocab=vocab, source=source)
+    adv = check_advantages(advantages, shape, device, flat_input)
+    old = _per_token("old_logp", old_logp, shape, device)
+    ref = _per_token("ref_logp", ref_logp, shape, device)
+    rollout = _per_token("rollout_logp", rollout_logp, shape, device)
+    ref_logits3 = _check_ref_logits(ref_logits, logits, ref, config, ref_head)
+    _check_required_inputs(config, ref, rollout)
+    weights = _checked_is_weights(is_weights, config, shape, device, flat_input)
+    if prox_logp is not None:
+        old, weights = decoupled_inputs(prox_logp, old, weights, valid, shape, device, config)
+    row_temps = _checked_row_temperatures(temperature, config, shape, device, flat_input, valid)
+
+    def rows(t: torch.Tensor | None, masked: bool = True) -> torch.Tensor | None:
+        # Masked positions may hold anything (NaN padding): zero them once here so that no
+        # backend can leak them through a multiply-by-mask.
+        if t is None:
+            return None
+        t = torch.where(valid, t, 0.0) if masked else t
+        return t.unsqueeze(0) if flat_input else t
+
+    return LossInputs(
+        logits=logits.unsqueeze(0) if flat_input else logits,
+        labels=rows(labels_l, masked=False),
+        advantages=rows(adv),
+        mask=rows(mask_f, masked=False),  # 0 wherever valid is False
+        valid=rows(valid, masked=False),
+        old_logp=rows(old),
+        ref_logp=rows(ref),
+        rollout_logp=rows(rollout),
+        is_weights=rows(weights),
+        normalizer=check_normalizer(normalizer, device),
+        flat_input=flat_input,
+        ref_logits=ref_logits3,
+        row_temps=row_temps,
+        entropy_coef=check_entropy_coef(entropy_coef, config, device),
+    )
+
+
+def _checked_source(logits: object, config: object, source: str) -> tuple[torch.Tensor, bool]:
+    """(the logits or hidden states checked, whether they are [N, V] / [N, H] without
+    sequence boundaries, which the config must not need)."""
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
     logits = check_logits(logits, name=source)
@@ -351,51 +396,16 @@ def prepare_loss_inputs(
             f"(agg={config.agg!r}, loss={config.loss!r}, ratio_level={config.ratio_level!r}, "
             f"is_correction={config.is_correction!r}): pass {source} as [B, T, {last}]"
         )
-    logits3 = logits.unsqueeze(0) if flat_input else logits
-    shape = tuple(logits.shape[:-1])
-    device = logits.device
+    return logits, flat_input
 
-    mask_f = check_mask(mask, shape, device)
-    valid = mask_f != 0
-    labels_l = check_labels(labels, logits, valid, vocab=vocab, source=source)
-    adv = check_advantages(advantages, shape, device, flat_input)
-    old = _per_token("old_logp", old_logp, shape, device)
-    ref = _per_token("ref_logp", ref_logp, shape, device)
-    rollout = _per_token("rollout_logp", rollout_logp, shape, device)
-    ref_logits3 = _check_ref_logits(ref_logits, logits, ref, config, ref_head)
+
+def _check_required_inputs(config: LossConfig, ref, rollout) -> None:
+    """The inputs the config reads: ref_logp for a KL estimate, rollout_logp for the
+    train/inference corrections."""
     if config.beta > 0 and ref is None and not config.full_kl:
         raise ValueError(
             f"ref_logp is required when config.beta > 0 (beta={config.beta}, kl={config.kl!r})"
         )
-    weights = None
-    if is_weights is not None:
-        if config.is_correction is not None:
-            raise ValueError(
-                "is_weights and config.is_correction are exclusive: pass precomputed weights "
-                f"with is_correction=None, or rollout_logp with is_correction (got "
-                f"{config.is_correction!r})"
-            )
-        if (
-            config.loss == "gmpo"
-            and isinstance(is_weights, torch.Tensor)
-            and is_weights.dim() == 2
-            and is_weights.shape[-1] != 1
-        ):
-            raise ValueError(
-                f"is_weights shape {tuple(is_weights.shape)}: loss='gmpo' weights whole "
-                "sequences, pass one weight per sequence ([B] or [B, 1])"
-            )
-        if (
-            isinstance(is_weights, torch.Tensor)
-            and is_weights.dim() == 2
-            and not flat_input
-            and is_weights.shape[1] == 1
-            and is_weights.shape[0] == shape[0]
-        ):
-            is_weights = is_weights.expand(shape)  # per-sequence weights, as TRL keeps them
-        weights = check_advantages(is_weights, shape, device, flat_input, name="is_weights")
-    if prox_logp is not None:
-        old, weights = decoupled_inputs(prox_logp, old, weights, valid, shape, device, config)
     if config.is_correction is not None and rollout is None:
         raise ValueError(
             f"rollout_logp is required when config.is_correction={config.is_correction!r}"
@@ -407,44 +417,44 @@ def prepare_loss_inputs(
             "rollout_logp is required when config.trust_region_delta="
             f"{config.trust_region_delta!r} (the sequences' log-ratios to the rollout)"
         )
-    row_temps = None
-    if temperature is not None:
-        if not isinstance(temperature, torch.Tensor):
-            raise TypeError(
-                f"temperature must be a tensor of per-token temperatures (a single one goes in "
-                f"config.temperature), got {type(temperature).__name__}"
-            )
-        if config.temperature != 1.0:
-            raise ValueError(
-                f"temperature (per token) and config.temperature={config.temperature} are both "
-                "set: pass one"
-            )
-        row_temps = check_row_temperatures(temperature, shape, device, flat_input, valid)
 
-    def as2d(t: torch.Tensor | None) -> torch.Tensor | None:
-        # Masked positions may hold anything (NaN padding): zero them once here so that no
-        # backend can leak them through a multiply-by-mask.
-        if t is None:
-            return None
-        t = torch.where(valid, t, 0.0)
-        return t.unsqueeze(0) if flat_input else t
 
-    return LossInputs(
-        logits=logits3,
-        labels=labels_l.unsqueeze(0) if flat_input else labels_l,
-        advantages=as2d(adv),
-        mask=mask_f.unsqueeze(0) if flat_input else mask_f,  # 0 wherever valid is False
-        valid=valid.unsqueeze(0) if flat_input else valid,
-        old_logp=as2d(old),
-        ref_logp=as2d(ref),
-        rollout_logp=as2d(rollout),
-        is_weights=as2d(weights),
-        normalizer=check_normalizer(normalizer, device),
-        flat_input=flat_input,
-        ref_logits=ref_logits3,
-        row_temps=row_temps,
-        entropy_coef=check_entropy_coef(entropy_coef, config, device),
-    )
+def _checked_is_weights(is_weights, config, shape, device, flat_input) -> torch.Tensor | None:
+    """Precomputed IS weights ([B, T], [B, 1] or [B]) as [B, T] fp32, or None."""
+    if is_weights is None:
+        return None
+    if config.is_correction is not None:
+        raise ValueError(
+            "is_weights and config.is_correction are exclusive: pass precomputed weights "
+            f"with is_correction=None, or rollout_logp with is_correction (got "
+            f"{config.is_correction!r})"
+        )
+    per_column = isinstance(is_weights, torch.Tensor) and is_weights.dim() == 2
+    if config.loss == "gmpo" and per_column and is_weights.shape[-1] != 1:
+        raise ValueError(
+            f"is_weights shape {tuple(is_weights.shape)}: loss='gmpo' weights whole "
+            "sequences, pass one weight per sequence ([B] or [B, 1])"
+        )
+    if per_column and not flat_input and tuple(is_weights.shape) == (shape[0], 1):
+        is_weights = is_weights.expand(shape)  # per-sequence weights, as TRL keeps them
+    return check_advantages(is_weights, shape, device, flat_input, name="is_weights")
+
+
+def _checked_row_temperatures(temperature, config, shape, device, flat_input, valid):
+    """`temperature=` per-token temperatures (in place of config.temperature), or None."""
+    if temperature is None:
+        return None
+    if not isinstance(temperature, torch.Tensor):
+        raise TypeError(
+            f"temperature must be a tensor of per-token temperatures (a single one goes in "
+            f"config.temperature), got {type(temperature).__name__}"
+        )
+    if config.temperature != 1.0:
+        raise ValueError(
+            f"temperature (per token) and config.temperature={config.temperature} are both "
+            "set: pass one"
+        )
+    return check_row_temperatures(temperature, shape, device, flat_input, valid)
 
 
 def decoupled_inputs(prox_logp, old, weights, valid, shape, device, config):

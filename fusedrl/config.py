@@ -249,6 +249,18 @@ class LossConfig:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
+        self._to_plain_numbers()
+        self._resolve_choices()
+        self._resolve_clip_bounds()
+        self._check_variant_options()
+        self._check_caps()
+        self._check_coefficients()
+        self._check_corrections()
+        self._check_scalar_losses()
+        self._check_kl_and_rollout_options()
+        self._check_norm_constant()
+
+    def _to_plain_numbers(self) -> None:
         # numpy / torch scalars (np.float32(0.2), say) are numbers too: keep plain floats.
         for field in _NUMERIC_FIELDS:
             value = getattr(self, field)
@@ -258,6 +270,9 @@ class LossConfig:
             value = getattr(self, field)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, field, int(value))
+
+    def _resolve_choices(self) -> None:
+        """The loss, its defaults for ratio_level and agg, and every named choice."""
         _check_choice("loss", self.loss, LOSSES)
         if self.ratio_level is None:
             object.__setattr__(self, "ratio_level", "sequence" if self.loss == "luspo" else "token")
@@ -271,6 +286,8 @@ class LossConfig:
         if self.is_correction is not None:
             _check_choice("is_correction", self.is_correction, IS_CORRECTIONS)
 
+    def _resolve_clip_bounds(self) -> None:
+        """eps_low / eps_high: the loss's defaults where unset, checked."""
         default_low, default_high = _default_eps(self.loss, self.ratio_level)
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", default_low)
@@ -284,8 +301,8 @@ class LossConfig:
                 "the lower ratio bound 1 - eps_low would not be positive"
             )
 
-        self._check_variant_options()
-
+    def _check_caps(self) -> None:
+        """The positive scalars, and the IS weights' bounds."""
         _check_positive("sapo_tau_pos", self.sapo_tau_pos)
         _check_positive("sapo_tau_neg", self.sapo_tau_neg)
         _check_positive("dcpo_r_max", self.dcpo_r_max, above=1.0)
@@ -306,6 +323,8 @@ class LossConfig:
                 "(every weight would be 0): use is_cap > 1 or set is_cap_low"
             )
 
+    def _check_coefficients(self) -> None:
+        """beta (with its KL estimator), the entropy bonus's coefficient and aggregation."""
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
             raise ValueError(f"LossConfig.beta must be a number, got {self.beta!r}")
         if not math.isfinite(self.beta) or self.beta < 0:
@@ -323,8 +342,9 @@ class LossConfig:
                 f"LossConfig.entropy_agg must be one of {ENTROPY_AGGS}, got {self.entropy_agg!r}"
             )
 
-        self._check_corrections()
-        self._check_scalar_losses()
+    def _check_kl_and_rollout_options(self) -> None:
+        """The sampling filters, the exact KL's exclusions, M2PO, trust-region masking,
+        rejection sampling."""
         check_sampling(self.top_k, self.top_p, self.min_p, where="LossConfig")
         if self.full_kl and self.kl_bias_correction:
             raise ValueError(
@@ -354,6 +374,7 @@ class LossConfig:
         elif self.rejection_threshold is not None:
             raise ValueError("LossConfig.rejection_threshold is set but rejection is None")
 
+    def _check_norm_constant(self) -> None:
         if self.norm_constant is not None:
             if self.agg != "seq-mean-token-sum-norm":
                 raise ValueError(

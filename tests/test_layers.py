@@ -116,3 +116,35 @@ def test_a_planted_cycle_is_found():
     """The check itself: an import of an entry point from a backend closes a cycle."""
     planted = {**GRAPH, "fusedrl.torch_backend": GRAPH["fusedrl.torch_backend"] | {"fusedrl.api"}}
     assert _cycle(planted) is not None
+
+
+# The entry points and the two argument hubs read as a table of contents: a few named steps each.
+ENTRY_FUNCTIONS = {
+    "fusedrl.api": ("policy_loss", "token_logprobs"),
+    "fusedrl.linear": ("linear_policy_loss", "linear_token_logprobs"),
+    "fusedrl.distill": ("distill_loss",),
+    "fusedrl.distill.linear": ("linear_distill_loss",),
+    "fusedrl._inputs": ("prepare_loss_inputs",),
+    "fusedrl.config": ("__post_init__",),
+}
+MAX_CODE_LINES = 40
+
+
+def _code_lines(function: ast.FunctionDef, source: list[str]) -> int:
+    """Lines of code of the body: no docstring, blank line or comment."""
+    body = function.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    lines = source[body[0].lineno - 1 : function.end_lineno]
+    return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
+@pytest.mark.parametrize("module", sorted(ENTRY_FUNCTIONS))
+def test_entry_points_are_a_few_named_steps(module):
+    source = MODULES[module].read_text()
+    functions = {
+        node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+    }
+    for name in ENTRY_FUNCTIONS[module]:
+        count = _code_lines(functions[name], source.splitlines())
+        assert count <= MAX_CODE_LINES, f"{module}.{name}: {count} lines of code"

@@ -92,20 +92,10 @@ def distill_loss(
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
         entropy: None, metrics: {"distill": masked mean of the per-token divergence}).
     """
-    from .._inputs import capping_transform, scaled_temperature
-
-    beta = check_distill_args(kind, beta)
-    transform = capping_transform(softcap, logit_scale)
-    if transform is None:  # a bare scale of both rows is one of the temperature
-        temperature = scaled_temperature(temperature, logit_scale)
+    beta, transform, temperature = _settled_arguments(
+        kind, beta, softcap, logit_scale, temperature, backend, advantages, old_logp
+    )
     per_token = isinstance(temperature, torch.Tensor)
-    temperature = temperature if per_token else check_temperature(temperature)
-    if backend not in DISTILL_BACKENDS:
-        raise ValueError(
-            f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
-            "kernel yet)"
-        )
-    check_sampled_args(kind, advantages, old_logp)
     student_logits = check_logits(student_logits, name="student_logits")
     teacher = check_teacher(teacher_logits, student_logits)
     if kind == "sampled_reverse_kl":
@@ -143,3 +133,24 @@ def distill_loss(
     return LossOutput(
         loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
     )
+
+
+def _settled_arguments(kind, beta, softcap, logit_scale, temperature, backend, advantages,
+                       old_logp):  # fmt: skip
+    """distill_loss's arguments checked: (beta, the soft cap's transform or None, the
+    temperature with a bare logit scale folded in)."""
+    from .._inputs import capping_transform, scaled_temperature
+
+    beta = check_distill_args(kind, beta)
+    transform = capping_transform(softcap, logit_scale)
+    if transform is None:  # a bare scale of both rows is one of the temperature
+        temperature = scaled_temperature(temperature, logit_scale)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = check_temperature(temperature)
+    if backend not in DISTILL_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
+            "kernel yet)"
+        )
+    check_sampled_args(kind, advantages, old_logp)
+    return beta, transform, temperature

@@ -73,67 +73,18 @@ def linear_distill_loss(
         LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
         student_weight and student_bias (each that requires grad).
     """
-    beta = check_distill_args(kind, beta)
-    skip = check_skip_masked_rows(skip_masked_rows, live_rows)
+    beta, skip, temperature = _checked_scalars(
+        kind, beta, skip_masked_rows, live_rows, temperature, backend, advantages, old_logp
+    )
     per_token_t = isinstance(temperature, torch.Tensor)
-    temperature = temperature if per_token_t else check_temperature(temperature)
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
-    check_sampled_args(kind, advantages, old_logp)
-    student_hidden = check_logits(student_hidden, name="student_hidden")
-    student_names = ("student_weight", "student_bias", "student_hidden")
-    weight, bias = check_lm_head(student_weight, student_bias, student_hidden, student_names)
-    head = check_teacher_head(
-        teacher_hidden, teacher_weight, teacher_bias, student_hidden, weight.shape[0],
-        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+    student_hidden, weight, bias, head, student_kwargs = _checked_heads(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+        teacher_bias, student_transform, teacher_transform,
     )  # fmt: skip
-    student_kwargs = _transform_kwargs(student_transform, "student_transform")
-    teacher_kwargs = _transform_kwargs(teacher_transform, "teacher_transform")
-    head.transform = check_logit_transform(**teacher_kwargs)
     if kind == "sampled_reverse_kl":
-        from .sampled import (
-            check_sampled_config,
-            checked_temperature,
-            per_token,
-            sampling_filters,
-            shifted_advantage_loss,
-        )
-
-        cfg = check_sampled_config(config, temperature)
-        if advantages is None:  # pure distillation
-            advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
-        inp = prepare_loss_inputs(
-            student_hidden, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
-            vocab=weight.shape[0], source="student_hidden", **per_token(temperature),
-        )  # fmt: skip
-        temperature = checked_temperature(inp, temperature)
-        flat = inp.flat_input
-        teacher_rows = head.hidden[0] if flat else head.hidden
-
-        student_head = check_logit_transform(**student_kwargs)
-
-        def logprobs(hidden, head_weight, head_bias, transform, filters):
-            def run(labels):
-                return linear_single_process.linear_token_logprobs(
-                    hidden, head_weight, labels, temperature, bias=head_bias, backend=backend,
-                    **filters, transform=transform,
-                )[0]  # fmt: skip
-
-            return run
-
-        def loss(shifted):
-            return linear_single_process.linear_policy_loss(
-                student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
-                normalizer=normalizer, bias=bias, backend=backend, transform=student_head,
-                **per_token(temperature), skip_masked_rows=skip, live_rows=live_rows,
-            )  # fmt: skip
-
-        return shifted_advantage_loss(
-            inp, beta, logprobs(teacher_rows, head.weight, head.bias, head.transform, {}),
-            logprobs(student_hidden.detach(), weight.detach(),
-                     None if bias is None else bias.detach(), student_head,
-                     sampling_filters(cfg)),
-            old_logp, loss,
+        return _sampled_reverse_kl(
+            student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature,
+            config, normalizer, backend, advantages, old_logp, skip, live_rows,
         )  # fmt: skip
     cfg = distill_config(config)
     advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
@@ -158,11 +109,42 @@ def linear_distill_loss(
     loss = (agg_w * divergence).sum()
     if any(want):
         loss = attach_linear_grads(loss, student_hidden, weight, bias, inp.flat_input, want, grads)
-    if inp.flat_input:
-        logp = logp[0]
+    logp = logp[0] if inp.flat_input else logp
     return LossOutput(
         loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
     )
+
+
+def _checked_scalars(kind, beta, skip_masked_rows, live_rows, temperature, backend, advantages,
+                     old_logp):  # fmt: skip
+    """(beta, whether the heads skip the masked rows, the temperature) checked."""
+    beta = check_distill_args(kind, beta)
+    skip = check_skip_masked_rows(skip_masked_rows, live_rows)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = check_temperature(temperature)
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
+    check_sampled_args(kind, advantages, old_logp)
+    return beta, skip, temperature
+
+
+def _checked_heads(
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+    student_transform, teacher_transform,
+):  # fmt: skip
+    """Both heads checked: (student_hidden, its weight, its bias, the teacher's TeacherHead with
+    its transform, the student's transform keywords)."""
+    student_hidden = check_logits(student_hidden, name="student_hidden")
+    student_names = ("student_weight", "student_bias", "student_hidden")
+    weight, bias = check_lm_head(student_weight, student_bias, student_hidden, student_names)
+    head = check_teacher_head(
+        teacher_hidden, teacher_weight, teacher_bias, student_hidden, weight.shape[0],
+        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+    )  # fmt: skip
+    student_kwargs = _transform_kwargs(student_transform, "student_transform")
+    head.transform = check_logit_transform(**_transform_kwargs(teacher_transform,
+                                                               "teacher_transform"))
+    return student_hidden, weight, bias, head, student_kwargs
 
 
 def _transform_kwargs(transform: object, name: str) -> dict:
@@ -175,3 +157,55 @@ def _transform_kwargs(transform: object, name: str) -> dict:
             f"model_logit_transform returns), got {transform!r}"
         )
     return dict(transform)
+
+
+def _sampled_reverse_kl(
+    student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature, config,
+    normalizer, backend, advantages, old_logp, skip, live_rows,
+) -> LossOutput:  # fmt: skip
+    """kind="sampled_reverse_kl" from the heads: the policy loss of `linear_policy_loss` with
+    the teacher's log-ratio on the sampled tokens in its advantages (`sampled.py`)."""
+    from .sampled import (
+        check_sampled_config,
+        checked_temperature,
+        per_token,
+        sampling_filters,
+        shifted_advantage_loss,
+    )
+
+    cfg = check_sampled_config(config, temperature)
+    if advantages is None:  # pure distillation
+        advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
+    inp = prepare_loss_inputs(
+        student_hidden, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
+        vocab=weight.shape[0], source="student_hidden", **per_token(temperature),
+    )  # fmt: skip
+    temperature = checked_temperature(inp, temperature)
+    flat = inp.flat_input
+    teacher_rows = head.hidden[0] if flat else head.hidden
+
+    student_head = check_logit_transform(**student_kwargs)
+
+    def logprobs(hidden, head_weight, head_bias, transform, filters):
+        def run(labels):
+            return linear_single_process.linear_token_logprobs(
+                hidden, head_weight, labels, temperature, bias=head_bias, backend=backend,
+                **filters, transform=transform,
+            )[0]  # fmt: skip
+
+        return run
+
+    def loss(shifted):
+        return linear_single_process.linear_policy_loss(
+            student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
+            normalizer=normalizer, bias=bias, backend=backend, transform=student_head,
+            **per_token(temperature), skip_masked_rows=skip, live_rows=live_rows,
+        )  # fmt: skip
+
+    return shifted_advantage_loss(
+        inp, beta, logprobs(teacher_rows, head.weight, head.bias, head.transform, {}),
+        logprobs(student_hidden.detach(), weight.detach(),
+                 None if bias is None else bias.detach(), student_head,
+                 sampling_filters(cfg)),
+        old_logp, loss,
+    )  # fmt: skip
