@@ -137,21 +137,21 @@ at::Tensor checked_valid(const at::Tensor& valid, const at::Tensor& labels,
 }
 
 int loss_code(const std::string& loss) {
-  if (loss == "ppo" || loss == "dcpo") return 0;
-  if (loss == "cispo") return 1;
-  if (loss == "sapo") return 2;
-  if (loss == "pg") return 3;
+  if (loss == "ppo" || loss == "dcpo") return kLossClipped;
+  if (loss == "cispo") return kLossCispo;
+  if (loss == "sapo") return kLossSapo;
+  if (loss == "pg") return kLossPg;
   TORCH_CHECK(false, "fusedrl: loss '", loss, "' has no token-level CUDA kernel");
   return -1;  // unreachable
 }
 
 int kl_code(const std::optional<std::string>& kl, double beta) {
-  if (!kl.has_value() || beta <= 0) return 0;
-  if (*kl == "k1") return 1;
-  if (*kl == "k2") return 2;
-  if (*kl == "abs") return 3;
-  if (*kl == "k3") return 4;
-  if (*kl == "k1+" || *kl == "k3+") return 5;
+  if (!kl.has_value() || beta <= 0) return kKlNone;
+  if (*kl == "k1") return kKlK1;
+  if (*kl == "k2") return kKlK2;
+  if (*kl == "abs") return kKlAbs;
+  if (*kl == "k3") return kKlK3;
+  if (*kl == "k1+" || *kl == "k3+") return kKlStraightThrough;
   TORCH_CHECK(false, "fusedrl: unknown kl estimator '", *kl, "'");
   return -1;  // unreachable
 }

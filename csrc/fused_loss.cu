@@ -546,13 +546,13 @@ FUSEDRL_HD float policy_dlogp(float logp, float old, float adv, float low, float
   const bool inside_clamp = raw_log_ratio >= -kLogRatioClamp && raw_log_ratio <= kLogRatioClamp;
   const float dratio = inside_clamp ? ratio : 0.f;
   const float clipped = fminf(fmaxf(ratio, low), high);
-  if (p.loss == 1) return -clipped * adv;  // cispo
-  if (p.loss == 2) {                       // sapo
+  if (p.loss == kLossCispo) return -clipped * adv;
+  if (p.loss == kLossSapo) {
     const float tau = adv > 0.f ? p.tau_pos : p.tau_neg;
     const float gate = 1.f / (1.f + expf(-tau * (ratio - 1.f)));
     return -4.f * gate * (1.f - gate) * dratio * adv;
   }
-  if (p.loss == 3) return -adv;  // pg
+  if (p.loss == kLossPg) return -adv;
   float loss_unclipped, d_unclipped;
   if (p.has_delta) {
     loss_unclipped = -adv * fminf(ratio, p.delta);
@@ -575,14 +575,14 @@ FUSEDRL_HD float policy_dlogp(float logp, float old, float adv, float low, float
 FUSEDRL_HD float kl_dlogp(float logp, float ref, int kind) {
   const float delta = logp - ref;
   switch (kind) {
-    case 1:
+    case kKlK1:
       return 1.f;
-    case 2:
-    case 5:
+    case kKlK2:
+    case kKlStraightThrough:
       return delta;
-    case 3:
+    case kKlAbs:
       return delta > 0.f ? 1.f : (delta < 0.f ? -1.f : 0.f);
-    case 4: {
+    case kKlK3: {
       const float log_ratio = clampf(-delta, -kKlLogClamp, kKlLogClamp);
       const float raw = expf(log_ratio) - log_ratio - 1.f;
       const bool inside = delta >= -kKlLogClamp && delta <= kKlLogClamp &&
@@ -612,7 +612,7 @@ FUSEDRL_HD RowGrad token_row_grad(const TokenLossInputs& in, const TokenLossPara
   // A NaN input the token's loss reads makes its row's gradient NaN, as its loss term is (the
   // clamps and selects of policy_dlogp would drop it; docs/losses.md, "NaN inputs").
   bool unread = old != old;  // (NaN: IEEE compares, no fast-math in this build)
-  if (params.kl != 0) {
+  if (params.kl != kKlNone) {
     d += params.beta * kl_dlogp(logp, in.ref_logp[row], params.kl);
     unread = unread || in.ref_logp[row] != in.ref_logp[row];
   }

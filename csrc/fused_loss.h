@@ -32,15 +32,26 @@ struct RowRead {
 };
 
 // Token-level variant of the policy loss, as constants of one launch.
+// The variants' codes (kernels/token_loss.py's LOSS_CODES / KL_CODES have the same values).
+enum LossCode : int { kLossClipped = 0, kLossCispo = 1, kLossSapo = 2, kLossPg = 3 };
+enum KlCode : int {
+  kKlNone = 0,
+  kKlK1 = 1,
+  kKlK2 = 2,
+  kKlAbs = 3,
+  kKlK3 = 4,
+  kKlStraightThrough = 5,  // k1+ / k3+: the value of k1 / k3, the gradient of k2
+};
+
 struct TokenLossParams {
-  int loss;            // 0 ppo/dcpo (per-token bounds), 1 cispo, 2 sapo, 3 pg
+  int loss;            // a LossCode: ppo/dcpo (per-token bounds), cispo, sapo, pg
   bool dual_clip;
   float dual_clip_c;
   bool has_delta;
   float delta;
   float tau_pos;
   float tau_neg;
-  int kl;              // 0 none, 1 k1, 2 k2, 3 abs, 4 k3, 5 straight-through (k2 gradient)
+  int kl;              // a KlCode
   float beta;
   float entropy_coef;
   RowRead read;
@@ -52,7 +63,7 @@ struct TokenLossInputs {
   const int8_t* valid;
   const float* advantages;
   const float* old_logp;     // nullptr: on-policy (old = logp)
-  const float* ref_logp;     // used when params.kl != 0
+  const float* ref_logp;     // used when params.kl != kKlNone
   const float* is_weight;    // nullptr: no IS correction
   const float* agg_weight;
   const float* low;          // ratio bounds (ppo/dcpo/cispo)

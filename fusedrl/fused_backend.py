@@ -124,7 +124,7 @@ def temperature_keywords(
     return 1.0, {"row_temps": temperature, **keywords}
 
 
-class _LogprobsFn(torch.autograd.Function):
+class _FusedLogprobs(torch.autograd.Function):
     """`source` (None: the logits) is what the kernels read: the logits masked to a sampled
     set; its gradient is the logits' (0 outside the set). `squares`: a last output, sum_v pi_v^2
     per row (no gradient), from the same read (`ops.logprobs_squares`). `transform`: a soft cap
@@ -199,7 +199,10 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=
     `temperature` a float or per-token ([B, T]); `transform`: a soft cap or None."""
     batch, time, _ = logits.shape
     flat = [t.reshape(-1) for t in (labels, valid if valid is not None else labels)]
-    out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
+    out = [
+        torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+        for _stat in ("logp", "lse", "entropy")
+    ]
     masked = None
     elements = SAMPLED_CHUNK_ELEMENTS if ops.sampled_set is not None else None
     for start, (block,) in row_blocks(logits, elements=elements):
@@ -232,7 +235,7 @@ def token_logprobs_squares(
     """`token_logprobs` (no sampling filters) and sum_v pi_v^2 per token ([B, T], no gradient),
     from one read of the logits."""
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(
+        out = _FusedLogprobs.apply(
             ops, logits, labels, temperature, return_entropy, None, True, transform
         )
         return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
@@ -258,7 +261,7 @@ def token_logprobs(
             _write_sampled_set(
                 ops, logits.detach(), labels, temperature, sampling, source, transform
             )  # fmt: skip
-        out = _LogprobsFn.apply(
+        out = _FusedLogprobs.apply(
             ops, logits, labels, temperature, return_entropy, source, False, transform
         )
         return (out[0], out[1]) if return_entropy else (out[0], None)

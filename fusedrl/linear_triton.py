@@ -259,7 +259,8 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     sums = GradSums(lin, rows, want)
     shape = lin.rows.labels.shape
     flat_logp, flat_entropy = (
-        torch.empty(args[0].shape, dtype=torch.float32, device=rows.device) for _ in "01"
+        torch.empty(args[0].shape, dtype=torch.float32, device=rows.device)
+        for _stat in ("logp", "entropy")
     )
     temperature = flat_rows(lin, temperature_of(lin.rows, cfg))
     keywords = fused_token_keywords(lin.rows, cfg)

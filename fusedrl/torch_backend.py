@@ -333,7 +333,7 @@ def _floors_buffer(logits: torch.Tensor, sampling: SamplingMask | None) -> torch
     return torch.empty(logits.shape[0] * logits.shape[1], dtype=dtype, device=logits.device)
 
 
-class _LogprobsFn(torch.autograd.Function):
+class _TorchLogprobs(torch.autograd.Function):
     """token_logprobs with the logits kept by reference (no fp32 copy saved for backward)."""
 
     @staticmethod
@@ -376,7 +376,7 @@ def token_logprobs(
     """[B, T, V] logits, [B, T] int64 labels -> logp [B, T] (and entropy), differentiable.
     `transform`: a soft cap applied to the logits first (the gradient taken through it)."""
     if logits.requires_grad and torch.is_grad_enabled():
-        out = _LogprobsFn.apply(logits, labels, temperature, return_entropy, sampling, transform)
+        out = _TorchLogprobs.apply(logits, labels, temperature, return_entropy, sampling, transform)
         return (out[0], out[1]) if return_entropy else (out[0], None)
     return forward_stats(
         logits, labels, temperature, return_entropy, sampling=sampling, transform=transform

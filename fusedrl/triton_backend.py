@@ -8,6 +8,7 @@ passes) is `fusedrl.fused_backend`.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -15,12 +16,14 @@ from . import fused_backend
 from .fused_backend import FUSED_ARGS, FusedOps
 
 
-def _kernels():
-    # Imported lazily: importing triton is slow and fails on machines without it.
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The kernel modules by name, imported once and lazily (importing triton is slow and fails
+    on machines without it)."""
     from fusedrl.kernels import check_triton_version, logprobs, sampling, token_loss
 
     check_triton_version()
-    return logprobs, token_loss, sampling
+    return SimpleNamespace(logprobs=logprobs, token_loss=token_loss, sampling=sampling)
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -37,7 +40,7 @@ def logprobs_fwd(
     """`cap` (every row op): a soft cap's a = s / c, the rows read as tanh(a x) at the
     temperature T / c (`fused_backend.temperature_keywords`). `sum_sq` (this op and the fused
     loss): a [B, T] fp32 buffer that gets sum_v pi_v^2 per row from the same read."""
-    return _kernels()[0].logprobs_forward(
+    return _kernels().logprobs.logprobs_forward(
         logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
     )
 
@@ -53,7 +56,7 @@ def logprobs_squares_fwd(
     """`logprobs_fwd` of every row (the log-prob calls have no mask) and sum_v pi_v^2 per row,
     from the same read of the logits."""
     sum_sq = fused_backend._empty_rows_like(labels)
-    stats = _kernels()[0].logprobs_forward(
+    stats = _kernels().logprobs.logprobs_forward(
         logits, labels, None, temperature, row_temps, cap=cap, sum_sq=sum_sq
     )
     return (*stats, sum_sq)
@@ -77,7 +80,7 @@ def logits_grad(
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
 ) -> None:
-    _kernels()[0].logits_backward(
+    _kernels().logprobs.logits_backward(
         logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps, cap
     )
 
@@ -93,7 +96,7 @@ def sampled_set(
     min_p: float | None,
     row_temps: torch.Tensor | None = None,
 ) -> None:
-    _kernels()[2].write_sampled_set(
+    _kernels().sampling.write_sampled_set(
         logits, labels, out, temperature, top_k, top_p, min_p, row_temps
     )
 
@@ -117,12 +120,12 @@ torch.library.define(
 
 @torch.library.impl("fusedrl::fused_token_loss", "default")
 def _fused_token_loss(logits, grad, *args):
-    return _kernels()[1].fused_token_loss(logits, grad, *args)
+    return _kernels().token_loss.fused_token_loss(logits, grad, *args)
 
 
 @torch.library.impl("fusedrl::fused_token_loss_inplace", "default")
 def _fused_token_loss_inplace(logits, *args):
-    return _kernels()[1].fused_token_loss(logits, logits, *args)
+    return _kernels().token_loss.fused_token_loss(logits, logits, *args)
 
 
 fused_backend.register_fakes(prefix="")

@@ -1,12 +1,21 @@
 """Triton kernels of fusedrl, installed as `fusedrl.kernels` (DESIGN section 5).
 
-- `rows`: the per-row sweeps every kernel is made of (online lse/entropy; gradient write).
-- `logprobs`: token log-probs + entropy (no-grad fast path, sequence-level pass 1) and the
-  gradient sweep (token_logprobs backward, sequence-level pass 2).
-- `token_loss`: the fused token-level policy loss (one kernel writes logp and the gradient).
+    rows.py         the per-row sweeps every kernel is made of (online lse / entropy, the
+                    gradient write, the soft cap, the per-row temperature)
+    logprobs.py     token log-probs + entropy (the no-grad path, sequence-level pass 1) and the
+                    gradient sweep (token_logprobs backward, pass 2); the launch policy
+    token_loss.py   the fused token-level policy loss: one kernel writes logp and the gradient
+    two_rows.py     two distributions per token (exact KL, distillation): both rows in one pass
+    linear_loss.py  the LM head and the log-softmax fused: logits tiles made on chip
+    sampling.py     sampling-mask replay: each row's sampled set by a radix select
+    scale.py        the gradient scaled by the upstream one in place, unless that is 1
+    device.py       every launch on the device of the tensors it reads
+    aot.py          every launch variant compiled ahead of time (no GPU needed): registers,
+                    spills, 128-bit loads and the instruction budget read from the SASS
+    cuda.py         the CUDA C++ extension's loader (csrc/; imports without triton)
 
-They are launched through `fusedrl.triton_backend`, which registers them as torch custom ops.
-`aot` compiles every launch variant ahead of time for sm_80/sm_90 (no GPU needed).
+They are launched through `fusedrl.triton_backend` (torch custom ops) and `fusedrl.linear_triton`.
+`aot` compiles for sm_80, sm_90, sm_100 and sm_120 with the ptxas Triton ships.
 
 Supported Triton: OLDEST_TRITON to NEWEST_TRITON, both compiled in CI.
 """

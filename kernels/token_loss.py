@@ -38,9 +38,18 @@ CROSSED_SWITCHES = (
     ("SOFTCAP", "SUM_PI_SQUARED"),
     ("SOFTCAP", "ROW_TEMPERATURE"),
 )
-# constexpr codes of the variants; fusedrl.triton_backend maps LossConfig onto them.
+# constexpr codes of the variants (csrc/fused_loss.h's LossCode / KlCode have the same values);
+# fusedrl.triton_backend maps LossConfig onto them, the kernels branch on the names below.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 5, "k3+": 5}  # + -> k2 gradient
+LOSS_CLIPPED = tl.constexpr(LOSS_CODES["ppo"])  # ppo / dcpo (dcpo's bounds arrive per token)
+LOSS_CISPO = tl.constexpr(LOSS_CODES["cispo"])
+LOSS_SAPO = tl.constexpr(LOSS_CODES["sapo"])
+KL_NONE = tl.constexpr(KL_CODES[None])
+KL_K1 = tl.constexpr(KL_CODES["k1"])
+KL_K2 = tl.constexpr(KL_CODES["k2"])
+KL_ABS = tl.constexpr(KL_CODES["abs"])
+KL_K3 = tl.constexpr(KL_CODES["k3"])
 
 # A @jit function may read a module global only if it is a tl.constexpr: the interpreter accepts
 # plain floats, the compiler raises NameError. These mirror fusedrl.token_terms' clamps (verl's).
@@ -77,7 +86,7 @@ def policy_dlogp(
     inside_clamp = (raw_log_ratio >= -LOG_RATIO_CLAMP) & (raw_log_ratio <= LOG_RATIO_CLAMP)
     dratio = tl.where(inside_clamp, ratio, 0.0)
     clipped_ratio = tl.minimum(tl.maximum(ratio, low), high)
-    if LOSS == 0:  # ppo / dcpo (dcpo's bounds arrive per token)
+    if LOSS == LOSS_CLIPPED:
         if HAS_DELTA:
             loss_unclipped = -adv * tl.minimum(ratio, delta)
             d_unclipped = tl.where(ratio <= delta, -adv * dratio, 0.0)
@@ -92,9 +101,9 @@ def policy_dlogp(
             loss_dual = -adv * dual_clip_c
             keep = tl.where(per_token < loss_dual, 1.0, tl.where(per_token > loss_dual, 0.0, 0.5))
             d = tl.where(adv < 0, d * keep, d)
-    elif LOSS == 1:  # cispo: -sg(clip(r)) A logp
+    elif LOSS == LOSS_CISPO:  # -sg(clip(r)) A logp
         d = -clipped_ratio * adv
-    elif LOSS == 2:  # sapo: -(4/tau) sigmoid(tau (r - 1)) A
+    elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         gate = tl.sigmoid(tau * (ratio - 1.0))
         d = -4.0 * gate * (1.0 - gate) * dratio * adv
@@ -107,19 +116,19 @@ def policy_dlogp(
 def kl_dlogp(logp, ref, KL: tl.constexpr):
     """d KL-estimate / d logp (verl's clamps; k1+/k3+ use k2's gradient)."""
     delta = logp - ref
-    if KL == 1:
+    if KL == KL_K1:
         d = 1.0
-    elif KL == 2:
+    elif KL == KL_K2:
         d = delta
-    elif KL == 3:
+    elif KL == KL_ABS:
         d = tl.where(delta > 0, 1.0, tl.where(delta < 0, -1.0, 0.0))
-    elif KL == 4:
+    elif KL == KL_K3:
         log_ratio = tl.minimum(tl.maximum(-delta, -KL_LOG_CLAMP), KL_LOG_CLAMP)
         raw = tl.exp(log_ratio) - log_ratio - 1.0
         inside = (delta >= -KL_LOG_CLAMP) & (delta <= KL_LOG_CLAMP)
         inside = inside & (raw >= -KL_VALUE_CLAMP) & (raw <= KL_VALUE_CLAMP)
         d = tl.where(inside, 1.0 - tl.exp(log_ratio), 0.0)
-    else:
+    else:  # k1+ / k3+: the value of k1 / k3, the gradient of k2
         d = delta
     return d
 
@@ -205,7 +214,7 @@ def _fused_token_loss_kernel(
             if HAS_IS:
                 is_weight = tl.load(is_weight_ptr + row)
             ref = 0.0
-            if KL != 0:
+            if KL != KL_NONE:
                 ref = tl.load(ref_ptr + row)
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
@@ -237,7 +246,7 @@ def _fused_token_loss_kernel(
             # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term
             # is (the clamps and selects above would drop it; docs/losses.md, "NaN inputs")
             unread = old != old
-            if KL != 0:
+            if KL != KL_NONE:
                 d_token += beta * kl_dlogp(logp, ref, KL)
                 unread = unread | (ref != ref)
             d_token = tl.where(unread, float("nan"), d_token)

@@ -53,6 +53,9 @@ from .rows import (
 )
 
 KIND_CODES = {"kl": 0, "kl_rev": 1, "jsd": 2}
+KIND_KL = tl.constexpr(KIND_CODES["kl"])  # KL(s || q), weighted by the student's row
+KIND_KL_REV = tl.constexpr(KIND_CODES["kl_rev"])  # KL(q || s), weighted by the teacher's row
+KIND_JSD = tl.constexpr(KIND_CODES["jsd"])
 # Two rows per element and up to six running sums per slot: a tile of 2048 elements (8 warps, 8
 # bf16 per thread, one 16-byte load of each row) keeps the state within 128 registers, two
 # programs per SM. Interpreted: small tiles, so that test vocabularies take several.
@@ -106,9 +109,9 @@ def _load_pair(
     if SOFTCAP:
         xs, r_s = capped(xs, cap2, FAST_EXP2)
         xq, _ = capped(xq, cap2, FAST_EXP2)
-    if KIND == 0:
+    if KIND == KIND_KL:
         unbounded = banned(xq) & ~banned(xs)
-    elif KIND == 1:
+    elif KIND == KIND_KL_REV:
         unbounded = banned(xs) & ~banned(xq)
     else:
         unbounded = in_row & False
@@ -211,11 +214,11 @@ def _two_rows_fwd_kernel(
         _, mean_yq = _merge(max_s, total_s, other_s, FAST_EXP2)
         lse2_q, mean_q = _merge(max_q, total_q, cross_q, FAST_EXP2)
         aux = 0.0
-        if KIND == 0:
+        if KIND == KIND_KL:
             value = (mean_ys - mean_yq - lse2_s + lse2_q) * LN2
-        elif KIND == 1:
+        elif KIND == KIND_KL_REV:
             value = (mean_q - lse2_q + lse2_s) * LN2
-        if KIND != 2:
+        if KIND != KIND_JSD:
             value = tl.where(tl.max(unbounded_seen, axis=0) > 0, float("inf"), value)
         else:
             # log m needs both lse's: a second sweep over the pair
@@ -318,7 +321,7 @@ def _two_rows_grad_kernel(
             entropy = tl.load(entropy_ptr + row)
         # KL(s || q) = +inf has no derivative in x: its rows get NaN where the loss weighs them
         # (KL(q || s)'s (s - q) / T stays the exact, finite derivative of its +inf)
-        undefined = (KIND == 0) & (value == float("inf")) & (weight != 0)
+        undefined = (KIND == KIND_KL) & (value == float("inf")) & (weight != 0)
         value = tl.where(value == float("inf"), 0.0, value)
         for start in range(0, vocab, BLOCK_V):
             ys, yq, in_row, r_s, unused_unbounded = _load_pair(
@@ -327,9 +330,9 @@ def _two_rows_grad_kernel(
             ls2 = ys - lse2_s
             lq2 = yq - lse2_q
             ps = tl.exp2(ls2)
-            if KIND == 0:
+            if KIND == KIND_KL:
                 grad = ps * ((ls2 - lq2) * LN2 - value)
-            elif KIND == 1:
+            elif KIND == KIND_KL_REV:
                 grad = ps - tl.exp2(lq2)
             else:
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)

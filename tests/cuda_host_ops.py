@@ -55,10 +55,13 @@ def _codes(function: str) -> dict[str, int]:
     """{name: code} of one of bindings.cpp's string -> int mappings (loss_code, kl_code)."""
     text = (CSRC / "bindings.cpp").read_text()
     body = re.search(rf"int {function}\(.*?\n}}\n", text, re.S).group(0)
+    # the codes are fused_loss.h's enumerators (LossCode, KlCode), by name
+    header = (CSRC / "fused_loss.h").read_text()
+    values = {name: int(value) for name, value in re.findall(r"\b(k\w+) = (\d+)", header)}
     codes = {}
-    for condition, code in re.findall(r"if \((.*?)\) return (\d+);", body):
+    for condition, code in re.findall(r"if \((.*?)\) return (\w+);", body):
         for name in re.findall(r'"([^"]+)"', condition):
-            codes[name] = int(code)
+            codes[name] = values[code] if code in values else int(code)
     assert codes, function
     return codes
 

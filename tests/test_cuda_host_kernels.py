@@ -17,7 +17,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import CUDA_ON_THE_HOST, make_batch, run_loss
+from .conftest import CUDA_ON_THE_HOST, make_batch, needs_interpreter, run_loss
 
 
 def _loss(backend, **kwargs):
@@ -78,3 +78,15 @@ def test_rows_whose_sums_overflow_take_the_exact_fallback(backend, cap, cuda_hos
 
 def _ref(kwargs):
     return lambda *a, **k: reference.policy_loss(*a, **k, **kwargs)
+
+
+@needs_interpreter
+def test_the_variant_codes_are_the_triton_kernels():
+    """csrc's LossCode / KlCode (through bindings.cpp's mappings) and the Triton kernels'
+    LOSS_CODES / KL_CODES: one numbering for both fused kernels."""
+    from fusedrl.kernels import token_loss
+
+    from .cuda_host_ops import _codes
+
+    assert _codes("loss_code") == token_loss.LOSS_CODES
+    assert _codes("kl_code") == {k: v for k, v in token_loss.KL_CODES.items() if k is not None}

@@ -148,3 +148,16 @@ def test_entry_points_are_a_few_named_steps(module):
     for name in ENTRY_FUNCTIONS[module]:
         count = _code_lines(functions[name], source.splitlines())
         assert count <= MAX_CODE_LINES, f"{module}.{name}: {count} lines of code"
+
+
+# Packages whose __init__ docstring maps their modules: every module is named there.
+MODULE_MAPS = ("fusedrl.kernels", "fusedrl.tp")
+
+
+@pytest.mark.parametrize("package", MODULE_MAPS)
+def test_module_maps_name_every_module(package):
+    init = MODULES[package]
+    docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+    files = sorted(p.name for p in init.parent.glob("*.py") if p.name != "__init__.py")
+    missing = [name for name in files if name not in docstring]
+    assert not missing, f"{package}'s docstring does not name {missing}"

@@ -98,7 +98,10 @@ def _pair_chunks(
     n_rows, vocab = rows.shape[0], lin.weight.shape[0]
     size = PAIR_CHUNK_BYTES // max(1, 2 * vocab * rows.element_size())
     size = max(1, min(n_rows, size))
-    buffers = [torch.empty(size, vocab, dtype=rows.dtype, device=rows.device) for _ in "sq"]
+    buffers = [
+        torch.empty(size, vocab, dtype=rows.dtype, device=rows.device)
+        for _head in ("student", "teacher")
+    ]
     heads = (
         (rows, lin.weight, lin.bias, lin.transform, want_derivative),
         (teacher_rows, head.weight, head.bias, head.transform, False),

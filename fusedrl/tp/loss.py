@@ -86,7 +86,10 @@ class SampledSets:
         """ops.stats over the sets of [B, T, W] token columns, one masked block of rows at a
         time (no buffer of the slice's size when there is no gradient to write)."""
         batch, time, _ = logits.shape
-        out = [torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in "lhe"]
+        out = [
+            torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+            for _stat in ("logp", "lse", "entropy")
+        ]
         flat_local = local.reshape(-1)
         flat_valid = None if valid is None else valid.reshape(-1)
         flat_keep = self.labels.reshape(-1)
