@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results[preset] = _grads(model)  # full_tensor() is a collective: every rank calls it
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # (trainer.distributed.teardown's reason)
     dist.destroy_process_group()
 
 

@@ -62,8 +62,10 @@ def _main(argv: list[str] | None) -> int:
     from .loop import NonFiniteError, Stopped
     from .rewards import RewardError
 
+    finished = False
     try:
         run_dir = trainer.train()
+        finished = True
     except (NonFiniteError, WriteError, RewardError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 1
@@ -71,7 +73,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"fusedrl-train: {exc}", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        trainer.close()
+        trainer.close(finished)
     if trainer.env.is_main:
         print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in "
               f"{run_dir}/plots.png, model in {run_dir}/final_model")

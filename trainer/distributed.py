@@ -246,6 +246,13 @@ def sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     return out.to(values.device)
 
 
-def teardown(env: DistEnv) -> None:
+def teardown(env: DistEnv, finished: bool = False) -> None:
+    """Our process group destroyed. `finished`: every rank got here from a finished run, so
+    all wait for each other first: a gloo rank that exits while another's connection to it is
+    still open aborts there ("terminate called without an active exception", seen on a loaded
+    2-core machine after a finished run). Not after a failure: the others may be in another
+    collective, and a barrier would wait for them."""
     if env.owns_group and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()

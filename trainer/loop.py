@@ -608,10 +608,11 @@ class Trainer:
                     "written (the last checkpoint is intact)"
                 )
 
-    def close(self) -> None:
-        """vLLM first (it tears down the process groups it uses), then our own group."""
+    def close(self, finished: bool = False) -> None:
+        """vLLM first (it tears down the process groups it uses), then our own group
+        (`finished`: the run ended normally on every rank)."""
         self.engine.close()
-        teardown(self.env)
+        teardown(self.env, finished)
         self._unlock()
 
     # --- the loop ------------------------------------------------------------------------
