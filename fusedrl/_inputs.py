@@ -8,7 +8,7 @@ come back as a [B, T, V] *view* (a strided slice of [B, P+T, V] stays a view).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,9 +19,11 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossInputs:
-    """Arguments of `policy_loss`, checked, with every per-token tensor as [B, T] fp32."""
+    """Arguments of `policy_loss`, checked, with every per-token tensor as [B, T] fp32. Built
+    once (`prepare_loss_inputs`), never changed: a changed input is a new one
+    (`dataclasses.replace`)."""
 
     logits: torch.Tensor  # [B, T, V] view of the caller's logits (original dtype)
     labels: torch.Tensor  # [B, T] int64; masked positions replaced by 0 so they index safely
@@ -44,6 +46,9 @@ class LossInputs:
     # the model's soft cap (and logit scale) the backends apply to the logits (`softcap=`);
     # None: the logits are the model's (a bare logit scale is folded into the temperature)
     transform: LogitTransform | None = None
+    # What token_terms derives from the mask alone, once per call (the masked means' weights,
+    # the aggregation weights): not an input, never copied by `dataclasses.replace`.
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:
@@ -331,6 +336,7 @@ def prepare_loss_inputs(
     temperature: torch.Tensor | None = None,
     prox_logp: object = None,
     entropy_coef: object = None,
+    transform: LogitTransform | None = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
@@ -339,7 +345,8 @@ def prepare_loss_inputs(
     `temperature`: per-token temperatures, in place of config.temperature (which must be 1).
     `prox_logp`: decoupled PPO (`decoupled_inputs`): the ratio is taken against it, and the
     behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights. `entropy_coef`: the
-    entropy bonus's coefficient as a device scalar (`check_entropy_coef`)."""
+    entropy bonus's coefficient as a device scalar (`check_entropy_coef`). `transform`: the model's
+    soft cap the backends apply (`capping_transform`), or None."""
     logits, flat_input = _checked_source(logits, config, source)
     shape, device = tuple(logits.shape[:-1]), logits.device
     mask_f = check_mask(mask, shape, device)
@@ -379,6 +386,7 @@ def prepare_loss_inputs(
         ref_logits=ref_logits3,
         row_temps=row_temps,
         entropy_coef=check_entropy_coef(entropy_coef, config, device),
+        transform=transform,
     )
 
 

@@ -70,8 +70,8 @@ def policy_loss(
         temperature=temperature,
         prox_logp=prox_logp,
         entropy_coef=entropy_coef,
+        transform=transform,
     )
-    inp.transform = transform
     impl = backends.resolve(backend, inp.logits.device)
     sharp = None
     # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels

@@ -47,7 +47,7 @@ def _per_inputs(inp: LossInputs, key: tuple, make):
     [B, T] functions of its mask alone; each is one to seven small kernels, and launching them
     again for every metric is what a short row (a 4k-token micro-batch) pays for on the host.
     `dataclasses.replace` (a changed mask) makes a new LossInputs, so nothing stale is reused."""
-    memo = inp.__dict__.setdefault("_token_terms_memo", {})
+    memo = inp.derived
     if key not in memo:
         memo[key] = make()
     return memo[key]

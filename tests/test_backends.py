@@ -462,3 +462,25 @@ def test_every_backend_module_keeps_the_backend_contract():
         assert module.squares_in_sweep() in (True, False)
         if module.squares_in_sweep():
             assert hasattr(module, "token_logprobs_squares"), module.__name__
+
+
+def test_loss_inputs_are_built_once():
+    """LossInputs is frozen: a changed input is a new object, whose derived values (the masked
+    means' weights) are its own, never the old mask's."""
+    import dataclasses
+
+    from fusedrl._inputs import prepare_loss_inputs
+    from fusedrl.token_terms import masked_mean
+
+    data = make_batch(vocab=131, seed=3)
+    inp = prepare_loss_inputs(
+        data["logits"], data["labels"], data["advantages"], data["mask"], None, None, None,
+        LossConfig(), None,
+    )  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inp.mask = inp.mask * 0  # type: ignore[misc]
+    ones = torch.ones_like(inp.mask)
+    assert masked_mean(ones, inp) == 1.0 and inp.derived  # computed once, kept
+    halved = dataclasses.replace(inp, mask=inp.mask * 0.5)
+    assert not halved.derived  # not the old mask's
+    assert masked_mean(ones, halved) == 1.0
