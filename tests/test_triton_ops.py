@@ -12,7 +12,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import make_batch, needs_interpreter, run_loss
+from .conftest import ALL_PRESETS, make_batch, needs_interpreter, run_loss
 
 pytestmark = needs_interpreter
 triton_backend = pytest.importorskip("fusedrl.triton_backend")
@@ -124,30 +124,31 @@ def test_backend_dispatch_calls_no_importlib(monkeypatch):
     assert torch.isfinite(call().loss)
 
 
-@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+@pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_torch_compile_fullgraph(preset):
-    """policy_loss inside torch.compile(fullgraph=True): no graph break, same loss and gradient."""
+    """policy_loss inside torch.compile(fullgraph=True), every preset (the fused kernel, the
+    two passes, GMPO's and VESPO's sequence objectives, the IS-corrected ones): no graph break,
+    the loss, clip fraction and gradient of the oracle."""
     data = make_batch(batch=2, time=4, vocab=67, seed=1)
     cfg = LossConfig.preset(preset)
+    rollout = data["rollout_logp"] if cfg.is_correction or cfg.rejection else None
+    ref = data["ref_logp"] if cfg.beta > 0 else None
+    data = dict(data, rollout_logp=rollout, ref_logp=ref)
 
-    def loss_fn(logits, labels, advantages, mask, old_logp, ref_logp):
+    def loss_fn(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp):
         out = fusedrl.policy_loss(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            config=cfg,
-            backend="triton",
-        )
+            logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, config=cfg, backend="triton",
+        )  # fmt: skip
         return out.loss, out.metrics["clipfrac"]
 
+    torch.compiler.reset()  # each preset compiles anew, never against the recompile limit
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
     logits = data["logits"].clone().requires_grad_(True)
     loss, clipfrac = compiled(
-        logits, data["labels"], data["advantages"], data["mask"], data["old_logp"], data["ref_logp"]
-    )
+        logits, data["labels"], data["advantages"], data["mask"], data["old_logp"],
+        data["ref_logp"], data["rollout_logp"],
+    )  # fmt: skip
     loss.backward()
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
     torch.testing.assert_close(loss, ref.loss)
