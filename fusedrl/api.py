@@ -299,25 +299,27 @@ class PolicyLoss(torch.nn.Module):
         return_entropy=False,
         is_weights=None,
         ref_logits=None,
+        *,
+        temperature=None,
+        prox_logp=None,
+        entropy_coef=None,
+        return_sum_pi_squared=False,
+        tp_group=None,
+        vocab_start=None,
+        vocab_size=None,
     ) -> LossOutput:
+        """`policy_loss` with this module's config, backend, inplace and head settings; every
+        other keyword as there."""
         return policy_loss(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            config=self.config,
-            normalizer=normalizer,
-            inplace=self.inplace,
-            backend=self.backend,
-            return_entropy=return_entropy,
-            is_weights=is_weights,
-            ref_logits=ref_logits,
-            softcap=self.softcap,
+            logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, config=self.config, normalizer=normalizer,
+            inplace=self.inplace, backend=self.backend, return_entropy=return_entropy,
+            is_weights=is_weights, ref_logits=ref_logits, temperature=temperature,
+            prox_logp=prox_logp, entropy_coef=entropy_coef,
+            return_sum_pi_squared=return_sum_pi_squared, tp_group=tp_group,
+            vocab_start=vocab_start, vocab_size=vocab_size, softcap=self.softcap,
             logit_scale=self.logit_scale,
-        )
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         extra = "".join(

@@ -365,6 +365,26 @@ def test_policy_loss_module_and_auto_backend():
     torch.testing.assert_close(auto.loss, ref.loss)
 
 
+def test_every_surface_accepts_what_policy_loss_accepts():
+    """PolicyLoss (its constructor's settings and forward's keywords together) takes every
+    argument of policy_loss; a per-token temperature and a device entropy coefficient through
+    the module equal the function's."""
+    import inspect
+
+    wanted = set(inspect.signature(fusedrl.policy_loss).parameters)
+    module = set(inspect.signature(fusedrl.PolicyLoss.__init__).parameters)
+    module |= set(inspect.signature(fusedrl.PolicyLoss.forward).parameters)
+    assert not wanted - module, sorted(wanted - module)
+    data = make_batch(seed=22)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    extra = dict(temperature=torch.full(data["labels"].shape, 0.8),
+                 entropy_coef=torch.tensor(0.01))  # fmt: skip
+    out = fusedrl.PolicyLoss("dapo", backend="torch")(data["logits"], **args, **extra)
+    want = fusedrl.policy_loss(data["logits"], config=LossConfig.preset("dapo"), **args,
+                               backend="torch", **extra)  # fmt: skip
+    torch.testing.assert_close(out.loss, want.loss, atol=0, rtol=0)
+
+
 def test_unavailable_backends_raise_clearly(monkeypatch):
     data = make_batch(seed=21)
     args = {k: v for k, v in data.items() if k != "logits"}
