@@ -492,3 +492,21 @@ def test_sweep_fused_smoke(tmp_path):
     with sweep_fused.launch_shape(3, 8):
         assert (logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == (8, 3)
         assert logprobs.max_registers(8) == 65536 // (3 * 32 * 8)
+
+
+def test_host_overhead_smoke(tmp_path):
+    """bench/host_overhead.py --smoke: fusedrl's presets and Liger's loss in one run, the
+    kernels stubbed out; what it counts is exact (the ops tests/test_host_overhead.py budgets,
+    no device-to-host sync but the CPU path's own checks), its times marked smoke."""
+    host_overhead = _load("host_overhead")
+    rows = host_overhead.main(["--smoke", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "host-overhead-cpu-smoke.json").read_text())
+    assert result["smoke"] is True and result["note"] == SMOKE_NOTE
+    by_impl = {row["impl"]: row for row in rows}
+    assert {"fusedrl-triton dapo", "fusedrl-triton gspo", "liger triton_grpo_loss dapo"} <= set(
+        by_impl
+    )
+    for row in rows:
+        assert row["ops"]["launching"] > 0 and row["host_ms_min"] > 0, row
+    dapo = by_impl["fusedrl-triton dapo"]
+    assert dapo["ops"]["custom"] == 1 and dapo["triton_launches"] == 1  # the fused kernel
