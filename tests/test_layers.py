@@ -9,6 +9,7 @@ cycle is a cycle all the same. docs/design.md ("Layers") draws the layers.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,28 @@ def test_module_maps_name_every_module(package):
     files = sorted(p.name for p in init.parent.glob("*.py") if p.name != "__init__.py")
     missing = [name for name in files if name not in docstring]
     assert not missing, f"{package}'s docstring does not name {missing}"
+
+
+def test_the_testing_map_names_every_module_and_real_tests():
+    """docs/testing.md, "From the module you edit to its tests": every module of the package
+    and of its kernels is in the table (by its path, or in its folder's row), and every test
+    file the table names exists."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    table = text.split("## From the module you edit to its tests", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    modules_column = " ".join(row.split(" | ")[0] for row in rows)
+    missing = []
+    for package in ("fusedrl", "fusedrl.kernels"):
+        folder = SOURCES[package]
+        for path in sorted(folder.rglob("*.py")):
+            relative = path.relative_to(folder).as_posix()
+            shown = relative if package == "fusedrl" else f"kernels/{relative}"
+            parent = f"{path.parent.name}/" if path.parent != folder else None
+            named = f"`{shown}`" in modules_column or f"`{path.name}`" in modules_column
+            if not named and not (parent and f"`{parent}`" in modules_column):
+                missing.append(shown)
+    assert not missing, f"docs/testing.md's module map lacks {missing}"
+    named_tests = set(re.findall(r"(test_\w+\.py)", " ".join(rows)))
+    assert named_tests and all((ROOT / "tests" / name).exists() for name in named_tests), sorted(
+        name for name in named_tests if not (ROOT / "tests" / name).exists()
+    )
