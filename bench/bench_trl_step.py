@@ -5,7 +5,9 @@
 
 The step is what the trainer runs per micro-batch after generation: `_compute_loss` (forward,
 per-token log-probs, the GRPO-family loss), backward and an AdamW step, on synthetic completions
-(random token ids; no vLLM needed). Both trainers get the same weights and inputs. Results are
+(random token ids; no vLLM needed). GRPOTrainer, FusedGRPOTrainer (its default: the fused LM
+head) and FusedGRPOTrainer(fused_lm_head=False) (the logits) get the same weights and inputs.
+Results are
 printed and saved to bench/results/trl_step-<gpu>-<date>.json.
 """
 
@@ -129,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args.smoke, dtype, Path(tmp) / "model")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        for name, cls in (("trl", GRPOTrainer), ("fusedrl", FusedGRPOTrainer)):
+        # fusedrl: the drop-in's default (the fused LM head); fusedrl-logits: its logits path
+        trainers = (
+            ("trl", GRPOTrainer, {}),
+            ("fusedrl", FusedGRPOTrainer, {}),
+            ("fusedrl-logits", FusedGRPOTrainer, {"fused_lm_head": False}),
+        )
+        for name, cls, extra in trainers:
             config = GRPOConfig(
                 output_dir=str(Path(tmp) / name),
                 loss_type=args.loss_type,
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 args=config,
                 processing_class=tokenizer,
                 train_dataset=Dataset.from_dict({"prompt": ["x"] * args.batch}),
+                **extra,
             )
             trainer.current_gradient_accumulation_steps = 1
             model = trainer.model.to(device).train()
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if step_ms is not None:
                 peak = f"{row['peak_mem_bytes'] / 2**30:.2f} GiB" if cuda else "-"
-                print(f"{name:<8} step {row['step_ms']:9.1f} ms   peak {peak}")
+                print(f"{name:<14} step {row['step_ms']:9.1f} ms   peak {peak}")
             del trainer, model, optimizer, inputs, train_step
             gc.collect()  # an OOM's traceback frames hold the model until collected
             if cuda:

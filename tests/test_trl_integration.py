@@ -442,6 +442,43 @@ def test_unsupported_combinations_are_named(tmp_path):
         loss_config_from_trl(sequence_bias_corrected)
 
 
+def test_bad_settings_fail_before_the_models_load(tmp_path):
+    """The drop-in's own arguments and an unsupported GRPOConfig are refused before TRL loads
+    anything: the model path here does not exist, so any later check would name it instead."""
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="fused_backend='jax' is not one of"):
+        FusedGRPOTrainer(model=missing, reward_funcs=_reward_len, args=_args(tmp_path),
+                         fused_backend="jax")  # fmt: skip
+    with pytest.raises(ValueError, match="fused_lm_head must be None, True or False"):
+        FusedGRPOTrainer(model=missing, reward_funcs=_reward_len, args=_args(tmp_path),
+                         fused_lm_head="yes")  # fmt: skip
+    bad = _args(tmp_path, beta=0.04, use_bias_correction_kl=True,
+                importance_sampling_level="sequence")  # fmt: skip
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        FusedGRPOTrainer(missing, _reward_len, bad)
+
+
+def test_the_fused_lm_head_is_the_default_and_said(model_dir, tokenizer, tmp_path, caplog):
+    """One process and a plain head: the loss runs from the hidden states and the head by
+    default, one INFO line at start says so (fusedrl, its version, the backend, the head, the
+    loss); fused_lm_head=False keeps the logits, and says why."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fusedrl.integrations.trl"):
+        trainer = _trainer(FusedGRPOTrainer, model_dir, tokenizer, _args(tmp_path))
+    assert trainer.fused_lm_head is True
+    lines = [r.getMessage() for r in caplog.records if r.name == "fusedrl.integrations.trl"]
+    assert len(lines) == 1 and fusedrl.__version__ in lines[0], lines
+    assert "backend auto, fused LM head on, loss LossConfig(" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fusedrl.integrations.trl"):
+        off = FusedGRPOTrainer(model=model_dir, reward_funcs=_reward_len, args=_args(tmp_path),
+                               train_dataset=trainer.train_dataset, processing_class=tokenizer,
+                               fused_lm_head=False)  # fmt: skip
+    assert off.fused_lm_head is False
+    assert "fused LM head off (fused_lm_head=False)" in caplog.records[-1].getMessage()
+
+
 def test_mapping_values(tmp_path):
     cfg = loss_config_from_trl(
         _args(tmp_path, loss_type="dr_grpo", beta=0.04, use_bias_correction_kl=False)
@@ -493,7 +530,7 @@ def test_bench_trl_step_smoke(tmp_path):
     )
     (result,) = tmp_path.glob("trl_step-*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert [r["trainer"] for r in rows] == ["trl", "fusedrl"]
+    assert [r["trainer"] for r in rows] == ["trl", "fusedrl", "fusedrl-logits"]
     assert all(r["step_ms"] > 0 for r in rows)
 
 

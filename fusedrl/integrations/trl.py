@@ -24,6 +24,7 @@ option whose semantics fusedrl does not reproduce raises a ValueError naming it 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -47,6 +48,8 @@ from fusedrl import LossConfig
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # Loss types whose denominator is TRL's token count num_items_in_batch (already holding the
@@ -176,12 +179,28 @@ class FusedGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with per-token log-probs and the loss from fusedrl's fused kernels."""
 
     def __init__(
-        self, *args: Any, fused_backend: str = "auto", fused_lm_head: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        fused_backend: str = "auto",
+        fused_lm_head: bool | None = None,
+        **kwargs: Any,
     ) -> None:
-        """`fused_lm_head=True` (as `use_liger_loss` does for Liger) computes log-probs and the
-        loss from the body's hidden states and the LM head with `fusedrl.linear_policy_loss`:
-        the [B, T, V] logits are never made. It needs a plain linear head and one process (the
-        loss calls the head itself, which DDP/FSDP wrappers would not see)."""
+        """`fused_backend`: fusedrl's backend ("auto": Triton on CUDA, torch elsewhere).
+        `fused_lm_head`: None (the default) computes the log-probs and the loss from the body's
+        hidden states and the LM head (`fusedrl.linear_policy_loss`, the [B, T, V] logits never
+        made) wherever that applies: one process and a plain linear head (a soft cap or logit
+        scale after it is applied by the loss); elsewhere the logits path, said in the log.
+        True requires the fused head (an error where it cannot run), False keeps the logits.
+        The GRPOConfig and these arguments are checked before the models load."""
+        if fused_backend not in fusedrl.BACKENDS:
+            raise ValueError(
+                f"fused_backend={fused_backend!r} is not one of {fusedrl.BACKENDS}"
+            )
+        if fused_lm_head not in (None, True, False):
+            raise ValueError(f"fused_lm_head must be None, True or False, got {fused_lm_head!r}")
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if isinstance(config, GRPOConfig):
+            loss_config_from_trl(config)  # an unsupported configuration fails here, at once
         super().__init__(*args, **kwargs)
         self.fused_config = loss_config_from_trl(self.args)
         if self._entropy_bonus_enabled:  # TRL's attribute: entropy_coef != 0 or adaptive
@@ -189,19 +208,27 @@ class FusedGRPOTrainer(GRPOTrainer):
             # accumulation scaling, the adaptive updates): one graph whatever its value.
             self.fused_config = self.fused_config.replace(entropy_coef=0.0)
         self.fused_backend = fused_backend
-        self.fused_lm_head = fused_lm_head
-        if fused_lm_head:
-            if self.accelerator.num_processes > 1:
-                raise ValueError(
-                    "fused_lm_head=True needs a single process: under DDP/FSDP the LM head must "
-                    "be called through the wrapped model"
-                )
-            if lm_head_of(self.accelerator.unwrap_model(self.model)) is None:
-                raise ValueError(
-                    "fused_lm_head=True needs a plain nn.Linear LM head after the model's body "
-                    "(model.get_output_embeddings(), model.base_model); a soft cap or logit "
-                    "scale after it is applied by the loss"
-                )
+        self.fused_lm_head, why = self._fused_lm_head(fused_lm_head)
+        head = "on" if self.fused_lm_head else f"off ({why})"
+        logger.info(
+            "fusedrl %s: backend %s, fused LM head %s, loss %s",
+            fusedrl.__version__, fused_backend, head, self.fused_config,
+        )  # fmt: skip
+
+    def _fused_lm_head(self, wanted: bool | None) -> tuple[bool, str]:
+        """(whether the loss runs from the hidden states and the head, why not)."""
+        if wanted is False:
+            return False, "fused_lm_head=False"
+        why = ""
+        if self.accelerator.num_processes > 1:
+            why = "several processes: under DDP/FSDP the LM head must be called through the "
+            why += "wrapped model"
+        elif lm_head_of(self.accelerator.unwrap_model(self.model)) is None:
+            why = "the model has no plain nn.Linear LM head after its body "
+            why += "(model.get_output_embeddings(), model.base_model)"
+        if why and wanted:
+            raise ValueError(f"fused_lm_head=True cannot run: {why}")
+        return not why, why
 
     def _linear_backend(self) -> str:
         return self.fused_backend if self.fused_backend in fusedrl.LINEAR_BACKENDS else "auto"
