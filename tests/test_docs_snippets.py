@@ -82,14 +82,19 @@ def test_trl_snippet_runs_on_cpu(tiny_model_dir, tmp_path, monkeypatch):
     max_steps = re.search(r"max_steps=(\d+)", code)
     assert max_steps, "docs/integrations.md TRL snippet: no max_steps="
 
-    calls = []
-    real_policy_loss = fusedrl.policy_loss
+    calls = []  # (which loss, its config): the drop-in's default is the fused LM head
 
-    def counting_policy_loss(*args, **kwargs):
-        calls.append(kwargs.get("config"))
-        return real_policy_loss(*args, **kwargs)
+    def counting(name):
+        real = getattr(fusedrl, name)
 
-    monkeypatch.setattr(fusedrl, "policy_loss", counting_policy_loss)
+        def call(*args, **kwargs):
+            calls.append((name, kwargs.get("config")))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("policy_loss", "linear_policy_loss"):
+        monkeypatch.setattr(fusedrl, name, counting(name))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # `use_cpu=` of the snippet
     monkeypatch.chdir(tmp_path)
     scope: dict = {"__name__": "docs_snippet"}
@@ -99,7 +104,8 @@ def test_trl_snippet_runs_on_cpu(tiny_model_dir, tmp_path, monkeypatch):
     assert isinstance(trainer, FusedGRPOTrainer)
     assert trainer.args.use_cpu
     assert trainer.state.global_step == int(max_steps.group(1))
-    assert calls, "the snippet trained without fusedrl.policy_loss"
+    assert calls, "the snippet trained without fusedrl's loss"
+    assert {name for name, _ in calls} == {"linear_policy_loss"}  # the fused head, by default
     assert (tmp_path / trainer.args.output_dir).is_dir()
 
 
