@@ -442,6 +442,16 @@ def test_unsupported_combinations_are_named(tmp_path):
         loss_config_from_trl(sequence_bias_corrected)
 
 
+def test_the_sequence_level_refusal_lists_what_is_accepted(tmp_path):
+    with pytest.raises(ValueError, match="'grpo' \\(GSPO\\), 'luspo' and 'vespo'"):
+        loss_config_from_trl(
+            _args(tmp_path, loss_type="dapo", importance_sampling_level="sequence")
+        )
+    for loss_type in ("grpo", "luspo", "vespo"):  # each one it names is accepted
+        loss_config_from_trl(_args(tmp_path, loss_type=loss_type,
+                                   importance_sampling_level="sequence"))  # fmt: skip
+
+
 def test_bad_settings_fail_before_the_models_load(tmp_path):
     """The drop-in's own arguments and an unsupported GRPOConfig are refused before TRL loads
     anything: the model path here does not exist, so any later check would name it instead."""

@@ -97,7 +97,8 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     if level == "sequence" and loss_type not in ("grpo", "sapo", "luspo", "vespo"):
         raise ValueError(
             f"GRPOConfig.importance_sampling_level='sequence' with loss_type={loss_type!r}: "
-            "fusedrl supports sequence-level ratios with loss_type 'grpo' (GSPO) and 'luspo'"
+            "fusedrl supports sequence-level ratios with loss_type 'grpo' (GSPO), 'luspo' and "
+            "'vespo' (whose weight is sequence-level at either level)"
         )
     if level == "sequence" and loss_type == "sapo":
         raise ValueError(
