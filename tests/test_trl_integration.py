@@ -183,6 +183,9 @@ CASES = (
     ]
     + [("grpo", "sequence", beta) for beta in (0.0, 0.04)]
     + [("luspo", "sequence", beta) for beta in (0.0, 0.04)]
+    # accepted with TRL's warning (the sequence weighted by its length)
+    + [(lt, "sequence", 0.0) for lt in ("bnpo", "dr_grpo", "dapo")]
+    + [("dapo", "sequence", 0.04)]
 )
 
 
@@ -442,12 +445,21 @@ def test_unsupported_combinations_are_named(tmp_path):
         loss_config_from_trl(sequence_bias_corrected)
 
 
-def test_the_sequence_level_refusal_lists_what_is_accepted(tmp_path):
-    with pytest.raises(ValueError, match="'grpo' \\(GSPO\\), 'luspo' and 'vespo'"):
+def test_the_sequence_level_refusal_lists_what_is_accepted(tmp_path, caplog):
+    """cispo at the sequence level is refused, naming what is accepted; bnpo / dr_grpo / dapo
+    are accepted with TRL's warning (their parity with TRL: test_parity_with_trl_compute_loss)."""
+    import logging
+
+    sequence_dapo = _args(tmp_path, loss_type="dapo", importance_sampling_level="sequence")
+    with caplog.at_level(logging.WARNING, logger="fusedrl.integrations.trl"):
+        loss_config_from_trl(sequence_dapo)
+    assert "weights each sequence by its completion length" in caplog.text
+    with pytest.raises(ValueError, match="'grpo' \\(GSPO\\), 'bnpo', 'dr_grpo', 'dapo', 'luspo'"):
         loss_config_from_trl(
-            _args(tmp_path, loss_type="dapo", importance_sampling_level="sequence")
-        )
-    for loss_type in ("grpo", "luspo", "vespo"):  # each one it names is accepted
+            _args(tmp_path, loss_type="cispo", importance_sampling_level="sequence",
+                  epsilon_high=5.0)
+        )  # fmt: skip
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "vespo"):  # each one named
         loss_config_from_trl(_args(tmp_path, loss_type=loss_type,
                                    importance_sampling_level="sequence"))  # fmt: skip
 

@@ -94,11 +94,18 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
             "TRL differentiates the KL through the whole sequence ratio, fusedrl's sequence "
             "ratio carries each token's own gradient (GSPO-token); use the token level"
         )
-    if level == "sequence" and loss_type not in ("grpo", "sapo", "luspo", "vespo"):
+    if level == "sequence" and loss_type == "cispo":
         raise ValueError(
-            f"GRPOConfig.importance_sampling_level='sequence' with loss_type={loss_type!r}: "
-            "fusedrl supports sequence-level ratios with loss_type 'grpo' (GSPO), 'luspo' and "
-            "'vespo' (whose weight is sequence-level at either level)"
+            "GRPOConfig.importance_sampling_level='sequence' with loss_type='cispo': fusedrl "
+            "supports sequence-level ratios with loss_type 'grpo' (GSPO), 'bnpo', 'dr_grpo', "
+            "'dapo', 'luspo' and 'vespo' (whose weight is sequence-level at either level)"
+        )
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo"):
+        logger.warning(  # TRL's own warning, as GRPOTrainer gives it
+            "importance_sampling_level='sequence' with loss_type=%r sums per-token "
+            "contributions, which weights each sequence by its completion length instead of "
+            "optimizing the per-sequence objective; loss_type='grpo' is the GSPO paper's setup",
+            loss_type,
         )
     if level == "sequence" and loss_type == "sapo":
         raise ValueError(
