@@ -210,6 +210,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         return_sum_pi_squared=True,
     )  # fmt: skip
     torch.save(result[2], os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done before any leaves (a gloo exit abort otherwise)
     dist.destroy_process_group()
 
 

@@ -752,6 +752,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[case.name] = {"crash": traceback.format_exc()}
         log.take()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done before any leaves (a gloo exit abort otherwise)
     dist.destroy_process_group()
 
 
