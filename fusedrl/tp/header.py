@@ -136,10 +136,14 @@ def _bits(value: torch.Tensor) -> torch.Tensor:
     return value.long()
 
 
-def replicated_hash(value: object, counted: torch.Tensor | None, device) -> torch.Tensor:
+def replicated_hash(
+    value: object, counted: torch.Tensor | None, device, position_keys=None
+) -> torch.Tensor:
     """A 0-dim int64 hash of `value`'s bits and their positions, over the tokens `counted`
     (broadcast over its trailing dims: what a masked token holds never counts); a number is
-    hashed as its float64 bits, None as _ABSENT. On the device, no host sync."""
+    hashed as its float64 bits, None as _ABSENT. On the device, no host sync.
+    `position_keys(numel, device)`: the mixed positions 1..numel (`_position_keys`), shared by
+    the call's inputs of one size."""
     if value is None:
         return torch.full((), _ABSENT, dtype=torch.int64, device=device)
     if not isinstance(value, torch.Tensor):
@@ -147,12 +151,16 @@ def replicated_hash(value: object, counted: torch.Tensor | None, device) -> torc
     elif value.dim() == 0:
         value = value.double()  # a scalar tensor and the same number hash alike
     bits = _bits(value)
-    position = torch.arange(1, bits.numel() + 1, device=bits.device).view(bits.shape)
-    mixed = _mix(bits ^ _mix(position))
+    keys = (position_keys or _position_keys)(bits.numel(), bits.device)
+    mixed = _mix(bits ^ keys.view(bits.shape))
     if counted is not None and counted.shape == bits.shape[: counted.dim()]:
         keep = counted.reshape(*counted.shape, *([1] * (bits.dim() - counted.dim())))
         mixed = torch.where(keep, mixed, 0)
     return mixed.sum().to(device)
+
+
+def _position_keys(numel: int, device) -> torch.Tensor:
+    return _mix(torch.arange(1, numel + 1, device=device))
 
 
 def _replicated_hashes(values: dict, counted: object, device) -> torch.Tensor:
@@ -160,8 +168,16 @@ def _replicated_hashes(values: dict, counted: object, device) -> torch.Tensor:
     if unknown:  # a programming error of the caller's, never the user's
         raise KeyError(f"no header field for {sorted(unknown)}; known: {REPLICATED}")
     counted = counted if isinstance(counted, torch.Tensor) else None
+    keys: dict = {}  # the [B, T] inputs share their mixed positions: made once a call
+
+    def position_keys(numel: int, on) -> torch.Tensor:
+        if (numel, on) not in keys:
+            keys[numel, on] = _position_keys(numel, on)
+        return keys[numel, on]
+
     return torch.stack([
-        replicated_hash(values.get(name), None if name == "mask" else counted, device)
+        replicated_hash(values.get(name), None if name == "mask" else counted, device,
+                        position_keys)
         for name in REPLICATED
     ])  # fmt: skip
 
@@ -244,8 +260,12 @@ def agree(
 
 def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
     """`agree`'s `replicated` for the policy losses: their checked `LossInputs`."""
-    values = {name: getattr(inp, name) for name in REPLICATED if hasattr(inp, name)}
-    values["temperature"] = inp.row_temps  # (a number is in the call's settings)
+    values = {
+        "labels": inp.labels, "mask": inp.mask, "advantages": inp.advantages,
+        "old_logp": inp.old_logp, "ref_logp": inp.ref_logp, "rollout_logp": inp.rollout_logp,
+        "is_weights": inp.is_weights, "normalizer": inp.normalizer,
+        "temperature": inp.row_temps,  # (a number is in the call's settings)
+    }  # fmt: skip
     return values, inp.valid
 
 
