@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._autograd import with_known_grad
-from .._inputs import check_logits, check_temperature, prepare_loss_inputs
+from .._inputs import capping_transform, check_logits, prepare_loss_inputs, scaled_temperature
 from ..config import LossConfig
 from ..output import LossOutput
 from ..token_terms import masked_mean
@@ -30,8 +30,8 @@ from .args import (
     DISTILL_KINDS,  # noqa: F401 (the package's public names)
     FULL_DISTILL_KINDS,  # noqa: F401
     check_distill_args,
-    check_sampled_args,
     check_teacher,
+    checked_call,
     distill_config,
     resolved_kind,
 )
@@ -139,18 +139,12 @@ def _settled_arguments(kind, beta, softcap, logit_scale, temperature, backend, a
                        old_logp):  # fmt: skip
     """distill_loss's arguments checked: (beta, the soft cap's transform or None, the
     temperature with a bare logit scale folded in)."""
-    from .._inputs import capping_transform, scaled_temperature
-
     beta = check_distill_args(kind, beta)
     transform = capping_transform(softcap, logit_scale)
     if transform is None:  # a bare scale of both rows is one of the temperature
         temperature = scaled_temperature(temperature, logit_scale)
-    if not isinstance(temperature, torch.Tensor):
-        temperature = check_temperature(temperature)
-    if backend not in DISTILL_BACKENDS:
-        raise ValueError(
-            f"backend={backend!r} is not one of {DISTILL_BACKENDS} (distill_loss has no CUDA C++ "
-            "kernel yet)"
-        )
-    check_sampled_args(kind, advantages, old_logp)
+    temperature = checked_call(
+        kind, temperature, backend, DISTILL_BACKENDS, advantages, old_logp,
+        " (distill_loss has no CUDA C++ kernel yet)",
+    )  # fmt: skip
     return beta, transform, temperature

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from .._inputs import check_logits
+from .._inputs import check_logits, check_temperature
 from ..config import LossConfig
 
 # The divergence over the whole vocabulary (one pass over both logits), or the teacher's log-ratio
@@ -77,3 +77,15 @@ def distill_config(config: object) -> LossConfig:
             "argument (temperature=), not from the config"
         )
     return cfg
+
+
+def checked_call(kind, temperature, backend, backends, advantages, old_logp, backend_note=""):
+    """The checks distill_loss and linear_distill_loss share after beta's and their own: the
+    temperature (a float checked; per-token ones are checked with the inputs), the backend among
+    `backends`, advantages / old_logp only where read. Returns the temperature."""
+    if not isinstance(temperature, torch.Tensor):
+        temperature = check_temperature(temperature)
+    if backend not in backends:
+        raise ValueError(f"backend={backend!r} is not one of {backends}{backend_note}")
+    check_sampled_args(kind, advantages, old_logp)
+    return temperature

@@ -13,7 +13,6 @@ from .._inputs import (
     check_lm_head,
     check_logits,
     check_skip_masked_rows,
-    check_temperature,
     prepare_loss_inputs,
 )
 from ..backends import LINEAR_BACKENDS
@@ -22,7 +21,7 @@ from ..linear_torch import LinearInputs, live_row_indices
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
 from ..token_terms import aggregation_weights, masked_mean
-from .args import check_distill_args, check_sampled_args, distill_config, resolved_kind
+from .args import check_distill_args, checked_call, distill_config, resolved_kind
 from .heads import check_teacher_head, pair_sweep
 from .rows import KERNEL_KIND, two_row_ops
 
@@ -120,11 +119,7 @@ def _checked_scalars(kind, beta, skip_masked_rows, live_rows, temperature, backe
     """(beta, whether the heads skip the masked rows, the temperature) checked."""
     beta = check_distill_args(kind, beta)
     skip = check_skip_masked_rows(skip_masked_rows, live_rows)
-    if not isinstance(temperature, torch.Tensor):
-        temperature = check_temperature(temperature)
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {LINEAR_BACKENDS}")
-    check_sampled_args(kind, advantages, old_logp)
+    temperature = checked_call(kind, temperature, backend, LINEAR_BACKENDS, advantages, old_logp)
     return beta, skip, temperature
 
 
