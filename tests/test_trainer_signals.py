@@ -77,10 +77,14 @@ def test_a_second_sigint_aborts_at_once(tmp_path):
     # The second once the first was handled: two sent before the process runs its handler
     # (a loaded machine) arrive as one, and the run stops gracefully instead.
     seen = []
-    while not any("stopping after the current step" in line for line in seen):
-        seen.append(lines.get(timeout=60))
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    try:
+        while not any("stopping after the current step" in line for line in seen):
+            seen.append(lines.get(timeout=60))
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:  # a run that never said it would leave its process behind
+        if proc.poll() is None:
+            proc.kill()
     reader.join(timeout=60)
     stderr = "".join(seen) + "".join(lines.queue)
     assert proc.returncode == 130, stderr
