@@ -21,8 +21,11 @@ from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .logit_transform import LogitTransform
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
+    Metrics,
     TokenTerms,
+    add_mismatch_metrics,
     aggregation_weights,
+    max_over_valid,
     ratio_bounds,
     resolve_is_weights,
     token_terms,
@@ -63,37 +66,17 @@ class FusedOps:
     # Whether the log-prob and fused-loss ops fill a `sum_sq=` buffer ([B, T] fp32) with
     # sum_v pi_v^2 per row from their own read (`policy_loss_squares`).
     loss_squares: bool = False
+    # (partials) -> (loss, means): with it, the fused-loss ops take `mask=` and the ratio bounds
+    # as numbers (`low_bound=`, `high_bound=`; per-token tensors only for DCPO) and return a
+    # third output, each program's sums over its rows, which this op adds up into the loss and
+    # the metrics' means, in the order `sum_slots` names; None: the loss and the metrics come
+    # from `token_terms` on [B, T] tensors.
+    token_loss_sums: Callable | None = None
+    sum_slots: tuple[str, ...] = ()
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
     return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-
-
-_FAKES_REGISTERED: set[str] = set()
-
-
-def register_fakes(prefix: str) -> None:
-    """Shape functions (for torch.compile / FakeTensor) of the four ops `fusedrl::<prefix>*`:
-    every output is a [B, T] fp32 tensor shaped like labels. Idempotent."""
-    if prefix in _FAKES_REGISTERED:
-        return
-    _FAKES_REGISTERED.add(prefix)
-
-    @torch.library.register_fake(f"fusedrl::{prefix}logprobs_fwd")
-    def _(logits, labels, valid, temperature, *row_temps, **cap):
-        return _empty_rows_like(labels), _empty_rows_like(labels), _empty_rows_like(labels)
-
-    @torch.library.register_fake(f"fusedrl::{prefix}logits_grad")
-    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *row_temps, **cap):
-        return None
-
-    @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss")
-    def _(logits, grad, labels, *args, **row_temps):
-        return _empty_rows_like(labels), _empty_rows_like(labels)
-
-    @torch.library.register_fake(f"fusedrl::{prefix}fused_token_loss_inplace")
-    def _(logits, labels, *args, **row_temps):
-        return _empty_rows_like(labels), _empty_rows_like(labels)
 
 
 # The per-token arguments of the fused loss op, shared by the Triton op and the CUDA op
@@ -288,10 +271,12 @@ def kernel_float(value: float | None) -> float | None:
     return 0.0
 
 
-def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
+def fused_token_args(inp: LossInputs, cfg: LossConfig, scalar_bounds: bool = False) -> tuple:
     """The arguments of the fused op after the logits (FUSED_ARGS): per-token [B, T] tensors,
     then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
-    they are computed here for the whole batch (and may be sliced into row chunks)."""
+    they are computed here for the whole batch (and may be sliced into row chunks).
+    `scalar_bounds`: the op takes constant ratio bounds as numbers (`fused_token_keywords`):
+    low / high are then tensors for DCPO alone."""
     old = inp.old_logp
     # IS weights, DCPO bounds and rejection need old; on-policy (old = logp) such configs take
     # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
@@ -299,7 +284,7 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     inp = with_rejection(inp, cfg)
     low = high = None
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
-    if loss in ("ppo", "cispo", "dcpo"):  # the kernels read the bounds per token
+    if loss == "dcpo" or (loss in ("ppo", "cispo") and not scalar_bounds):  # per token
         like = old if old is not None else torch.zeros_like(inp.mask)
         low, high = (
             b if isinstance(b, torch.Tensor) else torch.full_like(like, b)
@@ -327,12 +312,19 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig) -> tuple:
     )
 
 
-def fused_token_keywords(inp: LossInputs, cfg: LossConfig, rows: slice | None = None) -> dict:
+def fused_token_keywords(
+    inp: LossInputs, cfg: LossConfig, rows: slice | None = None, sums: bool = False
+) -> dict:
     """The fused op's keywords beside FUSED_ARGS: per-token temperatures (`rows`: a chunk's
-    flat rows) and the entropy coefficient as a device scalar."""
+    flat rows) and the entropy coefficient as a device scalar; with `sums` (an op that sums the
+    loss and metrics, `FusedOps.token_loss_sums`) the mask weights and the constant bounds."""
     keywords = temperature_keywords(temperature_of(inp, cfg), rows, inp.transform)[1]
     if inp.entropy_coef is not None:
         keywords["entropy_coef_tensor"] = inp.entropy_coef
+    if sums:
+        keywords["mask"] = inp.mask
+        if cfg.loss != "dcpo":
+            keywords["low_bound"], keywords["high_bound"] = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     return keywords
 
 
@@ -343,14 +335,52 @@ def _fused_token_level(
     grad_out: torch.Tensor,
     sum_sq: torch.Tensor | None = None,
 ):
-    """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`)."""
-    args = fused_token_args(inp, cfg)
-    rows = fused_token_keywords(inp, cfg)
+    """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`); with an op
+    that sums the loss and metrics (`FusedOps.token_loss_sums`), each program's sums too."""
+    sums = ops.token_loss_sums is not None
+    args = fused_token_args(inp, cfg, scalar_bounds=sums)
+    rows = fused_token_keywords(inp, cfg, sums=sums)
     if sum_sq is not None:
         rows["sum_sq"] = sum_sq
     if grad_out is inp.logits:
         return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
     return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
+
+
+def kernel_sums_cover(inp: LossInputs, cfg: LossConfig) -> bool:
+    """Whether the fused kernel's own sums give the loss and its metrics (on the fused path):
+    not where a batch statistic decides a mask (rejection, the off-policy mask), which
+    `token_terms` computes on [B, T] tensors with its own metrics."""
+    return not cfg.rejection_rules and cfg.off_policy_mask is None
+
+
+def _summed_terms(
+    ops: FusedOps,
+    partials: torch.Tensor,
+    logp: torch.Tensor,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+) -> TokenTerms:
+    """The loss and the metrics from the fused kernel's sums: one launch, each metric a view of
+    its means (the names of `token_terms`'s metrics for the same call). The IS weights' and the
+    train / inference mismatch metrics, which count sequences, are taken from logp on the host
+    where the call has them."""
+    loss, means = ops.token_loss_sums(partials)
+    slots = ops.sum_slots
+    names = ["clipfrac", "clip_low", "clip_high", "dual_clipfrac"]
+    names += ["kl"] if inp.ref_logp is not None else []
+    names += ["ppo_kl", "logp_mean"] + (["entropy"] if need_entropy else [])
+    metrics = {name: means[slots.index(name)] for name in names}
+    weights = resolve_is_weights(inp.old_logp, inp, cfg)
+    if weights is not None or inp.rollout_logp is not None:
+        extra = Metrics()
+        if weights is not None:
+            extra.mean("is_weight_mean", weights, inp)
+            extra["is_weight_max"] = max_over_valid(weights, inp)
+        add_mismatch_metrics(extra, logp, weights, inp)
+        metrics.update(extra.finish())
+    return TokenTerms(loss=loss, dlogp=None, dentropy=None, metrics=metrics)
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -449,8 +479,10 @@ def policy_loss(
         )  # fmt: skip
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg):
-        logp, entropy = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
+        logp, entropy, *partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
         entropy = entropy if need_entropy else None
+        if partials and kernel_sums_cover(inp, cfg):
+            return logp, entropy, _summed_terms(ops, partials[0], logp, inp, cfg, need_entropy)
         return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     squares = {} if sum_sq is None else {"sum_sq": sum_sq}

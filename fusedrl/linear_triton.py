@@ -267,7 +267,8 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         chunk = [_cut(a, start, stop) for a in args]
         _, rows_t = temperature_keywords(temperature, slice(start, stop))
-        flat_logp[:, start:stop], flat_entropy[:, start:stop] = ops.fused_token_loss_inplace(
+        # (the chunk's sums of the loss and metrics are not used: token_terms takes them)
+        flat_logp[:, start:stop], flat_entropy[:, start:stop], _ = ops.fused_token_loss_inplace(
             logits, *chunk, **{**keywords, **rows_t}
         )
         sums.add(start, stop, _chained(lin, logits[0], derivative))

@@ -110,7 +110,7 @@ class Metrics(dict):
         return dict(self)
 
 
-def _max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
+def max_over_valid(x: torch.Tensor, inp: LossInputs) -> torch.Tensor:
     """Largest x over counted tokens (x >= 0 here); 0 when there is none."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
@@ -131,7 +131,7 @@ def add_token_metrics(
         metrics.mean("entropy", entropy, inp)
     if is_weight is not None:
         metrics.mean("is_weight_mean", is_weight, inp)
-        metrics["is_weight_max"] = _max_over_valid(is_weight, inp)
+        metrics["is_weight_max"] = max_over_valid(is_weight, inp)
 
 
 def ratio_bounds(

@@ -20,10 +20,12 @@ from .fused_backend import FUSED_ARGS, FusedOps
 def _kernels() -> SimpleNamespace:
     """The kernel modules by name, imported once and lazily (importing triton is slow and fails
     on machines without it)."""
-    from fusedrl.kernels import check_triton_version, logprobs, sampling, token_loss
+    from fusedrl.kernels import check_triton_version, logprobs, loss_sums, sampling, token_loss
 
     check_triton_version()
-    return SimpleNamespace(logprobs=logprobs, token_loss=token_loss, sampling=sampling)
+    return SimpleNamespace(
+        logprobs=logprobs, token_loss=token_loss, loss_sums=loss_sums, sampling=sampling
+    )
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -43,6 +45,11 @@ def logprobs_fwd(
     return _kernels().logprobs.logprobs_forward(
         logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
     )
+
+
+@logprobs_fwd.register_fake
+def _(logits, labels, valid, temperature, row_temps=None, cap=None, sum_sq=None):
+    return tuple(fused_backend._empty_rows_like(labels) for _ in range(3))
 
 
 @torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
@@ -85,6 +92,11 @@ def logits_grad(
     )
 
 
+@logits_grad.register_fake
+def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps=None, cap=None):
+    return None
+
+
 @torch.library.custom_op("fusedrl::sampled_set", mutates_args=("out",))
 def sampled_set(
     logits: torch.Tensor,
@@ -104,17 +116,19 @@ def sampled_set(
 # One schema string serves the out-of-place op (writes `grad`) and the in-place one.
 # Per-token temperatures, the entropy coefficient as a device scalar, the soft cap and the sum
 # of squares' buffer are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
+# The mask weights and constant ratio bounds are read by the kernel's own sums of the loss and
+# metrics, its third output (`FusedOps.token_loss_sums`).
 _ROW_TEMPS = (
     "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
-    "Tensor(b!)? sum_sq=None"
+    "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0"
 )
 torch.library.define(
     "fusedrl::fused_token_loss",
-    f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
+    f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor, Tensor)",
 )
 torch.library.define(
     "fusedrl::fused_token_loss_inplace",
-    f"(Tensor(a!) logits, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor)",
+    f"(Tensor(a!) logits, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor, Tensor)",
 )
 
 
@@ -128,7 +142,37 @@ def _fused_token_loss_inplace(logits, *args):
     return _kernels().token_loss.fused_token_loss(logits, logits, *args)
 
 
-fused_backend.register_fakes(prefix="")
+def _fused_outputs_like(logits, labels):
+    """logp, entropy ([B, T] fp32) and the programs' sums ([programs, SUM_WIDTH] fp32)."""
+    token_loss = _kernels().token_loss
+    partials = torch.empty(
+        token_loss.sum_programs(logits), _kernels().loss_sums.SUM_WIDTH.value, device=logits.device
+    )
+    return fused_backend._empty_rows_like(labels), fused_backend._empty_rows_like(labels), partials
+
+
+@torch.library.register_fake("fusedrl::fused_token_loss")
+def _(logits, grad, labels, *args, **keywords):
+    return _fused_outputs_like(logits, labels)
+
+
+@torch.library.register_fake("fusedrl::fused_token_loss_inplace")
+def _(logits, labels, *args, **keywords):
+    return _fused_outputs_like(logits, labels)
+
+
+@torch.library.custom_op("fusedrl::token_loss_sums", mutates_args=())
+def token_loss_sums(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused loss's per-program sums added up: (the 0-dim loss, the [SUM_WIDTH] means)."""
+    return _kernels().loss_sums.token_loss_sums(partials)
+
+
+@token_loss_sums.register_fake
+def _(partials):
+    width = _kernels().loss_sums.SUM_WIDTH.value
+    return partials.new_empty(()), partials.new_empty(width)
+
+
 fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
 fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 
@@ -208,6 +252,8 @@ OPS = FusedOps(
     TWO_ROWS,
     logprobs_squares=logprobs_squares_fwd,
     loss_squares=True,
+    token_loss_sums=token_loss_sums,
+    sum_slots=_kernels().loss_sums.SUM_SLOTS,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

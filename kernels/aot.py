@@ -100,7 +100,15 @@ def launch_kernels() -> dict[str, object]:
 def _example_launches() -> Iterator[Callable[[], None]]:
     """Calls of each public launcher on [2, 3, EXAMPLE_VOCAB] bf16 logits (CPU tensors: nothing
     runs). Per-token inputs are all present; the constexpr sweep switches them off again."""
-    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss, two_rows
+    from fusedrl.kernels import (
+        linear_loss,
+        logprobs,
+        loss_sums,
+        sampling,
+        scale,
+        token_loss,
+        two_rows,
+    )
 
     batch, time, vocab = 2, 3, EXAMPLE_VOCAB
     logits = torch.zeros(batch, time, vocab, dtype=torch.bfloat16)
@@ -117,6 +125,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
     )  # fmt: skip
+    yield lambda: loss_sums.token_loss_sums(torch.zeros(4, loss_sums.SUM_WIDTH.value))
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
     yield lambda: two_rows.two_rows_backward(
@@ -189,6 +198,11 @@ def variants(launch: Launch) -> list[Variant]:
     example vocab in bf16, every constexpr on its own and every pair of codes crossed."""
     kernel = launch.kernel
     module = sys.modules[kernel.__module__]
+    if "BLOCK_V" not in {p.name for p in kernel.params}:
+        # A kernel that reads no rows (the loss's sums: fp32, no vocab): its launch as recorded.
+        constexprs = tuple((p.name, launch.kwargs[p.name]) for p in kernel.params if p.is_constexpr)
+        options = (("num_warps", launch.kwargs["num_warps"]),)
+        return [Variant(kernel.__name__, "fp32", constexprs, options, EXAMPLE_VOCAB)]
     # Constexprs that follow the dtype (a module's `DTYPE_CONSTEXPRS`: name -> function of the
     # torch dtype; the LM-head kernels' tiles and fp32 products) take each dtype's GPU value, as
     # the launcher gives it, and are not swept.
@@ -519,7 +533,10 @@ def _family(kernel, warps: int) -> dict:
 def base_variant(launch: Launch) -> Variant:
     """The launch's base configuration: bf16 at the example vocab, every constexpr as a CUDA
     device gets it (the first such entry of `variants`)."""
-    return next(v for v in variants(launch) if v.dtype == "bf16" and v.vocab == EXAMPLE_VOCAB)
+    candidates = variants(launch)
+    return next(
+        (v for v in candidates if v.dtype == "bf16" and v.vocab == EXAMPLE_VOCAB), candidates[0]
+    )
 
 
 def compile_all(

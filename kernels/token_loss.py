@@ -18,6 +18,20 @@ import triton.language as tl
 
 from .device import launches_on
 from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
+from .loss_sums import (
+    SLOT_CLIP_HIGH,
+    SLOT_CLIP_LOW,
+    SLOT_CLIPFRAC,
+    SLOT_DUAL_CLIPFRAC,
+    SLOT_ENTROPY,
+    SLOT_KL,
+    SLOT_LOGP,
+    SLOT_LOSS,
+    SLOT_PPO_KL,
+    SLOT_WEIGHT,
+    SUM_WIDTH,
+    slot,
+)
 from .rows import (
     LOG2E,
     cap_arg,
@@ -50,6 +64,10 @@ KL_K1 = tl.constexpr(KL_CODES["k1"])
 KL_K2 = tl.constexpr(KL_CODES["k2"])
 KL_ABS = tl.constexpr(KL_CODES["abs"])
 KL_K3 = tl.constexpr(KL_CODES["k3"])
+# The estimator whose value the kl metric and the loss read (k1+ / k3+: k1's / k3's value): 0
+# without ref_logp. The KL code above is the gradient's, 0 when beta is 0.
+KL_VALUE_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 1, "k3+": 4}
+
 
 # A @jit function may read a module global only if it is a tl.constexpr: the interpreter accepts
 # plain floats, the compiler raises NameError. These mirror fusedrl.token_terms' clamps (verl's).
@@ -65,7 +83,7 @@ def _select_max_grad(a, b, da, db):
 
 
 @triton.jit
-def policy_dlogp(
+def policy_term(
     logp,
     old,
     adv,
@@ -79,13 +97,20 @@ def policy_dlogp(
     DUAL_CLIP: tl.constexpr,
     HAS_DELTA: tl.constexpr,
 ):
-    """d(per-token policy loss)/d(logp) of the token-level variants (before IS / agg weights)."""
+    """(per-token policy loss, its d/d(logp), and the clip flags clipfrac, clip_low, clip_high,
+    dual_clipfrac) of the token-level variants, before IS / aggregation weights. A NaN log-ratio
+    (NaN logp or old) makes the loss NaN and every flag 0, as torch's comparisons of a NaN ratio
+    do (a GPU min / max would drop the NaN and compare a clamped value)."""
     raw_log_ratio = logp - old
     log_ratio = tl.minimum(tl.maximum(raw_log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
     ratio = tl.exp(log_ratio)
     inside_clamp = (raw_log_ratio >= -LOG_RATIO_CLAMP) & (raw_log_ratio <= LOG_RATIO_CLAMP)
     dratio = tl.where(inside_clamp, ratio, 0.0)
     clipped_ratio = tl.minimum(tl.maximum(ratio, low), high)
+    below = (ratio < low) & (adv < 0)
+    above = (ratio > high) & (adv > 0)
+    clipped = ratio != ratio  # False, typed as the flags
+    dual_clipped = clipped
     if LOSS == LOSS_CLIPPED:
         if HAS_DELTA:
             loss_unclipped = -adv * tl.minimum(ratio, delta)
@@ -96,20 +121,34 @@ def policy_dlogp(
         loss_clipped = -adv * clipped_ratio
         d_clipped = tl.where((ratio >= low) & (ratio <= high), -adv * dratio, 0.0)
         d = _select_max_grad(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
+        value = tl.maximum(loss_unclipped, loss_clipped)
+        clipped = loss_clipped > loss_unclipped
         if DUAL_CLIP:
-            per_token = tl.maximum(loss_unclipped, loss_clipped)
             loss_dual = -adv * dual_clip_c
-            keep = tl.where(per_token < loss_dual, 1.0, tl.where(per_token > loss_dual, 0.0, 0.5))
+            keep = tl.where(value < loss_dual, 1.0, tl.where(value > loss_dual, 0.0, 0.5))
             d = tl.where(adv < 0, d * keep, d)
+            dual_clipped = (value > loss_dual) & (adv < 0)
+            value = tl.where(adv < 0, tl.minimum(value, loss_dual), value)
     elif LOSS == LOSS_CISPO:  # -sg(clip(r)) A logp
         d = -clipped_ratio * adv
+        value = d * logp
+        clipped = ratio != clipped_ratio
     elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         gate = tl.sigmoid(tau * (ratio - 1.0))
         d = -4.0 * gate * (1.0 - gate) * dratio * adv
-    else:  # pg: -A logp
+        value = -(4.0 / tau) * gate * adv
+    else:  # pg: -A logp, no ratio
         d = -adv
-    return d
+        value = d * logp
+        below = clipped
+        above = clipped
+    nan_ratio = raw_log_ratio != raw_log_ratio
+    value = tl.where(nan_ratio, float("nan"), value)
+    return (
+        value, d, clipped & ~nan_ratio, below & ~nan_ratio, above & ~nan_ratio,
+        dual_clipped & ~nan_ratio,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -134,12 +173,31 @@ def kl_dlogp(logp, ref, KL: tl.constexpr):
 
 
 @triton.jit
+def kl_value(logp, ref, KL_VALUE: tl.constexpr):
+    """The KL estimate's value (verl's clamps; fusedrl.token_terms.kl_and_grad); NaN where
+    logp - ref is NaN, which the clamps of a GPU would drop."""
+    delta = logp - ref
+    if KL_VALUE == KL_K1:
+        value = delta
+    elif KL_VALUE == KL_K2:
+        value = 0.5 * delta * delta
+    elif KL_VALUE == KL_ABS:
+        value = tl.abs(delta)
+    else:  # k3
+        log_ratio = tl.minimum(tl.maximum(-delta, -KL_LOG_CLAMP), KL_LOG_CLAMP)
+        raw = tl.exp(log_ratio) - log_ratio - 1.0
+        value = tl.minimum(tl.maximum(raw, -KL_VALUE_CLAMP), KL_VALUE_CLAMP)
+    return tl.where(delta != delta, float("nan"), value)
+
+
+@triton.jit
 def _fused_token_loss_kernel(
     rows,
     logits_ptr,
     grad_ptr,
     labels_ptr,
     valid_ptr,
+    mask_ptr,
     adv_ptr,
     old_ptr,
     ref_ptr,
@@ -150,6 +208,7 @@ def _fused_token_loss_kernel(
     logp_ptr,
     entropy_ptr,
     sum_sq_ptr,
+    partials_ptr,
     temperature_ptr,
     entropy_coef_ptr,
     time,
@@ -161,6 +220,8 @@ def _fused_token_loss_kernel(
     inv_temperature,
     scale2,
     cap2,
+    low_bound,
+    high_bound,
     dual_clip_c,
     delta,
     tau_pos,
@@ -172,6 +233,7 @@ def _fused_token_loss_kernel(
     HAS_DELTA: tl.constexpr,
     HAS_OLD: tl.constexpr,
     KL: tl.constexpr,
+    KL_VALUE: tl.constexpr,
     HAS_IS: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
@@ -188,10 +250,17 @@ def _fused_token_loss_kernel(
     steps without a recompile or a host sync), read once per program. SOFTCAP: the rows are read
     as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). SUM_PI_SQUARED: sweep 1 also sums
     sum_v pi_v^2 per row into sum_sq_ptr (the Optimal Token Baseline's input), one FFMA per
-    element more."""
+    element more. HAS_BOUNDS: per-token ratio bounds (DCPO), else low_bound / high_bound.
+
+    Each program also sums, over its counted rows, the token's loss term (times its
+    aggregation weight) and the metrics' mask-weighted values (SUM_SLOTS) into its row of
+    `partials`: the loss and the metrics then need no [B, T] arithmetic on the host, only
+    `token_loss_sums` (a few registers per row against a row of V logits)."""
     bonus_coef = entropy_coef
     if ENTROPY_COEF_FROM_PTR:
         bonus_coef = tl.load(entropy_coef_ptr)
+    slots = tl.arange(0, SUM_WIDTH)
+    sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
         row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
         grad_row = grad_ptr + row_offset(row, time, grad_stride_b, grad_stride_t)
@@ -202,11 +271,12 @@ def _fused_token_loss_kernel(
             label_logit = tl.load(row_ptr + label)
             adv = tl.load(adv_ptr + row)
             agg_weight = tl.load(agg_weight_ptr + row)
+            weight = tl.load(mask_ptr + row)
             old = 0.0
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
-            low = 0.0
-            high = 0.0
+            low = low_bound
+            high = high_bound
             if HAS_BOUNDS:
                 low = tl.load(low_ptr + row)
                 high = tl.load(high_ptr + row)
@@ -214,7 +284,7 @@ def _fused_token_loss_kernel(
             if HAS_IS:
                 is_weight = tl.load(is_weight_ptr + row)
             ref = 0.0
-            if KL != KL_NONE:
+            if KL_VALUE != KL_NONE:
                 ref = tl.load(ref_ptr + row)
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
@@ -228,29 +298,26 @@ def _fused_token_loss_kernel(
             logp = logp_of(label_value, row_inv_t, lse)
             if not HAS_OLD:
                 old = logp
-            d_token = policy_dlogp(
-                logp,
-                old,
-                adv,
-                low,
-                high,
-                dual_clip_c,
-                delta,
-                tau_pos,
-                tau_neg,
-                LOSS,
-                DUAL_CLIP,
-                HAS_DELTA,
-            )
+            value, d_token, clipped, below, above, dual_clipped = policy_term(
+                logp, old, adv, low, high, dual_clip_c, delta, tau_pos, tau_neg,
+                LOSS, DUAL_CLIP, HAS_DELTA,
+            )  # fmt: skip
+            value = value * is_weight
             d_token = d_token * is_weight
             # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term
             # is (the clamps and selects above would drop it; docs/losses.md, "NaN inputs")
             unread = old != old
+            kl = 0.0
+            if KL_VALUE != KL_NONE:
+                kl = kl_value(logp, ref, KL_VALUE)
             if KL != KL_NONE:
                 d_token += beta * kl_dlogp(logp, ref, KL)
+                value += beta * kl
                 unread = unread | (ref != ref)
             d_token = tl.where(unread, float("nan"), d_token)
             dentropy = -bonus_coef * agg_weight
+            if ENTROPY_BONUS:
+                value -= bonus_coef * entropy
             write_row_grad(
                 row_ptr,
                 grad_row,
@@ -274,12 +341,31 @@ def _fused_token_loss_kernel(
             tl.store(entropy_ptr + row, entropy)
             if SUM_PI_SQUARED:
                 tl.store(sum_sq_ptr + row, sum_pi_sq)
+            sums += (
+                slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
+                + slot(slots, SLOT_WEIGHT, weight)
+                + slot(slots, SLOT_CLIPFRAC, tl.where(clipped, weight, 0.0))
+                + slot(slots, SLOT_CLIP_LOW, tl.where(below, weight, 0.0))
+                + slot(slots, SLOT_CLIP_HIGH, tl.where(above, weight, 0.0))
+                + slot(slots, SLOT_DUAL_CLIPFRAC, tl.where(dual_clipped, weight, 0.0))
+                + slot(slots, SLOT_KL, kl * weight)
+                + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
+                + slot(slots, SLOT_LOGP, logp * weight)
+                + slot(slots, SLOT_ENTROPY, entropy * weight)
+            )
         else:
             write_row_zeros(grad_row, vocab, BLOCK_V)
             tl.store(logp_ptr + row, 0.0)
             tl.store(entropy_ptr + row, 0.0)
             if SUM_PI_SQUARED:
                 tl.store(sum_sq_ptr + row, 0.0)
+    tl.store(partials_ptr + tl.program_id(0) * SUM_WIDTH + slots, sums)
+
+
+def sum_programs(logits: torch.Tensor) -> int:
+    """How many programs the fused kernel runs on these logits: the rows of its `partials`."""
+    batch, time, vocab = logits.shape
+    return persistent_programs(batch * time, vocab * logits.element_size(), logits.device)
 
 
 @launches_on("logits")
@@ -308,32 +394,38 @@ def fused_token_loss(
     entropy_coef_tensor: torch.Tensor | None = None,
     cap: float | None = None,
     sum_sq: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mask: torch.Tensor | None = None,
+    low_bound: float = 0.0,
+    high_bound: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
-    (logp, entropy), each [B, T] fp32. Every per-token tensor is [B, T]; `row_temps`: per-token
-    temperatures, in place of `temperature`; `entropy_coef_tensor`: a one-element device tensor,
-    the entropy coefficient in place of `entropy_coef` (the bonus then always applies); `cap`:
-    a soft cap's a = s / c, the rows read as tanh(a x) at `temperature` T / c; `sum_sq`: a
-    [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows) from sweep 1."""
+    (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
+    each program's sums over its rows (`token_loss_sums` adds them up). Every per-token tensor is
+    [B, T]; `mask`: the tokens' mask weights (the metrics' weights; None: `valid` as 0 / 1);
+    `low` / `high`: per-token ratio bounds, or None and the numbers `low_bound` / `high_bound`;
+    `row_temps`: per-token temperatures, in place of `temperature`; `entropy_coef_tensor`: a
+    one-element device tensor, the entropy coefficient in place of `entropy_coef` (the bonus then
+    always applies); `cap`: a soft cap's a = s / c, the rows read as tanh(a x) at `temperature`
+    T / c; `sum_sq`: a [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows)."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
+    programs = sum_programs(logits)
+    partials = torch.empty(programs, SUM_WIDTH.value, dtype=torch.float32, device=logits.device)
     if batch * time == 0:
-        return logp, entropy
+        return logp, entropy, partials.zero_()
     block = block_size(vocab, logits.device, logits.element_size())
 
     def flat(t: torch.Tensor | None) -> torch.Tensor:
         return logp if t is None else t.float().contiguous()  # placeholder when unused
 
-    kl_code = KL_CODES[kl] if beta > 0 else 0
-    rows = batch * time
-    programs = persistent_programs(rows, vocab * logits.element_size(), logits.device)
     _fused_token_loss_kernel[(programs,)](
-        rows,
+        batch * time,
         logits,
         grad,
         labels.contiguous(),
         valid.to(torch.int8).contiguous(),
+        flat(valid if mask is None else mask),
         flat(advantages),
         flat(old_logp),
         flat(ref_logp),
@@ -344,6 +436,7 @@ def fused_token_loss(
         logp,
         entropy,
         logp if sum_sq is None else rows_buffer(sum_sq, labels, "sum_sq"),  # (SUM_PI_SQUARED)
+        partials,
         row_temperature_arg(row_temps, logp),
         logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
         time,
@@ -355,6 +448,8 @@ def fused_token_loss(
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         cap_arg(cap),
+        float(low_bound),
+        float(high_bound),
         float(dual_clip_c or 0.0),
         float(delta or 0.0),
         float(tau_pos),
@@ -365,7 +460,8 @@ def fused_token_loss(
         DUAL_CLIP=dual_clip_c is not None,
         HAS_DELTA=delta is not None,
         HAS_OLD=old_logp is not None,
-        KL=kl_code,
+        KL=KL_CODES[kl] if beta > 0 else 0,
+        KL_VALUE=KL_VALUE_CODES[kl or "k3"] if ref_logp is not None else 0,
         HAS_IS=is_weight is not None,
         HAS_BOUNDS=low is not None,
         ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
@@ -377,4 +473,4 @@ def fused_token_loss(
         BLOCK_V=block,
         **launch_options(block, logits.element_size()),
     )
-    return logp, entropy
+    return logp, entropy, partials

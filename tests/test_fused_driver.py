@@ -4,14 +4,17 @@ fused op receives (`fused_token_args`, in FUSED_ARGS's order)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from fusedrl import LossConfig
+import fusedrl
+from fusedrl import LossConfig, reference
 from fusedrl._inputs import prepare_loss_inputs
-from fusedrl.fused_backend import FUSED_ARGS, fused_token_args, needs_two_passes
+from fusedrl.fused_backend import FUSED_ARGS, fused_token_args, needs_two_passes, policy_loss
 
-from .conftest import make_batch
+from .conftest import make_batch, needs_interpreter, run_loss
 
 ARG_NAMES = [part.split()[-1] for part in FUSED_ARGS.split(", ")]
 
@@ -74,3 +77,94 @@ def test_the_fused_op_gets_dcpo_bounds_per_token_and_a_flushed_subnormal():
     assert args["loss"] == "dcpo"  # (the kernels read its bounds per token, as PPO's)
     assert not torch.equal(args["low"], args["low"].flatten()[0].expand_as(args["low"]))
     assert args["entropy_coef"] == 0.0
+
+
+# ------------------------------------------------------------------ the kernel's own sums
+def _spy_sums(monkeypatch) -> list:
+    """The Triton backend's `token_loss_sums` op, its calls counted."""
+    import dataclasses
+
+    from fusedrl import triton_backend
+
+    calls = []
+    real = triton_backend.OPS.token_loss_sums
+
+    def spy(partials):
+        calls.append(partials.shape)
+        return real(partials)
+
+    ops = dataclasses.replace(triton_backend.OPS, token_loss_sums=spy)
+    monkeypatch.setattr(triton_backend, "policy_loss", functools.partial(policy_loss, ops))
+    return calls
+
+
+# Token-level configs whose loss and metrics come from the fused kernel's sums: every loss it
+# knows, each KL estimate (beta 0: the kl metric alone), the entropy bonus, the clip options,
+# each aggregation; the batch's flags straddle the bounds (asserted below).
+KERNEL_SUM_CONFIGS = {
+    "dapo": LossConfig.preset("dapo"),
+    "grpo": LossConfig.preset("grpo"),
+    "cispo": LossConfig.preset("cispo"),
+    "sapo": LossConfig.preset("sapo"),
+    "pg": LossConfig.preset("pg"),
+    "dcpo": LossConfig.preset("dcpo"),
+    "dual_delta_bonus": LossConfig(dual_clip_c=1.5, delta=2.0, eps_low=0.1, entropy_coef=0.02),
+    "ref_metric_only": LossConfig(kl="k2", beta=0.0),
+    **{f"kl_{k}": LossConfig(kl=k, beta=0.1) for k in ("k1", "k2", "abs", "k3", "k1+", "k3+")},
+    "seq_sum": LossConfig(agg="seq-mean-token-sum"),
+    "sum_norm": LossConfig(agg="seq-mean-token-sum-norm", norm_constant=13.0),
+    "temperature": LossConfig(temperature=0.7, entropy_coef=-0.01),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", sorted(KERNEL_SUM_CONFIGS))
+@pytest.mark.parametrize("rollout", [False, True])
+def test_kernel_sums_give_the_loss_and_metrics(name, rollout, monkeypatch):
+    """The loss and every metric from the fused kernel's per-program sums (one `token_loss_sums`
+    call, no token_terms) equal the oracle's, gradient included; with rollout log-probs the
+    mismatch metrics join them from the host."""
+    cfg = KERNEL_SUM_CONFIGS[name]
+    calls = _spy_sums(monkeypatch)
+    # DCPO's bounds widen as the old probability falls: ratios far from 1 reach them.
+    noise = 3.0 if cfg.loss == "dcpo" else 1.0
+    data = make_batch(batch=4, time=9, vocab=131, seed=7, per_token_adv=True, old_noise=noise)
+    if not rollout:
+        data.pop("rollout_logp")
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="triton", return_entropy=True)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    assert len(calls) == 1, "the kernel's sums were not used"
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert set(ours.metrics) == set(want.metrics)
+    for key, value in want.metrics.items():
+        torch.testing.assert_close(ours.metrics[key], value, atol=1e-6, rtol=1e-5, msg=key)
+    if cfg.loss != "pg":  # the clip flags acted (pg has none, sapo no clipfrac)
+        assert float(want.metrics["clip_low"]) + float(want.metrics["clip_high"]) > 0
+        assert cfg.loss == "sapo" or float(want.metrics["clipfrac"]) > 0, want.metrics
+    if cfg.dual_clip_c is not None:
+        assert float(want.metrics["dual_clipfrac"]) > 0
+
+
+@needs_interpreter
+def test_kernel_sums_of_an_all_masked_batch_and_a_nan_input(monkeypatch):
+    """No counted token: loss and metrics 0, not NaN (the weight clamped at 1e-8). A NaN old
+    log-prob on a counted token: the loss NaN, the token's clip flags 0 (torch's comparisons
+    of a NaN ratio), its ppo_kl NaN, as the oracle."""
+    calls = _spy_sums(monkeypatch)
+    cfg = LossConfig(dual_clip_c=1.5, kl="k3", beta=0.1)
+    data = make_batch(batch=3, time=5, vocab=67, seed=3)
+    masked = {**data, "mask": torch.zeros_like(data["mask"])}
+    out, grad = run_loss(fusedrl.policy_loss, masked, cfg, backend="triton")
+    assert float(out.loss) == 0.0 and not grad.any()
+    assert all(float(v) == 0.0 for v in out.metrics.values()), out.metrics
+    counted = data["mask"].nonzero()[0].tolist()
+    old = data["old_logp"].clone()
+    old[tuple(counted)] = float("nan")
+    poisoned = {**data, "old_logp": old}
+    ours, _ = run_loss(fusedrl.policy_loss, poisoned, cfg, backend="triton")
+    want, _ = run_loss(reference.policy_loss, poisoned, cfg)
+    assert len(calls) == 2 and torch.isnan(ours.loss) and torch.isnan(want.loss)
+    for key, value in want.metrics.items():
+        torch.testing.assert_close(ours.metrics[key], value, equal_nan=True, msg=key)
+    assert torch.isfinite(want.metrics["clipfrac"]) and torch.isnan(want.metrics["ppo_kl"])

@@ -247,7 +247,9 @@ def test_registers_within_the_occupancy_budget(compiled, triton):
     one GEMM program."""
     results = _ok(compiled, triton)
     assert all(r["registers"] > 0 for r in results)
-    assert {r["family"] for r in results} == {"row_sweep", "gemm", "select", "two_rows"}
+    assert {r["family"] for r in results} == {
+        "row_sweep", "gemm", "select", "two_rows", "reduce"
+    }  # fmt: skip
     failures = _failures(
         results,
         lambda r: r["registers"] > r["register_budget"],
