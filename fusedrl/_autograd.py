@@ -43,7 +43,8 @@ class LossWithKnownGrads(torch.autograd.Function):
         # Held as an attribute, not a saved tensor, so backward can drop the graph's reference:
         # autograd may then hand the buffer on (or accumulate into it) without another copy.
         ctx.grads = list(grads)
-        return loss.clone()
+        # A view, not a copy: the loss is an input here, and a clone would be one more launch.
+        return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -73,6 +73,9 @@ class FusedOps:
     # from `token_terms` on [B, T] tensors.
     token_loss_sums: Callable | None = None
     sum_slots: tuple[str, ...] = ()
+    # (mask, agg, normalizer, norm_constant) -> the [B, T] aggregation weights in one launch
+    # (token_terms.aggregation_weights's formulas); None: torch's few small kernels.
+    aggregation_weights: Callable | None = None
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -271,12 +274,15 @@ def kernel_float(value: float | None) -> float | None:
     return 0.0
 
 
-def fused_token_args(inp: LossInputs, cfg: LossConfig, scalar_bounds: bool = False) -> tuple:
+def fused_token_args(
+    inp: LossInputs, cfg: LossConfig, scalar_bounds: bool = False, weights_kernel=None
+) -> tuple:
     """The arguments of the fused op after the logits (FUSED_ARGS): per-token [B, T] tensors,
     then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
     they are computed here for the whole batch (and may be sliced into row chunks).
     `scalar_bounds`: the op takes constant ratio bounds as numbers (`fused_token_keywords`):
-    low / high are then tensors for DCPO alone."""
+    low / high are then tensors for DCPO alone. `weights_kernel`: the backend's aggregation
+    weights op (`FusedOps.aggregation_weights`), or None."""
     old = inp.old_logp
     # IS weights, DCPO bounds and rejection need old; on-policy (old = logp) such configs take
     # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
@@ -297,7 +303,7 @@ def fused_token_args(inp: LossInputs, cfg: LossConfig, scalar_bounds: bool = Fal
         old,
         inp.ref_logp,
         is_weight,
-        aggregation_weights(inp, cfg),
+        aggregation_weights(inp, cfg, weights_kernel),
         low,
         high,
         temperature_keywords(cfg.temperature, transform=inp.transform)[0],  # T / c under a cap
@@ -338,7 +344,7 @@ def _fused_token_level(
     """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`); with an op
     that sums the loss and metrics (`FusedOps.token_loss_sums`), each program's sums too."""
     sums = ops.token_loss_sums is not None
-    args = fused_token_args(inp, cfg, scalar_bounds=sums)
+    args = fused_token_args(inp, cfg, scalar_bounds=sums, weights_kernel=ops.aggregation_weights)
     rows = fused_token_keywords(inp, cfg, sums=sums)
     if sum_sq is not None:
         rows["sum_sq"] = sum_sq

@@ -198,9 +198,14 @@ def _select_max(
     return torch.where(a > b, da, torch.where(b > a, db, 0.5 * (da + db)))
 
 
-def aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
-    """agg_w[b, t] such that agg(X) = sum_bt agg_w * X over valid tokens (verl's agg_loss modes)."""
+def aggregation_weights(inp: LossInputs, cfg: LossConfig, kernel=None) -> torch.Tensor:
+    """agg_w[b, t] such that agg(X) = sum_bt agg_w * X over valid tokens (verl's agg_loss modes);
+    `kernel(mask, agg, normalizer, norm_constant)`: a backend's one-launch form of the same."""
     key = ("aggregation_weights", cfg.agg, cfg.norm_constant)
+    if kernel is not None:
+        return _per_inputs(
+            inp, key, lambda: kernel(inp.mask, cfg.agg, inp.normalizer, cfg.norm_constant)
+        )
     return _per_inputs(inp, key, lambda: _aggregation_weights(inp, cfg))
 
 

@@ -142,6 +142,30 @@ def _fused_token_loss_inplace(logits, *args):
     return _kernels().token_loss.fused_token_loss(logits, logits, *args)
 
 
+@torch.library.custom_op("fusedrl::aggregation_weights", mutates_args=())
+def _aggregation_weights_op(
+    mask: torch.Tensor,
+    agg: str,
+    normalizer_tensor: torch.Tensor | None,
+    normalizer: float | None,
+    norm_constant: float | None,
+) -> torch.Tensor:
+    given = normalizer_tensor if normalizer_tensor is not None else normalizer
+    return _kernels().loss_sums.aggregation_weights(mask, agg, given, norm_constant)
+
+
+@_aggregation_weights_op.register_fake
+def _(mask, agg, normalizer_tensor, normalizer, norm_constant):
+    return torch.empty_like(mask)
+
+
+def aggregation_weights(mask, agg, normalizer, norm_constant) -> torch.Tensor:
+    """The aggregation weights in one launch; `normalizer` a number, a device scalar or None."""
+    tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
+    number = None if tensor is not None else normalizer
+    return _aggregation_weights_op(mask, agg, tensor, number, norm_constant)
+
+
 def _fused_outputs_like(logits, labels):
     """logp, entropy ([B, T] fp32) and the programs' sums ([programs, SUM_WIDTH] fp32)."""
     token_loss = _kernels().token_loss
@@ -254,6 +278,7 @@ OPS = FusedOps(
     loss_squares=True,
     token_loss_sums=token_loss_sums,
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
+    aggregation_weights=aggregation_weights,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

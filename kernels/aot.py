@@ -126,6 +126,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
     )  # fmt: skip
     yield lambda: loss_sums.token_loss_sums(torch.zeros(4, loss_sums.SUM_WIDTH.value))
+    yield lambda: loss_sums.aggregation_weights(rows, "seq-mean-token-mean", None, None)
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
     yield lambda: two_rows.two_rows_backward(
@@ -199,10 +200,21 @@ def variants(launch: Launch) -> list[Variant]:
     kernel = launch.kernel
     module = sys.modules[kernel.__module__]
     if "BLOCK_V" not in {p.name for p in kernel.params}:
-        # A kernel that reads no rows (the loss's sums: fp32, no vocab): its launch as recorded.
-        constexprs = tuple((p.name, launch.kwargs[p.name]) for p in kernel.params if p.is_constexpr)
+        # A kernel that reads no rows (the loss's sums and weights: fp32, no vocab): its launch
+        # as recorded, and each of its codes' values on its own.
+        base = {p.name: launch.kwargs[p.name] for p in kernel.params if p.is_constexpr}
+        configs = [base] + [
+            {**base, name: value}
+            for name in base
+            if getattr(module, f"{name}_CODES", None) is not None
+            for value in constexpr_values(kernel, name)
+        ]
         options = (("num_warps", launch.kwargs["num_warps"]),)
-        return [Variant(kernel.__name__, "fp32", constexprs, options, EXAMPLE_VOCAB)]
+        found = [
+            Variant(kernel.__name__, "fp32", tuple(c.items()), options, EXAMPLE_VOCAB)
+            for c in configs
+        ]
+        return list(dict.fromkeys(found))
     # Constexprs that follow the dtype (a module's `DTYPE_CONSTEXPRS`: name -> function of the
     # torch dtype; the LM-head kernels' tiles and fp32 products) take each dtype's GPU value, as
     # the launcher gives it, and are not swept.

@@ -81,3 +81,121 @@ def token_loss_sums(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         partials, partials.shape[0], loss, means, BLOCK_PROGRAMS=BLOCK_PROGRAMS, num_warps=2
     )
     return loss, means
+
+
+# The aggregation modes (fusedrl.config's `agg`), as the weights kernel knows them.
+AGG_CODES = {
+    "token-mean": 0,
+    "seq-mean-token-mean": 1,
+    "seq-mean-token-sum": 2,
+    "seq-mean-token-sum-norm": 3,
+}
+AGG_TOKEN_MEAN = tl.constexpr(AGG_CODES["token-mean"])
+AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(AGG_CODES["seq-mean-token-mean"])
+AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(AGG_CODES["seq-mean-token-sum"])
+AGG_SUM_NORM = tl.constexpr(AGG_CODES["seq-mean-token-sum-norm"])
+# How the call's normalizer arrives: none (the mask's own count), a number, a device scalar.
+NORMALIZER_CODES = {None: 0, "number": 1, "tensor": 2}
+NORMALIZER_TENSOR = tl.constexpr(NORMALIZER_CODES["tensor"])
+NORMALIZER_NONE = tl.constexpr(NORMALIZER_CODES[None])
+
+
+@triton.jit
+def _sequence_weight(mask_ptr, b, time, BLOCK_T: tl.constexpr):
+    """The mask weight of sequence b (its counted tokens' weights summed)."""
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for start in range(0, time, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        total += tl.load(mask_ptr + tl.cast(b, tl.int64) * time + t, mask=t < time, other=0.0)
+    return tl.sum(total)
+
+
+@triton.jit
+def _aggregation_weights_kernel(
+    mask_ptr,
+    normalizer_ptr,
+    out_ptr,
+    batch,
+    time,
+    normalizer,
+    norm_constant,
+    AGG: tl.constexpr,
+    NORMALIZER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: agg_w[b, t] = d(aggregated loss) / d(token loss) for a [B, T] mask that is
+    0 on every token that does not count (fusedrl.token_terms.aggregation_weights's formulas):
+    the mask over its total (token-mean), over each sequence's and the non-empty sequences'
+    counts (seq-mean-*), or over B x norm_constant. The batch's totals take one read of the mask,
+    the weights another: [B, T] floats, against the fused kernel's [B, T, V] logits."""
+    total = tl.zeros([], dtype=tl.float32)
+    nonempty = tl.zeros([], dtype=tl.float32)
+    if AGG != AGG_SUM_NORM:  # (B x the norm constant needs no count)
+        for b in range(0, batch):
+            seq = _sequence_weight(mask_ptr, b, time, BLOCK_T)
+            total += seq
+            nonempty += tl.where(seq > 0, 1.0, 0.0)
+    if NORMALIZER == NORMALIZER_TENSOR:
+        normalizer = tl.load(normalizer_ptr)
+    if AGG == AGG_TOKEN_MEAN:
+        denominator = tl.maximum(total, 1e-8)
+    elif AGG == AGG_SEQ_MEAN_TOKEN_MEAN or AGG == AGG_SEQ_MEAN_TOKEN_SUM:
+        denominator = tl.maximum(nonempty, 1.0)
+    else:  # seq-mean-token-sum-norm: B x the norm constant (T unless given)
+        denominator = batch * 1.0
+    if NORMALIZER != NORMALIZER_NONE:
+        denominator = normalizer
+    for b in range(0, batch):
+        scale = 1.0 / denominator
+        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN or AGG == AGG_SEQ_MEAN_TOKEN_SUM:
+            seq = _sequence_weight(mask_ptr, b, time, BLOCK_T)
+            scale = tl.where(seq > 0, 1.0, 0.0)
+            if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
+                scale = scale / tl.maximum(seq, 1e-8)
+        for start in range(0, time, BLOCK_T):
+            t = start + tl.arange(0, BLOCK_T)
+            offset = tl.cast(b, tl.int64) * time + t
+            mask = tl.load(mask_ptr + offset, mask=t < time, other=0.0)
+            if AGG == AGG_TOKEN_MEAN:
+                weight = mask / denominator
+            elif AGG == AGG_SEQ_MEAN_TOKEN_MEAN or AGG == AGG_SEQ_MEAN_TOKEN_SUM:
+                weight = mask * scale / denominator
+            else:
+                weight = mask / denominator / norm_constant
+            tl.store(out_ptr + offset, weight, mask=t < time)
+
+
+BLOCK_T = 1024  # tokens per load of the weights kernel (a sequence is read in such tiles)
+
+
+@launches_on("mask")
+def aggregation_weights(
+    mask: torch.Tensor,
+    agg: str,
+    normalizer: float | torch.Tensor | None,
+    norm_constant: float | None,
+) -> torch.Tensor:
+    """The [B, T] fp32 aggregation weights of `mask` ([B, T] fp32, 0 wherever a token does not
+    count) in one launch; `normalizer`: the call's (a number, a 0-dim fp32 device tensor, or
+    None); `norm_constant`: seq-mean-token-sum-norm's (None: T)."""
+    batch, time = mask.shape
+    mask = mask.contiguous()
+    out = torch.empty_like(mask)
+    if mask.numel() == 0:
+        return out
+    tensor = isinstance(normalizer, torch.Tensor)
+    code = NORMALIZER_CODES["tensor" if tensor else None if normalizer is None else "number"]
+    _aggregation_weights_kernel[(1,)](
+        mask,
+        normalizer.reshape(1) if tensor else mask,  # (placeholder, never read)
+        out,
+        batch,
+        time,
+        0.0 if tensor or normalizer is None else float(normalizer),
+        float(time if norm_constant is None else norm_constant),
+        AGG=AGG_CODES[agg],
+        NORMALIZER=code,
+        BLOCK_T=min(BLOCK_T, triton.next_power_of_2(time)),
+        num_warps=4,
+    )
+    return out

@@ -271,7 +271,6 @@ def _fused_token_loss_kernel(
             label_logit = tl.load(row_ptr + label)
             adv = tl.load(adv_ptr + row)
             agg_weight = tl.load(agg_weight_ptr + row)
-            weight = tl.load(mask_ptr + row)
             old = 0.0
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -318,6 +317,21 @@ def _fused_token_loss_kernel(
             dentropy = -bonus_coef * agg_weight
             if ENTROPY_BONUS:
                 value -= bonus_coef * entropy
+            # The sums before sweep 2, so that none of their inputs is live across it (registers:
+            # the gradient loop runs at the 64-register cap); the mask weight is loaded here too.
+            weight = tl.load(mask_ptr + row)
+            sums += (
+                slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
+                + slot(slots, SLOT_WEIGHT, weight)
+                + slot(slots, SLOT_CLIPFRAC, tl.where(clipped, weight, 0.0))
+                + slot(slots, SLOT_CLIP_LOW, tl.where(below, weight, 0.0))
+                + slot(slots, SLOT_CLIP_HIGH, tl.where(above, weight, 0.0))
+                + slot(slots, SLOT_DUAL_CLIPFRAC, tl.where(dual_clipped, weight, 0.0))
+                + slot(slots, SLOT_KL, kl * weight)
+                + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
+                + slot(slots, SLOT_LOGP, logp * weight)
+                + slot(slots, SLOT_ENTROPY, entropy * weight)
+            )
             write_row_grad(
                 row_ptr,
                 grad_row,
@@ -341,18 +355,6 @@ def _fused_token_loss_kernel(
             tl.store(entropy_ptr + row, entropy)
             if SUM_PI_SQUARED:
                 tl.store(sum_sq_ptr + row, sum_pi_sq)
-            sums += (
-                slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
-                + slot(slots, SLOT_WEIGHT, weight)
-                + slot(slots, SLOT_CLIPFRAC, tl.where(clipped, weight, 0.0))
-                + slot(slots, SLOT_CLIP_LOW, tl.where(below, weight, 0.0))
-                + slot(slots, SLOT_CLIP_HIGH, tl.where(above, weight, 0.0))
-                + slot(slots, SLOT_DUAL_CLIPFRAC, tl.where(dual_clipped, weight, 0.0))
-                + slot(slots, SLOT_KL, kl * weight)
-                + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
-                + slot(slots, SLOT_LOGP, logp * weight)
-                + slot(slots, SLOT_ENTROPY, entropy * weight)
-            )
         else:
             write_row_zeros(grad_row, vocab, BLOCK_V)
             tl.store(logp_ptr + row, 0.0)
@@ -424,7 +426,7 @@ def fused_token_loss(
         logits,
         grad,
         labels.contiguous(),
-        valid.to(torch.int8).contiguous(),
+        valid.contiguous(),  # bool: read as is (a conversion would be one more launch)
         flat(valid if mask is None else mask),
         flat(advantages),
         flat(old_logp),

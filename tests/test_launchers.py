@@ -63,6 +63,7 @@ def test_the_launchers_are_found():
         "sampling.write_sampled_set",
         "token_loss.fused_token_loss",
         "loss_sums.token_loss_sums",
+        "loss_sums.aggregation_weights",
         "linear_loss.linear_stats",
         "linear_loss.linear_logits_grad",
         "two_rows.two_rows_forward",
@@ -122,6 +123,9 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         ),
         "token_loss.fused_token_loss": fused,
         "loss_sums.token_loss_sums": lambda: loss_sums.token_loss_sums(zeros(5, 16)),
+        "loss_sums.aggregation_weights": lambda: loss_sums.aggregation_weights(
+            rows, "token-mean", None, None
+        ),
         "linear_loss.linear_stats": lambda: linear_loss.linear_stats(
             states, weight, bias, labels, valid, 1.0
         ),
@@ -529,8 +533,8 @@ def _far_launches(space, layout: str):
     }
 
 
-# Launchers that address no [B, T, V] rows: the fused loss's sums read [programs, 16] floats.
-ROWLESS = {"loss_sums.token_loss_sums"}
+# Launchers that address no [B, T, V] rows: the fused loss's sums and aggregation weights.
+ROWLESS = {"loss_sums.token_loss_sums", "loss_sums.aggregation_weights"}
 
 
 @needs_interpreter
