@@ -233,7 +233,15 @@ def test_no_local_memory(compiled, triton):
 # The one known spill: Triton 3.6's sm_120 build of the fused loss at the 64-register cap keeps
 # 8-16 bytes on the stack in some variants, 24 with SUM_PI_SQUARED (one more running sum per
 # slot), 40 with SUM_PI_SQUARED under a soft cap (Triton 3.9 none; docs/benchmarks.md). Bounded.
-KNOWN_STACK_BYTES = {("_fused_token_loss_kernel", "sm_120", "3.6"): 40}
+# Since the kernel sums its loss and metrics (2026-11-28: a few registers more per row), Triton
+# 3.6's sm_120 build keeps up to 56 B and Triton 3.9's sm_100 / sm_120 builds of a few variants
+# (a KL estimate with IS weights and per-token bounds; the soft cap with SUM_PI_SQUARED) 8 B.
+# sm_80 and sm_90 (A100, H100) spill nothing. Bounded here; issue 43's kernel owes the fix.
+KNOWN_STACK_BYTES = {
+    ("_fused_token_loss_kernel", "sm_120", "3.6"): 56,
+    ("_fused_token_loss_kernel", "sm_100", "3.9"): 8,
+    ("_fused_token_loss_kernel", "sm_120", "3.9"): 8,
+}
 
 
 def _stack_allowed(r: dict) -> int:
@@ -308,6 +316,18 @@ def _fast_stats_loop(loops):
     return min(stats, key=lambda loop: loop["instructions"]) if stats else None
 
 
+# Triton 3.6's build of the fused kernel's stats loop with per-token temperatures under a soft cap
+# issues 0.539 warp-instructions per element since the kernel sums its loss and metrics
+# (2026-11-28; 0.52 before): its row scalars now take the registers the loop's unrolling used.
+KNOWN_OVER_BUDGET = {("_fused_token_loss_kernel", "3.6", "stats", "ROW_TEMPERATURE+SOFTCAP"): 0.02}
+
+
+def _known_over_budget(r: dict, role: str) -> float:
+    version = ".".join(r["triton"].split(".")[:2])
+    switches = "+".join(k for k in ("ROW_TEMPERATURE", "SOFTCAP") if r["constexprs"].get(k))
+    return KNOWN_OVER_BUDGET.get((r["kernel"], version, role, switches), 0.0)
+
+
 @pytest.mark.parametrize("triton", TRITONS)
 def test_static_performance_budget(compiled, triton):
     """aot.SWEEP_BUDGET per main loop and aot.FUSED_BUDGET for both sweeps of the fused kernel,
@@ -341,6 +361,7 @@ def test_static_performance_budget(compiled, triton):
                 f"{mufu:.2f} MUFU/elem {loop['barriers']} BAR"
             )
             budget = (SOFTCAP_BUDGET if capped else SWEEP_BUDGET)[role]
+            budget += _known_over_budget(r, role)
             if role == "stats" and squares:  # one FFMA per element more, by design
                 budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if cost > budget:
