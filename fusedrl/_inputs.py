@@ -213,8 +213,9 @@ def check_labels(
     # One reduction for both bounds (the range check is two launches, not five).
     lowest, highest = torch.aminmax(labels)
     if labels.device.type == "cpu" and not torch.compiler.is_compiling():
-        if lowest.item() < 0 or highest.item() >= vocab:
-            bad = lowest.item() if lowest.item() < 0 else highest.item()
+        lowest, highest = lowest.item(), highest.item()
+        if lowest < 0 or highest >= vocab:
+            bad = lowest if lowest < 0 else highest
             raise ValueError(f"labels must be in [0, {vocab}){where}, found {bad}")
     else:
         ok = (lowest >= 0) & (highest < vocab)

@@ -329,8 +329,8 @@ def fused_token_keywords(
         keywords["entropy_coef_tensor"] = inp.entropy_coef
     if sums:
         keywords["mask"] = inp.mask
-        if cfg.loss != "dcpo":
-            keywords["low_bound"], keywords["high_bound"] = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+        if cfg.loss != "dcpo":  # (DCPO's bounds are per token, FUSED_ARGS's low / high)
+            keywords["low_bound"], keywords["high_bound"] = ratio_bounds(inp.old_logp, cfg)
     return keywords
 
 

@@ -163,12 +163,17 @@ def _train_inference_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig
 
 
 def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor | None:
-    """The call's IS weights: precomputed (`is_weights=`), from rollout_logp, or none."""
+    """The call's IS weights: precomputed (`is_weights=`), from rollout_logp, or none. From the
+    call's own old log-probs they are made once per LossInputs (the fused op's arguments and the
+    metrics both ask); from logp (on-policy, pass 2) each time."""
     if inp.is_weights is not None:
         return inp.is_weights
     if cfg.is_correction is None:
         return None
-    return _train_inference_weights(old, inp, cfg)
+    if old is not inp.old_logp:
+        return _train_inference_weights(old, inp, cfg)
+    key = ("is_weights", cfg.is_correction, cfg.is_cap, cfg.is_cap_low)
+    return _per_inputs(inp, key, lambda: _train_inference_weights(old, inp, cfg))
 
 
 @dataclass
