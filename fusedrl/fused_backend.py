@@ -5,8 +5,10 @@ Each backend provides the same four ops (`FusedOps`); this module decides how to
 - token-level variants with a gradient: one fused kernel (one read of each row, the gradient
   written in the same program, into the logits when in place);
 - sequence-level variants (GSPO, GMPO, sequence IS) and on-policy configs whose per-token inputs
-  depend on old = logp: pass 1 (logp / lse / entropy), the [B, T] math of `token_terms`, pass 2;
-- the loss value and the metrics always come from `token_terms` on [B, T] scalars.
+  depend on old = logp: pass 1 (logp / lse / entropy), the [B, T] terms, pass 2;
+- the loss value and the metrics: the kernels' own per-program sums where they cover the
+  config (`kernel_sums_cover`, `sequence_kernel_covers`), added up by one launch; otherwise
+  `token_terms` on [B, T] scalars in torch.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class FusedOps:
     # (mask, agg, normalizer, norm_constant) -> the [B, T] aggregation weights in one launch
     # (token_terms.aggregation_weights's formulas); None: torch's few small kernels.
     aggregation_weights: Callable | None = None
+    # (logp, entropy?, valid, mask, advantages, old, ref?, is_weight?, agg_weight, low?, high?,
+    # sequence_ratio, loss, ...) -> (dlogp, dentropy, partials): a two-pass call's terms on
+    # [B, T] log-probs, one program per sequence (kernels/sequence_terms.py), whose sums
+    # `token_loss_sums` adds up; None: `token_terms` in torch.
+    sequence_terms: Callable | None = None
 
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
@@ -360,6 +367,67 @@ def kernel_sums_cover(inp: LossInputs, cfg: LossConfig) -> bool:
     return not cfg.rejection_rules and cfg.off_policy_mask is None
 
 
+def sequence_kernel_covers(inp: LossInputs, cfg: LossConfig) -> bool:
+    """Whether the two-pass call's terms come from `FusedOps.sequence_terms`: the variants the
+    fused kernel knows (token or sequence ratio), with no batch statistic deciding a mask or a
+    weight (`kernel_sums_cover`, the top-entropy tokens, M2PO), no ratio-weighted KL and no
+    entropy bonus of its own aggregation."""
+    return (
+        kernel_sums_cover(inp, cfg)
+        and cfg.loss in KERNEL_LOSSES
+        and cfg.top_entropy_quantile == 1
+        and cfg.m2po_tau is None
+        and not (cfg.kl_bias_correction and cfg.beta > 0)
+        and not (cfg.entropy_agg is not None and has_entropy_bonus(inp, cfg))
+    )
+
+
+KERNEL_LOSSES = (*PPO_CLIPPED, "dcpo", "cispo", "sapo", "pg")  # the kernels' LOSS codes
+
+
+def _kernel_terms(
+    ops: FusedOps,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+) -> TokenTerms:
+    """`token_terms` of pass 1's logp and entropy by the backend's kernel (`sequence_terms`)
+    and `token_loss_sums`: two launches where torch takes some seventy."""
+    old = inp.old_logp if inp.old_logp is not None else logp  # on-policy: ratio 1
+    bonus = has_entropy_bonus(inp, cfg)
+    low, high = ratio_bounds(old, cfg)
+    per_token = isinstance(low, torch.Tensor)  # DCPO's bounds
+    dlogp, dentropy, partials = ops.sequence_terms(
+        logp,
+        entropy if need_entropy or bonus else None,
+        inp.valid,
+        inp.mask,
+        inp.advantages,
+        old,
+        inp.ref_logp,
+        resolve_is_weights(old, inp, cfg),
+        aggregation_weights(inp, cfg, ops.aggregation_weights),
+        low if per_token else None,
+        high if per_token else None,
+        sequence_ratio=cfg.ratio_level == "sequence",
+        loss="ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,
+        dual_clip_c=kernel_float(cfg.dual_clip_c),
+        delta=kernel_float(cfg.delta),
+        tau_pos=kernel_float(cfg.sapo_tau_pos),
+        tau_neg=kernel_float(cfg.sapo_tau_neg),
+        kl=cfg.kl,
+        beta=kernel_float(cfg.beta),
+        entropy_coef=kernel_float(cfg.entropy_coef),
+        entropy_coef_tensor=inp.entropy_coef,
+        low_bound=0.0 if per_token else low,
+        high_bound=0.0 if per_token else high,
+    )
+    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)
+    return replace(terms, dlogp=dlogp, dentropy=dentropy if bonus else None)
+
+
 def _summed_terms(
     ops: FusedOps,
     partials: torch.Tensor,
@@ -367,18 +435,19 @@ def _summed_terms(
     inp: LossInputs,
     cfg: LossConfig,
     need_entropy: bool,
+    old: torch.Tensor | None = None,
 ) -> TokenTerms:
-    """The loss and the metrics from the fused kernel's sums: one launch, each metric a view of
-    its means (the names of `token_terms`'s metrics for the same call). The IS weights' and the
+    """The loss and the metrics from a kernel's sums: one launch, each metric a view of its
+    means (the names of `token_terms`'s metrics for the same call). The IS weights' and the
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
-    where the call has them."""
+    where the call has them. `old`: the old log-probs the terms used (logp on-policy)."""
     loss, means = ops.token_loss_sums(partials)
     slots = ops.sum_slots
     names = ["clipfrac", "clip_low", "clip_high", "dual_clipfrac"]
     names += ["kl"] if inp.ref_logp is not None else []
     names += ["ppo_kl", "logp_mean"] + (["entropy"] if need_entropy else [])
     metrics = {name: means[slots.index(name)] for name in names}
-    weights = resolve_is_weights(inp.old_logp, inp, cfg)
+    weights = resolve_is_weights(inp.old_logp if old is None else old, inp, cfg)
     if weights is not None or inp.rollout_logp is not None:
         extra = Metrics()
         if weights is not None:
@@ -495,7 +564,10 @@ def policy_loss(
     logp, lse, entropy = ops.logprobs_fwd(
         inp.logits, inp.labels, inp.valid, scalar, **rows, **squares
     )
-    terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
+    if ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+        terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
+    else:
+        terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(
             inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, scalar, grad_out,

@@ -20,11 +20,22 @@ from .fused_backend import FUSED_ARGS, FusedOps
 def _kernels() -> SimpleNamespace:
     """The kernel modules by name, imported once and lazily (importing triton is slow and fails
     on machines without it)."""
-    from fusedrl.kernels import check_triton_version, logprobs, loss_sums, sampling, token_loss
+    from fusedrl.kernels import (
+        check_triton_version,
+        logprobs,
+        loss_sums,
+        sampling,
+        sequence_terms,
+        token_loss,
+    )
 
     check_triton_version()
     return SimpleNamespace(
-        logprobs=logprobs, token_loss=token_loss, loss_sums=loss_sums, sampling=sampling
+        logprobs=logprobs,
+        token_loss=token_loss,
+        loss_sums=loss_sums,
+        sequence_terms=sequence_terms,
+        sampling=sampling,
     )
 
 
@@ -197,6 +208,52 @@ def _(partials):
     return partials.new_empty(()), partials.new_empty(width)
 
 
+@torch.library.custom_op("fusedrl::sequence_terms", mutates_args=())
+def sequence_terms(
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    valid: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weight: torch.Tensor | None,
+    agg_weight: torch.Tensor,
+    low: torch.Tensor | None,
+    high: torch.Tensor | None,
+    sequence_ratio: bool,
+    loss: str,
+    dual_clip_c: float | None,
+    delta: float | None,
+    tau_pos: float,
+    tau_neg: float,
+    kl: str | None,
+    beta: float,
+    entropy_coef: float,
+    entropy_coef_tensor: torch.Tensor | None = None,
+    low_bound: float = 0.0,
+    high_bound: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A two-pass call's terms on [B, T] log-probs (kernels/sequence_terms.py): (dlogp,
+    dentropy or [0] without a bonus, one row of sums per sequence for `token_loss_sums`)."""
+    return _kernels().sequence_terms.sequence_terms(
+        logp, entropy, valid, mask, advantages, old_logp, ref_logp, is_weight, agg_weight, low,
+        high, sequence_ratio=sequence_ratio, loss=loss, dual_clip_c=dual_clip_c, delta=delta,
+        tau_pos=tau_pos, tau_neg=tau_neg, kl=kl, beta=beta, entropy_coef=entropy_coef,
+        entropy_coef_tensor=entropy_coef_tensor, low_bound=low_bound, high_bound=high_bound,
+    )  # fmt: skip
+
+
+@sequence_terms.register_fake
+def _(logp, entropy, valid, mask, advantages, old_logp, ref_logp, is_weight, agg_weight, low,
+      high, sequence_ratio, loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta, entropy_coef,
+      entropy_coef_tensor=None, low_bound=0.0, high_bound=0.0):  # fmt: skip
+    bonus = entropy_coef != 0.0 or entropy_coef_tensor is not None
+    width = _kernels().loss_sums.SUM_WIDTH.value
+    dentropy = torch.empty_like(logp) if bonus else logp.new_empty(0)
+    return torch.empty_like(logp), dentropy, logp.new_empty(logp.shape[0], width)
+
+
 fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
 fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
 
@@ -279,6 +336,7 @@ OPS = FusedOps(
     token_loss_sums=token_loss_sums,
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
     aggregation_weights=aggregation_weights,
+    sequence_terms=sequence_terms,
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

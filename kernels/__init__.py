@@ -5,7 +5,9 @@
     logprobs.py     token log-probs + entropy (the no-grad path, sequence-level pass 1) and the
                     gradient sweep (token_logprobs backward, pass 2); the launch policy
     token_loss.py   the fused token-level policy loss: one kernel writes logp and the gradient
-    loss_sums.py    the fused loss's per-program sums of loss and metrics, and their finalize
+    terms.py        the per-token loss terms both loss kernels evaluate (ratio, clip, KL)
+    sequence_terms.py  a two-pass call's terms on [B, T] log-probs (GSPO's sequence ratio)
+    loss_sums.py    the loss kernels' per-program sums of loss and metrics, and their finalize
     two_rows.py     two distributions per token (exact KL, distillation): both rows in one pass
     linear_loss.py  the LM head and the log-softmax fused: logits tiles made on chip
     sampling.py     sampling-mask replay: each row's sampled set by a radix select

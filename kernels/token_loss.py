@@ -44,6 +44,16 @@ from .rows import (
     write_row_grad,
     write_row_zeros,
 )
+from .terms import (
+    KL_CODES,
+    KL_NONE,
+    KL_VALUE_CODES,
+    LOSS_CODES,
+    kl_dlogp,
+    kl_value,
+    policy_term,
+    token_ratio,
+)
 
 # Switches compiled together on top of the base configuration (aot.variants), beside each alone:
 # the soft cap with what else the fused kernel's sweeps may carry.
@@ -52,142 +62,6 @@ CROSSED_SWITCHES = (
     ("SOFTCAP", "SUM_PI_SQUARED"),
     ("SOFTCAP", "ROW_TEMPERATURE"),
 )
-# constexpr codes of the variants (csrc/fused_loss.h's LossCode / KlCode have the same values);
-# fusedrl.triton_backend maps LossConfig onto them, the kernels branch on the names below.
-LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
-KL_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 5, "k3+": 5}  # + -> k2 gradient
-LOSS_CLIPPED = tl.constexpr(LOSS_CODES["ppo"])  # ppo / dcpo (dcpo's bounds arrive per token)
-LOSS_CISPO = tl.constexpr(LOSS_CODES["cispo"])
-LOSS_SAPO = tl.constexpr(LOSS_CODES["sapo"])
-KL_NONE = tl.constexpr(KL_CODES[None])
-KL_K1 = tl.constexpr(KL_CODES["k1"])
-KL_K2 = tl.constexpr(KL_CODES["k2"])
-KL_ABS = tl.constexpr(KL_CODES["abs"])
-KL_K3 = tl.constexpr(KL_CODES["k3"])
-# The estimator whose value the kl metric and the loss read (k1+ / k3+: k1's / k3's value): 0
-# without ref_logp. The KL code above is the gradient's, 0 when beta is 0.
-KL_VALUE_CODES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k1+": 1, "k3+": 4}
-
-
-# A @jit function may read a module global only if it is a tl.constexpr: the interpreter accepts
-# plain floats, the compiler raises NameError. These mirror fusedrl.token_terms' clamps (verl's).
-LOG_RATIO_CLAMP = tl.constexpr(20.0)
-KL_LOG_CLAMP = tl.constexpr(20.0)
-KL_VALUE_CLAMP = tl.constexpr(10.0)
-
-
-@triton.jit
-def _select_max_grad(a, b, da, db):
-    """d max(a, b): the larger branch's derivative, half of each at a tie (torch.maximum)."""
-    return tl.where(a > b, da, tl.where(b > a, db, 0.5 * (da + db)))
-
-
-@triton.jit
-def policy_term(
-    logp,
-    old,
-    adv,
-    low,
-    high,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    LOSS: tl.constexpr,
-    DUAL_CLIP: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-):
-    """(per-token policy loss, its d/d(logp), and the clip flags clipfrac, clip_low, clip_high,
-    dual_clipfrac) of the token-level variants, before IS / aggregation weights. A NaN log-ratio
-    (NaN logp or old) makes the loss NaN and every flag 0, as torch's comparisons of a NaN ratio
-    do (a GPU min / max would drop the NaN and compare a clamped value)."""
-    raw_log_ratio = logp - old
-    log_ratio = tl.minimum(tl.maximum(raw_log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
-    ratio = tl.exp(log_ratio)
-    inside_clamp = (raw_log_ratio >= -LOG_RATIO_CLAMP) & (raw_log_ratio <= LOG_RATIO_CLAMP)
-    dratio = tl.where(inside_clamp, ratio, 0.0)
-    clipped_ratio = tl.minimum(tl.maximum(ratio, low), high)
-    below = (ratio < low) & (adv < 0)
-    above = (ratio > high) & (adv > 0)
-    clipped = ratio != ratio  # False, typed as the flags
-    dual_clipped = clipped
-    if LOSS == LOSS_CLIPPED:
-        if HAS_DELTA:
-            loss_unclipped = -adv * tl.minimum(ratio, delta)
-            d_unclipped = tl.where(ratio <= delta, -adv * dratio, 0.0)
-        else:
-            loss_unclipped = -adv * ratio
-            d_unclipped = -adv * dratio
-        loss_clipped = -adv * clipped_ratio
-        d_clipped = tl.where((ratio >= low) & (ratio <= high), -adv * dratio, 0.0)
-        d = _select_max_grad(loss_unclipped, loss_clipped, d_unclipped, d_clipped)
-        value = tl.maximum(loss_unclipped, loss_clipped)
-        clipped = loss_clipped > loss_unclipped
-        if DUAL_CLIP:
-            loss_dual = -adv * dual_clip_c
-            keep = tl.where(value < loss_dual, 1.0, tl.where(value > loss_dual, 0.0, 0.5))
-            d = tl.where(adv < 0, d * keep, d)
-            dual_clipped = (value > loss_dual) & (adv < 0)
-            value = tl.where(adv < 0, tl.minimum(value, loss_dual), value)
-    elif LOSS == LOSS_CISPO:  # -sg(clip(r)) A logp
-        d = -clipped_ratio * adv
-        value = d * logp
-        clipped = ratio != clipped_ratio
-    elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
-        tau = tl.where(adv > 0, tau_pos, tau_neg)
-        gate = tl.sigmoid(tau * (ratio - 1.0))
-        d = -4.0 * gate * (1.0 - gate) * dratio * adv
-        value = -(4.0 / tau) * gate * adv
-    else:  # pg: -A logp, no ratio
-        d = -adv
-        value = d * logp
-        below = clipped
-        above = clipped
-    nan_ratio = raw_log_ratio != raw_log_ratio
-    value = tl.where(nan_ratio, float("nan"), value)
-    return (
-        value, d, clipped & ~nan_ratio, below & ~nan_ratio, above & ~nan_ratio,
-        dual_clipped & ~nan_ratio,
-    )  # fmt: skip
-
-
-@triton.jit
-def kl_dlogp(logp, ref, KL: tl.constexpr):
-    """d KL-estimate / d logp (verl's clamps; k1+/k3+ use k2's gradient)."""
-    delta = logp - ref
-    if KL == KL_K1:
-        d = 1.0
-    elif KL == KL_K2:
-        d = delta
-    elif KL == KL_ABS:
-        d = tl.where(delta > 0, 1.0, tl.where(delta < 0, -1.0, 0.0))
-    elif KL == KL_K3:
-        log_ratio = tl.minimum(tl.maximum(-delta, -KL_LOG_CLAMP), KL_LOG_CLAMP)
-        raw = tl.exp(log_ratio) - log_ratio - 1.0
-        inside = (delta >= -KL_LOG_CLAMP) & (delta <= KL_LOG_CLAMP)
-        inside = inside & (raw >= -KL_VALUE_CLAMP) & (raw <= KL_VALUE_CLAMP)
-        d = tl.where(inside, 1.0 - tl.exp(log_ratio), 0.0)
-    else:  # k1+ / k3+: the value of k1 / k3, the gradient of k2
-        d = delta
-    return d
-
-
-@triton.jit
-def kl_value(logp, ref, KL_VALUE: tl.constexpr):
-    """The KL estimate's value (verl's clamps; fusedrl.token_terms.kl_and_grad); NaN where
-    logp - ref is NaN, which the clamps of a GPU would drop."""
-    delta = logp - ref
-    if KL_VALUE == KL_K1:
-        value = delta
-    elif KL_VALUE == KL_K2:
-        value = 0.5 * delta * delta
-    elif KL_VALUE == KL_ABS:
-        value = tl.abs(delta)
-    else:  # k3
-        log_ratio = tl.minimum(tl.maximum(-delta, -KL_LOG_CLAMP), KL_LOG_CLAMP)
-        raw = tl.exp(log_ratio) - log_ratio - 1.0
-        value = tl.minimum(tl.maximum(raw, -KL_VALUE_CLAMP), KL_VALUE_CLAMP)
-    return tl.where(delta != delta, float("nan"), value)
 
 
 @triton.jit
@@ -297,10 +171,23 @@ def _fused_token_loss_kernel(
             logp = logp_of(label_value, row_inv_t, lse)
             if not HAS_OLD:
                 old = logp
+            ratio, dratio, nan_ratio = token_ratio(logp, old)
             value, d_token, clipped, below, above, dual_clipped = policy_term(
-                logp, old, adv, low, high, dual_clip_c, delta, tau_pos, tau_neg,
-                LOSS, DUAL_CLIP, HAS_DELTA,
-            )  # fmt: skip
+                logp=logp,
+                ratio=ratio,
+                dratio=dratio,
+                nan_ratio=nan_ratio,
+                adv=adv,
+                low=low,
+                high=high,
+                dual_clip_c=dual_clip_c,
+                delta=delta,
+                tau_pos=tau_pos,
+                tau_neg=tau_neg,
+                LOSS=LOSS,
+                DUAL_CLIP=DUAL_CLIP,
+                HAS_DELTA=HAS_DELTA,
+            )
             value = value * is_weight
             d_token = d_token * is_weight
             # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term

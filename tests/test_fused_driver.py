@@ -168,3 +168,100 @@ def test_kernel_sums_of_an_all_masked_batch_and_a_nan_input(monkeypatch):
     for key, value in want.metrics.items():
         torch.testing.assert_close(ours.metrics[key], value, equal_nan=True, msg=key)
     assert torch.isfinite(want.metrics["clipfrac"]) and torch.isnan(want.metrics["ppo_kl"])
+
+
+# ------------------------------------------------------------ the two-pass terms kernel
+def _spy_sequence_terms(monkeypatch) -> list:
+    """The Triton backend's `sequence_terms` op, the `sequence_ratio` of each call recorded."""
+    import dataclasses
+
+    from fusedrl import triton_backend
+
+    calls = []
+    real = triton_backend.OPS.sequence_terms
+
+    def spy(*args, **keywords):
+        calls.append(keywords["sequence_ratio"])
+        return real(*args, **keywords)
+
+    ops = dataclasses.replace(triton_backend.OPS, sequence_terms=spy)
+    monkeypatch.setattr(triton_backend, "policy_loss", functools.partial(policy_loss, ops))
+    return calls
+
+
+# Two-pass configs whose terms come from kernels/sequence_terms.py: (config, sequence ratio,
+# old log-probs given). GSPO's clip bounds are widened where a case needs sequences on both
+# sides of them (its own 3e-4 puts every sequence of a random batch outside).
+SEQUENCE_TERM_CONFIGS = {
+    "gspo": (LossConfig.preset("gspo"), True, True),
+    "gspo_wide": (LossConfig.preset("gspo", eps_low=0.3, eps_high=0.3), True, True),
+    "gspo_token_kl": (LossConfig.preset("gspo_token", kl="k3", beta=0.1), True, True),
+    "gspo_dual_delta_bonus": (
+        LossConfig.preset("gspo", eps_low=0.02, eps_high=0.02, dual_clip_c=1.05, delta=2.0,
+                          entropy_coef=0.02),
+        True, True,
+    ),  # fmt: skip
+    "gspo_seq_is": (
+        LossConfig.preset("gspo", is_correction="sequence_truncate", is_cap=2.0), True, True
+    ),
+    "luspo": (LossConfig.preset("luspo"), True, True),
+    "dcpo_on_policy": (LossConfig.preset("dcpo"), False, False),
+    "dapo_on_policy_is": (
+        LossConfig.preset("dapo", is_correction="token_truncate", is_cap=1.5), False, False
+    ),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", sorted(SEQUENCE_TERM_CONFIGS))
+def test_sequence_terms_kernel_gives_the_loss_metrics_and_gradient(name, monkeypatch):
+    """Two passes over the logits with the terms between them from one kernel (one program per
+    sequence) and `token_loss_sums`: loss, gradient and every metric equal the oracle's."""
+    cfg, sequence_ratio, with_old = SEQUENCE_TERM_CONFIGS[name]
+    calls = _spy_sequence_terms(monkeypatch)
+    data = make_batch(batch=5, time=11, vocab=131, seed=11, per_token_adv=True, old_noise=0.4)
+    if not with_old:
+        data.pop("old_logp")
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="triton", return_entropy=True)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    assert calls == [sequence_ratio], "the terms kernel was not used"
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    assert set(ours.metrics) == set(want.metrics)
+    for key, value in want.metrics.items():
+        torch.testing.assert_close(ours.metrics[key], value, atol=1e-6, rtol=1e-5, msg=key)
+    if with_old:  # the clip flags acted
+        assert float(want.metrics["clip_low"]) + float(want.metrics["clip_high"]) > 0
+        assert float(want.metrics["clipfrac"]) > 0, want.metrics
+    if name == "gspo_wide":  # some sequences inside the bounds, some outside
+        assert 0 < float(want.metrics["clipfrac"]) < 1
+    if cfg.dual_clip_c is not None:
+        assert float(want.metrics["dual_clipfrac"]) > 0
+
+
+@needs_interpreter
+def test_sequence_terms_of_masked_batches_and_a_nan_input(monkeypatch):
+    """No counted token: loss, metrics and gradient 0. A NaN old log-prob in one sequence: its
+    sequence ratio is NaN, so the loss and that sequence's gradient are NaN, the others'
+    finite and the oracle's (torch's clamp keeps the NaN; a GPU's would drop it)."""
+    calls = _spy_sequence_terms(monkeypatch)
+    cfg = LossConfig.preset("gspo", kl="k3", beta=0.1)
+    data = make_batch(batch=4, time=6, vocab=67, seed=5)
+    masked = {**data, "mask": torch.zeros_like(data["mask"])}
+    out, grad = run_loss(fusedrl.policy_loss, masked, cfg, backend="triton")
+    assert float(out.loss) == 0.0 and not grad.any()
+    assert all(float(v) == 0.0 for v in out.metrics.values()), out.metrics
+    b, t = data["mask"].nonzero()[0].tolist()
+    old = data["old_logp"].clone()
+    old[b, t] = float("nan")
+    poisoned = {**data, "old_logp": old}
+    ours, grad = run_loss(fusedrl.policy_loss, poisoned, cfg, backend="triton")
+    want, want_grad = run_loss(reference.policy_loss, poisoned, cfg)
+    assert len(calls) == 2 and torch.isnan(ours.loss) and torch.isnan(want.loss)
+    counted = data["mask"][b]
+    assert torch.isnan(grad[b][counted]).all(), "the NaN sequence's gradient is not NaN"
+    others = torch.arange(grad.shape[0]) != b
+    assert torch.isfinite(grad[others]).all()
+    torch.testing.assert_close(grad[others], want_grad[others], atol=1e-6, rtol=1e-5)
+    for key, value in want.metrics.items():
+        torch.testing.assert_close(ours.metrics[key], value, equal_nan=True, msg=key)

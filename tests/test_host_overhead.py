@@ -52,8 +52,9 @@ class _CountOps(TorchDispatchMode):
 # reduction and the autograd node's output a view. Token-level presets: the aggregation
 # weights, the fused kernel, its sums; the input checks (label range, mask as float, the masked
 # advantages and old log-probs); autograd's seed gradient and the CPU path's check of it. The
-# sequence-level presets still take their [B, T] terms in torch (issue 42: their own kernel).
-BUDGET = {"dapo": 10, "cispo": 10, "grpo": 11, "gspo": 79, "gspo_token": 79}
+# sequence-level presets (79 then) take their [B, T] terms from one kernel between the two
+# passes (kernels/sequence_terms.py): the weights, pass 1, the terms, their sums, pass 2.
+BUDGET = {"dapo": 10, "cispo": 10, "grpo": 11, "gspo": 12, "gspo_token": 12}
 
 
 @needs_interpreter

@@ -64,6 +64,7 @@ def test_the_launchers_are_found():
         "token_loss.fused_token_loss",
         "loss_sums.token_loss_sums",
         "loss_sums.aggregation_weights",
+        "sequence_terms.sequence_terms",
         "linear_loss.linear_stats",
         "linear_loss.linear_logits_grad",
         "two_rows.two_rows_forward",
@@ -81,6 +82,7 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         loss_sums,
         sampling,
         scale,
+        sequence_terms,
         token_loss,
         two_rows,
     )
@@ -126,6 +128,11 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         "loss_sums.aggregation_weights": lambda: loss_sums.aggregation_weights(
             rows, "token-mean", None, None
         ),
+        "sequence_terms.sequence_terms": lambda: sequence_terms.sequence_terms(
+            rows, rows, valid, rows, rows, rows, rows, rows, rows, None, None,
+            sequence_ratio=True, loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0,
+            tau_neg=1.0, kl="k3", beta=0.1, entropy_coef=0.01, low_bound=0.8, high_bound=1.2,
+        ),  # fmt: skip
         "linear_loss.linear_stats": lambda: linear_loss.linear_stats(
             states, weight, bias, labels, valid, 1.0
         ),
@@ -533,8 +540,11 @@ def _far_launches(space, layout: str):
     }
 
 
-# Launchers that address no [B, T, V] rows: the fused loss's sums and aggregation weights.
-ROWLESS = {"loss_sums.token_loss_sums", "loss_sums.aggregation_weights"}
+# Launchers that address no [B, T, V] rows: the loss's sums, aggregation weights and the
+# two-pass terms ([B, T] scalars).
+ROWLESS = {
+    "loss_sums.token_loss_sums", "loss_sums.aggregation_weights", "sequence_terms.sequence_terms"
+}
 
 
 @needs_interpreter
