@@ -60,31 +60,32 @@ class _Ops(TorchDispatchMode):
 
 
 class _Launches:
-    """Counts the Triton launches (the interpreter's grid calls); with `stub`, they return at
-    once, so that the wall time is the host's."""
+    """Counts the Triton launches (the interpreter's `run` of a kernel); with `stub`, they return
+    at once, before the interpreter binds the arguments, so that the wall time is the caller's
+    host path alone (a GPU's launch costs a few microseconds, the interpreter's binding more)."""
 
     def __init__(self, stub: bool):
         self.stub, self.count, self.inside = stub, 0, False
-        self._real = interpreter.GridExecutor.__call__
+        self._real = interpreter.InterpretedFunction.run
 
     def __enter__(self) -> _Launches:
         launches, real = self, self._real
 
-        def call(executor, *args, **kwargs):
+        def run(function, *args, **kwargs):
             launches.count += 1
             if launches.stub:
                 return None
             launches.inside = True
             try:
-                return real(executor, *args, **kwargs)
+                return real(function, *args, **kwargs)
             finally:
                 launches.inside = False
 
-        interpreter.GridExecutor.__call__ = call
+        interpreter.InterpretedFunction.run = run
         return self
 
     def __exit__(self, *exc) -> None:
-        interpreter.GridExecutor.__call__ = self._real
+        interpreter.InterpretedFunction.run = self._real
 
 
 def classify(ops: list[str]) -> dict[str, int]:

@@ -8,7 +8,7 @@ come back as a [B, T, V] *view* (a strided slice of [B, P+T, V] stays a view).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,12 @@ class LossInputs:
     # the model's soft cap (and logit scale) the backends apply to the logits (`softcap=`);
     # None: the logits are the model's (a bare logit scale is folded into the temperature)
     transform: LogitTransform | None = None
+    # True: every per-token tensor is 0 wherever valid is False and `mask` is fp32, what any
+    # torch code may multiply by a mask. False (`prepare_loss_inputs(mask_rows=False)`, for the
+    # kernels, which read counted tokens only): advantages, old / ref / rollout log-probs and IS
+    # weights hold the caller's values there (NaN padding included) and `mask` may be the
+    # caller's bool mask; `masked_rows` gives the masked form.
+    rows_masked: bool = True
     # What token_terms derives from the mask alone, once per call (the masked means' weights,
     # the aggregation weights): not an input, never copied by `dataclasses.replace`.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -242,6 +248,7 @@ def _per_token(
 
 
 def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The mask checked: a bool mask as it is, any other as fp32 weights (>= 0, finite)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != shape:
@@ -250,9 +257,9 @@ def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> to
         raise ValueError(f"mask is on {mask.device} but logits are on {device}")
     if mask.is_complex():
         raise TypeError(f"mask must be bool or real, got dtype {mask.dtype}")
-    weights = mask.detach().float()
     if mask.dtype == torch.bool:  # 0 / 1: nothing to check, nothing to launch
-        return weights
+        return mask.detach()
+    weights = mask.detach().float()
     # A negative weight would flip the token's gradient, a NaN one poison the loss: neither is a
     # mask. Checked exactly on CPU; queued on the device elsewhere (no host sync).
     if mask.dtype.is_floating_point:
@@ -340,6 +347,7 @@ def prepare_loss_inputs(
     prox_logp: object = None,
     entropy_coef: object = None,
     transform: LogitTransform | None = None,
+    mask_rows: bool = True,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
@@ -349,11 +357,13 @@ def prepare_loss_inputs(
     `prox_logp`: decoupled PPO (`decoupled_inputs`): the ratio is taken against it, and the
     behaviour weight pi_prox / pi_behav (old_logp's) joins the IS weights. `entropy_coef`: the
     entropy bonus's coefficient as a device scalar (`check_entropy_coef`). `transform`: the model's
-    soft cap the backends apply (`capping_transform`), or None."""
+    soft cap the backends apply (`capping_transform`), or None. `mask_rows=False`: the per-token
+    tensors as the caller gave them (`LossInputs.rows_masked`), for a backend whose kernels read
+    counted tokens only."""
     logits, flat_input = _checked_source(logits, config, source)
     shape, device = tuple(logits.shape[:-1]), logits.device
-    mask_f = check_mask(mask, shape, device)
-    valid = mask.detach() if mask.dtype == torch.bool else mask_f != 0
+    checked_mask = check_mask(mask, shape, device)
+    valid = checked_mask if checked_mask.dtype == torch.bool else checked_mask != 0
     labels_l = check_labels(labels, logits, valid, vocab=vocab, source=source)
     adv = check_advantages(advantages, shape, device, flat_input)
     old = _per_token("old_logp", old_logp, shape, device)
@@ -366,19 +376,21 @@ def prepare_loss_inputs(
         old, weights = decoupled_inputs(prox_logp, old, weights, valid, shape, device, config)
     row_temps = _checked_row_temperatures(temperature, config, shape, device, flat_input, valid)
 
-    def rows(t: torch.Tensor | None, masked: bool = True) -> torch.Tensor | None:
+    def rows(t: torch.Tensor | None, masked: bool = mask_rows) -> torch.Tensor | None:
         # Masked positions may hold anything (NaN padding): zero them once here so that no
-        # backend can leak them through a multiply-by-mask.
+        # torch code can leak them through a multiply-by-mask (`mask_rows`; the kernels read
+        # counted tokens alone and take them as they are).
         if t is None:
             return None
         t = torch.where(valid, t, 0.0) if masked else t
         return t.unsqueeze(0) if flat_input else t
 
+    mask_weights = checked_mask.float() if mask_rows else checked_mask
     return LossInputs(
         logits=logits.unsqueeze(0) if flat_input else logits,
         labels=rows(labels_l, masked=False),
         advantages=rows(adv),
-        mask=rows(mask_f, masked=False),  # 0 wherever valid is False
+        mask=rows(mask_weights, masked=False),  # 0 wherever valid is False
         valid=rows(valid, masked=False),
         old_logp=rows(old),
         ref_logp=rows(ref),
@@ -390,6 +402,28 @@ def prepare_loss_inputs(
         row_temps=row_temps,
         entropy_coef=check_entropy_coef(entropy_coef, config, device),
         transform=transform,
+        rows_masked=mask_rows,
+    )
+
+
+def masked_rows(inp: LossInputs) -> LossInputs:
+    """`inp` with its per-token tensors 0 wherever valid is False and an fp32 mask (the form
+    every torch consumer takes; `LossInputs.rows_masked`)."""
+    if inp.rows_masked:
+        return inp
+
+    def masked(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(inp.valid, t, 0.0)
+
+    return replace(
+        inp,
+        advantages=masked(inp.advantages),
+        mask=inp.mask.float(),
+        old_logp=masked(inp.old_logp),
+        ref_logp=masked(inp.ref_logp),
+        rollout_logp=masked(inp.rollout_logp),
+        is_weights=masked(inp.is_weights),
+        rows_masked=True,
     )
 
 

@@ -29,6 +29,9 @@ class Backend(Protocol):
     # Sums pi^2 in the call's own read of the logits: then `policy_loss_squares` and
     # `token_logprobs_squares` exist (else the entry points take one more read at T / 2).
     SUMS_PI_SQUARED_IN_PASS: bool
+    # Takes `LossInputs` as the caller gave them (`prepare_loss_inputs(mask_rows=False)`): its
+    # kernels read counted tokens only, and it masks the rows itself where torch code needs it.
+    READS_RAW_ROWS: bool
 
     def policy_loss(self, inp, cfg, return_entropy: bool, grad) -> tuple: ...
 

@@ -9,6 +9,7 @@ from . import fused_backend
 
 # backends.Backend: the extension's kernels sum no pi^2 (one more read at half the temperature)
 SUMS_PI_SQUARED_IN_PASS = False
+READS_RAW_ROWS = False  # backends.Backend
 _OPS = None
 
 

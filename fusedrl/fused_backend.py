@@ -18,7 +18,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._inputs import LossInputs, has_entropy_bonus, needs_entropy, temperature_of
+from ._inputs import (
+    LossInputs,
+    has_entropy_bonus,
+    masked_rows,
+    needs_entropy,
+    temperature_of,
+)
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .logit_transform import LogitTransform
 from .sampling import SamplingMask, mask_to_sampled_set
@@ -458,6 +464,19 @@ def _summed_terms(
     return TokenTerms(loss=loss, dlogp=None, dentropy=None, metrics=metrics)
 
 
+def _kernels_cover(
+    ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor | None
+) -> bool:
+    """Whether the call's terms come from the kernels alone (the fused kernel's sums or the
+    two-pass terms kernel), which read the counted tokens only: then its rows need no masking
+    (`LossInputs.rows_masked`)."""
+    if cfg.full_kl or (cfg.sampling is not None and grad_out is None):
+        return False
+    if grad_out is not None and not needs_two_passes(inp, cfg):
+        return ops.token_loss_sums is not None and kernel_sums_cover(inp, cfg)
+    return ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg)
+
+
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     if cfg.is_sequence_level or cfg.loss in SCALAR_LOSSES:  # the kernels know neither
         return True
@@ -536,6 +555,8 @@ def policy_loss(
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2. `sum_sq`:
     a [B, T] buffer for sum_v pi_v^2 (`policy_loss_squares`)."""
     need_entropy = need_entropy or needs_entropy(inp, cfg)
+    if not _kernels_cover(ops, inp, cfg, grad_out):
+        inp = masked_rows(inp)  # (torch's terms multiply by the mask)
     if cfg.full_kl:
         return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
     sampling = cfg.sampling

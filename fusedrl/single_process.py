@@ -17,6 +17,7 @@ from ._inputs import (
     check_logits,
     check_sum_pi_squared,
     check_temperature_arg,
+    masked_rows,
     prepare_loss_inputs,
     temperature_of,
 )
@@ -71,8 +72,11 @@ def policy_loss(
         prox_logp=prox_logp,
         entropy_coef=entropy_coef,
         transform=transform,
+        mask_rows=False,
     )
     impl = backends.resolve(backend, inp.logits.device)
+    if not impl.READS_RAW_ROWS:
+        inp = masked_rows(inp)
     sharp = None
     # Triton sums pi^2 in the loss's own read of the logits (the exact KL's two-row kernels
     # do not); elsewhere one more read at half the temperature, before the loss, which may

@@ -28,6 +28,7 @@ from .token_terms import TokenTerms, token_terms
 # (16 MiB): large enough to amortise the Python loop, small next to any real logits tensor.
 # backends.Backend: pi^2 takes one more read at half the temperature (no *_squares ops)
 SUMS_PI_SQUARED_IN_PASS = False
+READS_RAW_ROWS = False  # backends.Backend
 BLOCK_ELEMENTS = 1 << 22
 
 

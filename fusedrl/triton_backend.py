@@ -8,6 +8,7 @@ passes) is `fusedrl.fused_backend`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -40,7 +41,35 @@ def _kernels() -> SimpleNamespace:
 
 
 # ------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("fusedrl::logprobs_fwd", mutates_args=("sum_sq",))
+def _custom_op(name: str, mutates_args: tuple[str, ...]):
+    """torch.library.custom_op("fusedrl::<name>") whose Python body stays at hand as
+    `op.eager_body`, for `_eager_or_traced`."""
+
+    def register(body: Callable) -> Callable:
+        op = torch.library.custom_op(f"fusedrl::{name}", mutates_args=mutates_args)(body)
+        op.eager_body = body
+        return op
+
+    return register
+
+
+def _eager_or_traced(op: Callable, body: Callable | None = None) -> Callable:
+    """`op` while torch.compile traces (its fake gives the shapes), its body when run eagerly:
+    there the custom-op layers around the body (an autograd wrapper, a redispatch, a dynamo
+    guard) cost several microseconds a call and do nothing for the driver, which calls the ops
+    under no_grad with plain tensors; at a 4k-token micro-batch they are the host's time."""
+    body = op.eager_body if body is None else body
+
+    @functools.wraps(body)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return op(*args, **kwargs)
+        return body(*args, **kwargs)
+
+    return call
+
+
+@_custom_op("logprobs_fwd", mutates_args=("sum_sq",))
 def logprobs_fwd(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -63,7 +92,7 @@ def _(logits, labels, valid, temperature, row_temps=None, cap=None, sum_sq=None)
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(3))
 
 
-@torch.library.custom_op("fusedrl::logprobs_squares_fwd", mutates_args=())
+@_custom_op("logprobs_squares_fwd", mutates_args=())
 def logprobs_squares_fwd(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -85,7 +114,7 @@ def _(logits, labels, temperature, row_temps=None, cap=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
 
 
-@torch.library.custom_op("fusedrl::logits_grad", mutates_args=("out",))
+@_custom_op("logits_grad", mutates_args=("out",))
 def logits_grad(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -108,7 +137,7 @@ def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps
     return None
 
 
-@torch.library.custom_op("fusedrl::sampled_set", mutates_args=("out",))
+@_custom_op("sampled_set", mutates_args=("out",))
 def sampled_set(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -143,17 +172,19 @@ torch.library.define(
 )
 
 
-@torch.library.impl("fusedrl::fused_token_loss", "default")
-def _fused_token_loss(logits, grad, *args):
-    return _kernels().token_loss.fused_token_loss(logits, grad, *args)
+def _fused_token_loss(logits, grad, *args, **keywords):
+    return _kernels().token_loss.fused_token_loss(logits, grad, *args, **keywords)
 
 
-@torch.library.impl("fusedrl::fused_token_loss_inplace", "default")
-def _fused_token_loss_inplace(logits, *args):
-    return _kernels().token_loss.fused_token_loss(logits, logits, *args)
+def _fused_token_loss_inplace(logits, *args, **keywords):
+    return _kernels().token_loss.fused_token_loss(logits, logits, *args, **keywords)
 
 
-@torch.library.custom_op("fusedrl::aggregation_weights", mutates_args=())
+torch.library.impl("fusedrl::fused_token_loss", "default")(_fused_token_loss)
+torch.library.impl("fusedrl::fused_token_loss_inplace", "default")(_fused_token_loss_inplace)
+
+
+@_custom_op("aggregation_weights", mutates_args=())
 def _aggregation_weights_op(
     mask: torch.Tensor,
     agg: str,
@@ -174,7 +205,10 @@ def aggregation_weights(mask, agg, normalizer, norm_constant) -> torch.Tensor:
     """The aggregation weights in one launch; `normalizer` a number, a device scalar or None."""
     tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
     number = None if tensor is not None else normalizer
-    return _aggregation_weights_op(mask, agg, tensor, number, norm_constant)
+    op = _aggregation_weights_op
+    if not torch.compiler.is_compiling():
+        op = op.eager_body  # (`_eager_or_traced`)
+    return op(mask, agg, tensor, number, norm_constant)
 
 
 def _fused_outputs_like(logits, labels):
@@ -196,7 +230,7 @@ def _(logits, labels, *args, **keywords):
     return _fused_outputs_like(logits, labels)
 
 
-@torch.library.custom_op("fusedrl::token_loss_sums", mutates_args=())
+@_custom_op("token_loss_sums", mutates_args=())
 def token_loss_sums(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused loss's per-program sums added up: (the 0-dim loss, the [SUM_WIDTH] means)."""
     return _kernels().loss_sums.token_loss_sums(partials)
@@ -208,7 +242,7 @@ def _(partials):
     return partials.new_empty(()), partials.new_empty(width)
 
 
-@torch.library.custom_op("fusedrl::sequence_terms", mutates_args=())
+@_custom_op("sequence_terms", mutates_args=())
 def sequence_terms(
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
@@ -266,7 +300,7 @@ def _two_rows_kernels():
     return two_rows
 
 
-@torch.library.custom_op("fusedrl::two_rows_fwd", mutates_args=())
+@_custom_op("two_rows_fwd", mutates_args=())
 def two_rows_fwd(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -288,7 +322,7 @@ def _(student, teacher, labels, valid, temperature, kind, beta, row_temps=None, 
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(6))
 
 
-@torch.library.custom_op("fusedrl::two_rows_grad", mutates_args=("out",))
+@_custom_op("two_rows_grad", mutates_args=("out",))
 def two_rows_grad(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -319,24 +353,27 @@ def _(student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, bet
     return None
 
 
-TWO_ROWS = fused_backend.TwoRowOps(two_rows_fwd, two_rows_grad)
+TWO_ROWS = fused_backend.TwoRowOps(
+    _eager_or_traced(two_rows_fwd), _eager_or_traced(two_rows_grad)
+)
 
 
 # ------------------------------------------------------------------------------ backends
 SUMS_PI_SQUARED_IN_PASS = True  # backends.Backend: the fused kernel's sweep 1, or pass 1
+READS_RAW_ROWS = True  # backends.Backend: fused_backend masks the rows where torch needs them
 OPS = FusedOps(
-    logprobs_fwd,
-    logits_grad,
-    fused_token_loss,
-    fused_token_loss_inplace,
-    sampled_set,
+    _eager_or_traced(logprobs_fwd),
+    _eager_or_traced(logits_grad),
+    _eager_or_traced(fused_token_loss, _fused_token_loss),
+    _eager_or_traced(fused_token_loss_inplace, _fused_token_loss_inplace),
+    _eager_or_traced(sampled_set),
     TWO_ROWS,
-    logprobs_squares=logprobs_squares_fwd,
+    logprobs_squares=_eager_or_traced(logprobs_squares_fwd),
     loss_squares=True,
-    token_loss_sums=token_loss_sums,
+    token_loss_sums=_eager_or_traced(token_loss_sums),
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
     aggregation_weights=aggregation_weights,
-    sequence_terms=sequence_terms,
+    sequence_terms=_eager_or_traced(sequence_terms),
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

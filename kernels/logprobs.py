@@ -249,7 +249,8 @@ def logprobs_forward(
         return logp, lse, entropy
     block = block_size(vocab, logits.device, logits.element_size())
     labels = labels.contiguous()
-    valid_arg = valid.to(torch.int8).contiguous() if valid is not None else labels
+    # bool: read as is (a conversion would be one more launch)
+    valid_arg = valid.contiguous() if valid is not None else labels
     _logprobs_fwd_kernel[(rows,)](
         logits,
         labels,

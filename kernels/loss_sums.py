@@ -106,7 +106,8 @@ def _sequence_weight(mask_ptr, b, time, BLOCK_T: tl.constexpr):
     total = tl.zeros([BLOCK_T], dtype=tl.float32)
     for start in range(0, time, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
-        total += tl.load(mask_ptr + tl.cast(b, tl.int64) * time + t, mask=t < time, other=0.0)
+        weights = tl.load(mask_ptr + tl.cast(b, tl.int64) * time + t, mask=t < time, other=0)
+        total += weights.to(tl.float32)
     return tl.sum(total)
 
 
@@ -155,7 +156,7 @@ def _aggregation_weights_kernel(
         for start in range(0, time, BLOCK_T):
             t = start + tl.arange(0, BLOCK_T)
             offset = tl.cast(b, tl.int64) * time + t
-            mask = tl.load(mask_ptr + offset, mask=t < time, other=0.0)
+            mask = tl.load(mask_ptr + offset, mask=t < time, other=0).to(tl.float32)
             if AGG == AGG_TOKEN_MEAN:
                 weight = mask / denominator
             elif AGG == AGG_SEQ_MEAN_TOKEN_MEAN or AGG == AGG_SEQ_MEAN_TOKEN_SUM:
@@ -176,11 +177,12 @@ def aggregation_weights(
     norm_constant: float | None,
 ) -> torch.Tensor:
     """The [B, T] fp32 aggregation weights of `mask` ([B, T] fp32, 0 wherever a token does not
-    count) in one launch; `normalizer`: the call's (a number, a 0-dim fp32 device tensor, or
-    None); `norm_constant`: seq-mean-token-sum-norm's (None: T)."""
+    count, or bool: read as 0 / 1 without a conversion) in one launch; `normalizer`: the
+    call's (a number, a 0-dim fp32 device tensor, or None); `norm_constant`:
+    seq-mean-token-sum-norm's (None: T)."""
     batch, time = mask.shape
     mask = mask.contiguous()
-    out = torch.empty_like(mask)
+    out = torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
     if mask.numel() == 0:
         return out
     tensor = isinstance(normalizer, torch.Tensor)

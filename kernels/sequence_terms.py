@@ -61,7 +61,8 @@ def _sequence_log_ratio(
         t = first + tl.arange(0, BLOCK_T)
         inside = t < time
         valid = tl.load(valid_ptr + start + t, mask=inside, other=0) != 0
-        mask = tl.where(valid, tl.load(mask_ptr + start + t, mask=inside, other=0.0), 0.0)
+        mask = tl.load(mask_ptr + start + t, mask=inside, other=0).to(tl.float32)
+        mask = tl.where(valid, mask, 0.0)
         raw = tl.load(logp_ptr + start + t, mask=inside, other=0.0) - tl.load(
             old_ptr + start + t, mask=inside, other=0.0
         )
@@ -116,9 +117,11 @@ def _sequence_terms_kernel(
     """Program b: sequence b's d(loss)/d(logp) [T] (0 on tokens that do not count), its
     d(loss)/d(H) under ENTROPY_BONUS, and its sums (SUM_SLOTS) into partials[b]. Every [B, T]
     input is contiguous except the advantages (strides: a [B] advantage broadcast over T is
-    read in place). `old` is logp itself on-policy (the launcher passes it). SEQUENCE_RATIO:
-    GSPO's ratio s = exp(min(mean log r, 10)) on every token, d s / d logp_t = s unless the
-    clamp is active; else each token's own ratio."""
+    read in place); the mask is bool or fp32 weights. Values on tokens that do not count
+    (valid 0) may be anything: each store and sum selects on `valid`. `old` is logp itself
+    on-policy (the launcher passes it). SEQUENCE_RATIO: GSPO's ratio s = exp(min(mean log r,
+    10)) on every token, d s / d logp_t = s unless the clamp is active; else each token's own
+    ratio."""
     b = tl.cast(tl.program_id(0), tl.int64)
     start = b * time
     bonus_coef = entropy_coef
@@ -140,7 +143,8 @@ def _sequence_terms_kernel(
         inside = t < time
         at = start + t
         valid = tl.load(valid_ptr + at, mask=inside, other=0) != 0
-        weight = tl.where(valid, tl.load(mask_ptr + at, mask=inside, other=0.0), 0.0)
+        weight = tl.load(mask_ptr + at, mask=inside, other=0).to(tl.float32)
+        weight = tl.where(valid, weight, 0.0)
         logp = tl.load(logp_ptr + at, mask=inside, other=0.0)
         old = tl.load(old_ptr + at, mask=inside, other=0.0)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t, mask=inside, other=0.0)
@@ -264,7 +268,7 @@ def sequence_terms(
         logp.contiguous(),
         rows(entropy),
         valid.contiguous(),  # bool: read as is
-        rows(mask),
+        mask.contiguous(),  # bool or fp32 weights: read as they are
         advantages.float(),
         rows(old_logp),
         rows(ref_logp),

@@ -89,6 +89,8 @@ def _fused_token_loss_kernel(
     vocab,
     stride_b,
     stride_t,
+    adv_stride_b,
+    adv_stride_t,
     grad_stride_b,
     grad_stride_t,
     inv_temperature,
@@ -143,7 +145,7 @@ def _fused_token_loss_kernel(
             # Every per-token scalar is loaded before sweep 1, so their latency hides behind it.
             label = tl.load(labels_ptr + row)
             label_logit = tl.load(row_ptr + label)
-            adv = tl.load(adv_ptr + row)
+            adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
             agg_weight = tl.load(agg_weight_ptr + row)
             old = 0.0
             if HAS_OLD:
@@ -206,7 +208,7 @@ def _fused_token_loss_kernel(
                 value -= bonus_coef * entropy
             # The sums before sweep 2, so that none of their inputs is live across it (registers:
             # the gradient loop runs at the 64-register cap); the mask weight is loaded here too.
-            weight = tl.load(mask_ptr + row)
+            weight = tl.load(mask_ptr + row).to(tl.float32)  # bool or fp32 weights
             sums += (
                 slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
                 + slot(slots, SLOT_WEIGHT, weight)
@@ -290,7 +292,9 @@ def fused_token_loss(
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
     each program's sums over its rows (`token_loss_sums` adds them up). Every per-token tensor is
-    [B, T]; `mask`: the tokens' mask weights (the metrics' weights; None: `valid` as 0 / 1);
+    [B, T] (the advantages may be strided, e.g. [B] expanded), read on counted rows only (valid
+    set: elsewhere it may hold anything); `mask`: the tokens' mask weights, bool or fp32 (the
+    metrics' weights; None: `valid` as 0 / 1);
     `low` / `high`: per-token ratio bounds, or None and the numbers `low_bound` / `high_bound`;
     `row_temps`: per-token temperatures, in place of `temperature`; `entropy_coef_tensor`: a
     one-element device tensor, the entropy coefficient in place of `entropy_coef` (the bonus then
@@ -314,8 +318,8 @@ def fused_token_loss(
         grad,
         labels.contiguous(),
         valid.contiguous(),  # bool: read as is (a conversion would be one more launch)
-        flat(valid if mask is None else mask),
-        flat(advantages),
+        (valid if mask is None else mask).contiguous(),  # bool or fp32: read as it is
+        advantages.float(),  # strided: a [B] advantage broadcast over T is read in place
         flat(old_logp),
         flat(ref_logp),
         flat(is_weight),
@@ -332,6 +336,8 @@ def fused_token_loss(
         vocab,
         logits.stride(0),
         logits.stride(1),
+        advantages.stride(0),
+        advantages.stride(1),
         grad.stride(0),
         grad.stride(1),
         1.0 / temperature,

@@ -64,6 +64,8 @@ DEFAULT_FILES = [
     "fusedrl/reference.py",
     "kernels/rows.py",
     "kernels/token_loss.py",
+    "kernels/terms.py",
+    "kernels/sequence_terms.py",
     "kernels/logprobs.py",
 ]
 DEFAULT_TESTS = [
@@ -75,6 +77,7 @@ DEFAULT_TESTS = [
     "tests/test_triton_ops.py",
     "tests/test_row_sweeps.py",
     "tests/test_backward.py",
+    "tests/test_fused_driver.py",
 ]
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider"]
 COPIED = ["fusedrl", "kernels", "trainer", "tests", "pyproject.toml", "setup.py"]
