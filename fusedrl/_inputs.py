@@ -46,11 +46,13 @@ class LossInputs:
     # the model's soft cap (and logit scale) the backends apply to the logits (`softcap=`);
     # None: the logits are the model's (a bare logit scale is folded into the temperature)
     transform: LogitTransform | None = None
-    # True: every per-token tensor is 0 wherever valid is False and `mask` is fp32, what any
-    # torch code may multiply by a mask. False (`prepare_loss_inputs(mask_rows=False)`, for the
-    # kernels, which read counted tokens only): advantages, old / ref / rollout log-probs and IS
-    # weights hold the caller's values there (NaN padding included) and `mask` may be the
-    # caller's bool mask; `masked_rows` gives the masked form.
+    # True: every per-token tensor is 0 wherever valid is False (labels too, checked in
+    # [0, V)) and `mask` is fp32, what any torch code may multiply by a mask or gather with.
+    # False (`prepare_loss_inputs(mask_rows=False)`, for the kernels, which read counted tokens
+    # only and check their labels' range themselves): labels, advantages, old / ref / rollout
+    # log-probs and IS weights hold the caller's values there (NaN padding, -100 included), the
+    # labels' range is unchecked and `mask` may be the caller's bool mask; `masked_rows` gives
+    # the masked, checked form.
     rows_masked: bool = True
     # What token_terms derives from the mask alone, once per call (the masked means' weights,
     # the aggregation weights): not an input, never copied by `dataclasses.replace`.
@@ -184,11 +186,14 @@ def check_labels(
     *,
     vocab: int | None = None,
     source: str = "logits",
+    check_range: bool = True,
 ) -> torch.Tensor:
     """Labels must be integer token ids in [0, V) wherever they count.
 
     `logits` gives the row shape and device: the logits, or for the LM-head loss the hidden states
     (`source="hidden"`, with the vocab size from the head's weight passed as `vocab`).
+    `check_range=False`: the labels as int64, unmasked and their range unchecked (for kernels
+    that check it themselves, `check_labels_counted`; `masked_rows` checks it otherwise).
 
     On CPU the range check is exact and raises ValueError. On an accelerator (and inside
     torch.compile) a host-side check would sync the stream or break the graph, so the check is
@@ -210,6 +215,12 @@ def check_labels(
     # int64 before the compare: an int32 tensor compared with a bound past its range (the
     # tensor-parallel local checks' 2^62) would wrap the bound instead of widening the labels.
     labels = labels.long()
+    return labels_in_range(labels, valid, vocab) if check_range else labels
+
+
+def labels_in_range(labels: torch.Tensor, valid: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """int64 `labels` with those where `valid` is False replaced by 0 (what the torch code
+    gathers), checked to lie in [0, vocab) (`check_labels`)."""
     where = ""
     if valid is not None:
         labels = torch.where(valid, labels, 0)  # what the kernels read: masked ones are 0
@@ -227,6 +238,17 @@ def check_labels(
         ok = (lowest >= 0) & (highest < vocab)
         torch._assert_async(ok, f"labels must be in [0, {vocab}){where}")
     return labels
+
+
+def check_labels_counted(labels_ok: torch.Tensor, inp: LossInputs) -> None:
+    """Raise (CPU) or queue a device assert unless `labels_ok` (a 0-dim float, the kernels' own
+    check of the labels they read: 1.0 when every counted label lay in [0, V)) holds."""
+    message = f"labels must be in [0, {inp.logits.shape[-1]}) where mask is set"
+    if labels_ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(labels_ok):
+            raise ValueError(message)
+    else:
+        torch._assert_async(labels_ok, message)
 
 
 def _per_token(
@@ -364,7 +386,9 @@ def prepare_loss_inputs(
     shape, device = tuple(logits.shape[:-1]), logits.device
     checked_mask = check_mask(mask, shape, device)
     valid = checked_mask if checked_mask.dtype == torch.bool else checked_mask != 0
-    labels_l = check_labels(labels, logits, valid, vocab=vocab, source=source)
+    labels_l = check_labels(
+        labels, logits, valid, vocab=vocab, source=source, check_range=mask_rows
+    )
     adv = check_advantages(advantages, shape, device, flat_input)
     old = _per_token("old_logp", old_logp, shape, device)
     ref = _per_token("ref_logp", ref_logp, shape, device)
@@ -385,12 +409,12 @@ def prepare_loss_inputs(
         t = torch.where(valid, t, 0.0) if masked else t
         return t.unsqueeze(0) if flat_input else t
 
-    mask_weights = checked_mask.float() if mask_rows else checked_mask
     return LossInputs(
         logits=logits.unsqueeze(0) if flat_input else logits,
         labels=rows(labels_l, masked=False),
         advantages=rows(adv),
-        mask=rows(mask_weights, masked=False),  # 0 wherever valid is False
+        # 0 wherever valid is False; fp32, or the caller's bool for the kernels
+        mask=rows(checked_mask.float() if mask_rows else checked_mask, masked=False),
         valid=rows(valid, masked=False),
         old_logp=rows(old),
         ref_logp=rows(ref),
@@ -407,8 +431,8 @@ def prepare_loss_inputs(
 
 
 def masked_rows(inp: LossInputs) -> LossInputs:
-    """`inp` with its per-token tensors 0 wherever valid is False and an fp32 mask (the form
-    every torch consumer takes; `LossInputs.rows_masked`)."""
+    """`inp` with its per-token tensors 0 wherever valid is False, its counted labels checked
+    in [0, V) and an fp32 mask (the form every torch consumer takes; `LossInputs.rows_masked`)."""
     if inp.rows_masked:
         return inp
 
@@ -417,6 +441,7 @@ def masked_rows(inp: LossInputs) -> LossInputs:
 
     return replace(
         inp,
+        labels=labels_in_range(inp.labels, inp.valid, inp.logits.shape[-1]),
         advantages=masked(inp.advantages),
         mask=inp.mask.float(),
         old_logp=masked(inp.old_logp),

@@ -20,6 +20,7 @@ import torch
 
 from ._inputs import (
     LossInputs,
+    check_labels_counted,
     has_entropy_bonus,
     masked_rows,
     needs_entropy,
@@ -402,12 +403,15 @@ def _kernel_terms(
     """`token_terms` of pass 1's logp and entropy by the backend's kernel (`sequence_terms`)
     and `token_loss_sums`: two launches where torch takes some seventy."""
     old = inp.old_logp if inp.old_logp is not None else logp  # on-policy: ratio 1
-    bonus = has_entropy_bonus(inp, cfg)
+    # The kernel's own rule (a coefficient below fp32's range is 0 to it: `kernel_float`), so
+    # that a dentropy is handed on exactly when the kernel wrote one.
+    bonus = inp.entropy_coef is not None or kernel_float(cfg.entropy_coef) != 0.0
     low, high = ratio_bounds(old, cfg)
     per_token = isinstance(low, torch.Tensor)  # DCPO's bounds
     dlogp, dentropy, partials = ops.sequence_terms(
         logp,
         entropy if need_entropy or bonus else None,
+        inp.labels,
         inp.valid,
         inp.mask,
         inp.advantages,
@@ -429,6 +433,7 @@ def _kernel_terms(
         entropy_coef_tensor=inp.entropy_coef,
         low_bound=0.0 if per_token else low,
         high_bound=0.0 if per_token else high,
+        vocab=inp.logits.shape[-1],
     )
     terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)
     return replace(terms, dlogp=dlogp, dentropy=dentropy if bonus else None)
@@ -448,11 +453,12 @@ def _summed_terms(
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
     where the call has them. `old`: the old log-probs the terms used (logp on-policy)."""
     loss, means = ops.token_loss_sums(partials)
-    slots = ops.sum_slots
+    by_slot = dict(zip(ops.sum_slots, means.unbind()))  # one op for every slot's view
+    check_labels_counted(by_slot["labels_ok"], inp)
     names = ["clipfrac", "clip_low", "clip_high", "dual_clipfrac"]
     names += ["kl"] if inp.ref_logp is not None else []
     names += ["ppo_kl", "logp_mean"] + (["entropy"] if need_entropy else [])
-    metrics = {name: means[slots.index(name)] for name in names}
+    metrics = {name: by_slot[name] for name in names}
     weights = resolve_is_weights(inp.old_logp if old is None else old, inp, cfg)
     if weights is not None or inp.rollout_logp is not None:
         extra = Metrics()
@@ -470,7 +476,7 @@ def _kernels_cover(
     """Whether the call's terms come from the kernels alone (the fused kernel's sums or the
     two-pass terms kernel), which read the counted tokens only: then its rows need no masking
     (`LossInputs.rows_masked`)."""
-    if cfg.full_kl or (cfg.sampling is not None and grad_out is None):
+    if cfg.full_kl or cfg.sampling is not None:  # (the sampled sets are found from the labels)
         return False
     if grad_out is not None and not needs_two_passes(inp, cfg):
         return ops.token_loss_sums is not None and kernel_sums_cover(inp, cfg)

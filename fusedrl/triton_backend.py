@@ -246,6 +246,7 @@ def _(partials):
 def sequence_terms(
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
+    labels: torch.Tensor,
     valid: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
@@ -267,21 +268,24 @@ def sequence_terms(
     entropy_coef_tensor: torch.Tensor | None = None,
     low_bound: float = 0.0,
     high_bound: float = 0.0,
+    vocab: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A two-pass call's terms on [B, T] log-probs (kernels/sequence_terms.py): (dlogp,
     dentropy or [0] without a bonus, one row of sums per sequence for `token_loss_sums`)."""
     return _kernels().sequence_terms.sequence_terms(
-        logp, entropy, valid, mask, advantages, old_logp, ref_logp, is_weight, agg_weight, low,
-        high, sequence_ratio=sequence_ratio, loss=loss, dual_clip_c=dual_clip_c, delta=delta,
-        tau_pos=tau_pos, tau_neg=tau_neg, kl=kl, beta=beta, entropy_coef=entropy_coef,
-        entropy_coef_tensor=entropy_coef_tensor, low_bound=low_bound, high_bound=high_bound,
+        logp, entropy, labels, valid, mask, advantages, old_logp, ref_logp, is_weight,
+        agg_weight, low, high, sequence_ratio=sequence_ratio, loss=loss,
+        dual_clip_c=dual_clip_c, delta=delta, tau_pos=tau_pos, tau_neg=tau_neg, kl=kl,
+        beta=beta, entropy_coef=entropy_coef, entropy_coef_tensor=entropy_coef_tensor,
+        low_bound=low_bound, high_bound=high_bound, vocab=vocab,
     )  # fmt: skip
 
 
 @sequence_terms.register_fake
-def _(logp, entropy, valid, mask, advantages, old_logp, ref_logp, is_weight, agg_weight, low,
-      high, sequence_ratio, loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta, entropy_coef,
-      entropy_coef_tensor=None, low_bound=0.0, high_bound=0.0):  # fmt: skip
+def _(logp, entropy, labels, valid, mask, advantages, old_logp, ref_logp, is_weight,
+      agg_weight, low, high, sequence_ratio, loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta,
+      entropy_coef, entropy_coef_tensor=None, low_bound=0.0, high_bound=0.0,
+      vocab=0):  # fmt: skip
     bonus = entropy_coef != 0.0 or entropy_coef_tensor is not None
     width = _kernels().loss_sums.SUM_WIDTH.value
     dentropy = torch.empty_like(logp) if bonus else logp.new_empty(0)

@@ -128,17 +128,19 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     )  # fmt: skip
     yield lambda: loss_sums.token_loss_sums(torch.zeros(4, loss_sums.SUM_WIDTH.value))
     yield lambda: loss_sums.aggregation_weights(rows, "seq-mean-token-mean", None, None)
+    yield lambda: loss_sums.aggregation_weights(valid, "token-mean", None, None)  # a bool mask
     # The two-pass terms: GSPO's sequence ratio with every per-token input and the bonus, and
     # the token ratio with the clip options and a device entropy coefficient.
     yield lambda: sequence_terms.sequence_terms(
-        rows, rows, valid, rows, rows, rows, rows, rows, rows, rows, rows, sequence_ratio=True,
-        loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0, tau_neg=1.0, kl="k3", beta=0.1,
-        entropy_coef=0.01,
+        rows, rows, labels, valid, valid, rows, rows, rows, rows, rows, rows, rows,
+        sequence_ratio=True, loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0, tau_neg=1.0,
+        kl="k3", beta=0.1, entropy_coef=0.01, vocab=vocab,
     )  # fmt: skip
     yield lambda: sequence_terms.sequence_terms(
-        rows, rows, valid, rows, rows, rows, None, None, rows, None, None, sequence_ratio=False,
-        loss="ppo", dual_clip_c=3.0, delta=2.0, tau_pos=1.0, tau_neg=1.0, kl=None, beta=0.0,
-        entropy_coef=0.0, entropy_coef_tensor=torch.ones(()), low_bound=0.8, high_bound=1.2,
+        rows, rows, labels, valid, rows, rows, rows, None, None, rows, None, None,
+        sequence_ratio=False, loss="ppo", dual_clip_c=3.0, delta=2.0, tau_pos=1.0, tau_neg=1.0,
+        kl=None, beta=0.0, entropy_coef=0.0, entropy_coef_tensor=torch.ones(()), low_bound=0.8,
+        high_bound=1.2, vocab=vocab,
     )  # fmt: skip
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)

@@ -145,8 +145,12 @@ def _logprobs_fwd_kernel(
             temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
         )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
+        # A label outside [0, V) is read as 0, never out of the row (the loss's two-pass path
+        # reads its labels unchecked: its terms kernel counts such labels and the host raises).
+        label = tl.load(labels_ptr + row)
+        label = tl.where((label >= 0) & (label < vocab), label, 0)
         label_value, lse, mean_z, sum_pi_sq = row_stats(
-            row_ptr, vocab, row_scale2, tl.load(row_ptr + tl.load(labels_ptr + row)), cap2,
+            row_ptr, vocab, row_scale2, tl.load(row_ptr + label), cap2,
             "evict_first", FAST_EXP2, SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
         )  # fmt: skip
         tl.store(logp_ptr + row, logp_of(label_value, row_inv_t, lse))
@@ -198,8 +202,10 @@ def _logits_grad_kernel(
             temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
         )
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
-        # label < 0: the label lies outside this row (a vocab-parallel slice): no one-hot term.
+        # label < 0: the label lies outside this row (a vocab-parallel slice): no one-hot term;
+        # so does one >= V (an unchecked label, which the host reports), never read past the row.
         label = tl.load(labels_ptr + row)
+        label = tl.where(label < vocab, label, -1)
         write_row_grad(
             row_ptr,
             out_row,

@@ -22,9 +22,12 @@ KERNEL_FAMILY = "reduce"
 # What each program sums over its rows, one row of `partials` per program; `token_loss_sums`
 # adds the rows up into the loss and the metrics' weighted means (fusedrl.fused_backend names
 # them). "weight" is the counted tokens' mask weight, the means' denominator.
+# "labels_ok": the programs count the counted tokens whose label lies outside [0, V) (the
+# kernels read the labels raw: this is the labels' range check, with no launch of its own);
+# `token_loss_sums` turns the count into 1.0 when it is 0, else 0.0 (a flag, not a mean).
 SUM_SLOTS = (
     "loss", "weight", "clipfrac", "clip_low", "clip_high", "dual_clipfrac", "kl", "ppo_kl",
-    "logp_mean", "entropy",
+    "logp_mean", "entropy", "labels_ok",
 )  # fmt: skip
 SUM_WIDTH = tl.constexpr(16)  # a power of two >= len(SUM_SLOTS): one vector per program
 SLOT_LOSS = tl.constexpr(SUM_SLOTS.index("loss"))
@@ -37,6 +40,7 @@ SLOT_KL = tl.constexpr(SUM_SLOTS.index("kl"))
 SLOT_PPO_KL = tl.constexpr(SUM_SLOTS.index("ppo_kl"))
 SLOT_LOGP = tl.constexpr(SUM_SLOTS.index("logp_mean"))
 SLOT_ENTROPY = tl.constexpr(SUM_SLOTS.index("entropy"))
+SLOT_LABELS_OK = tl.constexpr(SUM_SLOTS.index("labels_ok"))
 
 
 @triton.jit
@@ -51,7 +55,8 @@ def _token_loss_sums_kernel(
 ):
     """One program: the programs' sums added up in a fixed order (the same loss bit for bit on
     every call of a shape), the loss stored, every slot divided by the mask weight (clamped at
-    1e-8, so an all-masked batch gives zeros): the metrics' means."""
+    1e-8, so an all-masked batch gives zeros): the metrics' means; the labels' slot becomes
+    1.0 when no counted label lay outside the vocabulary, else 0.0."""
     slots = tl.arange(0, SUM_WIDTH)
     sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for start in range(0, programs, BLOCK_PROGRAMS):
@@ -64,7 +69,10 @@ def _token_loss_sums_kernel(
         sums += tl.sum(tile, axis=0)
     weight = tl.sum(tl.where(slots == SLOT_WEIGHT, sums, 0.0))
     tl.store(loss_ptr, tl.sum(tl.where(slots == SLOT_LOSS, sums, 0.0)))
-    tl.store(metrics_ptr + slots, sums / tl.maximum(weight, 1e-8))
+    outside = tl.sum(tl.where(slots == SLOT_LABELS_OK, sums, 0.0))
+    means = sums / tl.maximum(weight, 1e-8)
+    means = tl.where(slots == SLOT_LABELS_OK, tl.where(outside == 0, 1.0, 0.0), means)
+    tl.store(metrics_ptr + slots, means)
 
 
 BLOCK_PROGRAMS = 64  # programs' rows per load: a persistent grid has a few hundred at most

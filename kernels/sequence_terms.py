@@ -25,6 +25,7 @@ from .loss_sums import (
     SLOT_DUAL_CLIPFRAC,
     SLOT_ENTROPY,
     SLOT_KL,
+    SLOT_LABELS_OK,
     SLOT_LOGP,
     SLOT_LOSS,
     SLOT_PPO_KL,
@@ -77,6 +78,7 @@ def _sequence_log_ratio(
 def _sequence_terms_kernel(
     logp_ptr,
     entropy_ptr,
+    labels_ptr,
     valid_ptr,
     mask_ptr,
     adv_ptr,
@@ -91,6 +93,7 @@ def _sequence_terms_kernel(
     partials_ptr,
     entropy_coef_ptr,
     time,
+    vocab,
     adv_stride_b,
     adv_stride_t,
     low_bound,
@@ -201,6 +204,8 @@ def _sequence_terms_kernel(
             dentropy = tl.where(valid, -bonus_coef * agg_weight, 0.0)
             tl.store(dentropy_ptr + at, dentropy, mask=inside)
         tl.store(dlogp_ptr + at, tl.where(valid, d_token * agg_weight, 0.0), mask=inside)
+        label = tl.load(labels_ptr + at, mask=inside, other=0)
+        label_outside = valid & ((label < 0) | (label >= vocab))
         sums += (
             slot(slots, SLOT_LOSS, tl.sum(tl.where(valid, value * agg_weight, 0.0)))
             + slot(slots, SLOT_WEIGHT, tl.sum(weight))
@@ -212,6 +217,7 @@ def _sequence_terms_kernel(
             + slot(slots, SLOT_PPO_KL, tl.sum(tl.where(valid, (old - logp) * weight, 0.0)))
             + slot(slots, SLOT_LOGP, tl.sum(tl.where(valid, logp * weight, 0.0)))
             + slot(slots, SLOT_ENTROPY, tl.sum(tl.where(valid, entropy * weight, 0.0)))
+            + slot(slots, SLOT_LABELS_OK, tl.sum(tl.where(label_outside, 1.0, 0.0)))
         )
     tl.store(partials_ptr + b * SUM_WIDTH + slots, sums)
 
@@ -223,6 +229,7 @@ BLOCK_T = 1024  # tokens per tile: a sequence is read in such tiles, twice with 
 def sequence_terms(
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
+    labels: torch.Tensor,
     valid: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
@@ -245,12 +252,14 @@ def sequence_terms(
     entropy_coef_tensor: torch.Tensor | None = None,
     low_bound: float = 0.0,
     high_bound: float = 0.0,
+    vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dlogp [B, T], dentropy [B, T] or [0] without an entropy bonus, partials [B, SUM_WIDTH])
     of [B, T] fp32 log-probs: the loss terms of `fusedrl.token_terms` for the variants the fused
     kernel knows (`loss`, `kl`, bounds and codes as `token_loss.fused_token_loss` takes them),
     with the sequence ratio when `sequence_ratio`. `old_logp`: logp itself on-policy; `entropy`:
-    read for the bonus and the entropy metric (None: neither)."""
+    read for the bonus and the entropy metric (None: neither). `labels` ([B, T] int, unchecked):
+    the counted ones outside [0, V) of the logits, `vocab` wide, are counted (`labels_ok`)."""
     batch, time = logp.shape
     dlogp = torch.empty_like(logp)
     bonus = entropy_coef != 0.0 or entropy_coef_tensor is not None
@@ -267,6 +276,7 @@ def sequence_terms(
     _sequence_terms_kernel[(batch,)](
         logp.contiguous(),
         rows(entropy),
+        labels.contiguous(),
         valid.contiguous(),  # bool: read as is
         mask.contiguous(),  # bool or fp32 weights: read as they are
         advantages.float(),
@@ -281,6 +291,7 @@ def sequence_terms(
         partials,
         logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
         time,
+        vocab,
         advantages.stride(0),
         advantages.stride(1),
         float(low_bound),

@@ -25,6 +25,7 @@ from .loss_sums import (
     SLOT_DUAL_CLIPFRAC,
     SLOT_ENTROPY,
     SLOT_KL,
+    SLOT_LABELS_OK,
     SLOT_LOGP,
     SLOT_LOSS,
     SLOT_PPO_KL,
@@ -143,7 +144,11 @@ def _fused_token_loss_kernel(
         if tl.load(valid_ptr + row) != 0:
             row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
             # Every per-token scalar is loaded before sweep 1, so their latency hides behind it.
+            # The labels arrive unchecked: one outside [0, V) is counted (the host raises on
+            # the count, `labels_ok`) and read as 0, never out of the row.
             label = tl.load(labels_ptr + row)
+            label_outside = (label < 0) | (label >= vocab)
+            label = tl.where(label_outside, 0, label)
             label_logit = tl.load(row_ptr + label)
             adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
             agg_weight = tl.load(agg_weight_ptr + row)
@@ -220,6 +225,7 @@ def _fused_token_loss_kernel(
                 + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
                 + slot(slots, SLOT_LOGP, logp * weight)
                 + slot(slots, SLOT_ENTROPY, entropy * weight)
+                + slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
             )
             write_row_grad(
                 row_ptr,

@@ -265,3 +265,27 @@ def test_sequence_terms_of_masked_batches_and_a_nan_input(monkeypatch):
     torch.testing.assert_close(grad[others], want_grad[others], atol=1e-6, rtol=1e-5)
     for key, value in want.metrics.items():
         torch.testing.assert_close(ours.metrics[key], value, equal_nan=True, msg=key)
+
+
+# ------------------------------------------------------------ the kernels' label check
+@needs_interpreter
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+@pytest.mark.parametrize("bad", [-1, 67, 10_000])
+def test_kernels_check_the_labels_they_read(preset, bad, monkeypatch):
+    """The kernels read the labels unmasked and unchecked (no torch.where, no range reduction
+    on the host path): a counted label outside [0, V) is read as 0, counted, and the call
+    raises with the host check's message; labels outside the range under the mask (-100, HF's
+    padding) count for nothing, on the fused kernel's path and the two-pass terms kernel's."""
+    calls = _spy_sums(monkeypatch)
+    cfg = LossConfig.preset(preset)
+    data = make_batch(batch=3, time=6, vocab=67, seed=4)
+    padded = {**data, "labels": data["labels"].masked_fill(~data["mask"], -100)}
+    out, grad = run_loss(fusedrl.policy_loss, padded, cfg, backend="triton")
+    want, want_grad = run_loss(reference.policy_loss, data, cfg)
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    labels = padded["labels"].clone()
+    labels[tuple(data["mask"].nonzero()[-1].tolist())] = bad
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 67\) where mask is set"):
+        run_loss(fusedrl.policy_loss, {**padded, "labels": labels}, cfg, backend="triton")
+    assert len(calls) == 2  # both calls took the kernels' sums (no host-side range check)

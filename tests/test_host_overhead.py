@@ -33,16 +33,16 @@ def _bench():
     return module
 
 
-# Kernel-running ops per forward + backward (aten ops that launch on a GPU, and the custom ops:
-# the Triton kernels), measured when set (2026-11-28). All ops, views included, were dapo 69,
-# grpo 87, gspo 106 on 2026-11-27; then the fused kernel summed the loss and the metrics itself
-# (kernels/loss_sums.py), the aggregation weights became one launch, the labels' range check one
-# reduction and the autograd node's output a view. Token-level presets: the aggregation
-# weights, the fused kernel, its sums; the input checks (label range, mask as float, the masked
-# advantages and old log-probs); autograd's seed gradient and the CPU path's check of it. The
-# sequence-level presets (79 then) take their [B, T] terms from one kernel between the two
-# passes (kernels/sequence_terms.py): the weights, pass 1, the terms, their sums, pass 2.
-BUDGET = {"dapo": 7, "cispo": 7, "grpo": 7, "gspo": 9, "gspo_token": 9}
+# Kernel-running ops per forward + backward: aten ops that launch on a GPU plus the Triton
+# launches (which the driver calls directly in eager mode), measured when set (2026-11-28).
+# dapo 50, grpo 66, gspo 83 on 2026-11-27. Token-level presets now: the aggregation weights,
+# the fused kernel, the one program that adds up its sums (the loss, the metrics and the count
+# of counted labels outside the vocabulary: the labels' range check); autograd's seed gradient
+# and the CPU path's check of it (on CUDA: the scaling kernel, which returns at once when the
+# upstream gradient is 1). The inputs reach the kernels as given: no masking, no float copy of
+# a bool mask. Sequence-level presets: the weights, pass 1, the terms kernel
+# (kernels/sequence_terms.py), their sums, pass 2, and the same two.
+BUDGET = {"dapo": 5, "cispo": 5, "grpo": 5, "gspo": 7, "gspo_token": 7}
 
 
 @needs_interpreter
@@ -72,3 +72,22 @@ def test_forward_and_backward_launch_few_ops(preset):
         f"{preset}: {running} kernel-running ops per forward + backward ({launches.count} "
         f"Triton launches), budget {BUDGET[preset]}:\n" + "\n".join(counter.ops)
     )
+
+
+# token_logprobs without a gradient (old / ref log-probs): the labels' range check (one
+# reduction) and the log-prob kernel.
+LOGPROBS_BUDGET = 3
+
+
+@needs_interpreter
+def test_token_logprobs_without_grad_launch_few_ops():
+    data = make_batch(batch=3, time=9, vocab=131, seed=6)
+    with torch.no_grad():
+        fusedrl.token_logprobs(data["logits"], data["labels"], backend="triton")
+        bench = _bench()
+        with bench._Launches(stub=False) as launches, bench._Ops(launches) as counter:
+            logp, _ = fusedrl.token_logprobs(data["logits"], data["labels"], backend="triton")
+    assert launches.count == 1 and torch.isfinite(logp).all()
+    kinds = bench.classify(counter.ops)
+    running = kinds.get("launching", 0) + launches.count
+    assert running <= LOGPROBS_BUDGET, "\n".join(counter.ops)

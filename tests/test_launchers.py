@@ -129,9 +129,10 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             rows, "token-mean", None, None
         ),
         "sequence_terms.sequence_terms": lambda: sequence_terms.sequence_terms(
-            rows, rows, valid, rows, rows, rows, rows, rows, rows, None, None,
+            rows, rows, labels, valid, rows, rows, rows, rows, rows, rows, None, None,
             sequence_ratio=True, loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0,
             tau_neg=1.0, kl="k3", beta=0.1, entropy_coef=0.01, low_bound=0.8, high_bound=1.2,
+            vocab=vocab,
         ),  # fmt: skip
         "linear_loss.linear_stats": lambda: linear_loss.linear_stats(
             states, weight, bias, labels, valid, 1.0

@@ -105,6 +105,13 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
     batch=1, time=1, vocab=2, seed=1, per_token_adv=False, normalize=False, inplace=False,
     prompt=0, dtype=torch.bfloat16,
 )  # fmt: skip
+# Found by hypothesis (2026-11-28): the same coefficient on the two-pass path, where the terms
+# kernel (which takes it as 0) wrote no d(loss)/d(H) and the driver handed an empty one on.
+@example(
+    cfg=LossConfig(loss="ppo", ratio_level="sequence", entropy_coef=2.2250738585072014e-308),
+    batch=2, time=3, vocab=17, seed=1, per_token_adv=False, normalize=False, inplace=False,
+    prompt=0, dtype=torch.float32,
+)  # fmt: skip
 def test_triton_backend_equals_reference(
     cfg, batch, time, vocab, seed, per_token_adv, normalize, inplace, prompt, dtype
 ):
