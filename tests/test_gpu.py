@@ -149,17 +149,68 @@ def test_inplace_extra_memory_is_tiny(backend):
     assert extra <= 0.01 * logits.numel() * logits.element_size(), extra
 
 
+SYNC_FREE_PRESETS = ("dapo", "grpo", "cispo", "gspo", "gspo_token", "gmpo")
+
+
 @FUSED
 def test_no_host_sync_on_the_hot_path(backend):
+    """Forward + backward of every budgeted preset (tests/test_host_overhead.py) with a bool
+    and a fractional mask: any .item() / bool() of a device tensor (a label check, a mask check,
+    the upstream gradient's) raises under the sync debug mode."""
     data = _on_gpu(make_batch(batch=4, time=32, vocab=32003, dtype=torch.bfloat16, seed=6))
+    fractional = {**data, "mask": data["mask"] * 0.5}
     cfg = LossConfig.preset("grpo").replace(is_correction="token_truncate")
-    run_loss(_impl(backend), data, cfg)  # compile and warm up first
+    for preset in SYNC_FREE_PRESETS:  # compile and warm up first
+        run_loss(_impl(backend), data, LossConfig.preset(preset))
+    run_loss(_impl(backend), data, cfg)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for preset in ("dapo", "grpo", "gspo", "gmpo"):
-            run_loss(_impl(backend), data, LossConfig.preset(preset))
+        for preset in SYNC_FREE_PRESETS:
+            for batch in (data, fractional):
+                run_loss(_impl(backend), batch, LossConfig.preset(preset))
+        run_loss(_impl(backend), data, cfg)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+@FUSED
+def test_loss_forward_and_backward_replay_in_a_cuda_graph(preset, backend):
+    """policy_loss and its backward captured in one CUDA graph (nothing syncs, every launch on
+    the capture stream) and replayed on new inputs copied into the captured ones: the loss, the
+    gradient and the metrics equal an eager call's on those inputs."""
+    first = _on_gpu(make_batch(batch=4, time=48, vocab=32003, dtype=torch.bfloat16, seed=9))
+    second = _on_gpu(make_batch(batch=4, time=48, vocab=32003, dtype=torch.bfloat16, seed=10))
+    second["mask"] = first["mask"]  # (the captured masks are the same tensors)
+    cfg = LossConfig.preset(preset)
+    static = {k: v.clone() for k, v in first.items()}
+    leaf = static.pop("logits").requires_grad_(True)
+
+    def step():
+        out = fusedrl.policy_loss(leaf, config=cfg, backend=backend, **static)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        return out, grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_grad = step()
+    with torch.no_grad():
+        leaf.copy_(second["logits"])
+        for key, value in static.items():
+            value.copy_(second[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager, eager_grad = run_loss(_impl(backend), second, cfg)
+    torch.testing.assert_close(captured.loss, eager.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(captured_grad.float(), eager_grad.float(), atol=1e-7, rtol=1e-2)
+    for key, value in eager.metrics.items():
+        torch.testing.assert_close(captured.metrics[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
 @FUSED
