@@ -150,6 +150,9 @@ def _fused_token_loss_kernel(
             label_outside = (label < 0) | (label >= vocab)
             label = tl.where(label_outside, 0, label)
             label_logit = tl.load(row_ptr + label)
+            # Counted at once, so that the flag is not live across sweep 1 (registers: the
+            # stats loop's unrolling needs them).
+            sums += slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
             adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
             agg_weight = tl.load(agg_weight_ptr + row)
             old = 0.0
@@ -225,7 +228,6 @@ def _fused_token_loss_kernel(
                 + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
                 + slot(slots, SLOT_LOGP, logp * weight)
                 + slot(slots, SLOT_ENTROPY, entropy * weight)
-                + slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
             )
             write_row_grad(
                 row_ptr,

@@ -318,8 +318,13 @@ def _fast_stats_loop(loops):
 
 # Triton 3.6's build of the fused kernel's stats loop with per-token temperatures under a soft cap
 # issues 0.539 warp-instructions per element since the kernel sums its loss and metrics
-# (2026-11-28; 0.52 before): its row scalars now take the registers the loop's unrolling used.
-KNOWN_OVER_BUDGET = {("_fused_token_loss_kernel", "3.6", "stats", "ROW_TEMPERATURE+SOFTCAP"): 0.02}
+# (2026-11-28; 0.52 before): its row scalars now take the registers the loop's unrolling used;
+# 0.551 since it reads the advantages by their strides and checks the labels it reads (both
+# sweeps 1.105 against 1.1). Triton 3.9 builds the same source within the budgets.
+KNOWN_OVER_BUDGET = {
+    ("_fused_token_loss_kernel", "3.6", "stats", "ROW_TEMPERATURE+SOFTCAP"): 0.035,
+    ("_fused_token_loss_kernel", "3.6", "fused", "ROW_TEMPERATURE+SOFTCAP"): 0.01,
+}
 
 
 def _known_over_budget(r: dict, role: str) -> float:
@@ -373,6 +378,7 @@ def test_static_performance_budget(compiled, triton):
         if r["kernel"] == "_fused_token_loss_kernel":
             total = sum(loop["warp_instructions_per_element"] for loop in [fast, *grads] if loop)
             fused_budget = SOFTCAP_FUSED_BUDGET if capped else FUSED_BUDGET
+            fused_budget += _known_over_budget(r, "fused")
             if squares:
                 fused_budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if total > fused_budget:
