@@ -78,9 +78,9 @@ def load(verbose: bool = False):
             import fusedrl._C  # noqa: F401  (prebuilt: registers the ops on import)
         except ImportError:
             _jit_build(verbose)
-    from fusedrl.fused_backend import FusedOps, register_fakes
+    from fusedrl.fused_backend import FusedOps
 
-    register_fakes(prefix="cuda_")
+    _register_fakes()
 
     ops = torch.ops.fusedrl
     return FusedOps(
@@ -113,6 +113,33 @@ def cluster_kernel_info(device=None, dtype: torch.dtype = torch.bfloat16) -> dic
 def cluster_kernel_available(device=None, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the one-read cluster kernel can run on `device` (see `cluster_kernel_info`)."""
     return cluster_kernel_info(device, dtype)["available"]
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """Shape functions (torch.compile, FakeTensor) of the extension's four ops, registered
+    next to their loading (csrc/bindings.cpp defines them): every output a [B, T] fp32 tensor
+    shaped like the labels; the fused ops' third output, the programs' sums, is the Triton
+    op's alone."""
+
+    def rows_like(labels: torch.Tensor) -> torch.Tensor:
+        return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+
+    @torch.library.register_fake("fusedrl::cuda_logprobs_fwd")
+    def _(logits, labels, valid, temperature, *row_temps, **cap):
+        return rows_like(labels), rows_like(labels), rows_like(labels)
+
+    @torch.library.register_fake("fusedrl::cuda_logits_grad")
+    def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *row_temps, **cap):
+        return None
+
+    @torch.library.register_fake("fusedrl::cuda_fused_token_loss")
+    def _(logits, grad, labels, *args, **row_temps):
+        return rows_like(labels), rows_like(labels)
+
+    @torch.library.register_fake("fusedrl::cuda_fused_token_loss_inplace")
+    def _(logits, labels, *args, **row_temps):
+        return rows_like(labels), rows_like(labels)
 
 
 def _from_triton(name: str):

@@ -187,3 +187,69 @@ def test_the_testing_map_names_every_module_and_real_tests():
     assert named_tests and all((ROOT / "tests" / name).exists() for name in named_tests), sorted(
         name for name in named_tests if not (ROOT / "tests" / name).exists()
     )
+
+
+def _names_imported_from_modules() -> list[tuple[str, str, str, int]]:
+    """(importing module, imported module, name, line) of every `from <fusedrl module> import
+    name` in the source, the lazy ones inside functions included, where name is not itself a
+    submodule."""
+    found = []
+    for name, path in MODULES.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module not in MODULES:
+                continue
+            for alias in node.names:
+                if f"{module}.{alias.name}" not in MODULES:
+                    found.append((name, module, alias.name, node.lineno))
+    return found
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Every name a module binds at its top level (defs, classes, assignments, imports)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):  # a guarded definition
+            names.update(_defined_in(node))
+    return names
+
+
+def _defined_in(block: ast.stmt) -> set[str]:
+    names = set()
+    for node in ast.walk(block):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def test_every_imported_name_exists():
+    """A name imported from a fusedrl module is defined there. A lazy import inside a function
+    (the CUDA extension's loader, the Triton kernels) runs only on the machine that takes that
+    path: a helper renamed or removed elsewhere breaks it there alone (a GPU), not here."""
+    imports = _names_imported_from_modules()
+    assert len(imports) > 100  # the scan sees the package's imports
+    missing = [
+        f"{importer}:{line} imports {name} from {module}"
+        for importer, module, name, line in imports
+        if name != "*" and name not in _defined_names(MODULES[module])
+    ]
+    assert not missing, "\n".join(missing)
