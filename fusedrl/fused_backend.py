@@ -75,13 +75,16 @@ class FusedOps:
     # Whether the log-prob and fused-loss ops fill a `sum_sq=` buffer ([B, T] fp32) with
     # sum_v pi_v^2 per row from their own read (`policy_loss_squares`).
     loss_squares: bool = False
-    # (partials) -> (loss, means): with it, the fused-loss ops take `mask=` and the ratio bounds
-    # as numbers (`low_bound=`, `high_bound=`; per-token tensors only for DCPO) and return a
-    # third output, each program's sums over its rows, which this op adds up into the loss and
-    # the metrics' means, in the order `sum_slots` names; None: the loss and the metrics come
-    # from `token_terms` on [B, T] tensors.
+    # (partials) -> (loss, means): adds up the kernels' per-program sums into the loss and the
+    # metrics' means, in the order `sum_slots` names; None: the loss and the metrics come from
+    # `token_terms` on [B, T] tensors.
     token_loss_sums: Callable | None = None
     sum_slots: tuple[str, ...] = ()
+    # Whether the fused-loss ops sum too: they then take `mask=` and the ratio bounds as
+    # numbers (`low_bound=`, `high_bound=`; per-token tensors only for DCPO) and return a third
+    # output, each program's sums over its rows, for `token_loss_sums` (Triton's do; the CUDA
+    # extension's keep no sums, and its backend takes Triton's sums for the two-pass terms).
+    fused_sums: bool = False
     # (mask, agg, normalizer, norm_constant) -> the [B, T] aggregation weights in one launch
     # (token_terms.aggregation_weights's formulas); None: torch's few small kernels.
     aggregation_weights: Callable | None = None
@@ -357,7 +360,7 @@ def _fused_token_level(
 ):
     """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`); with an op
     that sums the loss and metrics (`FusedOps.token_loss_sums`), each program's sums too."""
-    sums = ops.token_loss_sums is not None
+    sums = ops.fused_sums
     args = fused_token_args(inp, cfg, scalar_bounds=sums, weights_kernel=ops.aggregation_weights)
     rows = fused_token_keywords(inp, cfg, sums=sums)
     if sum_sq is not None:
@@ -479,7 +482,7 @@ def _kernels_cover(
     if cfg.full_kl or cfg.sampling is not None:  # (the sampled sets are found from the labels)
         return False
     if grad_out is not None and not needs_two_passes(inp, cfg):
-        return ops.token_loss_sums is not None and kernel_sums_cover(inp, cfg)
+        return ops.fused_sums and kernel_sums_cover(inp, cfg)
     return ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg)
 
 

@@ -376,6 +376,7 @@ OPS = FusedOps(
     loss_squares=True,
     token_loss_sums=_eager_or_traced(token_loss_sums),
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
+    fused_sums=True,
     aggregation_weights=aggregation_weights,
     sequence_terms=_eager_or_traced(sequence_terms),
 )

@@ -90,7 +90,27 @@ def load(verbose: bool = False):
         ops.cuda_fused_token_loss_inplace.default,
         _from_triton("sampled_set"),
         _from_triton("TWO_ROWS"),
+        **triton_terms(),
     )
+
+
+def triton_terms() -> dict:
+    """The Triton ops on [B, T] scalars that csrc/ has no counterpart of, as `FusedOps` fields:
+    the two-pass terms kernel, the sums' finalize and the aggregation weights (a two-pass call
+    is then the extension's two passes and three small launches, not torch's [B, T] terms);
+    none where triton is not installed. The extension's fused op keeps no sums
+    (`FusedOps.fused_sums` False): its token-level calls take `token_terms`."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    from fusedrl import triton_backend
+
+    triton = triton_backend.OPS
+    return {
+        "token_loss_sums": triton.token_loss_sums,
+        "sum_slots": triton.sum_slots,
+        "aggregation_weights": triton.aggregation_weights,
+        "sequence_terms": triton.sequence_terms,
+    }
 
 
 def cluster_kernel_info(device=None, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:

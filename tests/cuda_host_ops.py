@@ -77,9 +77,10 @@ class HostKernels:
 
     def ops(self):
         """The FusedOps that `fusedrl.kernels.cuda.load()` makes, with these four ops: the
-        select and two-row kernels are Triton's there too (here through the interpreter)."""
+        select, two-row and [B, T] terms kernels are Triton's there too (here through the
+        interpreter)."""
         from fusedrl.fused_backend import FusedOps
-        from fusedrl.kernels.cuda import _from_triton
+        from fusedrl.kernels.cuda import _from_triton, triton_terms
 
         return FusedOps(
             self.logprobs_fwd,
@@ -88,6 +89,7 @@ class HostKernels:
             self.fused_token_loss_inplace,
             _from_triton("sampled_set"),
             _from_triton("TWO_ROWS"),
+            **triton_terms(),
         )
 
     # ------------------------------------------------------------------ the ops

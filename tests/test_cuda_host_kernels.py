@@ -48,6 +48,36 @@ def test_each_call_takes_the_extensions_kernels(backend, cuda_host_kernels):
     assert calls == ["logprobs"]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("preset", ["gspo", "gspo_token"])
+def test_two_pass_terms_come_from_the_triton_terms_kernel(preset, cuda_on_the_host, monkeypatch):
+    """The extension has no kernel on [B, T] scalars: between its two passes a sequence-level
+    call takes Triton's terms kernel and sums (kernels.cuda.triton_terms), not torch's terms;
+    loss, gradient and metrics equal the oracle's."""
+    import dataclasses
+
+    from fusedrl import cuda_backend
+
+    ops = cuda_backend._OPS
+    assert ops.sequence_terms is not None and not ops.fused_sums
+    ratios = []
+
+    def spy(*args, **keywords):
+        ratios.append(keywords["sequence_ratio"])
+        return ops.sequence_terms(*args, **keywords)
+
+    monkeypatch.setattr(cuda_backend, "_OPS", dataclasses.replace(ops, sequence_terms=spy))
+    cfg = LossConfig.preset(preset, kl="k3", beta=0.05)
+    data = make_batch(vocab=257, seed=2, per_token_adv=preset == "gspo_token")
+    ours, grad = run_loss(_loss(CUDA_ON_THE_HOST), data, cfg)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg)
+    assert ratios == [True] and cuda_on_the_host.calls == ["logprobs", "grad"]
+    torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    for key, value in want.metrics.items():
+        torch.testing.assert_close(ours.metrics[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("backend", [CUDA_ON_THE_HOST])
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_rows_whose_sums_overflow_take_the_exact_fallback(backend, cap, cuda_host_kernels):
