@@ -585,10 +585,16 @@ def policy_loss(
         inp = replace(inp, logits=grad_out)
     if grad_out is not None and not needs_two_passes(inp, cfg):
         logp, entropy, *partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
-        entropy = entropy if need_entropy else None
         if partials and kernel_sums_cover(inp, cfg):
-            return logp, entropy, _summed_terms(ops, partials[0], logp, inp, cfg, need_entropy)
-        return logp, entropy, token_terms(logp, entropy, inp, cfg, grads=False)
+            terms = _summed_terms(ops, partials[0], logp, inp, cfg, need_entropy)
+        elif ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+            # A fused op that keeps no sums (the CUDA extension's): the loss and the metrics
+            # from the terms kernel on its logp (two launches; its derivatives go unused).
+            terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
+            terms = replace(terms, dlogp=None, dentropy=None)
+        else:
+            terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, grads=False)
+        return logp, entropy if need_entropy else None, terms
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
     squares = {} if sum_sq is None else {"sum_sq": sum_sq}
     logp, lse, entropy = ops.logprobs_fwd(

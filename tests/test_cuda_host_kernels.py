@@ -49,11 +49,12 @@ def test_each_call_takes_the_extensions_kernels(backend, cuda_host_kernels):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("preset", ["gspo", "gspo_token"])
-def test_two_pass_terms_come_from_the_triton_terms_kernel(preset, cuda_on_the_host, monkeypatch):
+@pytest.mark.parametrize("preset", ["gspo", "gspo_token", "grpo", "cispo"])
+def test_terms_come_from_the_triton_terms_kernel(preset, cuda_on_the_host, monkeypatch):
     """The extension has no kernel on [B, T] scalars: between its two passes a sequence-level
     call takes Triton's terms kernel and sums (kernels.cuda.triton_terms), not torch's terms;
-    loss, gradient and metrics equal the oracle's."""
+    after its fused kernel (which keeps no sums) a token-level call takes them for the loss and
+    the metrics. Loss, gradient and metrics equal the oracle's."""
     import dataclasses
 
     from fusedrl import cuda_backend
@@ -71,7 +72,9 @@ def test_two_pass_terms_come_from_the_triton_terms_kernel(preset, cuda_on_the_ho
     data = make_batch(vocab=257, seed=2, per_token_adv=preset == "gspo_token")
     ours, grad = run_loss(_loss(CUDA_ON_THE_HOST), data, cfg)
     want, want_grad = run_loss(reference.policy_loss, data, cfg)
-    assert ratios == [True] and cuda_on_the_host.calls == ["logprobs", "grad"]
+    sequence = cfg.ratio_level == "sequence"
+    assert ratios == [sequence]
+    assert cuda_on_the_host.calls == (["logprobs", "grad"] if sequence else ["fused"])
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
     for key, value in want.metrics.items():
