@@ -618,3 +618,19 @@ def test_adaptive_entropy_options():
     for options, match in bad:
         with pytest.raises(ValueError, match=match):
             TrainConfig(**options).validate()
+
+
+def test_verbose_restores_the_warnings_whatever_the_filters_hold():
+    """--verbose drops the quiet filter again; a filter whose module is a plain str (from -W,
+    PYTHONWARNINGS or a library's own) crashed every verbose run with an AttributeError."""
+    import warnings
+
+    from fusedrl.trainer.quiet import NOISY_MODULES, quiet_environment, quiet_libraries
+
+    with warnings.catch_warnings():
+        warnings.filters.insert(0, ("ignore", None, Warning, "some_library", 0))  # a str module
+        quiet_environment()
+        assert any(getattr(f[3], "pattern", None) == NOISY_MODULES for f in warnings.filters)
+        quiet_libraries(verbose=True)
+        patterns = [getattr(f[3], "pattern", f[3]) for f in warnings.filters]
+        assert NOISY_MODULES not in patterns and "some_library" in patterns

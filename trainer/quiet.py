@@ -41,8 +41,7 @@ def quiet_environment() -> None:
 def quiet_libraries(verbose: bool) -> None:
     """After parsing the config: the Python-side switches, either way."""
     if verbose:
-        warnings.filters[:] = [f for f in warnings.filters if f[3] is None or
-                               f[3].pattern != NOISY_MODULES]  # fmt: skip
+        warnings.filters[:] = [f for f in warnings.filters if _module_pattern(f) != NOISY_MODULES]
         return
     import transformers
 
@@ -50,6 +49,13 @@ def quiet_libraries(verbose: bool) -> None:
     transformers.utils.logging.disable_progress_bar()
     for name in ("vllm", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _module_pattern(warning_filter: tuple) -> str | None:
+    """A warnings filter's module regex as text: `warnings.filterwarnings` compiles it, but the
+    filters made from -W options and PYTHONWARNINGS, and some libraries', hold a plain str."""
+    module = warning_filter[3]
+    return getattr(module, "pattern", module)
 
 
 @contextlib.contextmanager
