@@ -245,3 +245,14 @@ def test_a_config_file_cannot_change_the_job_it_resumes(tmp_path):
     same = tmp_path / "same.yaml"
     same.write_text("seed: 1\nmax_steps: 9\n")
     assert parse_config(["--config", str(same), "--resume", str(run)]).max_steps == 9
+
+
+def test_a_mistyped_flag_gets_a_suggestion(capsys):
+    """argparse alone says "unrecognized arguments"; the closest flag is named beside it."""
+    with pytest.raises(SystemExit):
+        parse_config(["--max-stps", "3", "--group-sise=4", "--zzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-stps 3 --group-sise=4 --zzz" in err
+    assert "--max-stps -> did you mean --max-steps?" in err
+    assert "--group-sise -> did you mean --group-size?" in err
+    assert "--zzz ->" not in err  # nothing close: no guess

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import math
 import types
@@ -515,8 +516,27 @@ def coerce(name: str, value: object):
     return value
 
 
+class _SuggestingParser(argparse.ArgumentParser):
+    """argparse that names the closest flag to a mistyped one ("did you mean --max-steps?")."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._suggestions(unknown)}")
+        return parsed
+
+    def _suggestions(self, unknown: list[str]) -> str:
+        flags = [option for option in self._option_string_actions if option.startswith("--")]
+        hints = []
+        for token in unknown:
+            if token.startswith("--"):
+                close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                hints += [f"{token.split('=', 1)[0]} -> did you mean {close[0]}?"] if close else []
+        return f" ({'; '.join(hints)})" if hints else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _SuggestingParser(
         prog="fusedrl-train",
         description="GRPO-family RL with vLLM rollouts and fusedrl's fused loss. With no "
         "arguments: a tiny Llama, warm-started, learns the built-in `sum` task on CPU.",
