@@ -43,25 +43,25 @@ ROUNDS = 2
 def launch_shape(programs_per_sm: int | None, warps: int | None):
     """The fused kernel launched with `programs_per_sm` programs per SM of `warps` warps (None:
     the launcher's own choice), by swapping the launcher's sizing rules for the call."""
-    from fusedrl.kernels import logprobs, token_loss
+    from fusedrl.kernels import launch, token_loss
 
-    saved = (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM)
+    saved = (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM)
     try:
         if programs_per_sm is not None:
-            logprobs.MIN_CTAS_PER_SM = programs_per_sm  # the register cap: that many resident
+            launch.MIN_CTAS_PER_SM = programs_per_sm  # the register cap: that many resident
 
             def programs(rows, row_bytes, device):
                 if device.type != "cuda":
                     return saved[0](rows, row_bytes, device)
-                sms, _ = logprobs._sms_and_l2(device.index or torch.cuda.current_device())
+                sms, _ = launch._sms_and_l2(device.index or torch.cuda.current_device())
                 return max(1, min(rows, sms * programs_per_sm))
 
             token_loss.persistent_programs = programs
         if warps is not None:
-            logprobs.MAX_WARPS = warps  # the tile: one 16-byte vector a thread
+            launch.MAX_WARPS = warps  # the tile: one 16-byte vector a thread
         yield
     finally:
-        token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM = saved
+        token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM = saved
 
 
 def main(argv=None) -> int:

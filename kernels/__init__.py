@@ -2,8 +2,9 @@
 
     rows.py         the per-row sweeps every kernel is made of (online lse / entropy, the
                     gradient write, the soft cap, the per-row temperature)
+    launch.py       the launch policy of the row kernels: tiles, warps, register cap, programs
     logprobs.py     token log-probs + entropy (the no-grad path, sequence-level pass 1) and the
-                    gradient sweep (token_logprobs backward, pass 2); the launch policy
+                    gradient sweep (token_logprobs backward, pass 2)
     token_loss.py   the fused token-level policy loss: one kernel writes logp and the gradient
     terms.py        the per-token loss terms both loss kernels evaluate (ratio, clip, KL)
     sequence_terms.py  a two-pass call's terms on [B, T] log-probs (GSPO's sequence ratio)

@@ -550,10 +550,10 @@ def _family(kernel, warps: int) -> dict:
     """A kernel module's `KERNEL_FAMILY` ("row_sweep" unless it says otherwise: the LM-head
     kernels are "gemm", whose loops the row sweeps' SASS budgets do not describe) and its
     register budget (its own `max_registers`, else the row sweeps')."""
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
     module = sys.modules[kernel.__module__]
-    budget = getattr(module, "max_registers", logprobs.max_registers)(warps)
+    budget = getattr(module, "max_registers", launch.max_registers)(warps)
     return {"family": getattr(module, "KERNEL_FAMILY", "row_sweep"), "register_budget": budget}
 
 

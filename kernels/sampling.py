@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .logprobs import max_registers, persistent_programs
+from .launch import max_registers, persistent_programs
 from .rows import LOG2E, row_offset, row_temperature_arg
 
 # top_p: 2 bits of key a pass, each logit compared with 4 thresholds as values (a compare, select

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .logprobs import block_size, launch_options
+from .launch import block_size, launch_options
 from .rows import remainder_offsets, remainder_tiles, row_layout, row_offset
 
 

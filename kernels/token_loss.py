@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .logprobs import block_size, fast_exp2, launch_options, persistent_programs
+from .launch import block_size, fast_exp2, launch_options, persistent_programs
 from .loss_sums import (
     SLOT_CLIP_HIGH,
     SLOT_CLIP_LOW,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .logprobs import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, fast_exp2
+from .launch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, fast_exp2
 from .rows import (
     LN2,
     LOG2E,

@@ -26,9 +26,9 @@ ATOL = 1e-6
 @pytest.fixture(params=LOGITS_BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "triton":
-        logprobs = pytest.importorskip("fusedrl.kernels.logprobs")
+        launch = pytest.importorskip("fusedrl.kernels.launch")
         # Small vocab tiles so that every row spans several tiles and a partial last one.
-        monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 256)
+        monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 256)
     return request.param
 
 

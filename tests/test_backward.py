@@ -75,7 +75,7 @@ def test_upstream_gradient_scales_once(backend):
 def test_scale_kernel_on_a_strided_view(dtype):
     """The device-side scaling kernel (CUDA tensors use it) on a [B, P+T, V] slice: only the
     slice's rows change, by exactly the fp32 product rounded once; a factor of 1 changes nothing."""
-    from fusedrl.kernels import logprobs, scale
+    from fusedrl.kernels import launch, scale
 
     full = torch.randn(2, 9, 1031, generator=torch.Generator().manual_seed(0)).to(dtype)
     for factor in (1.0, 0.37, -3.0):
@@ -83,7 +83,7 @@ def test_scale_kernel_on_a_strided_view(dtype):
             buffer = full.clone()
             view = buffer[:, 3:8]
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", block_cap)
+                mp.setattr(launch, "MAX_BLOCK_V_INTERPRETED", block_cap)
                 scale.scale_rows_unless_one(view, torch.tensor(factor))
             product = full[:, 3:8].float() * factor
             expected = full.clone()

@@ -475,11 +475,11 @@ def test_sweep_fused_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import sweep_fused
 
-    from fusedrl.kernels import logprobs, token_loss
+    from fusedrl.kernels import launch, token_loss
 
-    before = (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM)
+    before = (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM)
     assert sweep_fused.main(["--smoke", "--out", str(tmp_path)]) == 0
-    assert (token_loss.persistent_programs, logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == before
+    assert (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM) == before
     result = json.loads((tmp_path / "sweep_fused-smoke.json").read_text())
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
     timed = {(row["programs_per_sm"], row["warps"]) for row in result["rows"] if row["ms"] > 0}
@@ -490,8 +490,8 @@ def test_sweep_fused_smoke(tmp_path):
         ((r, *shape) for r in range(sweep_fused.ROUNDS) for shape in expected), key=str
     )  # every shape timed once per round
     with sweep_fused.launch_shape(3, 8):
-        assert (logprobs.MAX_WARPS, logprobs.MIN_CTAS_PER_SM) == (8, 3)
-        assert logprobs.max_registers(8) == 65536 // (3 * 32 * 8)
+        assert (launch.MAX_WARPS, launch.MIN_CTAS_PER_SM) == (8, 3)
+        assert launch.max_registers(8) == 65536 // (3 * 32 * 8)
 
 
 def test_host_overhead_smoke(tmp_path):

@@ -31,10 +31,10 @@ SAMPLING = {"off": {}, "on": dict(top_k=20, min_p=0.05)}
 @pytest.fixture(params=LOGITS_BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "triton":
-        logprobs = pytest.importorskip("fusedrl.kernels.logprobs")
+        launch = pytest.importorskip("fusedrl.kernels.launch")
         # 64-wide tiles: a row of 131 spans two whole tiles and a remainder, so the all -inf
         # row runs the unmasked loop, the masked remainder and the exact fallback.
-        monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+        monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 64)
     else:  # blocks of 4 rows: the degenerate row shares its block with finite ones
         monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)
     return request.param
@@ -267,9 +267,9 @@ def test_a_row_at_floor_reads_as_no_logit_above_it(monkeypatch):
     label, FLOOR - FLOOR, are 0 rather than clamped: without the label check its sums were V
     ones, a finite lse, a finite logp and an entropy of 0. An all -inf row clamps to 2^FLOOR = 0
     instead and reaches the fallback through 0 / 0; both now take the exact path on purpose."""
-    from fusedrl.kernels import logprobs, rows
+    from fusedrl.kernels import launch, rows
 
-    monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+    monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 64)
     temperature = math.log2(math.e)  # scale2 = LOG2E / T = 1: y = x, no rounding
     floor = torch.tensor(rows.FLOOR.value, dtype=torch.float32)
     logits = torch.randn(2, 3, 131, generator=torch.Generator().manual_seed(2))

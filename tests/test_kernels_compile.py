@@ -10,7 +10,7 @@ supported) and the oldest supported one (`make test` installs it into .triton-ol
 subprocess without TRITON_INTERPRET. Then, per variant and arch:
 
 - no local memory: a spill puts per-thread stack traffic on the memory bus the kernel is bound by;
-- registers within the budget `logprobs.max_registers(num_warps)` = 65536 / (2 x 32 x num_warps)
+- registers within the budget `launch.max_registers(num_warps)` = 65536 / (2 x 32 x num_warps)
   (64 at 16 warps): two programs resident per SM, one streaming while the other reduces;
 - bf16 at V = 151936 on sm_90 / sm_100 / sm_120: the logits loads and gradient stores of the row
   sweeps are 128-bit (LDG.E.128 / STG.E.128), each main loop (the unaligned-gradient one too)

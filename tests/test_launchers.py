@@ -167,7 +167,7 @@ def _recording(monkeypatch, sms_and_l2=(132, 50 * 2**20)):
     """Every kernel swapped for a recorder, the device guard watched instead of entered (fake
     CUDA tensors have no device to switch to), and the GPU's SM count and L2 size given.
     Yields (launches, the SM-query device indices)."""
-    from fusedrl.kernels import device, logprobs
+    from fusedrl.kernels import device, launch
 
     launches, guarded, queried = [], [], []
 
@@ -184,7 +184,7 @@ def _recording(monkeypatch, sms_and_l2=(132, 50 * 2**20)):
         return sms_and_l2
 
     monkeypatch.setattr(device, "device_guard", watched_guard)
-    monkeypatch.setattr(logprobs, "_sms_and_l2", sms)
+    monkeypatch.setattr(launch, "_sms_and_l2", sms)
     for launcher, kernel in LAUNCHERS.items():
         module = importlib.import_module(f"fusedrl.kernels.{launcher.split('.')[0]}")
         monkeypatch.setattr(module, kernel, _Recorder(kernel, launches, guarded))
@@ -380,13 +380,13 @@ def test_every_launch_runs_under_the_tensors_device(monkeypatch):
 
 def test_persistent_grid_reads_the_current_device_for_a_bare_cuda(monkeypatch):
     """torch.device("cuda") has no index: it means the current device, not device 0."""
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
     queried = []
-    monkeypatch.setattr(logprobs, "_sms_and_l2", lambda index: queried.append(index) or (8, 1))
+    monkeypatch.setattr(launch, "_sms_and_l2", lambda index: queried.append(index) or (8, 1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert logprobs.persistent_programs(100, 2, torch.device("cuda")) == 8
-    assert logprobs.persistent_programs(100, 2, torch.device("cuda", 2)) == 8
+    assert launch.persistent_programs(100, 2, torch.device("cuda")) == 8
+    assert launch.persistent_programs(100, 2, torch.device("cuda", 2)) == 8
     assert queried == [3, 2]
 
 
@@ -563,9 +563,9 @@ def test_row_offsets_past_2_31_elements(address_space, launcher, layout, monkeyp
     and writes the wrong rows, and the comparison fails instead of crashing. Offsets >= 2^31
     in one stride come as int64 from Triton and need no test; the within-row offsets stay below
     V <= 2^18. Nothing large is allocated (see `address_space`)."""
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
-    monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 16)  # whole tiles and a remainder
+    monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 16)  # whole tiles and a remainder
     pairs = _far_launches(address_space, layout)
     assert launcher in pairs, f"add a call of {launcher} to tests/test_launchers.py::_far_launches"
     far, compact = pairs[launcher]

@@ -115,7 +115,7 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
 def test_triton_backend_equals_reference(
     cfg, batch, time, vocab, seed, per_token_adv, normalize, inplace, prompt, dtype
 ):
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
     data = make_batch(
         batch=batch,
@@ -137,7 +137,7 @@ def test_triton_backend_equals_reference(
     (ref_grad,) = torch.autograd.grad(ref.loss, ref_logits)
     logits = (data["logits"].clone() if inplace else data["logits"]).detach().requires_grad_(True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", 64)
+        patch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 64)
         ours = fusedrl.policy_loss(logits, config=cfg, backend="triton", inplace=inplace, **args,
                                    **extra)  # fmt: skip
         (grad,) = torch.autograd.grad(ours.loss, logits)

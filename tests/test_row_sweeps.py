@@ -36,9 +36,9 @@ BLOCK_CAP = 64  # many tiles per row at small V
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
-    monkeypatch.setattr(logprobs, "MAX_BLOCK_V_INTERPRETED", BLOCK_CAP)
+    monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", BLOCK_CAP)
 
 
 def _rows(vocab, offset, dtype, seed, rows=(2, 3)):
@@ -183,17 +183,17 @@ def test_persistent_grid_keeps_rows_in_flight_within_l2(monkeypatch):
     """The fused kernel's programs x row bytes fit an H100's L2 where one program per SM allows
     it (the sweep-2 re-read is then an L2 hit), never fewer programs than SMs, never more than
     rows; under the interpreter a few programs walk all rows (the row loop runs in tests)."""
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
     sms, l2 = 132, 50 * 2**20
-    monkeypatch.setattr(logprobs, "_sms_and_l2", lambda index: (sms, l2))
+    monkeypatch.setattr(launch, "_sms_and_l2", lambda index: (sms, l2))
     cuda = torch.device("cuda", 0)
     for vocab, expected in ((32000, 2 * sms), (128256, sms), (151936, sms), (262144, sms)):
-        programs = logprobs.persistent_programs(16384, vocab * 2, cuda)
+        programs = launch.persistent_programs(16384, vocab * 2, cuda)
         assert programs == expected, vocab
         assert programs * vocab * 2 <= l2 or programs == sms
-    assert logprobs.persistent_programs(7, 151936 * 2, cuda) == 7
-    assert logprobs.persistent_programs(100, 64, torch.device("cpu")) == 3
+    assert launch.persistent_programs(7, 151936 * 2, cuda) == 7
+    assert launch.persistent_programs(100, 64, torch.device("cpu")) == 3
 
 
 @pytest.mark.parametrize("elem_bytes", [2, 4])
@@ -201,19 +201,19 @@ def test_persistent_grid_keeps_rows_in_flight_within_l2(monkeypatch):
 def test_gpu_launch_shape(vocab, elem_bytes):
     """The GPU launch the interpreter ignores: a tile is one 16-byte vector per thread (fewer
     warps for a small vocab, at least 4), and the register cap keeps two programs per SM."""
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
-    block = logprobs.block_size(vocab, torch.device("cuda"), elem_bytes)
-    options = logprobs.launch_options(block, elem_bytes)
+    block = launch.block_size(vocab, torch.device("cuda"), elem_bytes)
+    options = launch.launch_options(block, elem_bytes)
     warps, maxnreg = options["num_warps"], options["maxnreg"]
-    threads_at_16_bytes = block * elem_bytes // logprobs.BYTES_PER_THREAD
+    threads_at_16_bytes = block * elem_bytes // launch.BYTES_PER_THREAD
     assert warps == max(4, threads_at_16_bytes // 32)
-    assert warps <= logprobs.MAX_WARPS
-    assert maxnreg * 32 * warps * logprobs.MIN_CTAS_PER_SM <= logprobs.REGISTERS_PER_SM
+    assert warps <= launch.MAX_WARPS
+    assert maxnreg * 32 * warps * launch.MIN_CTAS_PER_SM <= launch.REGISTERS_PER_SM
     assert maxnreg <= 255  # the hardware's limit per thread (sm_80, sm_90)
     # ... and is the largest that does (registers are allocated in steps of 8)
-    assert maxnreg == 255 or (maxnreg + 8) * 32 * warps * logprobs.MIN_CTAS_PER_SM > (
-        logprobs.REGISTERS_PER_SM
+    assert maxnreg == 255 or (maxnreg + 8) * 32 * warps * launch.MIN_CTAS_PER_SM > (
+        launch.REGISTERS_PER_SM
     )
 
 

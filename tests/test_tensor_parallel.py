@@ -730,9 +730,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
     )
-    from fusedrl.kernels import logprobs
+    from fusedrl.kernels import launch
 
-    logprobs.MAX_BLOCK_V_INTERPRETED = 16  # rows of several tiles and a partial last one
+    launch.MAX_BLOCK_V_INTERPRETED = 16  # rows of several tiles and a partial last one
     groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     from torch.distributed.device_mesh import init_device_mesh
 
