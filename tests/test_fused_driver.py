@@ -51,6 +51,33 @@ def test_which_configs_take_two_passes(config, old, two_passes):
     assert needs_two_passes(_inputs(config, old=old), config) is two_passes
 
 
+@pytest.mark.parametrize(
+    "config, covered",
+    [
+        (LossConfig.preset("gspo"), True),  # the sequence ratio
+        (LossConfig.preset("luspo", beta=0.04, kl="k3"), True),
+        (LossConfig.preset("dcpo"), True),  # on-policy bounds: the token ratio after pass 1
+        (LossConfig.preset("gspo", is_correction="sequence_truncate"), True),
+        (LossConfig.preset("sapo", entropy_coef=0.01), True),
+        (LossConfig.preset("gmpo"), False),  # a sequence objective of its own
+        (LossConfig.preset("vespo"), False),
+        (LossConfig(loss="clip_cov"), False),  # a covariance over the batch
+        (LossConfig.preset("dapo", top_entropy_quantile=0.5), False),  # a batch quantile
+        (LossConfig.preset("dapo", m2po_tau=0.04), False),
+        (LossConfig.preset("dapo", off_policy_mask=0.1), False),  # a batch statistic's mask
+        (LossConfig.preset("dapo", rejection="token_k1", rejection_threshold=2.0), False),
+        (LossConfig.preset("grpo", kl_bias_correction=True), False),  # a ratio-weighted KL
+        (LossConfig.preset("dapo", entropy_coef=0.01, entropy_agg="token-mean"), False),
+    ],
+)
+def test_which_two_pass_configs_the_terms_kernel_covers(config, covered):
+    """`sequence_kernel_covers`: the variants the fused kernel knows, with no batch statistic
+    deciding a mask or a weight; the rest take token_terms in torch."""
+    from fusedrl.fused_backend import sequence_kernel_covers
+
+    assert sequence_kernel_covers(_inputs(config, old=False), config) is covered
+
+
 def test_the_fused_op_gets_its_arguments_in_order():
     """FUSED_ARGS's order: per-token tensors, then the scalars, as the config says them."""
     cfg = LossConfig.preset("dapo", dual_clip_c=3.0, entropy_coef=0.01)
