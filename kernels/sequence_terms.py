@@ -33,7 +33,7 @@ from .loss_sums import (
     SUM_WIDTH,
     slot,
 )
-from .terms import (
+from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs by its module's)
     KL_CODES,
     KL_NONE,
     KL_VALUE_CODES,
@@ -44,6 +44,8 @@ from .terms import (
     kl_value,
     policy_term,
     token_ratio,
+    variant_constexprs,
+    variant_scalars,
 )
 
 # Not a row sweep: it reads [B, T] floats (aot compiles its launch as recorded, and each code).
@@ -294,25 +296,16 @@ def sequence_terms(
         vocab,
         advantages.stride(0),
         advantages.stride(1),
-        float(low_bound),
-        float(high_bound),
-        float(dual_clip_c or 0.0),
-        float(delta or 0.0),
-        float(tau_pos),
-        float(tau_neg),
-        float(beta),
-        float(entropy_coef),
+        *variant_scalars(
+            low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
+        ),
+        **variant_constexprs(
+            loss=loss, dual_clip_c=dual_clip_c, delta=delta, kl=kl, beta=beta,
+            has_ref=ref_logp is not None, has_is=is_weight is not None, has_bounds=low is not None,
+            entropy_coef=entropy_coef, entropy_coef_tensor=entropy_coef_tensor,
+        ),  # fmt: skip
         SEQUENCE_RATIO=sequence_ratio,
-        LOSS=LOSS_CODES[loss],
-        DUAL_CLIP=dual_clip_c is not None,
-        HAS_DELTA=delta is not None,
-        KL=KL_CODES[kl] if beta > 0 else 0,
-        KL_VALUE=KL_VALUE_CODES[kl or "k3"] if ref_logp is not None else 0,
-        HAS_IS=is_weight is not None,
-        HAS_BOUNDS=low is not None,
         HAS_ENTROPY=entropy is not None,
-        ENTROPY_BONUS=bonus,
-        ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
         BLOCK_T=min(BLOCK_T, triton.next_power_of_2(time)),
         num_warps=4,
     )

@@ -157,3 +157,35 @@ def kl_value(logp, ref, KL_VALUE: tl.constexpr):
         raw = tl.exp(log_ratio) - log_ratio - 1.0
         value = tl.minimum(tl.maximum(raw, -KL_VALUE_CLAMP), KL_VALUE_CLAMP)
     return tl.where(delta != delta, float("nan"), value)
+
+
+def variant_scalars(
+    low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
+) -> tuple[float, ...]:
+    """The loss kernels' runtime scalars of a variant, in their signatures' order (an option
+    that is off as 0.0: its constexpr switch keeps the kernel from reading it)."""
+    return (
+        float(low_bound), float(high_bound), float(dual_clip_c or 0.0), float(delta or 0.0),
+        float(tau_pos), float(tau_neg), float(beta), float(entropy_coef),
+    )  # fmt: skip
+
+
+def variant_constexprs(
+    *, loss, dual_clip_c, delta, kl, beta, has_ref, has_is, has_bounds, entropy_coef,
+    entropy_coef_tensor,
+) -> dict:  # fmt: skip
+    """The loss kernels' constexpr switches of a variant: the loss and KL codes (the KL's
+    gradient only when beta > 0; its value whenever ref_logp is given, for the metric), the
+    clip options, IS weights, per-token bounds (DCPO), the entropy bonus and where its
+    coefficient comes from (a device scalar always applies)."""
+    return dict(
+        LOSS=LOSS_CODES[loss],
+        DUAL_CLIP=dual_clip_c is not None,
+        HAS_DELTA=delta is not None,
+        KL=KL_CODES[kl] if beta > 0 else 0,
+        KL_VALUE=KL_VALUE_CODES[kl or "k3"] if has_ref else 0,
+        HAS_IS=has_is,
+        HAS_BOUNDS=has_bounds,
+        ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
+        ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
+    )

@@ -45,7 +45,7 @@ from .rows import (
     write_row_grad,
     write_row_zeros,
 )
-from .terms import (
+from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs by its module's)
     KL_CODES,
     KL_NONE,
     KL_VALUE_CODES,
@@ -54,6 +54,8 @@ from .terms import (
     kl_value,
     policy_term,
     token_ratio,
+    variant_constexprs,
+    variant_scalars,
 )
 
 # Switches compiled together on top of the base configuration (aot.variants), beside each alone:
@@ -351,24 +353,15 @@ def fused_token_loss(
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
         cap_arg(cap),
-        float(low_bound),
-        float(high_bound),
-        float(dual_clip_c or 0.0),
-        float(delta or 0.0),
-        float(tau_pos),
-        float(tau_neg),
-        float(beta),
-        float(entropy_coef),
-        LOSS=LOSS_CODES[loss],
-        DUAL_CLIP=dual_clip_c is not None,
-        HAS_DELTA=delta is not None,
+        *variant_scalars(
+            low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
+        ),
+        **variant_constexprs(
+            loss=loss, dual_clip_c=dual_clip_c, delta=delta, kl=kl, beta=beta,
+            has_ref=ref_logp is not None, has_is=is_weight is not None, has_bounds=low is not None,
+            entropy_coef=entropy_coef, entropy_coef_tensor=entropy_coef_tensor,
+        ),  # fmt: skip
         HAS_OLD=old_logp is not None,
-        KL=KL_CODES[kl] if beta > 0 else 0,
-        KL_VALUE=KL_VALUE_CODES[kl or "k3"] if ref_logp is not None else 0,
-        HAS_IS=is_weight is not None,
-        HAS_BOUNDS=low is not None,
-        ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
-        ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
         ROW_TEMPERATURE=row_temps is not None,
         SOFTCAP=cap is not None,
         SUM_PI_SQUARED=sum_sq is not None,
