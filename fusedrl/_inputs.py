@@ -223,7 +223,7 @@ def labels_in_range(labels: torch.Tensor, valid: torch.Tensor | None, vocab: int
     gathers), checked to lie in [0, vocab) (`check_labels`)."""
     where = ""
     if valid is not None:
-        labels = torch.where(valid, labels, 0)  # what the kernels read: masked ones are 0
+        labels = torch.where(valid, labels, 0)  # masked ones are 0: every gather is in range
         where = " where mask is set"
     if labels.numel() == 0:
         return labels

@@ -340,7 +340,7 @@ def fused_token_keywords(
 ) -> dict:
     """The fused op's keywords beside FUSED_ARGS: per-token temperatures (`rows`: a chunk's
     flat rows) and the entropy coefficient as a device scalar; with `sums` (an op that sums the
-    loss and metrics, `FusedOps.token_loss_sums`) the mask weights and the constant bounds."""
+    loss and metrics, `FusedOps.fused_sums`) the mask weights and the constant bounds."""
     keywords = temperature_keywords(temperature_of(inp, cfg), rows, inp.transform)[1]
     if inp.entropy_coef is not None:
         keywords["entropy_coef_tensor"] = inp.entropy_coef
@@ -359,7 +359,7 @@ def _fused_token_level(
     sum_sq: torch.Tensor | None = None,
 ):
     """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`); with an op
-    that sums the loss and metrics (`FusedOps.token_loss_sums`), each program's sums too."""
+    that sums the loss and metrics (`FusedOps.fused_sums`), each program's sums too."""
     sums = ops.fused_sums
     args = fused_token_args(inp, cfg, scalar_bounds=sums, weights_kernel=ops.aggregation_weights)
     rows = fused_token_keywords(inp, cfg, sums=sums)
@@ -473,17 +473,16 @@ def _summed_terms(
     return TokenTerms(loss=loss, dlogp=None, dentropy=None, metrics=metrics)
 
 
-def _kernels_cover(
-    ops: FusedOps, inp: LossInputs, cfg: LossConfig, grad_out: torch.Tensor | None
-) -> bool:
-    """Whether the call's terms come from the kernels alone (the fused kernel's sums or the
-    two-pass terms kernel), which read the counted tokens only: then its rows need no masking
-    (`LossInputs.rows_masked`)."""
-    if cfg.full_kl or cfg.sampling is not None:  # (the sampled sets are found from the labels)
-        return False
-    if grad_out is not None and not needs_two_passes(inp, cfg):
-        return ops.fused_sums and kernel_sums_cover(inp, cfg)
-    return ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg)
+def _terms_source(ops: FusedOps, inp: LossInputs, cfg: LossConfig, fused: bool) -> str:
+    """Where a call's loss, metrics and d(loss)/d(logp) come from, decided once: "fused" (the
+    fused kernel's own sums; `fused`: the call takes that kernel), "kernel" (the terms kernel
+    on a pass's logp, `FusedOps.sequence_terms`: the two-pass path, and the fused path of an op
+    that keeps no sums), or "torch" (`token_terms` on [B, T] tensors)."""
+    if fused and ops.fused_sums and kernel_sums_cover(inp, cfg):
+        return "fused"
+    if ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+        return "kernel"
+    return "torch"
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -564,8 +563,12 @@ def policy_loss(
     """Token-level with a gradient: the fused kernel. Otherwise pass 1, terms, pass 2. `sum_sq`:
     a [B, T] buffer for sum_v pi_v^2 (`policy_loss_squares`)."""
     need_entropy = need_entropy or needs_entropy(inp, cfg)
-    if not _kernels_cover(ops, inp, cfg, grad_out):
-        inp = masked_rows(inp)  # (torch's terms multiply by the mask)
+    fused = grad_out is not None and not needs_two_passes(inp, cfg)
+    source = _terms_source(ops, inp, cfg, fused)
+    # The kernels read counted tokens only; torch's terms multiply by the mask, and the exact
+    # KL's terms and the sampled sets' search take every row (`LossInputs.rows_masked`).
+    if source == "torch" or cfg.full_kl or cfg.sampling is not None:
+        inp = masked_rows(inp)
     if cfg.full_kl:
         return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
     sampling = cfg.sampling
@@ -583,11 +586,11 @@ def policy_loss(
             ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
         )  # fmt: skip
         inp = replace(inp, logits=grad_out)
-    if grad_out is not None and not needs_two_passes(inp, cfg):
+    if fused:
         logp, entropy, *partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
-        if partials and kernel_sums_cover(inp, cfg):
+        if source == "fused":
             terms = _summed_terms(ops, partials[0], logp, inp, cfg, need_entropy)
-        elif ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+        elif source == "kernel":
             # A fused op that keeps no sums (the CUDA extension's): the loss and the metrics
             # from the terms kernel on its logp (two launches; its derivatives go unused).
             terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
@@ -600,7 +603,7 @@ def policy_loss(
     logp, lse, entropy = ops.logprobs_fwd(
         inp.logits, inp.labels, inp.valid, scalar, **rows, **squares
     )
-    if ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+    if source == "kernel":
         terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
     else:
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)

@@ -157,7 +157,7 @@ def sampled_set(
 # Per-token temperatures, the entropy coefficient as a device scalar, the soft cap and the sum
 # of squares' buffer are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
 # The mask weights and constant ratio bounds are read by the kernel's own sums of the loss and
-# metrics, its third output (`FusedOps.token_loss_sums`).
+# metrics, its third output (`FusedOps.fused_sums`, added up by `token_loss_sums`).
 _ROW_TEMPS = (
     "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
     "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0"
@@ -198,17 +198,18 @@ def _aggregation_weights_op(
 
 @_aggregation_weights_op.register_fake
 def _(mask, agg, normalizer_tensor, normalizer, norm_constant):
-    return torch.empty_like(mask)
+    # fp32 whatever the mask's dtype (a bool mask is read as it is)
+    return torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
+
+
+_aggregation_weights_call = _eager_or_traced(_aggregation_weights_op)
 
 
 def aggregation_weights(mask, agg, normalizer, norm_constant) -> torch.Tensor:
     """The aggregation weights in one launch; `normalizer` a number, a device scalar or None."""
     tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
     number = None if tensor is not None else normalizer
-    op = _aggregation_weights_op
-    if not torch.compiler.is_compiling():
-        op = op.eager_body  # (`_eager_or_traced`)
-    return op(mask, agg, tensor, number, norm_constant)
+    return _aggregation_weights_call(mask, agg, tensor, number, norm_constant)
 
 
 def _fused_outputs_like(logits, labels):

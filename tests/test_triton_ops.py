@@ -156,6 +156,27 @@ def test_torch_compile_fullgraph(preset):
     torch.testing.assert_close(logits.grad, ref_grad)
 
 
+def test_opcheck_the_ops_on_rows_of_scalars():
+    """The aggregation weights (a bool mask and an fp32 one: fp32 weights either way), the
+    sums' finalize and the two-pass terms: each fake gives the real op's shapes and dtypes."""
+    data, valid, agg = _op_args()
+    for mask in (valid, valid.float() * 0.5):
+        torch.library.opcheck(
+            triton_backend._aggregation_weights_op, (mask, "seq-mean-token-mean", None, None, None)
+        )
+    partials = torch.rand(5, triton_backend._kernels().loss_sums.SUM_WIDTH.value)
+    torch.library.opcheck(triton_backend.token_loss_sums, (partials,))
+    logp = -torch.rand(2, 3)
+    rows = torch.rand(2, 3)
+    for coef in (0.0, 0.01):  # dentropy [B, T] with a bonus, [0] without
+        torch.library.opcheck(
+            triton_backend.sequence_terms,
+            (logp, rows, data["labels"], valid, valid, rows, logp - 0.1, None, None, agg, None,
+             None, True, "ppo", None, None, 1.0, 1.0, None, 0.0, coef),
+            {"low_bound": 0.8, "high_bound": 1.2, "vocab": 67},
+        )  # fmt: skip
+
+
 def test_opcheck_two_rows_ops():
     """The two-row kernels (exact KL, distillation) as custom ops: schemas, fakes, mutation."""
     data = make_batch(batch=2, time=3, vocab=67, seed=4)
