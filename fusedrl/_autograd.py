@@ -23,7 +23,7 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
     if torch.compiler.is_compiling():
         return grad.mul_(grad_loss.to(grad.dtype))
     if grad_loss.device.type == "cpu":
-        if not bool(grad_loss == 1):
+        if grad_loss.item() != 1:
             grad.mul_(grad_loss.to(grad.dtype))
         return grad
     if grad.device.type == "cuda" and TRITON_INSTALLED:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import output, single_process
+from . import call_plan, output, single_process
 from ._inputs import (
     capping_transform,
     check_sum_pi_squared,
@@ -124,6 +124,16 @@ def policy_loss(
         entropy: [B, T] fp32 or None, metrics: dict of 0-dim fp32 tensors; no host sync
         without tp_group).
     """
+    if _plannable(
+        rollout_logp, inplace, is_weights, tp_group, vocab_start, vocab_size, ref_logits,
+        return_sum_pi_squared, temperature, prox_logp, entropy_coef, logit_scale, softcap,
+    ):  # fmt: skip
+        out = call_plan.policy_loss(
+            logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
+            return_entropy,
+        )  # fmt: skip
+        if out is not None:  # a call of a kind already decided
+            return out
     from .tp.dtensor import wants_tensor_parallel
     from .tp.header import argument_checks
 
@@ -155,6 +165,20 @@ def policy_loss(
         inplace, backend, return_entropy, is_weights, ref_logits=ref_logits,
         temperature=temperature, prox_logp=prox_logp, entropy_coef=entropy_coef,
         transform=transform, return_sum_pi_squared=return_sum_pi_squared,
+    )  # fmt: skip
+
+
+def _plannable(
+    rollout_logp, inplace, is_weights, tp_group, vocab_start, vocab_size, ref_logits,
+    return_sum_pi_squared, temperature, prox_logp, entropy_coef, logit_scale, softcap,
+) -> bool:  # fmt: skip
+    """Whether every argument of `policy_loss` outside `call_plan.PLANNED` is at its default:
+    such a call's kind may be decided once (tests/test_call_plan.py checks the two lists)."""
+    return (
+        rollout_logp is None and not inplace and is_weights is None and tp_group is None
+        and vocab_start is None and vocab_size is None and ref_logits is None
+        and not return_sum_pi_squared and temperature is None and prox_logp is None
+        and entropy_coef is None and logit_scale is None and softcap is None
     )  # fmt: skip
 
 

@@ -35,6 +35,11 @@ class Backend(Protocol):
 
     def policy_loss(self, inp, cfg, return_entropy: bool, grad) -> tuple: ...
 
+    def planned_call(self, inp, cfg, return_entropy: bool):
+        """`policy_loss` of calls of this kind with a gradient as a function of (inputs, the
+        gradient buffer), decided once for the kind (`call_plan`); None: the general path."""
+        ...
+
     def token_logprobs(self, logits, labels, temperature, return_entropy: bool, **kwargs) -> tuple:
         ...
 

@@ -27,6 +27,10 @@ def policy_loss(inp, cfg, need_entropy, grad_out):
     return fused_backend.policy_loss(_ops(), inp, cfg, need_entropy, grad_out)
 
 
+def planned_call(inp, cfg, need_entropy):
+    return fused_backend.planned_call(_ops(), inp, cfg, need_entropy)
+
+
 def token_logprobs(logits, labels, temperature, return_entropy, sampling=None, transform=None):
     return fused_backend.token_logprobs(
         _ops(), logits, labels, temperature, return_entropy, sampling, transform

@@ -13,6 +13,7 @@ Each backend provides the same four ops (`FusedOps`); this module decides how to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -456,12 +457,12 @@ def _summed_terms(
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
     where the call has them. `old`: the old log-probs the terms used (logp on-policy)."""
     loss, means = ops.token_loss_sums(partials)
-    by_slot = dict(zip(ops.sum_slots, means.unbind()))  # one op for every slot's view
-    check_labels_counted(by_slot["labels_ok"], inp)
-    names = ["clipfrac", "clip_low", "clip_high", "dual_clipfrac"]
-    names += ["kl"] if inp.ref_logp is not None else []
-    names += ["ppo_kl", "logp_mean"] + (["entropy"] if need_entropy else [])
-    metrics = {name: by_slot[name] for name in names}
+    count, slots, labels_slot = _metric_slots(
+        ops.sum_slots, inp.ref_logp is not None, need_entropy
+    )
+    check_labels_counted(means[labels_slot], inp)
+    views = means[:count].unbind()  # one op for the metrics' views (each alone is one)
+    metrics = {name: views[slot] for name, slot in slots}
     weights = resolve_is_weights(inp.old_logp if old is None else old, inp, cfg)
     if weights is not None or inp.rollout_logp is not None:
         extra = Metrics()
@@ -471,6 +472,20 @@ def _summed_terms(
         add_mismatch_metrics(extra, logp, weights, inp)
         metrics.update(extra.finish())
     return TokenTerms(loss=loss, dlogp=None, dentropy=None, metrics=metrics)
+
+
+@functools.cache
+def _metric_slots(
+    sum_slots: tuple[str, ...], with_kl: bool, with_entropy: bool
+) -> tuple[int, tuple[tuple[str, int], ...], int]:
+    """(how many leading slots hold the call's metrics, each metric's name and slot, the labels'
+    flag's slot): the metrics `token_terms` reports for the same call, the KL's where the call
+    has ref_logp, the entropy's where it wants the entropy."""
+    names = ["clipfrac", "clip_low", "clip_high", "dual_clipfrac"]
+    names += ["kl"] if with_kl else []
+    names += ["ppo_kl", "logp_mean"] + (["entropy"] if with_entropy else [])
+    slots = tuple((name, sum_slots.index(name)) for name in names)
+    return 1 + max(slot for _, slot in slots), slots, sum_slots.index("labels_ok")
 
 
 def _terms_source(ops: FusedOps, inp: LossInputs, cfg: LossConfig, fused: bool) -> str:
@@ -483,6 +498,33 @@ def _terms_source(ops: FusedOps, inp: LossInputs, cfg: LossConfig, fused: bool) 
     if ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
         return "kernel"
     return "torch"
+
+
+def fused_sums_call(
+    ops: FusedOps,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+    grad_out: torch.Tensor,
+    sum_sq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
+    """The call as the fused kernel whose own sums are the loss and the metrics (`_terms_source`
+    "fused"): the aggregation weights, the fused kernel, `token_loss_sums`; three launches."""
+    logp, entropy, partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
+    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy)
+    return logp, entropy if need_entropy else None, terms
+
+
+def planned_call(ops: FusedOps, inp: LossInputs, cfg: LossConfig, need_entropy: bool):
+    """`fused_sums_call` bound to this call's config, where `policy_loss` would take it for a
+    call of this kind with a gradient (`call_plan` decides it once per kind); None where it takes
+    more (two passes, torch's terms, the exact KL, sampled sets)."""
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
+    if cfg.full_kl or cfg.sampling is not None or needs_two_passes(inp, cfg):
+        return None
+    if _terms_source(ops, inp, cfg, fused=True) != "fused":
+        return None
+    return functools.partial(fused_sums_call, ops, cfg=cfg, need_entropy=need_entropy)
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -586,11 +628,11 @@ def policy_loss(
             ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
         )  # fmt: skip
         inp = replace(inp, logits=grad_out)
+    if fused and source == "fused":
+        return fused_sums_call(ops, inp, cfg, need_entropy, grad_out, sum_sq)
     if fused:
-        logp, entropy, *partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
-        if source == "fused":
-            terms = _summed_terms(ops, partials[0], logp, inp, cfg, need_entropy)
-        elif source == "kernel":
+        logp, entropy = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)[:2]
+        if source == "kernel":
             # A fused op that keeps no sums (the CUDA extension's): the loss and the metrics
             # from the terms kernel on its logp (two launches; its derivatives go unused).
             terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)

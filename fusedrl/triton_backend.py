@@ -202,14 +202,13 @@ def _(mask, agg, normalizer_tensor, normalizer, norm_constant):
     return torch.empty(mask.shape, dtype=torch.float32, device=mask.device)
 
 
-_aggregation_weights_call = _eager_or_traced(_aggregation_weights_op)
-
-
 def aggregation_weights(mask, agg, normalizer, norm_constant) -> torch.Tensor:
     """The aggregation weights in one launch; `normalizer` a number, a device scalar or None."""
+    if not torch.compiler.is_compiling():  # (`_eager_or_traced`: the launcher itself)
+        return _kernels().loss_sums.aggregation_weights(mask, agg, normalizer, norm_constant)
     tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
     number = None if tensor is not None else normalizer
-    return _aggregation_weights_call(mask, agg, tensor, number, norm_constant)
+    return _aggregation_weights_op(mask, agg, tensor, number, norm_constant)
 
 
 def _fused_outputs_like(logits, labels):
@@ -385,3 +384,4 @@ policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)
 token_logprobs_squares = functools.partial(fused_backend.token_logprobs_squares, OPS)
 policy_loss_squares = functools.partial(fused_backend.policy_loss_squares, OPS)
+planned_call = functools.partial(fused_backend.planned_call, OPS)

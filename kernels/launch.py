@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 # Vocab tiles. On a GPU a tile is one 16-byte vector per thread of a 16-warp program (4096 bf16
 # or 2048 fp32 elements): sweep 1 keeps two fp32 running sums per element slot in registers and
@@ -20,12 +19,18 @@ MAX_WARPS = 16
 MAX_BLOCK_V_INTERPRETED = 2048
 
 
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python: Triton 3.6's is a constexpr function, whose call
+    from host code unwraps its arguments (microseconds a launch, at a host-bound micro-batch)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
     if device.type == "cuda":
         cap = MAX_WARPS * 32 * BYTES_PER_THREAD // elem_bytes
     else:
         cap = MAX_BLOCK_V_INTERPRETED
-    return min(triton.next_power_of_2(vocab), cap)
+    return min(next_power_of_2(vocab), cap)
 
 
 def num_warps(block: int, elem_bytes: int = 2) -> int:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
+from .launch import next_power_of_2
 
 # Not a row sweep: it reads [programs, SUM_WIDTH] floats (aot compiles its launch as recorded).
 KERNEL_FAMILY = "reduce"
@@ -25,10 +26,13 @@ KERNEL_FAMILY = "reduce"
 # "labels_ok": the programs count the counted tokens whose label lies outside [0, V) (the
 # kernels read the labels raw: this is the labels' range check, with no launch of its own);
 # `token_loss_sums` turns the count into 1.0 when it is 0, else 0.0 (a flag, not a mean).
+# The metrics every call reports come first, then the KL's and the entropy's, which some calls
+# report: the driver takes a call's metrics as one slice's views (`METRIC_SLOTS`).
 SUM_SLOTS = (
-    "loss", "weight", "clipfrac", "clip_low", "clip_high", "dual_clipfrac", "kl", "ppo_kl",
-    "logp_mean", "entropy", "labels_ok",
+    "clipfrac", "clip_low", "clip_high", "dual_clipfrac", "ppo_kl", "logp_mean", "kl",
+    "entropy", "labels_ok", "loss", "weight",
 )  # fmt: skip
+METRIC_SLOTS = 8  # the slots that are metrics: SUM_SLOTS[:METRIC_SLOTS]
 SUM_WIDTH = tl.constexpr(16)  # a power of two >= len(SUM_SLOTS): one vector per program
 SLOT_LOSS = tl.constexpr(SUM_SLOTS.index("loss"))
 SLOT_WEIGHT = tl.constexpr(SUM_SLOTS.index("weight"))
@@ -205,7 +209,7 @@ def aggregation_weights(
         float(time if norm_constant is None else norm_constant),
         AGG=AGG_CODES[agg],
         NORMALIZER=code,
-        BLOCK_T=min(BLOCK_T, triton.next_power_of_2(time)),
+        BLOCK_T=min(BLOCK_T, next_power_of_2(time)),
         num_warps=4,
     )
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
+from .launch import next_power_of_2
 from .loss_sums import (
     SLOT_CLIP_HIGH,
     SLOT_CLIP_LOW,
@@ -306,7 +307,7 @@ def sequence_terms(
         ),  # fmt: skip
         SEQUENCE_RATIO=sequence_ratio,
         HAS_ENTROPY=entropy is not None,
-        BLOCK_T=min(BLOCK_T, triton.next_power_of_2(time)),
+        BLOCK_T=min(BLOCK_T, next_power_of_2(time)),
         num_warps=4,
     )
     return dlogp, dentropy, partials

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .device import launches_on
-from .launch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, fast_exp2
+from .launch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, fast_exp2, next_power_of_2
 from .rows import (
     LN2,
     LOG2E,
@@ -69,7 +69,7 @@ KERNEL_FAMILY = "two_rows"
 
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
     cap = GPU_BLOCK_V if device.type == "cuda" else INTERPRETED_BLOCK_V
-    return min(triton.next_power_of_2(vocab), cap)
+    return min(next_power_of_2(vocab), cap)
 
 
 def max_registers(warps: int) -> int:

@@ -74,6 +74,15 @@ def cuda_on_the_host(cuda_host_kernels, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_call_plans():
+    """Every test decides its calls' kinds anew (`fusedrl.call_plan`): tests replace a backend's
+    code (a spy, the CUDA code on the host) that a plan of an earlier test would bypass."""
+    from fusedrl import call_plan
+
+    call_plan.clear()
+
+
+@pytest.fixture(autouse=True)
 def _cuda_on_the_host_where_asked(request):
     spec = getattr(request.node, "callspec", None)
     if spec is not None and spec.params.get("backend") == CUDA_ON_THE_HOST:

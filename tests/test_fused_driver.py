@@ -12,7 +12,13 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl._inputs import prepare_loss_inputs
-from fusedrl.fused_backend import FUSED_ARGS, fused_token_args, needs_two_passes, policy_loss
+from fusedrl.fused_backend import (
+    FUSED_ARGS,
+    fused_token_args,
+    needs_two_passes,
+    planned_call,
+    policy_loss,
+)
 
 from .conftest import make_batch, needs_interpreter, run_loss
 
@@ -107,6 +113,14 @@ def test_the_fused_op_gets_dcpo_bounds_per_token_and_a_flushed_subnormal():
 
 
 # ------------------------------------------------------------------ the kernel's own sums
+def _use_ops(monkeypatch, ops) -> None:
+    """The Triton backend runs `ops` on the general path and on a planned one (call_plan)."""
+    from fusedrl import triton_backend
+
+    monkeypatch.setattr(triton_backend, "policy_loss", functools.partial(policy_loss, ops))
+    monkeypatch.setattr(triton_backend, "planned_call", functools.partial(planned_call, ops))
+
+
 def _spy_sums(monkeypatch) -> list:
     """The Triton backend's `token_loss_sums` op, its calls counted."""
     import dataclasses
@@ -121,7 +135,7 @@ def _spy_sums(monkeypatch) -> list:
         return real(partials)
 
     ops = dataclasses.replace(triton_backend.OPS, token_loss_sums=spy)
-    monkeypatch.setattr(triton_backend, "policy_loss", functools.partial(policy_loss, ops))
+    _use_ops(monkeypatch, ops)
     return calls
 
 
@@ -212,7 +226,7 @@ def _spy_sequence_terms(monkeypatch) -> list:
         return real(*args, **keywords)
 
     ops = dataclasses.replace(triton_backend.OPS, sequence_terms=spy)
-    monkeypatch.setattr(triton_backend, "policy_loss", functools.partial(policy_loss, ops))
+    _use_ops(monkeypatch, ops)
     return calls
 
 

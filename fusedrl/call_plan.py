@@ -1,0 +1,172 @@
+"""Decide once, then run: a `policy_loss` call of a kind already seen goes straight to its kernels.
+
+At a 4k-token micro-batch the loss is host-bound: a call's checks and decisions (which backend,
+which path, which terms; tensor parallel or not) cost more host time than its three launches.
+They depend on the call's kind alone: the config object, the backend, the tensors' types, dtypes,
+shapes and devices, which inputs are given, whether a gradient is wanted. The first call of a
+kind takes the general path's checks (`prepare_loss_inputs`, every message as there) and asks the
+backend whether the call is one fused kernel whose own sums are the loss (`planned_call`); if so,
+the decision is kept, and every call of that kind (the first included) runs `_Plan.run`: the
+inputs as `prepare_loss_inputs(mask_rows=False)` leaves them (tests/test_call_plan.py compares
+the two), the backend's fused call, the gradient attached. Anything else (tensor parallelism,
+the options `PLANNED` does not list, torch.compile tracing, a tensor subclass) is not planned.
+
+What a call's data decides (labels in range, mask weights, a normalizer's value) is checked on
+every call, as on the general path: in the kernels, or by the same checks.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from . import backends
+from ._autograd import with_known_grad
+from ._inputs import LossInputs, check_mask, check_normalizer, prepare_loss_inputs
+from .config import LossConfig
+from .output import LossOutput
+
+# The arguments of `fusedrl.policy_loss` a planned call may have; every other one must be at its
+# default (the entry point checks them, tests/test_call_plan.py that the two lists cover them).
+PLANNED = (
+    "logits", "labels", "advantages", "mask", "old_logp", "ref_logp", "config", "normalizer",
+    "backend", "return_entropy",
+)  # fmt: skip
+MAX_PLANS = 64  # kinds kept (least recently used dropped): a config per step must not leak
+_PLANS: OrderedDict[tuple, _Plan | None] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the first call of a kind decided. `config` is held so that its id, in the key, is not
+    reused while the plan lives."""
+
+    config: LossConfig | None
+    run_call: object  # the backend's planned call: (inputs, gradient buffer) -> (logp, H, terms)
+    flat_input: bool  # [N, V] logits: the per-token tensors become [1, N]
+    per_sequence_advantages: bool  # [B] advantages, broadcast over T
+
+    def run(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer) -> LossOutput:
+        inp = self.inputs(logits, labels, advantages, mask, old_logp, ref_logp, normalizer)
+
+        def compute(grad):
+            logp, entropy, terms = self.run_call(inp, grad_out=grad)
+            return terms.loss, (logp, entropy, terms)
+
+        loss, (logp, entropy, terms) = with_known_grad(
+            logits, inp.logits, False, self.flat_input, compute
+        )
+        if self.flat_input:
+            logp = logp[0]
+            entropy = None if entropy is None else entropy[0]
+        return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+
+    def inputs(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer):
+        """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
+        checks already passed (the kind's first call took them)."""
+        shape = labels.shape
+        checked_mask = check_mask(mask, shape, logits.device)  # (a weight mask: its values)
+        valid = checked_mask if checked_mask.dtype == torch.bool else checked_mask != 0
+        advantages = advantages.detach().float()
+        if self.per_sequence_advantages:
+            advantages = advantages[:, None].expand(shape)
+
+        def rows(t):
+            return None if t is None else t.unsqueeze(0) if self.flat_input else t
+
+        return LossInputs(
+            logits=rows(logits),
+            labels=rows(labels.long()),
+            advantages=rows(advantages),
+            mask=rows(checked_mask),
+            valid=rows(valid),
+            old_logp=rows(None if old_logp is None else old_logp.detach().float()),
+            ref_logp=rows(None if ref_logp is None else ref_logp.detach().float()),
+            rollout_logp=None,
+            is_weights=None,
+            normalizer=check_normalizer(normalizer, logits.device),
+            flat_input=self.flat_input,
+            rows_masked=False,
+        )
+
+
+def _kind(t) -> tuple | None:
+    return None if t is None else (t.dtype, t.shape, t.device)
+
+
+_TENSOR = torch.Tensor
+
+
+def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
+         return_entropy) -> tuple | None:  # fmt: skip
+    """The call's kind; None where it is not planned. (Written out, not looped: a generator
+    costs more than the checks.)"""
+    if not (
+        type(logits) is _TENSOR and type(labels) is _TENSOR and type(advantages) is _TENSOR
+        and type(mask) is _TENSOR and logits.dim() > 0
+        and (old_logp is None or type(old_logp) is _TENSOR)
+        and (ref_logp is None or type(ref_logp) is _TENSOR)
+    ):  # (subclasses: DTensor, or a mistake the general path names)  # fmt: skip
+        return None
+    if normalizer is None:
+        norm = None
+    elif type(normalizer) is _TENSOR:
+        norm = _kind(normalizer)
+    elif isinstance(normalizer, numbers.Real) and not isinstance(normalizer, bool):
+        norm = "number"  # (its value checked on every call)
+    else:
+        return None
+    return (
+        id(config), backend, return_entropy, torch.is_grad_enabled(), logits.requires_grad,
+        logits.stride(-1), norm, _kind(logits), _kind(labels), _kind(advantages), _kind(mask),
+        _kind(old_logp), _kind(ref_logp),
+    )  # fmt: skip
+
+
+def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
+                backend, return_entropy) -> LossOutput | None:  # fmt: skip
+    """The planned call's output, or None where the call takes the general path."""
+    if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
+        return None
+    key = _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
+               backend, return_entropy)  # fmt: skip
+    if key is None:
+        return None
+    plan = _PLANS.get(key, False)
+    if plan is False or (plan is not None and plan.config is not config):
+        plan = _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
+                       backend, return_entropy)  # fmt: skip
+        _PLANS[key] = plan
+        if len(_PLANS) > MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    if plan is None:
+        return None
+    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer)
+
+
+def _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
+            return_entropy) -> _Plan | None:  # fmt: skip
+    """The general path's checks (they raise as there) and the backend's decision."""
+    cfg = config if config is not None else LossConfig()
+    inp = prepare_loss_inputs(
+        logits, labels, advantages, mask, old_logp, ref_logp, None, cfg, normalizer,
+        mask_rows=False,
+    )  # fmt: skip
+    impl = backends.resolve(backend, inp.logits.device)
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return None
+    run_call = impl.planned_call(inp, cfg, return_entropy)
+    if run_call is None:
+        return None
+    per_sequence = advantages.dim() == 1 and not inp.flat_input
+    return _Plan(config, run_call, inp.flat_input, per_sequence)
+
+
+def clear() -> None:
+    """Forget every plan (tests that replace a backend's code between calls)."""
+    _PLANS.clear()

@@ -1,0 +1,194 @@
+"""Decide once, then run (fusedrl.call_plan): a call of a kind already seen skips the checks and
+decisions and must give exactly what the general path gives, raise what it raises on bad data,
+and never be taken for a call the plan does not cover."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import api, call_plan, reference, single_process
+from fusedrl._inputs import prepare_loss_inputs
+
+from .conftest import make_batch, needs_interpreter
+
+pytestmark = needs_interpreter
+
+PRESETS = ("dapo", "grpo", "cispo", "dr_grpo")
+
+
+def _kind_batch(seed, *, mask_kind="bool", per_token_adv=False, flat=False, old=True, ref=False):
+    """Inputs of one call kind: a fresh draw for each seed."""
+    data = make_batch(batch=3, time=9, vocab=131, seed=seed, per_token_adv=per_token_adv)
+    data.pop("rollout_logp")
+    if not ref:
+        data.pop("ref_logp")
+    if not old:
+        data.pop("old_logp")
+    gen = torch.Generator().manual_seed(seed + 100)
+    if mask_kind == "float":  # fractional weights, 0 on the masked tokens
+        data["mask"] = data["mask"] * torch.rand(data["mask"].shape, generator=gen)
+    elif mask_kind == "int":
+        data["mask"] = data["mask"].long()
+    if flat:  # [N, V]: one packed row, per-token advantages
+        data["advantages"] = data["advantages"].reshape(-1) if per_token_adv else None
+        data = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items() if v is not None}
+        data["advantages"] = torch.randn(data["labels"].shape, generator=gen)
+    return data
+
+
+KINDS = {
+    "bool mask": {},
+    "float mask": {"mask_kind": "float"},
+    "int mask": {"mask_kind": "int", "per_token_adv": True},
+    "flat": {"flat": True},
+    "on-policy": {"old": False},
+    "kl": {"ref": True},
+}
+
+
+def _keywords(data, cfg, normalizer=None) -> dict:
+    """policy_loss's keywords after the logits."""
+    names = ("labels", "advantages", "mask", "old_logp", "ref_logp")
+    return {**{name: data.get(name) for name in names}, "config": cfg, "normalizer": normalizer}
+
+
+def _args(data, cfg, normalizer=None):
+    return (
+        data["logits"], data["labels"], data["advantages"], data["mask"], data.get("old_logp"),
+        data.get("ref_logp"), cfg, normalizer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("normalizer", [None, 17.0, "tensor"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_planned_inputs_equal_prepare_loss_inputs(kind, normalizer):
+    """What a plan hands the backend is, field by field, what `prepare_loss_inputs` gives."""
+    cfg = fusedrl.LossConfig.preset("dapo" if kind != "kl" else "grpo")
+    data = _kind_batch(0, **KINDS[kind])
+    norm = torch.tensor(23.0) if normalizer == "tensor" else normalizer
+    data["labels"] = data["labels"].int()  # (int32 labels: the plan widens them as the checks do)
+    logits = data["logits"].requires_grad_(True)
+    args = _args({**data, "logits": logits}, cfg, norm)
+    plan = call_plan._decide(*args, "triton", False)
+    assert plan is not None, f"{kind}: not planned"
+    got = plan.inputs(*args[:6], norm)
+    want = prepare_loss_inputs(*args[:6], None, cfg, norm, mask_rows=False)
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), field.name
+            assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), field.name
+            assert torch.equal(a, b), field.name
+        elif field.name != "derived":
+            assert a == b, field.name
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_planned_calls_equal_the_general_path(preset, kind):
+    """The second and third calls of a kind (new data each) run the plan and give the general
+    path's loss, gradient, log-probs, entropy and metrics, to the bit; the oracle agrees."""
+    cfg = fusedrl.LossConfig.preset(preset)
+    if kind == "kl":
+        cfg = dataclasses.replace(cfg, beta=0.05, kl="k3")
+    if kind == "flat" and cfg.needs_sequences:
+        pytest.skip(f"{preset} ({cfg.agg}) needs sequences: [N, V] logits are refused")
+    for seed in range(3):
+        data = _kind_batch(seed, **{**KINDS[kind], "ref": cfg.beta > 0})
+        leaf = data["logits"].detach().requires_grad_(True)
+        out = fusedrl.policy_loss(
+            leaf, **_keywords(data, cfg), backend="triton", return_entropy=True
+        )
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        general_leaf = data["logits"].detach().requires_grad_(True)
+        want = single_process.policy_loss(
+            general_leaf, **_keywords(data, cfg), backend="triton", return_entropy=True
+        )
+        (want_grad,) = torch.autograd.grad(want.loss, general_leaf)
+        assert torch.equal(out.loss, want.loss) and torch.equal(grad, want_grad)
+        assert torch.equal(out.logp, want.logp) and torch.equal(out.entropy, want.entropy)
+        assert out.metrics.keys() == want.metrics.keys()
+        for name in want.metrics:
+            assert torch.equal(out.metrics[name], want.metrics[name]), name
+        oracle = reference.policy_loss(data["logits"].double(), **_keywords(data, cfg))
+        torch.testing.assert_close(out.loss.double(), oracle.loss, rtol=1e-5, atol=1e-6)
+    plans = [p for p in call_plan._PLANS.values() if p is not None and p.config is cfg]
+    assert len(plans) == 1, "the calls of one kind were not planned once"
+
+
+def test_every_argument_is_planned_or_at_its_default():
+    """A new `policy_loss` argument must join `call_plan.PLANNED` (the plan reads it) or the
+    entry point's `_plannable` gate (its default keeps the call off the plan)."""
+    entry = set(inspect.signature(api.policy_loss).parameters)
+    gated = set(inspect.signature(api._plannable).parameters)
+    assert entry == set(call_plan.PLANNED) | gated
+    assert not set(call_plan.PLANNED) & gated
+
+
+def test_bad_data_raises_on_the_plan():
+    """The data checks run on every call of a planned kind: labels outside the vocabulary, a
+    negative mask weight, a normalizer <= 0; a bad shape is a new kind, and the general path's
+    check names it."""
+    cfg = fusedrl.LossConfig.preset("dapo")
+    data = _kind_batch(0, mask_kind="float")
+
+    def call(**changes):
+        args = {**data, **changes}
+        leaf = args.pop("logits").detach().requires_grad_(True)
+        return fusedrl.policy_loss(leaf, config=cfg, backend="triton", **args)
+
+    call()
+    call(normalizer=5.0)
+    assert any(p is not None for p in call_plan._PLANS.values())
+    labels = data["labels"].clone()
+    labels[0, 0] = 131
+    mask = data["mask"].clone()
+    mask[0, 0] = 1.0
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 131\)"):
+        call(labels=labels, mask=mask)
+    with pytest.raises(ValueError, match="mask must hold finite weights >= 0"):
+        call(mask=-data["mask"])
+    with pytest.raises(ValueError, match="normalizer must be a finite number > 0"):
+        call(normalizer=-1.0)
+    with pytest.raises(ValueError, match="mask shape"):
+        call(mask=data["mask"][:, :-1])
+
+
+def test_an_all_masked_call_on_the_plan():
+    """Loss 0 and a zero gradient, never NaN, on a planned kind too."""
+    cfg = fusedrl.LossConfig.preset("dapo")
+    for _ in range(2):
+        data = _kind_batch(0)
+        data["mask"] = torch.zeros_like(data["mask"])
+        leaf = data.pop("logits").detach().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, config=cfg, backend="triton", **data)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        assert out.loss.item() == 0.0 and not grad.any()
+
+
+def test_unplanned_calls_take_the_general_path():
+    """No gradient wanted (two passes), a two-pass config (GSPO), the torch backend: no plan."""
+    data = _kind_batch(0)
+    gspo = fusedrl.LossConfig.preset("gspo")
+    dapo = fusedrl.LossConfig.preset("dapo")
+    leaf = data["logits"].detach().requires_grad_(True)
+    fusedrl.policy_loss(leaf, **_keywords(data, gspo), backend="triton")
+    fusedrl.policy_loss(leaf, **_keywords(data, dapo), backend="torch")
+    with torch.no_grad():
+        fusedrl.policy_loss(leaf, **_keywords(data, dapo), backend="triton")
+    assert call_plan._PLANS and all(p is None for p in call_plan._PLANS.values())
+
+
+def test_plans_are_bounded():
+    """A config made anew for every step must not grow the plans without end."""
+    data = _kind_batch(0)
+    for step in range(call_plan.MAX_PLANS + 5):
+        cfg = fusedrl.LossConfig.preset("dapo").replace(eps_high=0.2 + step * 1e-3)
+        leaf = data["logits"].detach().requires_grad_(True)
+        fusedrl.policy_loss(leaf, **_keywords(data, cfg), backend="triton")
+    assert len(call_plan._PLANS) == call_plan.MAX_PLANS
