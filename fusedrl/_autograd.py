@@ -36,13 +36,15 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
 
 class LossWithKnownGrads(torch.autograd.Function):
     """loss, differentiable w.r.t. `inputs`, whose gradients `grads` (one per input, None where
-    it needs none) are already computed."""
+    it needs none) are already computed, times `declared` (the caller's `grad_scale`, or None):
+    an upstream gradient equal to it leaves them as they are."""
 
     @staticmethod
-    def forward(ctx, loss, grads, *inputs):
+    def forward(ctx, loss, grads, declared, *inputs):
         # Held as an attribute, not a saved tensor, so backward can drop the graph's reference:
         # autograd may then hand the buffer on (or accumulate into it) without another copy.
         ctx.grads = list(grads)
+        ctx.declared = declared
         # A view, not a copy: the loss is an input here, and a clone would be one more launch.
         return loss.view_as(loss)
 
@@ -63,27 +65,36 @@ class LossWithKnownGrads(torch.autograd.Function):
                 "second-order term would silently be 0. fusedrl.reference.policy_loss (plain "
                 "autograd) gives higher-order derivatives"
             )
-        scaled = [None if g is None else scale_unless_one(g, grad_loss) for g in grads]
-        return None, None, *scaled
+        # Written already times the declared factor: an upstream gradient equal to it divides to
+        # exactly 1 (x / x in fp32), and the gradients are left untouched.
+        factor = grad_loss if ctx.declared is None else grad_loss / ctx.declared
+        scaled = [None if g is None else scale_unless_one(g, factor) for g in grads]
+        return None, None, None, *scaled
 
 
-def attach_grad(logits: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return LossWithKnownGrads.apply(loss, (grad,), logits)
+def attach_grad(
+    logits: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor, grad_scale=None
+) -> torch.Tensor:
+    """`loss` whose gradient w.r.t. `logits` is `grad`, written times `grad_scale` (or None)."""
+    return LossWithKnownGrads.apply(loss, (grad,), grad_scale, logits)
 
 
 def attach_grads(
-    loss: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], grads: tuple
+    loss: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], grads: tuple, grad_scale=None
 ) -> torch.Tensor:
     """Like attach_grad, for several inputs (hidden, weight, bias); None inputs are skipped."""
     pairs = [(x, g) for x, g in zip(inputs, grads) if x is not None]
-    return LossWithKnownGrads.apply(loss, tuple(g for _, g in pairs), *(x for x, _ in pairs))
+    return LossWithKnownGrads.apply(
+        loss, tuple(g for _, g in pairs), grad_scale, *(x for x, _ in pairs)
+    )
 
 
-def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
+def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute, grad_scale=None):
     """Runs `compute(grad)` without autograd, where `grad` is the buffer the backend writes
     d(loss)/d(logits) into (the logits themselves when `inplace`; None when no gradient is
     wanted), and returns (loss attached to `logits` with that gradient, what compute returned).
-    `compute` returns (loss, result); `logits3` is the [B, T, V] view of `logits`."""
+    `compute` returns (loss, result); `logits3` is the [B, T, V] view of `logits`; the backend
+    writes the gradient times `grad_scale` (None: 1)."""
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
     grad = None
     if wants_grad:
@@ -101,7 +112,7 @@ def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute):
     if wants_grad:
         # Attach to the caller's tensor itself (not the [1, N, V] view made for [N, V] input) so
         # that autograd hands the gradient buffer on without a copy.
-        loss = attach_grad(logits, loss, grad[0] if flat_input else grad)
+        loss = attach_grad(logits, loss, grad[0] if flat_input else grad, grad_scale)
     return loss, result
 
 
@@ -130,9 +141,9 @@ def wanted_grads(hidden, weight, bias) -> tuple[bool, bool, bool]:
     )
 
 
-def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads):
+def attach_linear_grads(loss, hidden, weight, bias, flat, want, grads, grad_scale=None):
     grad_hidden = grads.hidden
     if grad_hidden is not None and flat:
         grad_hidden = grad_hidden[0]
     inputs = (hidden if want[0] else None, weight if want[1] else None, bias if want[2] else None)
-    return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias))
+    return attach_grads(loss, inputs, (grad_hidden, grads.weight, grads.bias), grad_scale)

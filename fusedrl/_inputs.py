@@ -7,6 +7,7 @@ come back as a [B, T, V] *view* (a strided slice of [B, P+T, V] stays a view).
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field, replace
 
@@ -54,6 +55,10 @@ class LossInputs:
     # labels' range is unchecked and `mask` may be the caller's bool mask; `masked_rows` gives
     # the masked, checked form.
     rows_masked: bool = True
+    # `grad_scale=`: the factor the caller multiplies the loss by before backward (gradient
+    # accumulation, loss scaling), a number or a 0-dim fp32 device tensor; the gradient is
+    # written already scaled by it. None: 1.
+    grad_scale: float | torch.Tensor | None = None
     # What token_terms derives from the mask alone, once per call (the masked means' weights,
     # the aggregation weights): not an input, never copied by `dataclasses.replace`.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -105,6 +110,33 @@ def check_entropy_coef(entropy_coef: object, config, device: torch.device) -> to
     coef = entropy_coef.detach().float().reshape(())
     _fail_if(~torch.isfinite(coef), "entropy_coef must be finite", coef)
     return coef
+
+
+def check_grad_scale(grad_scale: object, device: torch.device) -> float | torch.Tensor | None:
+    """`grad_scale=`: a finite number != 0, or a one-element float tensor on the logits' device
+    (checked without a host sync off the CPU), as a 0-dim fp32 tensor. 0 is refused: the
+    gradient written at 0 could not be rescaled to any other upstream gradient."""
+    if grad_scale is None:
+        return None
+    message = "grad_scale must be a finite number != 0 (the factor the loss is multiplied by)"
+    if isinstance(grad_scale, torch.Tensor):
+        if not grad_scale.dtype.is_floating_point:
+            raise TypeError(f"grad_scale must be a float tensor, got dtype {grad_scale.dtype}")
+        if grad_scale.numel() != 1:
+            raise ValueError(
+                f"grad_scale must hold one number, got shape {tuple(grad_scale.shape)}"
+            )
+        if grad_scale.device != device:
+            raise ValueError(f"grad_scale is on {grad_scale.device} but the logits are on {device}")
+        scale = grad_scale.detach().float().reshape(())
+        _fail_if(~torch.isfinite(scale) | (scale == 0), message, scale)
+        return scale
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real):
+        raise TypeError(f"grad_scale must be a number or a 0-dim tensor, got "
+                        f"{type(grad_scale).__name__}")  # fmt: skip
+    if not math.isfinite(grad_scale) or grad_scale == 0:
+        raise ValueError(f"{message}, got {grad_scale!r}")
+    return float(grad_scale)
 
 
 def check_temperature_arg(
@@ -370,6 +402,7 @@ def prepare_loss_inputs(
     entropy_coef: object = None,
     transform: LogitTransform | None = None,
     mask_rows: bool = True,
+    grad_scale: object = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
@@ -381,14 +414,13 @@ def prepare_loss_inputs(
     entropy bonus's coefficient as a device scalar (`check_entropy_coef`). `transform`: the model's
     soft cap the backends apply (`capping_transform`), or None. `mask_rows=False`: the per-token
     tensors as the caller gave them (`LossInputs.rows_masked`), for a backend whose kernels read
-    counted tokens only."""
+    counted tokens only. `grad_scale`: the factor the caller multiplies the loss by before
+    backward (`check_grad_scale`)."""
     logits, flat_input = _checked_source(logits, config, source)
     shape, device = tuple(logits.shape[:-1]), logits.device
     checked_mask = check_mask(mask, shape, device)
     valid = checked_mask if checked_mask.dtype == torch.bool else checked_mask != 0
-    labels_l = check_labels(
-        labels, logits, valid, vocab=vocab, source=source, check_range=mask_rows
-    )
+    ids = check_labels(labels, logits, valid, vocab=vocab, source=source, check_range=mask_rows)
     adv = check_advantages(advantages, shape, device, flat_input)
     old = _per_token("old_logp", old_logp, shape, device)
     ref = _per_token("ref_logp", ref_logp, shape, device)
@@ -411,7 +443,7 @@ def prepare_loss_inputs(
 
     return LossInputs(
         logits=logits.unsqueeze(0) if flat_input else logits,
-        labels=rows(labels_l, masked=False),
+        labels=rows(ids, masked=False),
         advantages=rows(adv),
         # 0 wherever valid is False; fp32, or the caller's bool for the kernels
         mask=rows(checked_mask.float() if mask_rows else checked_mask, masked=False),
@@ -427,6 +459,7 @@ def prepare_loss_inputs(
         entropy_coef=check_entropy_coef(entropy_coef, config, device),
         transform=transform,
         rows_masked=mask_rows,
+        grad_scale=check_grad_scale(grad_scale, device),
     )
 
 

@@ -41,6 +41,7 @@ def policy_loss(
     entropy_coef: torch.Tensor | None = None,
     logit_scale: float | None = None,
     softcap: float | None = None,
+    grad_scale: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -118,6 +119,13 @@ def policy_loss(
             -finfo.max of the logits' dtype, as masks write it) stays banned, not -c. Sampled sets
             (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch", under
             tensor parallelism too (each rank caps its slice).
+        grad_scale: the factor the caller will multiply the loss by before backward (gradient
+            accumulation's 1 / steps, a loss scale): a finite number != 0 or a one-element
+            device tensor. The gradient is written already times it, so a backward whose
+            upstream gradient equals it touches no logits-sized tensor (without it such a
+            backward re-reads and re-writes the whole gradient); any other upstream gradient
+            stays exact (rescaled by its ratio to grad_scale). The loss and metrics are as
+            without it. Not under tensor parallelism yet.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -130,7 +138,7 @@ def policy_loss(
     ):  # fmt: skip
         out = call_plan.policy_loss(
             logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy,
+            return_entropy, grad_scale,
         )  # fmt: skip
         if out is not None:  # a call of a kind already decided
             return out
@@ -149,7 +157,7 @@ def policy_loss(
                 config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
         if sharded:
             _refuse_under_tensor_parallelism(
-                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
+                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config, grad_scale
             )
     if sharded:
         from . import tp
@@ -165,6 +173,7 @@ def policy_loss(
         inplace, backend, return_entropy, is_weights, ref_logits=ref_logits,
         temperature=temperature, prox_logp=prox_logp, entropy_coef=entropy_coef,
         transform=transform, return_sum_pi_squared=return_sum_pi_squared,
+        grad_scale=grad_scale,
     )  # fmt: skip
 
 
@@ -183,12 +192,12 @@ def _plannable(
 
 
 def _refuse_under_tensor_parallelism(
-    prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config
+    prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config, grad_scale
 ) -> None:
-    if prox_logp is not None or entropy_coef is not None:
+    if prox_logp is not None or entropy_coef is not None or grad_scale is not None:
         raise NotImplementedError(
-            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
-            "not supported yet"
+            "prox_logp (decoupled PPO), a tensor entropy_coef and grad_scale under tensor "
+            "parallelism are not supported yet"
         )
     if return_sum_pi_squared:
         raise NotImplementedError(
@@ -331,6 +340,7 @@ class PolicyLoss(torch.nn.Module):
         tp_group=None,
         vocab_start=None,
         vocab_size=None,
+        grad_scale=None,
     ) -> LossOutput:
         """`policy_loss` with this module's config, backend, inplace and head settings; every
         other keyword as there."""
@@ -342,7 +352,7 @@ class PolicyLoss(torch.nn.Module):
             prox_logp=prox_logp, entropy_coef=entropy_coef,
             return_sum_pi_squared=return_sum_pi_squared, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, softcap=self.softcap,
-            logit_scale=self.logit_scale,
+            logit_scale=self.logit_scale, grad_scale=grad_scale,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

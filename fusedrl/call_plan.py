@@ -25,7 +25,13 @@ import torch
 
 from . import backends
 from ._autograd import with_known_grad
-from ._inputs import LossInputs, check_mask, check_normalizer, prepare_loss_inputs
+from ._inputs import (
+    LossInputs,
+    check_grad_scale,
+    check_mask,
+    check_normalizer,
+    prepare_loss_inputs,
+)
 from .config import LossConfig
 from .output import LossOutput
 
@@ -33,7 +39,7 @@ from .output import LossOutput
 # default (the entry point checks them, tests/test_call_plan.py that the two lists cover them).
 PLANNED = (
     "logits", "labels", "advantages", "mask", "old_logp", "ref_logp", "config", "normalizer",
-    "backend", "return_entropy",
+    "backend", "return_entropy", "grad_scale",
 )  # fmt: skip
 MAX_PLANS = 64  # kinds kept (least recently used dropped): a config per step must not leak
 _PLANS: OrderedDict[tuple, _Plan | None] = OrderedDict()
@@ -49,22 +55,26 @@ class _Plan:
     flat_input: bool  # [N, V] logits: the per-token tensors become [1, N]
     per_sequence_advantages: bool  # [B] advantages, broadcast over T
 
-    def run(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer) -> LossOutput:
-        inp = self.inputs(logits, labels, advantages, mask, old_logp, ref_logp, normalizer)
+    def run(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
+            grad_scale) -> LossOutput:  # fmt: skip
+        inp = self.inputs(
+            logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale
+        )
 
         def compute(grad):
             logp, entropy, terms = self.run_call(inp, grad_out=grad)
             return terms.loss, (logp, entropy, terms)
 
         loss, (logp, entropy, terms) = with_known_grad(
-            logits, inp.logits, False, self.flat_input, compute
+            logits, inp.logits, False, self.flat_input, compute, inp.grad_scale
         )
         if self.flat_input:
             logp = logp[0]
             entropy = None if entropy is None else entropy[0]
         return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
-    def inputs(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer):
+    def inputs(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
+               grad_scale=None):  # fmt: skip
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
         checks already passed (the kind's first call took them)."""
         shape = labels.shape
@@ -90,6 +100,7 @@ class _Plan:
             normalizer=check_normalizer(normalizer, logits.device),
             flat_input=self.flat_input,
             rows_masked=False,
+            grad_scale=check_grad_scale(grad_scale, logits.device),
         )
 
 
@@ -100,8 +111,19 @@ def _kind(t) -> tuple | None:
 _TENSOR = torch.Tensor
 
 
+def _number_or_kind(value) -> object:
+    """A number's or a tensor's part of the key (False: neither, the call is not planned)."""
+    if value is None:
+        return None
+    if type(value) is _TENSOR:
+        return _kind(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return "number"  # (its value checked on every call)
+    return False
+
+
 def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-         return_entropy) -> tuple | None:  # fmt: skip
+         return_entropy, grad_scale) -> tuple | None:  # fmt: skip
     """The call's kind; None where it is not planned. (Written out, not looped: a generator
     costs more than the checks.)"""
     if not (
@@ -111,34 +133,29 @@ def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalize
         and (ref_logp is None or type(ref_logp) is _TENSOR)
     ):  # (subclasses: DTensor, or a mistake the general path names)  # fmt: skip
         return None
-    if normalizer is None:
-        norm = None
-    elif type(normalizer) is _TENSOR:
-        norm = _kind(normalizer)
-    elif isinstance(normalizer, numbers.Real) and not isinstance(normalizer, bool):
-        norm = "number"  # (its value checked on every call)
-    else:
+    norm, scale = _number_or_kind(normalizer), _number_or_kind(grad_scale)
+    if norm is False or scale is False:
         return None
     return (
         id(config), backend, return_entropy, torch.is_grad_enabled(), logits.requires_grad,
-        logits.stride(-1), norm, _kind(logits), _kind(labels), _kind(advantages), _kind(mask),
-        _kind(old_logp), _kind(ref_logp),
+        logits.stride(-1), norm, scale, _kind(logits), _kind(labels), _kind(advantages),
+        _kind(mask), _kind(old_logp), _kind(ref_logp),
     )  # fmt: skip
 
 
 def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                backend, return_entropy) -> LossOutput | None:  # fmt: skip
+                backend, return_entropy, grad_scale=None) -> LossOutput | None:  # fmt: skip
     """The planned call's output, or None where the call takes the general path."""
     if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
         return None
     key = _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-               backend, return_entropy)  # fmt: skip
+               backend, return_entropy, grad_scale)  # fmt: skip
     if key is None:
         return None
     plan = _PLANS.get(key, False)
     if plan is False or (plan is not None and plan.config is not config):
         plan = _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                       backend, return_entropy)  # fmt: skip
+                       backend, return_entropy, grad_scale)  # fmt: skip
         _PLANS[key] = plan
         if len(_PLANS) > MAX_PLANS:
             _PLANS.popitem(last=False)
@@ -146,16 +163,16 @@ def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, no
         _PLANS.move_to_end(key)
     if plan is None:
         return None
-    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer)
+    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale)
 
 
 def _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy) -> _Plan | None:  # fmt: skip
+            return_entropy, grad_scale=None) -> _Plan | None:  # fmt: skip
     """The general path's checks (they raise as there) and the backend's decision."""
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
         logits, labels, advantages, mask, old_logp, ref_logp, None, cfg, normalizer,
-        mask_rows=False,
+        mask_rows=False, grad_scale=grad_scale,
     )  # fmt: skip
     impl = backends.resolve(backend, inp.logits.device)
     if not (torch.is_grad_enabled() and logits.requires_grad):

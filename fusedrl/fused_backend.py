@@ -38,6 +38,7 @@ from .token_terms import (
     max_over_valid,
     ratio_bounds,
     resolve_is_weights,
+    scaled_by,
     token_terms,
     with_rejection,
 )
@@ -306,6 +307,7 @@ def fused_token_args(
     # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
     is_weight = resolve_is_weights(old, inp, cfg)  # on every sampled token, as verl
     inp = with_rejection(inp, cfg)
+    agg = aggregation_weights(inp, cfg, weights_kernel)
     low = high = None
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
     if loss == "dcpo" or (loss in ("ppo", "cispo") and not scalar_bounds):  # per token
@@ -321,7 +323,9 @@ def fused_token_args(
         old,
         inp.ref_logp,
         is_weight,
-        aggregation_weights(inp, cfg, weights_kernel),
+        # An op that takes no grad_scale (the CUDA extension's) writes the gradient times the
+        # aggregation weights: scaled here, a [B, T] multiply (its loss comes from elsewhere).
+        agg if scalar_bounds else scaled_by(agg, inp.grad_scale),
         low,
         high,
         temperature_keywords(cfg.temperature, transform=inp.transform)[0],  # T / c under a cap
@@ -336,6 +340,13 @@ def fused_token_args(
     )
 
 
+def grad_scale_keywords(grad_scale: float | torch.Tensor) -> dict:
+    """The Triton loss kernels' keywords of a `grad_scale` (a number, or a device scalar)."""
+    if isinstance(grad_scale, torch.Tensor):
+        return {"grad_scale_tensor": grad_scale}
+    return {"grad_scale": grad_scale}
+
+
 def fused_token_keywords(
     inp: LossInputs, cfg: LossConfig, rows: slice | None = None, sums: bool = False
 ) -> dict:
@@ -345,6 +356,8 @@ def fused_token_keywords(
     keywords = temperature_keywords(temperature_of(inp, cfg), rows, inp.transform)[1]
     if inp.entropy_coef is not None:
         keywords["entropy_coef_tensor"] = inp.entropy_coef
+    if sums and inp.grad_scale is not None:  # (else agg_weight carries it: `fused_token_args`)
+        keywords.update(grad_scale_keywords(inp.grad_scale))
     if sums:
         keywords["mask"] = inp.mask
         if cfg.loss != "dcpo":  # (DCPO's bounds are per token, FUSED_ARGS's low / high)
@@ -570,9 +583,11 @@ def _with_exact_kl(
     )
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
     if grad_out is not None:
+        scale = inp.grad_scale
         ops.two_rows.grad(
-            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, scalar,
-            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy, **rows,
+            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, scaled_by(terms.dfull_kl, scale),
+            scalar, kind, 0.0, grad_out, inp.labels, entropy, scaled_by(terms.dlogp, scale),
+            scaled_by(terms.dentropy, scale), **rows,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms
 
@@ -651,7 +666,7 @@ def policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(
-            inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, scalar, grad_out,
-            **rows,
+            inp.logits, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
+            scaled_by(terms.dentropy, inp.grad_scale), scalar, grad_out, **rows,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms

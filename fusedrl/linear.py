@@ -23,7 +23,7 @@ from .sampling import check_sampling
 
 def _check_linear_loss_arguments(
     config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows, live_rows,
-    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool,
+    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool, grad_scale=None,
 ):  # fmt: skip
     """linear_policy_loss's checks of its arguments alone: (the logits' transform, the skip)."""
     full_kl = config is not None and config.full_kl
@@ -48,10 +48,10 @@ def _check_linear_loss_arguments(
             "linear_policy_loss yet: take it from linear_token_logprobs(..., "
             "return_sum_pi_squared=True, tp_group=...)"
         )
-    if (prox_logp is not None or entropy_coef is not None) and sharded:
+    if (prox_logp is not None or entropy_coef is not None or grad_scale is not None) and sharded:
         raise NotImplementedError(
-            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
-            "not supported yet"
+            "prox_logp (decoupled PPO), a tensor entropy_coef and grad_scale under tensor "
+            "parallelism are not supported yet"
         )
     if full_kl and sharded:
         raise NotImplementedError(
@@ -91,6 +91,7 @@ def linear_policy_loss(
     return_sum_pi_squared: bool = False,
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
+    grad_scale: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -139,6 +140,9 @@ def linear_policy_loss(
         live_rows: the number of rows whose mask is nonzero, when the caller knows it on the
             host (e.g. from the rollout's lengths); implies skip_masked_rows and spares the
             wait. A wrong count is a device-side assert (asynchronous on CUDA).
+        grad_scale: the factor the caller will multiply the loss by before backward, as in
+            `policy_loss`: the gradients of hidden, weight and bias are written times it (a
+            backward at that factor then touches none of them); not under tensor parallelism.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -150,7 +154,7 @@ def linear_policy_loss(
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
         transform, skip_masked_rows = _check_linear_loss_arguments(
             config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows,
-            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded,
+            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded, grad_scale,
         )  # fmt: skip
     if sharded:
         from .tp import linear as tp_linear
@@ -167,7 +171,7 @@ def linear_policy_loss(
         normalizer, bias, backend, return_entropy, is_weights, ref_weight=ref_weight,
         ref_hidden=ref_hidden, ref_bias=ref_bias, temperature=temperature, prox_logp=prox_logp,
         entropy_coef=entropy_coef, transform=transform, skip_masked_rows=skip_masked_rows,
-        live_rows=live_rows, return_sum_pi_squared=return_sum_pi_squared,
+        live_rows=live_rows, return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale,
     )  # fmt: skip
 
 

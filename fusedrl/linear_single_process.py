@@ -63,6 +63,7 @@ def linear_policy_loss(
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     return_sum_pi_squared: bool = False,
+    grad_scale=None,
 ) -> LossOutput:
     """`fusedrl.linear_policy_loss` on one process: `transform` checked, `skip_masked_rows`
     a bool (True when `live_rows` is given)."""
@@ -87,6 +88,7 @@ def linear_policy_loss(
         temperature=temperature,
         prox_logp=prox_logp,
         entropy_coef=entropy_coef,
+        grad_scale=grad_scale,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     ref_head = None
@@ -116,7 +118,9 @@ def linear_policy_loss(
     logp, entropy, terms, grads = result
     loss = terms.loss
     if any(want):
-        loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
+        loss = attach_linear_grads(
+            loss, hidden, weight, bias, inp.flat_input, want, grads, inp.grad_scale
+        )
     sum_pi_squared = None
     if return_sum_pi_squared:
         with torch.no_grad():  # the head once more at T / 2, over the whole vocabulary

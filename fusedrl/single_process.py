@@ -53,6 +53,7 @@ def policy_loss(
     entropy_coef=None,
     transform: LogitTransform | None = None,
     return_sum_pi_squared: bool = False,
+    grad_scale=None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` on one process, `transform` the model's soft cap (or None)."""
     cfg = config if config is not None else LossConfig()
@@ -73,6 +74,7 @@ def policy_loss(
         entropy_coef=entropy_coef,
         transform=transform,
         mask_rows=False,
+        grad_scale=grad_scale,
     )
     impl = backends.resolve(backend, inp.logits.device)
     if not impl.READS_RAW_ROWS:
@@ -99,7 +101,7 @@ def policy_loss(
         return terms.loss, (logp, entropy, terms, None)
 
     loss, (logp, entropy, terms, sum_sq) = with_known_grad(
-        logits, inp.logits, inplace, inp.flat_input, compute
+        logits, inp.logits, inplace, inp.flat_input, compute, inp.grad_scale
     )
     sum_pi_squared = None
     if sharp is not None:

@@ -176,6 +176,12 @@ def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> t
     return _per_inputs(inp, key, lambda: _train_inference_weights(old, inp, cfg))
 
 
+def scaled_by(t: torch.Tensor | None, grad_scale) -> torch.Tensor | None:
+    """A [B, T] derivative times the call's `grad_scale` (None: as it is): what a pass that
+    writes the gradient from it then writes already scaled (`LossInputs.grad_scale`)."""
+    return t if t is None or grad_scale is None else t * grad_scale
+
+
 @dataclass
 class TokenTerms:
     loss: torch.Tensor  # 0-dim fp32

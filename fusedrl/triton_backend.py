@@ -160,7 +160,8 @@ def sampled_set(
 # metrics, its third output (`FusedOps.fused_sums`, added up by `token_loss_sums`).
 _ROW_TEMPS = (
     "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
-    "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0"
+    "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0, "
+    "float grad_scale=1.0, Tensor? grad_scale_tensor=None"
 )
 torch.library.define(
     "fusedrl::fused_token_loss",

@@ -90,6 +90,7 @@ def _fused_token_loss_kernel(
     partials_ptr,
     temperature_ptr,
     entropy_coef_ptr,
+    grad_scale_ptr,
     time,
     vocab,
     stride_b,
@@ -109,6 +110,7 @@ def _fused_token_loss_kernel(
     tau_neg,
     beta,
     entropy_coef,
+    grad_scale,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     HAS_DELTA: tl.constexpr,
@@ -119,6 +121,7 @@ def _fused_token_loss_kernel(
     HAS_BOUNDS: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
     ENTROPY_COEF_FROM_PTR: tl.constexpr,
+    GRAD_SCALE_FROM_PTR: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SUM_PI_SQUARED: tl.constexpr,
@@ -132,6 +135,8 @@ def _fused_token_loss_kernel(
     as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). SUM_PI_SQUARED: sweep 1 also sums
     sum_v pi_v^2 per row into sum_sq_ptr (the Optimal Token Baseline's input), one FFMA per
     element more. HAS_BOUNDS: per-token ratio bounds (DCPO), else low_bound / high_bound.
+    grad_scale (or, GRAD_SCALE_FROM_PTR, a device scalar): the factor the caller multiplies the
+    loss by before backward; the gradient is written times it, the loss and its sums are not.
 
     Each program also sums, over its counted rows, the token's loss term (times its
     aggregation weight) and the metrics' mask-weighted values (SUM_SLOTS) into its row of
@@ -140,6 +145,9 @@ def _fused_token_loss_kernel(
     bonus_coef = entropy_coef
     if ENTROPY_COEF_FROM_PTR:
         bonus_coef = tl.load(entropy_coef_ptr)
+    scale_grad = grad_scale
+    if GRAD_SCALE_FROM_PTR:
+        scale_grad = tl.load(grad_scale_ptr)
     slots = tl.arange(0, SUM_WIDTH)
     sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
@@ -243,8 +251,8 @@ def _fused_token_loss_kernel(
                 row_scale2,
                 lse,
                 entropy,
-                d_token * agg_weight,
-                dentropy,
+                d_token * agg_weight * scale_grad,
+                dentropy * scale_grad,
                 cap2,
                 "evict_first",
                 ENTROPY_BONUS,
@@ -269,12 +277,12 @@ def _fused_token_loss_kernel(
 def _variant_launch(
     block, elem_bytes, device, temperature, cap, loss, dual_clip_c, delta, tau_pos, tau_neg, kl,
     beta, entropy_coef, low_bound, high_bound, has_old, has_ref, has_is, has_bounds, row_temps,
-    coef_tensor, sum_sq,
+    coef_tensor, sum_sq, scale_tensor,
 ) -> tuple[tuple, dict]:  # fmt: skip
-    """(the kernel's scalars after the strides, its constexprs and launch options): functions of
-    the variant, the vocab tile and the device alone, worked out once per variant. At a
-    4k-token micro-batch the host's time is the loss's, and these are a third of the
-    launcher's."""
+    """(the kernel's scalars from the strides to grad_scale, its constexprs and launch
+    options): functions of the variant, the vocab tile and the device alone, worked out once
+    per variant. At a 4k-token micro-batch the host's time is the loss's, and these are a third
+    of the launcher's."""
     scalars = (
         1.0 / temperature,
         LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
@@ -291,6 +299,7 @@ def _variant_launch(
     constexprs = dict(
         **variant,
         HAS_OLD=has_old,
+        GRAD_SCALE_FROM_PTR=scale_tensor,
         ROW_TEMPERATURE=row_temps,
         SOFTCAP=cap is not None,
         SUM_PI_SQUARED=sum_sq,
@@ -336,6 +345,8 @@ def fused_token_loss(
     mask: torch.Tensor | None = None,
     low_bound: float = 0.0,
     high_bound: float = 0.0,
+    grad_scale: float = 1.0,
+    grad_scale_tensor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
@@ -347,7 +358,9 @@ def fused_token_loss(
     `row_temps`: per-token temperatures, in place of `temperature`; `entropy_coef_tensor`: a
     one-element device tensor, the entropy coefficient in place of `entropy_coef` (the bonus then
     always applies); `cap`: a soft cap's a = s / c, the rows read as tanh(a x) at `temperature`
-    T / c; `sum_sq`: a [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows)."""
+    T / c; `sum_sq`: a [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows);
+    `grad_scale` (or `grad_scale_tensor`, a one-element device tensor in its place): the factor
+    the gradient is written times (the caller's loss multiplier)."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -360,7 +373,7 @@ def fused_token_loss(
         block, logits.element_size(), logits.device, temperature, cap, loss, dual_clip_c, delta,
         tau_pos, tau_neg, kl, beta, entropy_coef, low_bound, high_bound, old_logp is not None,
         ref_logp is not None, is_weight is not None, low is not None, row_temps is not None,
-        entropy_coef_tensor is not None, sum_sq is not None,
+        entropy_coef_tensor is not None, sum_sq is not None, grad_scale_tensor is not None,
     )  # fmt: skip
 
     def flat(t: torch.Tensor | None) -> torch.Tensor:
@@ -386,6 +399,7 @@ def fused_token_loss(
         partials,
         row_temperature_arg(row_temps, logp),
         logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
+        logp if grad_scale_tensor is None else grad_scale_tensor.float().reshape(1),
         time,
         vocab,
         logits.stride(0),
@@ -395,6 +409,7 @@ def fused_token_loss(
         grad.stride(0),
         grad.stride(1),
         *scalars,
+        float(grad_scale),  # (per call: not a variant's)
         **constexprs,
     )
     return logp, entropy, partials

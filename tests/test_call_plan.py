@@ -71,13 +71,14 @@ def test_planned_inputs_equal_prepare_loss_inputs(kind, normalizer):
     cfg = fusedrl.LossConfig.preset("dapo" if kind != "kl" else "grpo")
     data = _kind_batch(0, **KINDS[kind])
     norm = torch.tensor(23.0) if normalizer == "tensor" else normalizer
+    scale = torch.tensor(0.5) if normalizer == "tensor" else 0.25 if normalizer else None
     data["labels"] = data["labels"].int()  # (int32 labels: the plan widens them as the checks do)
     logits = data["logits"].requires_grad_(True)
     args = _args({**data, "logits": logits}, cfg, norm)
-    plan = call_plan._decide(*args, "triton", False)
+    plan = call_plan._decide(*args, "triton", False, scale)
     assert plan is not None, f"{kind}: not planned"
-    got = plan.inputs(*args[:6], norm)
-    want = prepare_loss_inputs(*args[:6], None, cfg, norm, mask_rows=False)
+    got = plan.inputs(*args[:6], norm, scale)
+    want = prepare_loss_inputs(*args[:6], None, cfg, norm, mask_rows=False, grad_scale=scale)
     for field in dataclasses.fields(want):
         a, b = getattr(got, field.name), getattr(want, field.name)
         if isinstance(b, torch.Tensor):

@@ -334,15 +334,26 @@ def test_clip_extreme_metrics_match_trl(sign, model_dir, tokenizer, tmp_path):
     assert 0.0 < metrics[name][0] < 1.0
 
 
+@pytest.mark.parametrize("lm_head", [False, True])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_parity_with_gradient_accumulation(loss_type, model_dir, tokenizer, tmp_path):
+def test_parity_with_gradient_accumulation(loss_type, lm_head, model_dir, tokenizer, tmp_path,
+                                           monkeypatch):  # fmt: skip
     """Mid-window micro-batch of 2 accumulation steps, a generation batch of 1 step: TRL divides
-    grpo's loss by the steps and rescales dapo's token count by steps / steps_per_generation."""
+    grpo's loss by the steps and rescales dapo's token count by steps / steps_per_generation.
+    The fused loss writes its gradient already divided (grad_scale): backward rescales none."""
+    from fusedrl import _autograd
+
     args = _args(tmp_path, loss_type=loss_type)
     trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    trainers[1].fused_lm_head = lm_head
     for trainer in trainers:
         trainer.current_gradient_accumulation_steps = 2
+    factors = []
+    real = _autograd.scale_unless_one
+    monkeypatch.setattr(_autograd, "scale_unless_one",
+                        lambda g, f: factors.append(float(f)) or real(g, f))  # fmt: skip
     _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=5))
+    assert factors and set(factors) == {1.0}, factors
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

@@ -271,6 +271,9 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
+        if tp_group is not None:  # (no grad_scale under tensor parallelism yet: rescaled)
+            rows_args = {k: v for k, v in rows_args.items() if k != "grad_scale"}
+
         def policy_loss(advantages):
             return fusedrl.linear_policy_loss(
                 hidden, weight, sub.labels, advantages, sub.mask, bias=bias,
@@ -387,6 +390,8 @@ def accumulate_gradients(
         )  # fmt: skip
         if entropy_coef is not None:
             rows_args["entropy_coef"] = entropy_coef
+        if scale != 1.0:  # the gradient written times it: backward then rescales nothing
+            rows_args["grad_scale"] = scale
         if decoupled:  # the recomputed log-probs are the proximal policy, vLLM's the behaviour
             # (rollout_logp stays: the rejection and trust-region rules measure prox against it)
             rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp)

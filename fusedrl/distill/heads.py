@@ -31,7 +31,13 @@ from ..linear_torch import (
     token_level_derivatives,
 )
 from ..logit_transform import LogitTransform
-from ..token_terms import TokenTerms, aggregation_weights, token_terms, with_rejection
+from ..token_terms import (
+    TokenTerms,
+    aggregation_weights,
+    scaled_by,
+    token_terms,
+    with_rejection,
+)
 
 # Both heads' logits chunks together: 256 MiB (441 rows of each at V = 151936 in bf16).
 PAIR_CHUNK_BYTES = 256 * 2**20
@@ -212,7 +218,7 @@ def policy_loss_with_reference(
     temperature = temperature_of(inp, cfg)
     if any(want) and not needs_two_passes(inp, cfg):
         agg = aggregation_weights(with_rejection(inp, cfg), cfg)
-        dfull_kl = torch.where(inp.valid, cfg.beta * agg, 0.0)
+        dfull_kl = scaled_by(torch.where(inp.valid, cfg.beta * agg, 0.0), inp.grad_scale)
         stats, grads = pair_sweep(
             lin, head, ops, code, 0.0, temperature, want, dfull_kl,
             # the exact KL's share goes to the kernel as its own weight (dfull_kl): the policy's
@@ -225,7 +231,9 @@ def policy_loss_with_reference(
     terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
     if any(want) and grads is None:
 
-        dlogp_rows, dentropy_rows = flat_rows(lin, terms.dlogp), flat_rows(lin, terms.dentropy)
+        scale = inp.grad_scale  # (the gradients written times the caller's loss factor)
+        dlogp_rows = flat_rows(lin, scaled_by(terms.dlogp, scale))
+        dentropy_rows = flat_rows(lin, scaled_by(terms.dentropy, scale))
 
         def known(start, stop, logp, entropy):
             return (
@@ -234,6 +242,7 @@ def policy_loss_with_reference(
             )
 
         _, grads = pair_sweep(
-            lin, head, ops, code, 0.0, temperature, want, terms.dfull_kl, known, saved=stats
-        )
+            lin, head, ops, code, 0.0, temperature, want, scaled_by(terms.dfull_kl, scale), known,
+            saved=stats,
+        )  # fmt: skip
     return logp, entropy, terms, grads

@@ -400,6 +400,9 @@ class FusedGRPOTrainer(GRPOTrainer):
         # TRL scales every term but the dapo/cispo/vespo policy loss (whose normaliser already holds
         # the accumulation steps) for gradient accumulation; eval does not accumulate.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type not in TOKEN_COUNT_LOSSES and accumulation != 1:
+            # The loss is divided by it below: the gradient is written so (no rescale pass).
+            loss_args["grad_scale"] = 1.0 / accumulation
         bonus_coef = None
         if self._entropy_bonus_enabled:
             bonus_coef = self._applied_entropy_coef()
