@@ -64,6 +64,12 @@ class LossInputs:
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """`t` out of autograd: itself when it is already (a detach() is a new tensor, a
+    microsecond of the host's time on every input of every call)."""
+    return t.detach() if t.requires_grad else t
+
+
 def temperature_of(inp: LossInputs, cfg) -> float | torch.Tensor:
     """The temperature the backends divide the logits by: per token, or the config's."""
     return inp.row_temps if inp.row_temps is not None else cfg.temperature
@@ -275,12 +281,15 @@ def labels_in_range(labels: torch.Tensor, valid: torch.Tensor | None, vocab: int
 def check_labels_counted(labels_ok: torch.Tensor, inp: LossInputs) -> None:
     """Raise (CPU) or queue a device assert unless `labels_ok` (a 0-dim float, the kernels' own
     check of the labels they read: 1.0 when every counted label lay in [0, V)) holds."""
-    message = f"labels must be in [0, {inp.logits.shape[-1]}) where mask is set"
     if labels_ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(labels_ok):
-            raise ValueError(message)
+            raise ValueError(_labels_message(inp))
     else:
-        torch._assert_async(labels_ok, message)
+        torch._assert_async(labels_ok, _labels_message(inp))
+
+
+def _labels_message(inp: LossInputs) -> str:
+    return f"labels must be in [0, {inp.logits.shape[-1]}) where mask is set"
 
 
 def _per_token(
@@ -298,7 +307,7 @@ def _per_token(
         raise ValueError(f"{name} shape {tuple(value.shape)} must be {shape} (the shape of labels)")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but logits are on {device}")
-    return value.detach().float()
+    return detached(value).float()
 
 
 def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -312,8 +321,8 @@ def check_mask(mask: object, shape: tuple[int, ...], device: torch.device) -> to
     if mask.is_complex():
         raise TypeError(f"mask must be bool or real, got dtype {mask.dtype}")
     if mask.dtype == torch.bool:  # 0 / 1: nothing to check, nothing to launch
-        return mask.detach()
-    weights = mask.detach().float()
+        return detached(mask)
+    weights = detached(mask).float()
     # A negative weight would flip the token's gradient, a NaN one poison the loss: neither is a
     # mask. Checked exactly on CPU; queued on the device elsewhere (no host sync).
     if mask.dtype.is_floating_point:
@@ -350,9 +359,9 @@ def check_advantages(
         raise ValueError(f"{name} are on {advantages.device} but logits are on {device}")
     batch = shape[0]
     if not flat_input and advantages.dim() == 1 and advantages.shape[0] == batch:
-        return advantages.detach().float()[:, None].expand(shape)
+        return detached(advantages).float()[:, None].expand(shape)
     if tuple(advantages.shape) == shape:
-        return advantages.detach().float()
+        return detached(advantages).float()
     expected = f"{shape}" if flat_input else f"[{batch}] (one per sequence) or {list(shape)}"
     raise ValueError(f"{name} shape {tuple(advantages.shape)} must be {expected}")
 

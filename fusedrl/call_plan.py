@@ -30,6 +30,7 @@ from ._inputs import (
     check_grad_scale,
     check_mask,
     check_normalizer,
+    detached,
     prepare_loss_inputs,
 )
 from .config import LossConfig
@@ -78,23 +79,21 @@ class _Plan:
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
         checks already passed (the kind's first call took them)."""
         shape = labels.shape
-        checked_mask = check_mask(mask, shape, logits.device)  # (a weight mask: its values)
-        valid = checked_mask if checked_mask.dtype == torch.bool else checked_mask != 0
-        advantages = advantages.detach().float()
+        if mask.dtype == torch.bool:  # (its metadata is the kind's: nothing else to check)
+            checked_mask = valid = detached(mask)
+        else:  # a weight mask: its values, on every call
+            checked_mask = check_mask(mask, shape, logits.device)
+            valid = checked_mask != 0
+        advantages = detached(advantages).float()
         if self.per_sequence_advantages:
-            advantages = advantages[:, None].expand(shape)
-
-        def rows(t):
-            return None if t is None else t.unsqueeze(0) if self.flat_input else t
-
+            advantages = advantages.unsqueeze(1).expand(shape)
+        old = None if old_logp is None else detached(old_logp).float()
+        ref = None if ref_logp is None else detached(ref_logp).float()
+        tensors = (logits, labels.long(), advantages, checked_mask, valid, old, ref)
+        if self.flat_input:  # [N, V]: one row of tokens
+            tensors = tuple(None if t is None else t.unsqueeze(0) for t in tensors)
         return LossInputs(
-            logits=rows(logits),
-            labels=rows(labels.long()),
-            advantages=rows(advantages),
-            mask=rows(checked_mask),
-            valid=rows(valid),
-            old_logp=rows(None if old_logp is None else old_logp.detach().float()),
-            ref_logp=rows(None if ref_logp is None else ref_logp.detach().float()),
+            *tensors,
             rollout_logp=None,
             is_weights=None,
             normalizer=check_normalizer(normalizer, logits.device),

@@ -307,7 +307,10 @@ def fused_token_args(
     # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
     is_weight = resolve_is_weights(old, inp, cfg)  # on every sampled token, as verl
     inp = with_rejection(inp, cfg)
-    agg = aggregation_weights(inp, cfg, weights_kernel)
+    if scalar_bounds and mask_aggregation(inp, cfg) is not None:
+        agg = inp.mask  # (not read: the kernel weighs the mask itself, `fused_token_keywords`)
+    else:
+        agg = aggregation_weights(inp, cfg, weights_kernel)
     low = high = None
     loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
     if loss == "dcpo" or (loss in ("ppo", "cispo") and not scalar_bounds):  # per token
@@ -340,6 +343,23 @@ def fused_token_args(
     )
 
 
+def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
+    """Where each token's aggregation weight is its mask weight over one number, that number,
+    for the fused kernel to weigh the mask itself (AGG_FROM_MASK: no weights launch before it):
+    token-mean's normalizer, or 0.0 for the kernel to count the mask; seq-mean-token-sum-norm's
+    N x C (token_terms.aggregation_weights's formulas). None where a weight needs a sequence's
+    count (seq-mean-*), a device normalizer, or rejection's mask."""
+    if cfg.rejection_rules or isinstance(inp.normalizer, torch.Tensor):
+        return None
+    if cfg.agg == "token-mean":
+        return 0.0 if inp.normalizer is None else float(inp.normalizer)
+    if cfg.agg == "seq-mean-token-sum-norm":
+        batch, time = inp.labels.shape
+        sequences = float(batch) if inp.normalizer is None else float(inp.normalizer)
+        return sequences * (float(time) if cfg.norm_constant is None else cfg.norm_constant)
+    return None
+
+
 def grad_scale_keywords(grad_scale: float | torch.Tensor) -> dict:
     """The Triton loss kernels' keywords of a `grad_scale` (a number, or a device scalar)."""
     if isinstance(grad_scale, torch.Tensor):
@@ -358,6 +378,9 @@ def fused_token_keywords(
         keywords["entropy_coef_tensor"] = inp.entropy_coef
     if sums and inp.grad_scale is not None:  # (else agg_weight carries it: `fused_token_args`)
         keywords.update(grad_scale_keywords(inp.grad_scale))
+    denominator = mask_aggregation(inp, cfg) if sums else None
+    if denominator is not None:
+        keywords.update(agg_from_mask=True, agg_denominator=denominator)
     if sums:
         keywords["mask"] = inp.mask
         if cfg.loss != "dcpo":  # (DCPO's bounds are per token, FUSED_ARGS's low / high)

@@ -161,7 +161,8 @@ def sampled_set(
 _ROW_TEMPS = (
     "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
     "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0, "
-    "float grad_scale=1.0, Tensor? grad_scale_tensor=None"
+    "float grad_scale=1.0, Tensor? grad_scale_tensor=None, bool agg_from_mask=False, "
+    "float agg_denominator=0.0"
 )
 torch.library.define(
     "fusedrl::fused_token_loss",
@@ -369,13 +370,14 @@ READS_RAW_ROWS = True  # backends.Backend: fused_backend masks the rows where to
 OPS = FusedOps(
     _eager_or_traced(logprobs_fwd),
     _eager_or_traced(logits_grad),
-    _eager_or_traced(fused_token_loss, _fused_token_loss),
+    # (eagerly, the launchers themselves: a call's frames are a 4k-token micro-batch's time)
+    _eager_or_traced(fused_token_loss, _kernels().token_loss.fused_token_loss),
     _eager_or_traced(fused_token_loss_inplace, _fused_token_loss_inplace),
     _eager_or_traced(sampled_set),
     TWO_ROWS,
     logprobs_squares=_eager_or_traced(logprobs_squares_fwd),
     loss_squares=True,
-    token_loss_sums=_eager_or_traced(token_loss_sums),
+    token_loss_sums=_eager_or_traced(token_loss_sums, _kernels().loss_sums.token_loss_sums),
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
     fused_sums=True,
     aggregation_weights=aggregation_weights,

@@ -69,6 +69,9 @@ CROSSED_SWITCHES = (
 )
 
 
+BLOCK_COUNT = tl.constexpr(1024)  # mask weights per load of AGG_FROM_MASK's count
+
+
 @triton.jit
 def _fused_token_loss_kernel(
     rows,
@@ -111,6 +114,7 @@ def _fused_token_loss_kernel(
     beta,
     entropy_coef,
     grad_scale,
+    agg_denominator,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     HAS_DELTA: tl.constexpr,
@@ -122,6 +126,7 @@ def _fused_token_loss_kernel(
     ENTROPY_BONUS: tl.constexpr,
     ENTROPY_COEF_FROM_PTR: tl.constexpr,
     GRAD_SCALE_FROM_PTR: tl.constexpr,
+    AGG_FROM_MASK: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SUM_PI_SQUARED: tl.constexpr,
@@ -137,6 +142,10 @@ def _fused_token_loss_kernel(
     element more. HAS_BOUNDS: per-token ratio bounds (DCPO), else low_bound / high_bound.
     grad_scale (or, GRAD_SCALE_FROM_PTR, a device scalar): the factor the caller multiplies the
     loss by before backward; the gradient is written times it, the loss and its sums are not.
+    AGG_FROM_MASK: each token's aggregation weight is its mask weight over agg_denominator
+    (token-mean's normalizer, B x norm_constant), or, where that is 0, over the counted tokens'
+    total, which every program sums first (a read of the [B, T] mask, against the rows'
+    [B, T, V]): no weights kernel before this one.
 
     Each program also sums, over its counted rows, the token's loss term (times its
     aggregation weight) and the metrics' mask-weighted values (SUM_SLOTS) into its row of
@@ -148,6 +157,14 @@ def _fused_token_loss_kernel(
     scale_grad = grad_scale
     if GRAD_SCALE_FROM_PTR:
         scale_grad = tl.load(grad_scale_ptr)
+    denominator = agg_denominator
+    if AGG_FROM_MASK:
+        if agg_denominator == 0.0:  # token-mean: the counted tokens' mask weight
+            total = tl.zeros([BLOCK_COUNT], dtype=tl.float32)
+            for start in range(0, rows, BLOCK_COUNT):
+                index = start + tl.arange(0, BLOCK_COUNT)
+                total += tl.load(mask_ptr + index, mask=index < rows, other=0).to(tl.float32)
+            denominator = tl.maximum(tl.sum(total), 1e-8)
     slots = tl.arange(0, SUM_WIDTH)
     sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
@@ -166,7 +183,10 @@ def _fused_token_loss_kernel(
             # stats loop's unrolling needs them).
             sums += slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
             adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
-            agg_weight = tl.load(agg_weight_ptr + row)
+            if AGG_FROM_MASK:
+                agg_weight = tl.load(mask_ptr + row).to(tl.float32) / denominator
+            else:
+                agg_weight = tl.load(agg_weight_ptr + row)
             old = 0.0
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -277,7 +297,7 @@ def _fused_token_loss_kernel(
 def _variant_launch(
     block, elem_bytes, device, temperature, cap, loss, dual_clip_c, delta, tau_pos, tau_neg, kl,
     beta, entropy_coef, low_bound, high_bound, has_old, has_ref, has_is, has_bounds, row_temps,
-    coef_tensor, sum_sq, scale_tensor,
+    coef_tensor, sum_sq, scale_tensor, agg_from_mask,
 ) -> tuple[tuple, dict]:  # fmt: skip
     """(the kernel's scalars from the strides to grad_scale, its constexprs and launch
     options): functions of the variant, the vocab tile and the device alone, worked out once
@@ -300,6 +320,7 @@ def _variant_launch(
         **variant,
         HAS_OLD=has_old,
         GRAD_SCALE_FROM_PTR=scale_tensor,
+        AGG_FROM_MASK=agg_from_mask,
         ROW_TEMPERATURE=row_temps,
         SOFTCAP=cap is not None,
         SUM_PI_SQUARED=sum_sq,
@@ -347,6 +368,8 @@ def fused_token_loss(
     high_bound: float = 0.0,
     grad_scale: float = 1.0,
     grad_scale_tensor: torch.Tensor | None = None,
+    agg_from_mask: bool = False,
+    agg_denominator: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
@@ -360,7 +383,9 @@ def fused_token_loss(
     always applies); `cap`: a soft cap's a = s / c, the rows read as tanh(a x) at `temperature`
     T / c; `sum_sq`: a [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows);
     `grad_scale` (or `grad_scale_tensor`, a one-element device tensor in its place): the factor
-    the gradient is written times (the caller's loss multiplier)."""
+    the gradient is written times (the caller's loss multiplier); `agg_from_mask`: the
+    aggregation weights are the mask weights (`mask`, else `valid`) over `agg_denominator`, or
+    over their total where that is 0, and `agg_weight` is not read."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -374,6 +399,7 @@ def fused_token_loss(
         tau_pos, tau_neg, kl, beta, entropy_coef, low_bound, high_bound, old_logp is not None,
         ref_logp is not None, is_weight is not None, low is not None, row_temps is not None,
         entropy_coef_tensor is not None, sum_sq is not None, grad_scale_tensor is not None,
+        agg_from_mask,
     )  # fmt: skip
 
     def flat(t: torch.Tensor | None) -> torch.Tensor:
@@ -390,7 +416,7 @@ def fused_token_loss(
         flat(old_logp),
         flat(ref_logp),
         flat(is_weight),
-        flat(agg_weight),
+        flat(None if agg_from_mask else agg_weight),
         flat(low),
         flat(high),
         logp,
@@ -410,6 +436,7 @@ def fused_token_loss(
         grad.stride(1),
         *scalars,
         float(grad_scale),  # (per call: not a variant's)
+        float(agg_denominator),
         **constexprs,
     )
     return logp, entropy, partials

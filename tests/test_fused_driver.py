@@ -4,6 +4,7 @@ fused op receives (`fused_token_args`, in FUSED_ARGS's order)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -209,6 +210,54 @@ def test_kernel_sums_of_an_all_masked_batch_and_a_nan_input(monkeypatch):
     for key, value in want.metrics.items():
         torch.testing.assert_close(ours.metrics[key], value, equal_nan=True, msg=key)
     assert torch.isfinite(want.metrics["clipfrac"]) and torch.isnan(want.metrics["ppo_kl"])
+
+
+# The aggregation modes and normalizers whose weights are the mask's over one number, which
+# the fused kernel weighs itself (AGG_FROM_MASK), and those that take the weights kernel.
+AGG_CASES = {
+    "token-mean": ("token-mean", None, True),
+    "token-mean-number": ("token-mean", 23.0, True),
+    "token-mean-tensor": ("token-mean", "tensor", False),
+    "sum-norm": ("seq-mean-token-sum-norm", None, True),
+    "sum-norm-number": ("seq-mean-token-sum-norm", 5.0, True),
+    "seq-mean": ("seq-mean-token-mean", None, False),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("weights", ["bool", "fractional"])
+@pytest.mark.parametrize("case", sorted(AGG_CASES))
+def test_the_fused_kernel_weighs_the_mask_itself(case, weights, monkeypatch):
+    """token-mean and seq-mean-token-sum-norm with no device normalizer: no weights launch, the
+    kernel counts or scales the mask; loss and gradient equal the oracle's, a fractional mask's
+    weights and an all-masked batch (loss and gradient 0) included."""
+    from fusedrl import triton_backend
+
+    agg, normalizer, in_kernel = AGG_CASES[case]
+    weight_calls = []
+    real = triton_backend.OPS.aggregation_weights
+
+    def spy(*args):
+        weight_calls.append(args[1])
+        return real(*args)
+
+    _use_ops(monkeypatch, dataclasses.replace(triton_backend.OPS, aggregation_weights=spy))
+    cfg = LossConfig.preset("dapo").replace(agg=agg)
+    data = make_batch(batch=3, time=6, vocab=67, seed=8, per_token_adv=True, old_noise=0.1)
+    data.pop("rollout_logp"), data.pop("ref_logp")
+    if weights == "fractional":
+        gen = torch.Generator().manual_seed(9)
+        data["mask"] = data["mask"] * (0.25 + torch.rand(data["mask"].shape, generator=gen))
+    norm = torch.tensor(23.0) if normalizer == "tensor" else normalizer
+    ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="triton", normalizer=norm)
+    want, want_grad = run_loss(reference.policy_loss, data, cfg, normalizer=norm)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-7)
+    assert grad.abs().sum() > 0
+    assert bool(weight_calls) != in_kernel, weight_calls
+    masked = {**data, "mask": torch.zeros_like(data["mask"])}
+    out, grad = run_loss(fusedrl.policy_loss, masked, cfg, backend="triton", normalizer=norm)
+    assert float(out.loss) == 0.0 and not grad.any()
 
 
 # ------------------------------------------------------------ the two-pass terms kernel
