@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -71,20 +72,33 @@ SMOKE_NOTE = "smoke run, not a measurement"
 # DAPO on raw logits of a soft-capped head (Gemma 2/3's cap of 30: the kernels apply c tanh(x / c)
 # as they read, floor 1R + 1W, Triton's and the CUDA extension's; eager caps an fp32 copy first;
 # Liger has no cap).
+# Gradient accumulation over 4 micro-batches (every impl backpropagates loss / 4): fusedrl
+# declares the factor (`grad_scale=`, "accum4": the gradient written at it) or not
+# ("accum4_rescaled": backward rescales the whole gradient, a second 1R + 1W).
 BENCH_PRESETS = {
     "full_kl": dict(preset="dapo", kl="full", beta=0.04),
     "softcap": dict(preset="dapo", softcap=30.0),
+    "accum4": dict(preset="dapo", upstream=0.25, declared=True),
+    "accum4_rescaled": dict(preset="dapo", upstream=0.25, declared=False),
 }
+CASE_KEYS = ("softcap", "upstream", "declared")  # what a case takes beside its LossConfig
 
 
 def bench_config(preset: str) -> LossConfig:
     extra = dict(BENCH_PRESETS.get(preset, {"preset": preset}))
-    extra.pop("softcap", None)
+    for key in CASE_KEYS:
+        extra.pop(key, None)
     return LossConfig.preset(extra.pop("preset"), **extra)
 
 
 def bench_softcap(preset: str) -> float | None:
     return BENCH_PRESETS.get(preset, {}).get("softcap")
+
+
+def bench_upstream(preset: str) -> tuple[float, bool]:
+    """(the factor every impl multiplies its loss by, whether fusedrl declares it)."""
+    extra = BENCH_PRESETS.get(preset, {})
+    return extra.get("upstream", 1.0), extra.get("declared", False)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -185,6 +199,7 @@ class Case:
         gen = torch.Generator(device=device).manual_seed(0)
         self.cfg = bench_config(preset)
         self.softcap = bench_softcap(preset)
+        self.upstream, self.declared = bench_upstream(preset)
         self.batch = sequences
         self.time = n // sequences
         shape = (self.batch, self.time, vocab)
@@ -223,6 +238,12 @@ class Case:
         return Inputs(
             buf if with_extra_position else buf[:, :-1], self.old[i], self.ref[i], ref_logits
         )
+
+    def peek(self) -> Inputs:
+        """What the next `take` returns (a [B, T, V] view), without taking it."""
+        i = self._next % len(self.buffers)
+        ref_logits = None if self.ref_logits is None else self.ref_logits[i]
+        return Inputs(self.buffers[i][:, :-1], self.old[i], self.ref[i], ref_logits)
 
     def restore_next(self) -> None:
         """Rewrite the buffer that the next `take` returns from its pristine copy."""
@@ -304,6 +325,8 @@ def make_step(op: str, impl: str, case: Case):
 
     def loss_kwargs(inp: Inputs):
         cap = {} if case.softcap is None else {"softcap": case.softcap}
+        if case.declared and impl.startswith("fusedrl"):
+            cap["grad_scale"] = case.upstream
         if cfg.full_kl:
             return dict(old_logp=inp.old, ref_logits=inp.ref_logits, config=cfg, **cap)
         ref = inp.ref if cfg.beta > 0 else None
@@ -349,20 +372,20 @@ def make_step(op: str, impl: str, case: Case):
                 inplace=inplace,
                 **loss_kwargs(inp),
             )
-            torch.autograd.grad(out.loss, inp.logits)
+            return out.loss, torch.autograd.grad(out.loss * case.upstream, inp.logits)[0]
     elif impl == "torch-eager":
 
         def step():
             inp = _leaf(case.take())
             loss = trl_style_loss(inp.logits, case, inp.old, inp.ref, inp.ref_logits)
-            torch.autograd.grad(loss, inp.logits)
+            return loss, torch.autograd.grad(loss * case.upstream, inp.logits)[0]
     elif impl == "torch-compile":
         fn = torch.compile(reference.policy_loss)
 
         def step():
             inp = _leaf(case.take())
             out = fn(inp.logits, case.labels, case.advantages, case.mask, **loss_kwargs(inp))
-            torch.autograd.grad(out.loss, inp.logits)
+            return out.loss, torch.autograd.grad(out.loss * case.upstream, inp.logits)[0]
     elif impl == "liger":
         if cfg.full_kl or case.softcap is not None:
             return None  # Liger's GRPO loss has no exact KL over the vocabulary, no soft cap
@@ -370,10 +393,55 @@ def make_step(op: str, impl: str, case: Case):
 
         def step():
             inp = _leaf(case.take(with_extra_position=True))
-            torch.autograd.grad(run(case, inp), inp.logits)
+            loss = run(case, inp)
+            grad = torch.autograd.grad(loss * case.upstream, inp.logits)[0]
+            return loss, grad[:, :-1]  # (the extra position Liger drops: no gradient)
     else:
         raise ValueError(impl)
     return step
+
+
+# Before a preset's cases are timed, each impl's loss and gradient are checked against
+# fusedrl.reference in fp32 on the same inputs: a small case of the same preset, vocabulary and
+# dtype (the oracle's fp32 copies of a timed case would not fit beside it).
+VERIFY_TOKENS = 256
+LOSS_RTOL, GRAD_TOL = 2e-3, 2e-2  # loss relative; gradient: max |diff| / max |oracle's|
+
+
+def verify_impls(impls, device, dtype, vocab: int, preset: str, sequences: int) -> dict:
+    """impl -> "ok", or what differs from the oracle's loss / gradient, on a small case."""
+    case = Case(VERIFY_TOKENS, vocab, preset, dtype, device, 1, min(sequences, VERIFY_TOKENS),
+                pristine=any(i in INPLACE_IMPLS for i in impls))  # fmt: skip
+    cfg, found = case.cfg, {}
+    for impl in impls:
+        step = make_step("policy_loss_fwd_bwd", impl, case)
+        if step is None:
+            continue
+        if case.pristine is not None:
+            case.restore_all()
+        inp = case.peek()
+        logits = inp.logits.detach().float().requires_grad_(True)
+        extra = {"ref_logits": inp.ref_logits.float()} if cfg.full_kl else {}
+        want = reference.policy_loss(
+            logits, case.labels, case.advantages, case.mask, old_logp=inp.old,
+            ref_logp=inp.ref if cfg.beta > 0 and not cfg.full_kl else None, config=cfg,
+            softcap=case.softcap, **extra,
+        )  # fmt: skip
+        (want_grad,) = torch.autograd.grad(want.loss * case.upstream, logits)
+        loss, grad = step()
+        loss, want_loss = float(loss.detach()), float(want.loss.detach())
+        loss_gap = abs(loss - want_loss)
+        grad_gap = float((grad.float() - want_grad).abs().max())
+        scale = float(want_grad.abs().max())
+        if loss_gap > LOSS_RTOL * abs(want_loss) + 1e-5:
+            found[impl] = f"loss {loss:.6g} vs the oracle's {want_loss:.6g}"
+        elif grad_gap > GRAD_TOL * scale + 1e-9:
+            found[impl] = f"gradient off by {grad_gap:.3g} (the oracle's largest {scale:.3g})"
+        else:
+            found[impl] = "ok"
+    if case.pristine is not None:
+        case.restore_all()
+    return found
 
 
 def floor_bytes(op: str, case: Case) -> int:
@@ -501,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": _device_name(device),
         "torch": torch.__version__,
         "triton": _version("triton"),
-        "liger_kernel": _version("liger_kernel"),
+        "liger_kernel": _version("liger-kernel"),
         "commit": _git_commit(),
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy_bandwidth_gbps": round(bandwidth, 1),
@@ -525,11 +593,21 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
 
     rows_by_op: dict[str, list] = {op: [] for op in args.ops}
+    meta["verified"] = {}
     for n in args.N:
         for vocab in args.V:
             for preset in args.presets:
+                key = f"{preset} V={vocab}"
+                if "policy_loss_fwd_bwd" in args.ops and key not in meta["verified"]:
+                    meta["verified"][key] = checks = verify_impls(
+                        impls, device, dtype, vocab, preset, args.sequences
+                    )
+                    for impl, verdict in checks.items():
+                        if verdict != "ok":
+                            print(f"# MISMATCH {impl} {key}: {verdict}")
                 rows = _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth)
                 for row in rows:
+                    row["verified"] = meta["verified"].get(key, {}).get(row["impl"])
                     rows_by_op[row["op"]].append(row)
                 _write(args, meta, rows_by_op, quiet=True)  # a run cut short keeps its rows
     meta["complete"] = True
@@ -594,10 +672,12 @@ def one_table_setup(doc: str, argv, add_arguments=None):
     return args, device, copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
 
 
-def _version(module: str) -> str | None:
+def _version(distribution: str) -> str | None:
+    """An installed distribution's version from its metadata (liger_kernel has no
+    `__version__`), or None."""
     try:
-        return __import__(module).__version__
-    except Exception:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 

@@ -18,6 +18,7 @@ JSON says so); the op counts are exact and are what tests/test_host_overhead.py 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -101,6 +102,15 @@ class _Launches:
 
         self._label_check = fused_backend.check_labels_counted
         fused_backend.check_labels_counted = lambda labels_ok, inp: bool(labels_ok)
+
+
+def _version(distribution: str) -> str | None:
+    """An installed distribution's version from its metadata (liger_kernel has no
+    `__version__`), or None."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def classify(ops: list[str]) -> dict[str, int]:
@@ -206,8 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases["liger triton_grpo_loss dapo"] = liger_step(data)
     except ImportError as err:
         print(f"liger_kernel not importable ({err}): fusedrl alone")
-    print(f"{SMOKE_NOTE if args.smoke else NOTE}; torch {torch.__version__}, "
-          f"B={args.B} T={args.T} V={args.V}, {args.reps} calls")  # fmt: skip
+    liger = _version("liger-kernel")
+    print(f"{SMOKE_NOTE if args.smoke else NOTE}; torch {torch.__version__}, liger-kernel "
+          f"{liger}, B={args.B} T={args.T} V={args.V}, {args.reps} calls")  # fmt: skip
     print(f"{'impl':<30} {'launching':>9} {'syncs':>5} {'custom':>6} {'triton':>6} "
           f"{'host ms (median / min)':>22}")  # fmt: skip
     rows = []
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.out.mkdir(parents=True, exist_ok=True)
         name = "host-overhead-cpu-smoke.json" if args.smoke else "host-overhead-cpu.json"
         result = dict(note=SMOKE_NOTE if args.smoke else NOTE, smoke=args.smoke, B=args.B,
-                      T=args.T, V=args.V, reps=args.reps, torch=torch.__version__, rows=rows)
+                      T=args.T, V=args.V, reps=args.reps, torch=torch.__version__,
+                      liger_kernel=liger, rows=rows)
         (args.out / name).write_text(json.dumps(result, indent=1) + "\n")  # fmt: skip
     if args.smoke:
         print(SMOKE_NOTE)

@@ -219,11 +219,15 @@ try:
           f"memory {p.total_memory / 2**30:.1f} GiB", "devices", torch.cuda.device_count())
 except Exception as exc:
     failed = print("gpu: properties failed:", exc) or True
-for m in ("fusedrl", "liger_kernel", "transformers", "trl", "datasets", "accelerate",
-          "matplotlib", "pytest", "numpy"):
+import importlib.metadata
+for m, dist in (("fusedrl", "fusedrl"), ("liger_kernel", "liger-kernel"),
+                ("transformers", "transformers"), ("trl", "trl"), ("datasets", "datasets"),
+                ("accelerate", "accelerate"), ("matplotlib", "matplotlib"),
+                ("pytest", "pytest"), ("numpy", "numpy")):
     try:
         mod = importlib.import_module(m)
-        print(f"{m} {getattr(mod, '__version__', '?')} ({os.path.dirname(mod.__file__)})")
+        # the version from the package's metadata: liger_kernel has no __version__
+        print(f"{m} {importlib.metadata.version(dist)} ({os.path.dirname(mod.__file__)})")
     except Exception as exc:
         print(f"{m}: not importable ({type(exc).__name__})")
 for tool in ("nvcc", "ninja", "ncu"):
@@ -389,12 +393,17 @@ stage_session() {
   # A lease of 15 device-minutes, 1-2 of them to start the machine, affords one full call: the
   # GPU tests first (both backends, ~2.5 minutes), then what the time left allows, the most
   # telling first: the loss at a host-bound and a memory-bound shape against its peers, the
-  # fused kernel's launch shapes (two rounds), the exact KL at its 2R + 1W floor.
+  # gradient-accumulation row (grad_scale= declared or rescaled in backward), the fused
+  # kernel's launch shapes (two rounds), the exact KL at its 2R + 1W floor.
   stage_tests
-  step session:bench "$((DEADLINE - SECONDS - 150))" "$PREFIX-bench_loss-session.log" \
+  step session:bench "$((DEADLINE - SECONDS - 200))" "$PREFIX-bench_loss-session.log" \
     "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 --presets dapo \
     --impls fusedrl-triton fusedrl-cuda liger torch-compile --ops policy_loss_fwd_bwd \
     --warmup-ms 50 --rep-ms 200 --tag session --out "$OUTDIR"
+  step session:grad_scale "$((DEADLINE - SECONDS - 150))" "$PREFIX-bench_loss-grad_scale.log" \
+    "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
+    --impls fusedrl-triton fusedrl-cuda liger --ops policy_loss_fwd_bwd \
+    --warmup-ms 50 --rep-ms 200 --tag grad_scale --out "$OUTDIR"
   step session:sweep "$((DEADLINE - SECONDS - 60))" "$PREFIX-sweep_fused.log" \
     "$PY" bench/sweep_fused.py --out "$OUTDIR"
   step session:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \

@@ -35,6 +35,23 @@ def _load(name: str):
     return module
 
 
+@needs_interpreter
+def test_bench_loss_checks_every_impl_against_the_oracle(monkeypatch):
+    """Before timing, bench_loss checks each impl's loss and gradient against the oracle on a
+    small case of the preset: Liger's adapter (its kernels through the interpreter) included, and
+    with the gradient-accumulation factor; an impl that is off is named, not timed silently."""
+    pytest.importorskip("liger_kernel")
+    bench = _load("bench_loss")
+    impls = ["fusedrl-triton", "fusedrl-triton-inplace", "torch-eager", "liger"]
+    for preset in ("dapo", "grpo", "accum4"):
+        found = bench.verify_impls(impls, torch.device("cpu"), torch.bfloat16, 263, preset, 4)
+        assert found == dict.fromkeys(impls, "ok"), (preset, found)
+    real = bench._liger_fn()
+    monkeypatch.setattr(bench, "_liger_fn", lambda: lambda case, inp: 1.5 * real(case, inp))
+    found = bench.verify_impls(["liger"], torch.device("cpu"), torch.bfloat16, 263, "dapo", 4)
+    assert found["liger"].startswith("loss "), found
+
+
 @pytest.mark.slow
 def test_bench_loss_smoke_and_plot(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")

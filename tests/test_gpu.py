@@ -169,8 +169,27 @@ def test_no_host_sync_on_the_hot_path(backend):
             for batch in (data, fractional):
                 run_loss(_impl(backend), batch, LossConfig.preset(preset))
         run_loss(_impl(backend), data, cfg)
+        for scale in (0.5, torch.tensor(0.25, device="cuda")):  # grad_scale: no read either
+            run_loss(_impl(backend), data, LossConfig.preset("dapo"), grad_scale=scale)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+@FUSED
+def test_grad_scale_writes_the_scaled_gradient_compiled(preset, backend):
+    """grad_scale=s (a number, a device scalar) and (loss x s).backward(): the compiled kernels
+    write s x the plain gradient (s a power of two: the same bits), the loss unchanged."""
+    data = _on_gpu(make_batch(batch=4, time=40, vocab=32003, dtype=torch.bfloat16, seed=12))
+    cfg = LossConfig.preset(preset)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    plain, plain_grad = run_loss(_impl(backend), data, cfg)
+    for scale in (0.125, torch.tensor(0.125, device="cuda")):
+        leaf = data["logits"].detach().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, config=cfg, backend=backend, grad_scale=scale, **args)
+        (grad,) = torch.autograd.grad(out.loss * scale, leaf)
+        assert torch.equal(out.loss, plain.loss)
+        assert torch.equal(grad, plain_grad * 0.125)
 
 
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
