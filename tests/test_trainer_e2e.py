@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 
@@ -23,7 +24,7 @@ from fusedrl.trainer.loop import TINY_LR  # noqa: E402  (the default run's learn
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("step", "reward_mean", "reward_std", "frac_zero_std", "entropy", "clipfrac",
             "clip_low", "clip_high", "kl", "response_len_mean", "truncated_frac",
-            "logp_diff_vllm", "is_weight_mean", "step_time", "gen_time", "train_time")
+            "logp_diff_rollout", "is_weight_mean", "step_time", "gen_time", "train_time")
 TIMES = ("step_time", "gen_time", "train_time")
 
 
@@ -75,7 +76,7 @@ def test_default_output_is_short_and_quiet(default_run):
 def test_default_job_raises_the_accuracy(default_run):
     """A shorter version of the README's run: the warm-started tiny model, 25 RL steps."""
     rows = read_metrics(default_run)
-    assert [r["step"] for r in rows] == list(range(25))
+    assert [r["step"] for r in rows] == list(range(1, 26))  # numbered from 1, as step_N
     for key in (*REQUIRED, "accuracy"):
         assert all(r[key] is not None for r in rows), key
 
@@ -86,10 +87,15 @@ def test_default_job_raises_the_accuracy(default_run):
     assert last - first >= 0.1, (first, last)
     assert mean("reward_mean", rows[-5:]) > mean("reward_mean", rows[:5])
     # Trainer and vLLM compute the same log-probs of the same weights (both fp32 here).
-    assert max(r["logp_diff_vllm"] for r in rows) < 1e-3
+    assert max(r["logp_diff_rollout"] for r in rows) < 1e-3
     assert (default_run / "plots.png").stat().st_size > 10_000
     assert list((default_run / "tensorboard").glob("events.out.tfevents.*"))
-    assert "preset: dapo" in (default_run / "config.yaml").read_text()
+    saved = yaml.safe_load((default_run / "config.yaml").read_text())
+    # What the run used, resolved: never "auto" or null where a value was chosen.
+    assert saved["preset"] == "dapo" and saved["loss"] == "ppo" and saved["agg"] == "token-mean"
+    assert saved["lr"] == 2e-4 and saved["beta"] == 0.0 and saved["eps_high"] == 0.28
+    assert (saved["dtype"], saved["backend"]) == ("float32", "torch")
+    assert saved["rollout"] in ("vllm", "hf")
     ckpts = sorted(p.name for p in (default_run / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_000010", "step_000020", "step_000025"]
 
@@ -113,7 +119,7 @@ def test_resume_continues_exactly(default_run, tmp_path):
                         "--resume", str(default_run / "checkpoints" / "step_000010")))
     resumed = read_metrics(out)
     reference = read_metrics(default_run)[10:13]
-    assert [r["step"] for r in resumed] == [10, 11, 12]
+    assert [r["step"] for r in resumed] == [11, 12, 13]
     for got, want in zip(resumed, reference):
         assert {k: v for k, v in got.items() if k not in TIMES} == {
             k: v for k, v in want.items() if k not in TIMES}
@@ -158,7 +164,7 @@ def test_dataset_rewards_and_every_update_option(default_run, tmp_path):
     rows = read_metrics(out)
     assert len(rows) == 2 and not (out / "tensorboard").exists()
     for row in rows:
-        assert row["kl"] >= 0 and row["logp_diff_vllm"] < 1e-3
+        assert row["kl"] >= 0 and row["logp_diff_rollout"] < 1e-3
         assert 0.5 < row["is_weight_mean"] <= 2.0
         assert 1 <= row["gen_rounds"] <= 2
         names = {"reward/math", "reward/format", "reward/tests.test_trainer_units:half_reward"}
@@ -276,10 +282,10 @@ def test_a_non_finite_update_stops_the_run_naming_the_step(tmp_path):
     proc = fusedrl_train("--out", str(out), "--max-steps", "4", "--lr", "1e30", "--save-every", "1",
                          "--warmstart-steps", "0")
     assert proc.returncode == 1
-    assert "fusedrl-train: error: step 1: loss = nan" in proc.stderr, proc.stderr[-3000:]
+    assert "fusedrl-train: error: step 2: loss = nan" in proc.stderr, proc.stderr[-3000:]
     assert "done" not in proc.stdout and "Traceback" not in proc.stderr
     assert not (out / "final_model").exists()
-    assert [r["step"] for r in read_metrics(out)] == [0]
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_skip_nonfinite_steps_skips_counts_then_fails(tmp_path):

@@ -36,7 +36,7 @@ def hf_run(tmp_path_factory) -> Path:
 
 def test_hf_rollouts_learn_the_default_task(hf_run):
     rows = read_metrics(hf_run)
-    assert [r["step"] for r in rows] == list(range(20))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     first = sum(r["accuracy"] for r in rows[:5]) / 5
     last = sum(r["accuracy"] for r in rows[-5:]) / 5
     assert last - first >= 0.1, (first, last)
@@ -49,7 +49,7 @@ def test_hf_rollouts_resume_exactly(hf_run, tmp_path):
                   "--resume", str(hf_run / "checkpoints" / "step_000010"))
     resumed = read_metrics(out)
     reference = read_metrics(hf_run)[10:13]
-    assert [r["step"] for r in resumed] == [10, 11, 12]
+    assert [r["step"] for r in resumed] == [11, 12, 13]
     for got, want in zip(resumed, reference):
         assert {k: v for k, v in got.items() if k not in TIMES} == {
             k: v for k, v in want.items() if k not in TIMES}
@@ -116,7 +116,7 @@ def test_the_exact_kl_to_the_reference(hf_run, tmp_path):
                   "--beta", "0.05", "--max-steps", "3", "--micro-batch-size", "32",
                   "--warmstart-steps", "0", "--tensorboard", "false")
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["kl"]) < 1e-6 < rows[2]["kl"]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert "kl: full" in (out / "config.yaml").read_text()
@@ -134,7 +134,7 @@ def test_a_warm_started_teacher_lifts_a_fresh_student(hf_run, tmp_path):
                          "--distill-kind", "forward_kl", "--lr", "2e-3", "--tensorboard", "false")
     assert "teacher" in proc.stdout and "forward_kl x 1" in proc.stdout
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(50))
+    assert [r["step"] for r in rows] == list(range(1, 51))
     assert all(r["accuracy"] == 0 for r in rows[:5])
     late = sum(r["accuracy"] for r in rows[-20:]) / 20
     assert late >= 0.02, [r["accuracy"] for r in rows]
@@ -155,7 +155,7 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
                   "--entropy-coef-delta", "0.02", "--warmstart-steps", "0",
                   "--tensorboard", "false")  # fmt: skip
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for key in ("m2po_masked", "rs_tr_max_k2_masked", "dppo_kl_term", "is_weight_mean"):
         assert all(r.get(key) is not None and math.isfinite(r[key]) for r in rows), key
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
@@ -169,4 +169,4 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
     fusedrl_train("--out", str(resumed), "--max-steps", "3",
                   "--resume", str(out / "checkpoints" / "step_000002"))  # fmt: skip
     (row,) = read_metrics(resumed)
-    assert row["step"] == 2 and row["entropy_coef"] == pytest.approx(0.05)  # not 0: restored
+    assert row["step"] == 3 and row["entropy_coef"] == pytest.approx(0.05)  # not 0: restored

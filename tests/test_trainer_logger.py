@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from fusedrl.trainer.logger import MetricsLogger, plot, plotted_panels, read_metrics
+from fusedrl.trainer.logger import (
+    MetricsLogger,
+    drawn_values,
+    plot,
+    plotted_panels,
+    read_metrics,
+)
 
 matplotlib = pytest.importorskip("matplotlib")
 
@@ -34,10 +40,28 @@ def test_panels_show_what_the_run_has(tmp_path):
     assert panels["clip fractions"] == ["clipfrac", "clip_high"]  # clip_low stays at its default
     assert "IS weight mean" in panels and "KL to the reference" not in panels
     assert "truncated share" not in panels and "entropy" in panels  # a None is skipped
-    mismatch = panels["train/inference mismatch: KL(vLLM || trainer)"]
+    mismatch = panels["train/inference mismatch: KL(sampler || trainer)"]
     assert mismatch == ["mismatch_kl_k1", "mismatch_kl_k3"]
+    assert not any("vLLM" in title for title in panels)  # (an hf run has no vLLM)
     assert panels["tokens dropped by a correction"] == ["entropy_masked"]  # is_masked: default
     assert (plot(tmp_path) or tmp_path / "missing").stat().st_size > 10_000
+
+
+def test_divergences_of_float_noise_are_flat_and_never_negative(tmp_path):
+    """A sampler that agrees with the trainer up to float noise: its KL and chi-square
+    estimates (+-1e-8) get no panel; real ones get theirs, an estimate below 0 drawn at 0."""
+    rows = _rows()
+    for i, row in enumerate(rows):
+        row.update(mismatch_kl_k1=(-1) ** i * 1e-8, mismatch_kl_k3=1e-9,
+                   mismatch_chi2_token=-3e-8)  # fmt: skip
+    panels = dict(plotted_panels(rows))
+    assert not any(title.startswith("train/inference mismatch") for title in panels), panels
+    for i, row in enumerate(rows):
+        row.update(mismatch_kl_k1=0.01 * (i - 2), mismatch_chi2_token=0.02 * i)
+    panels = dict(plotted_panels(rows))
+    assert panels["train/inference mismatch: KL(sampler || trainer)"] == ["mismatch_kl_k1"]
+    assert drawn_values(rows, "mismatch_kl_k1")[:4] == [0.0, 0.0, 0.0, 0.01]
+    assert drawn_values(rows, "entropy")[2] != drawn_values(rows, "entropy")[2]  # a gap: NaN
 
 
 def test_no_offset_notation_on_small_ranges(tmp_path, monkeypatch):

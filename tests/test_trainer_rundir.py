@@ -199,8 +199,9 @@ def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
-    rows = [json.dumps({"step": i, "loss": 0.1 * i}) for i in range(3)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 3, "lo')
+    # steps 1-3 logged, the 4th torn; resumed from the checkpoint after step 2: 1 and 2 stay
+    rows = [json.dumps({"step": i, "loss": 0.1 * i}) for i in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')
     MetricsLogger(tmp_path, tensorboard=False, resume_step=2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[1] + "\n"
     assert "line 4 is torn" in capsys.readouterr().out

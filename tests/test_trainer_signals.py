@@ -51,19 +51,20 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(sig, tmp_path):
     assert "stopping after the current step" in stderr and "Traceback" not in stderr
     steps = [r["step"] for r in read_metrics(out)]
     last = steps[-1]
+    # One numbering (from 1): the last logged step, the message, the checkpoint's name.
     assert f"stopped on {sig.name} after step {last}" in stderr
-    assert (out / "checkpoints" / f"step_{last + 1:06d}" / "model.pt").exists()
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last + 1:06d}"
+    assert (out / "checkpoints" / f"step_{last:06d}" / "model.pt").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
     # ... and the run continues from there.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "fusedrl.trainer", "--resume", str(out), "--max-steps",
-         str(last + 2)],
+         str(last + 1)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from step {last + 1}" in done.stdout
-    assert [r["step"] for r in read_metrics(out)] == list(range(last + 2))
+    assert f"resumed from step {last}" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 2))
 
 
 def test_a_second_sigint_aborts_at_once(tmp_path):

@@ -19,7 +19,7 @@ PANELS = (
     ("clip fractions", ("clipfrac", "clip_low", "clip_high", "dual_clipfrac")),
     ("KL to the reference", ("kl",)),
     ("IS weight mean", ("is_weight_mean",)),
-    ("train/inference mismatch: KL(vLLM || trainer)", ("mismatch_kl_k1", "mismatch_kl_k3")),
+    ("train/inference mismatch: KL(sampler || trainer)", ("mismatch_kl_k1", "mismatch_kl_k3")),
     ("train/inference mismatch: chi-square", ("mismatch_chi2_token", "mismatch_chi2_seq")),
     ("IS weights: effective sample size", ("is_ess",)),
     ("tokens dropped by a correction",
@@ -30,6 +30,13 @@ PANELS = (
 # is not plotted (a flat KL of 0 in a run without KL says nothing).
 DEFAULTS = {"kl": 0.0, "is_weight_mean": 1.0, "dual_clipfrac": 0.0, "clip_low": 0.0,
             "clip_high": 0.0, "truncated_frac": 0.0, "is_masked": 0.0}
+# Divergences (>= 0) whose estimates are float noise around 0 when the sampler and the trainer
+# agree (the same weights, the same numerics): within NOISE of 0 on every step they are flat (no
+# panel), and an estimate below 0 (k1, chi-square's sample mean) is drawn at 0, never as a
+# negative KL or chi-square.
+DIVERGENCES = ("kl", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_chi2_token",
+               "mismatch_chi2_seq")
+NOISE = 1e-6
 # TensorBoard groups by the tag's prefix; metrics.jsonl keeps the flat names.
 TB_GROUPS = {
     "rollout": ("reward_mean", "reward_std", "accuracy", "frac_zero_std", "response_len_mean",
@@ -64,7 +71,7 @@ class MetricsLogger:
                     print(f"fusedrl-train: warning: {self.path} line {number} is torn (a crash "
                           f"mid-write?): dropped")
                     continue
-                if row.get("step", resume_step) < resume_step:
+                if row.get("step", resume_step) <= resume_step:  # (steps count from 1)
                     kept.append(line)
             # A new file moved over the old one: a crash mid-write loses nothing.
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -140,6 +147,8 @@ def plotted_panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
 
     def present(key: str) -> bool:
         values = [r.get(key) for r in rows if r.get(key) is not None]
+        if key in DIVERGENCES:
+            return any(abs(v) > NOISE for v in values)
         return bool(values) and any(v != DEFAULTS.get(key, object()) for v in values)
 
     functions = sorted({k for r in rows for k in r if k.startswith("reward/")})
@@ -151,6 +160,14 @@ def plotted_panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
         if keys:
             panels.append((title, keys))
     return panels
+
+
+def drawn_values(rows: list[dict], key: str) -> list[float]:
+    """A metric's line: NaN where a step lacks it, a divergence's estimates below 0 at 0."""
+    values = [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
+    if key in DIVERGENCES:
+        values = [max(v, 0.0) for v in values]  # (max(NaN, 0.0) is NaN: a gap stays one)
+    return values
 
 
 def plot(run_dir: str | Path) -> Path | None:
@@ -173,8 +190,7 @@ def plot(run_dir: str | Path) -> Path | None:
     steps = [r["step"] for r in rows]
     for ax, (title, keys) in zip(axes.flat, panels):
         for key in keys:
-            values = [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
-            ax.plot(steps, values, marker=".", linewidth=1, label=key)
+            ax.plot(steps, drawn_values(rows, key), marker=".", linewidth=1, label=key)
         ax.set_title(title)
         ax.set_xlabel("step")
         # Plain numbers on the axes: an offset ("+1e-3" in a corner) hides the scale.

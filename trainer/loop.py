@@ -45,13 +45,14 @@ from pathlib import Path
 import torch
 
 import fusedrl.advantages as adv
+import fusedrl.backends
 from fusedrl import LossConfig
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
 from . import checkpoint
-from .config import TrainConfig
+from .config import LOSS_OVERRIDES, TrainConfig
 from .data import PromptSet, build_prompt_set, task_rows
 from .distributed import (
     DistEnv,
@@ -372,7 +373,10 @@ class Trainer:
         if self.env.is_main:
             print(run_summary(cfg, self.loss_cfg, model_path, len(self.prompts), self.lr,
                               self.run_dir))  # fmt: skip
-        if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available()):
+        self.rollout_engine = "hf" if cfg.rollout == "hf" or (
+            cfg.rollout == "auto" and not vllm_available()
+        ) else "vllm"  # fmt: skip
+        if self.rollout_engine == "hf":
             self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype,
                                    self.env.device)
         else:
@@ -386,13 +390,29 @@ class Trainer:
                 for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
                     print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
                           f"one resumes from step {self.start_step}, set aside")
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            (self.run_dir / "config.yaml").write_text(self.resolved_config().to_yaml())
         if resume_step is not None:
             self.engine.sync_weights(full_state(self.model))
         self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)
                        if self.env.is_main else None)
         if self.logger is not None and resume_step is None:
-            self.logger.log_config(dataclasses.asdict(cfg))
+            self.logger.log_config(dataclasses.asdict(self.resolved_config()))
+
+    def resolved_config(self) -> TrainConfig:
+        """The options as this run resolved them (config.yaml, TensorBoard's hparams): the
+        learning rate, the loss's settings the preset filled in, the compute dtype, the loss
+        backend and the rollout engine, where "auto" / unset stood; a --resume of the run
+        continues with the same."""
+        cfg, lcfg = self.cfg, self.loss_cfg
+        losses = {name: getattr(lcfg, name) for name in LOSS_OVERRIDES}
+        if cfg.entropy_target is not None:  # (the loss's 0: the controller's scalar stands in)
+            losses["entropy_coef"] = cfg.initial_entropy_coef()
+        backend = fusedrl.backends.resolve(cfg.backend, self.env.device).__name__
+        return dataclasses.replace(
+            cfg, **losses, lr=self.lr, dtype=str(self.compute_dtype).removeprefix("torch."),
+            backend=backend.rsplit(".", 1)[-1].removesuffix("_backend"),
+            rollout=self.rollout_engine,
+        )  # fmt: skip
         self.last_samples: list[tuple[str, str, float]] = []
 
     # --- 1-3: rollouts, rewards, filters -------------------------------------------------
@@ -517,7 +537,7 @@ class Trainer:
                                             cfg.backend, lm_head=self.lm_head)
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
-                metrics["logp_diff_vllm"] = diff.sum() / batch.mask.sum().clamp_min(1)
+                metrics["logp_diff_rollout"] = diff.sum() / batch.mask.sum().clamp_min(1)
         if self.ref_model is not None and not lcfg.full_kl:
             batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, mb, self._autocast(),
                                             cfg.backend, lm_head=self.lm_head)
@@ -576,7 +596,8 @@ class Trainer:
         self.entropy_control.update(float(totals[0] / totals[1].clamp_min(1.0)))
 
     def _finite_update(self, step: int, step_metrics: dict[str, torch.Tensor]) -> bool:
-        """Whether this optimizer step may be applied: loss and gradient norm finite. One scalar
+        """(`step`: the loop's index, from 0; the message numbers it from 1, as the logs.)
+        Whether this optimizer step may be applied: loss and gradient norm finite. One scalar
         host read per optimizer step (the loss kernels themselves never sync). A non-finite one
         stops the run naming the step, or is skipped and counted under --skip-nonfinite-steps."""
         watched = {k: step_metrics[k] for k in ("loss", "grad_norm") if k in step_metrics}
@@ -589,8 +610,8 @@ class Trainer:
         self.skipped_nonfinite += 1
         if self.skipped_nonfinite > self.cfg.skip_nonfinite_steps:
             raise NonFiniteError(
-                f"step {step}: {bad}; the update was not applied and no non-finite weights were "
-                f"saved (the last checkpoint is intact). "
+                f"step {step + 1}: {bad}; the update was not applied and no non-finite weights "
+                f"were saved (the last checkpoint is intact). "
                 + ("Pass --skip-nonfinite-steps N to skip up to N such updates."
                    if self.cfg.skip_nonfinite_steps == 0 else
                    f"More than --skip-nonfinite-steps={self.cfg.skip_nonfinite_steps} updates "
@@ -604,7 +625,7 @@ class Trainer:
             tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
             if not bool(torch.isfinite(tensor).all()):
                 raise NonFiniteError(
-                    f"step {step}: parameter {name!r} holds non-finite values; {what} was not "
+                    f"step {step + 1}: parameter {name!r} holds non-finite values; {what} was not "
                     "written (the last checkpoint is intact)"
                 )
 
@@ -647,11 +668,13 @@ class Trainer:
             self.engine.wake_up()
             self.engine.sync_weights(full_state(self.model))
             t2 = time.perf_counter()
-            record = self._record(step, gen_stats, train_metrics, advantages, t0, t1, t2)
+            # Steps are numbered from 1 everywhere: the console's N/M, metrics.jsonl, TensorBoard,
+            # the checkpoint step_N after them, the stop message.
+            record = self._record(step + 1, gen_stats, train_metrics, advantages, t0, t1, t2)
             if self.logger is not None:
                 self.logger.log(record)
                 if step % cfg.log_every == 0:
-                    self.logger.log_samples(step, self.last_samples)
+                    self.logger.log_samples(step + 1, self.last_samples)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(progress_line(record), refresh=False)
@@ -675,7 +698,7 @@ class Trainer:
                 if self.logger is not None:
                     self.logger.close()
                     plot(self.run_dir)
-                raise Stopped(step, self.stop_signal or signal.SIGTERM, self.run_dir)
+                raise Stopped(step + 1, self.stop_signal or signal.SIGTERM, self.run_dir)
         if bar is not None:
             bar.close()
         self._check_weights(cfg.max_steps - 1, "final_model")
@@ -722,7 +745,7 @@ class Trainer:
         if "loss" in record:  # each data-parallel rank's loss is its share of the global loss
             record["loss"] *= self.env.dp_size
         for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
-                    "logp_diff_vllm"):
+                    "logp_diff_rollout"):
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
         record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
         return record
@@ -801,10 +824,11 @@ class Stopped(Exception):
     """The run stopped on a signal after a completed, checkpointed step."""
 
     def __init__(self, step: int, signum: int, run_dir: Path) -> None:
+        """`step`: the last step done, numbered from 1 (its checkpoint is step_<step>)."""
         self.step, self.signum, self.run_dir = step, int(signum), run_dir
         name = signal.Signals(signum).name
         super().__init__(f"stopped on {name} after step {step}; checkpoint "
-                         f"{run_dir}/checkpoints/step_{step + 1:06d}; continue with "
+                         f"{run_dir}/checkpoints/step_{step:06d}; continue with "
                          f"fusedrl-train --resume {run_dir}")
 
 

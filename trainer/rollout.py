@@ -3,7 +3,7 @@
 The engine runs in the trainer's process (colocated), so the weight sync is a tensor copy, not a
 network transfer. `logprobs_mode="processed_logprobs"` makes vLLM report log-probs after the
 temperature, which is what the trainer computes from logits / T: the two agree up to kernel
-numerics (the run logs the gap as `logp_diff_vllm`).
+numerics (the run logs the gap as `logp_diff_rollout`).
 """
 
 from __future__ import annotations

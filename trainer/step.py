@@ -406,10 +406,11 @@ def accumulate_gradients(
         for name, value in out.metrics.items():
             sums[name] = sums.get(name, 0.0) + value.detach() * weight
         if sub.rollout_logp is not None and sub.old_logp is None:
-            # On-policy, this logp is the rollout policy's: its gap to vLLM's is the sync error.
+            # On-policy, this logp is the rollout policy's: its gap to the engine's (vLLM's or
+            # transformers') is the sync error.
             # With old_logp given the caller measures the gap once, from old_logp.
             diff = ((out.logp - sub.rollout_logp).abs() * sub.mask).sum()
-            sums["logp_diff_vllm"] = sums.get("logp_diff_vllm", 0.0) + diff
+            sums["logp_diff_rollout"] = sums.get("logp_diff_rollout", 0.0) + diff
     metrics = {k: v / weight_total.clamp_min(1.0) for k, v in sums.items() if k != "loss"}
     metrics["loss"] = sums.get("loss", torch.zeros(()))
     return metrics
