@@ -49,6 +49,7 @@ import fusedrl
 from fusedrl import LossConfig, reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SMOKE_RESULTS = RESULTS / "smoke"  # git-ignored: what a smoke run writes measures nothing
 OPS = ("token_logprobs_fwd", "policy_loss_fwd_bwd")
 IMPLS = (
     "fusedrl-triton",
@@ -547,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny shapes on any device: checks the script runs, measures nothing",
     )
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.smoke)
     args.N = args.N or MATRICES[args.matrix]["N"]
     args.V = args.V or MATRICES[args.matrix]["V"]
 
@@ -628,6 +630,13 @@ def _write(args, meta: dict, rows_by_op: dict[str, list], quiet: bool = False) -
             print(f"wrote {path}")
 
 
+def results_dir(out, smoke: bool) -> Path:
+    """Where a run writes: a smoke run aimed at the tracked bench/results/ writes under
+    bench/results/smoke/ (git-ignored) instead."""
+    out = Path(out)
+    return SMOKE_RESULTS if smoke and out.resolve() == RESULTS.resolve() else out
+
+
 def write_run_json(
     out_dir, stem: str, benchmark: str, smoke: bool, device, dtype, rows, started=None, **extra
 ):
@@ -646,7 +655,7 @@ def write_run_json(
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }
-    out = Path(out_dir)
+    out = results_dir(out_dir, smoke)
     out.mkdir(parents=True, exist_ok=True)
     stamp = started or time.strftime("%Y%m%d-%H%M%S")
     name = f"{stem}-smoke.json" if smoke else f"{stem}-{stamp}.json"

@@ -20,12 +20,12 @@ import json
 from pathlib import Path
 
 import torch
+from bench_loss import RESULTS, SMOKE_NOTE, results_dir
 from bench_trl_step import QWEN25_15B, time_steps  # shared by both step benchmarks
 
 from fusedrl import LossConfig
 from fusedrl.trainer.step import Batch, accumulate_gradients, collate, completion_logits
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=2, head_dim=32, vocab_size=1031, tie_word_embeddings=False)
 
@@ -82,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                         default=True)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny model: not a measurement")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.smoke)
+    if args.smoke:
+        print(f"# {SMOKE_NOTE}")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cuda = torch.cuda.is_available()
@@ -123,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"train_step-{slug}-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps({
         "device": device_name, "torch": torch.__version__, "smoke": args.smoke,
+        "note": SMOKE_NOTE if args.smoke else "",
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": "tiny" if args.smoke else "Qwen2.5-1.5B-shaped", "loss": "dapo",
         "gradient_checkpointing": args.gradient_checkpointing and not args.smoke, "rows": rows,
     }, indent=1) + "\n")
     print(f"wrote {path}")
+    if args.smoke:
+        print(SMOKE_NOTE)
     return 0
 
 

@@ -23,10 +23,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_loss import RESULTS, SMOKE_NOTE, results_dir
 
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 QWEN25_15B = dict(
     hidden_size=1536,
     intermediate_size=8960,
@@ -112,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny model: not a measurement")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.smoke)
+    if args.smoke:
+        print(f"# {SMOKE_NOTE}")
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
                 "smoke": args.smoke,
+                "note": SMOKE_NOTE if args.smoke else "",
                 "rows": rows,
             },
             indent=1,
@@ -217,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         + "\n"
     )
     print(f"wrote {path}")
+    if args.smoke:
+        print(SMOKE_NOTE)
     return 0
 
 

@@ -35,6 +35,22 @@ def _load(name: str):
     return module
 
 
+def test_smoke_runs_write_outside_the_tracked_results():
+    """A smoke run aimed at bench/results/ (every script's default) writes under
+    bench/results/smoke/, which git ignores; an explicit --out is kept."""
+    bench = _load("bench_loss")
+    assert bench.results_dir(bench.RESULTS, smoke=True) == bench.SMOKE_RESULTS
+    assert bench.results_dir(bench.RESULTS, smoke=False) == bench.RESULTS
+    assert bench.results_dir("/tmp/x", smoke=True) == Path("/tmp/x")
+    probe = bench.SMOKE_RESULTS / "policy_loss_fwd_bwd-cpu-smoke.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=BENCH.parent)
+    assert ignored.returncode == 0, "bench/results/smoke/ is not git-ignored"
+    for script in sorted(BENCH.glob("bench_*.py")):  # each says what a smoke run is
+        assert "SMOKE_NOTE" in script.read_text() or "not a measurement" in script.read_text(), (
+            script.name
+        )
+
+
 @needs_interpreter
 def test_bench_loss_checks_every_impl_against_the_oracle(monkeypatch):
     """Before timing, bench_loss checks each impl's loss and gradient against the oracle on a
