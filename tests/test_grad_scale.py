@@ -168,3 +168,41 @@ def test_the_lm_head_gradients_are_written_scaled(backend, name, monkeypatch):
     for got, want in zip(grads, plain_grads):
         torch.testing.assert_close(got, want * 0.25, rtol=1e-5, atol=1e-8)
         assert want.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd", "sampled_reverse_kl"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_distillation_gradients_are_written_scaled(backend, kind, monkeypatch):
+    """distill_loss and linear_distill_loss with grad_scale=s: the student's gradients at s x
+    the plain ones, nothing rescaled in backward, the loss unchanged."""
+    data = make_batch(batch=3, time=5, vocab=131, seed=11, per_token_adv=True)
+    gen = torch.Generator().manual_seed(12)
+    teacher = data["logits"] + torch.randn(data["logits"].shape, generator=gen)
+    rows = dict(labels=data["labels"], mask=data["mask"], kind=kind, backend=backend)
+    if kind == "sampled_reverse_kl":
+        rows.update(advantages=data["advantages"], old_logp=data["old_logp"])
+    hidden = torch.randn(3, 5, 24, generator=gen)
+    heads = [0.3 * torch.randn(131, 24, generator=gen) for _ in range(2)]
+
+    def logits_form(upstream, grad_scale=None):
+        leaf = data["logits"].detach().requires_grad_(True)
+        out = fusedrl.distill_loss(leaf, teacher, grad_scale=grad_scale, **rows)
+        return out, torch.autograd.grad(out.loss * upstream, [leaf])
+
+    def head_form(upstream, grad_scale=None):
+        leaves = [hidden.clone().requires_grad_(True), heads[0].clone().requires_grad_(True)]
+        out = fusedrl.linear_distill_loss(
+            *leaves, hidden, heads[1], grad_scale=grad_scale, **rows
+        )
+        return out, torch.autograd.grad(out.loss * upstream, leaves)
+
+    for form, calls in ((logits_form, 1), (head_form, 2)):
+        plain, plain_grads = form(1.0)
+        factors = _factors(monkeypatch)
+        out, grads = form(0.25, grad_scale=0.25)
+        assert factors == [1.0] * calls, (form.__name__, factors)
+        assert torch.equal(out.loss, plain.loss)
+        for got, want in zip(grads, plain_grads):
+            torch.testing.assert_close(got, want * 0.25, rtol=1e-5, atol=1e-8)
+            assert want.abs().sum() > 0
+        monkeypatch.undo()

@@ -246,6 +246,12 @@ def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
     return completion_logits(model, sub, autocast_dtype)
 
 
+def _without_grad_scale(rows_args: dict) -> dict:
+    """The loss's arguments without grad_scale, which tensor parallelism does not take yet (its
+    gradient is then rescaled in backward)."""
+    return {k: v for k, v in rows_args.items() if k != "grad_scale"}
+
+
 def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backend: str,
                       lm_head: bool, rows_args: dict, ref_model, teacher, distill: Distill | None,
                       distill_normalizer) -> tuple[torch.Tensor, fusedrl.LossOutput]:
@@ -271,8 +277,8 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
-        if tp_group is not None:  # (no grad_scale under tensor parallelism yet: rescaled)
-            rows_args = {k: v for k, v in rows_args.items() if k != "grad_scale"}
+        if tp_group is not None:
+            rows_args = _without_grad_scale(rows_args)
 
         def policy_loss(advantages):
             return fusedrl.linear_policy_loss(
@@ -282,6 +288,8 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     else:
         logits = policy
         ref_args = {} if ref is None else {"ref_logits": ref}
+        if getattr(logits, "placements", None) is not None:  # a DTensor: vocab-sharded logits
+            rows_args = _without_grad_scale(rows_args)
 
         def policy_loss(advantages):
             # In place: the logits are dead after the loss (every other read is done by then).
@@ -318,6 +326,10 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     dcfg = distill.config(cfg)
     common = dict(kind=distill.kind, beta=distill.beta, temperature=cfg.temperature, config=dcfg,
                   normalizer=distill_normalizer)  # fmt: skip
+    # The term's upstream gradient: the coefficient times the policy loss's factor.
+    term_scale = distill.coef * rows_args.get("grad_scale", 1.0)
+    if term_scale not in (0.0, 1.0):
+        common["grad_scale"] = term_scale
     # The divergence first: its gradient is written in this call, so the policy loss may then
     # take the logits' buffer for its own.
     if lm_head:

@@ -55,6 +55,7 @@ def distill_loss(
     old_logp: torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    grad_scale: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """The student-teacher divergence over the whole vocabulary, per token, aggregated; or the
     teacher's log-ratio on the sampled tokens as a negative advantage of a policy loss.
@@ -87,6 +88,8 @@ def distill_loss(
             `policy_loss`: the kernels cap both rows as they read them (a student and a teacher
             of one family, e.g. Gemma 2 sizes; heads that differ: pass their final logits, or
             `linear_distill_loss(student_transform=, teacher_transform=)`).
+        grad_scale: the factor the caller will multiply the loss by before backward, as in
+            `policy_loss`: the student's gradient is written times it.
 
     Returns:
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
@@ -104,7 +107,7 @@ def distill_loss(
         cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
             student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
-            backend, advantages, old_logp, transform,
+            backend, advantages, old_logp, transform, grad_scale,
         )  # fmt: skip
     cfg = distill_config(config)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
@@ -112,7 +115,7 @@ def distill_loss(
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     inp = prepare_loss_inputs(
         student_logits, labels, advantages, mask, None, None, None, cfg, normalizer,
-        temperature=temperature if per_token else None,
+        temperature=temperature if per_token else None, grad_scale=grad_scale,
     )  # fmt: skip
     temperature = inp.row_temps if per_token else temperature
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
@@ -126,7 +129,7 @@ def distill_loss(
         return loss, (logp, divergence)
 
     loss, (logp, divergence) = with_known_grad(
-        student_logits, inp.logits, inplace, inp.flat_input, compute
+        student_logits, inp.logits, inplace, inp.flat_input, compute, inp.grad_scale
     )
     if inp.flat_input:
         logp = logp[0]

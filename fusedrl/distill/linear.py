@@ -20,7 +20,7 @@ from ..config import LossConfig
 from ..linear_torch import LinearInputs, live_row_indices
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
-from ..token_terms import aggregation_weights, masked_mean
+from ..token_terms import aggregation_weights, masked_mean, scaled_by
 from .args import check_distill_args, checked_call, distill_config, resolved_kind
 from .heads import check_teacher_head, pair_sweep
 from .rows import KERNEL_KIND, two_row_ops
@@ -47,6 +47,7 @@ def linear_distill_loss(
     teacher_transform: dict | None = None,
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
+    grad_scale: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """`fusedrl.distill_loss` of the logits `student_hidden @ student_weight.T + student_bias`
     and `teacher_hidden @ teacher_weight.T + teacher_bias`, which are never stored whole.
@@ -67,6 +68,8 @@ def linear_distill_loss(
         skip_masked_rows, live_rows: neither head makes logits for the rows whose mask is 0,
             as in `linear_policy_loss` (sampled_reverse_kl: its policy loss; the two heads'
             log-probs, which have no mask, are taken on every row).
+        grad_scale: the factor the caller will multiply the loss by before backward, as in
+            `policy_loss`: the student's gradients are written times it.
 
     Returns:
         LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
@@ -83,14 +86,14 @@ def linear_distill_loss(
     if kind == "sampled_reverse_kl":
         return _sampled_reverse_kl(
             student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature,
-            config, normalizer, backend, advantages, old_logp, skip, live_rows,
+            config, normalizer, backend, advantages, old_logp, skip, live_rows, grad_scale,
         )  # fmt: skip
     cfg = distill_config(config)
     advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
     inp = prepare_loss_inputs(
         student_hidden, labels, advantages, mask, None, None, None, cfg, normalizer,
         vocab=weight.shape[0], source="student_hidden",
-        temperature=temperature if per_token_t else None,
+        temperature=temperature if per_token_t else None, grad_scale=grad_scale,
     )  # fmt: skip
     temperature = inp.row_temps if per_token_t else temperature
     lin = LinearInputs(
@@ -100,14 +103,25 @@ def linear_distill_loss(
     if skip:
         lin.live = live_row_indices(inp.valid, live_rows)
     ops = two_row_ops(backend, student_hidden.device)
-    kind = resolved_kind(kind, beta)
+    return _head_divergence(lin, head, ops, resolved_kind(kind, beta), beta, temperature, cfg,
+                            student_hidden, weight, bias)  # fmt: skip
+
+
+def _head_divergence(lin, head, ops, kind, beta, temperature, cfg, student_hidden, weight, bias):
+    """The divergence's loss from one sweep of both heads, its gradients attached."""
+    inp = lin.rows
     want = wanted_grads(student_hidden, weight, bias)
     agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: 0 off the counted tokens
-    stats, grads = pair_sweep(lin, head, ops, KERNEL_KIND[kind], beta, temperature, want, agg_w)
+    stats, grads = pair_sweep(  # (the gradients written times the caller's loss factor)
+        lin, head, ops, KERNEL_KIND[kind], beta, temperature, want,
+        scaled_by(agg_w, inp.grad_scale),
+    )  # fmt: skip
     logp, divergence = stats[0], torch.where(inp.valid, stats[3], 0.0)
     loss = (agg_w * divergence).sum()
     if any(want):
-        loss = attach_linear_grads(loss, student_hidden, weight, bias, inp.flat_input, want, grads)
+        loss = attach_linear_grads(
+            loss, student_hidden, weight, bias, inp.flat_input, want, grads, inp.grad_scale
+        )
     logp = logp[0] if inp.flat_input else logp
     return LossOutput(
         loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
@@ -156,7 +170,7 @@ def _transform_kwargs(transform: object, name: str) -> dict:
 
 def _sampled_reverse_kl(
     student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature, config,
-    normalizer, backend, advantages, old_logp, skip, live_rows,
+    normalizer, backend, advantages, old_logp, skip, live_rows, grad_scale=None,
 ) -> LossOutput:  # fmt: skip
     """kind="sampled_reverse_kl" from the heads: the policy loss of `linear_policy_loss` with
     the teacher's log-ratio on the sampled tokens in its advantages (`sampled.py`)."""
@@ -195,6 +209,7 @@ def _sampled_reverse_kl(
             student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
             normalizer=normalizer, bias=bias, backend=backend, transform=student_head,
             **per_token(temperature), skip_masked_rows=skip, live_rows=live_rows,
+            grad_scale=grad_scale,
         )  # fmt: skip
 
     return shifted_advantage_loss(

@@ -12,7 +12,7 @@ from .._inputs import LossInputs
 from ..config import LossConfig
 from ..fused_backend import TwoRowOps, temperature_keywords
 from ..logit_transform import LogitTransform
-from ..token_terms import aggregation_weights
+from ..token_terms import aggregation_weights, scaled_by
 
 # distill kind -> the two-row ops' kind ("kl": KL(student || teacher))
 KERNEL_KIND = {"reverse_kl": "kl", "forward_kl": "kl_rev", "jsd": "jsd"}
@@ -41,9 +41,9 @@ def distill(
     divergence = torch.where(inp.valid, value, 0.0)
     loss = (agg_w * divergence).sum()
     if grad_out is not None:
-        ops.grad(
-            inp.logits, teacher, lse_s, lse_q, value, aux, agg_w, temperature, code, beta,
-            grad_out, None, None, None, None, **rows_t,
+        ops.grad(  # (written times the caller's loss factor, `grad_scale`)
+            inp.logits, teacher, lse_s, lse_q, value, aux, scaled_by(agg_w, inp.grad_scale),
+            temperature, code, beta, grad_out, None, None, None, None, **rows_t,
         )  # fmt: skip
     return loss, torch.where(inp.valid, logp, 0.0), divergence
 

@@ -108,8 +108,10 @@ def sampled_reverse_kl(
     advantages: torch.Tensor | None,
     old_logp: torch.Tensor | None,
     transform: LogitTransform | None = None,
+    grad_scale=None,
 ) -> LossOutput:
-    """`transform`: the soft cap both models' logits are read under (None: none)."""
+    """`transform`: the soft cap both models' logits are read under (None: none);
+    `grad_scale`: the policy loss's (`policy_loss`)."""
     from .. import single_process
     from .._inputs import prepare_loss_inputs
 
@@ -132,7 +134,7 @@ def sampled_reverse_kl(
         return single_process.policy_loss(
             student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
             normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
-            transform=transform,
+            transform=transform, grad_scale=grad_scale,
         )  # fmt: skip
 
     # The sampler's log-probs over the engine's sampled sets (as its old_logp are); the
