@@ -68,7 +68,7 @@ def policy_loss(
         tp_group: a torch.distributed process group over which the vocabulary is sharded
             (tensor parallelism, docs/tensor_parallel.md): `logits` is then this rank's slice
             [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
-            every rank; the gradient is this rank's slice. One header all-gather of 22 int64 per
+            every rank; the gradient is this rank's slice. One header all-gather of 23 int64 per
             rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
             backward. backend="cuda" is not supported yet.
             A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.
@@ -125,7 +125,8 @@ def policy_loss(
             upstream gradient equals it touches no logits-sized tensor (without it such a
             backward re-reads and re-writes the whole gradient); any other upstream gradient
             stays exact (rescaled by its ratio to grad_scale). The loss and metrics are as
-            without it. Not under tensor parallelism yet.
+            without it. Under tensor parallelism each rank's slice is written so (the ranks
+            must agree on it).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -157,7 +158,7 @@ def policy_loss(
                 config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
         if sharded:
             _refuse_under_tensor_parallelism(
-                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config, grad_scale
+                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
     if sharded:
         from . import tp
@@ -166,7 +167,7 @@ def policy_loss(
             logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
             normalizer, inplace, backend, return_entropy, is_weights,
             tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            temperature=temperature, transform=transform,
+            temperature=temperature, transform=transform, grad_scale=grad_scale,
         )  # fmt: skip
     return single_process.policy_loss(
         logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
@@ -192,12 +193,12 @@ def _plannable(
 
 
 def _refuse_under_tensor_parallelism(
-    prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config, grad_scale
+    prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config
 ) -> None:
-    if prox_logp is not None or entropy_coef is not None or grad_scale is not None:
+    if prox_logp is not None or entropy_coef is not None:
         raise NotImplementedError(
-            "prox_logp (decoupled PPO), a tensor entropy_coef and grad_scale under tensor "
-            "parallelism are not supported yet"
+            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
+            "not supported yet"
         )
     if return_sum_pi_squared:
         raise NotImplementedError(

@@ -76,6 +76,7 @@ class Case:
     row_temps: bool = False  # per-token temperatures (`temperature=` a [B, T] tensor)
     softcap: float | None = None  # the model's soft cap (logits: raw ones; LM head: after it)
     skip_masked_rows: bool = False  # the LM-head loss: logits for the live rows alone
+    grad_scale: float | None = None  # the loss's factor before backward (`grad_scale=`)
 
     def sampling_filters(self) -> dict:
         """The sampling mask replayed (the config's for the losses), {} when none."""
@@ -123,6 +124,10 @@ CASES = [
     # int32 labels (vLLM's, tokenizers'), as one process takes them, on every entry point
     Case("dapo_flat_int32_labels", flat=True, per_token_adv=True, inputs="int32_labels"),
     Case("dapo_inplace", inplace=True),
+    # the gradient written at the loss's factor (token-mean; seq-mean on a DTensor)
+    Case("dapo_grad_scale", grad_scale=0.25),
+    Case("grpo_dtensor_grad_scale", preset="grpo", layout="dtensor", grad_scale=0.5,
+         return_entropy=True),
     Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True),
     Case("dapo_bf16", dtype=torch.bfloat16),
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
@@ -435,9 +440,11 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
             tp["inplace"] = True
         if case.row_temps:
             tp["temperature"] = temperature
+        if case.grad_scale is not None and fn is not reference.policy_loss:
+            tp["grad_scale"] = case.grad_scale  # (the gradient written at the factor below)
         result = fn(*head, config=case.config(), return_entropy=case.return_entropy, **args, **tp)
         fwd = log.take() if log else []
-        total, out = result.loss, _detached(result)
+        total, out = result.loss * (case.grad_scale or 1.0), _detached(result)
     grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
     for name, grad in grads.items():
         if fusedrl.tp.dtensor.is_dtensor(grad):

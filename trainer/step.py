@@ -247,8 +247,8 @@ def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
 
 
 def _without_grad_scale(rows_args: dict) -> dict:
-    """The loss's arguments without grad_scale, which tensor parallelism does not take yet (its
-    gradient is then rescaled in backward)."""
+    """The loss's arguments without grad_scale, which the tensor-parallel LM-head loss does not
+    take yet (its gradients are then rescaled in backward)."""
     return {k: v for k, v in rows_args.items() if k != "grad_scale"}
 
 
@@ -288,8 +288,6 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     else:
         logits = policy
         ref_args = {} if ref is None else {"ref_logits": ref}
-        if getattr(logits, "placements", None) is not None:  # a DTensor: vocab-sharded logits
-            rows_args = _without_grad_scale(rows_args)
 
         def policy_loss(advantages):
             # In place: the logits are dead after the loss (every other read is done by then).

@@ -34,7 +34,7 @@ LABEL_FIELDS = ("label_min", "label_max", "label_count")
 # bits in the header (`replicated_hash`); the LM-head forms' hidden states are not (hashing
 # [N, H] would cost more than the call's header is worth; docs/tensor_parallel.md says so).
 REPLICATED = ("labels", "mask", "advantages", "old_logp", "ref_logp", "rollout_logp",
-              "is_weights", "temperature", "normalizer")  # fmt: skip
+              "is_weights", "temperature", "normalizer", "grad_scale")  # fmt: skip
 FIELDS = HOST_FIELDS + LABEL_FIELDS + tuple(f"hash_{name}" for name in REPLICATED)
 _ABSENT = 0  # the hash of an input not given (None, or a number folded into `call`)
 
@@ -265,6 +265,7 @@ def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
         "old_logp": inp.old_logp, "ref_logp": inp.ref_logp, "rollout_logp": inp.rollout_logp,
         "is_weights": inp.is_weights, "normalizer": inp.normalizer,
         "temperature": inp.row_temps,  # (a number is in the call's settings)
+        "grad_scale": inp.grad_scale,
     }  # fmt: skip
     return values, inp.valid
 

@@ -27,7 +27,7 @@ from ..config import LossConfig
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
-from ..token_terms import token_terms
+from ..token_terms import scaled_by, token_terms
 from ..torch_backend import row_blocks
 from .comm import group_size
 from .dtensor import local_value, unwrap_logits
@@ -131,11 +131,14 @@ def policy_loss(
     vocab_size: int | None = None,
     temperature: torch.Tensor | None = None,
     transform: LogitTransform | None = None,
+    grad_scale=None,
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated, as every per-token input), in place
     of config.temperature: each rank divides its slice's rows by them. `transform`: a soft cap
     (`fusedrl.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
-    (the ranks must agree on it: the header compares it)."""
+    (the ranks must agree on it: the header compares it). `grad_scale`: as in `policy_loss`,
+    each rank's slice of the gradient written times it (the ranks must agree: the header
+    compares it)."""
     cfg = config if config is not None else LossConfig()
     logits, tp_group = unwrap_logits(logits, tp_group)
     per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
@@ -150,7 +153,7 @@ def policy_loss(
             old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
             normalizer=normalizer, inplace=inplace, backend=backend,
             return_entropy=return_entropy, is_weights=is_weights, temperature=temperature,
-            transform=transform,
+            transform=transform, grad_scale=grad_scale,
         )  # fmt: skip
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -161,6 +164,7 @@ def policy_loss(
         inp = prepare_loss_inputs(
             logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
             rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
+            grad_scale=local_value(grad_scale),
         )  # fmt: skip
         if wants_grad and inplace:
             check_writable(logits)
@@ -200,14 +204,14 @@ def policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if grad is not None:
-            write_slice_grad(
-                ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
-                temperature, shard, grad,
+            write_slice_grad(  # (times the caller's loss factor, `grad_scale`)
+                ops, source, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
+                scaled_by(terms.dentropy, inp.grad_scale), temperature, shard, grad,
             )  # fmt: skip
     if wants_grad:
         if inplace:
             torch.autograd.graph.increment_version(logits)
-        loss = attach_grad(logits, loss, grad[0] if inp.flat_input else grad)
+        loss = attach_grad(logits, loss, grad[0] if inp.flat_input else grad, inp.grad_scale)
     entropy = entropy if need_entropy else None
     if inp.flat_input:
         logp = logp[0]
