@@ -88,7 +88,8 @@ $(VERL_STAMP): pyproject.toml setup.py
 	$(VERL_PY) -m pip install "torch==2.13.0"
 	$(VERL_PY) -m pip install --no-deps "verl==$(VERL_VERSION)"
 	$(VERL_PY) -m pip install "torch==2.13.0" numpy packaging omegaconf ray codetiming orjson \
-		"tensordict>=0.8,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0" triton==3.9.0 pytest
+		"tensordict>=0.8,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0" triton==3.9.0 pytest \
+		hydra-core
 	$(VERL_PY) -m pip install --no-deps -e .
 	touch $(VERL_STAMP)
 
