@@ -570,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "device": _device_name(device),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "liger_kernel": _version("liger-kernel"),
+        "triton": package_version("triton"),
+        "liger_kernel": package_version("liger-kernel"),
         "commit": _git_commit(),
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "copy_bandwidth_gbps": round(bandwidth, 1),
@@ -681,7 +681,7 @@ def one_table_setup(doc: str, argv, add_arguments=None):
     return args, device, copy_bandwidth_gbps(device, 0.01 if args.smoke else 2.0)
 
 
-def _version(distribution: str) -> str | None:
+def package_version(distribution: str) -> str | None:
     """An installed distribution's version from its metadata (liger_kernel has no
     `__version__`), or None."""
     try:

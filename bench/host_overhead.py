@@ -18,10 +18,10 @@ JSON says so); the op counts are exact and are what tests/test_host_overhead.py 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,6 +31,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import package_version  # noqa: E402
 
 # aten ops that launch nothing on a GPU (views, metadata, allocations, a Python scalar wrapped)
 NO_LAUNCH = {
@@ -102,15 +105,6 @@ class _Launches:
 
         self._label_check = fused_backend.check_labels_counted
         fused_backend.check_labels_counted = lambda labels_ok, inp: bool(labels_ok)
-
-
-def _version(distribution: str) -> str | None:
-    """An installed distribution's version from its metadata (liger_kernel has no
-    `__version__`), or None."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def classify(ops: list[str]) -> dict[str, int]:
@@ -216,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases["liger triton_grpo_loss dapo"] = liger_step(data)
     except ImportError as err:
         print(f"liger_kernel not importable ({err}): fusedrl alone")
-    liger = _version("liger-kernel")
+    liger = package_version("liger-kernel")
     print(f"{SMOKE_NOTE if args.smoke else NOTE}; torch {torch.__version__}, liger-kernel "
           f"{liger}, B={args.B} T={args.T} V={args.V}, {args.reps} calls")  # fmt: skip
     print(f"{'impl':<30} {'launching':>9} {'syncs':>5} {'custom':>6} {'triton':>6} "

@@ -100,22 +100,25 @@ def check_entropy_coef(entropy_coef: object, config, device: torch.device) -> to
             "entropy_coef must be a one-element tensor (a fixed number goes in "
             f"config.entropy_coef), got {type(entropy_coef).__name__}"
         )
-    if not entropy_coef.dtype.is_floating_point:
-        raise TypeError(f"entropy_coef must be a float tensor, got dtype {entropy_coef.dtype}")
-    if entropy_coef.numel() != 1:
-        raise ValueError(
-            f"entropy_coef must hold one number, got shape {tuple(entropy_coef.shape)}"
-        )
-    if entropy_coef.device != device:
-        raise ValueError(f"entropy_coef is on {entropy_coef.device} but the logits are on {device}")
+    coef = _device_scalar(entropy_coef, "entropy_coef", device)
     if config.entropy_coef != 0.0:
         raise ValueError(
             f"entropy_coef (a tensor) and config.entropy_coef={config.entropy_coef} are both set: "
             "pass one"
         )
-    coef = entropy_coef.detach().float().reshape(())
     _fail_if(~torch.isfinite(coef), "entropy_coef must be finite", coef)
     return coef
+
+
+def _device_scalar(value: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """A one-element float tensor on the logits' device (checked by name), as a 0-dim fp32."""
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor, got dtype {value.dtype}")
+    if value.numel() != 1:
+        raise ValueError(f"{name} must hold one number, got shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the logits are on {device}")
+    return value.detach().float().reshape(())
 
 
 def check_grad_scale(grad_scale: object, device: torch.device) -> float | torch.Tensor | None:
@@ -126,15 +129,7 @@ def check_grad_scale(grad_scale: object, device: torch.device) -> float | torch.
         return None
     message = "grad_scale must be a finite number != 0 (the factor the loss is multiplied by)"
     if isinstance(grad_scale, torch.Tensor):
-        if not grad_scale.dtype.is_floating_point:
-            raise TypeError(f"grad_scale must be a float tensor, got dtype {grad_scale.dtype}")
-        if grad_scale.numel() != 1:
-            raise ValueError(
-                f"grad_scale must hold one number, got shape {tuple(grad_scale.shape)}"
-            )
-        if grad_scale.device != device:
-            raise ValueError(f"grad_scale is on {grad_scale.device} but the logits are on {device}")
-        scale = grad_scale.detach().float().reshape(())
+        scale = _device_scalar(grad_scale, "grad_scale", device)
         _fail_if(~torch.isfinite(scale) | (scale == 0), message, scale)
         return scale
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real):
