@@ -95,6 +95,9 @@ class Case:
 
 
 TRITON = dict(backend="triton", batch=2, time=4)
+# GSPO's bounds (3e-4, 4e-4) clip every sequence of these inputs (their log-ratios are ~0.1):
+# the gradient would be 0 and any slice's gradient would match it. Wider ones keep some open.
+GSPO_OPEN = (("eps_low", 0.2), ("eps_high", 0.3))
 CASES = [
     # token-level, sequence-level and clip_cov-style selections, with the corrections on
     Case("dapo"),
@@ -103,7 +106,7 @@ CASES = [
     Case("grpo_kl_entropy_row_temps", preset="grpo", return_entropy=True, per_token_adv=True,
          row_temps=True, overrides=(("entropy_coef", 0.01),)),
     Case("gspo_sequence_is", preset="gspo",
-         overrides=(("is_correction", "sequence_truncate"), ("is_cap", 1.2))),
+         overrides=(*GSPO_OPEN, ("is_correction", "sequence_truncate"), ("is_cap", 1.2))),
     Case("clip_cov", overrides=(("loss", "clip_cov"), ("clip_cov_seed", 7),
                                 ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0))),
     Case("kl_cov_rejection_is", overrides=(
@@ -128,7 +131,8 @@ CASES = [
     Case("dapo_grad_scale", grad_scale=0.25),
     Case("grpo_dtensor_grad_scale", preset="grpo", layout="dtensor", grad_scale=0.5,
          return_entropy=True),
-    Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True),
+    Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True,
+         overrides=GSPO_OPEN),
     Case("dapo_bf16", dtype=torch.bfloat16),
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
@@ -158,7 +162,8 @@ CASES = [
     # Triton (interpreter): small rows in several vocab tiles
     Case("triton_dapo_is_entropy", **TRITON, return_entropy=True, overrides=(
         ("entropy_coef", 0.01), ("is_correction", "token_truncate"), ("is_cap", 1.2))),
-    Case("triton_gspo_row_temps", **TRITON, preset="gspo", row_temps=True),
+    Case("triton_gspo_row_temps", **TRITON, preset="gspo", row_temps=True,
+         overrides=(("eps_low", 0.9), ("eps_high", 9.0))),  # (ratios at other temperatures)
     Case("triton_grpo_padded_inplace", **TRITON, preset="grpo", layout="padded", inplace=True),
     Case("triton_kl_cov_vocab_start", **TRITON, layout="start", overrides=(
         ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
@@ -879,6 +884,10 @@ def test_matches_single_process_and_reference(worlds, world, name):
         grad_tol = dict(atol=1e-5, rtol=1e-4)
     # the oracle agrees with the single-process call, so the comparisons below mean something
     _assert_outputs_close(single_out, ref_out | {"metrics": {}}, tol, "single vs reference")
+    # ... and the gradients compared are not all 0 (a case whose every token is clipped or
+    # masked would pass any gradient of 0)
+    if case.inputs != "all_masked":
+        assert any(torch.nan_to_num(g.float()).abs().sum() > 0 for g in ref_grads.values()), name
     for key, grad in single_grads.items():
         torch.testing.assert_close(grad.float(), ref_grads[key], equal_nan=True, **grad_tol)
     for truth, grads, what in ((single_out, single_grads, "single"), (ref_out, ref_grads, "ref")):
