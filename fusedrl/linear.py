@@ -23,7 +23,7 @@ from .sampling import check_sampling
 
 def _check_linear_loss_arguments(
     config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows, live_rows,
-    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool, grad_scale=None,
+    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool,
 ):  # fmt: skip
     """linear_policy_loss's checks of its arguments alone: (the logits' transform, the skip)."""
     full_kl = config is not None and config.full_kl
@@ -48,10 +48,10 @@ def _check_linear_loss_arguments(
             "linear_policy_loss yet: take it from linear_token_logprobs(..., "
             "return_sum_pi_squared=True, tp_group=...)"
         )
-    if (prox_logp is not None or entropy_coef is not None or grad_scale is not None) and sharded:
+    if (prox_logp is not None or entropy_coef is not None) and sharded:
         raise NotImplementedError(
-            "prox_logp (decoupled PPO), a tensor entropy_coef and grad_scale under tensor "
-            "parallelism are not supported yet"
+            "prox_logp (decoupled PPO) and a tensor entropy_coef under tensor parallelism are "
+            "not supported yet"
         )
     if full_kl and sharded:
         raise NotImplementedError(
@@ -142,7 +142,7 @@ def linear_policy_loss(
             wait. A wrong count is a device-side assert (asynchronous on CUDA).
         grad_scale: the factor the caller will multiply the loss by before backward, as in
             `policy_loss`: the gradients of hidden, weight and bias are written times it (a
-            backward at that factor then touches none of them); not under tensor parallelism.
+            backward at that factor then touches none of them); under tensor parallelism too.
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
@@ -154,7 +154,7 @@ def linear_policy_loss(
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
         transform, skip_masked_rows = _check_linear_loss_arguments(
             config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows,
-            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded, grad_scale,
+            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded,
         )  # fmt: skip
     if sharded:
         from .tp import linear as tp_linear
@@ -164,7 +164,7 @@ def linear_policy_loss(
             normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
             vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
             temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-            skip_masked_rows=skip_masked_rows, live_rows=live_rows,
+            skip_masked_rows=skip_masked_rows, live_rows=live_rows, grad_scale=grad_scale,
         )  # fmt: skip
     return linear_single_process.linear_policy_loss(
         hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,

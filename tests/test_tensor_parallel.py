@@ -190,6 +190,8 @@ CASES = [
     Case("linear_gspo_padded_row_temps_skip", kind="linear", preset="gspo", layout="padded",
          row_temps=True, skip_masked_rows=True, overrides=(("entropy_coef", 0.01),)),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
+    Case("linear_grpo_grad_scale", kind="linear", preset="grpo", return_entropy=True,
+         grad_scale=0.25),
     Case("linear_logprobs_int32_labels", kind="linear_logprobs", return_entropy=True,
          temperature=0.7, inputs="int32_labels"),
     Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
@@ -445,8 +447,6 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
             tp["inplace"] = True
         if case.row_temps:
             tp["temperature"] = temperature
-        if case.grad_scale is not None and fn is not reference.policy_loss:
-            tp["grad_scale"] = case.grad_scale  # (the gradient written at the factor below)
         result = fn(*head, config=case.config(), return_entropy=case.return_entropy, **args, **tp)
         fwd = log.take() if log else []
         total, out = result.loss * (case.grad_scale or 1.0), _detached(result)
@@ -470,6 +470,8 @@ def _fused(case: Case):
             kwargs["softcap"] = case.softcap
         if case.skip_masked_rows:
             kwargs["skip_masked_rows"] = True
+        if case.grad_scale is not None:  # (the gradient written at the factor `_call` applies)
+            kwargs["grad_scale"] = case.grad_scale
         return fn(*args, backend=case.backend, **kwargs)
 
     return call

@@ -246,12 +246,6 @@ def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
     return completion_logits(model, sub, autocast_dtype)
 
 
-def _without_grad_scale(rows_args: dict) -> dict:
-    """The loss's arguments without grad_scale, which the tensor-parallel LM-head loss does not
-    take yet (its gradients are then rescaled in backward)."""
-    return {k: v for k, v in rows_args.items() if k != "grad_scale"}
-
-
 def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backend: str,
                       lm_head: bool, rows_args: dict, ref_model, teacher, distill: Distill | None,
                       distill_normalizer) -> tuple[torch.Tensor, fusedrl.LossOutput]:
@@ -277,8 +271,6 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
 
         # Under --tp the body is replicated: the loss sums the hidden states' gradient over the
         # group (reduce_input_grad, its default), so every rank backpropagates the whole.
-        if tp_group is not None:
-            rows_args = _without_grad_scale(rows_args)
 
         def policy_loss(advantages):
             return fusedrl.linear_policy_loss(

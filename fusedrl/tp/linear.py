@@ -32,7 +32,7 @@ from ..config import LossConfig
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
 from ..sampling import check_sampling
-from ..token_terms import token_terms
+from ..token_terms import scaled_by, token_terms
 from ..torch_backend import _scaled
 from . import sampling as tp_sampling
 from .comm import group_size, sum_grad_over_group
@@ -239,8 +239,11 @@ def linear_policy_loss(
     logit_scale: float | None = None,
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
+    grad_scale=None,
 ) -> LossOutput:
     """`temperature`: per-token temperatures (replicated), in place of config.temperature.
+    `grad_scale`: as on one process, each rank's gradients written times it (the header compares
+    it across ranks).
     `softcap`, `logit_scale`: the model's transform after the head, elementwise: each rank
     applies it to its slice of the logits (and its derivative to their gradient).
     `skip_masked_rows`, `live_rows`: as on one process; the mask is replicated, so every rank
@@ -261,7 +264,7 @@ def linear_policy_loss(
             backend=backend, return_entropy=return_entropy, is_weights=is_weights,
             temperature=temperature, transform=check_logit_transform(softcap, logit_scale),
             skip_masked_rows=check_skip_masked_rows(skip_masked_rows, live_rows),
-            live_rows=live_rows,
+            live_rows=live_rows, grad_scale=grad_scale,
         )  # fmt: skip
     skip = live_rows if live_rows is not None else skip_masked_rows
     want = wanted_grads(hidden, weight, bias)
@@ -274,6 +277,7 @@ def linear_policy_loss(
         inp = prepare_loss_inputs(
             hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
             cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
+            grad_scale=local_value(grad_scale),
         )  # fmt: skip
         return inp, _backend(backend, inp.logits), transform
 
@@ -306,14 +310,17 @@ def linear_policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if any(want):
-            grads = _slice_grads(
-                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, temperature,
-                shard, want, weight.shape[0], impl,
+            grads = _slice_grads(  # (times the caller's loss factor, `grad_scale`)
+                lin, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
+                scaled_by(terms.dentropy, inp.grad_scale), temperature, shard, want,
+                weight.shape[0], impl,
             )  # fmt: skip
     if any(want):
         if want[0] and reduce_input_grad:
             hidden = sum_grad_over_group(hidden, tp_group)
-        loss = attach_linear_grads(loss, hidden, weight, bias, inp.flat_input, want, grads)
+        loss = attach_linear_grads(
+            loss, hidden, weight, bias, inp.flat_input, want, grads, inp.grad_scale
+        )
     entropy = entropy if need_entropy else None
     if inp.flat_input:
         logp = logp[0]
