@@ -42,9 +42,17 @@ def test_on_policy_measures_the_current_log_probs(name, backend):
     the fused backends take two passes."""
     data = make_batch(batch=4, time=9, vocab=523, seed=5, per_token_adv=True)
     data["old_logp"] = None
+    # The rollout's log-probs near this call's own (the batch's are near old's, ~0.4 away: every
+    # token would be rejected and the loss and its gradient compared at 0).
+    with torch.no_grad():
+        labels = torch.where(data["mask"], data["labels"], 0)
+        current, _ = reference.token_logprobs(data["logits"], labels)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(6))
+    data["rollout_logp"] = current + 0.2 * noise
     cfg = REJECTION_OPTIONS[name]
     ours, grad = run_loss(_impl(backend), data, cfg, return_entropy=True)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    assert float(ref.metrics["rs_masked"]) < 1 and ref_grad.abs().sum() > 0, ref.metrics
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
     assert set(ours.metrics) == set(ref.metrics)
