@@ -134,12 +134,12 @@ def policy_loss(
         without tp_group).
     """
     if _plannable(
-        rollout_logp, inplace, is_weights, tp_group, vocab_start, vocab_size, ref_logits,
-        return_sum_pi_squared, temperature, prox_logp, entropy_coef, logit_scale, softcap,
+        is_weights, tp_group, vocab_start, vocab_size, ref_logits, return_sum_pi_squared,
+        temperature, prox_logp, entropy_coef, logit_scale, softcap,
     ):  # fmt: skip
         out = call_plan.policy_loss(
             logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy, grad_scale,
+            return_entropy, grad_scale, inplace, rollout_logp,
         )  # fmt: skip
         if out is not None:  # a call of a kind already decided
             return out
@@ -179,13 +179,13 @@ def policy_loss(
 
 
 def _plannable(
-    rollout_logp, inplace, is_weights, tp_group, vocab_start, vocab_size, ref_logits,
-    return_sum_pi_squared, temperature, prox_logp, entropy_coef, logit_scale, softcap,
+    is_weights, tp_group, vocab_start, vocab_size, ref_logits, return_sum_pi_squared,
+    temperature, prox_logp, entropy_coef, logit_scale, softcap,
 ) -> bool:  # fmt: skip
     """Whether every argument of `policy_loss` outside `call_plan.PLANNED` is at its default:
     such a call's kind may be decided once (tests/test_call_plan.py checks the two lists)."""
     return (
-        rollout_logp is None and not inplace and is_weights is None and tp_group is None
+        is_weights is None and tp_group is None
         and vocab_start is None and vocab_size is None and ref_logits is None
         and not return_sum_pi_squared and temperature is None and prox_logp is None
         and entropy_coef is None and logit_scale is None and softcap is None

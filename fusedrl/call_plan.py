@@ -40,7 +40,7 @@ from .output import LossOutput
 # default (the entry point checks them, tests/test_call_plan.py that the two lists cover them).
 PLANNED = (
     "logits", "labels", "advantages", "mask", "old_logp", "ref_logp", "config", "normalizer",
-    "backend", "return_entropy", "grad_scale",
+    "backend", "return_entropy", "grad_scale", "inplace", "rollout_logp",
 )  # fmt: skip
 MAX_PLANS = 64  # kinds kept (least recently used dropped): a config per step must not leak
 _PLANS: OrderedDict[tuple, _Plan | None] = OrderedDict()
@@ -55,19 +55,21 @@ class _Plan:
     run_call: object  # the backend's planned call: (inputs, gradient buffer) -> (logp, H, terms)
     flat_input: bool  # [N, V] logits: the per-token tensors become [1, N]
     per_sequence_advantages: bool  # [B] advantages, broadcast over T
+    inplace: bool  # the gradient written into the logits (checked writable on every call)
 
     def run(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
-            grad_scale) -> LossOutput:  # fmt: skip
+            grad_scale, rollout_logp=None) -> LossOutput:  # fmt: skip
         inp = self.inputs(
-            logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale
-        )
+            logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale,
+            rollout_logp,
+        )  # fmt: skip
 
         def compute(grad):
             logp, entropy, terms = self.run_call(inp, grad_out=grad)
             return terms.loss, (logp, entropy, terms)
 
         loss, (logp, entropy, terms) = with_known_grad(
-            logits, inp.logits, False, self.flat_input, compute, inp.grad_scale
+            logits, inp.logits, self.inplace, self.flat_input, compute, inp.grad_scale
         )
         if self.flat_input:
             logp = logp[0]
@@ -75,7 +77,7 @@ class _Plan:
         return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
     def inputs(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
-               grad_scale=None):  # fmt: skip
+               grad_scale=None, rollout_logp=None):  # fmt: skip
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
         checks already passed (the kind's first call took them)."""
         shape = labels.shape
@@ -89,12 +91,12 @@ class _Plan:
             advantages = advantages.unsqueeze(1).expand(shape)
         old = None if old_logp is None else detached(old_logp).float()
         ref = None if ref_logp is None else detached(ref_logp).float()
-        tensors = (logits, labels.long(), advantages, checked_mask, valid, old, ref)
+        rollout = None if rollout_logp is None else detached(rollout_logp).float()
+        tensors = (logits, labels.long(), advantages, checked_mask, valid, old, ref, rollout)
         if self.flat_input:  # [N, V]: one row of tokens
             tensors = tuple(None if t is None else t.unsqueeze(0) for t in tensors)
         return LossInputs(
             *tensors,
-            rollout_logp=None,
             is_weights=None,
             normalizer=check_normalizer(normalizer, logits.device),
             flat_input=self.flat_input,
@@ -122,7 +124,7 @@ def _number_or_kind(value) -> object:
 
 
 def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-         return_entropy, grad_scale) -> tuple | None:  # fmt: skip
+         return_entropy, grad_scale, inplace, rollout_logp) -> tuple | None:  # fmt: skip
     """The call's kind; None where it is not planned. (Written out, not looped: a generator
     costs more than the checks.)"""
     if not (
@@ -130,6 +132,7 @@ def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalize
         and type(mask) is _TENSOR and logits.dim() > 0
         and (old_logp is None or type(old_logp) is _TENSOR)
         and (ref_logp is None or type(ref_logp) is _TENSOR)
+        and (rollout_logp is None or type(rollout_logp) is _TENSOR)
     ):  # (subclasses: DTensor, or a mistake the general path names)  # fmt: skip
         return None
     norm, scale = _number_or_kind(normalizer), _number_or_kind(grad_scale)
@@ -137,24 +140,25 @@ def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalize
         return None
     return (
         id(config), backend, return_entropy, torch.is_grad_enabled(), logits.requires_grad,
-        logits.stride(-1), norm, scale, _kind(logits), _kind(labels), _kind(advantages),
-        _kind(mask), _kind(old_logp), _kind(ref_logp),
+        logits.stride(-1), norm, scale, bool(inplace), _kind(logits), _kind(labels),
+        _kind(advantages), _kind(mask), _kind(old_logp), _kind(ref_logp), _kind(rollout_logp),
     )  # fmt: skip
 
 
 def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                backend, return_entropy, grad_scale=None) -> LossOutput | None:  # fmt: skip
+                backend, return_entropy, grad_scale=None, inplace=False,
+                rollout_logp=None) -> LossOutput | None:  # fmt: skip
     """The planned call's output, or None where the call takes the general path."""
     if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
         return None
     key = _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-               backend, return_entropy, grad_scale)  # fmt: skip
+               backend, return_entropy, grad_scale, inplace, rollout_logp)  # fmt: skip
     if key is None:
         return None
     plan = _PLANS.get(key, False)
     if plan is False or (plan is not None and plan.config is not config):
         plan = _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                       backend, return_entropy, grad_scale)  # fmt: skip
+                       backend, return_entropy, grad_scale, inplace, rollout_logp)  # fmt: skip
         _PLANS[key] = plan
         if len(_PLANS) > MAX_PLANS:
             _PLANS.popitem(last=False)
@@ -162,15 +166,17 @@ def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, no
         _PLANS.move_to_end(key)
     if plan is None:
         return None
-    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale)
+    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale,
+                    rollout_logp)  # fmt: skip
 
 
 def _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy, grad_scale=None) -> _Plan | None:  # fmt: skip
+            return_entropy, grad_scale=None, inplace=False,
+            rollout_logp=None) -> _Plan | None:  # fmt: skip
     """The general path's checks (they raise as there) and the backend's decision."""
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
-        logits, labels, advantages, mask, old_logp, ref_logp, None, cfg, normalizer,
+        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer,
         mask_rows=False, grad_scale=grad_scale,
     )  # fmt: skip
     impl = backends.resolve(backend, inp.logits.device)
@@ -180,7 +186,7 @@ def _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normal
     if run_call is None:
         return None
     per_sequence = advantages.dim() == 1 and not inp.flat_input
-    return _Plan(config, run_call, inp.flat_input, per_sequence)
+    return _Plan(config, run_call, inp.flat_input, per_sequence, bool(inplace))
 
 
 def clear() -> None:

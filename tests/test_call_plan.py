@@ -21,10 +21,12 @@ pytestmark = needs_interpreter
 PRESETS = ("dapo", "grpo", "cispo", "dr_grpo")
 
 
-def _kind_batch(seed, *, mask_kind="bool", per_token_adv=False, flat=False, old=True, ref=False):
+def _kind_batch(seed, *, mask_kind="bool", per_token_adv=False, flat=False, old=True, ref=False,
+                rollout=False):  # fmt: skip
     """Inputs of one call kind: a fresh draw for each seed."""
     data = make_batch(batch=3, time=9, vocab=131, seed=seed, per_token_adv=per_token_adv)
-    data.pop("rollout_logp")
+    if not rollout:
+        data.pop("rollout_logp")
     if not ref:
         data.pop("ref_logp")
     if not old:
@@ -48,12 +50,13 @@ KINDS = {
     "flat": {"flat": True},
     "on-policy": {"old": False},
     "kl": {"ref": True},
+    "rollout": {"rollout": True},  # the train / inference mismatch metrics
 }
 
 
 def _keywords(data, cfg, normalizer=None) -> dict:
     """policy_loss's keywords after the logits."""
-    names = ("labels", "advantages", "mask", "old_logp", "ref_logp")
+    names = ("labels", "advantages", "mask", "old_logp", "ref_logp", "rollout_logp")
     return {**{name: data.get(name) for name in names}, "config": cfg, "normalizer": normalizer}
 
 
@@ -75,10 +78,11 @@ def test_planned_inputs_equal_prepare_loss_inputs(kind, normalizer):
     data["labels"] = data["labels"].int()  # (int32 labels: the plan widens them as the checks do)
     logits = data["logits"].requires_grad_(True)
     args = _args({**data, "logits": logits}, cfg, norm)
-    plan = call_plan._decide(*args, "triton", False, scale)
+    rollout = data.get("rollout_logp")
+    plan = call_plan._decide(*args, "triton", False, scale, rollout_logp=rollout)
     assert plan is not None, f"{kind}: not planned"
-    got = plan.inputs(*args[:6], norm, scale)
-    want = prepare_loss_inputs(*args[:6], None, cfg, norm, mask_rows=False, grad_scale=scale)
+    got = plan.inputs(*args[:6], norm, scale, rollout)
+    want = prepare_loss_inputs(*args[:6], rollout, cfg, norm, mask_rows=False, grad_scale=scale)
     for field in dataclasses.fields(want):
         a, b = getattr(got, field.name), getattr(want, field.name)
         if isinstance(b, torch.Tensor):
@@ -193,3 +197,24 @@ def test_plans_are_bounded():
         leaf = data["logits"].detach().requires_grad_(True)
         fusedrl.policy_loss(leaf, **_keywords(data, cfg), backend="triton")
     assert len(call_plan._PLANS) == call_plan.MAX_PLANS
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+def test_planned_inplace_calls_equal_the_general_path(preset):
+    """inplace=True (fusedrl-train's call): the planned calls write the general path's
+    gradient into the logits buffer and hand it back to autograd."""
+    cfg = fusedrl.LossConfig.preset(preset)
+    for seed in range(3):
+        data = _kind_batch(seed, ref=cfg.beta > 0)
+        leaf = data["logits"].clone().requires_grad_(True)
+        out = fusedrl.policy_loss(leaf, **_keywords(data, cfg), backend="triton", inplace=True)
+        out.loss.backward()
+        general = data["logits"].clone().requires_grad_(True)
+        want = single_process.policy_loss(
+            general, **_keywords(data, cfg), backend="triton", inplace=True
+        )
+        want.loss.backward()
+        assert torch.equal(out.loss, want.loss)
+        assert torch.equal(leaf.grad, general.grad) and torch.equal(leaf.detach(), leaf.grad)
+    plans = [p for p in call_plan._PLANS.values() if p is not None and p.config is cfg]
+    assert len(plans) == 1 and plans[0].inplace
