@@ -160,10 +160,16 @@ def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, no
         plan = _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
                        backend, return_entropy, grad_scale, inplace, rollout_logp)  # fmt: skip
         _PLANS[key] = plan
-        if len(_PLANS) > MAX_PLANS:
-            _PLANS.popitem(last=False)
+        while len(_PLANS) > MAX_PLANS:
+            try:
+                _PLANS.popitem(last=False)
+            except KeyError:  # emptied by another thread's call meanwhile
+                break
     else:
-        _PLANS.move_to_end(key)
+        try:
+            _PLANS.move_to_end(key)
+        except KeyError:  # another thread's call dropped it meanwhile: the plan still holds
+            pass
     if plan is None:
         return None
     return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale,
