@@ -1,7 +1,7 @@
 """Decide once, then run: a `policy_loss` call of a kind already seen goes straight to its kernels.
 
 At a 4k-token micro-batch the loss is host-bound: a call's checks and decisions (which backend,
-which path, which terms; tensor parallel or not) cost more host time than its three launches.
+which path, which terms; tensor parallel or not) cost more host time than its two launches.
 They depend on the call's kind alone: the config object, the backend, the tensors' types, dtypes,
 shapes and devices, which inputs are given, whether a gradient is wanted. The first call of a
 kind takes the general path's checks (`prepare_loss_inputs`, every message as there) and asks the

@@ -476,7 +476,10 @@ def _kernel_terms(
         vocab=inp.logits.shape[-1],
     )
     terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)
-    return replace(terms, dlogp=dlogp, dentropy=dentropy if bonus else None)
+    # (`TokenTerms`: the derivatives of the loss the caller scales, as token_terms gives them)
+    dentropy = dentropy if bonus else None
+    return replace(terms, dlogp=scaled_by(dlogp, inp.grad_scale),
+                   dentropy=scaled_by(dentropy, inp.grad_scale))  # fmt: skip
 
 
 def _summed_terms(
@@ -545,7 +548,8 @@ def fused_sums_call(
     sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """The call as the fused kernel whose own sums are the loss and the metrics (`_terms_source`
-    "fused"): the aggregation weights, the fused kernel, `token_loss_sums`; three launches."""
+    "fused"): the fused kernel and `token_loss_sums`, two launches (three where the aggregation
+    weights need a sequence's count: their kernel first)."""
     logp, entropy, partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
     terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy)
     return logp, entropy if need_entropy else None, terms
@@ -606,11 +610,9 @@ def _with_exact_kl(
     )
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
     if grad_out is not None:
-        scale = inp.grad_scale
         ops.two_rows.grad(
-            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, scaled_by(terms.dfull_kl, scale),
-            scalar, kind, 0.0, grad_out, inp.labels, entropy, scaled_by(terms.dlogp, scale),
-            scaled_by(terms.dentropy, scale), **rows,
+            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, scalar,
+            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy, **rows,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms
 
@@ -689,7 +691,7 @@ def policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(
-            inp.logits, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
-            scaled_by(terms.dentropy, inp.grad_scale), scalar, grad_out, **rows,
+            inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, scalar, grad_out,
+            **rows,
         )  # fmt: skip
     return logp, entropy if need_entropy else None, terms

@@ -29,7 +29,6 @@ from .token_terms import (
     TokenTerms,
     aggregation_weights,
     resolve_is_weights,
-    scaled_by,
     token_terms,
     with_rejection,
 )
@@ -323,9 +322,7 @@ def token_level_derivatives(lin: LinearInputs, cfg: LossConfig) -> RowDerivative
     """Per-token d(loss)/d(logp), d(loss)/d(H) of a block, with the weights that do not depend on
     the logits (aggregation, IS) computed once for the whole batch."""
     inp = lin.rows
-    # (times grad_scale: the weights serve the derivatives alone, the loss is token_terms')
-    agg = flat_rows(lin, scaled_by(aggregation_weights(with_rejection(inp, cfg), cfg),
-                                   inp.grad_scale))  # fmt: skip
+    agg = flat_rows(lin, aggregation_weights(with_rejection(inp, cfg), cfg))
     # One sweep only when these need no logp (fused_backend.needs_two_passes).
     flat_is = flat_rows(lin, resolve_is_weights(inp.old_logp, inp, cfg))
 
@@ -356,11 +353,7 @@ def policy_loss(
     terms = token_terms(logp, entropy, inp, cfg)
     grads = None
     if any(want):
-        scale = inp.grad_scale  # (the gradients written times the caller's loss factor)
-        grads = backward(
-            lin, inp.labels, temperature, scaled_by(terms.dlogp, scale),
-            scaled_by(terms.dentropy, scale), want,
-        )  # fmt: skip
+        grads = backward(lin, inp.labels, temperature, terms.dlogp, terms.dentropy, want)
     return logp, entropy, terms, grads
 
 

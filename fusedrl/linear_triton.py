@@ -45,7 +45,7 @@ from .linear_torch import (
     spread_rows,
     sweep_hidden,
 )
-from .token_terms import TokenTerms, scaled_by, token_terms
+from .token_terms import TokenTerms, token_terms
 from .torch_backend import block_rows
 
 DESIGNS = ("gemm", "on-chip")
@@ -290,12 +290,7 @@ def policy_loss(
     terms = token_terms(logp, entropy if need_entropy else None, lin.rows, cfg)
     grads = None
     if any(want):
-        scale = lin.rows.grad_scale  # (the gradients written times the caller's loss factor;
-        # the one sweep's are through fused_token_args's aggregation weights)
-        grads = gradients(
-            lin, temperature, lse, entropy, scaled_by(terms.dlogp, scale),
-            scaled_by(terms.dentropy, scale), want,
-        )  # fmt: skip
+        grads = gradients(lin, temperature, lse, entropy, terms.dlogp, terms.dentropy, want)
     return logp, entropy if need_entropy else None, terms, grads
 
 

@@ -177,13 +177,18 @@ def resolve_is_weights(old: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> t
 
 
 def scaled_by(t: torch.Tensor | None, grad_scale) -> torch.Tensor | None:
-    """A [B, T] derivative times the call's `grad_scale` (None: as it is): what a pass that
-    writes the gradient from it then writes already scaled (`LossInputs.grad_scale`)."""
+    """A [B, T] derivative or weight times the call's `grad_scale` (None: as it is): what a pass
+    that writes the gradient from it then writes already scaled (`LossInputs.grad_scale`;
+    `token_terms` scales its own derivatives)."""
     return t if t is None or grad_scale is None else t * grad_scale
 
 
 @dataclass
 class TokenTerms:
+    """The loss, its metrics, and the derivatives a backend's gradient pass reads. Those are of
+    the loss times the call's `grad_scale` (`LossInputs.grad_scale`; None: 1), so that every
+    pass writes the gradient the caller will backpropagate, with nothing left to scale."""
+
     loss: torch.Tensor  # 0-dim fp32
     dlogp: torch.Tensor | None  # [B, T] d(loss)/d(logp); 0 on masked tokens (None: not wanted)
     dentropy: torch.Tensor | None  # [B, T] d(loss)/d(H), None when there is no entropy term
@@ -695,6 +700,8 @@ def token_terms(
 
     add_token_metrics(metrics, old, logp, entropy, w, measured)
     add_mismatch_metrics(metrics, logp, w, sampled)
+    scale = inp.grad_scale  # (`TokenTerms`: the derivatives of the loss the caller scales)
     return TokenTerms(
-        loss=loss, dlogp=dlogp, dentropy=dentropy, metrics=metrics.finish(), dfull_kl=dfull_kl
-    )
+        loss=loss, dlogp=scaled_by(dlogp, scale), dentropy=scaled_by(dentropy, scale),
+        metrics=metrics.finish(), dfull_kl=scaled_by(dfull_kl, scale),
+    )  # fmt: skip

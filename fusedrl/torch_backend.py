@@ -22,7 +22,7 @@ from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
 from .logit_transform import LogitTransform, banned, capped_rows
 from .sampling import SamplingMask, apply_floor, sampling_floor
-from .token_terms import TokenTerms, scaled_by, token_terms
+from .token_terms import TokenTerms, token_terms
 
 # Rows per block are chosen so that one fp32 temporary of the block holds about this many elements
 # (16 MiB): large enough to amortise the Python loop, small next to any real logits tensor.
@@ -410,11 +410,9 @@ def policy_loss(
     if grad_out is not None:
         # beta = 0: the KL is a metric, its gradient term is zero and its pass is skipped.
         with_kl = full_kl is not None and cfg.beta > 0
-        scale = inp.grad_scale  # (the gradient written times the caller's loss factor)
         write_logits_grad(
-            inp.logits, inp.labels, temperature, scaled_by(terms.dlogp, scale),
-            scaled_by(terms.dentropy, scale), grad_out, sampling, floors,
-            ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
-            dfull_kl=scaled_by(terms.dfull_kl, scale), full_kl=full_kl, transform=inp.transform,
+            inp.logits, inp.labels, temperature, terms.dlogp, terms.dentropy, grad_out,
+            sampling, floors, ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
+            dfull_kl=terms.dfull_kl, full_kl=full_kl, transform=inp.transform,
         )  # fmt: skip
     return logp, entropy, terms

@@ -231,9 +231,7 @@ def policy_loss_with_reference(
     terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
     if any(want) and grads is None:
 
-        scale = inp.grad_scale  # (the gradients written times the caller's loss factor)
-        dlogp_rows = flat_rows(lin, scaled_by(terms.dlogp, scale))
-        dentropy_rows = flat_rows(lin, scaled_by(terms.dentropy, scale))
+        dlogp_rows, dentropy_rows = flat_rows(lin, terms.dlogp), flat_rows(lin, terms.dentropy)
 
         def known(start, stop, logp, entropy):
             return (
@@ -242,7 +240,6 @@ def policy_loss_with_reference(
             )
 
         _, grads = pair_sweep(
-            lin, head, ops, code, 0.0, temperature, want, scaled_by(terms.dfull_kl, scale), known,
-            saved=stats,
-        )  # fmt: skip
+            lin, head, ops, code, 0.0, temperature, want, terms.dfull_kl, known, saved=stats
+        )
     return logp, entropy, terms, grads

@@ -32,7 +32,7 @@ from ..config import LossConfig
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
 from ..sampling import check_sampling
-from ..token_terms import scaled_by, token_terms
+from ..token_terms import token_terms
 from ..torch_backend import _scaled
 from . import sampling as tp_sampling
 from .comm import group_size, sum_grad_over_group
@@ -310,10 +310,9 @@ def linear_policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if any(want):
-            grads = _slice_grads(  # (times the caller's loss factor, `grad_scale`)
-                lin, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
-                scaled_by(terms.dentropy, inp.grad_scale), temperature, shard, want,
-                weight.shape[0], impl,
+            grads = _slice_grads(
+                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, temperature,
+                shard, want, weight.shape[0], impl,
             )  # fmt: skip
     if any(want):
         if want[0] and reduce_input_grad:

@@ -27,7 +27,7 @@ from ..config import LossConfig
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..sampling import SamplingMask, check_sampling
-from ..token_terms import scaled_by, token_terms
+from ..token_terms import token_terms
 from ..torch_backend import row_blocks
 from .comm import group_size
 from .dtensor import local_value, unwrap_logits
@@ -204,9 +204,9 @@ def policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if grad is not None:
-            write_slice_grad(  # (times the caller's loss factor, `grad_scale`)
-                ops, source, inp.labels, lse, entropy, scaled_by(terms.dlogp, inp.grad_scale),
-                scaled_by(terms.dentropy, inp.grad_scale), temperature, shard, grad,
+            write_slice_grad(
+                ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
+                temperature, shard, grad,
             )  # fmt: skip
     if wants_grad:
         if inplace:
