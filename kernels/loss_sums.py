@@ -27,12 +27,11 @@ KERNEL_FAMILY = "reduce"
 # kernels read the labels raw: this is the labels' range check, with no launch of its own);
 # `token_loss_sums` turns the count into 1.0 when it is 0, else 0.0 (a flag, not a mean).
 # The metrics every call reports come first, then the KL's and the entropy's, which some calls
-# report: the driver takes a call's metrics as one slice's views (`METRIC_SLOTS`).
+# report: the driver takes a call's metrics as one slice's views (`fused_backend._metric_slots`).
 SUM_SLOTS = (
     "clipfrac", "clip_low", "clip_high", "dual_clipfrac", "ppo_kl", "logp_mean", "kl",
     "entropy", "labels_ok", "loss", "weight",
 )  # fmt: skip
-METRIC_SLOTS = 8  # the slots that are metrics: SUM_SLOTS[:METRIC_SLOTS]
 SUM_WIDTH = tl.constexpr(16)  # a power of two >= len(SUM_SLOTS): one vector per program
 SLOT_LOSS = tl.constexpr(SUM_SLOTS.index("loss"))
 SLOT_WEIGHT = tl.constexpr(SUM_SLOTS.index("weight"))
