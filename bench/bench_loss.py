@@ -54,6 +54,9 @@ OPS = ("token_logprobs_fwd", "policy_loss_fwd_bwd")
 IMPLS = (
     "fusedrl-triton",
     "fusedrl-triton-inplace",
+    # the split-row kernel (kernels/split_rows.py: FUSEDRL_SPLIT_ROWS=on), beside the default
+    "fusedrl-triton-split",
+    "fusedrl-triton-split-inplace",
     "fusedrl-cuda",
     "fusedrl-cuda-inplace",
     "fusedrl-torch",
@@ -62,7 +65,9 @@ IMPLS = (
     "liger",
 )
 # Impls that write their gradient into the logits buffer they are given (liger: inplace=True).
-INPLACE_IMPLS = ("fusedrl-triton-inplace", "fusedrl-cuda-inplace", "liger")
+INPLACE_IMPLS = (
+    "fusedrl-triton-inplace", "fusedrl-triton-split-inplace", "fusedrl-cuda-inplace", "liger"
+)  # fmt: skip
 MATRICES = {
     "full": dict(N=[4096, 16384, 65536], V=[32000, 128256, 151936]),
     "small": dict(N=[16384], V=[151936]),
@@ -320,6 +325,17 @@ def _leaf(inp: Inputs) -> Inputs:
     return inp._replace(logits=inp.logits.detach().requires_grad_(True))
 
 
+def _split_rows(on: bool) -> None:
+    """The fused Triton loss by the split-row kernel (`on`) or the two-sweep one, for the next
+    step; a split step whose kernel declined its grid (not co-resident: it would have timed the
+    two-sweep kernel under the split one's name) raises instead."""
+    from fusedrl.kernels import split_rows
+
+    split_rows.POLICY = "always" if on else "off"
+    if on and split_rows._NOT_CO_RESIDENT:
+        raise RuntimeError(f"the split-row kernel declined: {split_rows._NOT_CO_RESIDENT}")
+
+
 def make_step(op: str, impl: str, case: Case):
     """A zero-argument callable running one step of `impl` on the next rotated input."""
     cfg = case.cfg
@@ -361,8 +377,11 @@ def make_step(op: str, impl: str, case: Case):
     if impl.startswith("fusedrl"):
         backend = impl.split("-")[1]  # triton | cuda | torch
         inplace = impl.endswith("inplace")
+        split = "split" in impl.split("-")
 
         def step():
+            if backend == "triton":
+                _split_rows(split)
             inp = _leaf(case.take())
             out = fusedrl.policy_loss(
                 inp.logits,

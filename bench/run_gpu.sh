@@ -398,11 +398,11 @@ stage_session() {
   stage_tests
   step session:bench "$((DEADLINE - SECONDS - 200))" "$PREFIX-bench_loss-session.log" \
     "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 --presets dapo \
-    --impls fusedrl-triton fusedrl-cuda liger torch-compile --ops policy_loss_fwd_bwd \
-    --warmup-ms 50 --rep-ms 200 --tag session --out "$OUTDIR"
+    --impls fusedrl-triton fusedrl-triton-split fusedrl-cuda liger torch-compile \
+    --ops policy_loss_fwd_bwd --warmup-ms 50 --rep-ms 200 --tag session --out "$OUTDIR"
   step session:grad_scale "$((DEADLINE - SECONDS - 150))" "$PREFIX-bench_loss-grad_scale.log" \
     "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
-    --impls fusedrl-triton fusedrl-cuda liger --ops policy_loss_fwd_bwd \
+    --impls fusedrl-triton fusedrl-triton-split fusedrl-cuda liger --ops policy_loss_fwd_bwd \
     --warmup-ms 50 --rep-ms 200 --tag grad_scale --out "$OUTDIR"
   step session:sweep "$((DEADLINE - SECONDS - 60))" "$PREFIX-sweep_fused.log" \
     "$PY" bench/sweep_fused.py --out "$OUTDIR"

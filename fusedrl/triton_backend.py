@@ -27,6 +27,7 @@ def _kernels() -> SimpleNamespace:
         loss_sums,
         sampling,
         sequence_terms,
+        split_rows,
         token_loss,
     )
 
@@ -34,6 +35,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         logprobs=logprobs,
         token_loss=token_loss,
+        split_rows=split_rows,
         loss_sums=loss_sums,
         sequence_terms=sequence_terms,
         sampling=sampling,
@@ -175,11 +177,11 @@ torch.library.define(
 
 
 def _fused_token_loss(logits, grad, *args, **keywords):
-    return _kernels().token_loss.fused_token_loss(logits, grad, *args, **keywords)
+    return _kernels().split_rows.fused_token_loss(logits, grad, *args, **keywords)
 
 
 def _fused_token_loss_inplace(logits, *args, **keywords):
-    return _kernels().token_loss.fused_token_loss(logits, logits, *args, **keywords)
+    return _kernels().split_rows.fused_token_loss(logits, logits, *args, **keywords)
 
 
 torch.library.impl("fusedrl::fused_token_loss", "default")(_fused_token_loss)
@@ -371,7 +373,7 @@ OPS = FusedOps(
     _eager_or_traced(logprobs_fwd),
     _eager_or_traced(logits_grad),
     # (eagerly, the launchers themselves: a call's frames are a 4k-token micro-batch's time)
-    _eager_or_traced(fused_token_loss, _kernels().token_loss.fused_token_loss),
+    _eager_or_traced(fused_token_loss, _kernels().split_rows.fused_token_loss),
     _eager_or_traced(fused_token_loss_inplace, _fused_token_loss_inplace),
     _eager_or_traced(sampled_set),
     TWO_ROWS,

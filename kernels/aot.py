@@ -107,6 +107,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         sampling,
         scale,
         sequence_terms,
+        split_rows,
         token_loss,
         two_rows,
     )
@@ -126,6 +127,15 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
         rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
     )  # fmt: skip
+    # The split-row kernel as a GPU launches it: the exchange in one launch (the sweep compiles
+    # the two-launch phases and the one-slice form too), and its merge's test harness.
+    yield lambda: split_rows.split_row_loss(
+        logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
+        rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0, two_launches=False,
+    )  # fmt: skip
+    yield lambda: split_rows.merge_partials_rows(
+        torch.zeros(2, split_rows.MAX_SLICES.value, split_rows.PARTIAL.value), 2
+    )
     yield lambda: loss_sums.token_loss_sums(torch.zeros(4, loss_sums.SUM_WIDTH.value))
     yield lambda: loss_sums.aggregation_weights(rows, "seq-mean-token-mean", None, None)
     yield lambda: loss_sums.aggregation_weights(valid, "token-mean", None, None)  # a bool mask
@@ -611,7 +621,7 @@ def compile_all(
                     elem_bytes = DTYPES[variant.dtype].itemsize
                     loops = sass_loops(report["sass"])
                     report["loops"] = with_costs(loops, per_thread, elem_bytes)
-                if result["family"] == "row_sweep":
+                if result["family"] in ("row_sweep", "split_row"):
                     report["label_store_order"] = label_store_order(report["sass"])
                 if not keep_sass(variant, arch):
                     report.pop("sass")

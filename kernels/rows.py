@@ -312,17 +312,50 @@ def _stats_online(
     # Slots that saw only masked lanes hold max -inf and sums 0: weight 0, not NaN.
     weight = tl.where(run_max == -float("inf"), 0.0, exp2(run_max - row_max, FAST_EXP2))
     total = tl.sum(sum_exp * weight, axis=0)
+    weighted_sq = 0.0
+    if SQUARES:
+        weighted_sq = tl.sum(sum_sq * weight * weight, axis=0)
+    return merged_stats(row_max, total, tl.sum(sum_exp_y * weight, axis=0), weighted_sq, SQUARES)
+
+
+@triton.jit
+def merged_stats(row_max, total, weighted_y, weighted_sq, SQUARES: tl.constexpr):
+    """(lse2, mean y, sum_j p_j^2 or 0 without SQUARES) of a row from its max and its sums
+    relative to it: total = sum_j 2^(y_j - max), weighted_y = sum_j 2^(y_j - max) y_j,
+    weighted_sq = sum_j 2^(2 (y_j - max))."""
     sum_pi_sq = 0.0
     if SQUARES:  # NaN where there is no mass, as lse and the mean say (the padding lanes count)
-        sum_pi_sq = tl.sum(sum_sq * weight * weight, axis=0) / total / total
+        sum_pi_sq = weighted_sq / total / total
         sum_pi_sq = tl.where(row_max <= FLOOR, float("nan"), sum_pi_sq)
     lse2 = row_max + tl.log2(total)
     # No logit above FLOOR: no probability mass, lse -inf (a vocab-parallel slice with no mass
     # then drops out of the merge; a whole row of them gives a NaN logp and entropy downstream).
     lse2 = tl.where(row_max <= FLOOR, -float("inf"), lse2)
     lse2 = tl.where(row_max == float("inf"), float("nan"), lse2)
-    mean_y = tl.where(row_max <= FLOOR, float("nan"), tl.sum(sum_exp_y * weight, axis=0) / total)
+    mean_y = tl.where(row_max <= FLOOR, float("nan"), weighted_y / total)
     return lse2, mean_y, sum_pi_sq
+
+
+@triton.jit
+def reference_stats(ref, total, sum_d, sum_sq, SQUARES: tl.constexpr):
+    """(lse2, mean y, sum p^2, inexact) of a row from its sums relative to a reference logit
+    `ref` (its label's y): total = sum_j 2^d_j, sum_d = sum_j 2^d_j d_j, sum_sq = sum_j 2^(2 d_j),
+    d_j = y_j - ref. `inexact`: the sums cannot be trusted, and the caller takes the exact path.
+
+    A label logit at or below FLOOR (-inf) has p = 0, and sums relative to it mean nothing:
+    they overflow when some logit is above FLOOR, and when none is (an all -inf row) every term
+    is 2^FLOOR = 0, or 2^0 = 1 for logits that scale to FLOOR exactly (FLOOR - FLOOR = 0: a
+    finite lse). So such rows always take the exact path, which returns the label's -inf or
+    the row's NaN, instead of hanging the NaN on 0 / 0 (compiled, `/` is div.full.f32)."""
+    lse2 = ref + tl.log2(total)
+    mean_y = ref + sum_d / total
+    sum_pi_sq = 0.0
+    if SQUARES:  # divided twice: total^2 alone may overflow where both quotients are finite
+        sum_pi_sq = sum_sq / total / total
+    overflow = (total == float("inf")) | (tl.abs(sum_d) == float("inf"))
+    if SQUARES:  # the squares overflow first: a logit ~64 / log2(e) x T above the label's
+        overflow = overflow | (sum_sq == float("inf"))
+    return lse2, mean_y, sum_pi_sq, (ref <= FLOOR) | overflow | (mean_y != mean_y)
 
 
 @triton.jit
@@ -359,20 +392,8 @@ def row_stats(
     total, sum_d, sum_sq = _sums_from_reference(
         row_ptr, vocab, scale2, ref, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, BLOCK_V
     )
-    lse2 = ref + tl.log2(total)
-    mean_y = ref + sum_d / total
-    sum_pi_sq = 0.0
-    if SQUARES:  # divided twice: total^2 alone may overflow where both quotients are finite
-        sum_pi_sq = sum_sq / total / total
-    # A label logit at or below FLOOR (-inf) has p = 0, and sums relative to it mean nothing:
-    # they overflow when some logit is above FLOOR, and when none is (an all -inf row) every term
-    # is 2^FLOOR = 0, or 2^0 = 1 for logits that scale to FLOOR exactly (FLOOR - FLOOR = 0: a
-    # finite lse). So such rows always take the exact path, which returns the label's -inf or
-    # the row's NaN, instead of hanging the NaN on 0 / 0 (compiled, `/` is div.full.f32).
-    overflow = (total == float("inf")) | (tl.abs(sum_d) == float("inf"))
-    if SQUARES:  # the squares overflow first: a logit ~64 / log2(e) x T above the label's
-        overflow = overflow | (sum_sq == float("inf"))
-    if (ref <= FLOOR) | overflow | (mean_y != mean_y):
+    lse2, mean_y, sum_pi_sq, inexact = reference_stats(ref, total, sum_d, sum_sq, SQUARES)
+    if inexact:
         # Half tiles: its three running vectors (four with SQUARES) then take no more registers
         # than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
@@ -461,6 +482,43 @@ def _grad_tiles(
 
 
 @triton.jit
+def grad_coefficients(dlogp, dentropy, entropy, inv_temperature, cap2, SOFTCAP: tl.constexpr):
+    """(k0, k1, onehot) of a row's gradient p (k0 + k1 log2 p) + onehot [v == label] (times
+    r (1 - r) per element under a soft cap, whose 4 a they carry): k0 = -(dlogp + dH H) / T,
+    k1 = -dH ln2 / T, onehot = dlogp / T."""
+    k0 = -(dlogp + dentropy * entropy) * inv_temperature
+    k1 = -dentropy * LN2 * inv_temperature
+    onehot = dlogp * inv_temperature
+    if SOFTCAP:
+        four_a = cap2 * (2.0 * LN2)  # 4 a from cap2 = 2 a log2(e)
+        k0 = k0 * four_a
+        k1 = k1 * four_a
+        onehot = onehot * four_a
+    return k0, k1, onehot
+
+
+@triton.jit
+def label_entry(
+    label_logit, scale2, lse2, k0, k1, onehot, cap2, WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr,
+):  # fmt: skip
+    """The gradient's entry at the label: the row's p-term (`_grad_tile`'s) plus the one-hot
+    term, from the label's logit. The row kernels store it apart, after the row's other
+    stores, so that their loops need no compare with the label."""
+    label_value = label_logit
+    if SOFTCAP:
+        label_value, label_r = capped(label_logit, cap2, FAST_EXP2)
+    label_log2_p = scaled(label_value, scale2) - lse2
+    label_p = tl.exp2(label_log2_p)
+    label_grad = label_p * k0 + onehot
+    if WITH_ENTROPY:
+        label_grad += label_p * k1 * label_log2_p
+    if SOFTCAP:
+        label_grad = label_grad * (label_r - label_r * label_r)
+    return label_grad
+
+
+@triton.jit
 def write_row_grad(
     row_ptr,
     out_ptr,
@@ -509,14 +567,7 @@ def write_row_grad(
     """
     tl.debug_barrier()
     lse2 = lse * LOG2E
-    k0 = -(dlogp + dentropy * entropy) * inv_temperature
-    k1 = -dentropy * LN2 * inv_temperature
-    onehot = dlogp * inv_temperature
-    if SOFTCAP:
-        four_a = cap2 * (2.0 * LN2)  # 4 a from cap2 = 2 a log2(e)
-        k0 = k0 * four_a
-        k1 = k1 * four_a
-        onehot = onehot * four_a
+    k0, k1, onehot = grad_coefficients(dlogp, dentropy, entropy, inv_temperature, cap2, SOFTCAP)
     out_ty = out_ptr.dtype.element_ty
     head, _, _ = row_layout(row_ptr, vocab, BLOCK_V)
     out_head, full_tiles, out_body_ptr = row_layout(out_ptr, vocab, BLOCK_V)
@@ -543,16 +594,9 @@ def write_row_grad(
                             scale2, lse2, k0, k1, cap2, EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2,
                             False, BLOCK_V)  # fmt: skip
     # The label's entry: the same p-term plus the one-hot term, stored after every other write.
-    label_value = label_logit
-    if SOFTCAP:
-        label_value, label_r = capped(label_logit, cap2, FAST_EXP2)
-    label_log2_p = scaled(label_value, scale2) - lse2
-    label_p = tl.exp2(label_log2_p)
-    label_grad = label_p * k0 + onehot
-    if WITH_ENTROPY:
-        label_grad += label_p * k1 * label_log2_p
-    if SOFTCAP:
-        label_grad = label_grad * (label_r - label_r * label_r)
+    label_grad = label_entry(
+        label_logit, scale2, lse2, k0, k1, onehot, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2
+    )
     tl.debug_barrier()
     if label >= 0:  # else the label is in another rank's vocab slice (tensor parallelism)
         tl.store(out_ptr + label, label_grad.to(out_ty))

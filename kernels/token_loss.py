@@ -73,6 +73,127 @@ BLOCK_COUNT = tl.constexpr(1024)  # mask weights per load of AGG_FROM_MASK's cou
 
 
 @triton.jit
+def loss_prologue(
+    rows, mask_ptr, entropy_coef_ptr, grad_scale_ptr, entropy_coef, grad_scale,
+    agg_denominator, ENTROPY_COEF_FROM_PTR: tl.constexpr, GRAD_SCALE_FROM_PTR: tl.constexpr,
+    AGG_FROM_MASK: tl.constexpr,
+):  # fmt: skip
+    """(entropy coefficient, gradient scale, aggregation denominator) of a loss kernel's
+    program, read once: each a number or a device scalar; with AGG_FROM_MASK and no
+    denominator given, the counted tokens' mask weight (token-mean), which every program sums
+    (a read of the [B, T] mask, against the rows' [B, T, V])."""
+    bonus_coef = entropy_coef
+    if ENTROPY_COEF_FROM_PTR:
+        bonus_coef = tl.load(entropy_coef_ptr)
+    scale_grad = grad_scale
+    if GRAD_SCALE_FROM_PTR:
+        scale_grad = tl.load(grad_scale_ptr)
+    denominator = agg_denominator
+    if AGG_FROM_MASK:
+        if agg_denominator == 0.0:  # token-mean: the counted tokens' mask weight
+            total = tl.zeros([BLOCK_COUNT], dtype=tl.float32)
+            for start in range(0, rows, BLOCK_COUNT):
+                index = start + tl.arange(0, BLOCK_COUNT)
+                total += tl.load(mask_ptr + index, mask=index < rows, other=0).to(tl.float32)
+            denominator = tl.maximum(tl.sum(total), 1e-8)
+    return bonus_coef, scale_grad, denominator
+
+@triton.jit
+def load_token_inputs(
+    row, time, adv_ptr, adv_stride_b, adv_stride_t, mask_ptr, agg_weight_ptr, denominator,
+    old_ptr, low_ptr, high_ptr, is_weight_ptr, ref_ptr, low_bound, high_bound,
+    AGG_FROM_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_BOUNDS: tl.constexpr,
+    HAS_IS: tl.constexpr, KL_VALUE: tl.constexpr,
+):  # fmt: skip
+    """(adv, agg_weight, old, low, high, is_weight, ref) of one token: every per-token scalar
+    the loss reads, loaded before the row's logits so that their latency hides behind them.
+    AGG_FROM_MASK: the aggregation weight is the mask weight over `denominator`."""
+    adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
+    if AGG_FROM_MASK:
+        agg_weight = tl.load(mask_ptr + row).to(tl.float32) / denominator
+    else:
+        agg_weight = tl.load(agg_weight_ptr + row)
+    old = 0.0
+    if HAS_OLD:
+        old = tl.load(old_ptr + row)
+    low = low_bound
+    high = high_bound
+    if HAS_BOUNDS:
+        low = tl.load(low_ptr + row)
+        high = tl.load(high_ptr + row)
+    is_weight = 1.0
+    if HAS_IS:
+        is_weight = tl.load(is_weight_ptr + row)
+    ref = 0.0
+    if KL_VALUE != KL_NONE:
+        ref = tl.load(ref_ptr + row)
+    return adv, agg_weight, old, low, high, is_weight, ref
+
+
+@triton.jit
+def token_step(
+    logp, entropy, adv, agg_weight, old, low, high, is_weight, ref, weight_ptr, slots,
+    dual_clip_c, delta, tau_pos, tau_neg, beta, bonus_coef, LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_OLD: tl.constexpr, KL: tl.constexpr,
+    KL_VALUE: tl.constexpr, ENTROPY_BONUS: tl.constexpr,
+):  # fmt: skip
+    """(d(loss)/d(logp), d(loss)/d(H), the token's SUM_SLOTS vector) of one counted token from
+    its log-prob and entropy: the policy term, the IS weight, the KL, the entropy bonus, the
+    aggregation weight folded into both derivatives. Every loss kernel's per-token step."""
+    if not HAS_OLD:
+        old = logp
+    ratio, dratio, nan_ratio = token_ratio(logp, old)
+    value, d_token, clipped, below, above, dual_clipped = policy_term(
+        logp=logp,
+        ratio=ratio,
+        dratio=dratio,
+        nan_ratio=nan_ratio,
+        adv=adv,
+        low=low,
+        high=high,
+        dual_clip_c=dual_clip_c,
+        delta=delta,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        LOSS=LOSS,
+        DUAL_CLIP=DUAL_CLIP,
+        HAS_DELTA=HAS_DELTA,
+    )
+    value = value * is_weight
+    d_token = d_token * is_weight
+    # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term
+    # is (the clamps and selects above would drop it; docs/losses.md, "NaN inputs")
+    unread = old != old
+    kl = 0.0
+    if KL_VALUE != KL_NONE:
+        kl = kl_value(logp, ref, KL_VALUE)
+    if KL != KL_NONE:
+        d_token += beta * kl_dlogp(logp, ref, KL)
+        value += beta * kl
+        unread = unread | (ref != ref)
+    d_token = tl.where(unread, float("nan"), d_token)
+    dentropy = -bonus_coef * agg_weight
+    if ENTROPY_BONUS:
+        value -= bonus_coef * entropy
+    # The sums before the gradient's sweep, so that none of their inputs is live across it
+    # (registers: the gradient loop runs at the 64-register cap); the mask weight loaded here.
+    weight = tl.load(weight_ptr).to(tl.float32)  # bool or fp32 weights
+    sums = (
+        slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
+        + slot(slots, SLOT_WEIGHT, weight)
+        + slot(slots, SLOT_CLIPFRAC, tl.where(clipped, weight, 0.0))
+        + slot(slots, SLOT_CLIP_LOW, tl.where(below, weight, 0.0))
+        + slot(slots, SLOT_CLIP_HIGH, tl.where(above, weight, 0.0))
+        + slot(slots, SLOT_DUAL_CLIPFRAC, tl.where(dual_clipped, weight, 0.0))
+        + slot(slots, SLOT_KL, kl * weight)
+        + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
+        + slot(slots, SLOT_LOGP, logp * weight)
+        + slot(slots, SLOT_ENTROPY, entropy * weight)
+    )
+    return d_token * agg_weight, dentropy, sums
+
+
+@triton.jit
 def _fused_token_loss_kernel(
     rows,
     logits_ptr,
@@ -151,20 +272,12 @@ def _fused_token_loss_kernel(
     aggregation weight) and the metrics' mask-weighted values (SUM_SLOTS) into its row of
     `partials`: the loss and the metrics then need no [B, T] arithmetic on the host, only
     `token_loss_sums` (a few registers per row against a row of V logits)."""
-    bonus_coef = entropy_coef
-    if ENTROPY_COEF_FROM_PTR:
-        bonus_coef = tl.load(entropy_coef_ptr)
-    scale_grad = grad_scale
-    if GRAD_SCALE_FROM_PTR:
-        scale_grad = tl.load(grad_scale_ptr)
-    denominator = agg_denominator
-    if AGG_FROM_MASK:
-        if agg_denominator == 0.0:  # token-mean: the counted tokens' mask weight
-            total = tl.zeros([BLOCK_COUNT], dtype=tl.float32)
-            for start in range(0, rows, BLOCK_COUNT):
-                index = start + tl.arange(0, BLOCK_COUNT)
-                total += tl.load(mask_ptr + index, mask=index < rows, other=0).to(tl.float32)
-            denominator = tl.maximum(tl.sum(total), 1e-8)
+    bonus_coef, scale_grad, denominator = loss_prologue(
+        rows=rows, mask_ptr=mask_ptr, entropy_coef_ptr=entropy_coef_ptr,
+        grad_scale_ptr=grad_scale_ptr, entropy_coef=entropy_coef, grad_scale=grad_scale,
+        agg_denominator=agg_denominator, ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
+        GRAD_SCALE_FROM_PTR=GRAD_SCALE_FROM_PTR, AGG_FROM_MASK=AGG_FROM_MASK,
+    )  # fmt: skip
     slots = tl.arange(0, SUM_WIDTH)
     sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
@@ -182,25 +295,14 @@ def _fused_token_loss_kernel(
             # Counted at once, so that the flag is not live across sweep 1 (registers: the
             # stats loop's unrolling needs them).
             sums += slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
-            adv = tl.load(adv_ptr + (row // time) * adv_stride_b + (row % time) * adv_stride_t)
-            if AGG_FROM_MASK:
-                agg_weight = tl.load(mask_ptr + row).to(tl.float32) / denominator
-            else:
-                agg_weight = tl.load(agg_weight_ptr + row)
-            old = 0.0
-            if HAS_OLD:
-                old = tl.load(old_ptr + row)
-            low = low_bound
-            high = high_bound
-            if HAS_BOUNDS:
-                low = tl.load(low_ptr + row)
-                high = tl.load(high_ptr + row)
-            is_weight = 1.0
-            if HAS_IS:
-                is_weight = tl.load(is_weight_ptr + row)
-            ref = 0.0
-            if KL_VALUE != KL_NONE:
-                ref = tl.load(ref_ptr + row)
+            adv, agg_weight, old, low, high, is_weight, ref = load_token_inputs(
+                row=row, time=time, adv_ptr=adv_ptr, adv_stride_b=adv_stride_b,
+                adv_stride_t=adv_stride_t, mask_ptr=mask_ptr, agg_weight_ptr=agg_weight_ptr,
+                denominator=denominator, old_ptr=old_ptr, low_ptr=low_ptr, high_ptr=high_ptr,
+                is_weight_ptr=is_weight_ptr, ref_ptr=ref_ptr, low_bound=low_bound,
+                high_bound=high_bound, AGG_FROM_MASK=AGG_FROM_MASK, HAS_OLD=HAS_OLD,
+                HAS_BOUNDS=HAS_BOUNDS, HAS_IS=HAS_IS, KL_VALUE=KL_VALUE,
+            )  # fmt: skip
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
@@ -211,56 +313,15 @@ def _fused_token_loss_kernel(
             )  # fmt: skip
             entropy = lse - mean_z
             logp = logp_of(label_value, row_inv_t, lse)
-            if not HAS_OLD:
-                old = logp
-            ratio, dratio, nan_ratio = token_ratio(logp, old)
-            value, d_token, clipped, below, above, dual_clipped = policy_term(
-                logp=logp,
-                ratio=ratio,
-                dratio=dratio,
-                nan_ratio=nan_ratio,
-                adv=adv,
-                low=low,
-                high=high,
-                dual_clip_c=dual_clip_c,
-                delta=delta,
-                tau_pos=tau_pos,
-                tau_neg=tau_neg,
-                LOSS=LOSS,
-                DUAL_CLIP=DUAL_CLIP,
-                HAS_DELTA=HAS_DELTA,
-            )
-            value = value * is_weight
-            d_token = d_token * is_weight
-            # A NaN input the token's loss reads makes its row's gradient NaN, as its loss term
-            # is (the clamps and selects above would drop it; docs/losses.md, "NaN inputs")
-            unread = old != old
-            kl = 0.0
-            if KL_VALUE != KL_NONE:
-                kl = kl_value(logp, ref, KL_VALUE)
-            if KL != KL_NONE:
-                d_token += beta * kl_dlogp(logp, ref, KL)
-                value += beta * kl
-                unread = unread | (ref != ref)
-            d_token = tl.where(unread, float("nan"), d_token)
-            dentropy = -bonus_coef * agg_weight
-            if ENTROPY_BONUS:
-                value -= bonus_coef * entropy
-            # The sums before sweep 2, so that none of their inputs is live across it (registers:
-            # the gradient loop runs at the 64-register cap); the mask weight is loaded here too.
-            weight = tl.load(mask_ptr + row).to(tl.float32)  # bool or fp32 weights
-            sums += (
-                slot(slots, SLOT_LOSS, tl.where(unread, float("nan"), value) * agg_weight)
-                + slot(slots, SLOT_WEIGHT, weight)
-                + slot(slots, SLOT_CLIPFRAC, tl.where(clipped, weight, 0.0))
-                + slot(slots, SLOT_CLIP_LOW, tl.where(below, weight, 0.0))
-                + slot(slots, SLOT_CLIP_HIGH, tl.where(above, weight, 0.0))
-                + slot(slots, SLOT_DUAL_CLIPFRAC, tl.where(dual_clipped, weight, 0.0))
-                + slot(slots, SLOT_KL, kl * weight)
-                + slot(slots, SLOT_PPO_KL, (old - logp) * weight)
-                + slot(slots, SLOT_LOGP, logp * weight)
-                + slot(slots, SLOT_ENTROPY, entropy * weight)
-            )
+            d_token, dentropy, token_sums = token_step(
+                logp=logp, entropy=entropy, adv=adv, agg_weight=agg_weight, old=old, low=low,
+                high=high, is_weight=is_weight, ref=ref, weight_ptr=mask_ptr + row, slots=slots,
+                dual_clip_c=dual_clip_c, delta=delta, tau_pos=tau_pos, tau_neg=tau_neg,
+                beta=beta, bonus_coef=bonus_coef, LOSS=LOSS, DUAL_CLIP=DUAL_CLIP,
+                HAS_DELTA=HAS_DELTA, HAS_OLD=HAS_OLD, KL=KL, KL_VALUE=KL_VALUE,
+                ENTROPY_BONUS=ENTROPY_BONUS,
+            )  # fmt: skip
+            sums += token_sums
             write_row_grad(
                 row_ptr,
                 grad_row,
@@ -271,7 +332,7 @@ def _fused_token_loss_kernel(
                 row_scale2,
                 lse,
                 entropy,
-                d_token * agg_weight * scale_grad,
+                d_token * scale_grad,
                 dentropy * scale_grad,
                 cap2,
                 "evict_first",

@@ -59,7 +59,10 @@ def test_bench_loss_checks_every_impl_against_the_oracle(monkeypatch):
     pytest.importorskip("liger_kernel")
     bench = _load("bench_loss")
     monkeypatch.setattr(bench, "VERIFY_TOKENS", 64)  # (every row interpreted: a small case)
-    impls = ["fusedrl-triton", "fusedrl-triton-inplace", "torch-eager", "liger"]
+    impls = [
+        "fusedrl-triton", "fusedrl-triton-inplace", "fusedrl-triton-split-inplace",
+        "torch-eager", "liger",
+    ]  # fmt: skip
     for preset in ("dapo", "grpo", "accum4"):
         found = bench.verify_impls(impls, torch.device("cpu"), torch.bfloat16, 263, preset, 4)
         assert found == dict.fromkeys(impls, "ok"), (preset, found)

@@ -1313,3 +1313,60 @@ def test_soft_capped_lm_head_and_distillation_on_the_gemm_design():
     for got, want in zip(grads, ref_grads):
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("vocab", [32000, 151936, 262144])
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "cispo"])
+def test_split_row_kernel_with_its_exchange(preset, vocab, inplace, monkeypatch):
+    """The split-row kernel as a GPU runs it (kernels/split_rows.py: the group barrier, the
+    ring of partials over many rows per group, the cooperative launch) against the reference:
+    masked rows, a label far below the row's max (the exact second round), the entropy bonus.
+    The CPU tests cannot run the barrier (the interpreter runs programs one by one)."""
+    from fusedrl.kernels import split_rows
+
+    monkeypatch.setattr(split_rows, "POLICY", "on")
+    ran = []
+    launch = split_rows.split_row_loss
+
+    def spy(*args, **kwargs):
+        out = launch(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(split_rows, "split_row_loss", spy)
+    data = _on_gpu(make_batch(batch=8, time=130, vocab=vocab, dtype=torch.bfloat16, seed=11))
+    data["logits"][0, 0, data["labels"][0, 0]] = -120.0  # sums relative to the label overflow
+    cfg = LossConfig.preset(preset).replace(entropy_coef=0.01)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
+    logits = (data["logits"].clone() if inplace else data["logits"]).detach().requires_grad_(True)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    out = fusedrl.policy_loss(
+        logits, config=cfg, inplace=inplace, backend="triton", return_entropy=True, **args
+    )
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    assert ran == [True], split_rows._NOT_CO_RESIDENT
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logp, ref.logp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, ref.entropy, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2e-2)
+    for key, value in ref.metrics.items():
+        torch.testing.assert_close(out.metrics[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_split_row_kernel_falls_back_when_not_co_resident(monkeypatch):
+    """A grid that cannot be co-resident (here: the occupancy says none fit) runs the two-sweep
+    kernel instead of spinning: the same loss."""
+    from fusedrl.kernels import split_rows
+
+    monkeypatch.setattr(split_rows, "POLICY", "on")
+    monkeypatch.setattr(split_rows, "resident_per_sm", lambda *a, **k: 0)
+    monkeypatch.setattr(split_rows, "_NOT_CO_RESIDENT", {})
+    monkeypatch.setattr(split_rows, "_RESOURCES", {})
+    data = _on_gpu(make_batch(batch=2, time=33, vocab=151936, dtype=torch.bfloat16, seed=12))
+    cfg = LossConfig.preset("dapo")
+    ours, grad = run_loss(_impl("triton"), data, cfg)
+    ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
+    assert split_rows._NOT_CO_RESIDENT, "the split kernel should have declined"
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2e-2)

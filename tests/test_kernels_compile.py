@@ -256,7 +256,7 @@ def test_registers_within_the_occupancy_budget(compiled, triton):
     results = _ok(compiled, triton)
     assert all(r["registers"] > 0 for r in results)
     assert {r["family"] for r in results} == {
-        "row_sweep", "gemm", "select", "two_rows", "reduce"
+        "row_sweep", "gemm", "select", "two_rows", "reduce", "split_row"
     }  # fmt: skip
     failures = _failures(
         results,
@@ -419,3 +419,48 @@ def test_label_is_read_before_the_row_is_written(compiled, triton):
         ),
     )
     assert not missing and not racy, "\n".join(missing + racy)
+
+
+@pytest.mark.parametrize("triton", TRITONS)
+def test_split_row_kernel_is_resident_wide_and_ordered(compiled, triton):
+    """The split-row kernel (kernels/split_rows.py): every variant's registers and shared memory
+    keep PROGRAMS_PER_SM programs resident by the occupancy arithmetic that sizes its grid
+    (`resident_per_sm`, an H100's limits; an A100's shared memory is smaller: 164 KB); bf16 at
+    V = 151936 loads and stores its slice 128-bit on SASS_ARCHS; and in every variant the
+    label's logit is read before any store into the row, with a barrier between."""
+    from fusedrl.kernels import split_rows
+
+    results = [r for r in _ok(compiled, triton) if r["kernel"] == "_split_row_loss_kernel"]
+    assert len({r["variant"] for r in results}) > 40, "the variants were not compiled"
+    small = _failures(
+        results,
+        lambda r: min(
+            split_rows.resident_per_sm(r["registers"], r["shared_bytes"], r["num_warps"]),
+            split_rows.resident_per_sm(
+                r["registers"], r["shared_bytes"], r["num_warps"], shared_per_sm=167936
+            ),
+        ) < split_rows.PROGRAMS_PER_SM,
+        lambda r: f"{r['registers']} registers, {r['shared_bytes']} B shared: too few resident",
+    )
+    wide = [r for r in _sass_checked_split(results) if r["constexprs"].get("PHASE") == 0]
+    assert wide
+    narrow = _failures(
+        wide,
+        lambda r: not r["global_loads"].get("LDG.E.128") or not r["global_stores"].get("STG.E.128"),
+        lambda r: f"loads {r['global_loads']}, stores {r['global_stores']}",
+    )
+    racy = _failures(
+        [r for r in results if r["constexprs"].get("PHASE") != 1],  # (the stats launch writes
+        lambda r: r["label_store_order"]["stores_before_barrier"],  # no row)
+        lambda r: f"stores before a barrier after the label's load: {r['label_store_order']}",
+    )
+    assert not small and not narrow and not racy, "\n".join(small + narrow + racy)
+
+
+def _sass_checked_split(results: list[dict]) -> list[dict]:
+    return [
+        r
+        for r in results
+        if r["dtype"] == "bf16" and r["vocab"] == SASS_VOCAB and r["arch"] in SASS_ARCHS
+        and r["constexprs"].get("FAST_EXP2", True)
+    ]  # fmt: skip

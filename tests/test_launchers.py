@@ -83,6 +83,7 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         sampling,
         scale,
         sequence_terms,
+        split_rows,
         token_loss,
         two_rows,
     )
@@ -105,6 +106,22 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             1.0, "ppo", None, None, 1.0, 1.0, "k3", 0.1, 0.01,
         )  # fmt: skip
 
+    def split(two_launches):
+        split_rows.split_row_loss(
+            logits, logits, labels, valid, rows, rows, rows, rows, rows, rows, rows,
+            1.0, "ppo", None, None, 1.0, 1.0, "k3", 0.1, 0.01, two_launches=two_launches,
+        )  # fmt: skip
+
+    def split_both():
+        split(True)  # the two launches, and the cooperative one, its grid sized from the
+        # compiled kernel's resources (given here: nothing is compiled) and the device's SMs
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(split_rows, "_sm_resources", lambda index: (132, {}))
+            patch.setattr(split_rows, "_compiled_resources", lambda compiled: (128, 0))
+            patch.setattr(split_rows, "_RESOURCES", {})
+            patch.setattr(split_rows, "_NOT_CO_RESIDENT", {})
+            split(False)
+
     def linear_grad():
         linear_loss.linear_logits_grad(
             states, weight, bias, labels, rows, rows, rows, rows, 1.0, 0,
@@ -124,6 +141,10 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             logits, labels, logits, 0.7, 50, 0.9, 0.05
         ),
         "token_loss.fused_token_loss": fused,
+        "split_rows.split_row_loss": split_both,
+        "split_rows.merge_partials_rows": lambda: split_rows.merge_partials_rows(
+            zeros(2, split_rows.MAX_SLICES.value, split_rows.PARTIAL.value), 2
+        ),
         "loss_sums.token_loss_sums": lambda: loss_sums.token_loss_sums(zeros(5, 16)),
         "loss_sums.aggregation_weights": lambda: loss_sums.aggregation_weights(
             rows, "token-mean", None, None
@@ -160,6 +181,9 @@ class _Recorder:
             self.sink.append((self.name, tuple(grid_now), tuple(self.guarded)))
 
         return launch
+
+    def warmup(self, *args, grid, **kwargs):  # (compiles, launches nothing)
+        return None
 
 
 @contextlib.contextmanager
@@ -458,7 +482,15 @@ def _far(space: torch.Tensor, base: int, values: torch.Tensor, dim: int, stride=
 def _far_launches(space, layout: str):
     """{launcher: (call on far-apart rows, call on compact copies)}: each returns its results.
     `layout`: whether the batch or the time dim of [B, T, ...] tensors holds the far rows."""
-    from fusedrl.kernels import linear_loss, logprobs, sampling, scale, token_loss, two_rows
+    from fusedrl.kernels import (
+        linear_loss,
+        logprobs,
+        sampling,
+        scale,
+        split_rows,
+        token_loss,
+        two_rows,
+    )
 
     gen = torch.Generator().manual_seed(7)
     shape, dim = ((3, 1), 0) if layout == "batch" else ((1, 3), 1)
@@ -509,6 +541,17 @@ def _far_launches(space, layout: str):
             1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.01,
         ), grad)  # fmt: skip
 
+    def split(logits, grad):  # rows of one slice (one launch), then of three (two launches)
+        outputs = []
+        for width in (64, 16):
+            split_rows.INTERPRETED_SLICE = width
+            outputs += split_rows.split_row_loss(
+                logits, grad, labels, valid, rows, rows, None, None, rows, None, None,
+                1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.01,
+            )  # fmt: skip
+            outputs.append(grad.clone())
+        return tuple(outputs)
+
     def two_rows_pass(logits, out):
         # The teacher is the student's own far view: a teacher row read from the wrong place
         # makes a divergence where there is none.
@@ -534,6 +577,7 @@ def _far_launches(space, layout: str):
         "scale.scale_rows_unless_one": logits_pair(scaled),
         "sampling.write_sampled_set": logits_pair(sampled),
         "token_loss.fused_token_loss": logits_pair(fused),
+        "split_rows.split_row_loss": logits_pair(split),
         "linear_loss.linear_stats": linear_pair(stats),
         "linear_loss.linear_logits_grad": linear_pair(linear_grad),
         "two_rows.two_rows_forward": logits_pair(two_rows_pass),
@@ -544,8 +588,9 @@ def _far_launches(space, layout: str):
 # Launchers that address no [B, T, V] rows: the loss's sums, aggregation weights and the
 # two-pass terms ([B, T] scalars).
 ROWLESS = {
-    "loss_sums.token_loss_sums", "loss_sums.aggregation_weights", "sequence_terms.sequence_terms"
-}
+    "loss_sums.token_loss_sums", "loss_sums.aggregation_weights", "sequence_terms.sequence_terms",
+    "split_rows.merge_partials_rows",  # ([rows, 64, 4] partials: no row of the logits)
+}  # fmt: skip
 
 
 @needs_interpreter
@@ -563,9 +608,10 @@ def test_row_offsets_past_2_31_elements(address_space, launcher, layout, monkeyp
     and writes the wrong rows, and the comparison fails instead of crashing. Offsets >= 2^31
     in one stride come as int64 from Triton and need no test; the within-row offsets stay below
     V <= 2^18. Nothing large is allocated (see `address_space`)."""
-    from fusedrl.kernels import launch
+    from fusedrl.kernels import launch, split_rows
 
     monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 16)  # whole tiles and a remainder
+    monkeypatch.setattr(split_rows, "INTERPRETED_SLICE", split_rows.INTERPRETED_SLICE)
     pairs = _far_launches(address_space, layout)
     assert launcher in pairs, f"add a call of {launcher} to tests/test_launchers.py::_far_launches"
     far, compact = pairs[launcher]
