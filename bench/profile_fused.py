@@ -16,6 +16,8 @@ warm-up (compilation, autotuning, allocations) and once inside cudaProfilerStart
 
 - `dapo`: the fused token-level loss, forward + backward (`_fused_token_loss_kernel`: one read of
   the logits, one write of the gradient; floor 1R + 1W = 2 x N x V x 2 bytes in bf16);
+- `dapo_split`: the same loss by the split-row kernel (`_split_row_loss_kernel`,
+  FUSEDRL_SPLIT_ROWS=on; floor 1R + 1W, whatever L2 holds);
 - `logprobs`: no-grad `token_logprobs` (`_logprobs_fwd_kernel`; floor 1R);
 - `gspo`: the sequence-level loss, two passes (`_logprobs_fwd_kernel`, then `_logits_grad_kernel`;
   floor 2R + 1W).
@@ -38,8 +40,11 @@ import os
 import sys
 from pathlib import Path
 
-CALLS = ("dapo", "logprobs", "gspo")
-KERNELS = ("_fused_token_loss_kernel", "_logprobs_fwd_kernel", "_logits_grad_kernel")
+CALLS = ("dapo", "dapo_split", "logprobs", "gspo")
+KERNELS = (
+    "_fused_token_loss_kernel", "_split_row_loss_kernel", "_logprobs_fwd_kernel",
+    "_logits_grad_kernel",
+)  # fmt: skip
 METRICS = (
     "dram__bytes_read.sum",
     "dram__bytes_write.sum",
@@ -47,9 +52,10 @@ METRICS = (
     "gpu__time_duration.sum",
 )
 # The bytes each call must move, in units of the logits' bytes: (reads, writes).
-FLOOR = {"dapo": (1, 1), "logprobs": (1, 0), "gspo": (2, 1)}
+FLOOR = {"dapo": (1, 1), "dapo_split": (1, 1), "logprobs": (1, 0), "gspo": (2, 1)}
 WHAT = {
     "dapo": "fused token-level loss (dapo), forward + backward",
+    "dapo_split": "the same by the split-row kernel (FUSEDRL_SPLIT_ROWS=on)",
     "logprobs": "no-grad token_logprobs",
     "gspo": "sequence-level loss (gspo), two passes, forward + backward",
 }
@@ -74,7 +80,9 @@ def _call(name: str, logits, labels, mask, advantages, old, backend: str):
     import torch
 
     import fusedrl
+    from fusedrl.kernels import split_rows
 
+    split_rows.POLICY = "on" if name == "dapo_split" else "off"
     if name == "logprobs":
         with torch.no_grad():
             return fusedrl.token_logprobs(logits, labels, backend=backend)[0]
@@ -85,7 +93,7 @@ def _call(name: str, logits, labels, mask, advantages, old, backend: str):
         advantages,
         mask,
         old_logp=old,
-        config=fusedrl.LossConfig.preset(name),
+        config=fusedrl.LossConfig.preset(name.removesuffix("_split")),
         backend=backend,
     )
     (grad,) = torch.autograd.grad(out.loss, leaf)

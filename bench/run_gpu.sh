@@ -278,7 +278,10 @@ stage_bench() {
 }
 
 stage_profile() {
-  local kernels="_fused_token_loss_kernel|_logprobs_fwd_kernel|_logits_grad_kernel"
+  # $1: the calls to profile (default: all four of bench/profile_fused.py)
+  local calls=${1:-"dapo dapo_split logprobs gspo"}
+  local kernels="_fused_token_loss_kernel|_split_row_loss_kernel|_logprobs_fwd_kernel"
+  kernels+="|_logits_grad_kernel"
   local metrics="dram__bytes_read.sum,dram__bytes_write.sum"
   metrics+=",dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum"
   local shape=(--N 16384 --V 151936 --dtype bfloat16 --manifest "$PREFIX-ncu-manifest.json")
@@ -298,7 +301,7 @@ stage_profile() {
     return 0
   fi
   local csvs=() call
-  for call in dapo logprobs gspo; do
+  for call in $calls; do
     step "profile:ncu-$call" 200 "$PREFIX-ncu-$call.log" \
       "$ncu" --target-processes all --profile-from-start off --kernel-name "regex:$kernels" \
       --launch-count 4 --metrics "$metrics" -f -o "$PREFIX-ncu-$call" \
@@ -392,9 +395,10 @@ stage_tp() {
 stage_session() {
   # A lease of 15 device-minutes, 1-2 of them to start the machine, affords one full call: the
   # GPU tests first (both backends, ~2.5 minutes), then what the time left allows, the most
-  # telling first: the loss at a host-bound and a memory-bound shape against its peers, the
-  # gradient-accumulation row (grad_scale= declared or rescaled in backward), the fused
-  # kernel's launch shapes (two rounds), the exact KL at its 2R + 1W floor.
+  # telling first: the loss at a host-bound and a memory-bound shape against its peers (the
+  # split-row kernel beside the default), the gradient-accumulation row (grad_scale= declared
+  # or rescaled in backward), both fused kernels' DRAM bytes (ncu), the fused kernel's launch
+  # shapes (two rounds), the exact KL at its 2R + 1W floor.
   stage_tests
   step session:bench "$((DEADLINE - SECONDS - 200))" "$PREFIX-bench_loss-session.log" \
     "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 --presets dapo \
@@ -404,6 +408,8 @@ stage_session() {
     "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
     --impls fusedrl-triton fusedrl-triton-split fusedrl-cuda liger --ops policy_loss_fwd_bwd \
     --warmup-ms 50 --rep-ms 200 --tag grad_scale --out "$OUTDIR"
+  # DRAM bytes of the two fused kernels (ncu): the split-row one should read the logits once
+  stage_profile "dapo dapo_split"
   step session:sweep "$((DEADLINE - SECONDS - 60))" "$PREFIX-sweep_fused.log" \
     "$PY" bench/sweep_fused.py --out "$OUTDIR"
   step session:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \

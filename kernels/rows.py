@@ -412,7 +412,7 @@ def logp_of(label_logit, inv_temperature, lse):
 
 
 @triton.jit
-def _grad_tile(
+def grad_tile(
     x,
     scale2,
     lse2,
@@ -422,13 +422,21 @@ def _grad_tile(
     WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
+    MIRRORED: tl.constexpr,
 ):
     """p (k0 + k1 log2 p): the gradient of one tile except the label's one-hot term. A -inf logit
     gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one. With SOFTCAP
     the row is v = tanh(a x) and the tile's gradient w.r.t. x is this times r (1 - r) (`capped`;
-    the caller folded 4 a into k0 and k1)."""
+    the caller folded 4 a into k0 and k1). MIRRORED: the tanh read through -x (tanh is odd:
+    v(x) = -v(-x), and r (1 - r) is the same), so that the compiler cannot merge it with an
+    earlier tanh of the same registers (the split-row kernel's statistics: merged, both passes'
+    v and r would stay live across its exchange)."""
     if SOFTCAP:
-        v, r = capped(x, cap2, FAST_EXP2)
+        if MIRRORED:
+            v, r = capped(-x, cap2, FAST_EXP2)
+            v = tl.where(banned(x), -float("inf"), -v)
+        else:
+            v, r = capped(x, cap2, FAST_EXP2)
         log2_p = v * scale2 - lse2
     else:
         log2_p = to_fp32(x) * scale2 - lse2
@@ -474,7 +482,7 @@ def _grad_tiles(
             x_next = to_fp32(tl.load(in_ptr + next_start + offs, eviction_policy=EVICT))
         else:
             x = tl.load(in_ptr + start + offs, eviction_policy=EVICT)
-        grad = _grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2)
+        grad = grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False)
         grad = grad.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + start + offs, grad, eviction_policy="evict_first")
         if PREFETCH:
@@ -502,7 +510,7 @@ def label_entry(
     label_logit, scale2, lse2, k0, k1, onehot, cap2, WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr,
 ):  # fmt: skip
-    """The gradient's entry at the label: the row's p-term (`_grad_tile`'s) plus the one-hot
+    """The gradient's entry at the label: the row's p-term (`grad_tile`'s) plus the one-hot
     term, from the label's logit. The row kernels store it apart, after the row's other
     stores, so that their loops need no compare with the label."""
     label_value = label_logit
@@ -575,7 +583,7 @@ def write_row_grad(
     for r in range(0, remainder_tiles(out_head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, out_head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=0.0, eviction_policy=EVICT)
-        grad = _grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2)
+        grad = grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False)
         tl.store(out_ptr + roffs, grad.to(out_ty), mask=in_row, eviction_policy="evict_first")
     if full_tiles > 0:
         if out_head == head:

@@ -51,10 +51,10 @@ from .rows import (
     FLOOR,
     LN2,
     _stats_online,
-    banned,
     capped,
     exp2,
     grad_coefficients,
+    grad_tile,
     label_entry,
     logp_of,
     merged_stats,
@@ -63,7 +63,6 @@ from .rows import (
     row_temperature,
     row_temperature_arg,
     scaled,
-    to_fp32,
 )
 from .terms import KL_CODES, KL_VALUE_CODES, LOSS_CODES  # noqa: F401  (aot varies these)
 from .token_loss import (
@@ -429,24 +428,9 @@ def _split_row_loss_kernel(
                 # The gradient from the registers: p (k0 + k1 log2 p), times r (1 - r) under a
                 # soft cap (a -inf logit gives p = 0; only log2 p needs the clamp); the label's
                 # entry, with its one-hot term, is stored after by the slice that holds it.
-                # (`to_fp32`, a shift, where the sums converted with `.to`: the two conversions
-                # are not merged into one fp32 copy of the slice kept live across the exchange)
-                if SOFTCAP:
-                    # tanh is odd: v(x) = -v(-x), r(x) = 1 - r(-x), so r (1 - r) is the same.
-                    # Read through -x, the compiler cannot merge this pass's tanh with the
-                    # statistics' (it would keep both passes' v and r live across the exchange).
-                    v, r = capped(-x, cap2, FAST_EXP2)
-                    v = tl.where(banned(x), -float("inf"), -v)
-                    log2_p = v * row_scale2 - lse2
-                else:
-                    log2_p = to_fp32(x) * row_scale2 - lse2
-                if ENTROPY_BONUS:
-                    log2_p = tl.maximum(log2_p, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                    grad = exp2(log2_p, FAST_EXP2) * (k0 + k1 * log2_p)
-                else:
-                    grad = exp2(log2_p, FAST_EXP2) * k0
-                if SOFTCAP:
-                    grad = grad * (r - r * r)
+                grad = grad_tile(
+                    x, row_scale2, lse2, k0, k1, cap2, ENTROPY_BONUS, SOFTCAP, FAST_EXP2, True
+                )
                 # In place, the label's logit (read above by every program of the group) must
                 # be read before its owner overwrites it: the exchange's barriers order it
                 # across programs, this one across the warps of a program without exchange.

@@ -237,7 +237,11 @@ def test_no_local_memory(compiled, triton):
 # 3.6's sm_120 build keeps up to 56 B and Triton 3.9's sm_100 / sm_120 builds of a few variants
 # (a KL estimate with IS weights and per-token bounds; the soft cap with SUM_PI_SQUARED) 8 B.
 # sm_80 and sm_90 (A100, H100) spill nothing. Bounded here; issue 43's kernel owes the fix.
+# The split-row kernel (2026-11-28): Triton 3.9's sm_80 build of its soft-cap variants keeps 8 B
+# on the stack (Triton 3.6, and every other arch, none; its sum-of-p^2 variant, which spilled
+# 16-24 B on sm_90 / sm_120, was dropped: that option runs on the two-sweep kernel).
 KNOWN_STACK_BYTES = {
+    ("_split_row_loss_kernel", "sm_80", "3.9"): 8,
     ("_fused_token_loss_kernel", "sm_120", "3.6"): 56,
     ("_fused_token_loss_kernel", "sm_100", "3.9"): 8,
     ("_fused_token_loss_kernel", "sm_120", "3.9"): 8,
@@ -454,7 +458,16 @@ def test_split_row_kernel_is_resident_wide_and_ordered(compiled, triton):
         lambda r: r["label_store_order"]["stores_before_barrier"],  # no row)
         lambda r: f"stores before a barrier after the label's load: {r['label_store_order']}",
     )
-    assert not small and not narrow and not racy, "\n".join(small + narrow + racy)
+    # The one-launch kernel gathers the label's logit from the row (the finishing launch of
+    # the two reads it from the partials): if the search stopped finding it, `racy` checks
+    # nothing there.
+    unseen = _failures(
+        [r for r in results if r["constexprs"].get("PHASE") == 0],
+        lambda r: r["label_store_order"]["label_load"] is None,
+        lambda r: "no label gather found in the SASS",
+    )
+    failures = small + narrow + racy + unseen
+    assert not failures, "\n".join(failures)
 
 
 def _sass_checked_split(results: list[dict]) -> list[dict]:
