@@ -6,6 +6,8 @@
     logprobs.py     token log-probs + entropy (the no-grad path, sequence-level pass 1) and the
                     gradient sweep (token_logprobs backward, pass 2)
     token_loss.py   the fused token-level policy loss: one kernel writes logp and the gradient
+    split_rows.py   the same loss with each row split over co-resident programs that exchange
+                    their slices' sums: one read and one write of the logits (opt-in)
     terms.py        the per-token loss terms both loss kernels evaluate (ratio, clip, KL)
     sequence_terms.py  a two-pass call's terms on [B, T] log-probs (GSPO's sequence ratio)
     loss_sums.py    the loss kernels' per-program sums of loss and metrics, and their finalize

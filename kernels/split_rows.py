@@ -259,11 +259,12 @@ def _split_row_loss_kernel(
     """Program p is slice p % slices of group p // slices; group g walks rows g, g + groups, ...
     The arguments are the two-sweep kernel's (`token_loss._fused_token_loss_kernel`, which
     documents them) and: `exchange_ptr`, the partials' fp32 buffer (PHASE_ONE_LAUNCH: two ring
-    slots per group; the two launches: one row of [MAX_SLICES + 1, PARTIAL] per row, whose last
-    entry carries the label's logit from the first launch to the second: in place, the second
-    may have overwritten it); `arrivals_ptr`: one int32 counter per group, zero at launch;
-    EXCHANGE: the rows span more than one slice. Group g's slice-0 program writes the group's
-    sums to row g of `partials` (`partial_rows` rows; rows past the groups get zeros)."""
+    slots of [MAX_SLICES, PARTIAL] per group; the two launches: [2 MAX_SLICES + 1, PARTIAL] per
+    row: the slices' sums, their exact partials, and the label's logit, carried from the first
+    launch to the second because in place the second may have overwritten it); `arrivals_ptr`:
+    one int32 counter per group, zero at launch; EXCHANGE: the rows span more than one slice
+    (or the two launches). Group g's slice-0 program writes the group's sums to row g of
+    `partials` (`partial_rows` rows; rows past the groups get zeros)."""
     bonus_coef, scale_grad, denominator = loss_prologue(
         rows=rows, mask_ptr=mask_ptr, entropy_coef_ptr=entropy_coef_ptr,
         grad_scale_ptr=grad_scale_ptr, entropy_coef=entropy_coef, grad_scale=grad_scale,
