@@ -573,19 +573,17 @@ def split_row_loss(
     slices = -(-vocab // width)
     if slices > MAX_SLICES.value:
         raise ValueError(f"vocab {vocab} spans {slices} slices of {width}: at most {MAX_SLICES}")
-    scalars, constexprs = _variant_launch(
-        width, logits.element_size(), device, temperature, cap, loss, dual_clip_c, delta,
-        tau_pos, tau_neg, kl, beta, entropy_coef, low_bound, high_bound, old_logp is not None,
-        ref_logp is not None, is_weight is not None, low is not None, row_temps is not None,
-        entropy_coef_tensor is not None, sum_sq is not None, grad_scale_tensor is not None,
-        agg_from_mask,
-    )  # fmt: skip
     if two_launches is None:
         two_launches = device.type != "cuda" and slices > 1
     if device.type != "cuda" and slices > 1 and not two_launches and _interpreted():
         raise ValueError("the interpreter runs programs one by one: a group barrier never ends")
-    constexprs = {k: v for k, v in constexprs.items() if k != "SUM_PI_SQUARED"}
-    constexprs.update(EXCHANGE=slices > 1 or two_launches, **launch_options(width))
+    scalars, constexprs, variant = _split_launch(
+        slices > 1 or two_launches, width, logits.element_size(), device, temperature, cap,
+        loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta, entropy_coef, low_bound,
+        high_bound, old_logp is not None, ref_logp is not None, is_weight is not None,
+        low is not None, row_temps is not None, entropy_coef_tensor is not None, False,
+        grad_scale_tensor is not None, agg_from_mask,
+    )  # fmt: skip
 
     def flat(t: torch.Tensor | None) -> torch.Tensor:
         return logp if t is None else t.float().contiguous()  # placeholder when unused
@@ -605,8 +603,8 @@ def split_row_loss(
             grad.stride(1), *scalars, float(grad_scale), float(agg_denominator),
         )  # fmt: skip
 
-    unused = torch.empty(1, dtype=torch.int32, device=device)
     if device.type != "cuda" or two_launches:
+        unused = torch.empty(1, dtype=torch.int32, device=device)
         groups = max(1, min(rows, partial_rows))
         grid = (groups * slices,)
         if two_launches:
@@ -618,7 +616,7 @@ def split_row_loss(
             args = arguments(logp, unused)
             _split_row_loss_kernel[grid](*args, **constexprs, PHASE=PHASE_CODES["one_launch"])
         return logp, entropy, partials
-    plan = _cooperative_grid(arguments, constexprs, rows, slices, partial_rows, device)
+    plan = _cooperative_grid(arguments, variant, rows, slices, partial_rows, device)
     if plan is None:
         return None
     grid, args, options, key = plan
@@ -634,18 +632,30 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _cooperative_grid(arguments, constexprs, rows, slices, partial_rows, device):
+@functools.lru_cache(maxsize=1024)
+def _split_launch(exchange: bool, block: int, *variant) -> tuple[tuple, dict, tuple]:
+    """(scalars, constexprs, the variant as a hashable key) of a split-row launch: the two-sweep
+    kernel's (`token_loss._variant_launch`, same arguments) less the sum of p^2, with the
+    exchange switch and this kernel's launch options. Worked out once per variant: the host's
+    time is the loss's at a short row."""
+    scalars, constexprs = _variant_launch(block, *variant)
+    constexprs = {k: v for k, v in constexprs.items() if k != "SUM_PI_SQUARED"}
+    constexprs.update(EXCHANGE=exchange, **launch_options(block))
+    return scalars, constexprs, tuple(sorted(constexprs.items()))
+
+
+def _cooperative_grid(arguments, variant, rows, slices, partial_rows, device):
     """(grid, arguments, options, variant key) of the one-launch kernel on a GPU, with a grid
     that is co-resident: sized from the compiled kernel's registers and shared memory, to be
     launched cooperatively (the driver refuses a grid it cannot hold resident, e.g. under an MPS
     or green-context SM limit or beside other kernels' resident programs, rather than let a
     group spin forever). None when the variant cannot be resident here."""
-    key = (device.index, tuple(sorted(constexprs.items())), slices)
+    key = (device.index, variant, slices)
     if key in _NOT_CO_RESIDENT:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, limits = _sm_resources(index)
-    options = {**constexprs, "PHASE": PHASE_CODES["one_launch"], "launch_cooperative_grid": True}
+    options = {**dict(variant), "PHASE": PHASE_CODES["one_launch"], "launch_cooperative_grid": True}
     if key not in _RESOURCES:
         placeholder = torch.empty(1, dtype=torch.int32, device=device)
         compiled = _split_row_loss_kernel.warmup(

@@ -98,6 +98,7 @@ def loss_prologue(
             denominator = tl.maximum(tl.sum(total), 1e-8)
     return bonus_coef, scale_grad, denominator
 
+
 @triton.jit
 def load_token_inputs(
     row, time, adv_ptr, adv_stride_b, adv_stride_t, mask_ptr, agg_weight_ptr, denominator,
