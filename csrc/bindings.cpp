@@ -302,8 +302,9 @@ std::vector<int64_t> cluster_kernel_info(c10::Device device, c10::ScalarType dty
 }  // namespace
 }  // namespace fusedrl
 
-// The per-token arguments of the fused loss; must equal _FUSED_ARGS in fusedrl/triton_backend.py
-// (tests/test_cuda_build.py checks it) so that both backends share one Python wrapper.
+// The per-token arguments of the fused loss: the fields of kernels/token_args.py's TokenLossArgs
+// that its CUDA_FIELDS names, by the same names and types (tests/test_cuda_build.py checks it),
+// so that both backends share one driver (kernels/cuda.py's `by_name` passes them by name).
 #define FUSEDRL_FUSED_ARGS                                                                   \
   "Tensor labels, Tensor valid, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "   \
   "Tensor? is_weight, Tensor agg_weight, Tensor? low, Tensor? high, float temperature, "   \

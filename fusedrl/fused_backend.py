@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+
 from ._inputs import (
     LossInputs,
     check_labels_counted,
@@ -62,8 +64,10 @@ class FusedOps:
 
     logprobs_fwd: Callable  # (logits, labels, valid?, temperature) -> (logp, lse, entropy)
     logits_grad: Callable  # (logits, labels, lse, entropy, dlogp, dentropy?, temperature, out)
-    fused_token_loss: Callable  # (logits, grad, *FUSED_ARGS) -> (logp, entropy)
-    fused_token_loss_inplace: Callable  # (logits, *FUSED_ARGS) -> (logp, entropy)
+    # (logits, grad, args: TokenLossArgs) -> (logp, entropy[, each program's sums]): the fused
+    # loss, the gradient written into `grad`; the in-place one (logits, args) into the logits.
+    fused_token_loss: Callable
+    fused_token_loss_inplace: Callable
     # (logits, labels, out, temperature, top_k, top_p, min_p): out = logits masked to the sampled
     # sets, found on chip (kernels/sampling.py); None: torch.topk / sort a block at a time.
     sampled_set: Callable | None = None
@@ -99,16 +103,6 @@ class FusedOps:
 
 def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
     return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-
-
-# The per-token arguments of the fused loss op, shared by the Triton op and the CUDA op
-# (csrc/bindings.cpp repeats it; tests/test_cuda_build.py checks they are equal).
-FUSED_ARGS = (
-    "Tensor labels, Tensor valid, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
-    "Tensor? is_weight, Tensor agg_weight, Tensor? low, Tensor? high, float temperature, "
-    "str loss, float? dual_clip_c, float? delta, float tau_pos, float tau_neg, str? kl, "
-    "float beta, float entropy_coef"
-)
 
 
 def temperature_keywords(
@@ -294,53 +288,71 @@ def kernel_float(value: float | None) -> float | None:
 
 
 def fused_token_args(
-    inp: LossInputs, cfg: LossConfig, scalar_bounds: bool = False, weights_kernel=None
-) -> tuple:
-    """The arguments of the fused op after the logits (FUSED_ARGS): per-token [B, T] tensors,
-    then scalars. The aggregation weight, IS weight and bounds do not depend on the logits, so
-    they are computed here for the whole batch (and may be sliced into row chunks).
-    `scalar_bounds`: the op takes constant ratio bounds as numbers (`fused_token_keywords`):
-    low / high are then tensors for DCPO alone. `weights_kernel`: the backend's aggregation
-    weights op (`FusedOps.aggregation_weights`), or None."""
+    inp: LossInputs,
+    cfg: LossConfig,
+    sums: bool = False,
+    weights_kernel: Callable | None = None,
+    sum_sq: torch.Tensor | None = None,
+) -> TokenLossArgs:
+    """The fused op's arguments of a call (kernels/token_args.py). The aggregation weight, IS
+    weight and bounds do not depend on the logits, so they are computed here for the whole
+    batch (a chunk of rows takes `TokenLossArgs.rows`). `sums`: the op's own sums are the
+    loss and the metrics (`FusedOps.fused_sums`): it reads the mask weights, takes constant
+    ratio bounds as numbers (tensors for DCPO alone) and grad_scale, and weighs the mask itself
+    where it can (`mask_aggregation`); else (the CUDA extension's op keeps no sums) the bounds
+    are tensors and the aggregation weights carry grad_scale. `weights_kernel`: the backend's
+    aggregation weights op (`FusedOps.aggregation_weights`), or None. `sum_sq`: a [B, T] fp32
+    buffer for sum_v pi_v^2 per row."""
     old = inp.old_logp
     # IS weights, DCPO bounds and rejection need old; on-policy (old = logp) such configs take
     # two passes. Rejected tokens get an aggregation weight of 0 (they leave the denominators).
     is_weight = resolve_is_weights(old, inp, cfg)  # on every sampled token, as verl
     inp = with_rejection(inp, cfg)
-    if scalar_bounds and mask_aggregation(inp, cfg) is not None:
-        agg = inp.mask  # (not read: the kernel weighs the mask itself, `fused_token_keywords`)
-    else:
+    denominator = mask_aggregation(inp, cfg) if sums else None
+    agg = None  # (weighed from the mask in the kernel)
+    if denominator is None:
         agg = aggregation_weights(inp, cfg, weights_kernel)
+        agg = agg if sums else scaled_by(agg, inp.grad_scale)  # (an op without grad_scale)
+    loss = cfg.loss
     low = high = None
-    loss = "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss  # the kernels know PPO by that name
-    if loss == "dcpo" or (loss in ("ppo", "cispo") and not scalar_bounds):  # per token
+    low_bound = high_bound = 0.0
+    if loss == "dcpo" or (not sums and (loss in PPO_CLIPPED or loss == "cispo")):  # per token
         like = old if old is not None else torch.zeros_like(inp.mask)
         low, high = (
             b if isinstance(b, torch.Tensor) else torch.full_like(like, b)
             for b in ratio_bounds(like, cfg)
         )
-    return (
-        inp.labels,
-        inp.valid,
-        inp.advantages,
-        old,
-        inp.ref_logp,
-        is_weight,
-        # An op that takes no grad_scale (the CUDA extension's) writes the gradient times the
-        # aggregation weights: scaled here, a [B, T] multiply (its loss comes from elsewhere).
-        agg if scalar_bounds else scaled_by(agg, inp.grad_scale),
-        low,
-        high,
-        temperature_keywords(cfg.temperature, transform=inp.transform)[0],  # T / c under a cap
-        loss,
-        kernel_float(cfg.dual_clip_c),
-        kernel_float(cfg.delta),
-        kernel_float(cfg.sapo_tau_pos),
-        kernel_float(cfg.sapo_tau_neg),
-        cfg.kl,
-        kernel_float(cfg.beta),
-        kernel_float(cfg.entropy_coef),
+    elif sums:
+        low_bound, high_bound = ratio_bounds(old, cfg)
+    temperature, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
+    scale = inp.grad_scale if sums else None
+    variant = loss_variant(
+        cfg, temperature, rows.get("cap"), low_bound, high_bound, denominator is not None
     )
+    return TokenLossArgs(
+        inp.labels, inp.valid, inp.advantages, variant, agg, inp.mask if sums else None, old,
+        inp.ref_logp, is_weight, low, high, rows.get("row_temps"), inp.entropy_coef,
+        scale if isinstance(scale, torch.Tensor) else None, sum_sq,
+        1.0 if scale is None or isinstance(scale, torch.Tensor) else scale, denominator or 0.0,
+    )  # fmt: skip
+
+
+def loss_variant(
+    cfg: LossConfig,
+    temperature: float,
+    cap: float | None,
+    low_bound: float,
+    high_bound: float,
+    agg_from_mask: bool,
+) -> LossVariant:
+    """The kernels' variant of a config (kernels/token_args.py), its numbers as fp32 scalars."""
+    return LossVariant(
+        "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels know PPO by that name
+        temperature, cap, kernel_float(cfg.dual_clip_c), kernel_float(cfg.delta),
+        kernel_float(cfg.sapo_tau_pos), kernel_float(cfg.sapo_tau_neg), cfg.kl,
+        kernel_float(cfg.beta), kernel_float(cfg.entropy_coef), low_bound, high_bound,
+        agg_from_mask,
+    )  # fmt: skip
 
 
 def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
@@ -360,34 +372,6 @@ def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
     return None
 
 
-def grad_scale_keywords(grad_scale: float | torch.Tensor) -> dict:
-    """The Triton loss kernels' keywords of a `grad_scale` (a number, or a device scalar)."""
-    if isinstance(grad_scale, torch.Tensor):
-        return {"grad_scale_tensor": grad_scale}
-    return {"grad_scale": grad_scale}
-
-
-def fused_token_keywords(
-    inp: LossInputs, cfg: LossConfig, rows: slice | None = None, sums: bool = False
-) -> dict:
-    """The fused op's keywords beside FUSED_ARGS: per-token temperatures (`rows`: a chunk's
-    flat rows) and the entropy coefficient as a device scalar; with `sums` (an op that sums the
-    loss and metrics, `FusedOps.fused_sums`) the mask weights and the constant bounds."""
-    keywords = temperature_keywords(temperature_of(inp, cfg), rows, inp.transform)[1]
-    if inp.entropy_coef is not None:
-        keywords["entropy_coef_tensor"] = inp.entropy_coef
-    if sums and inp.grad_scale is not None:  # (else agg_weight carries it: `fused_token_args`)
-        keywords.update(grad_scale_keywords(inp.grad_scale))
-    denominator = mask_aggregation(inp, cfg) if sums else None
-    if denominator is not None:
-        keywords.update(agg_from_mask=True, agg_denominator=denominator)
-    if sums:
-        keywords["mask"] = inp.mask
-        if cfg.loss != "dcpo":  # (DCPO's bounds are per token, FUSED_ARGS's low / high)
-            keywords["low_bound"], keywords["high_bound"] = ratio_bounds(inp.old_logp, cfg)
-    return keywords
-
-
 def _fused_token_level(
     ops: FusedOps,
     inp: LossInputs,
@@ -397,14 +381,10 @@ def _fused_token_level(
 ):
     """One kernel: logp, entropy and the gradient (and sum_v pi_v^2 into `sum_sq`); with an op
     that sums the loss and metrics (`FusedOps.fused_sums`), each program's sums too."""
-    sums = ops.fused_sums
-    args = fused_token_args(inp, cfg, scalar_bounds=sums, weights_kernel=ops.aggregation_weights)
-    rows = fused_token_keywords(inp, cfg, sums=sums)
-    if sum_sq is not None:
-        rows["sum_sq"] = sum_sq
+    args = fused_token_args(inp, cfg, ops.fused_sums, ops.aggregation_weights, sum_sq)
     if grad_out is inp.logits:
-        return ops.fused_token_loss_inplace(inp.logits, *args, **rows)
-    return ops.fused_token_loss(inp.logits, grad_out, *args, **rows)
+        return ops.fused_token_loss_inplace(inp.logits, args)
+    return ops.fused_token_loss(inp.logits, grad_out, args)
 
 
 def kernel_sums_cover(inp: LossInputs, cfg: LossConfig) -> bool:
@@ -448,31 +428,18 @@ def _kernel_terms(
     bonus = inp.entropy_coef is not None or kernel_float(cfg.entropy_coef) != 0.0
     low, high = ratio_bounds(old, cfg)
     per_token = isinstance(low, torch.Tensor)  # DCPO's bounds
+    args = TokenLossArgs(
+        inp.labels, inp.valid, inp.advantages,
+        loss_variant(cfg, 1.0, None, *((0.0, 0.0) if per_token else (low, high)), False),
+        aggregation_weights(inp, cfg, ops.aggregation_weights), inp.mask, old, inp.ref_logp,
+        resolve_is_weights(old, inp, cfg), low if per_token else None,
+        high if per_token else None, entropy_coef_tensor=inp.entropy_coef,
+    )  # fmt: skip
     dlogp, dentropy, partials = ops.sequence_terms(
         logp,
         entropy if need_entropy or bonus else None,
-        inp.labels,
-        inp.valid,
-        inp.mask,
-        inp.advantages,
-        old,
-        inp.ref_logp,
-        resolve_is_weights(old, inp, cfg),
-        aggregation_weights(inp, cfg, ops.aggregation_weights),
-        low if per_token else None,
-        high if per_token else None,
+        args,
         sequence_ratio=cfg.ratio_level == "sequence",
-        loss="ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,
-        dual_clip_c=kernel_float(cfg.dual_clip_c),
-        delta=kernel_float(cfg.delta),
-        tau_pos=kernel_float(cfg.sapo_tau_pos),
-        tau_neg=kernel_float(cfg.sapo_tau_neg),
-        kl=cfg.kl,
-        beta=kernel_float(cfg.beta),
-        entropy_coef=kernel_float(cfg.entropy_coef),
-        entropy_coef_tensor=inp.entropy_coef,
-        low_bound=0.0 if per_token else low,
-        high_bound=0.0 if per_token else high,
         vocab=inp.logits.shape[-1],
     )
     terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)

@@ -32,7 +32,6 @@ from ._inputs import needs_entropy, temperature_of
 from .config import LossConfig
 from .fused_backend import (
     fused_token_args,
-    fused_token_keywords,
     needs_two_passes,
     temperature_keywords,
 )
@@ -254,22 +253,20 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
     """Token-level losses, "gemm": per chunk, cuBLAS logits -> the fused loss kernel (logp,
     entropy, G written over the logits) -> cuBLAS dX, dW."""
     ops = _row_ops()
-    args = [flat_rows(lin, a) for a in fused_token_args(lin.rows, cfg)]
+    args = fused_token_args(lin.rows, cfg).rows(lambda t: flat_rows(lin, t))
     rows = masked_rows(lin)
     sums = GradSums(lin, rows, want)
     shape = lin.rows.labels.shape
     flat_logp, flat_entropy = (
-        torch.empty(args[0].shape, dtype=torch.float32, device=rows.device)
+        torch.empty(args.labels.shape, dtype=torch.float32, device=rows.device)
         for _stat in ("logp", "entropy")
     )
     temperature = flat_rows(lin, temperature_of(lin.rows, cfg))
-    keywords = fused_token_keywords(lin.rows, cfg)
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
-        chunk = [_cut(a, start, stop) for a in args]
-        _, rows_t = temperature_keywords(temperature, slice(start, stop))
+        chunk = args.rows(lambda t, start=start, stop=stop: t[:, start:stop])
         # (the chunk's sums of the loss and metrics are not used: token_terms takes them)
         flat_logp[:, start:stop], flat_entropy[:, start:stop], _ = ops.fused_token_loss_inplace(
-            logits, *chunk, **{**keywords, **rows_t}
+            logits, chunk
         )
         sums.add(start, stop, _chained(lin, logits[0], derivative))
     return spread_rows(lin, flat_logp, shape), spread_rows(lin, flat_entropy, shape), sums.result()

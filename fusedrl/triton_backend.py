@@ -13,8 +13,10 @@ from types import SimpleNamespace
 
 import torch
 
+from fusedrl.kernels.token_args import TokenLossArgs, op_schema
+
 from . import fused_backend
-from .fused_backend import FUSED_ARGS, FusedOps
+from .fused_backend import FusedOps
 
 
 @functools.cache
@@ -155,37 +157,70 @@ def sampled_set(
     )
 
 
-# One schema string serves the out-of-place op (writes `grad`) and the in-place one.
-# Per-token temperatures, the entropy coefficient as a device scalar, the soft cap and the sum
-# of squares' buffer are the Triton ops' own (the CUDA extension's schema is FUSED_ARGS).
-# The mask weights and constant ratio bounds are read by the kernel's own sums of the loss and
-# metrics, its third output (`FusedOps.fused_sums`, added up by `token_loss_sums`).
-_ROW_TEMPS = (
-    "Tensor? row_temps=None, Tensor? entropy_coef_tensor=None, float? cap=None, "
-    "Tensor(b!)? sum_sq=None, Tensor? mask=None, float low_bound=0.0, float high_bound=0.0, "
-    "float grad_scale=1.0, Tensor? grad_scale_tensor=None, bool agg_from_mask=False, "
-    "float agg_denominator=0.0"
-)
+# The fused loss (and its in-place twin, which writes the gradient into the logits). An op cannot
+# take a TokenLossArgs, so its schema is the object's fields by keyword (`op_schema`), the call
+# passes `args.keywords()` and the body rebuilds the object (the dispatcher leaves out keywords at
+# their defaults: `from_keywords` fills them in): the fields are listed once, in
+# kernels/token_args.py. The fakes take the same keywords.
+_ARGS_SCHEMA = op_schema()
+_FUSED_OUTPUTS = "(Tensor, Tensor, Tensor)"  # logp, entropy, the programs' sums
 torch.library.define(
     "fusedrl::fused_token_loss",
-    f"(Tensor logits, Tensor(a!) grad, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor, Tensor)",
+    f"(Tensor logits, Tensor(a!) grad, *, {_ARGS_SCHEMA}) -> {_FUSED_OUTPUTS}",
 )
 torch.library.define(
     "fusedrl::fused_token_loss_inplace",
-    f"(Tensor(a!) logits, {FUSED_ARGS}, {_ROW_TEMPS}) -> (Tensor, Tensor, Tensor)",
+    f"(Tensor(a!) logits, *, {_ARGS_SCHEMA}) -> {_FUSED_OUTPUTS}",
 )
 
 
-def _fused_token_loss(logits, grad, *args, **keywords):
-    return _kernels().split_rows.fused_token_loss(logits, grad, *args, **keywords)
+@torch.library.impl("fusedrl::fused_token_loss", "default")
+def _fused_token_loss(logits, grad, **arguments):
+    args = TokenLossArgs.from_keywords(arguments)
+    return _kernels().split_rows.fused_token_loss(logits, grad, args)
 
 
-def _fused_token_loss_inplace(logits, *args, **keywords):
-    return _kernels().split_rows.fused_token_loss(logits, logits, *args, **keywords)
+@torch.library.impl("fusedrl::fused_token_loss_inplace", "default")
+def _fused_token_loss_inplace(logits, **arguments):
+    args = TokenLossArgs.from_keywords(arguments)
+    return _kernels().split_rows.fused_token_loss(logits, logits, args)
 
 
-torch.library.impl("fusedrl::fused_token_loss", "default")(_fused_token_loss)
-torch.library.impl("fusedrl::fused_token_loss_inplace", "default")(_fused_token_loss_inplace)
+def _fused_outputs_like(logits, labels):
+    """logp, entropy ([B, T] fp32) and the programs' sums ([programs, SUM_WIDTH] fp32)."""
+    token_loss = _kernels().token_loss
+    partials = torch.empty(
+        token_loss.sum_programs(logits), _kernels().loss_sums.SUM_WIDTH.value, device=logits.device
+    )
+    return fused_backend._empty_rows_like(labels), fused_backend._empty_rows_like(labels), partials
+
+
+@torch.library.register_fake("fusedrl::fused_token_loss")
+def _(logits, grad, **arguments):
+    return _fused_outputs_like(logits, TokenLossArgs.from_keywords(arguments).labels)
+
+
+@torch.library.register_fake("fusedrl::fused_token_loss_inplace")
+def _(logits, **arguments):
+    return _fused_outputs_like(logits, TokenLossArgs.from_keywords(arguments).labels)
+
+
+def _fused_token_loss_inplace_eager(logits, args):
+    return _kernels().split_rows.fused_token_loss(logits, logits, args)
+
+
+def _taking_args(op: Callable, body: Callable) -> Callable:
+    """A `FusedOps` entry whose last positional argument is a TokenLossArgs: eagerly `body`
+    (the launcher, which takes the object), under torch.compile `op` with its fields by keyword."""
+
+    @functools.wraps(body)
+    def call(*leading, **named):
+        if torch.compiler.is_compiling():
+            *tensors, args = leading
+            return op(*tensors, **args.keywords(), **named)
+        return body(*leading, **named)
+
+    return call
 
 
 @_custom_op("aggregation_weights", mutates_args=())
@@ -215,25 +250,6 @@ def aggregation_weights(mask, agg, normalizer, norm_constant) -> torch.Tensor:
     return _aggregation_weights_op(mask, agg, tensor, number, norm_constant)
 
 
-def _fused_outputs_like(logits, labels):
-    """logp, entropy ([B, T] fp32) and the programs' sums ([programs, SUM_WIDTH] fp32)."""
-    token_loss = _kernels().token_loss
-    partials = torch.empty(
-        token_loss.sum_programs(logits), _kernels().loss_sums.SUM_WIDTH.value, device=logits.device
-    )
-    return fused_backend._empty_rows_like(labels), fused_backend._empty_rows_like(labels), partials
-
-
-@torch.library.register_fake("fusedrl::fused_token_loss")
-def _(logits, grad, labels, *args, **keywords):
-    return _fused_outputs_like(logits, labels)
-
-
-@torch.library.register_fake("fusedrl::fused_token_loss_inplace")
-def _(logits, labels, *args, **keywords):
-    return _fused_outputs_like(logits, labels)
-
-
 @_custom_op("token_loss_sums", mutates_args=())
 def token_loss_sums(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused loss's per-program sums added up: (the 0-dim loss, the [SUM_WIDTH] means)."""
@@ -246,51 +262,28 @@ def _(partials):
     return partials.new_empty(()), partials.new_empty(width)
 
 
-@_custom_op("sequence_terms", mutates_args=())
-def sequence_terms(
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-    sequence_ratio: bool,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-    entropy_coef_tensor: torch.Tensor | None = None,
-    low_bound: float = 0.0,
-    high_bound: float = 0.0,
-    vocab: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+torch.library.define(
+    "fusedrl::sequence_terms",
+    f"(Tensor logp, Tensor? entropy, *, {_ARGS_SCHEMA}, bool sequence_ratio, int vocab) -> "
+    "(Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("fusedrl::sequence_terms", "default")
+def _sequence_terms(logp, entropy, *, sequence_ratio, vocab, **arguments):
     """A two-pass call's terms on [B, T] log-probs (kernels/sequence_terms.py): (dlogp,
     dentropy or [0] without a bonus, one row of sums per sequence for `token_loss_sums`)."""
     return _kernels().sequence_terms.sequence_terms(
-        logp, entropy, labels, valid, mask, advantages, old_logp, ref_logp, is_weight,
-        agg_weight, low, high, sequence_ratio=sequence_ratio, loss=loss,
-        dual_clip_c=dual_clip_c, delta=delta, tau_pos=tau_pos, tau_neg=tau_neg, kl=kl,
-        beta=beta, entropy_coef=entropy_coef, entropy_coef_tensor=entropy_coef_tensor,
-        low_bound=low_bound, high_bound=high_bound, vocab=vocab,
+        logp, entropy, TokenLossArgs.from_keywords(arguments), sequence_ratio=sequence_ratio,
+        vocab=vocab,
     )  # fmt: skip
 
 
-@sequence_terms.register_fake
-def _(logp, entropy, labels, valid, mask, advantages, old_logp, ref_logp, is_weight,
-      agg_weight, low, high, sequence_ratio, loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta,
-      entropy_coef, entropy_coef_tensor=None, low_bound=0.0, high_bound=0.0,
-      vocab=0):  # fmt: skip
-    bonus = entropy_coef != 0.0 or entropy_coef_tensor is not None
+@torch.library.register_fake("fusedrl::sequence_terms")
+def _(logp, entropy, *, sequence_ratio, vocab, **arguments):
+    # (the dispatcher leaves out keywords at their defaults: the object fills them in)
+    args = TokenLossArgs.from_keywords(arguments)
+    bonus = args.variant.entropy_coef != 0.0 or args.entropy_coef_tensor is not None
     width = _kernels().loss_sums.SUM_WIDTH.value
     dentropy = torch.empty_like(logp) if bonus else logp.new_empty(0)
     return torch.empty_like(logp), dentropy, logp.new_empty(logp.shape[0], width)
@@ -298,6 +291,7 @@ def _(logp, entropy, labels, valid, mask, advantages, old_logp, ref_logp, is_wei
 
 fused_token_loss = torch.ops.fusedrl.fused_token_loss.default
 fused_token_loss_inplace = torch.ops.fusedrl.fused_token_loss_inplace.default
+sequence_terms = torch.ops.fusedrl.sequence_terms.default
 
 
 # Two distributions per token (kernels/two_rows.py): the exact KL and distillation.
@@ -373,8 +367,8 @@ OPS = FusedOps(
     _eager_or_traced(logprobs_fwd),
     _eager_or_traced(logits_grad),
     # (eagerly, the launchers themselves: a call's frames are a 4k-token micro-batch's time)
-    _eager_or_traced(fused_token_loss, _kernels().split_rows.fused_token_loss),
-    _eager_or_traced(fused_token_loss_inplace, _fused_token_loss_inplace),
+    _taking_args(fused_token_loss, _kernels().split_rows.fused_token_loss),
+    _taking_args(fused_token_loss_inplace, _fused_token_loss_inplace_eager),
     _eager_or_traced(sampled_set),
     TWO_ROWS,
     logprobs_squares=_eager_or_traced(logprobs_squares_fwd),
@@ -383,7 +377,7 @@ OPS = FusedOps(
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
     fused_sums=True,
     aggregation_weights=aggregation_weights,
-    sequence_terms=_eager_or_traced(sequence_terms),
+    sequence_terms=_taking_args(sequence_terms, _kernels().sequence_terms.sequence_terms),
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

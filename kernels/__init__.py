@@ -9,6 +9,8 @@
     split_rows.py   the same loss with each row split over co-resident programs that exchange
                     their slices' sums: one read and one write of the logits (opt-in)
     terms.py        the per-token loss terms both loss kernels evaluate (ratio, clip, KL)
+    token_args.py   the loss kernels' arguments by name (TokenLossArgs), one object from the
+                    driver to every launcher, and the custom ops' schemas made from it
     sequence_terms.py  a two-pass call's terms on [B, T] log-probs (GSPO's sequence ratio)
     loss_sums.py    the loss kernels' per-program sums of loss and metrics, and their finalize
     two_rows.py     two distributions per token (exact KL, distillation): both rows in one pass

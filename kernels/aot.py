@@ -108,6 +108,7 @@ def _example_launches() -> Iterator[Callable[[], None]]:
         scale,
         sequence_terms,
         split_rows,
+        token_args,
         token_loss,
         two_rows,
     )
@@ -123,16 +124,15 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     )
     yield lambda: scale.scale_rows_unless_one(logits, torch.ones(()))
     yield lambda: sampling.write_sampled_set(logits, labels, logits, 1.0, 50, 0.9, 0.05, rows)
-    yield lambda: token_loss.fused_token_loss(
-        logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
-        rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
-    )  # fmt: skip
+    every_input = token_args.TokenLossArgs(  # (mask None: the kernels read `valid`)
+        labels, valid, rows, token_args.LossVariant(), rows, None, rows, rows, rows, rows, rows
+    )
+    yield lambda: token_loss.fused_token_loss(logits, torch.empty_like(logits), every_input)
     # The split-row kernel as a GPU launches it: the exchange in one launch (the sweep compiles
     # the two-launch phases and the one-slice form too), and its merge's test harness.
     yield lambda: split_rows.split_row_loss(
-        logits, torch.empty_like(logits), labels, valid, rows, rows, rows, rows, rows, rows,
-        rows, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0, two_launches=False,
-    )  # fmt: skip
+        logits, torch.empty_like(logits), every_input, two_launches=False
+    )
     yield lambda: split_rows.merge_partials_rows(
         torch.zeros(2, split_rows.MAX_SLICES.value, split_rows.PARTIAL.value), 2
     )
@@ -141,17 +141,18 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     yield lambda: loss_sums.aggregation_weights(valid, "token-mean", None, None)  # a bool mask
     # The two-pass terms: GSPO's sequence ratio with every per-token input and the bonus, and
     # the token ratio with the clip options and a device entropy coefficient.
+    gspo = token_args.LossVariant(kl="k3", beta=0.1, entropy_coef=0.01)
     yield lambda: sequence_terms.sequence_terms(
-        rows, rows, labels, valid, valid, rows, rows, rows, rows, rows, rows, rows,
-        sequence_ratio=True, loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0, tau_neg=1.0,
-        kl="k3", beta=0.1, entropy_coef=0.01, vocab=vocab,
+        rows, rows, every_input._replace(variant=gspo, mask=valid), sequence_ratio=True,
+        vocab=vocab,
     )  # fmt: skip
+    clipped = token_args.LossVariant(dual_clip_c=3.0, delta=2.0, low_bound=0.8, high_bound=1.2)
+    token_ratio = token_args.TokenLossArgs(
+        labels, valid, rows, clipped, rows, rows, rows, entropy_coef_tensor=torch.ones(())
+    )
     yield lambda: sequence_terms.sequence_terms(
-        rows, rows, labels, valid, rows, rows, rows, None, None, rows, None, None,
-        sequence_ratio=False, loss="ppo", dual_clip_c=3.0, delta=2.0, tau_pos=1.0, tau_neg=1.0,
-        kl=None, beta=0.0, entropy_coef=0.0, entropy_coef_tensor=torch.ones(()), low_bound=0.8,
-        high_bound=1.2, vocab=vocab,
-    )  # fmt: skip
+        rows, rows, token_ratio, sequence_ratio=False, vocab=vocab
+    )
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
     yield lambda: two_rows.two_rows_backward(

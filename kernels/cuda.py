@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .token_args import CUDA_FIELDS
+
 
 def _find_csrc() -> Path:
     installed = Path(importlib.util.find_spec("fusedrl").origin).parent / "csrc"  # the wheel's
@@ -86,12 +88,26 @@ def load(verbose: bool = False):
     return FusedOps(
         ops.cuda_logprobs_fwd.default,
         ops.cuda_logits_grad.default,
-        ops.cuda_fused_token_loss.default,
-        ops.cuda_fused_token_loss_inplace.default,
+        *by_name(ops.cuda_fused_token_loss.default, ops.cuda_fused_token_loss_inplace.default),
         _from_triton("sampled_set"),
         _from_triton("TWO_ROWS"),
         **triton_terms(),
     )
+
+
+def by_name(fused_op, fused_op_inplace) -> tuple:
+    """The extension's two fused ops (csrc/bindings.cpp) as `FusedOps.fused_token_loss` and
+    `fused_token_loss_inplace`: each takes a TokenLossArgs and passes its CUDA_FIELDS to the op
+    by name. (The extension keeps no sums: the driver gives it tensor bounds, and the
+    aggregation weights already times grad_scale, `fused_backend.fused_token_args`.)"""
+
+    def fused_token_loss(logits, grad, args):
+        return fused_op(logits, grad, **args.keywords(CUDA_FIELDS))
+
+    def fused_token_loss_inplace(logits, args):
+        return fused_op_inplace(logits, **args.keywords(CUDA_FIELDS))
+
+    return fused_token_loss, fused_token_loss_inplace
 
 
 def triton_terms() -> dict:
@@ -154,11 +170,11 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("fusedrl::cuda_fused_token_loss")
-    def _(logits, grad, labels, *args, **row_temps):
+    def _(logits, grad, labels, *per_token_and_variant, **row_temps):  # (token_args.CUDA_FIELDS)
         return rows_like(labels), rows_like(labels)
 
     @torch.library.register_fake("fusedrl::cuda_fused_token_loss_inplace")
-    def _(logits, labels, *args, **row_temps):
+    def _(logits, labels, *per_token_and_variant, **row_temps):
         return rows_like(labels), rows_like(labels)
 
 

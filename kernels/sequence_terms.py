@@ -48,6 +48,7 @@ from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs
     variant_constexprs,
     variant_scalars,
 )
+from .token_args import TokenLossArgs
 
 # Not a row sweep: it reads [B, T] floats (aot compiles its launch as recorded, and each code).
 KERNEL_FAMILY = "reduce"
@@ -232,78 +233,46 @@ BLOCK_T = 1024  # tokens per tile: a sequence is read in such tiles, twice with 
 def sequence_terms(
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
+    args: TokenLossArgs,
     *,
     sequence_ratio: bool,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-    entropy_coef_tensor: torch.Tensor | None = None,
-    low_bound: float = 0.0,
-    high_bound: float = 0.0,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dlogp [B, T], dentropy [B, T] or [0] without an entropy bonus, partials [B, SUM_WIDTH])
     of [B, T] fp32 log-probs: the loss terms of `fusedrl.token_terms` for the variants the fused
-    kernel knows (`loss`, `kl`, bounds and codes as `token_loss.fused_token_loss` takes them),
-    with the sequence ratio when `sequence_ratio`. `old_logp`: logp itself on-policy; `entropy`:
-    read for the bonus and the entropy metric (None: neither). `labels` ([B, T] int, unchecked):
-    the counted ones outside [0, V) of the logits, `vocab` wide, are counted (`labels_ok`)."""
+    kernel knows (`args` as `token_loss.fused_token_loss` takes them, `mask` and `old_logp`
+    given: logp itself on-policy; no per-token temperatures, sum of p^2 or grad_scale: the
+    caller scales the derivatives), with the sequence ratio when `sequence_ratio`. `entropy`:
+    read for the bonus and the entropy metric (None: neither). The counted labels outside
+    [0, V) of the logits, `vocab` wide, are counted (`labels_ok`)."""
+    if args.mask is None or args.old_logp is None or args.variant.agg_from_mask:
+        raise ValueError("sequence_terms: needs `mask`, `old_logp` and `agg_weight`")
     batch, time = logp.shape
     dlogp = torch.empty_like(logp)
-    bonus = entropy_coef != 0.0 or entropy_coef_tensor is not None
+    coef_tensor = args.entropy_coef_tensor
+    bonus = args.variant.entropy_coef != 0.0 or coef_tensor is not None
     if bonus and entropy is None:
         raise ValueError("sequence_terms: an entropy bonus needs the entropy")
     dentropy = torch.empty_like(logp) if bonus else logp.new_empty(0)
     partials = logp.new_empty(batch, SUM_WIDTH.value)  # each program writes its row
     if batch * time == 0:
         return dlogp, dentropy, partials.zero_()
-
-    def rows(t: torch.Tensor | None) -> torch.Tensor:
-        return logp if t is None else t.float().contiguous()  # placeholder when unused
-
     _sequence_terms_kernel[(batch,)](
         logp.contiguous(),
-        rows(entropy),
-        labels.contiguous(),
-        valid.contiguous(),  # bool: read as is
-        mask.contiguous(),  # bool or fp32 weights: read as they are
-        advantages.float(),
-        rows(old_logp),
-        rows(ref_logp),
-        rows(is_weight),
-        rows(agg_weight),
-        rows(low),
-        rows(high),
+        logp if entropy is None else entropy.float().contiguous(),
+        *args.per_token_pointers(logp),
         dlogp,
         dentropy if bonus else logp,
         partials,
-        logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
+        logp if coef_tensor is None else coef_tensor.float().reshape(1),
         time,
         vocab,
-        advantages.stride(0),
-        advantages.stride(1),
-        *variant_scalars(
-            low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
-        ),
+        args.advantages.stride(0),
+        args.advantages.stride(1),
+        *variant_scalars(args.variant),
         **variant_constexprs(
-            loss=loss, dual_clip_c=dual_clip_c, delta=delta, kl=kl, beta=beta,
-            has_ref=ref_logp is not None, has_is=is_weight is not None, has_bounds=low is not None,
-            entropy_coef=entropy_coef, entropy_coef_tensor=entropy_coef_tensor,
+            args.variant, args.ref_logp is not None, args.is_weight is not None,
+            args.low is not None, coef_tensor is not None,
         ),  # fmt: skip
         SEQUENCE_RATIO=sequence_ratio,
         HAS_ENTROPY=entropy is not None,

@@ -61,10 +61,10 @@ from .rows import (
     reference_stats,
     row_offset,
     row_temperature,
-    row_temperature_arg,
     scaled,
 )
 from .terms import KL_CODES, KL_VALUE_CODES, LOSS_CODES  # noqa: F401  (aot varies these)
+from .token_args import LossVariant, TokenLossArgs
 from .token_loss import (
     CROSSED_SWITCHES,  # noqa: F401  (aot crosses the same switches here)
     _variant_launch,
@@ -109,18 +109,18 @@ if POLICY not in POLICIES:
     raise ValueError(f"FUSEDRL_SPLIT_ROWS must be one of {POLICIES}, got {POLICY!r}")
 
 
-def fused_token_loss(logits: torch.Tensor, grad: torch.Tensor, *args, **keywords):
+def fused_token_loss(logits: torch.Tensor, grad: torch.Tensor, args: TokenLossArgs):
     """The fused token-level loss (`token_loss.fused_token_loss`'s arguments and outputs) by the
     split-row kernel where POLICY takes it, else (or when a GPU cannot hold its grid
     co-resident) by the two-sweep kernel."""
     wanted = POLICY == "always" or (POLICY == "on" and split_rows_fit(logits, grad))
     # (the sum of p^2, the Optimal Token Baseline's input, is the two-sweep kernel's: a fifth
     # running sum here spills registers in some of its variants)
-    if wanted and keywords.get("sum_sq") is None:
-        out = split_row_loss(logits, grad, *args, **keywords)
+    if wanted and args.sum_sq is None:
+        out = split_row_loss(logits, grad, args)
         if out is not None:
             return out
-    return token_loss.fused_token_loss(logits, grad, *args, **keywords)
+    return token_loss.fused_token_loss(logits, grad, args)
 
 
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
@@ -521,45 +521,14 @@ def split_rows_fit(logits: torch.Tensor, grad: torch.Tensor) -> bool:
 
 @launches_on("logits")
 def split_row_loss(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-    temperature: float,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-    row_temps: torch.Tensor | None = None,
-    entropy_coef_tensor: torch.Tensor | None = None,
-    cap: float | None = None,
-    sum_sq: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    low_bound: float = 0.0,
-    high_bound: float = 0.0,
-    grad_scale: float = 1.0,
-    grad_scale_tensor: torch.Tensor | None = None,
-    agg_from_mask: bool = False,
-    agg_denominator: float = 0.0,
-    two_launches: bool | None = None,
+    logits: torch.Tensor, grad: torch.Tensor, args: TokenLossArgs, two_launches: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`token_loss.fused_token_loss` (same arguments but `sum_sq`, same outputs) by the split-row
     kernel, or None when a GPU cannot hold a group co-resident (the caller runs the two-sweep
     kernel).
     `two_launches`: the exchange through a second launch instead of a barrier (default: on CPU,
     where the interpreter cannot spin, when rows span more than one slice)."""
-    if sum_sq is not None:
+    if args.sum_sq is not None:
         raise ValueError("sum_sq: the split-row kernel does not sum p^2 (the two-sweep one does)")
     batch, time, vocab = logits.shape
     rows, device = batch * time, logits.device
@@ -578,29 +547,17 @@ def split_row_loss(
     if device.type != "cuda" and slices > 1 and not two_launches and _interpreted():
         raise ValueError("the interpreter runs programs one by one: a group barrier never ends")
     scalars, constexprs, variant = _split_launch(
-        slices > 1 or two_launches, width, logits.element_size(), device, temperature, cap,
-        loss, dual_clip_c, delta, tau_pos, tau_neg, kl, beta, entropy_coef, low_bound,
-        high_bound, old_logp is not None, ref_logp is not None, is_weight is not None,
-        low is not None, row_temps is not None, entropy_coef_tensor is not None, False,
-        grad_scale_tensor is not None, agg_from_mask,
+        slices > 1 or two_launches, width, logits.element_size(), device, args.variant,
+        args.presence(),
     )  # fmt: skip
-
-    def flat(t: torch.Tensor | None) -> torch.Tensor:
-        return logp if t is None else t.float().contiguous()  # placeholder when unused
 
     def arguments(exchange: torch.Tensor, arrivals: torch.Tensor) -> tuple:
         return (
-            rows, logits, grad, labels.contiguous(), valid.contiguous(),
-            (valid if mask is None else mask).contiguous(), advantages.float(), flat(old_logp),
-            flat(ref_logp), flat(is_weight), flat(None if agg_from_mask else agg_weight),
-            flat(low), flat(high), logp, entropy,
-            partials,
-            row_temperature_arg(row_temps, logp),
-            logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
-            logp if grad_scale_tensor is None else grad_scale_tensor.float().reshape(1),
-            exchange, arrivals, time, vocab, slices, partial_rows, logits.stride(0),
-            logits.stride(1), advantages.stride(0), advantages.stride(1), grad.stride(0),
-            grad.stride(1), *scalars, float(grad_scale), float(agg_denominator),
+            rows, logits, grad, *args.per_token_pointers(logp), logp, entropy, partials,
+            *args.scalar_pointers(logp), exchange, arrivals, time, vocab, slices, partial_rows,
+            logits.stride(0), logits.stride(1), args.advantages.stride(0),
+            args.advantages.stride(1), grad.stride(0), grad.stride(1), *scalars,
+            float(args.grad_scale), float(args.agg_denominator),
         )  # fmt: skip
 
     if device.type != "cuda" or two_launches:
@@ -633,12 +590,14 @@ def _interpreted() -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _split_launch(exchange: bool, block: int, *variant) -> tuple[tuple, dict, tuple]:
+def _split_launch(
+    exchange: bool, block: int, elem_bytes: int, device, variant: LossVariant, presence: tuple
+) -> tuple[tuple, dict, tuple]:
     """(scalars, constexprs, the variant as a hashable key) of a split-row launch: the two-sweep
     kernel's (`token_loss._variant_launch`, same arguments) less the sum of p^2, with the
     exchange switch and this kernel's launch options. Worked out once per variant: the host's
     time is the loss's at a short row."""
-    scalars, constexprs = _variant_launch(block, *variant)
+    scalars, constexprs = _variant_launch(block, elem_bytes, device, variant, presence)
     constexprs = {k: v for k, v in constexprs.items() if k != "SUM_PI_SQUARED"}
     constexprs.update(EXCHANGE=exchange, **launch_options(block))
     return scalars, constexprs, tuple(sorted(constexprs.items()))

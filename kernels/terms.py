@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .token_args import LossVariant
+
 # constexpr codes of the variants (csrc/fused_loss.h's LossCode / KlCode have the same values);
 # fusedrl.triton_backend maps LossConfig onto them, the kernels branch on the names below.
 LOSS_CODES = {"ppo": 0, "dcpo": 0, "cispo": 1, "sapo": 2, "pg": 3}
@@ -159,33 +161,33 @@ def kl_value(logp, ref, KL_VALUE: tl.constexpr):
     return tl.where(delta != delta, float("nan"), value)
 
 
-def variant_scalars(
-    low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
-) -> tuple[float, ...]:
+def variant_scalars(variant: LossVariant) -> tuple[float, ...]:
     """The loss kernels' runtime scalars of a variant, in their signatures' order (an option
     that is off as 0.0: its constexpr switch keeps the kernel from reading it)."""
+    v = variant
     return (
-        float(low_bound), float(high_bound), float(dual_clip_c or 0.0), float(delta or 0.0),
-        float(tau_pos), float(tau_neg), float(beta), float(entropy_coef),
+        float(v.low_bound), float(v.high_bound), float(v.dual_clip_c or 0.0),
+        float(v.delta or 0.0), float(v.tau_pos), float(v.tau_neg), float(v.beta),
+        float(v.entropy_coef),
     )  # fmt: skip
 
 
 def variant_constexprs(
-    *, loss, dual_clip_c, delta, kl, beta, has_ref, has_is, has_bounds, entropy_coef,
-    entropy_coef_tensor,
-) -> dict:  # fmt: skip
+    variant: LossVariant, has_ref: bool, has_is: bool, has_bounds: bool, coef_tensor: bool
+) -> dict:
     """The loss kernels' constexpr switches of a variant: the loss and KL codes (the KL's
     gradient only when beta > 0; its value whenever ref_logp is given, for the metric), the
     clip options, IS weights, per-token bounds (DCPO), the entropy bonus and where its
     coefficient comes from (a device scalar always applies)."""
+    v = variant
     return dict(
-        LOSS=LOSS_CODES[loss],
-        DUAL_CLIP=dual_clip_c is not None,
-        HAS_DELTA=delta is not None,
-        KL=KL_CODES[kl] if beta > 0 else 0,
-        KL_VALUE=KL_VALUE_CODES[kl or "k3"] if has_ref else 0,
+        LOSS=LOSS_CODES[v.loss],
+        DUAL_CLIP=v.dual_clip_c is not None,
+        HAS_DELTA=v.delta is not None,
+        KL=KL_CODES[v.kl] if v.beta > 0 else 0,
+        KL_VALUE=KL_VALUE_CODES[v.kl or "k3"] if has_ref else 0,
         HAS_IS=has_is,
         HAS_BOUNDS=has_bounds,
-        ENTROPY_BONUS=entropy_coef != 0.0 or entropy_coef_tensor is not None,
-        ENTROPY_COEF_FROM_PTR=entropy_coef_tensor is not None,
+        ENTROPY_BONUS=v.entropy_coef != 0.0 or coef_tensor,
+        ENTROPY_COEF_FROM_PTR=coef_tensor,
     )

@@ -42,7 +42,6 @@ from .rows import (
     row_offset,
     row_stats,
     row_temperature,
-    row_temperature_arg,
     rows_buffer,
     write_row_grad,
     write_row_zeros,
@@ -59,6 +58,7 @@ from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs
     variant_constexprs,
     variant_scalars,
 )
+from .token_args import LossVariant, TokenLossArgs
 
 # Switches compiled together on top of the base configuration (aot.variants), beside each alone:
 # the soft cap with what else the fused kernel's sweeps may carry.
@@ -357,34 +357,26 @@ def _fused_token_loss_kernel(
 
 @functools.lru_cache(maxsize=1024)
 def _variant_launch(
-    block, elem_bytes, device, temperature, cap, loss, dual_clip_c, delta, tau_pos, tau_neg, kl,
-    beta, entropy_coef, low_bound, high_bound, has_old, has_ref, has_is, has_bounds, row_temps,
-    coef_tensor, sum_sq, scale_tensor, agg_from_mask,
-) -> tuple[tuple, dict]:  # fmt: skip
-    """(the kernel's scalars from the strides to grad_scale, its constexprs and launch
-    options): functions of the variant, the vocab tile and the device alone, worked out once
-    per variant. At a 4k-token micro-batch the host's time is the loss's, and these are a third
-    of the launcher's."""
+    block: int, elem_bytes: int, device: torch.device, variant: LossVariant, presence: tuple
+) -> tuple[tuple, dict]:
+    """(the kernel's scalars from 1 / T to the entropy coefficient, its constexprs and launch
+    options): functions of the variant, which optional inputs are given (`presence`), the vocab
+    tile and the device alone, worked out once per variant. At a 4k-token micro-batch the host's
+    time is the loss's, and these are a third of the launcher's."""
+    has_old, has_ref, has_is, has_bounds, row_temps, coef_tensor, sum_sq, scale_tensor = presence
     scalars = (
-        1.0 / temperature,
-        LOG2E.value / temperature,  # log2(e) / T: sweep 1 works in base 2
-        cap_arg(cap),
-        *variant_scalars(
-            low_bound, high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef
-        ),
+        1.0 / variant.temperature,
+        LOG2E.value / variant.temperature,  # log2(e) / T: sweep 1 works in base 2
+        cap_arg(variant.cap),
+        *variant_scalars(variant),
     )
-    variant = variant_constexprs(
-        loss=loss, dual_clip_c=dual_clip_c, delta=delta, kl=kl, beta=beta, has_ref=has_ref,
-        has_is=has_is, has_bounds=has_bounds, entropy_coef=entropy_coef,
-        entropy_coef_tensor=True if coef_tensor else None,
-    )  # fmt: skip
     constexprs = dict(
-        **variant,
+        **variant_constexprs(variant, has_ref, has_is, has_bounds, coef_tensor),
         HAS_OLD=has_old,
         GRAD_SCALE_FROM_PTR=scale_tensor,
-        AGG_FROM_MASK=agg_from_mask,
+        AGG_FROM_MASK=variant.agg_from_mask,
         ROW_TEMPERATURE=row_temps,
-        SOFTCAP=cap is not None,
+        SOFTCAP=variant.cap is not None,
         SUM_PI_SQUARED=sum_sq,
         FAST_EXP2=fast_exp2(device),
         BLOCK_V=block,
@@ -401,53 +393,12 @@ def sum_programs(logits: torch.Tensor) -> int:
 
 @launches_on("logits")
 def fused_token_loss(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    is_weight: torch.Tensor | None,
-    agg_weight: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-    temperature: float,
-    loss: str,
-    dual_clip_c: float | None,
-    delta: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    beta: float,
-    entropy_coef: float,
-    row_temps: torch.Tensor | None = None,
-    entropy_coef_tensor: torch.Tensor | None = None,
-    cap: float | None = None,
-    sum_sq: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    low_bound: float = 0.0,
-    high_bound: float = 0.0,
-    grad_scale: float = 1.0,
-    grad_scale_tensor: torch.Tensor | None = None,
-    agg_from_mask: bool = False,
-    agg_denominator: float = 0.0,
+    logits: torch.Tensor, grad: torch.Tensor, args: TokenLossArgs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused kernel on [B, T, V] logits; writes `grad` (may be `logits`) and returns
     (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
-    each program's sums over its rows (`token_loss_sums` adds them up). Every per-token tensor is
-    [B, T] (the advantages may be strided, e.g. [B] expanded), read on counted rows only (valid
-    set: elsewhere it may hold anything); `mask`: the tokens' mask weights, bool or fp32 (the
-    metrics' weights; None: `valid` as 0 / 1);
-    `low` / `high`: per-token ratio bounds, or None and the numbers `low_bound` / `high_bound`;
-    `row_temps`: per-token temperatures, in place of `temperature`; `entropy_coef_tensor`: a
-    one-element device tensor, the entropy coefficient in place of `entropy_coef` (the bonus then
-    always applies); `cap`: a soft cap's a = s / c, the rows read as tanh(a x) at `temperature`
-    T / c; `sum_sq`: a [B, T] fp32 buffer that gets sum_v pi_v^2 per row (0 on masked rows);
-    `grad_scale` (or `grad_scale_tensor`, a one-element device tensor in its place): the factor
-    the gradient is written times (the caller's loss multiplier); `agg_from_mask`: the
-    aggregation weights are the mask weights (`mask`, else `valid`) over `agg_denominator`, or
-    over their total where that is 0, and `agg_weight` is not read."""
+    each program's sums over its rows (`token_loss_sums` adds them up). `args`: the loss's
+    inputs and variant (kernels/token_args.py says what each field is)."""
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -457,48 +408,30 @@ def fused_token_loss(
         return logp, entropy, partials.zero_()
     block = block_size(vocab, logits.device, logits.element_size())  # (tests lower its cap)
     scalars, constexprs = _variant_launch(
-        block, logits.element_size(), logits.device, temperature, cap, loss, dual_clip_c, delta,
-        tau_pos, tau_neg, kl, beta, entropy_coef, low_bound, high_bound, old_logp is not None,
-        ref_logp is not None, is_weight is not None, low is not None, row_temps is not None,
-        entropy_coef_tensor is not None, sum_sq is not None, grad_scale_tensor is not None,
-        agg_from_mask,
-    )  # fmt: skip
-
-    def flat(t: torch.Tensor | None) -> torch.Tensor:
-        return logp if t is None else t.float().contiguous()  # placeholder when unused
-
+        block, logits.element_size(), logits.device, args.variant, args.presence()
+    )
     _fused_token_loss_kernel[(programs,)](
         batch * time,
         logits,
         grad,
-        labels.contiguous(),
-        valid.contiguous(),  # bool: read as is (a conversion would be one more launch)
-        (valid if mask is None else mask).contiguous(),  # bool or fp32: read as it is
-        advantages.float(),  # strided: a [B] advantage broadcast over T is read in place
-        flat(old_logp),
-        flat(ref_logp),
-        flat(is_weight),
-        flat(None if agg_from_mask else agg_weight),
-        flat(low),
-        flat(high),
+        *args.per_token_pointers(logp),
         logp,
         entropy,
-        logp if sum_sq is None else rows_buffer(sum_sq, labels, "sum_sq"),  # (SUM_PI_SQUARED)
+        logp if args.sum_sq is None else rows_buffer(args.sum_sq, args.labels, "sum_sq"),
         partials,
-        row_temperature_arg(row_temps, logp),
-        logp if entropy_coef_tensor is None else entropy_coef_tensor.float().reshape(1),
-        logp if grad_scale_tensor is None else grad_scale_tensor.float().reshape(1),
+        *args.scalar_pointers(logp),
         time,
         vocab,
         logits.stride(0),
         logits.stride(1),
-        advantages.stride(0),
-        advantages.stride(1),
+        args.advantages.stride(0),
+        args.advantages.stride(1),
         grad.stride(0),
         grad.stride(1),
         *scalars,
-        float(grad_scale),  # (per call: not a variant's)
-        float(agg_denominator),
+        float(args.grad_scale),  # (per call: not a variant's)
+        float(args.agg_denominator),
         **constexprs,
     )
     return logp, entropy, partials
+

@@ -80,13 +80,12 @@ class HostKernels:
         select, two-row and [B, T] terms kernels are Triton's there too (here through the
         interpreter)."""
         from fusedrl.fused_backend import FusedOps
-        from fusedrl.kernels.cuda import _from_triton, triton_terms
+        from fusedrl.kernels.cuda import _from_triton, by_name, triton_terms
 
         return FusedOps(
             self.logprobs_fwd,
             self.logits_grad,
-            self.fused_token_loss,
-            self.fused_token_loss_inplace,
+            *by_name(self.fused_token_loss, self.fused_token_loss_inplace),
             _from_triton("sampled_set"),
             _from_triton("TWO_ROWS"),
             **triton_terms(),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedrl.fused_backend import FUSED_ARGS
+from fusedrl.kernels.token_args import CUDA_FIELDS, op_schema
 
 from .cuda_images import cluster_arch, find_cuobjdump, images, loaded_image
 
@@ -529,19 +529,24 @@ def test_the_module_init_imports_as_fusedrl_C(tmp_path):
 
 
 def test_cuda_op_schema_matches_the_triton_op():
-    """Both backends run through one driver, so the fused op's arguments must agree."""
+    """Both backends run through one driver: the CUDA adapter (`kernels.cuda.by_name`) passes
+    a TokenLossArgs' CUDA_FIELDS by name, so the C++ schema has exactly those, each of the type
+    kernels/token_args.py gives it (or stricter: a tensor the driver always gives it)."""
     text = (CSRC / "bindings.cpp").read_text()
     block = re.search(r"#define FUSEDRL_FUSED_ARGS(.*?)\n\n", text, re.S).group(1)
-    cpp_args = "".join(re.findall(r'"([^"]*)"', block))
-    assert cpp_args == FUSED_ARGS
-    # ... and every row op takes the Triton ops' keywords for per-token temperatures and a cap
-    from fusedrl import triton_backend
-
     row_read = re.search(r'#define FUSEDRL_ROW_READ "([^"]*)"', text).group(1)
+    coef = re.search(r'#define FUSEDRL_ENTROPY_COEF "([^"]*)"', text).group(1)
+    cpp = ", ".join(["".join(re.findall(r'"([^"]*)"', block)), row_read, coef]).split(", ")
+    cpp = [part.split("=")[0].split() for part in cpp]
+    assert [name for _, name in cpp] == list(CUDA_FIELDS)
+    ours = dict(reversed(part.split("=")[0].split()) for part in op_schema().split(", "))
+    for kind, name in cpp:
+        assert kind in (ours[name], ours[name].rstrip("?")), (name, kind, ours[name])
+    # ... and every row op takes the Triton ops' keywords for per-token temperatures and a cap
+    from fusedrl import triton_backend  # noqa: F401  (defines the Triton ops)
+
     assert row_read == "Tensor? row_temps=None, float? cap=None"
-    assert row_read.replace("float? cap=None", "") in triton_backend._ROW_TEMPS
-    assert "float? cap=None" in triton_backend._ROW_TEMPS
-    for op in ("logprobs_fwd", "logits_grad"):
+    for op in ("logprobs_fwd", "logits_grad", "fused_token_loss", "fused_token_loss_inplace"):
         names = {a.name for a in getattr(torch.ops.fusedrl, op).default._schema.arguments}
         assert {"row_temps", "cap"} <= names, op
     for op in ("cuda_logprobs_fwd", "cuda_logits_grad", "cuda_fused_token_loss",

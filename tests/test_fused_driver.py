@@ -1,6 +1,6 @@
 """The fused driver's decisions, tested directly (fusedrl/fused_backend.py): which configs take
 the single fused kernel and which the two passes (`needs_two_passes`), and the arguments the
-fused op receives (`fused_token_args`, in FUSED_ARGS's order)."""
+fused op receives (`fused_token_args`, a kernels/token_args.py `TokenLossArgs`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import fusedrl
 from fusedrl import LossConfig, reference
 from fusedrl._inputs import prepare_loss_inputs
 from fusedrl.fused_backend import (
-    FUSED_ARGS,
     fused_token_args,
     needs_two_passes,
     planned_call,
@@ -22,8 +21,6 @@ from fusedrl.fused_backend import (
 )
 
 from .conftest import make_batch, needs_interpreter, run_loss
-
-ARG_NAMES = [part.split()[-1] for part in FUSED_ARGS.split(", ")]
 
 
 def _inputs(cfg: LossConfig, *, old: bool = True, entropy_coef=None, is_weights=False):
@@ -85,21 +82,30 @@ def test_which_two_pass_configs_the_terms_kernel_covers(config, covered):
     assert sequence_kernel_covers(_inputs(config, old=False), config) is covered
 
 
-def test_the_fused_op_gets_its_arguments_in_order():
-    """FUSED_ARGS's order: per-token tensors, then the scalars, as the config says them."""
+@pytest.mark.parametrize("sums", [False, True])
+def test_the_fused_op_gets_its_arguments_by_name(sums):
+    """Per-token tensors and the variant's numbers as the config says them. An op that keeps no
+    sums (the CUDA extension's) gets tensor bounds and weights; one that sums (Triton's) the
+    constant bounds as numbers, the mask, and for token-mean no weights (it weighs the mask)."""
     cfg = LossConfig.preset("dapo", dual_clip_c=3.0, entropy_coef=0.01)
     inp = _inputs(cfg, is_weights=True)
-    args = dict(zip(ARG_NAMES, fused_token_args(inp, cfg), strict=True))
-    assert args["labels"] is inp.labels and args["valid"] is inp.valid
-    assert args["old_logp"] is inp.old_logp and args["is_weight"] is inp.is_weights
-    assert torch.equal(args["low"], torch.full_like(inp.mask, 1 - cfg.eps_low))
-    assert torch.equal(args["high"], torch.full_like(inp.mask, 1 + cfg.eps_high))
+    args = fused_token_args(inp, cfg, sums=sums)
+    assert args.labels is inp.labels and args.valid is inp.valid
+    assert args.old_logp is inp.old_logp and args.is_weight is inp.is_weights
+    variant = args.variant
+    assert variant.loss == "ppo" and variant.dual_clip_c == 3.0 and variant.kl is None
+    assert variant.temperature == cfg.temperature and variant.entropy_coef == 0.01
+    assert variant.beta == 0.0 and variant.agg_from_mask is sums
+    if sums:
+        assert args.low is None and args.agg_weight is None and args.mask is inp.mask
+        assert (variant.low_bound, variant.high_bound) == (1 - cfg.eps_low, 1 + cfg.eps_high)
+        return
+    assert torch.equal(args.low, torch.full_like(inp.mask, 1 - cfg.eps_low))
+    assert torch.equal(args.high, torch.full_like(inp.mask, 1 + cfg.eps_high))
     # token-mean: each counted token's weight is its mask over the counted tokens' mask sum
     weights = torch.where(inp.valid, inp.mask, 0.0)
-    torch.testing.assert_close(args["agg_weight"], weights / weights.sum())
-    assert args["loss"] == "ppo" and args["dual_clip_c"] == 3.0 and args["kl"] is None
-    assert args["temperature"] == cfg.temperature and args["entropy_coef"] == 0.01
-    assert args["beta"] == 0.0
+    torch.testing.assert_close(args.agg_weight, weights / weights.sum())
+    assert args.mask is None and variant.low_bound == variant.high_bound == 0.0
 
 
 def test_the_fused_op_gets_dcpo_bounds_per_token_and_a_flushed_subnormal():
@@ -107,10 +113,26 @@ def test_the_fused_op_gets_dcpo_bounds_per_token_and_a_flushed_subnormal():
     the kernel as 0 (an fp64 kernel variant otherwise: `kernel_float`)."""
     cfg = LossConfig.preset("dcpo", entropy_coef=1e-310)
     inp = _inputs(cfg)
-    args = dict(zip(ARG_NAMES, fused_token_args(inp, cfg), strict=True))
-    assert args["loss"] == "dcpo"  # (the kernels read its bounds per token, as PPO's)
-    assert not torch.equal(args["low"], args["low"].flatten()[0].expand_as(args["low"]))
-    assert args["entropy_coef"] == 0.0
+    for sums in (False, True):
+        args = fused_token_args(inp, cfg, sums=sums)
+        assert args.variant.loss == "dcpo"  # (the kernels read its bounds per token, as PPO's)
+        assert not torch.equal(args.low, args.low.flatten()[0].expand_as(args.low))
+        assert args.variant.entropy_coef == 0.0
+
+
+def test_the_op_keywords_rebuild_the_arguments():
+    """An op cannot take the object: its keywords (`keywords()`, the op's schema `op_schema()`)
+    rebuild it exactly, and every field has a schema entry."""
+    from fusedrl.kernels.token_args import TokenLossArgs, op_schema
+
+    cfg = LossConfig.preset("grpo", beta=0.04, kl="k3")
+    args = fused_token_args(_inputs(cfg, is_weights=True), cfg, sums=True)
+    keywords = args.keywords()
+    assert TokenLossArgs.from_keywords(keywords) == args
+    names = [part.split("=")[0].split()[-1] for part in op_schema().split(", ")]
+    assert names == list(keywords)
+    chunk = args.rows(lambda t: t[:, 1:])
+    assert chunk.labels.shape[1] == args.labels.shape[1] - 1 and chunk.variant is args.variant
 
 
 # ------------------------------------------------------------------ the kernel's own sums

@@ -84,6 +84,7 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         scale,
         sequence_terms,
         split_rows,
+        token_args,
         token_loss,
         two_rows,
     )
@@ -100,17 +101,16 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
     bias = zeros(vocab, dtype=dtype)
     factor = zeros(1)
 
+    kl_and_bonus = token_args.LossVariant(kl="k3", beta=0.1, entropy_coef=0.01)
+    every_input = token_args.TokenLossArgs(
+        labels, valid, rows, kl_and_bonus, rows, None, rows, rows, rows, rows, rows
+    )
+
     def fused():
-        token_loss.fused_token_loss(
-            logits, logits, labels, valid, rows, rows, rows, rows, rows, rows, rows,
-            1.0, "ppo", None, None, 1.0, 1.0, "k3", 0.1, 0.01,
-        )  # fmt: skip
+        token_loss.fused_token_loss(logits, logits, every_input)
 
     def split(two_launches):
-        split_rows.split_row_loss(
-            logits, logits, labels, valid, rows, rows, rows, rows, rows, rows, rows,
-            1.0, "ppo", None, None, 1.0, 1.0, "k3", 0.1, 0.01, two_launches=two_launches,
-        )  # fmt: skip
+        split_rows.split_row_loss(logits, logits, every_input, two_launches=two_launches)
 
     def split_both():
         split(True)  # the two launches, and the cooperative one, its grid sized from the
@@ -150,10 +150,10 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             rows, "token-mean", None, None
         ),
         "sequence_terms.sequence_terms": lambda: sequence_terms.sequence_terms(
-            rows, rows, labels, valid, rows, rows, rows, rows, rows, rows, None, None,
-            sequence_ratio=True, loss="ppo", dual_clip_c=None, delta=None, tau_pos=1.0,
-            tau_neg=1.0, kl="k3", beta=0.1, entropy_coef=0.01, low_bound=0.8, high_bound=1.2,
-            vocab=vocab,
+            rows, rows,
+            every_input._replace(variant=kl_and_bonus._replace(low_bound=0.8, high_bound=1.2),
+                                 mask=rows, low=None, high=None),
+            sequence_ratio=True, vocab=vocab,
         ),  # fmt: skip
         "linear_loss.linear_stats": lambda: linear_loss.linear_stats(
             states, weight, bias, labels, valid, 1.0
@@ -488,6 +488,7 @@ def _far_launches(space, layout: str):
         sampling,
         scale,
         split_rows,
+        token_args,
         token_loss,
         two_rows,
     )
@@ -535,20 +536,18 @@ def _far_launches(space, layout: str):
         sampling.write_sampled_set(logits, labels, out, 1.0, 5, None, None)
         return out
 
+    bonus = token_args.TokenLossArgs(
+        labels, valid, rows, token_args.LossVariant(entropy_coef=0.01), rows, None, rows
+    )
+
     def fused(logits, grad):
-        return (*token_loss.fused_token_loss(
-            logits, grad, labels, valid, rows, rows, None, None, rows, None, None,
-            1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.01,
-        ), grad)  # fmt: skip
+        return (*token_loss.fused_token_loss(logits, grad, bonus), grad)
 
     def split(logits, grad):  # rows of one slice (one launch), then of three (two launches)
         outputs = []
         for width in (64, 16):
             split_rows.INTERPRETED_SLICE = width
-            outputs += split_rows.split_row_loss(
-                logits, grad, labels, valid, rows, rows, None, None, rows, None, None,
-                1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.01,
-            )  # fmt: skip
+            outputs += split_rows.split_row_loss(logits, grad, bonus)
             outputs.append(grad.clone())
         return tuple(outputs)
 

@@ -23,6 +23,7 @@ from .test_backends import OPTIONS, assert_matches_reference, assert_within_one_
 pytestmark = needs_interpreter
 
 split_rows = pytest.importorskip("fusedrl.kernels.split_rows")
+from fusedrl.kernels.token_args import LossVariant, TokenLossArgs  # noqa: E402
 
 # The presets and options whose loss is the fused token-level kernel (the others take the
 # two-pass path: `test_every_fused_case_runs_the_split_kernel` checks the list).
@@ -180,11 +181,8 @@ def test_sum_pi_squared_is_the_two_sweep_kernels(launches, monkeypatch):
     assert launches == []
     rows = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="sum_sq"):
-        split_rows.split_row_loss(
-            torch.zeros(1, 2, 9), torch.zeros(1, 2, 9), rows.long(), rows > -1, rows, rows,
-            None, None, rows, None, None, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0,
-            sum_sq=rows,
-        )  # fmt: skip
+        args = TokenLossArgs(rows.long(), rows > -1, rows, LossVariant(), rows, sum_sq=rows)
+        split_rows.split_row_loss(torch.zeros(1, 2, 9), torch.zeros(1, 2, 9), args)
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
@@ -236,10 +234,8 @@ def test_the_interpreter_refuses_a_barrier():
     labels = torch.zeros(1, 2, dtype=torch.long)
     rows = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="barrier"):
-        split_rows.split_row_loss(
-            logits, torch.empty_like(logits), labels, rows > -1, rows, rows, None, None, rows,
-            None, None, 1.0, "ppo", None, None, 1.0, 1.0, None, 0.0, 0.0, two_launches=False,
-        )  # fmt: skip
+        args = TokenLossArgs(labels, rows > -1, rows, LossVariant(), rows)
+        split_rows.split_row_loss(logits, torch.empty_like(logits), args, two_launches=False)
 
 
 # ------------------------------------------------------------------ the exchange's merge alone

@@ -62,42 +62,25 @@ def test_opcheck_logits_grad():
 
 
 def test_opcheck_fused_token_loss():
+    """The fused ops as torch.compile sees them: called with a TokenLossArgs' fields by keyword
+    (`TokenLossArgs.keywords`), fakes included."""
+    from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+
     data, valid, agg = _op_args()
     low, high = torch.full((2, 3), 0.8), torch.full((2, 3), 1.28)
-    args = (
-        data["labels"],
-        valid,
-        data["advantages"][:, None].expand(2, 3).contiguous(),
-        data["old_logp"],
-        data["ref_logp"],
-        None,
-        agg,
-        low,
-        high,
-        1.0,
-        "ppo",
-        None,
-        None,
-        1.0,
-        1.05,
-        "k3",
-        0.1,
-        0.01,
-    )
-    torch.library.opcheck(
-        triton_backend.fused_token_loss, (data["logits"], torch.empty_like(data["logits"]), *args)
-    )
-    torch.library.opcheck(triton_backend.fused_token_loss_inplace, (data["logits"].clone(), *args))
-    torch.library.opcheck(
-        triton_backend.fused_token_loss_inplace,
-        (data["logits"].clone(), *args),
-        {"row_temps": 0.5 + torch.rand(2, 3)},
-    )
-    torch.library.opcheck(
-        triton_backend.fused_token_loss,
-        (data["logits"], torch.empty_like(data["logits"]), *args),
-        {"entropy_coef_tensor": torch.tensor(0.2)},
-    )
+    variant = LossVariant(tau_neg=1.05, kl="k3", beta=0.1, entropy_coef=0.01)
+    args = TokenLossArgs(
+        data["labels"], valid, data["advantages"][:, None].expand(2, 3).contiguous(), variant,
+        agg, None, data["old_logp"], data["ref_logp"], None, low, high,
+    )  # fmt: skip
+    logits = data["logits"]
+    opcheck = torch.library.opcheck
+    opcheck(triton_backend.fused_token_loss, (logits, torch.empty_like(logits)), args.keywords())
+    opcheck(triton_backend.fused_token_loss_inplace, (logits.clone(),), args.keywords())
+    temps = args._replace(row_temps=0.5 + torch.rand(2, 3))
+    opcheck(triton_backend.fused_token_loss_inplace, (logits.clone(),), temps.keywords())
+    coef = args._replace(entropy_coef_tensor=torch.tensor(0.2), mask=valid)
+    opcheck(triton_backend.fused_token_loss, (logits, torch.empty_like(logits)), coef.keywords())
 
 
 def test_backend_dispatch_calls_no_importlib(monkeypatch):
@@ -168,14 +151,16 @@ def test_opcheck_the_ops_on_rows_of_scalars():
         )
     partials = torch.rand(5, triton_backend._kernels().loss_sums.SUM_WIDTH.value)
     torch.library.opcheck(triton_backend.token_loss_sums, (partials,))
+    from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+
     logp = -torch.rand(2, 3)
     rows = torch.rand(2, 3)
     for coef in (0.0, 0.01):  # dentropy [B, T] with a bonus, [0] without
+        variant = LossVariant(entropy_coef=coef, low_bound=0.8, high_bound=1.2)
+        args = TokenLossArgs(data["labels"], valid, rows, variant, agg, valid, logp - 0.1)
         torch.library.opcheck(
-            triton_backend.sequence_terms,
-            (logp, rows, data["labels"], valid, valid, rows, logp - 0.1, None, None, agg, None,
-             None, True, "ppo", None, None, 1.0, 1.0, None, 0.0, coef),
-            {"low_bound": 0.8, "high_bound": 1.2, "vocab": 67},
+            triton_backend.sequence_terms, (logp, rows),
+            {**args.keywords(), "sequence_ratio": True, "vocab": 67},
         )  # fmt: skip
 
 
