@@ -98,6 +98,7 @@ test-verl: $(VERL_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # A CPU smoke run of the kernel benchmark (tiny shapes, the Triton kernels interpreted): it checks
 # that bench/bench_loss.py runs and measures nothing; its JSON files (bench/results/*-smoke.json)

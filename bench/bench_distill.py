@@ -120,9 +120,7 @@ def main(argv=None) -> int:
     print(
         f"copy bandwidth {bandwidth:.0f} GB/s" + ("  (smoke run, not a measurement)" * args.smoke)
     )
-    print(
-        f"{'N':>6} {'V':>7} {'kind':>11} {'impl':>15} {'ms':>9} {'%floor':>7} {'peak MiB':>9}"
-    )
+    print(f"{'N':>6} {'V':>7} {'kind':>11} {'impl':>15} {'ms':>9} {'%floor':>7} {'peak MiB':>9}")
     for n, v in itertools.product(grid["N"], grid["V"]):
         copies = [_inputs(n, v, dtype, device, seed) for seed in range(COPIES)]
         floor_bytes = 3 * n * v * dtype.itemsize  # 2R + 1W
@@ -145,9 +143,16 @@ def main(argv=None) -> int:
         steps = cycle = copies = None  # this shape's inputs freed before the next shape's
         # Rewritten after every shape: a run cut short by its time limit keeps what it measured.
         write_run_json(
-            args.out, "distill", "distill_loss_fwd_bwd", args.smoke, device, dtype, rows,
-            started, copy_bandwidth_gbps=round(bandwidth, 1),
-        )  # fmt: skip
+            args.out,
+            "distill",
+            "distill_loss_fwd_bwd",
+            args.smoke,
+            device,
+            dtype,
+            rows,
+            started,
+            copy_bandwidth_gbps=round(bandwidth, 1),
+        )
     if args.smoke:
         print(SMOKE_NOTE)
     return 0

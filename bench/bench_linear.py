@@ -121,9 +121,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     parser.add_argument(
-        "--live-fraction", type=float, default=1.0,
+        "--live-fraction",
+        type=float,
+        default=1.0,
         help="share of the rows in the mask (the rest padding); < 1 adds fused+skip",
-    )  # fmt: skip
+    )
     parser.add_argument("--N", type=int, nargs="+", help="token counts (default: the grid's)")
     parser.add_argument("--H", type=int, nargs="+", help="hidden sizes (default: the grid's)")
     parser.add_argument("--V", type=int, nargs="+", help="vocab sizes (default: the grid's)")
@@ -171,10 +173,18 @@ def main(argv=None) -> int:
             rows_done = round(args.live_fraction * n) if impl.endswith("+skip") else n
             fraction = 6 * rows_done * h * v / (ms * 1e-3) / 1e12 / rate
             rows.append(
-                {"N": n, "H": h, "V": v, "impl": impl, "ms": ms, "gemm_tflops": rate,
-                 "gemm_fraction": fraction, "peak_bytes_above_inputs": peak,
-                 "live_fraction": args.live_fraction}
-            )  # fmt: skip
+                {
+                    "N": n,
+                    "H": h,
+                    "V": v,
+                    "impl": impl,
+                    "ms": ms,
+                    "gemm_tflops": rate,
+                    "gemm_fraction": fraction,
+                    "peak_bytes_above_inputs": peak,
+                    "live_fraction": args.live_fraction,
+                }
+            )
             mib = "-" if peak is None else f"{peak / 2**20:.0f}"
             print(f"{n:>6} {h:>5} {v:>7} {impl:>18} {ms:>9.3f} {100 * fraction:>6.1f}% {mib:>9}")
         del copies

@@ -66,8 +66,11 @@ IMPLS = (
 )
 # Impls that write their gradient into the logits buffer they are given (liger: inplace=True).
 INPLACE_IMPLS = (
-    "fusedrl-triton-inplace", "fusedrl-triton-split-inplace", "fusedrl-cuda-inplace", "liger"
-)  # fmt: skip
+    "fusedrl-triton-inplace",
+    "fusedrl-triton-split-inplace",
+    "fusedrl-cuda-inplace",
+    "liger",
+)
 MATRICES = {
     "full": dict(N=[4096, 16384, 65536], V=[32000, 128256, 151936]),
     "small": dict(N=[16384], V=[151936]),
@@ -223,10 +226,14 @@ class Case:
         self.old, self.ref = [], []
         # kl="full": a reference near each buffer (the KL small, as between a policy and its
         # reference), one per copy so that L2 cannot serve it either
-        self.ref_logits = [
-            (buf[:, :-1] + 0.5 * torch.randn(shape, generator=gen, device=device, dtype=dtype))
-            for buf in self.buffers
-        ] if self.cfg.full_kl else None  # fmt: skip
+        self.ref_logits = (
+            [
+                (buf[:, :-1] + 0.5 * torch.randn(shape, generator=gen, device=device, dtype=dtype))
+                for buf in self.buffers
+            ]
+            if self.cfg.full_kl
+            else None
+        )
         for buf in self.buffers:
             with torch.no_grad():
                 logp, _ = fusedrl.token_logprobs(buf[:, :-1], self.labels, softcap=self.softcap)
@@ -430,8 +437,16 @@ LOSS_RTOL, GRAD_TOL = 2e-3, 2e-2  # loss relative; gradient: max |diff| / max |o
 
 def verify_impls(impls, device, dtype, vocab: int, preset: str, sequences: int) -> dict:
     """impl -> "ok", or what differs from the oracle's loss / gradient, on a small case."""
-    case = Case(VERIFY_TOKENS, vocab, preset, dtype, device, 1, min(sequences, VERIFY_TOKENS),
-                pristine=any(i in INPLACE_IMPLS for i in impls))  # fmt: skip
+    case = Case(
+        VERIFY_TOKENS,
+        vocab,
+        preset,
+        dtype,
+        device,
+        1,
+        min(sequences, VERIFY_TOKENS),
+        pristine=any(i in INPLACE_IMPLS for i in impls),
+    )
     cfg, found = case.cfg, {}
     for impl in impls:
         step = make_step("policy_loss_fwd_bwd", impl, case)
@@ -443,10 +458,16 @@ def verify_impls(impls, device, dtype, vocab: int, preset: str, sequences: int) 
         logits = inp.logits.detach().float().requires_grad_(True)
         extra = {"ref_logits": inp.ref_logits.float()} if cfg.full_kl else {}
         want = reference.policy_loss(
-            logits, case.labels, case.advantages, case.mask, old_logp=inp.old,
-            ref_logp=inp.ref if cfg.beta > 0 and not cfg.full_kl else None, config=cfg,
-            softcap=case.softcap, **extra,
-        )  # fmt: skip
+            logits,
+            case.labels,
+            case.advantages,
+            case.mask,
+            old_logp=inp.old,
+            ref_logp=inp.ref if cfg.beta > 0 and not cfg.full_kl else None,
+            config=cfg,
+            softcap=case.softcap,
+            **extra,
+        )
         (want_grad,) = torch.autograd.grad(want.loss * case.upstream, logits)
         loss, grad = step()
         loss, want_loss = float(loss.detach()), float(want.loss.detach())

@@ -138,17 +138,30 @@ def main(argv=None) -> int:
                     kernel_passes(dtype, top_k, top_p, min_p) if impl == "select:kernel" else None
                 )
                 rows.append(
-                    {"N": n, "V": v, "filters": name, "impl": impl, "ms": ms,
-                     "x_plain_loss": ms / plain, "kernel_row_reads": passes}
-                )  # fmt: skip
+                    {
+                        "N": n,
+                        "V": v,
+                        "filters": name,
+                        "impl": impl,
+                        "ms": ms,
+                        "x_plain_loss": ms / plain,
+                        "kernel_row_reads": passes,
+                    }
+                )
                 shown = "-" if passes is None else str(passes)
                 print(
                     f"{n:>6} {v:>7} {name:>20} {impl:>14} {ms:>9.3f} {ms / plain:>8.2f} {shown:>6}"
                 )
     write_run_json(
-        args.out, "sampling", "sampling_select", args.smoke, device, dtype, rows,
+        args.out,
+        "sampling",
+        "sampling_select",
+        args.smoke,
+        device,
+        dtype,
+        rows,
         copy_bandwidth_gbps=round(bandwidth, 1),
-    )  # fmt: skip
+    )
     if args.smoke:
         print(SMOKE_NOTE)
     return 0

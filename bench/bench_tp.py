@@ -73,9 +73,16 @@ EAGER = {
 COPIES = 2
 SMOKE = dict(N=32, V=262, sequences=4, warmup=1, rep_ms=20)
 COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_to_all",
-    "all_to_all_single", "broadcast", "reduce_scatter", "reduce_scatter_tensor",
-)  # fmt: skip
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+)
 
 
 # ------------------------------------------------------------------------------ the peers' way
@@ -195,8 +202,9 @@ class Inputs:
         self.weights = torch.randn((2, batch, time_), generator=gen, device=device)
         for logits in self.logits:
             with torch.no_grad():
-                logp, _ = fusedrl.token_logprobs(logits, self.labels, backend=backend,
-                                                 tp_group=group)  # fmt: skip
+                logp, _ = fusedrl.token_logprobs(
+                    logits, self.labels, backend=backend, tp_group=group
+                )
             noise = torch.randn((2, batch, time_), generator=gen, device=device)
             self.old.append(logp + 0.1 * noise[0])
             self.ref.append(logp + 0.1 * noise[1])
@@ -206,9 +214,13 @@ class Inputs:
         i = self.turn % COPIES
         self.turn += 1
         return {
-            "logits": self.logits[i], "labels": self.labels, "mask": self.mask,
-            "advantages": self.advantages, "old": self.old[i], "ref": self.ref[i],
-        }  # fmt: skip
+            "logits": self.logits[i],
+            "labels": self.labels,
+            "mask": self.mask,
+            "advantages": self.advantages,
+            "old": self.old[i],
+            "ref": self.ref[i],
+        }
 
     @property
     def bytes_of_logits(self) -> int:
@@ -227,8 +239,9 @@ def make_step(op, impl, cfg, inputs: Inputs, group, backend):
             x = inputs.take()
             with torch.no_grad():
                 if fused:
-                    logp, _ = fusedrl.token_logprobs(x["logits"], x["labels"], backend=backend,
-                                                     **tp)  # fmt: skip
+                    logp, _ = fusedrl.token_logprobs(
+                        x["logits"], x["labels"], backend=backend, **tp
+                    )
                 else:
                     logp = MegatronLogProbs.apply(x["logits"], x["labels"], group)
             return {"logp": logp}
@@ -241,8 +254,9 @@ def make_step(op, impl, cfg, inputs: Inputs, group, backend):
             x = inputs.take()
             leaf = x["logits"].detach().requires_grad_(True)
             if fused:
-                logp, entropy = fusedrl.token_logprobs(leaf, x["labels"], return_entropy=True,
-                                                       backend=backend, **tp)  # fmt: skip
+                logp, entropy = fusedrl.token_logprobs(
+                    leaf, x["labels"], return_entropy=True, backend=backend, **tp
+                )
             else:  # verl's engine: the entropy, then the log-probs of a copy of the logits
                 copy = leaf.clone()
                 entropy = VerlEntropy.apply(leaf, group)
@@ -258,9 +272,17 @@ def make_step(op, impl, cfg, inputs: Inputs, group, backend):
         x = inputs.take()
         leaf = x["logits"].detach().requires_grad_(True)
         if fused:
-            out = fusedrl.policy_loss(leaf, x["labels"], x["advantages"], x["mask"],
-                                      old_logp=x["old"], ref_logp=x["ref"] if cfg.beta else None,
-                                      config=cfg, backend=backend, **tp)  # fmt: skip
+            out = fusedrl.policy_loss(
+                leaf,
+                x["labels"],
+                x["advantages"],
+                x["mask"],
+                old_logp=x["old"],
+                ref_logp=x["ref"] if cfg.beta else None,
+                config=cfg,
+                backend=backend,
+                **tp,
+            )
             logp, loss = out.logp, out.loss
         else:
             logp = MegatronLogProbs.apply(leaf, x["labels"], group)
@@ -413,17 +435,26 @@ def measure(args, op, impl, cfg, inputs, group, device, backend, tp, truth):
     peaks = [p for _, p in per_rank if p is not None]
     floor = floor_bytes(op, cfg, inputs)
     row = {
-        "op": op, "impl": impl, "preset": args.preset_of(cfg), "tp": tp, "N": args.N, "V": args.V,
+        "op": op,
+        "impl": impl,
+        "preset": args.preset_of(cfg),
+        "tp": tp,
+        "N": args.N,
+        "V": args.V,
         "V_rank": inputs.logits[0].shape[-1],
         "dtype": str(inputs.logits[0].dtype).replace("torch.", ""),
-        "ms": q[0], "ms_p20": q[1], "ms_p80": q[2], "calls": len(slowest),
-        "bytes_floor": floor, "gbps": floor / (q[0] * 1e-3) / 1e9,
+        "ms": q[0],
+        "ms_p20": q[1],
+        "ms_p80": q[2],
+        "calls": len(slowest),
+        "bytes_floor": floor,
+        "gbps": floor / (q[0] * 1e-3) / 1e9,
         "pct_of_floor": 100.0 * floor / (args.bandwidth * 1e9) * 1e3 / q[0],
         "copy_bandwidth_gbps": args.bandwidth,  # rank 0's device, measured in this run
         "peak_mem_bytes": max(peaks) if peaks else None,
         "collectives": dict(sorted(count.calls.items())),
         "comm_bytes_per_token": count.sent / args.N,
-    }  # fmt: skip
+    }
     if truth is not None:  # the largest difference over the ranks (each checks its slice)
         per_token = ("logp", "entropy")
         mine = {
@@ -475,13 +506,13 @@ def _worker(rank: int, world: int, port: int, args, rows_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.smoke:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))  # fmt: skip
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     else:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
-                                timeout=timedelta(minutes=30))  # fmt: skip
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=device, timeout=timedelta(minutes=30)
+        )
     group = dist.group.WORLD
     dtype = getattr(torch, args.dtype)
     backend = args.backend
@@ -527,8 +558,13 @@ def run_world(args, world: int) -> list[dict]:
     """Spawn the world of `world` processes; the rows rank 0 measured."""
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(world, _free_port(), args, rows_file), nprocs=world,
-                           join=True, start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _worker,
+            args=(world, _free_port(), args, rows_file),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         return torch.load(rows_file)
 
 
@@ -565,9 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     parser.add_argument("--rep-ms", type=float, default=500.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU, gloo, 2 processes, tiny shapes: checks the script runs, "
-                             "measures nothing")  # fmt: skip
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, gloo, 2 processes, tiny shapes: checks the script runs, measures nothing",
+    )
     args = parser.parse_args(argv, namespace=_Args())
     gpus = torch.cuda.device_count()
     if args.smoke:
@@ -578,8 +616,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {SMOKE_NOTE}: CPU, gloo, 2 processes, N={args.N}, V={args.V}")
     else:
         if gpus < 2:
-            print(f"bench_tp.py: skipped: tensor parallelism needs 2 or more GPUs, found {gpus} "
-                  "(run --smoke for the CPU check of this script)")  # fmt: skip
+            print(
+                f"bench_tp.py: skipped: tensor parallelism needs 2 or more GPUs, found {gpus} "
+                "(run --smoke for the CPU check of this script)"
+            )
             return 0
         args.tp = args.tp or [t for t in (2, 4, 8) if t <= gpus]
         too_big = [t for t in args.tp if t > gpus or t < 2]
@@ -600,10 +640,20 @@ def main(argv: list[str] | None = None) -> int:
         args.with_tp1 = args.with_tp1 and i == 0  # tp = 1 once
         rows += run_world(args, world)
     write_run_json(
-        args.out, "tp", "tensor_parallel", args.smoke, device, getattr(torch, args.dtype), rows,
-        gpus=gpus, tp=args.tp, N=args.N, V=args.V, backend=args.backend,
+        args.out,
+        "tp",
+        "tensor_parallel",
+        args.smoke,
+        device,
+        getattr(torch, args.dtype),
+        rows,
+        gpus=gpus,
+        tp=args.tp,
+        N=args.N,
+        V=args.V,
+        backend=args.backend,
         timing="slowest rank per call: cuda events (perf_counter on CPU) after a barrier",
-    )  # fmt: skip
+    )
     if args.smoke:
         print(SMOKE_NOTE)
     return 0

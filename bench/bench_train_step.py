@@ -26,8 +26,16 @@ from bench_trl_step import QWEN25_15B, time_steps  # shared by both step benchma
 from fusedrl import LossConfig
 from fusedrl.trainer.step import Batch, accumulate_gradients, collate, completion_logits
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=32, vocab_size=1031, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=1031,
+    tie_word_embeddings=False,
+)
 
 
 def make_batch(vocab: int, batch: int, prompt_len: int, completion_len: int) -> Batch:
@@ -37,8 +45,9 @@ def make_batch(vocab: int, batch: int, prompt_len: int, completion_len: int) -> 
     completions = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     logps = [(-torch.rand(len(c), generator=gen) * 3).tolist() for c in completions]
     advantages = torch.randn(batch, generator=gen)
-    return collate(prompts, completions, advantages, torch.ones(batch, dtype=torch.bool), logps,
-                   pad_id=0)
+    return collate(
+        prompts, completions, advantages, torch.ones(batch, dtype=torch.bool), logps, pad_id=0
+    )
 
 
 def eager_loss(model, batch: Batch, cfg: LossConfig, autocast) -> torch.Tensor:
@@ -79,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
-                        default=True)
+    parser.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="tiny model: not a measurement")
     args = parser.parse_args(argv)
@@ -105,9 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.gradient_checkpointing and not args.smoke:
             model.gradient_checkpointing_enable()
         row = run(impl, model, batch, cfg, args.steps, autocast)
-        row.update(batch=args.batch, prompt_len=args.prompt_len,
-                   completion_len=args.completion_len, vocab=shape["vocab_size"],
-                   tokens=int(batch.mask.sum().item()))
+        row.update(
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            completion_len=args.completion_len,
+            vocab=shape["vocab_size"],
+            tokens=int(batch.mask.sum().item()),
+        )
         rows.append(row)
         del model
         if cuda:
@@ -117,20 +131,32 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         peak = row["peak_mem_bytes"]
         saved = (base["peak_mem_bytes"] - peak) / 2**30 if peak is not None else None
-        print(f"{row['impl']:<8} {row['step_ms']:9.1f} {base['step_ms'] / row['step_ms']:7.2f}x "
-              f"{'-' if peak is None else f'{peak / 2**30:9.2f}'} "
-              f"{'-' if saved is None else f'{saved:9.2f}'}")
+        print(
+            f"{row['impl']:<8} {row['step_ms']:9.1f} {base['step_ms'] / row['step_ms']:7.2f}x "
+            f"{'-' if peak is None else f'{peak / 2**30:9.2f}'} "
+            f"{'-' if saved is None else f'{saved:9.2f}'}"
+        )
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
     path = args.out / f"train_step-{slug}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps({
-        "device": device_name, "torch": torch.__version__, "smoke": args.smoke,
-        "note": SMOKE_NOTE if args.smoke else "",
-        "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-        "model": "tiny" if args.smoke else "Qwen2.5-1.5B-shaped", "loss": "dapo",
-        "gradient_checkpointing": args.gradient_checkpointing and not args.smoke, "rows": rows,
-    }, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "device": device_name,
+                "torch": torch.__version__,
+                "smoke": args.smoke,
+                "note": SMOKE_NOTE if args.smoke else "",
+                "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+                "model": "tiny" if args.smoke else "Qwen2.5-1.5B-shaped",
+                "loss": "dapo",
+                "gradient_checkpointing": args.gradient_checkpointing and not args.smoke,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {path}")
     if args.smoke:
         print(SMOKE_NOTE)

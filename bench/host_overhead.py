@@ -37,12 +37,32 @@ from bench_loss import package_version  # noqa: E402
 
 # aten ops that launch nothing on a GPU (views, metadata, allocations, a Python scalar wrapped)
 NO_LAUNCH = {
-    "aten.scalar_tensor", "aten.view", "aten._unsafe_view", "aten.reshape", "aten.expand",
-    "aten.t", "aten.transpose", "aten.permute", "aten.squeeze", "aten.unsqueeze", "aten.slice",
-    "aten.select", "aten.alias", "aten.detach", "aten.as_strided", "aten.empty",
-    "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
-    "aten.lift_fresh", "aten._reshape_alias", "aten.split", "aten.unbind", "aten.diagonal",
-}  # fmt: skip
+    "aten.scalar_tensor",
+    "aten.view",
+    "aten._unsafe_view",
+    "aten.reshape",
+    "aten.expand",
+    "aten.t",
+    "aten.transpose",
+    "aten.permute",
+    "aten.squeeze",
+    "aten.unsqueeze",
+    "aten.slice",
+    "aten.select",
+    "aten.alias",
+    "aten.detach",
+    "aten.as_strided",
+    "aten.empty",
+    "aten.empty_like",
+    "aten.empty_strided",
+    "aten.new_empty",
+    "aten.new_empty_strided",
+    "aten.lift_fresh",
+    "aten._reshape_alias",
+    "aten.split",
+    "aten.unbind",
+    "aten.diagonal",
+}
 # aten ops that read a device value on the host: a sync on a GPU
 SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal", "aten.nonzero"}
 NOTE = "CPU host time with the Triton kernels stubbed out: a proxy of the GPU host's share"
@@ -131,11 +151,13 @@ def inputs(batch: int, time_: int, vocab: int, seed: int = 0) -> dict:
     with torch.no_grad():
         now = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, labels[..., None])[..., 0]
     return dict(
-        logits=logits, labels=labels, mask=torch.rand(batch, time_, generator=gen) > 0.1,
+        logits=logits,
+        labels=labels,
+        mask=torch.rand(batch, time_, generator=gen) > 0.1,
         advantages=torch.randn(batch, generator=gen),
         old_logp=now + 0.1 * torch.randn(batch, time_, generator=gen),
         ref_logp=now + 0.1 * torch.randn(batch, time_, generator=gen),
-    )  # fmt: skip
+    )
 
 
 def fusedrl_step(preset: str, data: dict):
@@ -147,9 +169,15 @@ def fusedrl_step(preset: str, data: dict):
 
     def step():
         out = fusedrl.policy_loss(
-            leaf, data["labels"], data["advantages"], data["mask"], old_logp=data["old_logp"],
-            ref_logp=ref, config=cfg, backend="triton",
-        )  # fmt: skip
+            leaf,
+            data["labels"],
+            data["advantages"],
+            data["mask"],
+            old_logp=data["old_logp"],
+            ref_logp=ref,
+            config=cfg,
+            backend="triton",
+        )
         return torch.autograd.grad(out.loss, leaf)
 
     return step
@@ -165,10 +193,20 @@ def liger_step(data: dict):
 
     def step():
         out = triton_grpo_loss(
-            leaf, data["old_logp"], None, data["labels"], data["advantages"], data["mask"],
-            temperature=cfg.temperature, beta=0.0, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            inplace=False, loss_type="dapo", reduce=True,
-        )  # fmt: skip
+            leaf,
+            data["old_logp"],
+            None,
+            data["labels"],
+            data["advantages"],
+            data["mask"],
+            temperature=cfg.temperature,
+            beta=0.0,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            inplace=False,
+            loss_type="dapo",
+            reduce=True,
+        )
         return torch.autograd.grad(out[0] if isinstance(out, tuple) else out, leaf)
 
     return step
@@ -186,10 +224,13 @@ def measure(name: str, step, reps: int) -> dict:
             step()
             walls.append(time.perf_counter() - start)
     return dict(
-        impl=name, ops=classify(counter.ops), triton_launches=launches.count // (reps + 1),
-        host_ms_median=statistics.median(walls) * 1e3, host_ms_min=min(walls) * 1e3,
+        impl=name,
+        ops=classify(counter.ops),
+        triton_launches=launches.count // (reps + 1),
+        host_ms_median=statistics.median(walls) * 1e3,
+        host_ms_min=min(walls) * 1e3,
         ops_by_name=dict(Counter(counter.ops).most_common()),
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -211,25 +252,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except ImportError as err:
         print(f"liger_kernel not importable ({err}): fusedrl alone")
     liger = package_version("liger-kernel")
-    print(f"{SMOKE_NOTE if args.smoke else NOTE}; torch {torch.__version__}, liger-kernel "
-          f"{liger}, B={args.B} T={args.T} V={args.V}, {args.reps} calls")  # fmt: skip
-    print(f"{'impl':<30} {'launching':>9} {'syncs':>5} {'custom':>6} {'triton':>6} "
-          f"{'host ms (median / min)':>22}")  # fmt: skip
+    print(
+        f"{SMOKE_NOTE if args.smoke else NOTE}; torch {torch.__version__}, liger-kernel "
+        f"{liger}, B={args.B} T={args.T} V={args.V}, {args.reps} calls"
+    )
+    print(
+        f"{'impl':<30} {'launching':>9} {'syncs':>5} {'custom':>6} {'triton':>6} "
+        f"{'host ms (median / min)':>22}"
+    )
     rows = []
     for name, step in cases.items():
         row = measure(name, step, args.reps)
         ops = row["ops"]
-        print(f"{name:<30} {ops.get('launching', 0):>9} {ops.get('sync', 0):>5} "
-              f"{ops.get('custom', 0):>6} {row['triton_launches']:>6} "
-              f"{row['host_ms_median']:>12.3f} / {row['host_ms_min']:.3f}")  # fmt: skip
+        print(
+            f"{name:<30} {ops.get('launching', 0):>9} {ops.get('sync', 0):>5} "
+            f"{ops.get('custom', 0):>6} {row['triton_launches']:>6} "
+            f"{row['host_ms_median']:>12.3f} / {row['host_ms_min']:.3f}"
+        )
         rows.append(row)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         name = "host-overhead-cpu-smoke.json" if args.smoke else "host-overhead-cpu.json"
-        result = dict(note=SMOKE_NOTE if args.smoke else NOTE, smoke=args.smoke, B=args.B,
-                      T=args.T, V=args.V, reps=args.reps, torch=torch.__version__,
-                      liger_kernel=liger, rows=rows)
-        (args.out / name).write_text(json.dumps(result, indent=1) + "\n")  # fmt: skip
+        result = dict(
+            note=SMOKE_NOTE if args.smoke else NOTE,
+            smoke=args.smoke,
+            B=args.B,
+            T=args.T,
+            V=args.V,
+            reps=args.reps,
+            torch=torch.__version__,
+            liger_kernel=liger,
+            rows=rows,
+        )
+        (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     if args.smoke:
         print(SMOKE_NOTE)
     return rows

@@ -42,9 +42,11 @@ from pathlib import Path
 
 CALLS = ("dapo", "dapo_split", "logprobs", "gspo")
 KERNELS = (
-    "_fused_token_loss_kernel", "_split_row_loss_kernel", "_logprobs_fwd_kernel",
+    "_fused_token_loss_kernel",
+    "_split_row_loss_kernel",
+    "_logprobs_fwd_kernel",
     "_logits_grad_kernel",
-)  # fmt: skip
+)
 METRICS = (
     "dram__bytes_read.sum",
     "dram__bytes_write.sum",

@@ -87,22 +87,35 @@ def main(argv=None) -> int:
                 ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
             except Exception as err:  # noqa: BLE001 - a shape the compiler refuses is a result
                 rows.append(
-                    {"round": round_, "programs_per_sm": per_sm, "warps": warps,
-                     "error": repr(err)}
-                )  # fmt: skip
+                    {"round": round_, "programs_per_sm": per_sm, "warps": warps, "error": repr(err)}
+                )
                 label = f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5}"
                 print(f"{label} failed: {err!r}"[:200])
                 continue
         pct = 100.0 * floor_ms / ms
         rows.append(
-            {"round": round_, "programs_per_sm": per_sm, "warps": warps, "ms": ms,
-             "pct_of_floor": pct}
-        )  # fmt: skip
+            {
+                "round": round_,
+                "programs_per_sm": per_sm,
+                "warps": warps,
+                "ms": ms,
+                "pct_of_floor": pct,
+            }
+        )
         print(f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5} {ms:>9.3f} {pct:>6.1f}%")
     write_run_json(
-        args.out, "sweep_fused", "fused_token_loss_launch_shape", args.smoke, device, dtype, rows,
-        copy_bandwidth_gbps=round(bandwidth, 1), N=n, V=v, floor_1r1w_ms=floor_ms,
-    )  # fmt: skip
+        args.out,
+        "sweep_fused",
+        "fused_token_loss_launch_shape",
+        args.smoke,
+        device,
+        dtype,
+        rows,
+        copy_bandwidth_gbps=round(bandwidth, 1),
+        N=n,
+        V=v,
+        floor_1r1w_ms=floor_ms,
+    )
     if args.smoke:
         print(SMOKE_NOTE)
     return 0

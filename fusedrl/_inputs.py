@@ -133,8 +133,9 @@ def check_grad_scale(grad_scale: object, device: torch.device) -> float | torch.
         _fail_if(~torch.isfinite(scale) | (scale == 0), message, scale)
         return scale
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real):
-        raise TypeError(f"grad_scale must be a number or a 0-dim tensor, got "
-                        f"{type(grad_scale).__name__}")  # fmt: skip
+        raise TypeError(
+            f"grad_scale must be a number or a 0-dim tensor, got {type(grad_scale).__name__}"
+        )
     if not math.isfinite(grad_scale) or grad_scale == 0:
         raise ValueError(f"{message}, got {grad_scale!r}")
     return float(grad_scale)

@@ -134,13 +134,33 @@ def policy_loss(
         without tp_group).
     """
     if _plannable(
-        is_weights, tp_group, vocab_start, vocab_size, ref_logits, return_sum_pi_squared,
-        temperature, prox_logp, entropy_coef, logit_scale, softcap,
-    ):  # fmt: skip
+        is_weights,
+        tp_group,
+        vocab_start,
+        vocab_size,
+        ref_logits,
+        return_sum_pi_squared,
+        temperature,
+        prox_logp,
+        entropy_coef,
+        logit_scale,
+        softcap,
+    ):
         out = call_plan.policy_loss(
-            logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy, grad_scale, inplace, rollout_logp,
-        )  # fmt: skip
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            config,
+            normalizer,
+            backend,
+            return_entropy,
+            grad_scale,
+            inplace,
+            rollout_logp,
+        )
         if out is not None:  # a call of a kind already decided
             return out
     from .tp.dtensor import wants_tensor_parallel
@@ -164,32 +184,78 @@ def policy_loss(
         from . import tp
 
         return tp.policy_loss(
-            logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
-            normalizer, inplace, backend, return_entropy, is_weights,
-            tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            temperature=temperature, transform=transform, grad_scale=grad_scale,
-        )  # fmt: skip
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            config,
+            normalizer,
+            inplace,
+            backend,
+            return_entropy,
+            is_weights,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            transform=transform,
+            grad_scale=grad_scale,
+        )
     return single_process.policy_loss(
-        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
-        inplace, backend, return_entropy, is_weights, ref_logits=ref_logits,
-        temperature=temperature, prox_logp=prox_logp, entropy_coef=entropy_coef,
-        transform=transform, return_sum_pi_squared=return_sum_pi_squared,
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        config,
+        normalizer,
+        inplace,
+        backend,
+        return_entropy,
+        is_weights,
+        ref_logits=ref_logits,
+        temperature=temperature,
+        prox_logp=prox_logp,
+        entropy_coef=entropy_coef,
+        transform=transform,
+        return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
-    )  # fmt: skip
+    )
 
 
 def _plannable(
-    is_weights, tp_group, vocab_start, vocab_size, ref_logits, return_sum_pi_squared,
-    temperature, prox_logp, entropy_coef, logit_scale, softcap,
-) -> bool:  # fmt: skip
+    is_weights,
+    tp_group,
+    vocab_start,
+    vocab_size,
+    ref_logits,
+    return_sum_pi_squared,
+    temperature,
+    prox_logp,
+    entropy_coef,
+    logit_scale,
+    softcap,
+) -> bool:
     """Whether every argument of `policy_loss` outside `call_plan.PLANNED` is at its default:
     such a call's kind may be decided once (tests/test_call_plan.py checks the two lists)."""
     return (
-        is_weights is None and tp_group is None
-        and vocab_start is None and vocab_size is None and ref_logits is None
-        and not return_sum_pi_squared and temperature is None and prox_logp is None
-        and entropy_coef is None and logit_scale is None and softcap is None
-    )  # fmt: skip
+        is_weights is None
+        and tp_group is None
+        and vocab_start is None
+        and vocab_size is None
+        and ref_logits is None
+        and not return_sum_pi_squared
+        and temperature is None
+        and prox_logp is None
+        and entropy_coef is None
+        and logit_scale is None
+        and softcap is None
+    )
 
 
 def _refuse_under_tensor_parallelism(
@@ -275,26 +341,56 @@ def token_logprobs(
     if return_sum_pi_squared and not in_kernel:
         with torch.no_grad():
             sharp, _ = token_logprobs(
-                logits.detach(), labels, temperature / 2, backend=backend, tp_group=tp_group,
-                vocab_start=vocab_start, vocab_size=vocab_size, **capping,
-            )  # fmt: skip
+                logits.detach(),
+                labels,
+                temperature / 2,
+                backend=backend,
+                tp_group=tp_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                **capping,
+            )
         logp, entropy = token_logprobs(
-            logits, labels, temperature, return_entropy, backend, tp_group=tp_group,
-            vocab_start=vocab_start, vocab_size=vocab_size, **capping,
-        )  # fmt: skip
+            logits,
+            labels,
+            temperature,
+            return_entropy,
+            backend,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            **capping,
+        )
         return logp, entropy, output.sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
         from . import tp
 
         return tp.token_logprobs(
-            logits, labels, temperature, return_entropy, backend, top_k, top_p, min_p,
-            tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
+            logits,
+            labels,
+            temperature,
+            return_entropy,
+            backend,
+            top_k,
+            top_p,
+            min_p,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
             transform=transform,
-        )  # fmt: skip
+        )
     return single_process.token_logprobs(
-        logits, labels, temperature, return_entropy, backend, top_k, top_p, min_p,
-        transform=transform, return_sum_pi_squared=return_sum_pi_squared,
-    )  # fmt: skip
+        logits,
+        labels,
+        temperature,
+        return_entropy,
+        backend,
+        top_k,
+        top_p,
+        min_p,
+        transform=transform,
+        return_sum_pi_squared=return_sum_pi_squared,
+    )
 
 
 class PolicyLoss(torch.nn.Module):
@@ -346,15 +442,31 @@ class PolicyLoss(torch.nn.Module):
         """`policy_loss` with this module's config, backend, inplace and head settings; every
         other keyword as there."""
         return policy_loss(
-            logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=self.config, normalizer=normalizer,
-            inplace=self.inplace, backend=self.backend, return_entropy=return_entropy,
-            is_weights=is_weights, ref_logits=ref_logits, temperature=temperature,
-            prox_logp=prox_logp, entropy_coef=entropy_coef,
-            return_sum_pi_squared=return_sum_pi_squared, tp_group=tp_group,
-            vocab_start=vocab_start, vocab_size=vocab_size, softcap=self.softcap,
-            logit_scale=self.logit_scale, grad_scale=grad_scale,
-        )  # fmt: skip
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            config=self.config,
+            normalizer=normalizer,
+            inplace=self.inplace,
+            backend=self.backend,
+            return_entropy=return_entropy,
+            is_weights=is_weights,
+            ref_logits=ref_logits,
+            temperature=temperature,
+            prox_logp=prox_logp,
+            entropy_coef=entropy_coef,
+            return_sum_pi_squared=return_sum_pi_squared,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            softcap=self.softcap,
+            logit_scale=self.logit_scale,
+            grad_scale=grad_scale,
+        )
 
     def extra_repr(self) -> str:
         extra = "".join(

@@ -40,8 +40,9 @@ class Backend(Protocol):
         gradient buffer), decided once for the kind (`call_plan`); None: the general path."""
         ...
 
-    def token_logprobs(self, logits, labels, temperature, return_entropy: bool, **kwargs) -> tuple:
-        ...
+    def token_logprobs(
+        self, logits, labels, temperature, return_entropy: bool, **kwargs
+    ) -> tuple: ...
 
 
 class LinearBackend(Protocol):

@@ -39,9 +39,20 @@ from .output import LossOutput
 # The arguments of `fusedrl.policy_loss` a planned call may have; every other one must be at its
 # default (the entry point checks them, tests/test_call_plan.py that the two lists cover them).
 PLANNED = (
-    "logits", "labels", "advantages", "mask", "old_logp", "ref_logp", "config", "normalizer",
-    "backend", "return_entropy", "grad_scale", "inplace", "rollout_logp",
-)  # fmt: skip
+    "logits",
+    "labels",
+    "advantages",
+    "mask",
+    "old_logp",
+    "ref_logp",
+    "config",
+    "normalizer",
+    "backend",
+    "return_entropy",
+    "grad_scale",
+    "inplace",
+    "rollout_logp",
+)
 MAX_PLANS = 64  # kinds kept (least recently used dropped): a config per step must not leak
 _PLANS: OrderedDict[tuple, _Plan | None] = OrderedDict()
 
@@ -57,12 +68,29 @@ class _Plan:
     per_sequence_advantages: bool  # [B] advantages, broadcast over T
     inplace: bool  # the gradient written into the logits (checked writable on every call)
 
-    def run(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
-            grad_scale, rollout_logp=None) -> LossOutput:  # fmt: skip
+    def run(
+        self,
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        normalizer,
+        grad_scale,
+        rollout_logp=None,
+    ) -> LossOutput:
         inp = self.inputs(
-            logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale,
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            normalizer,
+            grad_scale,
             rollout_logp,
-        )  # fmt: skip
+        )
 
         def compute(grad):
             logp, entropy, terms = self.run_call(inp, grad_out=grad)
@@ -76,8 +104,18 @@ class _Plan:
             entropy = None if entropy is None else entropy[0]
         return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
-    def inputs(self, logits, labels, advantages, mask, old_logp, ref_logp, normalizer,
-               grad_scale=None, rollout_logp=None):  # fmt: skip
+    def inputs(
+        self,
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        normalizer,
+        grad_scale=None,
+        rollout_logp=None,
+    ):
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
         checks already passed (the kind's first call took them)."""
         shape = labels.shape
@@ -123,42 +161,109 @@ def _number_or_kind(value) -> object:
     return False
 
 
-def _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-         return_entropy, grad_scale, inplace, rollout_logp) -> tuple | None:  # fmt: skip
+def _key(
+    logits,
+    labels,
+    advantages,
+    mask,
+    old_logp,
+    ref_logp,
+    config,
+    normalizer,
+    backend,
+    return_entropy,
+    grad_scale,
+    inplace,
+    rollout_logp,
+) -> tuple | None:
     """The call's kind; None where it is not planned. (Written out, not looped: a generator
     costs more than the checks.)"""
     if not (
-        type(logits) is _TENSOR and type(labels) is _TENSOR and type(advantages) is _TENSOR
-        and type(mask) is _TENSOR and logits.dim() > 0
+        type(logits) is _TENSOR
+        and type(labels) is _TENSOR
+        and type(advantages) is _TENSOR
+        and type(mask) is _TENSOR
+        and logits.dim() > 0
         and (old_logp is None or type(old_logp) is _TENSOR)
         and (ref_logp is None or type(ref_logp) is _TENSOR)
         and (rollout_logp is None or type(rollout_logp) is _TENSOR)
-    ):  # (subclasses: DTensor, or a mistake the general path names)  # fmt: skip
+    ):  # (subclasses: DTensor, or a mistake the general path names)
         return None
     norm, scale = _number_or_kind(normalizer), _number_or_kind(grad_scale)
     if norm is False or scale is False:
         return None
     return (
-        id(config), backend, return_entropy, torch.is_grad_enabled(), logits.requires_grad,
-        logits.stride(-1), norm, scale, bool(inplace), _kind(logits), _kind(labels),
-        _kind(advantages), _kind(mask), _kind(old_logp), _kind(ref_logp), _kind(rollout_logp),
-    )  # fmt: skip
+        id(config),
+        backend,
+        return_entropy,
+        torch.is_grad_enabled(),
+        logits.requires_grad,
+        logits.stride(-1),
+        norm,
+        scale,
+        bool(inplace),
+        _kind(logits),
+        _kind(labels),
+        _kind(advantages),
+        _kind(mask),
+        _kind(old_logp),
+        _kind(ref_logp),
+        _kind(rollout_logp),
+    )
 
 
-def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                backend, return_entropy, grad_scale=None, inplace=False,
-                rollout_logp=None) -> LossOutput | None:  # fmt: skip
+def policy_loss(
+    logits,
+    labels,
+    advantages,
+    mask,
+    old_logp,
+    ref_logp,
+    config,
+    normalizer,
+    backend,
+    return_entropy,
+    grad_scale=None,
+    inplace=False,
+    rollout_logp=None,
+) -> LossOutput | None:
     """The planned call's output, or None where the call takes the general path."""
     if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
         return None
-    key = _key(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-               backend, return_entropy, grad_scale, inplace, rollout_logp)  # fmt: skip
+    key = _key(
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        config,
+        normalizer,
+        backend,
+        return_entropy,
+        grad_scale,
+        inplace,
+        rollout_logp,
+    )
     if key is None:
         return None
     plan = _PLANS.get(key, False)
     if plan is False or (plan is not None and plan.config is not config):
-        plan = _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer,
-                       backend, return_entropy, grad_scale, inplace, rollout_logp)  # fmt: skip
+        plan = _decide(
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            config,
+            normalizer,
+            backend,
+            return_entropy,
+            grad_scale,
+            inplace,
+            rollout_logp,
+        )
         _PLANS[key] = plan
         while len(_PLANS) > MAX_PLANS:
             try:
@@ -172,19 +277,41 @@ def policy_loss(logits, labels, advantages, mask, old_logp, ref_logp, config, no
             pass
     if plan is None:
         return None
-    return plan.run(logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale,
-                    rollout_logp)  # fmt: skip
+    return plan.run(
+        logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale, rollout_logp
+    )
 
 
-def _decide(logits, labels, advantages, mask, old_logp, ref_logp, config, normalizer, backend,
-            return_entropy, grad_scale=None, inplace=False,
-            rollout_logp=None) -> _Plan | None:  # fmt: skip
+def _decide(
+    logits,
+    labels,
+    advantages,
+    mask,
+    old_logp,
+    ref_logp,
+    config,
+    normalizer,
+    backend,
+    return_entropy,
+    grad_scale=None,
+    inplace=False,
+    rollout_logp=None,
+) -> _Plan | None:
     """The general path's checks (they raise as there) and the backend's decision."""
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
-        logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp, cfg, normalizer,
-        mask_rows=False, grad_scale=grad_scale,
-    )  # fmt: skip
+        logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        cfg,
+        normalizer,
+        mask_rows=False,
+        grad_scale=grad_scale,
+    )
     impl = backends.resolve(backend, inp.logits.device)
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return None

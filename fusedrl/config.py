@@ -16,9 +16,20 @@ from typing import Any
 from .sampling import SamplingMask, check_sampling
 
 LOSSES = (
-    "ppo", "cispo", "sapo", "gmpo", "dcpo", "pg", "luspo", "vespo",
-    "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro",
-)  # fmt: skip
+    "ppo",
+    "cispo",
+    "sapo",
+    "gmpo",
+    "dcpo",
+    "pg",
+    "luspo",
+    "vespo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+)
 # verl's losses that only the [B, T] scalar code computes (`token_terms`): the fused kernels take
 # them in two passes (clip_cov / kl_cov need statistics over the whole call first).
 SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
@@ -42,9 +53,18 @@ IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence
 # per token (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, r = pi_train / pi_rollout),
 # taken per token or aggregated per sequence (sum / mean / max).
 REJECTION_OPTIONS = (
-    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +82,7 @@ class RejectionRule:
 
     @property
     def reduction(self) -> str:
-        """"token", or the per-sequence reduction "sum" / "mean" / "max"."""
+        """ "token", or the per-sequence reduction "sum" / "mean" / "max"."""
         return "token" if self.option.startswith("token") else self.option.split("_")[1]
 
 
@@ -144,13 +164,39 @@ def _check_positive(field: str, value: Any, *, above: float = 0.0) -> None:
 
 
 _NUMERIC_FIELDS = (
-    "eps_low", "eps_high", "dual_clip_c", "delta", "sapo_tau_pos", "sapo_tau_neg", "dcpo_r_max",
-    "norm_constant", "beta", "entropy_coef", "temperature", "is_cap", "is_cap_low",
-    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask",
-    "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-    "kl_cov_coef", "dppo_ratio_cap", "kl_tau", "decoupled_is_cap", "dro_beta", "top_p", "min_p",
-    "trust_region_delta", "m2po_tau",
-)  # fmt: skip
+    "eps_low",
+    "eps_high",
+    "dual_clip_c",
+    "delta",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "dcpo_r_max",
+    "norm_constant",
+    "beta",
+    "entropy_coef",
+    "temperature",
+    "is_cap",
+    "is_cap_low",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "off_policy_mask",
+    "top_entropy_quantile",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "dppo_ratio_cap",
+    "kl_tau",
+    "decoupled_is_cap",
+    "dro_beta",
+    "top_p",
+    "min_p",
+    "trust_region_delta",
+    "m2po_tau",
+)
 
 
 @dataclass(frozen=True)

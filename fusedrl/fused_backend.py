@@ -149,9 +149,16 @@ class _FusedLogprobs(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         ctx.ops.logits_grad(
-            logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, grad,
+            logits,
+            labels,
+            lse,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            ctx.temperature,
+            grad,
             **ctx.rows,
-        )  # fmt: skip
+        )
         return None, grad, None, None, None, None, None, None
 
 
@@ -182,9 +189,7 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out, transfor
             continue
         # The raw logits outside the capped rows' sets (and banned ones) become -inf: the
         # kernels keep a -inf banned under the cap.
-        kept = mask_to_sampled_set(
-            transform.rows(block), flat_labels[start:stop], rows_t, sampling
-        )  # fmt: skip
+        kept = mask_to_sampled_set(transform.rows(block), flat_labels[start:stop], rows_t, sampling)
         out_block.copy_(block.masked_fill(kept == float("-inf"), float("-inf")))
 
 
@@ -212,9 +217,7 @@ def _sampled_stats(ops, logits, labels, valid, temperature, sampling, transform=
         rows_masked = masked[:, : block.shape[0]]
         rows_t = rows_temperature(temperature, start, stop)
         rows_t = rows_t.reshape(1, -1) if isinstance(rows_t, torch.Tensor) else rows_t
-        _write_sampled_set(
-            ops, block[None], rows_labels, rows_t, sampling, rows_masked, transform
-        )  # fmt: skip
+        _write_sampled_set(ops, block[None], rows_labels, rows_t, sampling, rows_masked, transform)
         rows_valid = None if valid is None else flat[1][start:stop][None]
         scalar, row_temps = temperature_keywords(rows_t, transform=transform)
         stats = ops.logprobs_fwd(rows_masked, rows_labels, rows_valid, scalar, **row_temps)
@@ -259,7 +262,7 @@ def token_logprobs(
             source = torch.empty_like(logits)
             _write_sampled_set(
                 ops, logits.detach(), labels, temperature, sampling, source, transform
-            )  # fmt: skip
+            )
         out = _FusedLogprobs.apply(
             ops, logits, labels, temperature, return_entropy, source, False, transform
         )
@@ -330,11 +333,24 @@ def fused_token_args(
         cfg, temperature, rows.get("cap"), low_bound, high_bound, denominator is not None
     )
     return TokenLossArgs(
-        inp.labels, inp.valid, inp.advantages, variant, agg, inp.mask if sums else None, old,
-        inp.ref_logp, is_weight, low, high, rows.get("row_temps"), inp.entropy_coef,
-        scale if isinstance(scale, torch.Tensor) else None, sum_sq,
-        1.0 if scale is None or isinstance(scale, torch.Tensor) else scale, denominator or 0.0,
-    )  # fmt: skip
+        inp.labels,
+        inp.valid,
+        inp.advantages,
+        variant,
+        agg,
+        inp.mask if sums else None,
+        old,
+        inp.ref_logp,
+        is_weight,
+        low,
+        high,
+        rows.get("row_temps"),
+        inp.entropy_coef,
+        scale if isinstance(scale, torch.Tensor) else None,
+        sum_sq,
+        1.0 if scale is None or isinstance(scale, torch.Tensor) else scale,
+        denominator or 0.0,
+    )
 
 
 def loss_variant(
@@ -348,11 +364,19 @@ def loss_variant(
     """The kernels' variant of a config (kernels/token_args.py), its numbers as fp32 scalars."""
     return LossVariant(
         "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels know PPO by that name
-        temperature, cap, kernel_float(cfg.dual_clip_c), kernel_float(cfg.delta),
-        kernel_float(cfg.sapo_tau_pos), kernel_float(cfg.sapo_tau_neg), cfg.kl,
-        kernel_float(cfg.beta), kernel_float(cfg.entropy_coef), low_bound, high_bound,
+        temperature,
+        cap,
+        kernel_float(cfg.dual_clip_c),
+        kernel_float(cfg.delta),
+        kernel_float(cfg.sapo_tau_pos),
+        kernel_float(cfg.sapo_tau_neg),
+        cfg.kl,
+        kernel_float(cfg.beta),
+        kernel_float(cfg.entropy_coef),
+        low_bound,
+        high_bound,
         agg_from_mask,
-    )  # fmt: skip
+    )
 
 
 def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
@@ -429,12 +453,19 @@ def _kernel_terms(
     low, high = ratio_bounds(old, cfg)
     per_token = isinstance(low, torch.Tensor)  # DCPO's bounds
     args = TokenLossArgs(
-        inp.labels, inp.valid, inp.advantages,
+        inp.labels,
+        inp.valid,
+        inp.advantages,
         loss_variant(cfg, 1.0, None, *((0.0, 0.0) if per_token else (low, high)), False),
-        aggregation_weights(inp, cfg, ops.aggregation_weights), inp.mask, old, inp.ref_logp,
-        resolve_is_weights(old, inp, cfg), low if per_token else None,
-        high if per_token else None, entropy_coef_tensor=inp.entropy_coef,
-    )  # fmt: skip
+        aggregation_weights(inp, cfg, ops.aggregation_weights),
+        inp.mask,
+        old,
+        inp.ref_logp,
+        resolve_is_weights(old, inp, cfg),
+        low if per_token else None,
+        high if per_token else None,
+        entropy_coef_tensor=inp.entropy_coef,
+    )
     dlogp, dentropy, partials = ops.sequence_terms(
         logp,
         entropy if need_entropy or bonus else None,
@@ -445,8 +476,9 @@ def _kernel_terms(
     terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)
     # (`TokenTerms`: the derivatives of the loss the caller scales, as token_terms gives them)
     dentropy = dentropy if bonus else None
-    return replace(terms, dlogp=scaled_by(dlogp, inp.grad_scale),
-                   dentropy=scaled_by(dentropy, inp.grad_scale))  # fmt: skip
+    return replace(
+        terms, dlogp=scaled_by(dlogp, inp.grad_scale), dentropy=scaled_by(dentropy, inp.grad_scale)
+    )
 
 
 def _summed_terms(
@@ -463,9 +495,7 @@ def _summed_terms(
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
     where the call has them. `old`: the old log-probs the terms used (logp on-policy)."""
     loss, means = ops.token_loss_sums(partials)
-    count, slots, labels_slot = _metric_slots(
-        ops.sum_slots, inp.ref_logp is not None, need_entropy
-    )
+    count, slots, labels_slot = _metric_slots(ops.sum_slots, inp.ref_logp is not None, need_entropy)
     check_labels_counted(means[labels_slot], inp)
     views = means[:count].unbind()  # one op for the metrics' views (each alone is one)
     metrics = {name: views[slot] for name, slot in slots}
@@ -578,9 +608,23 @@ def _with_exact_kl(
     terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, full_kl=kl)
     if grad_out is not None:
         ops.two_rows.grad(
-            inp.logits, inp.ref_logits, lse, ref_lse, kl, aux, terms.dfull_kl, scalar,
-            kind, 0.0, grad_out, inp.labels, entropy, terms.dlogp, terms.dentropy, **rows,
-        )  # fmt: skip
+            inp.logits,
+            inp.ref_logits,
+            lse,
+            ref_lse,
+            kl,
+            aux,
+            terms.dfull_kl,
+            scalar,
+            kind,
+            0.0,
+            grad_out,
+            inp.labels,
+            entropy,
+            terms.dlogp,
+            terms.dentropy,
+            **rows,
+        )
     return logp, entropy if need_entropy else None, terms
 
 
@@ -624,16 +668,21 @@ def policy_loss(
     if sampling is not None:
         if grad_out is None:
             logp, _, entropy = _sampled_stats(
-                ops, inp.logits, inp.labels, inp.valid, temperature_of(inp, cfg), sampling,
+                ops,
+                inp.logits,
+                inp.labels,
+                inp.valid,
+                temperature_of(inp, cfg),
+                sampling,
                 inp.transform,
-            )  # fmt: skip
+            )
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
         temperature = temperature_of(inp, cfg)
         _write_sampled_set(
             ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
-        )  # fmt: skip
+        )
         inp = replace(inp, logits=grad_out)
     if fused and source == "fused":
         return fused_sums_call(ops, inp, cfg, need_entropy, grad_out, sum_sq)
@@ -658,7 +707,14 @@ def policy_loss(
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
     if grad_out is not None:
         ops.logits_grad(
-            inp.logits, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, scalar, grad_out,
+            inp.logits,
+            inp.labels,
+            lse,
+            entropy,
+            terms.dlogp,
+            terms.dentropy,
+            scalar,
+            grad_out,
             **rows,
-        )  # fmt: skip
+        )
     return logp, entropy if need_entropy else None, terms

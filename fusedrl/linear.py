@@ -22,9 +22,19 @@ from .sampling import check_sampling
 
 
 def _check_linear_loss_arguments(
-    config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows, live_rows,
-    return_sum_pi_squared: bool, prox_logp, entropy_coef, sharded: bool,
-):  # fmt: skip
+    config,
+    ref_weight,
+    ref_hidden,
+    ref_bias,
+    softcap,
+    logit_scale,
+    skip_masked_rows,
+    live_rows,
+    return_sum_pi_squared: bool,
+    prox_logp,
+    entropy_coef,
+    sharded: bool,
+):
     """linear_policy_loss's checks of its arguments alone: (the logits' transform, the skip)."""
     full_kl = config is not None and config.full_kl
     if not full_kl and (ref_weight is not None or ref_hidden is not None or ref_bias is not None):
@@ -153,26 +163,75 @@ def linear_policy_loss(
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
         transform, skip_masked_rows = _check_linear_loss_arguments(
-            config, ref_weight, ref_hidden, ref_bias, softcap, logit_scale, skip_masked_rows,
-            live_rows, return_sum_pi_squared, prox_logp, entropy_coef, sharded,
-        )  # fmt: skip
+            config,
+            ref_weight,
+            ref_hidden,
+            ref_bias,
+            softcap,
+            logit_scale,
+            skip_masked_rows,
+            live_rows,
+            return_sum_pi_squared,
+            prox_logp,
+            entropy_coef,
+            sharded,
+        )
     if sharded:
         from .tp import linear as tp_linear
 
         return tp_linear.linear_policy_loss(
-            hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
-            normalizer, bias, backend, return_entropy, is_weights, tp_group=tp_group,
-            vocab_start=vocab_start, vocab_size=vocab_size, reduce_input_grad=reduce_input_grad,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-            skip_masked_rows=skip_masked_rows, live_rows=live_rows, grad_scale=grad_scale,
-        )  # fmt: skip
+            hidden,
+            weight,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            config,
+            normalizer,
+            bias,
+            backend,
+            return_entropy,
+            is_weights,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            reduce_input_grad=reduce_input_grad,
+            temperature=temperature,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            skip_masked_rows=skip_masked_rows,
+            live_rows=live_rows,
+            grad_scale=grad_scale,
+        )
     return linear_single_process.linear_policy_loss(
-        hidden, weight, labels, advantages, mask, old_logp, ref_logp, rollout_logp, config,
-        normalizer, bias, backend, return_entropy, is_weights, ref_weight=ref_weight,
-        ref_hidden=ref_hidden, ref_bias=ref_bias, temperature=temperature, prox_logp=prox_logp,
-        entropy_coef=entropy_coef, transform=transform, skip_masked_rows=skip_masked_rows,
-        live_rows=live_rows, return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale,
-    )  # fmt: skip
+        hidden,
+        weight,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        config,
+        normalizer,
+        bias,
+        backend,
+        return_entropy,
+        is_weights,
+        ref_weight=ref_weight,
+        ref_hidden=ref_hidden,
+        ref_bias=ref_bias,
+        temperature=temperature,
+        prox_logp=prox_logp,
+        entropy_coef=entropy_coef,
+        transform=transform,
+        skip_masked_rows=skip_masked_rows,
+        live_rows=live_rows,
+        return_sum_pi_squared=return_sum_pi_squared,
+        grad_scale=grad_scale,
+    )
 
 
 def linear_token_logprobs(
@@ -221,31 +280,67 @@ def linear_token_logprobs(
         transform = check_logit_transform(softcap, logit_scale)
     if return_sum_pi_squared and not in_sweep:
         common = dict(
-            bias=bias, backend=backend, tp_group=tp_group, vocab_start=vocab_start,
-            vocab_size=vocab_size, softcap=softcap, logit_scale=logit_scale,
-        )  # fmt: skip
+            bias=bias,
+            backend=backend,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            softcap=softcap,
+            logit_scale=logit_scale,
+        )
         with torch.no_grad():
             sharp, _ = linear_token_logprobs(
-                hidden.detach(), weight.detach(), labels, temperature / 2,
+                hidden.detach(),
+                weight.detach(),
+                labels,
+                temperature / 2,
                 **{**common, "bias": None if bias is None else bias.detach()},
-            )  # fmt: skip
+            )
         logp, entropy = linear_token_logprobs(
-            hidden, weight, labels, temperature, return_entropy,
-            reduce_input_grad=reduce_input_grad, **common,
-        )  # fmt: skip
+            hidden,
+            weight,
+            labels,
+            temperature,
+            return_entropy,
+            reduce_input_grad=reduce_input_grad,
+            **common,
+        )
         return logp, entropy, output.sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
         from .tp import linear as tp_linear
 
         return tp_linear.linear_token_logprobs(
-            hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
-            min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            reduce_input_grad=reduce_input_grad, softcap=softcap, logit_scale=logit_scale,
-        )  # fmt: skip
+            hidden,
+            weight,
+            labels,
+            temperature,
+            return_entropy,
+            bias,
+            backend,
+            top_k,
+            top_p,
+            min_p,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            reduce_input_grad=reduce_input_grad,
+            softcap=softcap,
+            logit_scale=logit_scale,
+        )
     return linear_single_process.linear_token_logprobs(
-        hidden, weight, labels, temperature, return_entropy, bias, backend, top_k, top_p,
-        min_p, transform=transform, return_sum_pi_squared=return_sum_pi_squared,
-    )  # fmt: skip
+        hidden,
+        weight,
+        labels,
+        temperature,
+        return_entropy,
+        bias,
+        backend,
+        top_k,
+        top_p,
+        min_p,
+        transform=transform,
+        return_sum_pi_squared=return_sum_pi_squared,
+    )
 
 
 def lm_head_of(model) -> torch.nn.Linear | None:

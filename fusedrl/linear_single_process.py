@@ -94,9 +94,13 @@ def linear_policy_loss(
     ref_head = None
     if full_kl:
         ref_head = check_teacher_head(
-            hidden if ref_hidden is None else ref_hidden, ref_weight, ref_bias, hidden,
-            weight.shape[0], ("ref_hidden", "ref_weight", "ref_bias"),
-        )  # fmt: skip
+            hidden if ref_hidden is None else ref_hidden,
+            ref_weight,
+            ref_bias,
+            hidden,
+            weight.shape[0],
+            ("ref_hidden", "ref_weight", "ref_bias"),
+        )
         ref_head.transform = transform
     lin = LinearInputs(
         hidden=inp.logits,
@@ -131,9 +135,12 @@ def linear_policy_loss(
         entropy = None if entropy is None else entropy[0]
         sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
     return LossOutput(
-        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
+        loss=loss,
+        logp=logp,
+        entropy=entropy,
+        metrics=terms.metrics,
         sum_pi_squared=sum_pi_squared,
-    )  # fmt: skip
+    )
 
 
 class _LinearLogprobsFn(torch.autograd.Function):
@@ -208,9 +215,16 @@ def linear_token_logprobs(
         check_sum_pi_squared(sampling.active)
     if any(want):
         out = _LinearLogprobsFn.apply(
-            impl, lin, temperature, want, hidden, weight, bias, return_entropy,
+            impl,
+            lin,
+            temperature,
+            want,
+            hidden,
+            weight,
+            bias,
+            return_entropy,
             return_sum_pi_squared,
-        )  # fmt: skip
+        )
         logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
         squares = out[-1:] if return_sum_pi_squared else ()
     elif return_sum_pi_squared:

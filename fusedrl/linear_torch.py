@@ -302,9 +302,7 @@ def sweep(
     return logp, None if entropy is None else spread_rows(lin, entropy, shape), grads
 
 
-def _rows_slice(
-    lin: LinearInputs, inp: LossInputs, start: int, stop: int, **fields
-) -> LossInputs:
+def _rows_slice(lin: LinearInputs, inp: LossInputs, start: int, stop: int, **fields) -> LossInputs:
     """Rows [start, stop) of the sweep's rows (`flat_rows`) of every per-token tensor, as a
     [1, n] batch."""
 

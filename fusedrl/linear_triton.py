@@ -145,9 +145,15 @@ def _logits_chunks(
         elif sampling is not None:
             scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
             _row_ops().sampled_set(
-                logits, _cut(labels, start, stop), logits, scalar,
-                sampling.top_k, sampling.top_p, sampling.min_p, **rows_t,
-            )  # fmt: skip
+                logits,
+                _cut(labels, start, stop),
+                logits,
+                scalar,
+                sampling.top_k,
+                sampling.top_p,
+                sampling.min_p,
+                **rows_t,
+            )
         yield start, stop, logits, derivative
 
 
@@ -182,8 +188,9 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
     ops = _row_ops()
     temperature = flat_rows(lin, temperature)
     outputs = 4 if squares else 3
-    out = [torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
-           for _ in range(outputs)]  # fmt: skip
+    out = [
+        torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(outputs)
+    ]
     for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         chunk_labels = _cut(labels, start, stop)
@@ -207,9 +214,18 @@ def _grad_chunks_on_chip(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     hidden = lin.hidden if lin.live is None else rows.unsqueeze(0)  # the gathered rows, once
     for start, stop, grad in _chunks(lin, rows):
         kernels.linear_logits_grad(
-            hidden, lin.weight, lin.bias, labels, lse.contiguous(), entropy.contiguous(), dlogp,
-            dentropy, temperature, start, grad,
-        )  # fmt: skip
+            hidden,
+            lin.weight,
+            lin.bias,
+            labels,
+            lse.contiguous(),
+            entropy.contiguous(),
+            dlogp,
+            dentropy,
+            temperature,
+            start,
+            grad,
+        )
         yield start, stop, grad
 
 
@@ -224,10 +240,16 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
         scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
         ops.logits_grad(
-            logits, _cut(labels, start, stop), _cut(lse, start, stop),
-            _cut(entropy, start, stop), _cut(dlogp, start, stop),
-            _cut(dentropy, start, stop), scalar, logits, **rows_t,
-        )  # fmt: skip
+            logits,
+            _cut(labels, start, stop),
+            _cut(lse, start, stop),
+            _cut(entropy, start, stop),
+            _cut(dlogp, start, stop),
+            _cut(dentropy, start, stop),
+            scalar,
+            logits,
+            **rows_t,
+        )
         yield start, stop, _chained(lin, logits[0], derivative)
 
 

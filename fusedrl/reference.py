@@ -229,8 +229,7 @@ class _Unbounded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
         ctx.shape = logits.shape
-        return torch.full(logits.shape[:-1], float("inf"), dtype=logits.dtype,
-                          device=logits.device)  # fmt: skip
+        return torch.full(logits.shape[:-1], float("inf"), dtype=logits.dtype, device=logits.device)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -832,9 +831,17 @@ def distill_loss(
     cfg = config if config is not None else LossConfig()
     if kind == "sampled_reverse_kl":
         return _sampled_reverse_kl(
-            student_logits, teacher_logits, labels, mask, beta, temperature, cfg, normalizer,
-            advantages, old_logp,
-        )  # fmt: skip
+            student_logits,
+            teacher_logits,
+            labels,
+            mask,
+            beta,
+            temperature,
+            cfg,
+            normalizer,
+            advantages,
+            old_logp,
+        )
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     inp = prepare_loss_inputs(
         student_logits, labels, advantages, mask, None, None, None, cfg, normalizer
@@ -863,9 +870,17 @@ def distill_loss(
 
 
 def _sampled_reverse_kl(
-    student_logits, teacher_logits, labels, mask, beta, temperature, cfg, normalizer,
-    advantages, old_logp,
-) -> LossOutput:  # fmt: skip
+    student_logits,
+    teacher_logits,
+    labels,
+    mask,
+    beta,
+    temperature,
+    cfg,
+    normalizer,
+    advantages,
+    old_logp,
+) -> LossOutput:
     """kind="sampled_reverse_kl": the policy loss of `cfg` with advantages
     A_t - beta (log pi_old(y_t) - log pi_teacher(y_t)) (pi_old: old_logp, else the student)."""
     valid = mask != 0
@@ -883,18 +898,28 @@ def _sampled_reverse_kl(
         sampler = old_logp
         if sampler is None:  # over the sampled sets, as the engine's log-probs are
             sampler, _ = token_logprobs(
-                student_logits.detach(), safe, temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                student_logits.detach(),
+                safe,
+                temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
                 min_p=cfg.min_p,
-            )  # fmt: skip
+            )
         gap = torch.where(valid, sampler.float() - teacher_logp, 0.0)
     if advantages is None:
         advantages = torch.zeros_like(gap)
     elif advantages.dim() == 1 and gap.dim() == 2:
         advantages = advantages.float()[:, None].expand_as(gap)
     out = policy_loss(
-        student_logits, labels, advantages - beta * gap, mask, old_logp=old_logp, config=cfg,
-        normalizer=normalizer, **per_token,
-    )  # fmt: skip
+        student_logits,
+        labels,
+        advantages - beta * gap,
+        mask,
+        old_logp=old_logp,
+        config=cfg,
+        normalizer=normalizer,
+        **per_token,
+    )
     weights = torch.where(valid, mask.float(), 0.0)
     out.metrics["distill"] = (gap * weights).sum() / weights.sum().clamp_min(1e-8)
     return out

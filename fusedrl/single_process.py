@@ -89,9 +89,12 @@ def policy_loss(
     if return_sum_pi_squared and not in_loss:
         with torch.no_grad():
             sharp, _ = impl.token_logprobs(
-                inp.logits.detach(), inp.labels, temperature_of(inp, cfg) / 2, False,
+                inp.logits.detach(),
+                inp.labels,
+                temperature_of(inp, cfg) / 2,
+                False,
                 **transform_keyword(transform),
-            )  # fmt: skip
+            )
 
     def compute(grad):
         if return_sum_pi_squared and in_loss:
@@ -113,11 +116,12 @@ def policy_loss(
         entropy = None if entropy is None else entropy[0]
         sum_pi_squared = None if sum_pi_squared is None else sum_pi_squared[0]
     return LossOutput(
-        loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics,
+        loss=loss,
+        logp=logp,
+        entropy=entropy,
+        metrics=terms.metrics,
         sum_pi_squared=sum_pi_squared,
-    )  # fmt: skip
-
-
+    )
 
 
 def token_logprobs(

@@ -47,9 +47,18 @@ def char_tokenizer(chars: str = DEFAULT_CHARS):
     return tokenizer
 
 
-def _tiny_causal_lm(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-                    head_dim: int, max_position_embeddings: int, seed: int, eos_token_id: int,
-                    pad_token_id: int):  # fmt: skip
+def _tiny_causal_lm(
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    max_position_embeddings: int,
+    seed: int,
+    eos_token_id: int,
+    pad_token_id: int,
+):
     """A randomly initialised `arch` ("llama" or "qwen2") causal LM (fp32) from a config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,17 +83,53 @@ def _tiny_causal_lm(arch: str, vocab_size: int, hidden_size: int, num_layers: in
     return AutoModelForCausalLM.from_config(config)
 
 
-def tiny_qwen2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
-               head_dim: int = 32, max_position_embeddings: int = 512, seed: int = 0,
-               eos_token_id: int = 1, pad_token_id: int = 0):  # fmt: skip
+def tiny_qwen2(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
+):
     """A randomly initialised Qwen2ForCausalLM (fp32) small enough for 2 CPU cores."""
-    return _tiny_causal_lm("qwen2", vocab_size, hidden_size, num_layers, num_heads, head_dim,
-                           max_position_embeddings, seed, eos_token_id, pad_token_id)
+    return _tiny_causal_lm(
+        "qwen2",
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        head_dim,
+        max_position_embeddings,
+        seed,
+        eos_token_id,
+        pad_token_id,
+    )
 
 
-def tiny_llama(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
-               head_dim: int = 32, max_position_embeddings: int = 512, seed: int = 0,
-               eos_token_id: int = 1, pad_token_id: int = 0):  # fmt: skip
+def tiny_llama(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
+):
     """A randomly initialised LlamaForCausalLM (fp32): the one to save with `char_tokenizer()`."""
-    return _tiny_causal_lm("llama", vocab_size, hidden_size, num_layers, num_heads, head_dim,
-                           max_position_embeddings, seed, eos_token_id, pad_token_id)
+    return _tiny_causal_lm(
+        "llama",
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        head_dim,
+        max_position_embeddings,
+        seed,
+        eos_token_id,
+        pad_token_id,
+    )

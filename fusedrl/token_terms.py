@@ -98,8 +98,9 @@ class Metrics(dict):
         for inp, names in groups.values():
             weights, total = _mean_weights(inp)
             parts = [self._pending[name][0] for name in names]
-            stacked = torch.stack([x if x.shape == weights.shape else x.expand_as(weights)
-                                   for x in parts])  # fmt: skip
+            stacked = torch.stack(
+                [x if x.shape == weights.shape else x.expand_as(weights) for x in parts]
+            )
             if stacked.dtype not in (torch.bool, torch.float32):
                 stacked = stacked.float()
             stacked = torch.where(inp.valid, stacked, 0.0)  # (a flag stack becomes fp32 here)
@@ -702,6 +703,9 @@ def token_terms(
     add_mismatch_metrics(metrics, logp, w, sampled)
     scale = inp.grad_scale  # (`TokenTerms`: the derivatives of the loss the caller scales)
     return TokenTerms(
-        loss=loss, dlogp=scaled_by(dlogp, scale), dentropy=scaled_by(dentropy, scale),
-        metrics=metrics.finish(), dfull_kl=scaled_by(dfull_kl, scale),
-    )  # fmt: skip
+        loss=loss,
+        dlogp=scaled_by(dlogp, scale),
+        dentropy=scaled_by(dentropy, scale),
+        metrics=metrics.finish(),
+        dfull_kl=scaled_by(dfull_kl, scale),
+    )

@@ -312,9 +312,13 @@ def write_logits_grad(
         dent = None if flat_dent is None else flat_dent[start:stop]
         rows_entropy = None if entropy is None else entropy.reshape(-1)[start:stop]
         grad = block_grad(
-            log_probs, flat_labels[start:stop], rows_t, flat_dlogp[start:stop], dent,
+            log_probs,
+            flat_labels[start:stop],
+            rows_t,
+            flat_dlogp[start:stop],
+            dent,
             rows_entropy,
-        )  # fmt: skip
+        )
         if ref_block:
             weight = dfull_kl.reshape(-1)[start:stop, None]
             ref_log_probs, _ = block_log_probs(ref_block[0], rows_t)
@@ -341,9 +345,14 @@ class _TorchLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature, return_entropy, sampling, transform):
         floors = _floors_buffer(logits, sampling)
         logp, entropy = forward_stats(
-            logits, labels, temperature, return_entropy, sampling=sampling, floors=floors,
+            logits,
+            labels,
+            temperature,
+            return_entropy,
+            sampling=sampling,
+            floors=floors,
             transform=transform,
-        )  # fmt: skip
+        )
         ctx.save_for_backward(logits, labels, floors)
         ctx.temperature, ctx.sampling, ctx.transform = temperature, sampling, transform
         return (logp, entropy) if return_entropy else (logp,)
@@ -401,9 +410,18 @@ def policy_loss(
         full_kl = torch.empty(inp.labels.numel(), dtype=torch.float32, device=inp.logits.device)
     temperature = temperature_of(inp, cfg)
     logp, entropy = forward_stats(
-        inp.logits, inp.labels, temperature, need_entropy, inp.valid, sampling, floors,
-        inp.ref_logits, cfg.kl, full_kl, inp.transform,
-    )  # fmt: skip
+        inp.logits,
+        inp.labels,
+        temperature,
+        need_entropy,
+        inp.valid,
+        sampling,
+        floors,
+        inp.ref_logits,
+        cfg.kl,
+        full_kl,
+        inp.transform,
+    )
     if full_kl is not None:
         full_kl = torch.where(inp.valid, full_kl.view_as(logp), 0.0)
     terms = token_terms(logp, entropy, inp, cfg, full_kl=full_kl)
@@ -411,8 +429,18 @@ def policy_loss(
         # beta = 0: the KL is a metric, its gradient term is zero and its pass is skipped.
         with_kl = full_kl is not None and cfg.beta > 0
         write_logits_grad(
-            inp.logits, inp.labels, temperature, terms.dlogp, terms.dentropy, grad_out,
-            sampling, floors, ref_logits=inp.ref_logits if with_kl else None, kl_kind=cfg.kl,
-            dfull_kl=terms.dfull_kl, full_kl=full_kl, transform=inp.transform,
-        )  # fmt: skip
+            inp.logits,
+            inp.labels,
+            temperature,
+            terms.dlogp,
+            terms.dentropy,
+            grad_out,
+            sampling,
+            floors,
+            ref_logits=inp.ref_logits if with_kl else None,
+            kl_kind=cfg.kl,
+            dfull_kl=terms.dfull_kl,
+            full_kl=full_kl,
+            transform=inp.transform,
+        )
     return logp, entropy, terms

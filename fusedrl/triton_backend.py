@@ -274,9 +274,12 @@ def _sequence_terms(logp, entropy, *, sequence_ratio, vocab, **arguments):
     """A two-pass call's terms on [B, T] log-probs (kernels/sequence_terms.py): (dlogp,
     dentropy or [0] without a bonus, one row of sums per sequence for `token_loss_sums`)."""
     return _kernels().sequence_terms.sequence_terms(
-        logp, entropy, TokenLossArgs.from_keywords(arguments), sequence_ratio=sequence_ratio,
+        logp,
+        entropy,
+        TokenLossArgs.from_keywords(arguments),
+        sequence_ratio=sequence_ratio,
         vocab=vocab,
-    )  # fmt: skip
+    )
 
 
 @torch.library.register_fake("fusedrl::sequence_terms")
@@ -345,9 +348,24 @@ def two_rows_grad(
     cap: float | None = None,
 ) -> None:
     _two_rows_kernels().two_rows_backward(
-        student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, beta, out,
-        labels, entropy, dlogp, dentropy, row_temps, cap,
-    )  # fmt: skip
+        student,
+        teacher,
+        lse_s,
+        lse_q,
+        value,
+        aux,
+        weight,
+        temperature,
+        kind,
+        beta,
+        out,
+        labels,
+        entropy,
+        dlogp,
+        dentropy,
+        row_temps,
+        cap,
+    )
 
 
 @two_rows_grad.register_fake
@@ -355,9 +373,7 @@ def _(student, teacher, lse_s, lse_q, value, aux, weight, temperature, kind, bet
     return None
 
 
-TWO_ROWS = fused_backend.TwoRowOps(
-    _eager_or_traced(two_rows_fwd), _eager_or_traced(two_rows_grad)
-)
+TWO_ROWS = fused_backend.TwoRowOps(_eager_or_traced(two_rows_fwd), _eager_or_traced(two_rows_grad))
 
 
 # ------------------------------------------------------------------------------ backends

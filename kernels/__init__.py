@@ -55,4 +55,3 @@ def check_triton_version() -> None:
             "`python -m fusedrl.kernels.aot`",
             stacklevel=2,
         )
-

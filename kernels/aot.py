@@ -143,9 +143,12 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     # the token ratio with the clip options and a device entropy coefficient.
     gspo = token_args.LossVariant(kl="k3", beta=0.1, entropy_coef=0.01)
     yield lambda: sequence_terms.sequence_terms(
-        rows, rows, every_input._replace(variant=gspo, mask=valid), sequence_ratio=True,
+        rows,
+        rows,
+        every_input._replace(variant=gspo, mask=valid),
+        sequence_ratio=True,
         vocab=vocab,
-    )  # fmt: skip
+    )
     clipped = token_args.LossVariant(dual_clip_c=3.0, delta=2.0, low_bound=0.8, high_bound=1.2)
     token_ratio = token_args.TokenLossArgs(
         labels, valid, rows, clipped, rows, rows, rows, entropy_coef_tensor=torch.ones(())
@@ -156,18 +159,40 @@ def _example_launches() -> Iterator[Callable[[], None]]:
     # Two distributions per token (distill_loss): the teacher's logits beside the student's.
     yield lambda: two_rows.two_rows_forward(logits, logits, labels, valid, 1.0, "jsd", 0.5)
     yield lambda: two_rows.two_rows_backward(
-        logits, logits, rows, rows, rows, rows, rows, 1.0, "jsd", 0.5, torch.empty_like(logits),
-        labels, rows, rows, rows,
-    )  # fmt: skip
+        logits,
+        logits,
+        rows,
+        rows,
+        rows,
+        rows,
+        rows,
+        1.0,
+        "jsd",
+        0.5,
+        torch.empty_like(logits),
+        labels,
+        rows,
+        rows,
+        rows,
+    )
     # The LM-head loss: [2, 3, H] hidden states and a [V, H] head (H = 64 keeps the example
     # small; a real H only changes integers that are multiples of 16 just the same).
     hidden = torch.zeros(batch, time, 64, dtype=torch.bfloat16)
     head = torch.zeros(vocab, 64, dtype=torch.bfloat16)
     yield lambda: linear_loss.linear_stats(hidden, head, head[:, 0], labels, valid, 1.0)
     yield lambda: linear_loss.linear_logits_grad(
-        hidden, head, head[:, 0], labels, rows, rows, rows, rows, 1.0, 0,
+        hidden,
+        head,
+        head[:, 0],
+        labels,
+        rows,
+        rows,
+        rows,
+        rows,
+        1.0,
+        0,
         torch.empty(batch * time, vocab, dtype=torch.bfloat16),
-    )  # fmt: skip
+    )
 
 
 def record_launches() -> list[Launch]:
@@ -334,8 +359,10 @@ def cubin_report(cubin: bytes) -> dict:
         f.flush()
         usage = subprocess.run(
             [_cuobjdump(), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         sass = subprocess.run(
             [_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
@@ -636,13 +663,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument(
-        "--sass-vocab", type=int, default=EXAMPLE_VOCAB,
+        "--sass-vocab",
+        type=int,
+        default=EXAMPLE_VOCAB,
         help="keep the SASS of the base bf16 variants at this vocab (in the JSON)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="the base configuration of each kernel only (bf16, example vocab): an install check",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")

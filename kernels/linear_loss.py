@@ -91,11 +91,23 @@ def _row_offsets(rows, row_ok, time, stride_b, stride_t):
 
 @triton.jit
 def _logits_tile(
-    hidden_ptr, x_offsets, row_ok, weight_ptr, stride_wv, bias_ptr, cols, col_ok, hidden_size,
+    hidden_ptr,
+    x_offsets,
+    row_ok,
+    weight_ptr,
+    stride_wv,
+    bias_ptr,
+    cols,
+    col_ok,
+    hidden_size,
     inv_temperature,
-    HAS_BIAS: tl.constexpr, FP32_EXACT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    HAS_BIAS: tl.constexpr,
+    FP32_EXACT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """(hidden[rows] @ weight[cols].T + bias[cols]) / temperature, fp32 [BLOCK_M, BLOCK_V]; -inf
     outside the vocab."""
     acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
@@ -126,11 +138,29 @@ def _logits_tile(
 
 @triton.jit
 def _linear_stats_kernel(
-    hidden_ptr, stride_b, stride_t, time, weight_ptr, stride_wv, bias_ptr, labels_ptr, valid_ptr,
-    logp_ptr, lse_ptr, entropy_ptr, n_rows, vocab, hidden_size, inv_temperature,
-    HAS_BIAS: tl.constexpr, FP32_EXACT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    hidden_ptr,
+    stride_b,
+    stride_t,
+    time,
+    weight_ptr,
+    stride_wv,
+    bias_ptr,
+    labels_ptr,
+    valid_ptr,
+    logp_ptr,
+    lse_ptr,
+    entropy_ptr,
+    n_rows,
+    vocab,
+    hidden_size,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    FP32_EXACT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_range = rows < n_rows
     row_ok = in_range & (tl.load(valid_ptr + rows, mask=in_range, other=0) != 0)
@@ -147,10 +177,23 @@ def _linear_stats_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < vocab
         z = _logits_tile(
-            hidden_ptr, x_offsets, row_ok, weight_ptr, stride_wv, bias_ptr, cols, col_ok,
-            hidden_size, inv_temperature, HAS_BIAS, FP32_EXACT, UPCAST_DOT, BLOCK_M, BLOCK_V,
+            hidden_ptr,
+            x_offsets,
+            row_ok,
+            weight_ptr,
+            stride_wv,
+            bias_ptr,
+            cols,
+            col_ok,
+            hidden_size,
+            inv_temperature,
+            HAS_BIAS,
+            FP32_EXACT,
+            UPCAST_DOT,
+            BLOCK_M,
+            BLOCK_V,
             BLOCK_H,
-        )  # fmt: skip
+        )
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
         shifted = z - m_new[:, None]
@@ -173,12 +216,33 @@ def _linear_stats_kernel(
 
 @triton.jit
 def _linear_logits_grad_kernel(
-    hidden_ptr, stride_b, stride_t, time, weight_ptr, stride_wv, bias_ptr, labels_ptr, lse_ptr,
-    entropy_ptr, dlogp_ptr, dentropy_ptr, grad_ptr, stride_g, first_row, n_rows, vocab,
-    hidden_size, inv_temperature,
-    HAS_BIAS: tl.constexpr, HAS_DENTROPY: tl.constexpr, FP32_EXACT: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    hidden_ptr,
+    stride_b,
+    stride_t,
+    time,
+    weight_ptr,
+    stride_wv,
+    bias_ptr,
+    labels_ptr,
+    lse_ptr,
+    entropy_ptr,
+    dlogp_ptr,
+    dentropy_ptr,
+    grad_ptr,
+    stride_g,
+    first_row,
+    n_rows,
+    vocab,
+    hidden_size,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    HAS_DENTROPY: tl.constexpr,
+    FP32_EXACT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """grad[r - first_row, tile] for rows [first_row, n_rows) of the chunk, one tile a program."""
     local = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = first_row + local
@@ -193,10 +257,23 @@ def _linear_logits_grad_kernel(
     row_ok = in_range & live  # rows without a derivative (masked) are not recomputed
     x_offsets = _row_offsets(rows, row_ok, time, stride_b, stride_t)
     z = _logits_tile(
-        hidden_ptr, x_offsets, row_ok, weight_ptr, stride_wv, bias_ptr, cols, col_ok,
-        hidden_size, inv_temperature, HAS_BIAS, FP32_EXACT, UPCAST_DOT, BLOCK_M, BLOCK_V,
-            BLOCK_H,
-    )  # fmt: skip
+        hidden_ptr,
+        x_offsets,
+        row_ok,
+        weight_ptr,
+        stride_wv,
+        bias_ptr,
+        cols,
+        col_ok,
+        hidden_size,
+        inv_temperature,
+        HAS_BIAS,
+        FP32_EXACT,
+        UPCAST_DOT,
+        BLOCK_M,
+        BLOCK_V,
+        BLOCK_H,
+    )
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=0)
     log_p = z - lse[:, None]
@@ -247,12 +324,21 @@ def linear_stats(
     block_v = block_size(weight.shape[0], hidden.device, hidden.element_size())
     grid = (triton.cdiv(n_rows, sizes["BLOCK_M"]),)
     _linear_stats_kernel[grid](
-        *_head_args(hidden, weight, bias), labels.contiguous(), valid.contiguous(), *out,
-        n_rows, weight.shape[0], hidden_size, 1.0 / temperature,
-        HAS_BIAS=bias is not None, FP32_EXACT=fp32_exact(hidden.dtype),
-        UPCAST_DOT=hidden.device.type != "cuda", BLOCK_V=block_v, **sizes,
+        *_head_args(hidden, weight, bias),
+        labels.contiguous(),
+        valid.contiguous(),
+        *out,
+        n_rows,
+        weight.shape[0],
+        hidden_size,
+        1.0 / temperature,
+        HAS_BIAS=bias is not None,
+        FP32_EXACT=fp32_exact(hidden.dtype),
+        UPCAST_DOT=hidden.device.type != "cuda",
+        BLOCK_V=block_v,
+        **sizes,
         **launch_options(block_v),
-    )  # fmt: skip
+    )
     return tuple(out)
 
 
@@ -280,10 +366,24 @@ def linear_logits_grad(
     block_v = block_size(vocab, hidden.device, hidden.element_size())
     grid = (triton.cdiv(n_rows - first_row, sizes["BLOCK_M"]), triton.cdiv(vocab, block_v))
     _linear_logits_grad_kernel[grid](
-        *_head_args(hidden, weight, bias), labels.contiguous(), lse, entropy,
-        dlogp.contiguous(), dlogp if dentropy is None else dentropy.contiguous(), out,
-        out.stride(0), first_row, n_rows, vocab, hidden_size, 1.0 / temperature,
-        HAS_BIAS=bias is not None, HAS_DENTROPY=dentropy is not None,
-        FP32_EXACT=fp32_exact(hidden.dtype), UPCAST_DOT=hidden.device.type != "cuda",
-        BLOCK_V=block_v, **sizes, **launch_options(block_v),
-    )  # fmt: skip
+        *_head_args(hidden, weight, bias),
+        labels.contiguous(),
+        lse,
+        entropy,
+        dlogp.contiguous(),
+        dlogp if dentropy is None else dentropy.contiguous(),
+        out,
+        out.stride(0),
+        first_row,
+        n_rows,
+        vocab,
+        hidden_size,
+        1.0 / temperature,
+        HAS_BIAS=bias is not None,
+        HAS_DENTROPY=dentropy is not None,
+        FP32_EXACT=fp32_exact(hidden.dtype),
+        UPCAST_DOT=hidden.device.type != "cuda",
+        BLOCK_V=block_v,
+        **sizes,
+        **launch_options(block_v),
+    )

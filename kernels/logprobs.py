@@ -75,9 +75,17 @@ def _logprobs_fwd_kernel(
         label = tl.load(labels_ptr + row)
         label = tl.where((label >= 0) & (label < vocab), label, 0)
         label_value, lse, mean_z, sum_pi_sq = row_stats(
-            row_ptr, vocab, row_scale2, tl.load(row_ptr + label), cap2,
-            "evict_first", FAST_EXP2, SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
-        )  # fmt: skip
+            row_ptr,
+            vocab,
+            row_scale2,
+            tl.load(row_ptr + label),
+            cap2,
+            "evict_first",
+            FAST_EXP2,
+            SUM_PI_SQUARED,
+            SOFTCAP,
+            BLOCK_V,
+        )
         tl.store(logp_ptr + row, logp_of(label_value, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - mean_z)

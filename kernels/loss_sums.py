@@ -29,9 +29,18 @@ KERNEL_FAMILY = "reduce"
 # The metrics every call reports come first, then the KL's and the entropy's, which some calls
 # report: the driver takes a call's metrics as one slice's views (`fused_backend._metric_slots`).
 SUM_SLOTS = (
-    "clipfrac", "clip_low", "clip_high", "dual_clipfrac", "ppo_kl", "logp_mean", "kl",
-    "entropy", "labels_ok", "loss", "weight",
-)  # fmt: skip
+    "clipfrac",
+    "clip_low",
+    "clip_high",
+    "dual_clipfrac",
+    "ppo_kl",
+    "logp_mean",
+    "kl",
+    "entropy",
+    "labels_ok",
+    "loss",
+    "weight",
+)
 SUM_WIDTH = tl.constexpr(16)  # a power of two >= len(SUM_SLOTS): one vector per program
 SLOT_LOSS = tl.constexpr(SUM_SLOTS.index("loss"))
 SLOT_WEIGHT = tl.constexpr(SUM_SLOTS.index("weight"))

@@ -507,9 +507,17 @@ def grad_coefficients(dlogp, dentropy, entropy, inv_temperature, cap2, SOFTCAP: 
 
 @triton.jit
 def label_entry(
-    label_logit, scale2, lse2, k0, k1, onehot, cap2, WITH_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr,
-):  # fmt: skip
+    label_logit,
+    scale2,
+    lse2,
+    k0,
+    k1,
+    onehot,
+    cap2,
+    WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+):
     """The gradient's entry at the label: the row's p-term (`grad_tile`'s) plus the one-hot
     term, from the label's logit. The row kernels store it apart, after the row's other
     stores, so that their loops need no compare with the label."""
@@ -588,19 +596,63 @@ def write_row_grad(
     if full_tiles > 0:
         if out_head == head:
             body_ptr = tl.multiple_of(row_ptr + out_head, 16)
-            _grad_tiles(body_ptr, out_body_ptr, 0, full_tiles, scale2, lse2, k0, k1, cap2,
-                        EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2, True, BLOCK_V)  # fmt: skip
+            _grad_tiles(
+                body_ptr,
+                out_body_ptr,
+                0,
+                full_tiles,
+                scale2,
+                lse2,
+                k0,
+                k1,
+                cap2,
+                EVICT,
+                WITH_ENTROPY,
+                SOFTCAP,
+                FAST_EXP2,
+                True,
+                BLOCK_V,
+            )
         else:
             # Unaligned input: its 16-bit loads are not carried over the back edge (see
             # _grad_tiles), and two tiles a trip share the trip's fixed cost (counter, addresses,
             # the stores' cache policy); an odd last tile goes alone.
             pairs = full_tiles // 2
-            _grad_tiles(row_ptr + out_head, out_body_ptr, 0, pairs, scale2, lse2, k0, k1, cap2,
-                        EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False, 2 * BLOCK_V)  # fmt: skip
+            _grad_tiles(
+                row_ptr + out_head,
+                out_body_ptr,
+                0,
+                pairs,
+                scale2,
+                lse2,
+                k0,
+                k1,
+                cap2,
+                EVICT,
+                WITH_ENTROPY,
+                SOFTCAP,
+                FAST_EXP2,
+                False,
+                2 * BLOCK_V,
+            )
             if full_tiles % 2 != 0:
-                _grad_tiles(row_ptr + out_head, out_body_ptr, full_tiles - 1, full_tiles,
-                            scale2, lse2, k0, k1, cap2, EVICT, WITH_ENTROPY, SOFTCAP, FAST_EXP2,
-                            False, BLOCK_V)  # fmt: skip
+                _grad_tiles(
+                    row_ptr + out_head,
+                    out_body_ptr,
+                    full_tiles - 1,
+                    full_tiles,
+                    scale2,
+                    lse2,
+                    k0,
+                    k1,
+                    cap2,
+                    EVICT,
+                    WITH_ENTROPY,
+                    SOFTCAP,
+                    FAST_EXP2,
+                    False,
+                    BLOCK_V,
+                )
     # The label's entry: the same p-term plus the one-hot term, stored after every other write.
     label_grad = label_entry(
         label_logit, scale2, lse2, k0, k1, onehot, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2

@@ -55,9 +55,7 @@ KERNEL_FAMILY = "reduce"
 
 
 @triton.jit
-def _sequence_log_ratio(
-    logp_ptr, old_ptr, valid_ptr, mask_ptr, start, time, BLOCK_T: tl.constexpr
-):
+def _sequence_log_ratio(logp_ptr, old_ptr, valid_ptr, mask_ptr, start, time, BLOCK_T: tl.constexpr):
     """The sequence's mask-weighted mean of the clamped token log-ratios (GSPO's log s); NaN if
     any counted token's is (a GPU's clamp would drop it, torch's keeps it)."""
     total = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -271,9 +269,12 @@ def sequence_terms(
         args.advantages.stride(1),
         *variant_scalars(args.variant),
         **variant_constexprs(
-            args.variant, args.ref_logp is not None, args.is_weight is not None,
-            args.low is not None, coef_tensor is not None,
-        ),  # fmt: skip
+            args.variant,
+            args.ref_logp is not None,
+            args.is_weight is not None,
+            args.low is not None,
+            coef_tensor is not None,
+        ),
         SEQUENCE_RATIO=sequence_ratio,
         HAS_ENTROPY=entropy is not None,
         BLOCK_T=min(BLOCK_T, next_power_of_2(time)),

@@ -169,23 +169,38 @@ def _slice_sums(x, reference, row_scale2, cap2, SOFTCAP: tl.constexpr, FAST_EXP2
     they overflowed (then `_store_exact_partial`)."""
     if SOFTCAP:
         x, _ = capped(x, cap2, FAST_EXP2)
-    d = tl.maximum(x.to(tl.float32) * row_scale2 - reference, FLOOR,
-                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    d = tl.maximum(
+        x.to(tl.float32) * row_scale2 - reference, FLOOR, propagate_nan=tl.PropagateNan.ALL
+    )
     e = exp2(d, FAST_EXP2)
     return tl.sum(e, axis=0), tl.sum(e * d, axis=0)
 
 
 @triton.jit
 def _store_exact_partial(
-    out_ptr, entry, slice_ptr, length, row_scale2, cap2, FAST_EXP2: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    entry,
+    slice_ptr,
+    length,
+    row_scale2,
+    cap2,
+    FAST_EXP2: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """The slice's exact partial, read again from memory by the online softmax (`rows`), as
     `merge_partials` takes it: (its lse2, 1, its mean y) at out_ptr."""
     lse2, mean_y, _ = _stats_online(
-        slice_ptr, tl.minimum(length, BLOCK_V), row_scale2, cap2, "",
-        FAST_EXP2, False, SOFTCAP, FALLBACK_BLOCK,
-    )  # fmt: skip
+        slice_ptr,
+        tl.minimum(length, BLOCK_V),
+        row_scale2,
+        cap2,
+        "",
+        FAST_EXP2,
+        False,
+        SOFTCAP,
+        FALLBACK_BLOCK,
+    )
     partial = tl.where(
         entry == 0, lse2, tl.where(entry == 1, 1.0, tl.where(entry == 2, mean_y, 0.0))
     )
@@ -193,8 +208,7 @@ def _store_exact_partial(
 
 
 @triton.jit
-def merge_partials(maxes, sums, weighted, squares, SQUARES: tl.constexpr,
-                   FAST_EXP2: tl.constexpr):  # fmt: skip
+def merge_partials(maxes, sums, weighted, squares, SQUARES: tl.constexpr, FAST_EXP2: tl.constexpr):
     """(lse2, mean y, sum p^2) of a row from its slices' partials ([MAX_SLICES] vectors; absent
     slices hold max -inf and zero sums and drop out): each slice's sums rescaled to the row's
     max, as the online softmax does per element."""
@@ -243,19 +257,69 @@ def _group_barrier(arrivals_ptr, target):
 
 @triton.jit
 def _split_row_loss_kernel(
-    rows, logits_ptr, grad_ptr, labels_ptr, valid_ptr, mask_ptr, adv_ptr, old_ptr, ref_ptr,
-    is_weight_ptr, agg_weight_ptr, low_ptr, high_ptr, logp_ptr, entropy_ptr,
-    partials_ptr, temperature_ptr, entropy_coef_ptr, grad_scale_ptr, exchange_ptr,
-    arrivals_ptr, time, vocab, slices, partial_rows, stride_b, stride_t, adv_stride_b,
-    adv_stride_t, grad_stride_b, grad_stride_t, inv_temperature, scale2, cap2, low_bound,
-    high_bound, dual_clip_c, delta, tau_pos, tau_neg, beta, entropy_coef, grad_scale,
-    agg_denominator, LOSS: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_VALUE: tl.constexpr, HAS_IS: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr, ENTROPY_BONUS: tl.constexpr, ENTROPY_COEF_FROM_PTR: tl.constexpr,
-    GRAD_SCALE_FROM_PTR: tl.constexpr, AGG_FROM_MASK: tl.constexpr,
-    ROW_TEMPERATURE: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_EXP2: tl.constexpr, PHASE: tl.constexpr, EXCHANGE: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    rows,
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    valid_ptr,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    is_weight_ptr,
+    agg_weight_ptr,
+    low_ptr,
+    high_ptr,
+    logp_ptr,
+    entropy_ptr,
+    partials_ptr,
+    temperature_ptr,
+    entropy_coef_ptr,
+    grad_scale_ptr,
+    exchange_ptr,
+    arrivals_ptr,
+    time,
+    vocab,
+    slices,
+    partial_rows,
+    stride_b,
+    stride_t,
+    adv_stride_b,
+    adv_stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    inv_temperature,
+    scale2,
+    cap2,
+    low_bound,
+    high_bound,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    beta,
+    entropy_coef,
+    grad_scale,
+    agg_denominator,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    KL: tl.constexpr,
+    KL_VALUE: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    ENTROPY_COEF_FROM_PTR: tl.constexpr,
+    GRAD_SCALE_FROM_PTR: tl.constexpr,
+    AGG_FROM_MASK: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    PHASE: tl.constexpr,
+    EXCHANGE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Program p is slice p % slices of group p // slices; group g walks rows g, g + groups, ...
     The arguments are the two-sweep kernel's (`token_loss._fused_token_loss_kernel`, which
     documents them) and: `exchange_ptr`, the partials' fp32 buffer (PHASE_ONE_LAUNCH: two ring
@@ -266,11 +330,17 @@ def _split_row_loss_kernel(
     (or the two launches). Group g's slice-0 program writes the group's sums to row g of
     `partials` (`partial_rows` rows; rows past the groups get zeros)."""
     bonus_coef, scale_grad, denominator = loss_prologue(
-        rows=rows, mask_ptr=mask_ptr, entropy_coef_ptr=entropy_coef_ptr,
-        grad_scale_ptr=grad_scale_ptr, entropy_coef=entropy_coef, grad_scale=grad_scale,
-        agg_denominator=agg_denominator, ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
-        GRAD_SCALE_FROM_PTR=GRAD_SCALE_FROM_PTR, AGG_FROM_MASK=AGG_FROM_MASK,
-    )  # fmt: skip
+        rows=rows,
+        mask_ptr=mask_ptr,
+        entropy_coef_ptr=entropy_coef_ptr,
+        grad_scale_ptr=grad_scale_ptr,
+        entropy_coef=entropy_coef,
+        grad_scale=grad_scale,
+        agg_denominator=agg_denominator,
+        ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
+        GRAD_SCALE_FROM_PTR=GRAD_SCALE_FROM_PTR,
+        AGG_FROM_MASK=AGG_FROM_MASK,
+    )
     pid = tl.program_id(0)
     slice_id = pid % slices
     group = pid // slices
@@ -325,13 +395,27 @@ def _split_row_loss_kernel(
             else:
                 label_logit = tl.load(row_ptr + label).to(tl.float32)
             adv, agg_weight, old, low, high, is_weight, ref = load_token_inputs(
-                row=row, time=time, adv_ptr=adv_ptr, adv_stride_b=adv_stride_b,
-                adv_stride_t=adv_stride_t, mask_ptr=mask_ptr, agg_weight_ptr=agg_weight_ptr,
-                denominator=denominator, old_ptr=old_ptr, low_ptr=low_ptr, high_ptr=high_ptr,
-                is_weight_ptr=is_weight_ptr, ref_ptr=ref_ptr, low_bound=low_bound,
-                high_bound=high_bound, AGG_FROM_MASK=AGG_FROM_MASK, HAS_OLD=HAS_OLD,
-                HAS_BOUNDS=HAS_BOUNDS, HAS_IS=HAS_IS, KL_VALUE=KL_VALUE,
-            )  # fmt: skip
+                row=row,
+                time=time,
+                adv_ptr=adv_ptr,
+                adv_stride_b=adv_stride_b,
+                adv_stride_t=adv_stride_t,
+                mask_ptr=mask_ptr,
+                agg_weight_ptr=agg_weight_ptr,
+                denominator=denominator,
+                old_ptr=old_ptr,
+                low_ptr=low_ptr,
+                high_ptr=high_ptr,
+                is_weight_ptr=is_weight_ptr,
+                ref_ptr=ref_ptr,
+                low_bound=low_bound,
+                high_bound=high_bound,
+                AGG_FROM_MASK=AGG_FROM_MASK,
+                HAS_OLD=HAS_OLD,
+                HAS_BOUNDS=HAS_BOUNDS,
+                HAS_IS=HAS_IS,
+                KL_VALUE=KL_VALUE,
+            )
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
@@ -350,9 +434,16 @@ def _split_row_loss_kernel(
                     # The exact partial too (the second launch cannot read the slice again in
                     # place: its peers may have written theirs), and the label's logit.
                     _store_exact_partial(
-                        part + (MAX_SLICES + slice_id) * PARTIAL, entry, row_ptr + slice_start,
-                        vocab - slice_start, row_scale2, cap2, FAST_EXP2, SOFTCAP, BLOCK_V,
-                    )  # fmt: skip
+                        part + (MAX_SLICES + slice_id) * PARTIAL,
+                        entry,
+                        row_ptr + slice_start,
+                        vocab - slice_start,
+                        row_scale2,
+                        cap2,
+                        FAST_EXP2,
+                        SOFTCAP,
+                        BLOCK_V,
+                    )
                     if lead:
                         tl.store(part + 2 * MAX_SLICES * PARTIAL, label_logit)
             if PHASE == PHASE_ONE_LAUNCH:
@@ -382,16 +473,29 @@ def _split_row_loss_kernel(
                         if EXCHANGE:
                             part = exchange_ptr + (group * 2 + exchanged % 2) * MAX_SLICES * PARTIAL
                             _store_exact_partial(
-                                part + slice_id * PARTIAL, entry, row_ptr + slice_start,
-                                vocab - slice_start, row_scale2, cap2, FAST_EXP2, SOFTCAP,
+                                part + slice_id * PARTIAL,
+                                entry,
+                                row_ptr + slice_start,
+                                vocab - slice_start,
+                                row_scale2,
+                                cap2,
+                                FAST_EXP2,
+                                SOFTCAP,
                                 BLOCK_V,
-                            )  # fmt: skip
+                            )
                             _group_barrier(arrivals_ptr + group, slices * (exchanged + 1))
                         else:
                             lse2, mean_y, _ = _stats_online(
-                                row_ptr, vocab, row_scale2, cap2, "", FAST_EXP2, False,
-                                SOFTCAP, FALLBACK_BLOCK,
-                            )  # fmt: skip
+                                row_ptr,
+                                vocab,
+                                row_scale2,
+                                cap2,
+                                "",
+                                FAST_EXP2,
+                                False,
+                                SOFTCAP,
+                                FALLBACK_BLOCK,
+                            )
                         exchanged += 1
                     else:
                         part = part + MAX_SLICES * PARTIAL  # the first launch's exact partials
@@ -410,13 +514,31 @@ def _split_row_loss_kernel(
                 entropy = lse - mean_y * LN2
                 logp = logp_of(label_value, row_inv_t, lse)
                 d_token, dentropy, token_sums = token_step(
-                    logp=logp, entropy=entropy, adv=adv, agg_weight=agg_weight, old=old,
-                    low=low, high=high, is_weight=is_weight, ref=ref, weight_ptr=mask_ptr + row,
-                    slots=slots, dual_clip_c=dual_clip_c, delta=delta, tau_pos=tau_pos,
-                    tau_neg=tau_neg, beta=beta, bonus_coef=bonus_coef, LOSS=LOSS,
-                    DUAL_CLIP=DUAL_CLIP, HAS_DELTA=HAS_DELTA, HAS_OLD=HAS_OLD, KL=KL,
-                    KL_VALUE=KL_VALUE, ENTROPY_BONUS=ENTROPY_BONUS,
-                )  # fmt: skip
+                    logp=logp,
+                    entropy=entropy,
+                    adv=adv,
+                    agg_weight=agg_weight,
+                    old=old,
+                    low=low,
+                    high=high,
+                    is_weight=is_weight,
+                    ref=ref,
+                    weight_ptr=mask_ptr + row,
+                    slots=slots,
+                    dual_clip_c=dual_clip_c,
+                    delta=delta,
+                    tau_pos=tau_pos,
+                    tau_neg=tau_neg,
+                    beta=beta,
+                    bonus_coef=bonus_coef,
+                    LOSS=LOSS,
+                    DUAL_CLIP=DUAL_CLIP,
+                    HAS_DELTA=HAS_DELTA,
+                    HAS_OLD=HAS_OLD,
+                    KL=KL,
+                    KL_VALUE=KL_VALUE,
+                    ENTROPY_BONUS=ENTROPY_BONUS,
+                )
                 if lead:
                     sums += token_sums + slot(
                         slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0)
@@ -439,9 +561,17 @@ def _split_row_loss_kernel(
                 out_ty = grad_ptr.dtype.element_ty
                 tl.store(grad_row + slice_start + lanes, grad.to(out_ty), mask=in_slice)
                 label_grad = label_entry(
-                    label_logit, row_scale2, lse2, k0, k1, onehot, cap2, ENTROPY_BONUS, SOFTCAP,
+                    label_logit,
+                    row_scale2,
+                    lse2,
+                    k0,
+                    k1,
+                    onehot,
+                    cap2,
+                    ENTROPY_BONUS,
+                    SOFTCAP,
                     FAST_EXP2,
-                )  # fmt: skip
+                )
                 tl.debug_barrier()  # after every store that covered the label's element
                 if (label >= slice_start) & (label < slice_start + BLOCK_V):
                     tl.store(grad_row + label, label_grad.to(out_ty))
@@ -512,10 +642,14 @@ def split_rows_fit(logits: torch.Tensor, grad: torch.Tensor) -> bool:
         return False
     batch, time, vocab = logits.shape
     width = block_size(vocab, logits.device, logits.element_size())
-    aligned = all(
-        s % 16 == 0 for s in (vocab, logits.stride(0), logits.stride(1), grad.stride(0),
-                              grad.stride(1))
-    ) and logits.data_ptr() % 16 == 0 and grad.data_ptr() % 16 == 0  # fmt: skip
+    aligned = (
+        all(
+            s % 16 == 0
+            for s in (vocab, logits.stride(0), logits.stride(1), grad.stride(0), grad.stride(1))
+        )
+        and logits.data_ptr() % 16 == 0
+        and grad.data_ptr() % 16 == 0
+    )
     return aligned and -(-vocab // width) <= MAX_SLICES.value and logits.stride(2) == 1
 
 
@@ -547,18 +681,40 @@ def split_row_loss(
     if device.type != "cuda" and slices > 1 and not two_launches and _interpreted():
         raise ValueError("the interpreter runs programs one by one: a group barrier never ends")
     scalars, constexprs, variant = _split_launch(
-        slices > 1 or two_launches, width, logits.element_size(), device, args.variant,
+        slices > 1 or two_launches,
+        width,
+        logits.element_size(),
+        device,
+        args.variant,
         args.presence(),
-    )  # fmt: skip
+    )
 
     def arguments(exchange: torch.Tensor, arrivals: torch.Tensor) -> tuple:
         return (
-            rows, logits, grad, *args.per_token_pointers(logp), logp, entropy, partials,
-            *args.scalar_pointers(logp), exchange, arrivals, time, vocab, slices, partial_rows,
-            logits.stride(0), logits.stride(1), args.advantages.stride(0),
-            args.advantages.stride(1), grad.stride(0), grad.stride(1), *scalars,
-            float(args.grad_scale), float(args.agg_denominator),
-        )  # fmt: skip
+            rows,
+            logits,
+            grad,
+            *args.per_token_pointers(logp),
+            logp,
+            entropy,
+            partials,
+            *args.scalar_pointers(logp),
+            exchange,
+            arrivals,
+            time,
+            vocab,
+            slices,
+            partial_rows,
+            logits.stride(0),
+            logits.stride(1),
+            args.advantages.stride(0),
+            args.advantages.stride(1),
+            grad.stride(0),
+            grad.stride(1),
+            *scalars,
+            float(args.grad_scale),
+            float(args.agg_denominator),
+        )
 
     if device.type != "cuda" or two_launches:
         unused = torch.empty(1, dtype=torch.int32, device=device)

@@ -117,9 +117,13 @@ def policy_term(
         above = clipped
     value = tl.where(nan_ratio, float("nan"), value)
     return (
-        value, d, clipped & ~nan_ratio, below & ~nan_ratio, above & ~nan_ratio,
+        value,
+        d,
+        clipped & ~nan_ratio,
+        below & ~nan_ratio,
+        above & ~nan_ratio,
         dual_clipped & ~nan_ratio,
-    )  # fmt: skip
+    )
 
 
 @triton.jit
@@ -166,10 +170,15 @@ def variant_scalars(variant: LossVariant) -> tuple[float, ...]:
     that is off as 0.0: its constexpr switch keeps the kernel from reading it)."""
     v = variant
     return (
-        float(v.low_bound), float(v.high_bound), float(v.dual_clip_c or 0.0),
-        float(v.delta or 0.0), float(v.tau_pos), float(v.tau_neg), float(v.beta),
+        float(v.low_bound),
+        float(v.high_bound),
+        float(v.dual_clip_c or 0.0),
+        float(v.delta or 0.0),
+        float(v.tau_pos),
+        float(v.tau_neg),
+        float(v.beta),
         float(v.entropy_coef),
-    )  # fmt: skip
+    )
 
 
 def variant_constexprs(

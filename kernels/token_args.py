@@ -120,26 +120,69 @@ class TokenLossArgs(NamedTuple):
     def presence(self) -> tuple[bool, ...]:
         """Which optional tensors are given (a launch variant's switches), in OPTIONAL's order."""
         return (
-            self.old_logp is not None, self.ref_logp is not None, self.is_weight is not None,
-            self.low is not None, self.row_temps is not None,
-            self.entropy_coef_tensor is not None, self.sum_sq is not None,
+            self.old_logp is not None,
+            self.ref_logp is not None,
+            self.is_weight is not None,
+            self.low is not None,
+            self.row_temps is not None,
+            self.entropy_coef_tensor is not None,
+            self.sum_sq is not None,
             self.grad_scale_tensor is not None,
-        )  # fmt: skip
+        )
 
 
 # The per-token tensors (what a chunk of rows cuts), and the optional inputs `presence` names.
-ROW_FIELDS = ("labels", "valid", "advantages", "agg_weight", "mask", "old_logp", "ref_logp",
-              "is_weight", "low", "high", "row_temps", "sum_sq")  # fmt: skip
-OPTIONAL = ("old_logp", "ref_logp", "is_weight", "low", "row_temps", "entropy_coef_tensor",
-            "sum_sq", "grad_scale_tensor")  # fmt: skip
+ROW_FIELDS = (
+    "labels",
+    "valid",
+    "advantages",
+    "agg_weight",
+    "mask",
+    "old_logp",
+    "ref_logp",
+    "is_weight",
+    "low",
+    "high",
+    "row_temps",
+    "sum_sq",
+)
+OPTIONAL = (
+    "old_logp",
+    "ref_logp",
+    "is_weight",
+    "low",
+    "row_temps",
+    "entropy_coef_tensor",
+    "sum_sq",
+    "grad_scale_tensor",
+)
 
 # The CUDA extension's fused op takes these (csrc/bindings.cpp, FUSEDRL_FUSED_ARGS and its
 # keywords): no sums, so no mask, constant bounds or grad_scale (its aggregation weights carry
 # the scale, its bounds are tensors).
-CUDA_FIELDS = ("labels", "valid", "advantages", "old_logp", "ref_logp", "is_weight", "agg_weight",
-               "low", "high", "temperature", "loss", "dual_clip_c", "delta", "tau_pos", "tau_neg",
-               "kl", "beta", "entropy_coef", "row_temps", "cap",
-               "entropy_coef_tensor")  # fmt: skip
+CUDA_FIELDS = (
+    "labels",
+    "valid",
+    "advantages",
+    "old_logp",
+    "ref_logp",
+    "is_weight",
+    "agg_weight",
+    "low",
+    "high",
+    "temperature",
+    "loss",
+    "dual_clip_c",
+    "delta",
+    "tau_pos",
+    "tau_neg",
+    "kl",
+    "beta",
+    "entropy_coef",
+    "row_temps",
+    "cap",
+    "entropy_coef_tensor",
+)
 
 _SCHEMA_TYPES = {
     torch.Tensor: "Tensor",

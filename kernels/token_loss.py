@@ -74,10 +74,17 @@ BLOCK_COUNT = tl.constexpr(1024)  # mask weights per load of AGG_FROM_MASK's cou
 
 @triton.jit
 def loss_prologue(
-    rows, mask_ptr, entropy_coef_ptr, grad_scale_ptr, entropy_coef, grad_scale,
-    agg_denominator, ENTROPY_COEF_FROM_PTR: tl.constexpr, GRAD_SCALE_FROM_PTR: tl.constexpr,
+    rows,
+    mask_ptr,
+    entropy_coef_ptr,
+    grad_scale_ptr,
+    entropy_coef,
+    grad_scale,
+    agg_denominator,
+    ENTROPY_COEF_FROM_PTR: tl.constexpr,
+    GRAD_SCALE_FROM_PTR: tl.constexpr,
     AGG_FROM_MASK: tl.constexpr,
-):  # fmt: skip
+):
     """(entropy coefficient, gradient scale, aggregation denominator) of a loss kernel's
     program, read once: each a number or a device scalar; with AGG_FROM_MASK and no
     denominator given, the counted tokens' mask weight (token-mean), which every program sums
@@ -101,11 +108,27 @@ def loss_prologue(
 
 @triton.jit
 def load_token_inputs(
-    row, time, adv_ptr, adv_stride_b, adv_stride_t, mask_ptr, agg_weight_ptr, denominator,
-    old_ptr, low_ptr, high_ptr, is_weight_ptr, ref_ptr, low_bound, high_bound,
-    AGG_FROM_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_BOUNDS: tl.constexpr,
-    HAS_IS: tl.constexpr, KL_VALUE: tl.constexpr,
-):  # fmt: skip
+    row,
+    time,
+    adv_ptr,
+    adv_stride_b,
+    adv_stride_t,
+    mask_ptr,
+    agg_weight_ptr,
+    denominator,
+    old_ptr,
+    low_ptr,
+    high_ptr,
+    is_weight_ptr,
+    ref_ptr,
+    low_bound,
+    high_bound,
+    AGG_FROM_MASK: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    KL_VALUE: tl.constexpr,
+):
     """(adv, agg_weight, old, low, high, is_weight, ref) of one token: every per-token scalar
     the loss reads, loaded before the row's logits so that their latency hides behind them.
     AGG_FROM_MASK: the aggregation weight is the mask weight over `denominator`."""
@@ -133,11 +156,31 @@ def load_token_inputs(
 
 @triton.jit
 def token_step(
-    logp, entropy, adv, agg_weight, old, low, high, is_weight, ref, weight_ptr, slots,
-    dual_clip_c, delta, tau_pos, tau_neg, beta, bonus_coef, LOSS: tl.constexpr,
-    DUAL_CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_OLD: tl.constexpr, KL: tl.constexpr,
-    KL_VALUE: tl.constexpr, ENTROPY_BONUS: tl.constexpr,
-):  # fmt: skip
+    logp,
+    entropy,
+    adv,
+    agg_weight,
+    old,
+    low,
+    high,
+    is_weight,
+    ref,
+    weight_ptr,
+    slots,
+    dual_clip_c,
+    delta,
+    tau_pos,
+    tau_neg,
+    beta,
+    bonus_coef,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    KL: tl.constexpr,
+    KL_VALUE: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+):
     """(d(loss)/d(logp), d(loss)/d(H), the token's SUM_SLOTS vector) of one counted token from
     its log-prob and entropy: the policy term, the IS weight, the KL, the entropy bonus, the
     aggregation weight folded into both derivatives. Every loss kernel's per-token step."""
@@ -274,11 +317,17 @@ def _fused_token_loss_kernel(
     `partials`: the loss and the metrics then need no [B, T] arithmetic on the host, only
     `token_loss_sums` (a few registers per row against a row of V logits)."""
     bonus_coef, scale_grad, denominator = loss_prologue(
-        rows=rows, mask_ptr=mask_ptr, entropy_coef_ptr=entropy_coef_ptr,
-        grad_scale_ptr=grad_scale_ptr, entropy_coef=entropy_coef, grad_scale=grad_scale,
-        agg_denominator=agg_denominator, ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
-        GRAD_SCALE_FROM_PTR=GRAD_SCALE_FROM_PTR, AGG_FROM_MASK=AGG_FROM_MASK,
-    )  # fmt: skip
+        rows=rows,
+        mask_ptr=mask_ptr,
+        entropy_coef_ptr=entropy_coef_ptr,
+        grad_scale_ptr=grad_scale_ptr,
+        entropy_coef=entropy_coef,
+        grad_scale=grad_scale,
+        agg_denominator=agg_denominator,
+        ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
+        GRAD_SCALE_FROM_PTR=GRAD_SCALE_FROM_PTR,
+        AGG_FROM_MASK=AGG_FROM_MASK,
+    )
     slots = tl.arange(0, SUM_WIDTH)
     sums = tl.zeros([SUM_WIDTH], dtype=tl.float32)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
@@ -297,31 +346,71 @@ def _fused_token_loss_kernel(
             # stats loop's unrolling needs them).
             sums += slot(slots, SLOT_LABELS_OK, tl.where(label_outside, 1.0, 0.0))
             adv, agg_weight, old, low, high, is_weight, ref = load_token_inputs(
-                row=row, time=time, adv_ptr=adv_ptr, adv_stride_b=adv_stride_b,
-                adv_stride_t=adv_stride_t, mask_ptr=mask_ptr, agg_weight_ptr=agg_weight_ptr,
-                denominator=denominator, old_ptr=old_ptr, low_ptr=low_ptr, high_ptr=high_ptr,
-                is_weight_ptr=is_weight_ptr, ref_ptr=ref_ptr, low_bound=low_bound,
-                high_bound=high_bound, AGG_FROM_MASK=AGG_FROM_MASK, HAS_OLD=HAS_OLD,
-                HAS_BOUNDS=HAS_BOUNDS, HAS_IS=HAS_IS, KL_VALUE=KL_VALUE,
-            )  # fmt: skip
+                row=row,
+                time=time,
+                adv_ptr=adv_ptr,
+                adv_stride_b=adv_stride_b,
+                adv_stride_t=adv_stride_t,
+                mask_ptr=mask_ptr,
+                agg_weight_ptr=agg_weight_ptr,
+                denominator=denominator,
+                old_ptr=old_ptr,
+                low_ptr=low_ptr,
+                high_ptr=high_ptr,
+                is_weight_ptr=is_weight_ptr,
+                ref_ptr=ref_ptr,
+                low_bound=low_bound,
+                high_bound=high_bound,
+                AGG_FROM_MASK=AGG_FROM_MASK,
+                HAS_OLD=HAS_OLD,
+                HAS_BOUNDS=HAS_BOUNDS,
+                HAS_IS=HAS_IS,
+                KL_VALUE=KL_VALUE,
+            )
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
             label_value, lse, mean_z, sum_pi_sq = row_stats(
-                row_ptr, vocab, row_scale2, label_logit, cap2, "evict_last", FAST_EXP2,
-                SUM_PI_SQUARED, SOFTCAP, BLOCK_V,
-            )  # fmt: skip
+                row_ptr,
+                vocab,
+                row_scale2,
+                label_logit,
+                cap2,
+                "evict_last",
+                FAST_EXP2,
+                SUM_PI_SQUARED,
+                SOFTCAP,
+                BLOCK_V,
+            )
             entropy = lse - mean_z
             logp = logp_of(label_value, row_inv_t, lse)
             d_token, dentropy, token_sums = token_step(
-                logp=logp, entropy=entropy, adv=adv, agg_weight=agg_weight, old=old, low=low,
-                high=high, is_weight=is_weight, ref=ref, weight_ptr=mask_ptr + row, slots=slots,
-                dual_clip_c=dual_clip_c, delta=delta, tau_pos=tau_pos, tau_neg=tau_neg,
-                beta=beta, bonus_coef=bonus_coef, LOSS=LOSS, DUAL_CLIP=DUAL_CLIP,
-                HAS_DELTA=HAS_DELTA, HAS_OLD=HAS_OLD, KL=KL, KL_VALUE=KL_VALUE,
+                logp=logp,
+                entropy=entropy,
+                adv=adv,
+                agg_weight=agg_weight,
+                old=old,
+                low=low,
+                high=high,
+                is_weight=is_weight,
+                ref=ref,
+                weight_ptr=mask_ptr + row,
+                slots=slots,
+                dual_clip_c=dual_clip_c,
+                delta=delta,
+                tau_pos=tau_pos,
+                tau_neg=tau_neg,
+                beta=beta,
+                bonus_coef=bonus_coef,
+                LOSS=LOSS,
+                DUAL_CLIP=DUAL_CLIP,
+                HAS_DELTA=HAS_DELTA,
+                HAS_OLD=HAS_OLD,
+                KL=KL,
+                KL_VALUE=KL_VALUE,
                 ENTROPY_BONUS=ENTROPY_BONUS,
-            )  # fmt: skip
+            )
             sums += token_sums
             write_row_grad(
                 row_ptr,
@@ -434,4 +523,3 @@ def fused_token_loss(
         **constexprs,
     )
     return logp, entropy, partials
-

@@ -226,9 +226,17 @@ def _two_rows_fwd_kernel(
             sum_sg = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
                 ys, yq, in_row, unused_r, unused_unbounded = _load_pair(
-                    s_row, q_row, start, vocab, row_scale2, cap2, KIND, SOFTCAP, FAST_EXP2,
+                    s_row,
+                    q_row,
+                    start,
+                    vocab,
+                    row_scale2,
+                    cap2,
+                    KIND,
+                    SOFTCAP,
+                    FAST_EXP2,
                     BLOCK_V,
-                )  # fmt: skip
+                )
                 ls2 = ys - lse2_s
                 lq2 = yq - lse2_q
                 lm2 = _log2_mixture(ls2, lq2, log2_beta, log2_rest)

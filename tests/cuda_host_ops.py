@@ -42,9 +42,20 @@ def build(cache_root: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not exe.exists():
             # The device half is built (as PTX alone: no ptxas) but never runs.
-            cmd = [NVCC, "-O2", "-std=c++17", "-Werror", "all-warnings", "-I", str(CSRC),
-                   "-gencode", "arch=compute_80,code=compute_80", str(HARNESS),
-                   "-o", f"{exe}.tmp"]  # fmt: skip
+            cmd = [
+                NVCC,
+                "-O2",
+                "-std=c++17",
+                "-Werror",
+                "all-warnings",
+                "-I",
+                str(CSRC),
+                "-gencode",
+                "arch=compute_80,code=compute_80",
+                str(HARNESS),
+                "-o",
+                f"{exe}.tmp",
+            ]
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert result.returncode == 0, result.stderr[-4000:]
             os.replace(f"{exe}.tmp", exe)
@@ -99,25 +110,69 @@ class HostKernels:
         out = self._run("logprobs", logits, None, arrays, temperature, row_temps, cap)
         return out["logp"], out["lse"], out["entropy"]
 
-    def logits_grad(self, logits, labels, lse, entropy, dlogp, dentropy, temperature, out, *,
-                    row_temps=None, cap=None):  # fmt: skip
+    def logits_grad(
+        self,
+        logits,
+        labels,
+        lse,
+        entropy,
+        dlogp,
+        dentropy,
+        temperature,
+        out,
+        *,
+        row_temps=None,
+        cap=None,
+    ):
         arrays = {"labels": labels, "lse": lse, "entropy": entropy, "dlogp": dlogp}
         if dentropy is not None:
             arrays["dentropy"] = dentropy
         self._run("grad", logits, out, arrays, temperature, row_temps, cap)
 
-    def fused_token_loss(self, logits, grad, labels, valid, advantages, old_logp, ref_logp,
-                         is_weight, agg_weight, low, high, temperature, loss, dual_clip_c, delta,
-                         tau_pos, tau_neg, kl, beta, entropy_coef, *, row_temps=None,
-                         cap=None, entropy_coef_tensor=None):  # fmt: skip
-        arrays = {"labels": labels, "valid": valid.to(torch.int8), "advantages": advantages,
-                  "agg_weight": agg_weight}  # fmt: skip
+    def fused_token_loss(
+        self,
+        logits,
+        grad,
+        labels,
+        valid,
+        advantages,
+        old_logp,
+        ref_logp,
+        is_weight,
+        agg_weight,
+        low,
+        high,
+        temperature,
+        loss,
+        dual_clip_c,
+        delta,
+        tau_pos,
+        tau_neg,
+        kl,
+        beta,
+        entropy_coef,
+        *,
+        row_temps=None,
+        cap=None,
+        entropy_coef_tensor=None,
+    ):
+        arrays = {
+            "labels": labels,
+            "valid": valid.to(torch.int8),
+            "advantages": advantages,
+            "agg_weight": agg_weight,
+        }
         if entropy_coef_tensor is not None:
             if entropy_coef_tensor.numel() != 1:
                 raise RuntimeError("fusedrl: entropy_coef_tensor must hold one value")
             arrays["entropy_coef_tensor"] = entropy_coef_tensor
-        for name, value in [("old_logp", old_logp), ("ref_logp", ref_logp),
-                            ("is_weight", is_weight), ("low", low), ("high", high)]:  # fmt: skip
+        for name, value in [
+            ("old_logp", old_logp),
+            ("ref_logp", ref_logp),
+            ("is_weight", is_weight),
+            ("low", low),
+            ("high", high),
+        ]:
             if value is not None:
                 arrays[name] = value
         kl_code = 0 if kl is None or beta <= 0 else self.kl_codes[kl]
@@ -165,8 +220,9 @@ class HostKernels:
                 _write(folder / name, value)
             lines = [f"{name} {float(value)!r}" for name, value in settings.items()]
             (folder / "params.txt").write_text("\n".join(lines) + "\n")
-            result = subprocess.run([str(self.exe), op, str(folder)], capture_output=True,
-                                    text=True, timeout=300)  # fmt: skip
+            result = subprocess.run(
+                [str(self.exe), op, str(folder)], capture_output=True, text=True, timeout=300
+            )
             assert result.returncode == 0, result.stderr[-2000:]
             found = {}
             for name in ("logp", "lse", "entropy"):

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-MEASURE = '''
+MEASURE = """
 import json as _json, resource as _resource
 
 def _status_kib(field):
@@ -40,7 +40,7 @@ def measure(fn):
     result = fn()
     print(_json.dumps({"extra_bytes": (peak() - before) * 1024}))
     return result
-'''
+"""
 
 
 def peak_extra_bytes(script: str, *args: str, timeout: int = 600) -> int:

@@ -80,19 +80,29 @@ REJECTION_OPTIONS = {
     ),
     # (GSPO's 3e-4 / 4e-4 bounds would clip every sequence these rules keep: a zero gradient)
     "rejection_gspo": LossConfig.preset(
-        "gspo", rejection="seq_sum_k1,seq_max_k2,token_k3", rejection_threshold="0.5_1.9,0.2,0.1",
-        eps_low=0.2, eps_high=0.3,
+        "gspo",
+        rejection="seq_sum_k1,seq_max_k2,token_k3",
+        rejection_threshold="0.5_1.9,0.2,0.1",
+        eps_low=0.2,
+        eps_high=0.3,
     ),
     "rejection_seq_is_entropy": LossConfig(
-        rejection="token_k2", rejection_threshold=0.05, is_correction="sequence_truncate",
-        is_cap=1.5, entropy_coef=0.01, agg="seq-mean-token-mean",
-    ),  # fmt: skip
+        rejection="token_k2",
+        rejection_threshold=0.05,
+        is_correction="sequence_truncate",
+        is_cap=1.5,
+        entropy_coef=0.01,
+        agg="seq-mean-token-mean",
+    ),
     # trust-region sequence masking (arXiv 2512.23075), alone and chained with a rejection
     "trust_region_max": LossConfig(trust_region_delta=0.8),
     "trust_region_mean_gspo": LossConfig.preset(
-        "gspo", trust_region_delta=0.1, trust_region_mode="mean", rejection="token_k1",
+        "gspo",
+        trust_region_delta=0.1,
+        trust_region_mode="mean",
+        rejection="token_k1",
         rejection_threshold="0.5_2.0",
-    ),  # fmt: skip
+    ),
 }
 # M2PO: the tokens of largest (log r)^2 dropped until the rest's mean is below tau
 M2PO_OPTIONS = {
@@ -112,9 +122,14 @@ VERL_LOSS_OPTIONS = {
         loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_cov_seed=3
     ),
     "clip_cov_seq_mean": LossConfig(
-        loss="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_seed=4,
-        agg="seq-mean-token-mean", entropy_coef=0.01,
-    ),  # fmt: skip
+        loss="clip_cov",
+        clip_cov_ratio=0.5,
+        clip_cov_lb=-1.0,
+        clip_cov_ub=1.0,
+        clip_cov_seed=4,
+        agg="seq-mean-token-mean",
+        entropy_coef=0.01,
+    ),
 }
 OPTIONS = {
     "dual_clip": LossConfig(dual_clip_c=1.5, eps_low=0.1),
@@ -136,9 +151,16 @@ OPTIONS = {
     "is_low": LossConfig(is_correction="token_truncate", is_cap=1.3, is_cap_low=0.8),
     "luspo_token_dual": LossConfig(loss="luspo", ratio_level="token", dual_clip_c=2.0),
     "vespo_is_kl": LossConfig(
-        loss="vespo", is_correction="token_truncate", is_cap=2.0, kl="k3", beta=0.1,
-        vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5,
-    ),  # fmt: skip
+        loss="vespo",
+        is_correction="token_truncate",
+        is_cap=2.0,
+        kl="k3",
+        beta=0.1,
+        vespo_k_pos=1.5,
+        vespo_lambda_pos=2.5,
+        vespo_k_neg=2.5,
+        vespo_lambda_neg=1.5,
+    ),
     "kl_bias_correction": LossConfig(kl="k3", beta=0.2, kl_bias_correction=True),
     "kl_bias_correction_gspo": LossConfig.preset(
         "gspo", kl="k1", beta=0.1, kl_bias_correction=True
@@ -183,8 +205,9 @@ def test_low_precision_gradients_within_one_rounding(dtype, name, backend):
     an ulp); the Triton interpreter truncates fp32 -> bf16 (one ulp): one ulp is allowed, plus a
     fp32 noise floor of 16 fp32 ulps of the row's largest entry (the label's 1 - p cancels in
     fp32)."""
-    data = make_batch(batch=3, time=5, vocab=1031, dtype=dtype, seed=7,
-                      per_token_adv=name == "gspo_token")  # fmt: skip
+    data = make_batch(
+        batch=3, time=5, vocab=1031, dtype=dtype, seed=7, per_token_adv=name == "gspo_token"
+    )
     cfg = LossConfig.preset(name).replace(entropy_coef=0.01)
     args = {k: v for k, v in data.items() if k != "logits"}
     truth_logits = data["logits"].detach().double().requires_grad_(True)
@@ -387,11 +410,11 @@ def test_every_surface_accepts_what_policy_loss_accepts():
     assert not wanted - module, sorted(wanted - module)
     data = make_batch(seed=22)
     args = {k: v for k, v in data.items() if k != "logits"}
-    extra = dict(temperature=torch.full(data["labels"].shape, 0.8),
-                 entropy_coef=torch.tensor(0.01))  # fmt: skip
+    extra = dict(temperature=torch.full(data["labels"].shape, 0.8), entropy_coef=torch.tensor(0.01))
     out = fusedrl.PolicyLoss("dapo", backend="torch")(data["logits"], **args, **extra)
-    want = fusedrl.policy_loss(data["logits"], config=LossConfig.preset("dapo"), **args,
-                               backend="torch", **extra)  # fmt: skip
+    want = fusedrl.policy_loss(
+        data["logits"], config=LossConfig.preset("dapo"), **args, backend="torch", **extra
+    )
     torch.testing.assert_close(out.loss, want.loss, atol=0, rtol=0)
 
 
@@ -504,9 +527,16 @@ def test_loss_inputs_are_built_once():
 
     data = make_batch(vocab=131, seed=3)
     inp = prepare_loss_inputs(
-        data["logits"], data["labels"], data["advantages"], data["mask"], None, None, None,
-        LossConfig(), None,
-    )  # fmt: skip
+        data["logits"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        None,
+        None,
+        None,
+        LossConfig(),
+        None,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         inp.mask = inp.mask * 0  # type: ignore[misc]
     ones = torch.ones_like(inp.mask)

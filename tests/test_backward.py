@@ -35,8 +35,6 @@ class _OpsOnStorage(TorchDispatchMode):
         return out
 
 
-
-
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)

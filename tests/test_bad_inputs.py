@@ -254,9 +254,15 @@ def test_empty_batches_give_zero_loss_in_every_mode(shape, preset):
 
 def test_numpy_scalars_in_loss_config():
     np = pytest.importorskip("numpy")
-    cfg = LossConfig(eps_low=np.float32(0.2), eps_high=np.float64(0.28), beta=np.float32(0.01),
-                     kl="k3", temperature=np.float32(0.7), is_cap=np.int64(2),
-                     is_correction="token_truncate")  # fmt: skip
+    cfg = LossConfig(
+        eps_low=np.float32(0.2),
+        eps_high=np.float64(0.28),
+        beta=np.float32(0.01),
+        kl="k3",
+        temperature=np.float32(0.7),
+        is_cap=np.int64(2),
+        is_correction="token_truncate",
+    )
     assert type(cfg.eps_low) is float and abs(cfg.eps_low - 0.2) < 1e-7
     assert type(cfg.temperature) is float and type(cfg.is_cap) is float
     assert cfg == cfg.replace()  # still a value type

@@ -109,9 +109,14 @@ def _policy_loss_watched_rows(pool, cfg, backend, inplace):
         logits = data.pop("logits").clone().requires_grad_(True)
         work = logits.clone() if inplace else logits
         out = fusedrl.policy_loss(
-            work, **data, config=cfg, normalizer=12.0, backend=backend, inplace=inplace,
+            work,
+            **data,
+            config=cfg,
+            normalizer=12.0,
+            backend=backend,
+            inplace=inplace,
             return_entropy=True,
-        )  # fmt: skip
+        )
         (grad,) = torch.autograd.grad(out.loss, logits)
         results.append((out.logp, out.entropy, grad))
     return _watched_rows(results, list(BATCHES.values()))

@@ -60,9 +60,12 @@ def test_bench_loss_checks_every_impl_against_the_oracle(monkeypatch):
     bench = _load("bench_loss")
     monkeypatch.setattr(bench, "VERIFY_TOKENS", 64)  # (every row interpreted: a small case)
     impls = [
-        "fusedrl-triton", "fusedrl-triton-inplace", "fusedrl-triton-split-inplace",
-        "torch-eager", "liger",
-    ]  # fmt: skip
+        "fusedrl-triton",
+        "fusedrl-triton-inplace",
+        "fusedrl-triton-split-inplace",
+        "torch-eager",
+        "liger",
+    ]
     for preset in ("dapo", "grpo", "accum4"):
         found = bench.verify_impls(impls, torch.device("cpu"), torch.bfloat16, 263, preset, 4)
         assert found == dict.fromkeys(impls, "ok"), (preset, found)
@@ -428,8 +431,11 @@ def test_bench_sampling_smoke(tmp_path):
     for name in bench_sampling.FILTERS:
         assert {(name, "select:kernel"), (name, "select:torch")} <= timed
     assert (None, "loss:plain") in timed
-    passes = {row["filters"]: row["kernel_row_reads"] for row in result["rows"]
-              if row["impl"] == "select:kernel"}  # fmt: skip
+    passes = {
+        row["filters"]: row["kernel_row_reads"]
+        for row in result["rows"]
+        if row["impl"] == "select:kernel"
+    }
     assert passes["min_p=0.05"] == 2 and passes["top_k=50,top_p=0.9"] == 12
 
 
@@ -451,10 +457,12 @@ def test_bench_tp_smoke(tmp_path):
     result = json.loads((tmp_path / "tp-smoke.json").read_text())
     assert result["smoke"] is True and result["note"] == SMOKE_NOTE and result["tp"] == [2]
     rows = {(r["op"], r["impl"], r["preset"], r["tp"]): r for r in result["rows"]}
-    ops = [("token_logprobs_fwd", None, "megatron-eager", 3),
-           ("logp_entropy_fwd_bwd", None, "verl-eager", 6),
-           ("policy_loss_fwd_bwd", "dapo", "megatron-eager", 3),
-           ("policy_loss_fwd_bwd", "gspo", "megatron-eager", 3)]  # fmt: skip
+    ops = [
+        ("token_logprobs_fwd", None, "megatron-eager", 3),
+        ("logp_entropy_fwd_bwd", None, "verl-eager", 6),
+        ("policy_loss_fwd_bwd", "dapo", "megatron-eager", 3),
+        ("policy_loss_fwd_bwd", "gspo", "megatron-eager", 3),
+    ]
     assert len(rows) == len(result["rows"]) == 4 * len(ops)
     tokens = result["N"]
     for op, preset, eager, reduces in ops:

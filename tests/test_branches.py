@@ -20,8 +20,14 @@ from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
 
 def _data(seed=0, batch=4, time=6, vocab=131, per_token_adv=True, empty_rows=()):
-    data = make_batch(batch=batch, time=time, vocab=vocab, seed=seed,
-                      per_token_adv=per_token_adv, empty_rows=empty_rows)  # fmt: skip
+    data = make_batch(
+        batch=batch,
+        time=time,
+        vocab=vocab,
+        seed=seed,
+        per_token_adv=per_token_adv,
+        empty_rows=empty_rows,
+    )
     data["mask"][:, :3] = True  # every sequence has at least 3 counted tokens
     with torch.no_grad():
         logp, _ = reference.token_logprobs(data["logits"], data["labels"])
@@ -106,8 +112,12 @@ def test_fractional_float_mask(backend):
     data["mask"] = torch.where(data["mask"], weights, 0.0)
     data["mask"][0, 0] = 0.0  # a zero weight is a masked token
     assert ((data["mask"] > 0) & (data["mask"] < 1)).sum() > 10
-    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                "seq-mean-token-sum-norm"):  # fmt: skip
+    for agg in (
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ):
         _compare(data, LossConfig(agg=agg, entropy_coef=0.01), backend)
     # Independently of the shared argument preparation: the weights themselves weight the mean.
     ref = _compare(data, LossConfig(loss="pg"), backend)
@@ -169,8 +179,10 @@ def _exactly_known_logp(label_logit, backend, batch=3, time=5, vocab=131, seed=1
     logits.scatter_(-1, labels[..., None], float(label_logit))
     data = dict(logits=logits, labels=labels, mask=torch.ones(batch, time, dtype=torch.bool))
     logp = torch.full((batch, time), -math.log(2.0) if label_logit == 0 else float(label_logit))
-    for got in (reference.token_logprobs(logits, labels)[0],
-                fusedrl.token_logprobs(logits, labels, backend=backend)[0]):  # fmt: skip
+    for got in (
+        reference.token_logprobs(logits, labels)[0],
+        fusedrl.token_logprobs(logits, labels, backend=backend)[0],
+    ):
         assert torch.equal(got, logp)
     return data, logp
 

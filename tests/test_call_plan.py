@@ -21,8 +21,9 @@ pytestmark = needs_interpreter
 PRESETS = ("dapo", "grpo", "cispo", "dr_grpo")
 
 
-def _kind_batch(seed, *, mask_kind="bool", per_token_adv=False, flat=False, old=True, ref=False,
-                rollout=False):  # fmt: skip
+def _kind_batch(
+    seed, *, mask_kind="bool", per_token_adv=False, flat=False, old=True, ref=False, rollout=False
+):
     """Inputs of one call kind: a fresh draw for each seed."""
     data = make_batch(batch=3, time=9, vocab=131, seed=seed, per_token_adv=per_token_adv)
     if not rollout:
@@ -62,9 +63,15 @@ def _keywords(data, cfg, normalizer=None) -> dict:
 
 def _args(data, cfg, normalizer=None):
     return (
-        data["logits"], data["labels"], data["advantages"], data["mask"], data.get("old_logp"),
-        data.get("ref_logp"), cfg, normalizer,
-    )  # fmt: skip
+        data["logits"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        data.get("old_logp"),
+        data.get("ref_logp"),
+        cfg,
+        normalizer,
+    )
 
 
 @pytest.mark.parametrize("normalizer", [None, 17.0, "tensor"])

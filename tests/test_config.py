@@ -67,8 +67,11 @@ def test_preset_values():
 def test_luspo_defaults_to_a_sequence_ratio_summed_per_sequence():
     cfg = LossConfig(loss="luspo")
     assert (cfg.ratio_level, cfg.agg, cfg.eps_low, cfg.eps_high) == (
-        "sequence", "seq-mean-token-sum", 3e-4, 4e-4,
-    )  # fmt: skip
+        "sequence",
+        "seq-mean-token-sum",
+        3e-4,
+        4e-4,
+    )
     token = LossConfig(loss="luspo", ratio_level="token", agg="token-mean")
     assert (token.ratio_level, token.agg, token.eps_low) == ("token", "token-mean", 0.2)
     assert LossConfig(loss="luspo", delta=2.0, dual_clip_c=3.0).delta == 2.0

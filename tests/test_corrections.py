@@ -26,8 +26,11 @@ def _data(seed=0, batch=6, time=7, vocab=137):
 def _compare(data, cfg, backend, **kwargs):
     ours, grad = run_loss(
         lambda *a, **k: fusedrl.policy_loss(*a, backend=backend, **k),
-        data, cfg, return_entropy=True, **kwargs,
-    )  # fmt: skip
+        data,
+        cfg,
+        return_entropy=True,
+        **kwargs,
+    )
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True, **kwargs)
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
@@ -75,9 +78,15 @@ def test_vespo_phi_is_trls_gamma_weight():
     padded_w = w * mask + 1 - mask  # TRL's ratio is 1 on padding
     phi = trainer.get_gamma_weights(adv[:, None], logp - data["old_logp"], mask, padded_w)
     ours = reference.policy_loss(
-        data["logits"], data["labels"], adv, data["mask"], data["old_logp"],
-        config=LossConfig.preset("vespo", agg="seq-mean-token-sum"), normalizer=1.0, is_weights=w,
-    )  # fmt: skip
+        data["logits"],
+        data["labels"],
+        adv,
+        data["mask"],
+        data["old_logp"],
+        config=LossConfig.preset("vespo", agg="seq-mean-token-sum"),
+        normalizer=1.0,
+        is_weights=w,
+    )
     # Summed per sequence, normaliser 1: loss = -sum_b phi_b A_b sum_t logp_bt.
     expected = -(phi[:, 0] * adv * (logp * mask).sum(-1)).sum()
     torch.testing.assert_close(ours.loss, expected, atol=1e-5, rtol=1e-5)
@@ -87,8 +96,9 @@ def test_vespo_phi_is_trls_gamma_weight():
 def test_luspo_is_gspo_summed_over_each_sequences_tokens():
     data, _ = _data(seed=3)
     luspo = _loss(data, LossConfig.preset("luspo"))
-    explicit = LossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
-                          agg="seq-mean-token-sum")  # fmt: skip
+    explicit = LossConfig(
+        ratio_level="sequence", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-sum"
+    )
     torch.testing.assert_close(luspo, _loss(data, explicit))
     gspo = _loss(data, LossConfig.preset("gspo"))
     assert not torch.allclose(luspo, gspo)  # the per-sequence sum, not the mean
@@ -215,8 +225,9 @@ def test_mismatch_metrics_vanish_without_a_mismatch_and_grow_with_it(backend):
     data, logp = _data(seed=11)
     data["old_logp"] = None
     data["rollout_logp"] = logp.clone()
-    out, _ = run_loss(lambda *a, **k: fusedrl.policy_loss(*a, backend=backend, **k), data,
-                      LossConfig())  # fmt: skip
+    out, _ = run_loss(
+        lambda *a, **k: fusedrl.policy_loss(*a, backend=backend, **k), data, LossConfig()
+    )
     for name in ("mismatch_kl_k1", "mismatch_kl_k3", "mismatch_chi2_token", "mismatch_chi2_seq"):
         assert abs(out.metrics[name]) < 1e-5, name
     data["rollout_logp"] = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator())

@@ -169,8 +169,10 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
     _needs_arch(arch)
     sass = subprocess.run(
         [_cuobjdump(), "-sass", "-arch", arch, str(objects("fused_loss.cu"))],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     functions = re.split(r"\n\s*Function : ", sass)[1:]
     assert len(functions) >= 18, f"expected 3 kernels x 3 dtypes x (capped or not) in {arch}"
     failures, table = [], []
@@ -198,8 +200,9 @@ def test_cuda_sweeps_within_the_instruction_budget(arch, objects):
             memory = {**loop["loads"], **loop["stores"], **loop["shared_loads"]}
             wide = all(op.endswith(".128") for op in memory)
             if cost > budget[role] or loop["mufu_per_element"] > mufu or loop["barriers"]:
-                failures.append(f"{table[-1]}, {loop['mufu_per_element']} MUFU/elem, "
-                                f"{loop['barriers']} BAR")  # fmt: skip
+                failures.append(
+                    f"{table[-1]}, {loop['mufu_per_element']} MUFU/elem, {loop['barriers']} BAR"
+                )
             if not wide:
                 failures.append(f"{table[-1]}: {loop['loads']} {loop['stores']}")
         if kernel.group(1).startswith("fused_token_loss"):
@@ -224,8 +227,10 @@ def _resource_usage(obj: Path) -> list[tuple[str, str, dict[str, int]]]:
     """(arch, function, {REG, STACK, SHARED, LOCAL}) of every kernel in an object file."""
     out = subprocess.run(
         [_cuobjdump(), "--dump-resource-usage", str(obj)],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows, arch, function = [], None, None
     for line in out.splitlines():
         if m := re.match(r"arch = (sm_\d+)", line.strip()):
@@ -303,16 +308,32 @@ def stub_runtime(variant_objects, tmp_path_factory):
         pytest.skip("no C++ compiler")
     exe = tmp_path_factory.mktemp("stub") / "stub_runtime"
     source = Path(__file__).with_name("cuda_stub_runtime.cpp")
-    cmd = [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-pthread", f"-I{_cuda_include()}",
-           f"-I{CSRC}", str(source), str(variant_objects["sm_80"]), "-o", str(exe)]  # fmt: skip
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-Wall",
+        "-Werror",
+        "-pthread",
+        f"-I{_cuda_include()}",
+        f"-I{CSRC}",
+        str(source),
+        str(variant_objects["sm_80"]),
+        "-o",
+        str(exe),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
     def run(commands: list[str]) -> list[dict]:
         out = subprocess.run(
-            [str(exe)], input="\n".join(commands) + "\n", capture_output=True, text=True,
-            timeout=60, check=True,
-        ).stdout  # fmt: skip
+            [str(exe)],
+            input="\n".join(commands) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         return [json.loads(line) for line in out.splitlines()]
 
     return run
@@ -518,13 +539,25 @@ def test_the_module_init_imports_as_fusedrl_C(tmp_path):
     source = tmp_path / "module_init.cpp"
     source.write_text("#include <Python.h>\n" + text[text.index("// Importable as fusedrl._C") :])
     library = tmp_path / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = [cxx, "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", "-DTORCH_EXTENSION_NAME=_C",
-           f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(library)]  # fmt: skip
+    cmd = [
+        cxx,
+        "-shared",
+        "-fPIC",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-DTORCH_EXTENSION_NAME=_C",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(source),
+        "-o",
+        str(library),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     check = "import _C; assert _C.__name__ == '_C' and 'torch.ops.fusedrl' in _C.__doc__"
-    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -549,8 +582,12 @@ def test_cuda_op_schema_matches_the_triton_op():
     for op in ("logprobs_fwd", "logits_grad", "fused_token_loss", "fused_token_loss_inplace"):
         names = {a.name for a in getattr(torch.ops.fusedrl, op).default._schema.arguments}
         assert {"row_temps", "cap"} <= names, op
-    for op in ("cuda_logprobs_fwd", "cuda_logits_grad", "cuda_fused_token_loss",
-               "cuda_fused_token_loss_inplace"):  # fmt: skip
+    for op in (
+        "cuda_logprobs_fwd",
+        "cuda_logits_grad",
+        "cuda_fused_token_loss",
+        "cuda_fused_token_loss_inplace",
+    ):
         assert re.search(rf'"{op}\(.*?FUSEDRL_ROW_READ', text, re.S), op
 
 
@@ -584,8 +621,18 @@ def _top_level_split(text: str, opener: str) -> list[list[str]]:
 
 # Message parts of the bindings' checks that format no number (a string, a name, a device, a
 # dtype); numbers and shapes go through the bindings' num() / dims() (std::to_string).
-_TEXT_PARTS = {"what", "cudaGetErrorString(err)", "name", "type", "t.device()", "logits.device()",
-               "labels.scalar_type()", "loss", "*kl", "device"}  # fmt: skip
+_TEXT_PARTS = {
+    "what",
+    "cudaGetErrorString(err)",
+    "name",
+    "type",
+    "t.device()",
+    "logits.device()",
+    "labels.scalar_type()",
+    "loss",
+    "*kl",
+    "device",
+}
 
 
 def test_bindings_format_no_number_through_an_ostream():

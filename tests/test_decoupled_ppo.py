@@ -88,8 +88,9 @@ def test_prox_equal_to_old_is_the_plain_loss(backend):
     cfg = LossConfig.preset("dapo")
     same = dict(data, prox_logp=data["old_logp"])
     ours, grad = run_loss(fusedrl.policy_loss, same, config=cfg, backend=backend)
-    plain, plain_grad = run_loss(fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg,
-                             backend=backend)  # fmt: skip
+    plain, plain_grad = run_loss(
+        fusedrl.policy_loss, dict(data, prox_logp=None), config=cfg, backend=backend
+    )
     torch.testing.assert_close(ours.loss, plain.loss, atol=0, rtol=0)
     torch.testing.assert_close(grad, plain_grad, atol=0, rtol=0)
 
@@ -115,8 +116,10 @@ def test_misuse_is_named():
     with pytest.raises(ValueError, match="prox_logp .* needs old_logp"):
         fusedrl.policy_loss(**dict(data, old_logp=None))
     with pytest.raises(ValueError, match="is_correction='token_truncate' both weight"):
-        fusedrl.policy_loss(**dict(data, rollout_logp=data["old_logp"]),
-                            config=LossConfig(is_correction="token_truncate"))  # fmt: skip
+        fusedrl.policy_loss(
+            **dict(data, rollout_logp=data["old_logp"]),
+            config=LossConfig(is_correction="token_truncate"),
+        )
     with pytest.raises(ValueError, match="loss='gmpo' weights whole sequences"):
         fusedrl.policy_loss(**data, config=LossConfig.preset("gmpo"))
     with pytest.raises(ValueError, match="decoupled_is_cap must be > 1"):

@@ -160,24 +160,28 @@ NAN_INPUT_CONFIGS = {
     "gmpo": LossConfig.preset("gmpo"),
     "vespo": LossConfig.preset("vespo"),
     "dapo_sequence_is": LossConfig.preset("dapo", is_correction="sequence_truncate", is_cap=2.0),
-    "dapo_sequence_is_mask": LossConfig.preset("dapo", is_correction="sequence_mask",
-                                               is_cap=2.0),
-}  # fmt: skip
+    "dapo_sequence_is_mask": LossConfig.preset("dapo", is_correction="sequence_mask", is_cap=2.0),
+}
 
 
 # Which gradient rows a NaN at token (0, 1) makes NaN: "token", "sequence" (sequence 0's four
 # counted tokens), or None (the input is not read, or a mask / VESPO's phi drops it: the loss stays
 # finite). Not listed: "token".
 NAN_INPUT_ROWS = {
-    ("old_logp", "gspo"): "sequence", ("old_logp", "gmpo"): "sequence",
-    ("old_logp", "dapo_sequence_is"): "sequence", ("old_logp", "vespo"): None,
+    ("old_logp", "gspo"): "sequence",
+    ("old_logp", "gmpo"): "sequence",
+    ("old_logp", "dapo_sequence_is"): "sequence",
+    ("old_logp", "vespo"): None,
     ("advantages", "gmpo"): "sequence",
     ("rollout_logp", "dapo_sequence_is"): "sequence",
     ("rollout_logp", "dapo_sequence_is_mask"): None,
-    **{("rollout_logp", name): None for name in NAN_INPUT_CONFIGS
-       if name not in ("dapo_token_is", "dapo_sequence_is", "dapo_sequence_is_mask")},
+    **{
+        ("rollout_logp", name): None
+        for name in NAN_INPUT_CONFIGS
+        if name not in ("dapo_token_is", "dapo_sequence_is", "dapo_sequence_is_mask")
+    },
     **{("ref_logp", name): None for name in NAN_INPUT_CONFIGS if name != "grpo_k3"},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(NAN_INPUT_CONFIGS))
@@ -244,10 +248,12 @@ def test_lm_head_with_an_all_inf_bias(dtype, preset, backend, monkeypatch):
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
     args = dict(
-        advantages=torch.randn(2, generator=gen), mask=mask,
-        old_logp=-2.0 - torch.rand(2, 5, generator=gen), config=LossConfig.preset(preset),
+        advantages=torch.randn(2, generator=gen),
+        mask=mask,
+        old_logp=-2.0 - torch.rand(2, 5, generator=gen),
+        config=LossConfig.preset(preset),
         return_entropy=True,
-    )  # fmt: skip
+    )
     ref = reference.policy_loss(logits, labels, **args)
     out = fusedrl.linear_policy_loss(hidden, weight, labels, **args, bias=bias, backend=name)
     for result in (ref, out):

@@ -61,17 +61,25 @@ def test_equals_liger_fused_linear_jsd(beta):
     mask = torch.rand(tokens, generator=gen) > 0.3
     temperature = 0.9
     liger = chunked.LigerFusedLinearJSDLoss(
-        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta, temperature=temperature,
+        weight_hard_loss=0.0,
+        weight_soft_loss=1.0,
+        beta=beta,
+        temperature=temperature,
         compiled=False,
-    )  # fmt: skip
+    )
     theirs_h, theirs_w = h_student.clone().requires_grad_(), w_student.clone().requires_grad_()
     theirs = liger(theirs_h, theirs_w, h_teacher, w_teacher, torch.where(mask, labels, -100))
     their_grads = torch.autograd.grad(theirs, (theirs_h, theirs_w))
     ours_h, ours_w = h_student.clone().requires_grad_(), w_student.clone().requires_grad_()
     ours = fusedrl.distill_loss(
-        ours_h @ ours_w.T, h_teacher @ w_teacher.T, labels, mask, kind="jsd", beta=beta,
+        ours_h @ ours_w.T,
+        h_teacher @ w_teacher.T,
+        labels,
+        mask,
+        kind="jsd",
+        beta=beta,
         temperature=temperature,
-    )  # fmt: skip
+    )
     our_grads = torch.autograd.grad(ours.loss, (ours_h, ours_w))
     torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=1e-5)
     for got, want in zip(our_grads, their_grads):
@@ -247,19 +255,25 @@ def test_soft_capped_student_and_teacher(backend):
     torch.testing.assert_close(  # the oracle's own cap is the formula
         reference.distill_loss(student, teacher, labels, mask, temperature=temps, **cap).loss,
         direct,
-    )  # fmt: skip
+    )
     old = reference.distill_loss(student, teacher, labels, mask, temperature=temps, **cap).logp
     cases = (
         dict(kind="reverse_kl", temperature=temps),
         dict(kind="jsd", beta=0.3, temperature=0.8),
-        dict(kind="sampled_reverse_kl", beta=0.7, config=LossConfig.preset("dapo"),
-             old_logp=old + 0.1),
-    )  # fmt: skip
+        dict(
+            kind="sampled_reverse_kl",
+            beta=0.7,
+            config=LossConfig.preset("dapo"),
+            old_logp=old + 0.1,
+        ),
+    )
     for kwargs in cases:
-        ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs,
-                             **cap)  # fmt: skip
-        ours, grad = _run(fusedrl.distill_loss, student, teacher, labels, mask, **kwargs, **cap,
-                          backend=backend)  # fmt: skip
+        ref, ref_grad = _run(
+            reference.distill_loss, student, teacher, labels, mask, **kwargs, **cap
+        )
+        ours, grad = _run(
+            fusedrl.distill_loss, student, teacher, labels, mask, **kwargs, **cap, backend=backend
+        )
         torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
         assert ref_grad.abs().max() > 1e-4 and (grad[~mask] == 0).all()
@@ -274,8 +288,13 @@ def test_sampled_reverse_kl_equals_the_oracle(preset, backend):
     advantages and the preset's policy loss, against the oracle's composition."""
     student, teacher, labels, mask, old, advantages = _sampled_inputs()
     cfg = LossConfig(loss="pg") if preset == "pg" else LossConfig.preset(preset)
-    kwargs = dict(kind="sampled_reverse_kl", beta=0.7, config=cfg, advantages=advantages,
-                  old_logp=None if preset == "pg" else old)  # fmt: skip
+    kwargs = dict(
+        kind="sampled_reverse_kl",
+        beta=0.7,
+        config=cfg,
+        advantages=advantages,
+        old_logp=None if preset == "pg" else old,
+    )
     ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
     ours, grad = _run(
         fusedrl.distill_loss, student, teacher, labels, mask, backend=backend, **kwargs
@@ -320,14 +339,29 @@ def test_sampled_reverse_kl_is_the_policy_loss_with_shifted_advantages():
     teacher_logp = torch.log_softmax(teacher / 0.9, -1).gather(-1, labels[..., None])[..., 0]
     shifted = advantages[:, None] - 0.4 * torch.where(mask, old - teacher_logp, 0.0)
     want, want_grad = _run(
-        fusedrl.policy_loss, student, labels, shifted, mask, old_logp=old,
-        config=cfg.replace(temperature=0.9), backend="torch",
-    )  # fmt: skip
-    got, grad = _run(
-        fusedrl.distill_loss, student, teacher, labels, mask, kind="sampled_reverse_kl",
-        beta=0.4, temperature=0.9, config=cfg, advantages=advantages, old_logp=old,
+        fusedrl.policy_loss,
+        student,
+        labels,
+        shifted,
+        mask,
+        old_logp=old,
+        config=cfg.replace(temperature=0.9),
         backend="torch",
-    )  # fmt: skip
+    )
+    got, grad = _run(
+        fusedrl.distill_loss,
+        student,
+        teacher,
+        labels,
+        mask,
+        kind="sampled_reverse_kl",
+        beta=0.4,
+        temperature=0.9,
+        config=cfg,
+        advantages=advantages,
+        old_logp=old,
+        backend="torch",
+    )
     torch.testing.assert_close(got.loss, want.loss)
     torch.testing.assert_close(grad, want_grad)
     gap = torch.where(mask, old - teacher_logp, 0.0)
@@ -340,9 +374,15 @@ def test_pure_on_policy_distillation_pulls_the_student_toward_the_teacher():
     student, teacher, labels, mask, _, _ = _sampled_inputs(seed=9)
     logits = student.clone().requires_grad_(True)
     out = fusedrl.distill_loss(
-        logits, teacher, labels, mask, kind="sampled_reverse_kl", beta=1.0,
-        config=LossConfig(loss="pg"), backend="torch",
-    )  # fmt: skip
+        logits,
+        teacher,
+        labels,
+        mask,
+        kind="sampled_reverse_kl",
+        beta=1.0,
+        config=LossConfig(loss="pg"),
+        backend="torch",
+    )
     (grad,) = torch.autograd.grad(out.loss, logits)
     stepped = student - 50.0 * grad
     before = fusedrl.distill_loss(student, teacher, labels, mask, kind="sampled_reverse_kl")

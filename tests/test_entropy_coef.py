@@ -119,11 +119,13 @@ def test_lm_head_form_and_in_place(backend):
     # In place on the logits.
     logits = (hidden @ weight.T).requires_grad_(True)
     work = logits * 1.0
-    out = fusedrl.policy_loss(work, **rows, config=cfg, entropy_coef=coef, inplace=True,
-                              backend=backend)  # fmt: skip
+    out = fusedrl.policy_loss(
+        work, **rows, config=cfg, entropy_coef=coef, inplace=True, backend=backend
+    )
     (grad,) = torch.autograd.grad(out.loss, logits)
-    want, want_grad = run_loss(reference.policy_loss, dict(data, logits=hidden @ weight.T), cfg,
-                               entropy_coef=coef)  # fmt: skip
+    want, want_grad = run_loss(
+        reference.policy_loss, dict(data, logits=hidden @ weight.T), cfg, entropy_coef=coef
+    )
     torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
 
@@ -140,9 +142,15 @@ def test_one_compiled_graph_serves_every_value():
 
     def loss_fn(logits, coef):
         return fusedrl.policy_loss(
-            logits, data["labels"], data["advantages"], data["mask"],
-            old_logp=data["old_logp"], config=cfg, backend="triton", entropy_coef=coef,
-        ).loss  # fmt: skip
+            logits,
+            data["labels"],
+            data["advantages"],
+            data["mask"],
+            old_logp=data["old_logp"],
+            config=cfg,
+            backend="triton",
+            entropy_coef=coef,
+        ).loss
 
     compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
     for value in (0.0, 0.05, COEF):
@@ -177,8 +185,14 @@ def test_bad_coefficients_are_refused_by_name(coef, config, error, match):
 def test_tensor_parallel_refuses_it():
     data = make_batch(vocab=67, seed=9)
     with pytest.raises(NotImplementedError, match="tensor entropy_coef"):
-        run_loss(fusedrl.policy_loss, data, LossConfig(), entropy_coef=torch.tensor(0.1),
-                 vocab_start=0, vocab_size=67)  # fmt: skip
+        run_loss(
+            fusedrl.policy_loss,
+            data,
+            LossConfig(),
+            entropy_coef=torch.tensor(0.1),
+            vocab_start=0,
+            vocab_size=67,
+        )
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
@@ -200,16 +214,19 @@ def test_the_bonus_with_its_own_token_mean(preset, overrides, backend):
     _close(ours, want, grad, want_grad)
     tensor_cfg = cfg.replace(entropy_coef=0.0)
     coef = torch.tensor(COEF)
-    ours_t, grad_t = run_loss(fusedrl.policy_loss, data, tensor_cfg, backend=backend,
-                              entropy_coef=coef, **kwargs)  # fmt: skip
+    ours_t, grad_t = run_loss(
+        fusedrl.policy_loss, data, tensor_cfg, backend=backend, entropy_coef=coef, **kwargs
+    )
     _close(ours_t, want, grad_t, want_grad)
     # It acted: aggregated with the policy (entropy_agg=None) the bonus is another number.
-    shared, _ = run_loss(fusedrl.policy_loss, data, cfg.replace(entropy_agg=None),
-                         backend=backend, **kwargs)  # fmt: skip
+    shared, _ = run_loss(
+        fusedrl.policy_loss, data, cfg.replace(entropy_agg=None), backend=backend, **kwargs
+    )
     assert (shared.loss - ours.loss).abs() > 1e-2
     # Written out: the policy term alone, minus coef x the token mean of the entropy.
-    plain, _ = run_loss(reference.policy_loss, data, cfg.replace(entropy_coef=0.0),
-                        return_entropy=True, **kwargs)  # fmt: skip
+    plain, _ = run_loss(
+        reference.policy_loss, data, cfg.replace(entropy_coef=0.0), return_entropy=True, **kwargs
+    )
     if cfg.top_entropy_quantile == 1:
         entropy = torch.where(data["mask"], plain.entropy, 0.0)
         own_mean = entropy.sum() / data["mask"].sum()

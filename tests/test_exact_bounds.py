@@ -189,10 +189,13 @@ def rejection_batch(option):
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(4, 4, 37, generator=gen)
     data = dict(
-        logits=logits, labels=torch.randint(0, 37, (4, 4), generator=gen),
-        advantages=torch.randn(4, 4, generator=gen), mask=mask, old_logp=old,
+        logits=logits,
+        labels=torch.randint(0, 37, (4, 4), generator=gen),
+        advantages=torch.randn(4, 4, generator=gen),
+        mask=mask,
+        old_logp=old,
         rollout_logp=rollout,
-    )  # fmt: skip
+    )
     return data, LossConfig(rejection=option, rejection_threshold=threshold), torch.tensor(keep)
 
 

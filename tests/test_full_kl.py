@@ -258,9 +258,17 @@ def test_a_fused_backend_without_the_kernel_refuses_rather_than_drops_the_kl():
     data = _batch(seed=1)
     cfg = LossConfig.preset("dapo").replace(kl="full", beta=0.1)
     inp = prepare_loss_inputs(
-        data["logits"], data["labels"], data["advantages"], data["mask"], data["old_logp"],
-        None, None, cfg, None, ref_logits=data["ref_logits"],
-    )  # fmt: skip
+        data["logits"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        data["old_logp"],
+        None,
+        None,
+        cfg,
+        None,
+        ref_logits=data["ref_logits"],
+    )
     ops = replace(triton_backend.OPS, two_rows=None)
     with pytest.raises(ValueError, match="has no kernel in this backend"):
         fused_backend.policy_loss(ops, inp, cfg, False, None)
@@ -349,8 +357,9 @@ def test_an_infinite_kl_is_inf_on_every_backend(form, differentiated_weights, dt
         metric = "kl"
     else:
         data = {k: data[k] for k in ("logits", "labels", "mask", "ref_logits")}
-        ours, grad = _run(_distill, data, None, kind=form, distill_fn=fusedrl.distill_loss,
-                          backend=backend)  # fmt: skip
+        ours, grad = _run(
+            _distill, data, None, kind=form, distill_fn=fusedrl.distill_loss, backend=backend
+        )
         truth, truth_grad = _run(_distill, data, None, kind=form, distill_fn=reference.distill_loss)
         metric = "distill"
     assert ours.loss.item() == truth.loss.item() == math.inf

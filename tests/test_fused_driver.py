@@ -26,10 +26,18 @@ from .conftest import make_batch, needs_interpreter, run_loss
 def _inputs(cfg: LossConfig, *, old: bool = True, entropy_coef=None, is_weights=False):
     data = make_batch(vocab=67, seed=2)
     return prepare_loss_inputs(
-        data["logits"], data["labels"], data["advantages"], data["mask"],
-        data["old_logp"] if old else None, data["ref_logp"], data["rollout_logp"], cfg, None,
-        torch.ones(data["labels"].shape) if is_weights else None, entropy_coef=entropy_coef,
-    )  # fmt: skip
+        data["logits"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        data["old_logp"] if old else None,
+        data["ref_logp"],
+        data["rollout_logp"],
+        cfg,
+        None,
+        torch.ones(data["labels"].shape) if is_weights else None,
+        entropy_coef=entropy_coef,
+    )
 
 
 @pytest.mark.parametrize(
@@ -309,17 +317,23 @@ SEQUENCE_TERM_CONFIGS = {
     "gspo_wide": (LossConfig.preset("gspo", eps_low=0.3, eps_high=0.3), True, True),
     "gspo_token_kl": (LossConfig.preset("gspo_token", kl="k3", beta=0.1), True, True),
     "gspo_dual_delta_bonus": (
-        LossConfig.preset("gspo", eps_low=0.02, eps_high=0.02, dual_clip_c=1.05, delta=2.0,
-                          entropy_coef=0.02),
-        True, True,
-    ),  # fmt: skip
+        LossConfig.preset(
+            "gspo", eps_low=0.02, eps_high=0.02, dual_clip_c=1.05, delta=2.0, entropy_coef=0.02
+        ),
+        True,
+        True,
+    ),
     "gspo_seq_is": (
-        LossConfig.preset("gspo", is_correction="sequence_truncate", is_cap=2.0), True, True
+        LossConfig.preset("gspo", is_correction="sequence_truncate", is_cap=2.0),
+        True,
+        True,
     ),
     "luspo": (LossConfig.preset("luspo"), True, True),
     "dcpo_on_policy": (LossConfig.preset("dcpo"), False, False),
     "dapo_on_policy_is": (
-        LossConfig.preset("dapo", is_correction="token_truncate", is_cap=1.5), False, False
+        LossConfig.preset("dapo", is_correction="token_truncate", is_cap=1.5),
+        False,
+        False,
     ),
 }
 

@@ -356,9 +356,17 @@ def test_linear_policy_loss_designs(dtype, preset, design, monkeypatch):
         h = full.to(dt).requires_grad_(True)
         w = weight.to(dt).requires_grad_(True)
         out = fusedrl.linear_policy_loss(
-            h[:, prompt:], w, labels, adv, mask, old_logp=old, ref_logp=ref_logp, config=cfg,
-            backend=backend, return_entropy=True,
-        )  # fmt: skip
+            h[:, prompt:],
+            w,
+            labels,
+            adv,
+            mask,
+            old_logp=old,
+            ref_logp=ref_logp,
+            config=cfg,
+            backend=backend,
+            return_entropy=True,
+        )
         return out, torch.autograd.grad(out.loss, (h, w))
 
     ref, ref_grads = run("torch", torch.float32)
@@ -391,8 +399,9 @@ def test_linear_policy_loss_skips_masked_rows(preset, count):
 
     def run(h, m, **skip):
         h, w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        out = fusedrl.linear_policy_loss(h, w, labels, adv, m, config=cfg, return_entropy=True,
-                                         backend="triton", **skip)  # fmt: skip
+        out = fusedrl.linear_policy_loss(
+            h, w, labels, adv, m, config=cfg, return_entropy=True, backend="triton", **skip
+        )
         return [out.loss, out.logp, out.entropy, *torch.autograd.grad(out.loss, (h, w))]
 
     want = run(hidden, mask)
@@ -668,9 +677,16 @@ def test_linear_policy_loss_trains_the_lm_head_bias(design, preset, factor, monk
     def run(backend):
         leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
         out = fusedrl.linear_policy_loss(
-            leaves[0], leaves[1], labels, adv, mask, old_logp=old, config=cfg, bias=leaves[2],
+            leaves[0],
+            leaves[1],
+            labels,
+            adv,
+            mask,
+            old_logp=old,
+            config=cfg,
+            bias=leaves[2],
             backend=backend,
-        )  # fmt: skip
+        )
         (factor * out.loss).backward()
         return out, [t.grad for t in leaves]
 
@@ -699,9 +715,13 @@ def _results_on(device: torch.device, case: str) -> tuple[torch.Tensor, ...]:
         return out.loss, out.logp, out.entropy, grad
     if case == "token_logprobs":  # with top_k: the sampled-set kernel too
         logp, entropy = fusedrl.token_logprobs(
-            logits, data["labels"], temperature=0.7, return_entropy=True, backend="triton",
+            logits,
+            data["labels"],
+            temperature=0.7,
+            return_entropy=True,
+            backend="triton",
             top_k=50,
-        )  # fmt: skip
+        )
         (grad,) = torch.autograd.grad(2 * (logp + 0.1 * entropy).sum(), logits)
         return logp, entropy, grad
     gen = torch.Generator().manual_seed(22)
@@ -768,16 +788,37 @@ def _cuda_op_arguments(op: str, device, vocab: int = 1031) -> dict:
         return dict(logits=logits, labels=labels, valid=valid, temperature=1.0)
     if op == "cuda_logits_grad":
         return dict(
-            logits=logits, labels=labels, lse=per_token(5, 8), entropy=per_token(0, 3),
-            dlogp=per_token(), dentropy=per_token(), temperature=1.0, out=torch.empty_like(logits),
-        )  # fmt: skip
+            logits=logits,
+            labels=labels,
+            lse=per_token(5, 8),
+            entropy=per_token(0, 3),
+            dlogp=per_token(),
+            dentropy=per_token(),
+            temperature=1.0,
+            out=torch.empty_like(logits),
+        )
     return dict(
-        logits=logits, grad=torch.empty_like(logits), labels=labels, valid=valid,
-        advantages=per_token(), old_logp=per_token(-8, -5), ref_logp=per_token(-8, -5),
-        is_weight=per_token(0.5, 1), agg_weight=per_token(0, 0.1), low=per_token(0.7, 0.8),
-        high=per_token(1.2, 1.3), temperature=1.0, loss="ppo", dual_clip_c=None, delta=None,
-        tau_pos=1.0, tau_neg=1.05, kl="k3", beta=0.1, entropy_coef=0.01,
-    )  # fmt: skip
+        logits=logits,
+        grad=torch.empty_like(logits),
+        labels=labels,
+        valid=valid,
+        advantages=per_token(),
+        old_logp=per_token(-8, -5),
+        ref_logp=per_token(-8, -5),
+        is_weight=per_token(0.5, 1),
+        agg_weight=per_token(0, 0.1),
+        low=per_token(0.7, 0.8),
+        high=per_token(1.2, 1.3),
+        temperature=1.0,
+        loss="ppo",
+        dual_clip_c=None,
+        delta=None,
+        tau_pos=1.0,
+        tau_neg=1.05,
+        kl="k3",
+        beta=0.1,
+        entropy_coef=0.01,
+    )
 
 
 @pytest.mark.parametrize("other", ["cpu", "cuda:1"])
@@ -808,36 +849,78 @@ def test_cuda_op_argument_on_another_device_is_named(op, name, other):
 # Every other argument check of csrc/bindings.cpp: (op, changed arguments, the message's start).
 # Only check_launch's ("launching ... failed") is left out: it takes a failing launch.
 _CUDA_BAD_ARGUMENTS = [
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].cpu()},
-     "fusedrl: logits must be a CUDA tensor, got device cpu"),
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"][0]},
-     "fusedrl: logits must be [B, T, V], got shape [3, 1031]"),
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"][..., :0]},
-     "fusedrl: logits has an empty vocab dimension"),
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].new_empty(0, 3, 1 << 30)},
-     "fusedrl: logits has a vocab dimension of 1073741824; at most 1073741823 is supported"),
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].mT.contiguous().mT},
-     "fusedrl: logits must be contiguous in its vocab dimension, got strides [3093, 1, 3]"),
-    ("cuda_logprobs_fwd", lambda a: {"logits": a["logits"].double()},
-     "fusedrl: logits must be float32, float16 or bfloat16, got Double"),
-    ("cuda_logprobs_fwd", lambda a: {"labels": a["labels"].int()},
-     "fusedrl: labels must be int64, got Int"),
-    ("cuda_logprobs_fwd", lambda a: {"labels": a["labels"][:, :2]},
-     "fusedrl: labels shape [2, 2] must be [B, T] of logits [2, 3, 1031]"),
-    ("cuda_logprobs_fwd", lambda a: {"valid": a["valid"][:, :2]},
-     "fusedrl: valid shape [2, 2] must equal labels shape [2, 3]"),
-    ("cuda_logits_grad", lambda a: {"out": a["out"].float()},
-     "fusedrl: out must match logits in shape and dtype"),
-    ("cuda_logits_grad", lambda a: {"lse": a["lse"][:, :2]},
-     "fusedrl: lse shape [2, 2] must equal labels shape [2, 3]"),
-    ("cuda_fused_token_loss", lambda a: {"grad": a["grad"][:, :2]},
-     "fusedrl: grad must match logits in shape and dtype"),
-    ("cuda_fused_token_loss", lambda a: {"loss": "gspo"},
-     "fusedrl: loss 'gspo' has no token-level CUDA kernel"),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"].cpu()},
+        "fusedrl: logits must be a CUDA tensor, got device cpu",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"][0]},
+        "fusedrl: logits must be [B, T, V], got shape [3, 1031]",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"][..., :0]},
+        "fusedrl: logits has an empty vocab dimension",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"].new_empty(0, 3, 1 << 30)},
+        "fusedrl: logits has a vocab dimension of 1073741824; at most 1073741823 is supported",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"].mT.contiguous().mT},
+        "fusedrl: logits must be contiguous in its vocab dimension, got strides [3093, 1, 3]",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"logits": a["logits"].double()},
+        "fusedrl: logits must be float32, float16 or bfloat16, got Double",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"labels": a["labels"].int()},
+        "fusedrl: labels must be int64, got Int",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"labels": a["labels"][:, :2]},
+        "fusedrl: labels shape [2, 2] must be [B, T] of logits [2, 3, 1031]",
+    ),
+    (
+        "cuda_logprobs_fwd",
+        lambda a: {"valid": a["valid"][:, :2]},
+        "fusedrl: valid shape [2, 2] must equal labels shape [2, 3]",
+    ),
+    (
+        "cuda_logits_grad",
+        lambda a: {"out": a["out"].float()},
+        "fusedrl: out must match logits in shape and dtype",
+    ),
+    (
+        "cuda_logits_grad",
+        lambda a: {"lse": a["lse"][:, :2]},
+        "fusedrl: lse shape [2, 2] must equal labels shape [2, 3]",
+    ),
+    (
+        "cuda_fused_token_loss",
+        lambda a: {"grad": a["grad"][:, :2]},
+        "fusedrl: grad must match logits in shape and dtype",
+    ),
+    (
+        "cuda_fused_token_loss",
+        lambda a: {"loss": "gspo"},
+        "fusedrl: loss 'gspo' has no token-level CUDA kernel",
+    ),
     ("cuda_fused_token_loss", lambda a: {"kl": "k9"}, "fusedrl: unknown kl estimator 'k9'"),
-    ("cuda_fused_token_loss", lambda a: {"ref_logp": None},
-     "fusedrl: ref_logp is required when beta > 0"),
-]  # fmt: skip
+    (
+        "cuda_fused_token_loss",
+        lambda a: {"ref_logp": None},
+        "fusedrl: ref_logp is required when beta > 0",
+    ),
+]
 
 
 @pytest.mark.parametrize("op, change, message", _CUDA_BAD_ARGUMENTS)
@@ -1044,9 +1127,13 @@ def test_cuda_extension_built_for_8_0_ptx_runs_the_two_sweep_kernel(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0+PTX", "FUSEDRL_CUDA_CACHE": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-c", _PTX_ONLY_BUILD], cwd=root, env=env, capture_output=True,
-        text=True, timeout=900,
-    )  # fmt: skip
+        [sys.executable, "-c", _PTX_ONLY_BUILD],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     major, minor = torch.cuda.get_device_capability()
@@ -1120,9 +1207,16 @@ def test_distill_two_row_kernels_at_real_vocab(vocab, kind, inplace):
         x = student.clone().requires_grad_(True)
         work = x.clone() if inplace and backend == "triton" else x
         out = fusedrl.distill_loss(
-            work, teacher, labels, mask, kind=kind, beta=0.3, temperature=0.9, backend=backend,
+            work,
+            teacher,
+            labels,
+            mask,
+            kind=kind,
+            beta=0.3,
+            temperature=0.9,
+            backend=backend,
             inplace=inplace and backend == "triton",
-        )  # fmt: skip
+        )
         (grad,) = torch.autograd.grad(out.loss, x)
         outs[backend] = (out, grad)
     (ref, ref_grad), (ours, grad) = outs["torch"], outs["triton"]
@@ -1269,15 +1363,20 @@ def test_tensor_entropy_coefficient_compiled(backend):
     counter = CompileCounterWithBackend("inductor")
 
     def loss_fn(logits, value):
-        return fusedrl.policy_loss(logits, **args, config=cfg, entropy_coef=value,
-                                   backend=backend).loss  # fmt: skip
+        return fusedrl.policy_loss(
+            logits, **args, config=cfg, entropy_coef=value, backend=backend
+        ).loss
 
     compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
     for value in (0.0, 0.05, 0.2):
         value = torch.tensor(value, device="cuda")
         results = []
-        for fn in (compiled, lambda x, v: fusedrl.policy_loss(
-                x, **args, config=cfg, entropy_coef=v, backend="torch").loss):  # fmt: skip
+        for fn in (
+            compiled,
+            lambda x, v: (
+                fusedrl.policy_loss(x, **args, config=cfg, entropy_coef=v, backend="torch").loss
+            ),
+        ):
             logits = data["logits"].clone().requires_grad_(True)  # the fused kernel's path
             loss = fn(logits, value)
             results.append((loss, torch.autograd.grad(loss, logits)[0]))
@@ -1303,10 +1402,20 @@ def test_soft_capped_lm_head_and_distillation_on_the_gemm_design():
         loss = fusedrl.linear_policy_loss(
             *leaves, **rows, config=LossConfig.preset("dapo"), softcap=5.0, backend=impl
         ).loss
-        loss = loss + fusedrl.linear_distill_loss(
-            *leaves, hidden, teacher, data["labels"], data["mask"], kind="jsd", beta=0.3,
-            temperature=temps, backend=impl,
-        ).loss  # fmt: skip
+        loss = (
+            loss
+            + fusedrl.linear_distill_loss(
+                *leaves,
+                hidden,
+                teacher,
+                data["labels"],
+                data["mask"],
+                kind="jsd",
+                beta=0.3,
+                temperature=temps,
+                backend=impl,
+            ).loss
+        )
         results[impl] = (loss, torch.autograd.grad(loss, leaves))
     (ref, ref_grads), (ours, grads) = results["torch"], results["triton"]
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)

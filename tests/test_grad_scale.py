@@ -191,9 +191,7 @@ def test_distillation_gradients_are_written_scaled(backend, kind, monkeypatch):
 
     def head_form(upstream, grad_scale=None):
         leaves = [hidden.clone().requires_grad_(True), heads[0].clone().requires_grad_(True)]
-        out = fusedrl.linear_distill_loss(
-            *leaves, hidden, heads[1], grad_scale=grad_scale, **rows
-        )
+        out = fusedrl.linear_distill_loss(*leaves, hidden, heads[1], grad_scale=grad_scale, **rows)
         return out, torch.autograd.grad(out.loss * upstream, leaves)
 
     for form, calls in ((logits_form, 1), (head_form, 2)):

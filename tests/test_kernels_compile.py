@@ -65,8 +65,9 @@ def _triton_version(pythonpath: Path | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          check=True).stdout.strip()  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.strip()
 
 
 # kernels/*.py files that no compiled result depends on: the CUDA extension's loader holds no
@@ -171,8 +172,11 @@ TRITONS = ["newest", "oldest"]
 
 
 def _failures(results, predicate, describe) -> list[str]:
-    return [f"{r['variant']} {r['arch']} (Triton {r['triton']}): {describe(r)}" for r in results
-            if predicate(r)]  # fmt: skip
+    return [
+        f"{r['variant']} {r['arch']} (Triton {r['triton']}): {describe(r)}"
+        for r in results
+        if predicate(r)
+    ]
 
 
 @pytest.mark.parametrize("triton", TRITONS)
@@ -260,8 +264,13 @@ def test_registers_within_the_occupancy_budget(compiled, triton):
     results = _ok(compiled, triton)
     assert all(r["registers"] > 0 for r in results)
     assert {r["family"] for r in results} == {
-        "row_sweep", "gemm", "select", "two_rows", "reduce", "split_row"
-    }  # fmt: skip
+        "row_sweep",
+        "gemm",
+        "select",
+        "two_rows",
+        "reduce",
+        "split_row",
+    }
     failures = _failures(
         results,
         lambda r: r["registers"] > r["register_budget"],
@@ -438,12 +447,15 @@ def test_split_row_kernel_is_resident_wide_and_ordered(compiled, triton):
     assert len({r["variant"] for r in results}) > 40, "the variants were not compiled"
     small = _failures(
         results,
-        lambda r: min(
-            split_rows.resident_per_sm(r["registers"], r["shared_bytes"], r["num_warps"]),
-            split_rows.resident_per_sm(
-                r["registers"], r["shared_bytes"], r["num_warps"], shared_per_sm=167936
-            ),
-        ) < split_rows.PROGRAMS_PER_SM,
+        lambda r: (
+            min(
+                split_rows.resident_per_sm(r["registers"], r["shared_bytes"], r["num_warps"]),
+                split_rows.resident_per_sm(
+                    r["registers"], r["shared_bytes"], r["num_warps"], shared_per_sm=167936
+                ),
+            )
+            < split_rows.PROGRAMS_PER_SM
+        ),
         lambda r: f"{r['registers']} registers, {r['shared_bytes']} B shared: too few resident",
     )
     wide = [r for r in _sass_checked_split(results) if r["constexprs"].get("PHASE") == 0]
@@ -474,6 +486,8 @@ def _sass_checked_split(results: list[dict]) -> list[dict]:
     return [
         r
         for r in results
-        if r["dtype"] == "bf16" and r["vocab"] == SASS_VOCAB and r["arch"] in SASS_ARCHS
+        if r["dtype"] == "bf16"
+        and r["vocab"] == SASS_VOCAB
+        and r["arch"] in SASS_ARCHS
         and r["constexprs"].get("FAST_EXP2", True)
-    ]  # fmt: skip
+    ]

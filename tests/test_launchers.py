@@ -124,9 +124,18 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
 
     def linear_grad():
         linear_loss.linear_logits_grad(
-            states, weight, bias, labels, rows, rows, rows, rows, 1.0, 0,
+            states,
+            weight,
+            bias,
+            labels,
+            rows,
+            rows,
+            rows,
+            rows,
+            1.0,
+            0,
             zeros(batch * time, vocab, dtype=dtype),
-        )  # fmt: skip
+        )
 
     return {
         "logprobs.logprobs_forward": lambda: logprobs.logprobs_forward(logits, labels, valid, 1.0),
@@ -150,11 +159,17 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             rows, "token-mean", None, None
         ),
         "sequence_terms.sequence_terms": lambda: sequence_terms.sequence_terms(
-            rows, rows,
-            every_input._replace(variant=kl_and_bonus._replace(low_bound=0.8, high_bound=1.2),
-                                 mask=rows, low=None, high=None),
-            sequence_ratio=True, vocab=vocab,
-        ),  # fmt: skip
+            rows,
+            rows,
+            every_input._replace(
+                variant=kl_and_bonus._replace(low_bound=0.8, high_bound=1.2),
+                mask=rows,
+                low=None,
+                high=None,
+            ),
+            sequence_ratio=True,
+            vocab=vocab,
+        ),
         "linear_loss.linear_stats": lambda: linear_loss.linear_stats(
             states, weight, bias, labels, valid, 1.0
         ),
@@ -163,9 +178,22 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
             logits, logits, labels, valid, 1.0, "jsd", 0.5
         ),
         "two_rows.two_rows_backward": lambda: two_rows.two_rows_backward(
-            logits, logits, rows, rows, rows, rows, rows, 1.0, "kl", 0.5, logits,
-            labels, rows, rows, rows,
-        ),  # fmt: skip
+            logits,
+            logits,
+            rows,
+            rows,
+            rows,
+            rows,
+            rows,
+            1.0,
+            "kl",
+            0.5,
+            logits,
+            labels,
+            rows,
+            rows,
+            rows,
+        ),
     }
 
 
@@ -587,9 +615,11 @@ def _far_launches(space, layout: str):
 # Launchers that address no [B, T, V] rows: the loss's sums, aggregation weights and the
 # two-pass terms ([B, T] scalars).
 ROWLESS = {
-    "loss_sums.token_loss_sums", "loss_sums.aggregation_weights", "sequence_terms.sequence_terms",
+    "loss_sums.token_loss_sums",
+    "loss_sums.aggregation_weights",
+    "sequence_terms.sequence_terms",
     "split_rows.merge_partials_rows",  # ([rows, 64, 4] partials: no row of the logits)
-}  # fmt: skip
+}
 
 
 @needs_interpreter

@@ -39,9 +39,17 @@ def backend(request, monkeypatch):
 
 
 def make_linear_batch(
-    batch=3, time=7, hidden=24, vocab=1031, dtype=torch.float32, seed=0, per_token_adv=False,
-    bias=True, empty_rows=(1,), old_noise=0.3,
-):  # fmt: skip
+    batch=3,
+    time=7,
+    hidden=24,
+    vocab=1031,
+    dtype=torch.float32,
+    seed=0,
+    per_token_adv=False,
+    bias=True,
+    empty_rows=(1,),
+    old_noise=0.3,
+):
     """Random hidden states and LM head with ragged lengths and an empty sequence; old/ref/rollout
     log-probs near the current ones so that ratios straddle every clip bound."""
     gen = torch.Generator().manual_seed(seed)
@@ -198,9 +206,11 @@ def test_token_logprobs_and_their_gradients(backend):
     grads = torch.autograd.grad((coef[0] * logp + coef[1] * ent).sum(), (h, w, b))
     rh, rw, rb = _leaves(data)
     rlogp, rent = reference.token_logprobs(
-        torch.nn.functional.linear(rh, rw, rb), data["labels"], temperature=0.8,
+        torch.nn.functional.linear(rh, rw, rb),
+        data["labels"],
+        temperature=0.8,
         return_entropy=True,
-    )  # fmt: skip
+    )
     ref_grads = torch.autograd.grad((coef[0] * rlogp + coef[1] * rent).sum(), (rh, rw, rb))
     torch.testing.assert_close(logp, rlogp, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(ent, rent, atol=ATOL, rtol=RTOL)

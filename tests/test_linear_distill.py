@@ -65,10 +65,16 @@ def _ours_distill(data, **kwargs):
         for name in ("teacher_hidden", "teacher_weight", "teacher_bias")
     }
     out = fusedrl.linear_distill_loss(
-        student[0], student[1], teacher["teacher_hidden"], teacher["teacher_weight"],
-        data["labels"], data["mask"], student_bias=student[2],
-        teacher_bias=teacher["teacher_bias"], **kwargs,
-    )  # fmt: skip
+        student[0],
+        student[1],
+        teacher["teacher_hidden"],
+        teacher["teacher_weight"],
+        data["labels"],
+        data["mask"],
+        student_bias=student[2],
+        teacher_bias=teacher["teacher_bias"],
+        **kwargs,
+    )
     grads = torch.autograd.grad(out.loss, [*student, *teacher.values()], allow_unused=True)
     return out, grads[:3], grads[3:]
 
@@ -144,19 +150,33 @@ def test_linear_policy_loss_exact_kl_equals_the_oracle(
     monkeypatch.setattr(pair, "pair_sweep", lambda *a, **k: calls.append(1) or real_sweep(*a, **k))
     student = [data[name].clone().requires_grad_(True) for name in STUDENT]
     ours = fusedrl.linear_policy_loss(
-        student[0], student[1], data["labels"], advantages, data["mask"], old_logp=old,
-        config=cfg, bias=student[2], backend=backend, return_entropy=True,
-        ref_weight=data["teacher_weight"], ref_hidden=data["teacher_hidden"],
+        student[0],
+        student[1],
+        data["labels"],
+        advantages,
+        data["mask"],
+        old_logp=old,
+        config=cfg,
+        bias=student[2],
+        backend=backend,
+        return_entropy=True,
+        ref_weight=data["teacher_weight"],
+        ref_hidden=data["teacher_hidden"],
         ref_bias=data["teacher_bias"],
-    )  # fmt: skip
+    )
     grads = _grads(ours.loss, student)
     assert len(calls) == sweeps
     oracle_inputs = [data[name].clone().requires_grad_(True) for name in STUDENT]
     ref = reference.policy_loss(
-        _logits(*oracle_inputs), data["labels"], advantages, data["mask"], old_logp=old,
-        config=cfg, return_entropy=True,
+        _logits(*oracle_inputs),
+        data["labels"],
+        advantages,
+        data["mask"],
+        old_logp=old,
+        config=cfg,
+        return_entropy=True,
         ref_logits=_logits(data["teacher_hidden"], data["teacher_weight"], data["teacher_bias"]),
-    )  # fmt: skip
+    )
     ref_grads = _grads(ref.loss, oracle_inputs)
     _close(ours.loss, ref.loss, atol=1e-5)
     _close(ours.logp, ref.logp, atol=1e-5)
@@ -181,16 +201,26 @@ def test_reference_head_on_the_policy_body_and_flat_nan_padded_input(backend, sm
     x = hidden.clone().requires_grad_(True)
     w = data["student_weight"].clone().requires_grad_(True)
     ours = fusedrl.linear_policy_loss(
-        x, w, labels, advantages, mask, config=cfg, backend=backend,
+        x,
+        w,
+        labels,
+        advantages,
+        mask,
+        config=cfg,
+        backend=backend,
         ref_weight=data["teacher_weight"],
-    )  # fmt: skip
+    )
     grads = _grads(ours.loss, (x, w))
     x2 = torch.where(mask[:, None], hidden, 0.0).requires_grad_(True)
     w2 = data["student_weight"].clone().requires_grad_(True)
     ref = reference.policy_loss(
-        x2 @ w2.T, labels, advantages, mask, config=cfg, ref_logits=x2.detach() @ data[
-            "teacher_weight"].T,
-    )  # fmt: skip
+        x2 @ w2.T,
+        labels,
+        advantages,
+        mask,
+        config=cfg,
+        ref_logits=x2.detach() @ data["teacher_weight"].T,
+    )
     ref_grads = _grads(ref.loss, (x2, w2))
     assert torch.isfinite(ours.loss) and ours.logp.shape == labels.shape
     _close(ours.loss, ref.loss, atol=1e-5)
@@ -219,8 +249,7 @@ def test_float64_gradients_against_finite_differences():
     """The torch backend keeps fp64 in fp64: the analytic gradients of the student's hidden
     states, head and bias against central differences of the whole loss (gradcheck itself runs
     backward twice through one graph, which the fused losses refuse)."""
-    data = _heads(seed=5, batch=2, time=3, hidden=4, teacher_hidden=3, vocab=7,
-                  dtype=torch.float64)  # fmt: skip
+    data = _heads(seed=5, batch=2, time=3, hidden=4, teacher_hidden=3, vocab=7, dtype=torch.float64)
     data["mask"][1, 0] = True  # both sequences count
     cfg = LossConfig.preset("gspo").replace(kl="full_reverse", beta=0.4, entropy_coef=0.1)
     advantages = torch.tensor([0.7, -1.1], dtype=torch.float64)
@@ -229,15 +258,33 @@ def test_float64_gradients_against_finite_differences():
 
     def distill(h, w, b):
         return fusedrl.linear_distill_loss(
-            h, w, data["teacher_hidden"], data["teacher_weight"], data["labels"], data["mask"],
-            kind="jsd", beta=0.3, temperature=0.8, student_bias=b, backend="torch",
-        ).loss  # fmt: skip
+            h,
+            w,
+            data["teacher_hidden"],
+            data["teacher_weight"],
+            data["labels"],
+            data["mask"],
+            kind="jsd",
+            beta=0.3,
+            temperature=0.8,
+            student_bias=b,
+            backend="torch",
+        ).loss
 
     def policy(h, w, b):
         return fusedrl.linear_policy_loss(
-            h, w, data["labels"], advantages, data["mask"], old_logp=old, config=cfg, bias=b,
-            backend="torch", ref_weight=data["teacher_weight"], ref_hidden=data["teacher_hidden"],
-        ).loss  # fmt: skip
+            h,
+            w,
+            data["labels"],
+            advantages,
+            data["mask"],
+            old_logp=old,
+            config=cfg,
+            bias=b,
+            backend="torch",
+            ref_weight=data["teacher_weight"],
+            ref_hidden=data["teacher_hidden"],
+        ).loss
 
     for loss in (distill, policy):
         leaves = [data[name].clone().requires_grad_(True) for name in STUDENT]
@@ -288,8 +335,14 @@ def test_sampled_reverse_kl_equals_the_logits_form(backend):
     data = _heads(seed=9)
     gen = torch.Generator().manual_seed(2)
     advantages, old = torch.randn(3, generator=gen), -3.0 + 0.5 * torch.randn(3, 7, generator=gen)
-    kwargs = dict(kind="sampled_reverse_kl", beta=0.7, temperature=0.9, advantages=advantages,
-                  old_logp=old, config=LossConfig.preset("dapo"))  # fmt: skip
+    kwargs = dict(
+        kind="sampled_reverse_kl",
+        beta=0.7,
+        temperature=0.9,
+        advantages=advantages,
+        old_logp=old,
+        config=LossConfig.preset("dapo"),
+    )
     ours, grads, teacher_grads = _ours_distill(data, backend=backend, **kwargs)
     student = [data[name].clone().requires_grad_(True) for name in STUDENT]
     teacher_logits = _logits(data["teacher_hidden"], data["teacher_weight"], data["teacher_bias"])
@@ -308,33 +361,62 @@ def _misuse_cases():
     cfg_full = LossConfig(kl="full", beta=0.1)
     return {
         "ref_weight without the exact KL": (
-            "policy", dict(ref_weight="teacher"), ValueError, "ref_weight / ref_hidden"),
+            "policy",
+            dict(ref_weight="teacher"),
+            ValueError,
+            "ref_weight / ref_hidden",
+        ),
         "exact KL without ref_weight": (
-            "policy", dict(config=cfg_full), ValueError, r"ref_weight \(the reference"),
+            "policy",
+            dict(config=cfg_full),
+            ValueError,
+            r"ref_weight \(the reference",
+        ),
         "ref_logp beside the head": (
-            "policy", dict(config=cfg_full, ref_weight="teacher", ref_logp=torch.zeros(3, 7)),
-            ValueError, "ref_logp is not read"),
+            "policy",
+            dict(config=cfg_full, ref_weight="teacher", ref_logp=torch.zeros(3, 7)),
+            ValueError,
+            "ref_logp is not read",
+        ),
         "tensor parallel": (
-            "policy", dict(config=cfg_full, ref_weight="teacher", vocab_start=0),
-            NotImplementedError, "tensor parallelism"),
+            "policy",
+            dict(config=cfg_full, ref_weight="teacher", vocab_start=0),
+            NotImplementedError,
+            "tensor parallelism",
+        ),
         "teacher vocabulary": (
-            "distill", dict(teacher_weight=torch.zeros(130, 12)), ValueError,
-            "teacher_weight has 130 rows"),
+            "distill",
+            dict(teacher_weight=torch.zeros(130, 12)),
+            ValueError,
+            "teacher_weight has 130 rows",
+        ),
         "teacher tokens": (
-            "distill", dict(teacher_hidden=torch.zeros(3, 6, 12)), ValueError,
-            "teacher_hidden shape"),
+            "distill",
+            dict(teacher_hidden=torch.zeros(3, 6, 12)),
+            ValueError,
+            "teacher_hidden shape",
+        ),
         "teacher hidden dtype": (
-            "distill", dict(teacher_hidden=torch.zeros(3, 7, 12, dtype=torch.float64)),
-            TypeError, "teacher_hidden dtype torch.float64 must equal"),
+            "distill",
+            dict(teacher_hidden=torch.zeros(3, 7, 12, dtype=torch.float64)),
+            TypeError,
+            "teacher_hidden dtype torch.float64 must equal",
+        ),
         "teacher dtype": (
-            "distill", dict(teacher_weight=torch.zeros(131, 12, dtype=torch.float64)),
-            TypeError, "teacher_weight dtype"),
+            "distill",
+            dict(teacher_weight=torch.zeros(131, 12, dtype=torch.float64)),
+            TypeError,
+            "teacher_weight dtype",
+        ),
         "student head": (
-            "distill", dict(student_weight=torch.zeros(131, 15)), ValueError,
-            r"student_weight must be \[V, H\]"),
+            "distill",
+            dict(student_weight=torch.zeros(131, 15)),
+            ValueError,
+            r"student_weight must be \[V, H\]",
+        ),
         "backend": ("distill", dict(backend="cuda"), ValueError, "backend='cuda'"),
         "kind": ("distill", dict(kind="kl"), ValueError, "kind='kl'"),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("case", sorted(_misuse_cases()))
@@ -347,9 +429,13 @@ def test_misuse_is_named(case):
             kwargs["ref_weight"] = data["teacher_weight"]
         with pytest.raises(error, match=message):
             fusedrl.linear_policy_loss(
-                data["student_hidden"], data["student_weight"], data["labels"],
-                torch.ones(3), data["mask"], **kwargs,
-            )  # fmt: skip
+                data["student_hidden"],
+                data["student_weight"],
+                data["labels"],
+                torch.ones(3),
+                data["mask"],
+                **kwargs,
+            )
         return
     args = {
         name: changes.get(name, data[name])

@@ -259,10 +259,17 @@ def test_grpo_empty_row_counts_differ_without_normalizer():
     l_loss = run_liger(inp, args)[0]
     cfg = trl_integration.loss_config_from_trl(args)
     f_loss = fusedrl.linear_policy_loss(
-        inp["hidden"], inp["weight"], inp["labels"], inp["advantages"], inp["mask"],
-        old_logp=inp["old_logp"], ref_logp=inp["ref_logp"], config=cfg, bias=inp["bias"],
+        inp["hidden"],
+        inp["weight"],
+        inp["labels"],
+        inp["advantages"],
+        inp["mask"],
+        old_logp=inp["old_logp"],
+        ref_logp=inp["ref_logp"],
+        config=cfg,
+        bias=inp["bias"],
         backend="torch",
-    ).loss  # fmt: skip
+    ).loss
     non_empty = (inp["mask"].sum(-1) > 0).sum().item()
     assert non_empty == B - 1
     torch.testing.assert_close(f_loss * non_empty / B, l_loss, atol=ATOL, rtol=RTOL)

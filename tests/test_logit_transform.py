@@ -81,10 +81,18 @@ def test_linear_policy_loss_equals_the_oracle(case, backend, small_chunks):
     old = now + 0.15 * torch.randn(now.shape, generator=torch.Generator().manual_seed(3))
     kwargs = dict(old_logp=old, config=cfg, return_entropy=True)
     ours = fusedrl.linear_policy_loss(
-        leaves[0], leaves[1], data["labels"], data["advantages"], data["mask"], bias=leaves[2],
-        backend=backend, softcap=softcap, logit_scale=scale,
-        ref_weight=ref_weight if exact_kl else None, **kwargs,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        bias=leaves[2],
+        backend=backend,
+        softcap=softcap,
+        logit_scale=scale,
+        ref_weight=ref_weight if exact_kl else None,
+        **kwargs,
+    )
     grads = torch.autograd.grad(ours.loss, leaves)
     oracle_leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     h, w, b = oracle_leaves
@@ -108,10 +116,16 @@ def test_linear_policy_loss_equals_the_oracle(case, backend, small_chunks):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     # Without the transform the same call is far off: the transform acted.
     plain = fusedrl.linear_policy_loss(
-        data["hidden"], data["weight"], data["labels"], data["advantages"], data["mask"],
-        bias=data["bias"], backend=backend, ref_weight=ref_weight if exact_kl else None,
+        data["hidden"],
+        data["weight"],
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        bias=data["bias"],
+        backend=backend,
+        ref_weight=ref_weight if exact_kl else None,
         **kwargs,
-    )  # fmt: skip
+    )
     assert (plain.logp - want.logp).abs().max() > 0.1
 
 
@@ -120,9 +134,14 @@ def test_linear_token_logprobs_with_and_without_a_gradient(backend, small_chunks
     data = _data(seed=9)
     leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
     logp, entropy = fusedrl.linear_token_logprobs(
-        *leaves, data["labels"], temperature=0.9, return_entropy=True, backend=backend,
-        softcap=CAP, logit_scale=SCALE,
-    )  # fmt: skip
+        *leaves,
+        data["labels"],
+        temperature=0.9,
+        return_entropy=True,
+        backend=backend,
+        softcap=CAP,
+        logit_scale=SCALE,
+    )
     (logp.sum() + entropy.sum()).backward()
     oracle = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
     logits = _transformed(oracle[0] @ oracle[1].T, CAP, SCALE)
@@ -134,9 +153,14 @@ def test_linear_token_logprobs_with_and_without_a_gradient(backend, small_chunks
         torch.testing.assert_close(ours.grad, oracle_leaf.grad, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
         no_grad, _ = fusedrl.linear_token_logprobs(
-            data["hidden"], data["weight"], data["labels"], temperature=0.9, backend=backend,
-            softcap=CAP, logit_scale=SCALE,
-        )  # fmt: skip
+            data["hidden"],
+            data["weight"],
+            data["labels"],
+            temperature=0.9,
+            backend=backend,
+            softcap=CAP,
+            logit_scale=SCALE,
+        )
     torch.testing.assert_close(no_grad, want_logp, atol=1e-5, rtol=1e-5)
 
 
@@ -179,8 +203,9 @@ def _check_logprobs_with_top_p(backend, logits, labels, temperatures, **transfor
             logp, entropy = fusedrl.token_logprobs(
                 x, labels, temperature, True, backend, top_p=0.9, **transform
             )
-            want = reference.token_logprobs(x_ref, labels, temperature, True, top_p=0.9,
-                                            **transform)  # fmt: skip
+            want = reference.token_logprobs(
+                x_ref, labels, temperature, True, top_p=0.9, **transform
+            )
             torch.testing.assert_close(logp, want[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(entropy, want[1], atol=1e-5, rtol=1e-5)
             if grad_on:
@@ -204,9 +229,11 @@ def test_logit_scale_on_the_logits_entry_points(backend):
     cases = (
         dict(config=LossConfig.preset("dapo", temperature=0.8, entropy_coef=0.01)),
         dict(config=LossConfig.preset("gspo", top_k=40, min_p=0.02), temperature=temps),
-        dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
-             ref_logits=data["logits"] + 0.5 * noise),
-    )  # fmt: skip
+        dict(
+            config=LossConfig.preset("dapo", kl="full", beta=0.1),
+            ref_logits=data["logits"] + 0.5 * noise,
+        ),
+    )
     for kwargs in cases:
         args = dict(rows, **kwargs)
         if "ref_logits" in kwargs:
@@ -270,10 +297,11 @@ def test_softcap_on_the_logits_entry_points(backend):
     capped[0, 0, 5] = capped[0, 0, 9] = float("-inf")
     oracle_logp = reference.token_logprobs(capped, torch.where(mask, data["labels"], 0))[0]
     torch.testing.assert_close(  # the oracle's own cap is the formula
-        reference.token_logprobs(x, torch.where(mask, data["labels"], 0), softcap=CAP,
-                                 logit_scale=SCALE)[0][mask],
+        reference.token_logprobs(
+            x, torch.where(mask, data["labels"], 0), softcap=CAP, logit_scale=SCALE
+        )[0][mask],
         oracle_logp[mask],
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(5)
     temps = 0.6 + torch.rand(mask.shape, generator=gen)
     noise = torch.randn(x.shape, generator=gen)
@@ -283,11 +311,25 @@ def test_softcap_on_the_logits_entry_points(backend):
     finite = torch.where(x < -1e20, 0.0, x)
     cases = (  # (the sampler's log-probs off the policy's by this much: ratios straddle the clip)
         (0.3, x, dict(config=LossConfig.preset("dapo", temperature=0.8, entropy_coef=0.01))),
-        (2e-4, x, dict(config=LossConfig.preset("gspo", top_k=40, top_p=0.9, min_p=0.02),
-                       temperature=temps, logit_scale=SCALE)),
-        (0.3, finite, dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
-                           ref_logits=finite + noise, logit_scale=SCALE)),
-    )  # fmt: skip
+        (
+            2e-4,
+            x,
+            dict(
+                config=LossConfig.preset("gspo", top_k=40, top_p=0.9, min_p=0.02),
+                temperature=temps,
+                logit_scale=SCALE,
+            ),
+        ),
+        (
+            0.3,
+            finite,
+            dict(
+                config=LossConfig.preset("dapo", kl="full", beta=0.1),
+                ref_logits=finite + noise,
+                logit_scale=SCALE,
+            ),
+        ),
+    )
     for spread, logits, kwargs in cases:
         now = reference.policy_loss(logits, **rows, **kwargs, softcap=CAP).logp
         rows["old_logp"] = now + spread * torch.randn(now.shape, generator=gen)
@@ -310,9 +352,14 @@ def test_softcap_on_the_logits_entry_points(backend):
     leaf = x.clone().requires_grad_(True)
     buffer = leaf * 1.0
     out = fusedrl.policy_loss(
-        buffer, **rows, **cases[0][2], backend=backend, softcap=CAP, inplace=True,
+        buffer,
+        **rows,
+        **cases[0][2],
+        backend=backend,
+        softcap=CAP,
+        inplace=True,
         return_sum_pi_squared=True,
-    )  # fmt: skip
+    )
     (grad,) = torch.autograd.grad(out.loss, leaf)
     torch.testing.assert_close(grad, _oracle_grad(x, rows, cases[0][2]), atol=1e-6, rtol=1e-5)
     unscaled = reference._model_logits(torch.where(mask[..., None], x, 0.0), None, CAP)
@@ -324,9 +371,14 @@ def test_softcap_on_the_logits_entry_points(backend):
     temperatures = (0.7, torch.where(mask, temps, 1.0))
     _check_logprobs_with_top_p(backend, clean, labels, temperatures, softcap=CAP)
     _, _, sum_sq = fusedrl.token_logprobs(
-        clean, labels, 0.7, backend=backend, softcap=CAP, logit_scale=SCALE,
+        clean,
+        labels,
+        0.7,
+        backend=backend,
+        softcap=CAP,
+        logit_scale=SCALE,
         return_sum_pi_squared=True,
-    )  # fmt: skip
+    )
     want_sq = reference.sum_pi_squared(_transformed(clean, CAP, SCALE), 0.7)
     torch.testing.assert_close(sum_sq, want_sq)
 
@@ -384,8 +436,9 @@ def test_softcap_keywords_and_the_plain_forms():
     one = fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP, vocab_start=0)[0]
     assert torch.equal(one, fusedrl.token_logprobs(data["logits"], data["labels"], softcap=CAP)[0])
     module = fusedrl.PolicyLoss("dapo", softcap=CAP, logit_scale=SCALE)
-    want = fusedrl.policy_loss(**data, config=LossConfig.preset("dapo"), softcap=CAP,
-                               logit_scale=SCALE)  # fmt: skip
+    want = fusedrl.policy_loss(
+        **data, config=LossConfig.preset("dapo"), softcap=CAP, logit_scale=SCALE
+    )
     assert torch.equal(module(**data).loss, want.loss) and "softcap=4.0" in repr(module)
     with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
         fusedrl.policy_loss(**data, softcap=0.0)
@@ -401,11 +454,17 @@ def test_the_transform_is_read_from_the_models_configs():
             self.config = AutoConfig.for_model(arch, **kwargs)
 
     assert model_logit_transform(Model("gemma2", final_logit_softcapping=30.0)) == {
-        "softcap": 30.0, "logit_scale": None}  # fmt: skip
+        "softcap": 30.0,
+        "logit_scale": None,
+    }
     assert model_logit_transform(Model("cohere", logit_scale=0.0625)) == {
-        "softcap": None, "logit_scale": 0.0625}  # fmt: skip
+        "softcap": None,
+        "logit_scale": 0.0625,
+    }
     assert model_logit_transform(Model("granite", logits_scaling=8.0)) == {
-        "softcap": None, "logit_scale": 0.125}  # fmt: skip
+        "softcap": None,
+        "logit_scale": 0.125,
+    }
     assert model_logit_transform(Model("qwen2")) == {"softcap": None, "logit_scale": None}
 
 
@@ -413,11 +472,22 @@ def _tiny_gemma2(vocab=37, seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "gemma2", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
-        final_logit_softcapping=0.5, attn_logit_softcapping=None, pad_token_id=0,
-        eos_token_id=1, bos_token_id=2, attention_dropout=0.0,
-    )  # fmt: skip
+        "gemma2",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        final_logit_softcapping=0.5,
+        attn_logit_softcapping=None,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -464,24 +534,47 @@ def test_linear_distill_loss_with_each_models_transform(kind, backend, small_chu
         extra = dict(advantages=data["advantages"], old_logp=None, config=LossConfig())
     leaves = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     ours = fusedrl.linear_distill_loss(
-        leaves[0], leaves[1], teacher_hidden, teacher_weight, data["labels"], data["mask"],
-        kind=kind, beta=0.4, temperature=0.9, student_bias=leaves[2], backend=backend,
-        student_transform=student, teacher_transform=teacher, **extra,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        teacher_hidden,
+        teacher_weight,
+        data["labels"],
+        data["mask"],
+        kind=kind,
+        beta=0.4,
+        temperature=0.9,
+        student_bias=leaves[2],
+        backend=backend,
+        student_transform=student,
+        teacher_transform=teacher,
+        **extra,
+    )
     grads = torch.autograd.grad(ours.loss, leaves)
     oracle = [data[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     logits = _transformed(oracle[0] @ oracle[1].T + oracle[2], CAP, 1.0)
     teacher_logits = _transformed(teacher_hidden @ teacher_weight.T, None, 0.6)
     if kind == "sampled_reverse_kl":  # its logits form, itself checked against the oracle
         want = fusedrl.distill_loss(
-            logits, teacher_logits, data["labels"], data["mask"], kind=kind, beta=0.4,
-            temperature=0.9, backend="torch", **extra,
-        )  # fmt: skip
+            logits,
+            teacher_logits,
+            data["labels"],
+            data["mask"],
+            kind=kind,
+            beta=0.4,
+            temperature=0.9,
+            backend="torch",
+            **extra,
+        )
     else:
         want = reference.distill_loss(
-            logits, teacher_logits, data["labels"], data["mask"], kind=kind, beta=0.4,
+            logits,
+            teacher_logits,
+            data["labels"],
+            data["mask"],
+            kind=kind,
+            beta=0.4,
             temperature=0.9,
-        )  # fmt: skip
+        )
     want_grads = torch.autograd.grad(want.loss, oracle)
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
     for got, expected in zip(grads, want_grads):
@@ -489,9 +582,14 @@ def test_linear_distill_loss_with_each_models_transform(kind, backend, small_chu
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="teacher_transform must be None or a dict"):
         fusedrl.linear_distill_loss(
-            data["hidden"], data["weight"], teacher_hidden, teacher_weight, data["labels"],
-            data["mask"], teacher_transform={"cap": 3.0},
-        )  # fmt: skip
+            data["hidden"],
+            data["weight"],
+            teacher_hidden,
+            teacher_weight,
+            data["labels"],
+            data["mask"],
+            teacher_transform={"cap": 3.0},
+        )
 
 
 def test_the_trainer_distils_a_soft_capped_student_on_the_fused_head():
@@ -508,7 +606,16 @@ def test_the_trainer_distils_a_soft_capped_student_on_the_fused_head():
     grads = []
     for lm_head in (False, True):
         model = _tiny_gemma2()
-        accumulate_gradients(model, batch, cfg, 2, None, "torch", lm_head=lm_head,
-                             teacher=teacher, distill=Distill("forward_kl", 0.5, 0.5))  # fmt: skip
+        accumulate_gradients(
+            model,
+            batch,
+            cfg,
+            2,
+            None,
+            "torch",
+            lm_head=lm_head,
+            teacher=teacher,
+            distill=Distill("forward_kl", 0.5, 0.5),
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

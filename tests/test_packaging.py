@@ -54,8 +54,11 @@ def dist(tmp_path_factory) -> dict[str, Path]:
     env = {k: v for k, v in os.environ.items() if k != "FUSEDRL_BUILD_CUDA"}
     proc = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"), str(src)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (wheel,) = (tmp / "dist").glob("*.whl")
     (sdist,) = (tmp / "dist").glob("*.tar.gz")
@@ -143,8 +146,10 @@ def test_a_plain_install_is_the_loss_and_each_extra_what_its_name_says(dist):
     (verl,) = reqs["verl"]
     makefile = (ROOT / "Makefile").read_text()
     assert str(verl.specifier) == "==" + re.search(r"VERL_VERSION \?= (\S+)", makefile).group(1)
-    assert re.search(rf'TESTED_VERL_VERSION = "{re.escape(str(verl.specifier)[2:])}"',
-                     (ROOT / "fusedrl" / "integrations" / "verl.py").read_text())  # fmt: skip
+    assert re.search(
+        rf'TESTED_VERL_VERSION = "{re.escape(str(verl.specifier)[2:])}"',
+        (ROOT / "fusedrl" / "integrations" / "verl.py").read_text(),
+    )
 
 
 def test_the_cuda_loader_finds_the_sources_in_the_installed_package(dist):
@@ -156,8 +161,14 @@ def test_the_cuda_loader_finds_the_sources_in_the_installed_package(dist):
         "print(json.dumps([fusedrl.__file__, str(cuda.CSRC), [str(p) for p in cuda.sources()]]))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=dist["tmp"], timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=dist["tmp"],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     package, csrc, sources = json.loads(proc.stdout.splitlines()[-1])
     assert Path(package).parent == site / "fusedrl"  # the wheel's copy, not the checkout's

@@ -102,16 +102,30 @@ def test_torch_backend_equals_reference(cfg, batch, time, vocab, seed, per_token
 # scalar fp64, and the bf16 gradient came out 0 (fused_backend.kernel_float).
 @example(
     cfg=LossConfig(loss="ppo", eps_low=0.5, eps_high=0.5, entropy_coef=2.2250738585072014e-308),
-    batch=1, time=1, vocab=2, seed=1, per_token_adv=False, normalize=False, inplace=False,
-    prompt=0, dtype=torch.bfloat16,
-)  # fmt: skip
+    batch=1,
+    time=1,
+    vocab=2,
+    seed=1,
+    per_token_adv=False,
+    normalize=False,
+    inplace=False,
+    prompt=0,
+    dtype=torch.bfloat16,
+)
 # Found by hypothesis (2026-11-28): the same coefficient on the two-pass path, where the terms
 # kernel (which takes it as 0) wrote no d(loss)/d(H) and the driver handed an empty one on.
 @example(
     cfg=LossConfig(loss="ppo", ratio_level="sequence", entropy_coef=2.2250738585072014e-308),
-    batch=2, time=3, vocab=17, seed=1, per_token_adv=False, normalize=False, inplace=False,
-    prompt=0, dtype=torch.float32,
-)  # fmt: skip
+    batch=2,
+    time=3,
+    vocab=17,
+    seed=1,
+    per_token_adv=False,
+    normalize=False,
+    inplace=False,
+    prompt=0,
+    dtype=torch.float32,
+)
 def test_triton_backend_equals_reference(
     cfg, batch, time, vocab, seed, per_token_adv, normalize, inplace, prompt, dtype
 ):
@@ -138,8 +152,9 @@ def test_triton_backend_equals_reference(
     logits = (data["logits"].clone() if inplace else data["logits"]).detach().requires_grad_(True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 64)
-        ours = fusedrl.policy_loss(logits, config=cfg, backend="triton", inplace=inplace, **args,
-                                   **extra)  # fmt: skip
+        ours = fusedrl.policy_loss(
+            logits, config=cfg, backend="triton", inplace=inplace, **args, **extra
+        )
         (grad,) = torch.autograd.grad(ours.loss, logits)
     torch.testing.assert_close(ours.loss.double(), ref.loss, atol=1e-5, rtol=1e-5)
     if dtype == torch.float32:

@@ -38,9 +38,13 @@ VARIANTS = {f"preset:{name}": LossConfig.preset(name) for name in ALL_PRESETS} |
 # so their gradient is by design not the derivative of their value: they are checked against an
 # equivalent pg surrogate (below, and tests/test_corrections.py for VESPO) instead.
 STOP_GRADIENT = {
-    "preset:cispo", "preset:gspo", "preset:gspo_token", "gspo+dual", "preset:luspo",
+    "preset:cispo",
+    "preset:gspo",
+    "preset:gspo_token",
+    "gspo+dual",
+    "preset:luspo",
     "preset:vespo",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(set(VARIANTS) - STOP_GRADIENT))

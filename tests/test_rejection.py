@@ -66,8 +66,10 @@ def test_rejected_tokens_leave_the_loss_and_its_denominator():
     cfg = LossConfig(rejection="token_k1", rejection_threshold="0.75_1.3")
     ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend="torch")
     log_r = data["old_logp"] - data["rollout_logp"]
-    kept = data["mask"] & (-log_r >= torch.log(torch.tensor(0.75))) & (
-        -log_r <= torch.log(torch.tensor(1.3))
+    kept = (
+        data["mask"]
+        & (-log_r >= torch.log(torch.tensor(0.75)))
+        & (-log_r <= torch.log(torch.tensor(1.3)))
     )
     assert 0 < kept.sum() < data["mask"].sum()
     by_mask, mask_grad = run_loss(

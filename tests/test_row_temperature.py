@@ -73,8 +73,9 @@ def test_in_place_flat_and_per_sequence(backend):
     logits = data["logits"].clone().requires_grad_(True)
     work = logits * 1.0  # a buffer the in-place loss may overwrite
     args = {k: v for k, v in data.items() if k != "logits"}
-    ours = fusedrl.policy_loss(work, **args, config=cfg, temperature=per_seq, inplace=True,
-                               backend=backend)  # fmt: skip
+    ours = fusedrl.policy_loss(
+        work, **args, config=cfg, temperature=per_seq, inplace=True, backend=backend
+    )
     (grad,) = torch.autograd.grad(ours.loss, logits)
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
@@ -82,8 +83,9 @@ def test_in_place_flat_and_per_sequence(backend):
     flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items() if k != "advantages"}
     flat["advantages"] = data["advantages"][:, None].expand(3, 7).reshape(-1)
     per_token = per_seq[:, None].expand(3, 7).reshape(-1)
-    flat_out, flat_grad = run_loss(fusedrl.policy_loss, flat, config=cfg, temperature=per_token,
-                               backend=backend)  # fmt: skip
+    flat_out, flat_grad = run_loss(
+        fusedrl.policy_loss, flat, config=cfg, temperature=per_token, backend=backend
+    )
     torch.testing.assert_close(flat_out.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flat_grad.view_as(want_grad), want_grad, atol=1e-6, rtol=1e-5)
 
@@ -200,9 +202,7 @@ def test_sampling_filters_take_them(filters, backend, monkeypatch):
     assert_lm_head_form_matches_the_oracle(
         hidden, weight, rows, backend, config=LossConfig.preset("dapo", **filt), temperature=temps
     )
-    logp, _ = fusedrl.linear_token_logprobs(
-        hidden, weight, labels, row_t, backend=backend, **filt
-    )
+    logp, _ = fusedrl.linear_token_logprobs(hidden, weight, labels, row_t, backend=backend, **filt)
     want = reference.token_logprobs(hidden @ weight.T, labels, row_t, **filt)[0]
     torch.testing.assert_close(logp, want, atol=1e-5, rtol=1e-5)
 
@@ -266,20 +266,26 @@ def test_the_exact_kl_takes_them(kl, backend, monkeypatch):
     cfg = LossConfig.preset("dapo", kl=kl, beta=0.3)
     rows = {k: v for k, v in data.items() if k != "logits"}
     leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    ours = fusedrl.linear_policy_loss(*leaves, **rows, config=cfg, temperature=temps,
-                                      ref_weight=ref_weight, backend=backend)  # fmt: skip
+    ours = fusedrl.linear_policy_loss(
+        *leaves, **rows, config=cfg, temperature=temps, ref_weight=ref_weight, backend=backend
+    )
     grads = torch.autograd.grad(ours.loss, leaves)
     oracle = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
     ref_logits = hidden @ ref_weight.T
-    want = reference.policy_loss(oracle[0] @ oracle[1].T, **rows, config=cfg, temperature=temps,
-                                 ref_logits=ref_logits)  # fmt: skip
+    want = reference.policy_loss(
+        oracle[0] @ oracle[1].T, **rows, config=cfg, temperature=temps, ref_logits=ref_logits
+    )
     want_grads = torch.autograd.grad(want.loss, oracle)
     torch.testing.assert_close(ours.loss, want.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.metrics["kl"], want.metrics["kl"], atol=1e-6, rtol=1e-5)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     logits_form, logits_grad = run_loss(
-        fusedrl.policy_loss, dict(data, logits=hidden @ weight.T), config=cfg,
-        temperature=temps, ref_logits=ref_logits, backend=backend,
-    )  # fmt: skip
+        fusedrl.policy_loss,
+        dict(data, logits=hidden @ weight.T),
+        config=cfg,
+        temperature=temps,
+        ref_logits=ref_logits,
+        backend=backend,
+    )
     torch.testing.assert_close(logits_form.loss, want.loss, atol=1e-5, rtol=1e-5)

@@ -72,9 +72,13 @@ def test_policy_loss_replays_the_mask(preset, inplace, backend):
     cfg = cfg.replace(entropy_coef=0.01)
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg, return_entropy=True)
     ours, grad = run_loss(
-        fusedrl.policy_loss, dict(data, logits=data["logits"].clone()), cfg, backend=backend,
-        return_entropy=True, inplace=inplace,
-    )  # fmt: skip
+        fusedrl.policy_loss,
+        dict(data, logits=data["logits"].clone()),
+        cfg,
+        backend=backend,
+        return_entropy=True,
+        inplace=inplace,
+    )
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.logp, ref.logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.entropy, ref.entropy, atol=1e-5, rtol=1e-5)

@@ -66,8 +66,11 @@ def vllm_rollouts(tmp_path_factory):
     requests = json.dumps(list(FILTERS.values()))
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_CHILD, str(folder), str(out), requests],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return model.eval(), json.loads(out.read_text())
 

@@ -68,9 +68,14 @@ def test_equals_the_oracle_from_the_live_rows_alone(case, backend, head_rows):
     temps = 0.6 + torch.rand(rows["mask"].shape, generator=torch.Generator().manual_seed(1))
     live = int(rows["mask"].sum())
     ours, _ = assert_lm_head_form_matches_the_oracle(
-        hidden, weight, rows, backend, fused_only=dict(skip_masked_rows=True),
-        config=LossConfig.preset(preset, **overrides), temperature=temps,
-    )  # fmt: skip
+        hidden,
+        weight,
+        rows,
+        backend,
+        fused_only=dict(skip_masked_rows=True),
+        config=LossConfig.preset(preset, **overrides),
+        temperature=temps,
+    )
     assert head_rows and set(head_rows) == {live}
     assert (ours.logp[~rows["mask"]] == 0).all()
 
@@ -78,9 +83,14 @@ def test_equals_the_oracle_from_the_live_rows_alone(case, backend, head_rows):
 def _outputs(backend, hidden, weight, bias, rows, **kwargs):
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     out = fusedrl.linear_policy_loss(
-        leaves[0], leaves[1], **rows, bias=leaves[2], backend=backend, return_entropy=True,
+        leaves[0],
+        leaves[1],
+        **rows,
+        bias=leaves[2],
+        backend=backend,
+        return_entropy=True,
         **kwargs,
-    )  # fmt: skip
+    )
     grads = torch.autograd.grad(out.loss, leaves)
     extra = [] if out.sum_pi_squared is None else [out.sum_pi_squared]
     return [out.loss, out.logp, out.entropy, *extra, *out.metrics.values(), *grads]
@@ -143,8 +153,18 @@ def test_two_heads_skip_them_alike(backend, head_rows):
         for skip in (dict(), dict(live_rows=live)):
             ref = ref_hidden if skip else torch.nan_to_num(ref_hidden)
             head_rows.clear()
-            outs.append(_outputs(backend, hidden, weight, torch.zeros(VOCAB), rows,
-                                 ref_hidden=ref, **heads, **skip))  # fmt: skip
+            outs.append(
+                _outputs(
+                    backend,
+                    hidden,
+                    weight,
+                    torch.zeros(VOCAB),
+                    rows,
+                    ref_hidden=ref,
+                    **heads,
+                    **skip,
+                )
+            )
         _assert_same(outs[1], outs[0])
         sweeps = 1 if preset == "dapo" else 2  # gspo: statistics, then the gradient
         assert head_rows == [live, live] * sweeps  # the policy's and the reference's, each sweep
@@ -155,9 +175,16 @@ def test_two_heads_skip_them_alike(backend, head_rows):
             student = hidden.clone().requires_grad_(True)
             head_rows.clear()
             out = fusedrl.linear_distill_loss(
-                student, weight, ref_hidden if skip else torch.nan_to_num(ref_hidden),
-                ref_weight, labels, mask, kind=kind, backend=backend, skip_masked_rows=skip,
-            )  # fmt: skip
+                student,
+                weight,
+                ref_hidden if skip else torch.nan_to_num(ref_hidden),
+                ref_weight,
+                labels,
+                mask,
+                kind=kind,
+                backend=backend,
+                skip_masked_rows=skip,
+            )
             outs.append([out.loss, out.logp, *torch.autograd.grad(out.loss, student)])
         _assert_same(outs[1], outs[0])
         if kind == "jsd":
@@ -172,9 +199,13 @@ def test_the_on_chip_design(head_rows, monkeypatch):
     hidden, weight, rows = _head(seed=9)
     for preset in ("dapo", "gspo"):
         assert_lm_head_form_matches_the_oracle(
-            hidden, weight, rows, "triton", fused_only=dict(skip_masked_rows=True),
+            hidden,
+            weight,
+            rows,
+            "triton",
+            fused_only=dict(skip_masked_rows=True),
             config=LossConfig.preset(preset),
-        )  # fmt: skip
+        )
     assert set(head_rows) == {int(rows["mask"].sum())}
 
 
@@ -185,9 +216,15 @@ def test_an_all_masked_batch_gives_zero(backend, head_rows):
     hidden[:] = float("nan")
     for count in (None, 0):
         outs = _outputs(
-            backend, hidden, weight, torch.zeros(VOCAB), rows, config=LossConfig.preset("dapo"),
-            skip_masked_rows=True, live_rows=count,
-        )  # fmt: skip
+            backend,
+            hidden,
+            weight,
+            torch.zeros(VOCAB),
+            rows,
+            config=LossConfig.preset("dapo"),
+            skip_masked_rows=True,
+            live_rows=count,
+        )
         assert outs[0].item() == 0.0
         for t in outs:
             assert torch.isfinite(t).all() and not t.any()

@@ -29,9 +29,20 @@ from fusedrl.kernels.token_args import LossVariant, TokenLossArgs  # noqa: E402
 # two-pass path: `test_every_fused_case_runs_the_split_kernel` checks the list).
 FUSED_PRESETS = ["ppo", "grpo", "dapo", "dr_grpo", "lite_ppo", "cispo", "sapo", "dcpo", "pg"]
 FUSED_OPTIONS = [
-    "dual_clip", "delta", "entropy_bonus_seq", "temperature", "sum_norm", "dcpo_kl", "sapo_is",
-    "kl_k2", "kl_k1+", "is_low", "luspo_token_dual", "rejection_token_seq", "trust_region_max",
-]  # fmt: skip
+    "dual_clip",
+    "delta",
+    "entropy_bonus_seq",
+    "temperature",
+    "sum_norm",
+    "dcpo_kl",
+    "sapo_is",
+    "kl_k2",
+    "kl_k1+",
+    "is_low",
+    "luspo_token_dual",
+    "rejection_token_seq",
+    "trust_region_max",
+]
 
 
 @pytest.fixture
@@ -275,10 +286,12 @@ def test_merge_of_partials_matches_float64(slices):
     torch.testing.assert_close(got[:4], want, atol=2e-6, rtol=2e-6)
     assert got[4, 0] == -math.inf and got[4, 1].isnan() and got[4, 2].isnan()
     truth5 = torch.stack(
-        [torch.logsumexp(y[5] * math.log(2), -1) / math.log(2),
-         (torch.softmax(y[5] * math.log(2), -1) * y[5]).sum(),
-         (torch.softmax(y[5] * math.log(2), -1) ** 2).sum()]
-    ).float()  # fmt: skip
+        [
+            torch.logsumexp(y[5] * math.log(2), -1) / math.log(2),
+            (torch.softmax(y[5] * math.log(2), -1) * y[5]).sum(),
+            (torch.softmax(y[5] * math.log(2), -1) ** 2).sum(),
+        ]
+    ).float()
     torch.testing.assert_close(got[5], truth5, atol=2e-6, rtol=2e-6)
 
 

@@ -57,8 +57,9 @@ def test_policy_loss_returns_it_without_changing_the_loss(backend, inplace):
         logits = data["logits"].clone().requires_grad_(True)
         work = logits * 1.0 if inplace else logits  # a non-leaf buffer the loss may overwrite
         args = {k: v for k, v in data.items() if k != "logits"}
-        out = fusedrl.policy_loss(work, **args, config=cfg, inplace=inplace, backend=backend,
-                                  return_sum_pi_squared=asked)  # fmt: skip
+        out = fusedrl.policy_loss(
+            work, **args, config=cfg, inplace=inplace, backend=backend, return_sum_pi_squared=asked
+        )
         grads.append(torch.autograd.grad(out.loss, logits)[0])
         outs.append(out)
     assert outs[0].sum_pi_squared is None
@@ -129,9 +130,14 @@ def test_triton_policy_loss_sums_the_squares_in_its_own_read(monkeypatch):
         (dict(config=LossConfig.preset("dapo", entropy_coef=0.01), temperature=temps), True),
         (dict(config=LossConfig.preset("dapo"), inplace=True, softcap=3.0), True),
         (dict(config=LossConfig.preset("gspo", temperature=0.8)), True),
-        (dict(config=LossConfig.preset("dapo", kl="full", beta=0.1),
-              ref_logits=data["logits"] + noise), False),
-    )  # fmt: skip
+        (
+            dict(
+                config=LossConfig.preset("dapo", kl="full", beta=0.1),
+                ref_logits=data["logits"] + noise,
+            ),
+            False,
+        ),
+    )
     for kwargs, in_loss in cases:
         second_reads.clear()
         outs, grads = [], []
@@ -206,9 +212,13 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     start = [0, 400][rank]  # uneven slices
     stop = [400, 1031][rank]
     result = fusedrl.token_logprobs(
-        logits[..., start:stop], labels, 0.9, backend="torch", tp_group=dist.group.WORLD,
+        logits[..., start:stop],
+        labels,
+        0.9,
+        backend="torch",
+        tp_group=dist.group.WORLD,
         return_sum_pi_squared=True,
-    )  # fmt: skip
+    )
     torch.save(result[2], os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # every rank done before any leaves (a gloo exit abort otherwise)
     dist.destroy_process_group()
@@ -245,9 +255,15 @@ def test_the_lm_head_form(backend, monkeypatch):
     for grad_on in (False, True):
         h = hidden.clone().requires_grad_(grad_on)
         logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
-            h, weight, labels, 0.8, True, backend=backend, softcap=3.0,
+            h,
+            weight,
+            labels,
+            0.8,
+            True,
+            backend=backend,
+            softcap=3.0,
             return_sum_pi_squared=True,
-        )  # fmt: skip
+        )
         want_sq = reference.sum_pi_squared(logits, 0.8)
         torch.testing.assert_close(sum_sq, want_sq, atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, 0.8)[0])
@@ -262,9 +278,15 @@ def test_the_lm_head_form(backend, monkeypatch):
     # [N, H], no entropy asked, with a gradient: (logp, None, sum pi^2)
     flat = hidden.reshape(-1, 16).clone().requires_grad_(True)
     logp, entropy, sum_sq = fusedrl.linear_token_logprobs(
-        flat, weight, labels.reshape(-1), 0.8, False, backend=backend, softcap=3.0,
+        flat,
+        weight,
+        labels.reshape(-1),
+        0.8,
+        False,
+        backend=backend,
+        softcap=3.0,
         return_sum_pi_squared=True,
-    )  # fmt: skip
+    )
     assert entropy is None and sum_sq.shape == (21,)
     torch.testing.assert_close(sum_sq, want_sq.reshape(-1), atol=1e-6, rtol=1e-4)
     torch.autograd.grad(logp.sum(), flat)
@@ -298,5 +320,6 @@ def test_linear_policy_loss_returns_it_without_changing_the_loss(backend):
     torch.testing.assert_close(out.sum_pi_squared[mask], want[mask], atol=1e-6, rtol=1e-4)
     assert (out.sum_pi_squared[~mask] == 0).all()
     with pytest.raises(NotImplementedError, match="under tensor parallelism"):
-        fusedrl.linear_policy_loss(hidden, weight, **rows, vocab_start=0,
-                                   return_sum_pi_squared=True)  # fmt: skip
+        fusedrl.linear_policy_loss(
+            hidden, weight, **rows, vocab_start=0, return_sum_pi_squared=True
+        )

@@ -103,119 +103,294 @@ CASES = [
     Case("dapo"),
     # per-token temperatures (each rank divides its slice's rows by them) with the KL and the
     # entropy bonus; a number elsewhere (logprobs, the sampling cases, linear_logprobs)
-    Case("grpo_kl_entropy_row_temps", preset="grpo", return_entropy=True, per_token_adv=True,
-         row_temps=True, overrides=(("entropy_coef", 0.01),)),
-    Case("gspo_sequence_is", preset="gspo",
-         overrides=(*GSPO_OPEN, ("is_correction", "sequence_truncate"), ("is_cap", 1.2))),
-    Case("clip_cov", overrides=(("loss", "clip_cov"), ("clip_cov_seed", 7),
-                                ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0))),
-    Case("kl_cov_rejection_is", overrides=(
-        ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
-        ("rejection_threshold", "0.75_1.3"), ("is_correction", "token_truncate"))),
+    Case(
+        "grpo_kl_entropy_row_temps",
+        preset="grpo",
+        return_entropy=True,
+        per_token_adv=True,
+        row_temps=True,
+        overrides=(("entropy_coef", 0.01),),
+    ),
+    Case(
+        "gspo_sequence_is",
+        preset="gspo",
+        overrides=(*GSPO_OPEN, ("is_correction", "sequence_truncate"), ("is_cap", 1.2)),
+    ),
+    Case(
+        "clip_cov",
+        overrides=(
+            ("loss", "clip_cov"),
+            ("clip_cov_seed", 7),
+            ("clip_cov_ratio", 0.3),
+            ("clip_cov_lb", -1.0),
+        ),
+    ),
+    Case(
+        "kl_cov_rejection_is",
+        overrides=(
+            ("loss", "kl_cov"),
+            ("kl_cov_ratio", 0.3),
+            ("rejection", "token_k1"),
+            ("rejection_threshold", "0.75_1.3"),
+            ("is_correction", "token_truncate"),
+        ),
+    ),
     # vocab layouts
     Case("dapo_vocab_start", layout="start"),
-    Case("grpo_padded_nan_rows", preset="grpo", layout="padded", nan_padding=True,
-         overrides=(("entropy_coef", 0.01),)),
+    Case(
+        "grpo_padded_nan_rows",
+        preset="grpo",
+        layout="padded",
+        nan_padding=True,
+        overrides=(("entropy_coef", 0.01),),
+    ),
     Case("dapo_padding_only_rank", layout="padded_rank", return_entropy=True),
     # input forms
     Case("grpo_dtensor", preset="grpo", layout="dtensor", return_entropy=True),
     # per-token temperatures as a replicated DTensor (taken as their local values)
     Case("grpo_dtensor_row_temps", preset="grpo", layout="dtensor", row_temps=True),
-    Case("logprobs_dtensor_row_temps", kind="logprobs", layout="dtensor", row_temps=True,
-         return_entropy=True),
+    Case(
+        "logprobs_dtensor_row_temps",
+        kind="logprobs",
+        layout="dtensor",
+        row_temps=True,
+        return_entropy=True,
+    ),
     Case("logprobs_dtensor", kind="logprobs", layout="dtensor", return_entropy=True),
     # int32 labels (vLLM's, tokenizers'), as one process takes them, on every entry point
     Case("dapo_flat_int32_labels", flat=True, per_token_adv=True, inputs="int32_labels"),
     Case("dapo_inplace", inplace=True),
     # the gradient written at the loss's factor (token-mean; seq-mean on a DTensor)
     Case("dapo_grad_scale", grad_scale=0.25),
-    Case("grpo_dtensor_grad_scale", preset="grpo", layout="dtensor", grad_scale=0.5,
-         return_entropy=True),
-    Case("gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True,
-         overrides=GSPO_OPEN),
+    Case(
+        "grpo_dtensor_grad_scale",
+        preset="grpo",
+        layout="dtensor",
+        grad_scale=0.5,
+        return_entropy=True,
+    ),
+    Case(
+        "gspo_dtensor_inplace", preset="gspo", layout="dtensor", inplace=True, overrides=GSPO_OPEN
+    ),
     Case("dapo_bf16", dtype=torch.bfloat16),
     Case("all_masked", inputs="all_masked", overrides=(("entropy_coef", 0.01),)),
     Case("logprobs", kind="logprobs", return_entropy=True, temperature=0.7),
-    Case("logprobs_padded_int32_labels", kind="logprobs", layout="padded", return_entropy=True,
-         inputs="int32_labels"),
-    Case("logprobs_row_temps_flat", kind="logprobs", row_temps=True, return_entropy=True,
-         flat=True),
+    Case(
+        "logprobs_padded_int32_labels",
+        kind="logprobs",
+        layout="padded",
+        return_entropy=True,
+        inputs="int32_labels",
+    ),
+    Case(
+        "logprobs_row_temps_flat", kind="logprobs", row_temps=True, return_entropy=True, flat=True
+    ),
     # degenerate rows: a slice of only -inf (drops out), a whole row of -inf (NaN)
     Case("logprobs_dead_slices", kind="logprobs", return_entropy=True, inputs="dead"),
     # clip_cov's random pick with no seed: every rank must still pick the same tokens
-    Case("clip_cov_unseeded", oracle=False, overrides=(
-        ("loss", "clip_cov"), ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0))),
+    Case(
+        "clip_cov_unseeded",
+        oracle=False,
+        overrides=(("loss", "clip_cov"), ("clip_cov_ratio", 0.3), ("clip_cov_lb", -1.0)),
+    ),
     # sampling-mask replay: the sets found by radix selects summed over the group
-    Case("dapo_top_k_top_p", return_entropy=True, overrides=(
-        ("top_k", 40), ("top_p", 0.9), ("temperature", 0.8))),
-    Case("grpo_top_p_min_p_padded_row_temps", preset="grpo", layout="padded", nan_padding=True,
-         row_temps=True, overrides=(("top_p", 0.7), ("min_p", 0.02), ("entropy_coef", 0.01))),
+    Case(
+        "dapo_top_k_top_p",
+        return_entropy=True,
+        overrides=(("top_k", 40), ("top_p", 0.9), ("temperature", 0.8)),
+    ),
+    Case(
+        "grpo_top_p_min_p_padded_row_temps",
+        preset="grpo",
+        layout="padded",
+        nan_padding=True,
+        row_temps=True,
+        overrides=(("top_p", 0.7), ("min_p", 0.02), ("entropy_coef", 0.01)),
+    ),
     Case("gspo_top_k_inplace", preset="gspo", inplace=True, overrides=(("top_k", 5),)),
     Case("dapo_top_p_dtensor", layout="dtensor", overrides=(("top_p", 0.8),)),
-    Case("dapo_top_k_padding_only_rank", layout="padded_rank", overrides=(
-        ("top_k", 20), ("top_p", 0.95))),
+    Case(
+        "dapo_top_k_padding_only_rank",
+        layout="padded_rank",
+        overrides=(("top_k", 20), ("top_p", 0.95)),
+    ),
     # bf16 rows tie often: top_k keeps the ties with the k-th (top_p at a tie is the one place
     # where vLLM's unstable sort, and so the reference, keep an arbitrary part of them)
     Case("dapo_sampling_bf16", dtype=torch.bfloat16, overrides=(("top_k", 30), ("min_p", 0.05))),
-    Case("logprobs_sampling_row_temps", kind="logprobs", return_entropy=True, row_temps=True,
-         sampling=(("top_k", 50), ("top_p", 0.85), ("min_p", 0.01))),
+    Case(
+        "logprobs_sampling_row_temps",
+        kind="logprobs",
+        return_entropy=True,
+        row_temps=True,
+        sampling=(("top_k", 50), ("top_p", 0.85), ("min_p", 0.01)),
+    ),
     # Triton (interpreter): small rows in several vocab tiles
-    Case("triton_dapo_is_entropy", **TRITON, return_entropy=True, overrides=(
-        ("entropy_coef", 0.01), ("is_correction", "token_truncate"), ("is_cap", 1.2))),
-    Case("triton_gspo_row_temps", **TRITON, preset="gspo", row_temps=True,
-         overrides=(("eps_low", 0.9), ("eps_high", 9.0))),  # (ratios at other temperatures)
+    Case(
+        "triton_dapo_is_entropy",
+        **TRITON,
+        return_entropy=True,
+        overrides=(("entropy_coef", 0.01), ("is_correction", "token_truncate"), ("is_cap", 1.2)),
+    ),
+    Case(
+        "triton_gspo_row_temps",
+        **TRITON,
+        preset="gspo",
+        row_temps=True,
+        overrides=(("eps_low", 0.9), ("eps_high", 9.0)),
+    ),  # (ratios at other temperatures)
     Case("triton_grpo_padded_inplace", **TRITON, preset="grpo", layout="padded", inplace=True),
-    Case("triton_kl_cov_vocab_start", **TRITON, layout="start", overrides=(
-        ("loss", "kl_cov"), ("kl_cov_ratio", 0.3), ("rejection", "token_k1"),
-        ("rejection_threshold", "0.75_1.3"))),
+    Case(
+        "triton_kl_cov_vocab_start",
+        **TRITON,
+        layout="start",
+        overrides=(
+            ("loss", "kl_cov"),
+            ("kl_cov_ratio", 0.3),
+            ("rejection", "token_k1"),
+            ("rejection_threshold", "0.75_1.3"),
+        ),
+    ),
     Case("triton_logprobs", **TRITON, kind="logprobs", return_entropy=True),
-    Case("triton_logprobs_dead_slices", **TRITON, kind="logprobs", return_entropy=True,
-         inputs="dead"),
-    Case("triton_dapo_sampling", **TRITON, return_entropy=True, overrides=(
-        ("top_k", 12), ("top_p", 0.9))),
+    Case(
+        "triton_logprobs_dead_slices", **TRITON, kind="logprobs", return_entropy=True, inputs="dead"
+    ),
+    Case(
+        "triton_dapo_sampling",
+        **TRITON,
+        return_entropy=True,
+        overrides=(("top_k", 12), ("top_p", 0.9)),
+    ),
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
     # a soft cap on raw logits: each rank caps its slice as it reads it (the sets: the capped
     # logits')
-    Case("dapo_softcap_sampling_padded_row_temps", layout="padded", nan_padding=True,
-         row_temps=True, softcap=3.0, return_entropy=True,
-         overrides=(("top_k", 40), ("min_p", 0.02), ("entropy_coef", 0.01))),
-    Case("logprobs_softcap_sampling", kind="logprobs", return_entropy=True, softcap=3.0,
-         temperature=0.7, sampling=(("top_p", 0.85),)),
+    Case(
+        "dapo_softcap_sampling_padded_row_temps",
+        layout="padded",
+        nan_padding=True,
+        row_temps=True,
+        softcap=3.0,
+        return_entropy=True,
+        overrides=(("top_k", 40), ("min_p", 0.02), ("entropy_coef", 0.01)),
+    ),
+    Case(
+        "logprobs_softcap_sampling",
+        kind="logprobs",
+        return_entropy=True,
+        softcap=3.0,
+        temperature=0.7,
+        sampling=(("top_p", 0.85),),
+    ),
     Case("triton_gspo_softcap_inplace", **TRITON, preset="gspo", softcap=2.5, inplace=True),
     # the LM-head forms: weight / bias are the rank's rows, hidden is replicated
-    Case("linear_dapo_softcap_int32_labels", kind="linear", return_entropy=True, softcap=3.0,
-         inputs="int32_labels"),
-    Case("linear_gspo_padded_row_temps", kind="linear", preset="gspo", layout="padded",
-         row_temps=True, overrides=(("entropy_coef", 0.01),)),
-    Case("linear_gspo_padded_row_temps_skip", kind="linear", preset="gspo", layout="padded",
-         row_temps=True, skip_masked_rows=True, overrides=(("entropy_coef", 0.01),)),
+    Case(
+        "linear_dapo_softcap_int32_labels",
+        kind="linear",
+        return_entropy=True,
+        softcap=3.0,
+        inputs="int32_labels",
+    ),
+    Case(
+        "linear_gspo_padded_row_temps",
+        kind="linear",
+        preset="gspo",
+        layout="padded",
+        row_temps=True,
+        overrides=(("entropy_coef", 0.01),),
+    ),
+    Case(
+        "linear_gspo_padded_row_temps_skip",
+        kind="linear",
+        preset="gspo",
+        layout="padded",
+        row_temps=True,
+        skip_masked_rows=True,
+        overrides=(("entropy_coef", 0.01),),
+    ),
     Case("linear_no_input_reduce", kind="linear", inputs="no_input_reduce"),
-    Case("linear_grpo_grad_scale", kind="linear", preset="grpo", return_entropy=True,
-         grad_scale=0.25),
-    Case("linear_logprobs_int32_labels", kind="linear_logprobs", return_entropy=True,
-         temperature=0.7, inputs="int32_labels"),
-    Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start",
-         row_temps=True),
-    Case("linear_dapo_sampling_row_temps", kind="linear", return_entropy=True, row_temps=True,
-         overrides=(("top_k", 40), ("top_p", 0.9))),
-    Case("linear_gspo_sampling_padding_only_rank_skip", kind="linear", preset="gspo",
-         layout="padded_rank", skip_masked_rows=True, overrides=(("top_p", 0.8), ("min_p", 0.02))),
-    Case("linear_logprobs_sampling_softcap", kind="linear_logprobs", return_entropy=True,
-         softcap=3.0, sampling=(("top_k", 25), ("top_p", 0.9))),
+    Case(
+        "linear_grpo_grad_scale", kind="linear", preset="grpo", return_entropy=True, grad_scale=0.25
+    ),
+    Case(
+        "linear_logprobs_int32_labels",
+        kind="linear_logprobs",
+        return_entropy=True,
+        temperature=0.7,
+        inputs="int32_labels",
+    ),
+    Case("linear_logprobs_start_row_temps", kind="linear_logprobs", layout="start", row_temps=True),
+    Case(
+        "linear_dapo_sampling_row_temps",
+        kind="linear",
+        return_entropy=True,
+        row_temps=True,
+        overrides=(("top_k", 40), ("top_p", 0.9)),
+    ),
+    Case(
+        "linear_gspo_sampling_padding_only_rank_skip",
+        kind="linear",
+        preset="gspo",
+        layout="padded_rank",
+        skip_masked_rows=True,
+        overrides=(("top_p", 0.8), ("min_p", 0.02)),
+    ),
+    Case(
+        "linear_logprobs_sampling_softcap",
+        kind="linear_logprobs",
+        return_entropy=True,
+        softcap=3.0,
+        sampling=(("top_k", 25), ("top_p", 0.9)),
+    ),
     # the LM-head forms with Triton: cuBLAS chunks read by the Triton row kernels
-    Case("triton_linear_dapo_row_temps", **TRITON, kind="linear", return_entropy=True,
-         row_temps=True, overrides=(("entropy_coef", 0.01),)),
-    Case("triton_linear_gspo_sampling_padded_softcap", **TRITON, kind="linear", preset="gspo",
-         layout="padded", softcap=2.5, overrides=(("top_k", 12), ("top_p", 0.9))),
-    Case("triton_linear_gspo_sampling_padded_softcap_skip", **TRITON, kind="linear",
-         preset="gspo", layout="padded", softcap=2.5, skip_masked_rows=True,
-         overrides=(("top_k", 12), ("top_p", 0.9))),
-    Case("triton_linear_sampling_padding_only_rank", **TRITON, kind="linear",
-         layout="padded_rank", overrides=(("top_p", 0.8), ("min_p", 0.02))),
-    Case("triton_linear_sampling_padding_only_rank_skip", **TRITON, kind="linear",
-         layout="padded_rank", skip_masked_rows=True, overrides=(("top_p", 0.8), ("min_p", 0.02))),
-    Case("triton_linear_logprobs_sampling_row_temps", **TRITON, kind="linear_logprobs",
-         return_entropy=True, row_temps=True, sampling=(("top_k", 20), ("top_p", 0.85))),
+    Case(
+        "triton_linear_dapo_row_temps",
+        **TRITON,
+        kind="linear",
+        return_entropy=True,
+        row_temps=True,
+        overrides=(("entropy_coef", 0.01),),
+    ),
+    Case(
+        "triton_linear_gspo_sampling_padded_softcap",
+        **TRITON,
+        kind="linear",
+        preset="gspo",
+        layout="padded",
+        softcap=2.5,
+        overrides=(("top_k", 12), ("top_p", 0.9)),
+    ),
+    Case(
+        "triton_linear_gspo_sampling_padded_softcap_skip",
+        **TRITON,
+        kind="linear",
+        preset="gspo",
+        layout="padded",
+        softcap=2.5,
+        skip_masked_rows=True,
+        overrides=(("top_k", 12), ("top_p", 0.9)),
+    ),
+    Case(
+        "triton_linear_sampling_padding_only_rank",
+        **TRITON,
+        kind="linear",
+        layout="padded_rank",
+        overrides=(("top_p", 0.8), ("min_p", 0.02)),
+    ),
+    Case(
+        "triton_linear_sampling_padding_only_rank_skip",
+        **TRITON,
+        kind="linear",
+        layout="padded_rank",
+        skip_masked_rows=True,
+        overrides=(("top_p", 0.8), ("min_p", 0.02)),
+    ),
+    Case(
+        "triton_linear_logprobs_sampling_row_temps",
+        **TRITON,
+        kind="linear_logprobs",
+        return_entropy=True,
+        row_temps=True,
+        sampling=(("top_k", 20), ("top_p", 0.85)),
+    ),
     # a group of one: the single-process result, bit for bit
     Case("tp1_dapo", kind="tp1", return_entropy=True),
     Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),
@@ -227,60 +402,162 @@ CASES = [
     Case("tp1_dapo_sampling", kind="tp1", overrides=(("top_k", 30), ("top_p", 0.9))),
     Case("tp1_logprobs_sampling", kind="tp1", inputs="logprobs", sampling=(("top_p", 0.8),)),
     # bad input: the same error on every rank, and the world goes on
-    Case("bad_label_on_one_rank", kind="bad", inputs="label_too_big_rank0",
-         expect_error="TensorParallelInputError"),
-    Case("bad_negative_label", kind="bad", inputs="label_negative",
-         expect_error="TensorParallelInputError"),
-    Case("bad_labels_differ", kind="bad", inputs="labels_differ",
-         expect_error="TensorParallelInputError"),
-    Case("bad_vocab_size_too_big", kind="bad", inputs="vocab_size_too_big",
-         expect_error="TensorParallelInputError"),
-    Case("bad_vocab_start_overlap", kind="bad", inputs="start_overlap",
-         expect_error="TensorParallelInputError"),
-    Case("bad_vocab_start_gap", kind="bad", inputs="start_gap",
-         expect_error="TensorParallelInputError"),
-    Case("bad_vocab_start_some_ranks", kind="bad", inputs="start_rank0_only",
-         expect_error="TensorParallelInputError"),
-    Case("bad_batch_differs", kind="bad", inputs="batch_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_time_differs", kind="bad", inputs="time_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_config_differs", kind="bad", inputs="config_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_row_temps_rank0_only", kind="bad", inputs="row_temps_rank0_only",
-         expect_error="TensorParallelInputError"),
-    Case("bad_softcap_differs", kind="bad", inputs="softcap_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_logprobs_label", kind="bad", inputs="logprobs_label_too_big",
-         expect_error="TensorParallelInputError"),
-    Case("bad_local_error_on_last_rank", kind="bad", inputs="advantages_shape_last_rank",
-         expect_error="local"),
-    Case("bad_backend_cuda", kind="bad", inputs="backend_cuda",
-         expect_error="NotImplementedError"),
+    Case(
+        "bad_label_on_one_rank",
+        kind="bad",
+        inputs="label_too_big_rank0",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_negative_label",
+        kind="bad",
+        inputs="label_negative",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_labels_differ",
+        kind="bad",
+        inputs="labels_differ",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_vocab_size_too_big",
+        kind="bad",
+        inputs="vocab_size_too_big",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_vocab_start_overlap",
+        kind="bad",
+        inputs="start_overlap",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_vocab_start_gap",
+        kind="bad",
+        inputs="start_gap",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_vocab_start_some_ranks",
+        kind="bad",
+        inputs="start_rank0_only",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_batch_differs",
+        kind="bad",
+        inputs="batch_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_time_differs",
+        kind="bad",
+        inputs="time_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_config_differs",
+        kind="bad",
+        inputs="config_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_row_temps_rank0_only",
+        kind="bad",
+        inputs="row_temps_rank0_only",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_softcap_differs",
+        kind="bad",
+        inputs="softcap_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_logprobs_label",
+        kind="bad",
+        inputs="logprobs_label_too_big",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_local_error_on_last_rank",
+        kind="bad",
+        inputs="advantages_shape_last_rank",
+        expect_error="local",
+    ),
+    Case("bad_backend_cuda", kind="bad", inputs="backend_cuda", expect_error="NotImplementedError"),
     # one rank's argument refused before its header: it joins the header with the failure
     Case("bad_softcap_on_last_rank", kind="bad", inputs="softcap_last_rank", expect_error="local"),
-    Case("bad_top_k_on_last_rank", kind="bad", inputs="logprobs_top_k_last_rank",
-         expect_error="local"),
-    Case("bad_labels_permuted", kind="bad", inputs="labels_permuted",
-         expect_error="TensorParallelInputError"),
-    Case("bad_mask_weights_differ", kind="bad", inputs="mask_weights_differ",
-         expect_error="TensorParallelInputError"),
-    Case("bad_linear_reduce_differs", kind="bad", inputs="linear_reduce_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_linear_hidden_size_differs", kind="bad", inputs="linear_hidden_size_differs",
-         expect_error="TensorParallelInputError"),
-    Case("bad_linear_label", kind="bad", inputs="linear_label_too_big_rank0",
-         expect_error="TensorParallelInputError"),
-    Case("bad_linear_head_transposed_on_last_rank", kind="bad",
-         inputs="linear_head_transposed_last_rank", expect_error="local"),
+    Case(
+        "bad_top_k_on_last_rank",
+        kind="bad",
+        inputs="logprobs_top_k_last_rank",
+        expect_error="local",
+    ),
+    Case(
+        "bad_labels_permuted",
+        kind="bad",
+        inputs="labels_permuted",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_mask_weights_differ",
+        kind="bad",
+        inputs="mask_weights_differ",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_linear_reduce_differs",
+        kind="bad",
+        inputs="linear_reduce_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_linear_hidden_size_differs",
+        kind="bad",
+        inputs="linear_hidden_size_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_linear_label",
+        kind="bad",
+        inputs="linear_label_too_big_rank0",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_linear_head_transposed_on_last_rank",
+        kind="bad",
+        inputs="linear_head_transposed_last_rank",
+        expect_error="local",
+    ),
     # replicated inputs that differ on one rank: each compared by a hash of its bits
-    Case("bad_labels_collide", kind="bad", inputs="labels_collide",
-         expect_error="TensorParallelInputError"),
-    *[Case(f"bad_{name}_differs", kind="bad", inputs=f"{name}_differs",
-           expect_error="TensorParallelInputError")
-      for name in ("advantages", "old_logp", "ref_logp", "rollout_logp", "is_weights",
-                   "normalizer", "row_temps", "logprobs_row_temps", "linear_advantages")],
-]  # fmt: skip
+    Case(
+        "bad_labels_collide",
+        kind="bad",
+        inputs="labels_collide",
+        expect_error="TensorParallelInputError",
+    ),
+    *[
+        Case(
+            f"bad_{name}_differs",
+            kind="bad",
+            inputs=f"{name}_differs",
+            expect_error="TensorParallelInputError",
+        )
+        for name in (
+            "advantages",
+            "old_logp",
+            "ref_logp",
+            "rollout_logp",
+            "is_weights",
+            "normalizer",
+            "row_temps",
+            "logprobs_row_temps",
+            "linear_advantages",
+        )
+    ],
+]
 BY_NAME = {case.name: case for case in CASES}
 assert len(BY_NAME) == len(CASES)
 
@@ -320,9 +597,15 @@ def rank_slice(full: torch.Tensor, start: int, size: int) -> torch.Tensor:
 
 
 def case_inputs(case: Case) -> dict:
-    data = make_batch(batch=case.batch, time=case.time, vocab=case.vocab, dtype=case.dtype,
-                      seed=11, per_token_adv=case.per_token_adv or case.flat,
-                      with_nan_padding=case.nan_padding)  # fmt: skip
+    data = make_batch(
+        batch=case.batch,
+        time=case.time,
+        vocab=case.vocab,
+        dtype=case.dtype,
+        seed=11,
+        per_token_adv=case.per_token_adv or case.flat,
+        with_nan_padding=case.nan_padding,
+    )
     if case.inputs == "all_masked":
         data["mask"] = torch.zeros_like(data["mask"])
     if case.inputs == "int32_labels":
@@ -348,11 +631,26 @@ def dead_rows(whole: dict, data: dict, world: int, case: Case) -> tuple[dict, di
 
 # ------------------------------------------------------------------------------ the worker
 COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast",
-    "broadcast_object_list", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "scatter", "send", "recv", "isend", "irecv",
-)  # fmt: skip
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 
 
 class CollectiveLog:
@@ -436,8 +734,9 @@ def _call(fn, case: Case, inputs: dict, data: dict, log: CollectiveLog | None, *
         temperature = distribute_tensor(temperature, MESH[0], [Replicate()])
         log.take()  # distributing is the test's doing
     if _logprobs_kind(case):
-        logp, entropy = fn(*head, args["labels"], temperature, case.return_entropy,
-                           **dict(case.sampling), **tp)  # fmt: skip
+        logp, entropy = fn(
+            *head, args["labels"], temperature, case.return_entropy, **dict(case.sampling), **tp
+        )
         fwd = log.take() if log else []
         up_logp, up_entropy = _upstream(data)
         total = (logp * up_logp).sum() + (0 if entropy is None else (entropy * up_entropy).sum())
@@ -673,8 +972,9 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         if what == "linear_reduce_differs":
             keywords["reduce_input_grad"] = rank != 1
         args = {k: v for k, v in data.items() if k != "logits"}
-        fusedrl.linear_policy_loss(hidden, weight, bias=part["bias"], backend="torch", **args,
-                                   **keywords)  # fmt: skip
+        fusedrl.linear_policy_loss(
+            hidden, weight, bias=part["bias"], backend="torch", **args, **keywords
+        )
         return
     config = case.config()
     if what == "config_differs" and rank == 1:
@@ -683,8 +983,9 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         keywords["temperature"] = torch.full(data["labels"].shape, 0.7)
     if what == "row_temps_differs":
         temps = torch.full(data["labels"].shape, 0.7)
-        keywords["temperature"] = _one_counted_token_changed(temps, data["mask"]) if rank == 1 \
-            else temps
+        keywords["temperature"] = (
+            _one_counted_token_changed(temps, data["mask"]) if rank == 1 else temps
+        )
     if what == "softcap_differs":  # rank 1 caps at another value: refused alike
         keywords["softcap"] = 3.0 if rank == 1 else 2.0
     backend = "cuda" if what == "backend_cuda" else case.backend
@@ -715,8 +1016,12 @@ def _colliding_labels(labels: torch.Tensor, mask: torch.Tensor, vocab: int) -> t
     flat = labels.clone().reshape(-1)
     for p in counted:
         run = [p, p + 1, p + 2]
-        if all(q in counted for q in run) and flat[p + 1] >= 2 and flat[p] < vocab - 1 \
-                and flat[p + 2] < vocab - 1:
+        if (
+            all(q in counted for q in run)
+            and flat[p + 1] >= 2
+            and flat[p] < vocab - 1
+            and flat[p + 2] < vocab - 1
+        ):
             weighted = sum((q + 1) * int(flat[q]) for q in run)
             flat[run[0]] += 1
             flat[run[1]] -= 2
@@ -781,8 +1086,13 @@ def _spawn(world: int, out_dir: str) -> list[dict]:
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # the children inherit it (CPU tensors only there)
     try:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir), nprocs=world,
-                                 join=False, start_method="spawn")  # fmt: skip
+        ctx = mp.start_processes(
+            _worker,
+            args=(world, _free_port(), out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET")
@@ -839,11 +1149,17 @@ def _assert_outputs_close(ours: dict, truth: dict, tol: dict, what: str) -> None
         if key not in truth or truth[key] is None:
             assert ours.get(key) is None, f"{what}: {key} should be None"
             continue
-        torch.testing.assert_close(ours[key], truth[key], equal_nan=True, **tol,
-                                   msg=lambda m, k=key: f"{what} {k}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            ours[key], truth[key], equal_nan=True, **tol, msg=lambda m, k=key: f"{what} {k}: {m}"
+        )
     for key, value in truth.get("metrics", {}).items():
-        torch.testing.assert_close(ours["metrics"][key], value, equal_nan=True, **tol,
-                                   msg=lambda m, k=key: f"{what} metric {k}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            ours["metrics"][key],
+            value,
+            equal_nan=True,
+            **tol,
+            msg=lambda m, k=key: f"{what} metric {k}: {m}",
+        )
 
 
 def _grad_slice(full_grad: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -868,9 +1184,13 @@ def _assert_grads_close(per_rank: list, truth: dict, tol: dict, what: str) -> No
             mine = [sum(mine)] * len(mine)  # each rank holds its part: the caller sums them
         for rank, (result, grad) in enumerate(zip(per_rank, mine)):
             expected = _rank_grad(name, full, result["start"], result["size"])
-            torch.testing.assert_close(grad.float(), expected.float(), equal_nan=True, **tol,
-                                       msg=lambda m, r=rank, n=name:
-                                       f"rank {r} d/d{n} vs {what}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                grad.float(),
+                expected.float(),
+                equal_nan=True,
+                **tol,
+                msg=lambda m, r=rank, n=name: f"rank {r} d/d{n} vs {what}: {m}",
+            )
 
 
 @pytest.mark.parametrize("name", ORACLE_CASES)
@@ -1026,10 +1346,12 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
     assert all(error is not None for error in errors), errors
     calls = [result["calls"] for result in per_rank]
     if case.expect_error == "local":  # its own error there, a pointer to it everywhere else
-        named = {"advantages_shape_last_rank": "advantages", "softcap_last_rank": "softcap",
-                 "logprobs_top_k_last_rank": "top_k",
-                 "linear_head_transposed_last_rank": "a transposed [H, V] head",
-                 }[case.inputs]  # fmt: skip
+        named = {
+            "advantages_shape_last_rank": "advantages",
+            "softcap_last_rank": "softcap",
+            "logprobs_top_k_last_rank": "top_k",
+            "linear_head_transposed_last_rank": "a transposed [H, V] head",
+        }[case.inputs]
         assert errors[-1][0] == "ValueError" and named in errors[-1][1], errors
         for error in errors[:-1]:
             assert error[0] == "TensorParallelInputError", errors

@@ -24,8 +24,16 @@ def _yaml(tmp_path, text: str) -> str:
 
 def test_yaml_values_take_the_field_types(tmp_path):
     """PyYAML reads 1e-6 as a string and "false" as a (truthy) string: both mean what they say."""
-    cfg = parse_config(["--config", _yaml(tmp_path, 'lr: 1e-6\nmax_steps: "8"\n'
-                        'dynamic_sampling: "false"\nbeta: 0\ntemperature: 1\nprogress: no\n')])
+    cfg = parse_config(
+        [
+            "--config",
+            _yaml(
+                tmp_path,
+                'lr: 1e-6\nmax_steps: "8"\n'
+                'dynamic_sampling: "false"\nbeta: 0\ntemperature: 1\nprogress: no\n',
+            ),
+        ]
+    )
     assert cfg.lr == 1e-6 and type(cfg.lr) is float
     assert cfg.max_steps == 8 and type(cfg.max_steps) is int
     assert cfg.dynamic_sampling is False and cfg.progress is False
@@ -73,12 +81,27 @@ def test_every_option_has_a_sentence_and_help_shows_the_choices():
     assert set(HELP) == names
     assert all(text.endswith(".") and len(text) > 15 for text in HELP.values())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--help"], env=env,
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     out = " ".join(out.split())
-    for needle in ("'dapo'", "'grpo'", "'rloo'", "'token-mean'", "'k3'", "'bfloat16'",
-                   "'triton'", "1e-6 with --model, 2e-4 for the built-in tiny model",
-                   "--no-dynamic-sampling", "--skip-nonfinite-steps"):
+    for needle in (
+        "'dapo'",
+        "'grpo'",
+        "'rloo'",
+        "'token-mean'",
+        "'k3'",
+        "'bfloat16'",
+        "'triton'",
+        "1e-6 with --model, 2e-4 for the built-in tiny model",
+        "--no-dynamic-sampling",
+        "--skip-nonfinite-steps",
+    ):
         assert needle in out, needle
 
 
@@ -87,7 +110,11 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
     for flags in (["--max-steps", "2.5"], ["--backend", "jax"]):
         proc = subprocess.run(
             [sys.executable, "-m", "fusedrl.trainer", "--out", str(tmp_path / "r"), *flags],
-            env=env, capture_output=True, text=True, cwd=ROOT, timeout=120,
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
         )
         assert proc.returncode == 2 and "fusedrl-train: error:" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
@@ -148,22 +175,40 @@ def test_the_exact_kl_on_the_cuda_backend_needs_triton(monkeypatch):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("bad.jsonl", '{"prompt": "a", "answer": "1"}\n\n{"prompt": "b" "answer": "2"}\n',
-         r"bad.jsonl: line 3, column 16: Expecting ',' delimiter"),
-        ("bad.json", '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b",,}\n]',
-         r"bad.json: line 3, column 18: Expecting property name"),
-        ("dict.json", '{"prompt": "a", "answer": "1"}',
-         r"dict.json: expected a JSON list of rows \(objects\), got a dict at the top level"),
+        (
+            "bad.jsonl",
+            '{"prompt": "a", "answer": "1"}\n\n{"prompt": "b" "answer": "2"}\n',
+            r"bad.jsonl: line 3, column 16: Expecting ',' delimiter",
+        ),
+        (
+            "bad.json",
+            '[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b",,}\n]',
+            r"bad.json: line 3, column 18: Expecting property name",
+        ),
+        (
+            "dict.json",
+            '{"prompt": "a", "answer": "1"}',
+            r"dict.json: expected a JSON list of rows \(objects\), got a dict at the top level",
+        ),
         ("numbers.jsonl", "1\n2\n", r"numbers.jsonl: line 1: expected an object with a 'prompt'"),
-        ("missing.jsonl", '{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n',
-         r"missing.jsonl: line 2: missing column 'prompt' \(it has \['answer'\]\); "
-         r"set --prompt-column"),
-        ("number.jsonl", '{"prompt": 12, "answer": "1"}\n',
-         r"number.jsonl: line 1: column 'prompt' must be text or a list of role/content "
-         r"messages, got int 12"),
+        (
+            "missing.jsonl",
+            '{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n',
+            r"missing.jsonl: line 2: missing column 'prompt' \(it has \['answer'\]\); "
+            r"set --prompt-column",
+        ),
+        (
+            "number.jsonl",
+            '{"prompt": 12, "answer": "1"}\n',
+            r"number.jsonl: line 1: column 'prompt' must be text or a list of role/content "
+            r"messages, got int 12",
+        ),
         ("none.json", '[{"prompt": null, "answer": "1"}]', r"none.json: row 0: .* got NoneType"),
-        ("chat.jsonl", '{"prompt": [{"role": "user"}], "answer": "1"}\n',
-         r"chat.jsonl: line 1: column 'prompt' is a list, but message 0 is not a"),
+        (
+            "chat.jsonl",
+            '{"prompt": [{"role": "user"}], "answer": "1"}\n',
+            r"chat.jsonl: line 1: column 'prompt' is a list, but message 0 is not a",
+        ),
         ("dictprompt.jsonl", '{"prompt": {"text": "a"}, "answer": "1"}\n', r"got dict"),
     ],
 )
@@ -180,8 +225,10 @@ def test_chat_prompts_and_text_prompts_load(tmp_path):
     from fusedrl.trainer.data import load_rows
 
     path = tmp_path / "ok.jsonl"
-    path.write_text('{"prompt": "1+1=", "answer": "2"}\n'
-                    '{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}\n')
+    path.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n'
+        '{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}\n'
+    )
     rows = load_rows(str(path), "prompt", "answer")
     assert rows[0]["prompt"] == "1+1=" and rows[1]["prompt"][0]["content"] == "2+2="
 
@@ -191,10 +238,23 @@ def test_bad_data_is_an_error_line_not_a_traceback(tmp_path):
     data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": [1, 2], "answer": "2"}\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--out", str(tmp_path / "r"), "--dataset",
-         str(data), "--progress", "false"],
-        env=env, capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fusedrl.trainer",
+            "--out",
+            str(tmp_path / "r"),
+            "--dataset",
+            str(data),
+            "--progress",
+            "false",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "fusedrl-train: error: --dataset" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -205,14 +265,26 @@ def test_the_console_script_imports_rewards_from_the_working_directory(tmp_path)
     script = Path(sys.executable).parent / "fusedrl-train"
     if not script.exists():
         pytest.skip("fusedrl-train is not installed in this environment")
-    (tmp_path / "myrewards.py").write_text("def other(prompts, completions, **_):\n"
-                                           "    return [0.0] * len(prompts)\n")
+    (tmp_path / "myrewards.py").write_text(
+        "def other(prompts, completions, **_):\n    return [0.0] * len(prompts)\n"
+    )
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [str(script), "--out", str(tmp_path / "r"), "--reward", "myrewards:fn",
-         "--progress", "false"],
-        env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            str(script),
+            "--out",
+            str(tmp_path / "r"),
+            "--reward",
+            "myrewards:fn",
+            "--progress",
+            "false",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     # Found (the module was imported from the working directory), then the missing name named.
     assert "module 'myrewards'" in proc.stderr and "has no 'fn'" in proc.stderr, proc.stderr
@@ -222,6 +294,7 @@ def test_vllm_rollouts_need_vllm(monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
+
     def without_vllm(name, *args):
         return None if name == "vllm" else find_spec(name, *args)
 

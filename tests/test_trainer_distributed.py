@@ -98,16 +98,47 @@ def test_distributed_gradient_equals_single_process(preset, distributed_grads):
 # same run in one process. Rollouts with transformers' generate (the head's logits gathered), a
 # KL term (the reference model is split too), 2 minibatches (old log-probs, then a second update),
 # top_p 0.9 (the loss replays the nucleus over the group).
-TP_RUN = ("--progress", "false", "--rollout", "hf", "--warmstart-steps", "0", "--seed", "3",
-          "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "4",
-          "--minibatches", "2", "--beta", "0.04", "--kl", "k3", "--save-every", "1",
-          "--top-p", "0.9", "--tensorboard", "false")  # fmt: skip
+TP_RUN = (
+    "--progress",
+    "false",
+    "--rollout",
+    "hf",
+    "--warmstart-steps",
+    "0",
+    "--seed",
+    "3",
+    "--max-steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-tokens",
+    "4",
+    "--minibatches",
+    "2",
+    "--beta",
+    "0.04",
+    "--kl",
+    "k3",
+    "--save-every",
+    "1",
+    "--top-p",
+    "0.9",
+    "--tensorboard",
+    "false",
+)
 RUN_DEADLINE_S = 300  # a hang (mismatched collectives) fails the test instead of the suite
 
 
 def _cli_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from fusedrl.trainer.cli import main
 
@@ -120,8 +151,7 @@ def fusedrl_train(world: int, *argv: str) -> None:
     """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as spawned processes."""
     import time
 
-    ctx = mp.spawn(_cli_worker, args=(world, _free_port(), list(argv)), nprocs=world,
-                   join=False)  # fmt: skip
+    ctx = mp.spawn(_cli_worker, args=(world, _free_port(), list(argv)), nprocs=world, join=False)
     deadline = time.monotonic() + RUN_DEADLINE_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -139,8 +169,9 @@ def tp_runs(tmp_path_factory):
     fusedrl_train(1, *TP_RUN, "--out", str(root / "tp1"))
     same = ("--model", str(root / "tp1" / "base_model"), "--lr", str(TINY_LR))
     fusedrl_train(2, *TP_RUN, *same, "--tp", "2", "--out", str(root / "tp2"))
-    fusedrl_train(2, *TP_RUN, *same, "--tp", "2", "--no-fused-lm-head",
-                  "--out", str(root / "tp2_logits"))  # fmt: skip
+    fusedrl_train(
+        2, *TP_RUN, *same, "--tp", "2", "--no-fused-lm-head", "--out", str(root / "tp2_logits")
+    )
     return {name: root / name for name in ("tp1", "tp2", "tp2_logits")}
 
 
@@ -149,8 +180,10 @@ def test_tensor_parallel_step_equals_one_process(tp_runs, run):
     single, tp = read_metrics(tp_runs["tp1"]), read_metrics(tp_runs[run])
     assert [r["step"] for r in tp] == [1, 2]
     first, want = tp[0], single[0]
-    print(f"{run}: loss {first['loss']!r} vs {want['loss']!r}, grad_norm "
-          f"{first['grad_norm']!r} vs {want['grad_norm']!r}")
+    print(
+        f"{run}: loss {first['loss']!r} vs {want['loss']!r}, grad_norm "
+        f"{first['grad_norm']!r} vs {want['grad_norm']!r}"
+    )
     assert first["reward_mean"] == want["reward_mean"]  # the same samples
     assert first["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     assert first["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
@@ -167,13 +200,21 @@ def test_tensor_parallel_run_resumes_exactly(tp_runs, tmp_path):
     """A --tp 2 checkpoint (whole tensors) loaded back into the split head: the resumed step is
     the uninterrupted run's, bit for bit."""
     out = tmp_path / "resumed"
-    fusedrl_train(2, "--progress", "false", "--out", str(out),
-                  "--resume", str(tp_runs["tp2"] / "checkpoints" / "step_000001"))  # fmt: skip
+    fusedrl_train(
+        2,
+        "--progress",
+        "false",
+        "--out",
+        str(out),
+        "--resume",
+        str(tp_runs["tp2"] / "checkpoints" / "step_000001"),
+    )
     times = ("step_time", "gen_time", "train_time")
     resumed, reference = read_metrics(out), read_metrics(tp_runs["tp2"])[1:]
     assert [r["step"] for r in resumed] == [2]
     assert {k: v for k, v in resumed[0].items() if k not in times} == {
-        k: v for k, v in reference[0].items() if k not in times}
+        k: v for k, v in reference[0].items() if k not in times
+    }
 
 
 def test_tensor_parallel_flags_fail_clearly(monkeypatch):
@@ -181,8 +222,10 @@ def test_tensor_parallel_flags_fail_clearly(monkeypatch):
     from fusedrl.trainer.config import parse_config
     from fusedrl.trainer.distributed import check_tensor_parallel, setup
 
-    for argv, message in ((["--tp", "0"], "--tp: must be >= 1"),
-                          (["--tp", "2", "--backend", "cuda"], "--backend cuda")):  # fmt: skip
+    for argv, message in (
+        (["--tp", "0"], "--tp: must be >= 1"),
+        (["--tp", "2", "--backend", "cuda"], "--backend cuda"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_config(argv)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -192,8 +235,9 @@ def test_tensor_parallel_flags_fail_clearly(monkeypatch):
     check_tensor_parallel(model, 2, 1)  # one data-parallel rank: uneven slices (50 + 49 rows)
     with pytest.raises(ValueError, match="must split evenly over the 4 ranks"):
         check_tensor_parallel(model, 2, 2)
-    check_tensor_parallel(tiny_llama(100, hidden_size=32, num_layers=1, num_heads=1,
-                                     head_dim=32), 2, 2)  # fmt: skip
+    check_tensor_parallel(
+        tiny_llama(100, hidden_size=32, num_layers=1, num_heads=1, head_dim=32), 2, 2
+    )
     model.lm_head.weight = model.get_input_embeddings().weight  # tied
     with pytest.raises(ValueError, match="ties its LM head"):
         check_tensor_parallel(model, 2, 1)

@@ -22,9 +22,24 @@ from fusedrl.trainer.logger import read_metrics  # noqa: E402
 from fusedrl.trainer.loop import TINY_LR  # noqa: E402  (the default run's learning rate)
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = ("step", "reward_mean", "reward_std", "frac_zero_std", "entropy", "clipfrac",
-            "clip_low", "clip_high", "kl", "response_len_mean", "truncated_frac",
-            "logp_diff_rollout", "is_weight_mean", "step_time", "gen_time", "train_time")
+REQUIRED = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "frac_zero_std",
+    "entropy",
+    "clipfrac",
+    "clip_low",
+    "clip_high",
+    "kl",
+    "response_len_mean",
+    "truncated_frac",
+    "logp_diff_rollout",
+    "is_weight_mean",
+    "step_time",
+    "gen_time",
+    "train_time",
+)
 TIMES = ("step_time", "gen_time", "train_time")
 
 
@@ -41,8 +56,14 @@ ENV = {
 
 def fusedrl_train(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = ENV
-    return subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def check(proc: subprocess.CompletedProcess) -> None:
@@ -52,8 +73,9 @@ def check(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "default"
-    proc = fusedrl_train("--out", str(out), "--max-steps", "25", "--save-every", "10",
-                         "--keep-last", "3")
+    proc = fusedrl_train(
+        "--out", str(out), "--max-steps", "25", "--save-every", "10", "--keep-last", "3"
+    )
     check(proc)
     (out.parent / "default.stdout").write_text(proc.stdout)
     (out.parent / "default.stderr").write_text(proc.stderr)
@@ -115,14 +137,25 @@ def test_the_trained_model_is_exported(default_run):
 
 def test_resume_continues_exactly(default_run, tmp_path):
     out = tmp_path / "resumed"
-    check(fusedrl_train("--out", str(out), "--max-steps", "13", "--save-every", "10",
-                        "--resume", str(default_run / "checkpoints" / "step_000010")))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--max-steps",
+            "13",
+            "--save-every",
+            "10",
+            "--resume",
+            str(default_run / "checkpoints" / "step_000010"),
+        )
+    )
     resumed = read_metrics(out)
     reference = read_metrics(default_run)[10:13]
     assert [r["step"] for r in resumed] == [11, 12, 13]
     for got, want in zip(resumed, reference):
         assert {k: v for k, v in got.items() if k not in TIMES} == {
-            k: v for k, v in want.items() if k not in TIMES}
+            k: v for k, v in want.items() if k not in TIMES
+        }
 
 
 def test_torchrun_data_parallel_matches_one_process(default_run, tmp_path):
@@ -131,11 +164,30 @@ def test_torchrun_data_parallel_matches_one_process(default_run, tmp_path):
     out = tmp_path / "dp"
     env = ENV
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    check(subprocess.run(
-        [*torchrun, "-m", "fusedrl.trainer", "--progress", "false", "--out", str(out),
-         "--model", str(default_run / "base_model"), "--lr", str(TINY_LR), "--max-steps", "2"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    ))
+    check(
+        subprocess.run(
+            [
+                *torchrun,
+                "-m",
+                "fusedrl.trainer",
+                "--progress",
+                "false",
+                "--out",
+                str(out),
+                "--model",
+                str(default_run / "base_model"),
+                "--lr",
+                str(TINY_LR),
+                "--max-steps",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=ROOT,
+        )
+    )
     dp, single = read_metrics(out), read_metrics(default_run)[:2]
     assert dp[0]["reward_mean"] == pytest.approx(single[0]["reward_mean"], rel=1e-6)
     assert dp[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-4, abs=1e-7)
@@ -147,20 +199,61 @@ def test_torchrun_data_parallel_matches_one_process(default_run, tmp_path):
 
 def test_dataset_rewards_and_every_update_option(default_run, tmp_path):
     data = tmp_path / "train.jsonl"
-    rows = [{"question": f"{a}+{b}=", "solution": str(a + b), "source": "t"}
-            for a in range(5) for b in range(4)]
+    rows = [
+        {"question": f"{a}+{b}=", "solution": str(a + b), "source": "t"}
+        for a in range(5)
+        for b in range(4)
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "grpo"
-    check(fusedrl_train(
-        "--out", str(out), "--model", str(default_run / "base_model"), "--dataset", str(data),
-        "--prompt-column", "question", "--answer-column", "solution", "--lr", "1e-3",
-        "--reward", "math,format=0.1,tests.test_trainer_units:half_reward=0.5",
-        "--preset", "grpo", "--kl", "k3", "--beta", "0.04", "--is-correction", "token_truncate",
-        "--dynamic-sampling", "true", "--max-num-gen-batches", "2", "--prompts-per-step", "6",
-        "--overlong-buffer", "2", "--overlong-filter", "true", "--advantage", "rloo",
-        "--ppo-epochs", "2", "--minibatches", "2", "--micro-batch-size", "8",
-        "--max-steps", "2", "--tensorboard", "false",
-    ))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--model",
+            str(default_run / "base_model"),
+            "--dataset",
+            str(data),
+            "--prompt-column",
+            "question",
+            "--answer-column",
+            "solution",
+            "--lr",
+            "1e-3",
+            "--reward",
+            "math,format=0.1,tests.test_trainer_units:half_reward=0.5",
+            "--preset",
+            "grpo",
+            "--kl",
+            "k3",
+            "--beta",
+            "0.04",
+            "--is-correction",
+            "token_truncate",
+            "--dynamic-sampling",
+            "true",
+            "--max-num-gen-batches",
+            "2",
+            "--prompts-per-step",
+            "6",
+            "--overlong-buffer",
+            "2",
+            "--overlong-filter",
+            "true",
+            "--advantage",
+            "rloo",
+            "--ppo-epochs",
+            "2",
+            "--minibatches",
+            "2",
+            "--micro-batch-size",
+            "8",
+            "--max-steps",
+            "2",
+            "--tensorboard",
+            "false",
+        )
+    )
     rows = read_metrics(out)
     assert len(rows) == 2 and not (out / "tensorboard").exists()
     for row in rows:
@@ -174,9 +267,24 @@ def test_dataset_rewards_and_every_update_option(default_run, tmp_path):
 
 def test_dupo_sas_and_sequence_level_loss(default_run, tmp_path):
     out = tmp_path / "gspo"
-    check(fusedrl_train("--out", str(out), "--preset", "gspo", "--advantage", "dcpo_sas",
-                        "--dupo", "true", "--max-steps", "2", "--model",
-                        str(default_run / "base_model"), "--micro-batch-size", "16"))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--preset",
+            "gspo",
+            "--advantage",
+            "dcpo_sas",
+            "--dupo",
+            "true",
+            "--max-steps",
+            "2",
+            "--model",
+            str(default_run / "base_model"),
+            "--micro-batch-size",
+            "16",
+        )
+    )
     assert len(read_metrics(out)) == 2
 
 
@@ -184,14 +292,38 @@ def test_vespo_with_every_rollout_correction(default_run, tmp_path):
     """VESPO, the bias-corrected KL, the off-policy mask against vLLM's log-probs and the
     top-entropy selection, through the CLI: the run trains and logs what each correction did."""
     out = tmp_path / "vespo"
-    check(fusedrl_train("--out", str(out), "--preset", "vespo", "--kl", "k3", "--beta", "0.01",
-                        "--kl-bias-correction", "--off-policy-mask", "0.0",
-                        "--top-entropy-quantile", "0.5", "--ppo-epochs", "2", "--max-steps", "2",
-                        "--model", str(default_run / "base_model")))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--preset",
+            "vespo",
+            "--kl",
+            "k3",
+            "--beta",
+            "0.01",
+            "--kl-bias-correction",
+            "--off-policy-mask",
+            "0.0",
+            "--top-entropy-quantile",
+            "0.5",
+            "--ppo-epochs",
+            "2",
+            "--max-steps",
+            "2",
+            "--model",
+            str(default_run / "base_model"),
+        )
+    )
     records = read_metrics(out)
     assert len(records) == 2
-    for name in ("vespo_phi_mean", "off_policy_masked", "entropy_masked", "mismatch_kl_k3",
-                 "mismatch_chi2_seq"):  # the mismatch to the engine's log-probs, logged
+    for name in (
+        "vespo_phi_mean",
+        "off_policy_masked",
+        "entropy_masked",
+        "mismatch_kl_k3",
+        "mismatch_chi2_seq",
+    ):  # the mismatch to the engine's log-probs, logged
         assert all(math.isfinite(r[name]) for r in records), name
     assert 0 < records[-1]["entropy_masked"] < 1
 
@@ -200,10 +332,30 @@ def test_verl_clip_cov_and_rejection_through_the_cli(default_run, tmp_path):
     """--loss picks one of verl's objectives on top of the preset, --rejection verl's rejection
     sampling against vLLM's log-probs; their knobs reach the loss and their metrics the log."""
     out = tmp_path / "clip_cov"
-    check(fusedrl_train("--out", str(out), "--loss", "clip_cov", "--clip-cov-ratio", "0.5",
-                        "--clip-cov-lb", "-10", "--clip-cov-ub", "10", "--ppo-epochs", "2",
-                        "--rejection", "token_k1,seq_max_k3", "--rejection-threshold", "1.5,0.5",
-                        "--max-steps", "2", "--model", str(default_run / "base_model")))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--loss",
+            "clip_cov",
+            "--clip-cov-ratio",
+            "0.5",
+            "--clip-cov-lb",
+            "-10",
+            "--clip-cov-ub",
+            "10",
+            "--ppo-epochs",
+            "2",
+            "--rejection",
+            "token_k1,seq_max_k3",
+            "--rejection-threshold",
+            "1.5,0.5",
+            "--max-steps",
+            "2",
+            "--model",
+            str(default_run / "base_model"),
+        )
+    )
     records = read_metrics(out)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["clipfrac"] > 0  # tokens drawn among the covariance outliers
@@ -218,8 +370,20 @@ def test_truncated_sampling_is_replayed_in_the_loss(default_run, tmp_path):
     epoch the trainer's log-probs are the engine's processed ones (KL(vLLM || trainer) ~ 0;
     over the full vocabulary every token would be off by the log of the kept mass)."""
     out = tmp_path / "top_p"
-    check(fusedrl_train("--out", str(out), "--top-p", "0.7", "--max-steps", "2",
-                        "--ppo-epochs", "1", "--model", str(default_run / "base_model")))
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--top-p",
+            "0.7",
+            "--max-steps",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--model",
+            str(default_run / "base_model"),
+        )
+    )
     records = read_metrics(out)
     assert len(records) == 2
     assert all(abs(r["mismatch_kl_k1"]) < 1e-3 and r["mismatch_kl_k3"] < 1e-4 for r in records)
@@ -230,10 +394,24 @@ def test_a_failing_reward_stops_the_run_naming_it(default_run, tmp_path):
     data.write_text(json.dumps({"prompt": "boom 1", "answer": "1"}) + "\n")
     # transformers' rollouts: what is checked is the trainer's handling of the reward, and an
     # engine start costs 11 s of CPU here
-    proc = fusedrl_train("--out", str(tmp_path / "r"), "--model", str(default_run / "base_model"),
-                         "--dataset", str(data), "--reward", "tests.test_trainer_units:bad_reward",
-                         "--max-steps", "1", "--prompts-per-step", "1", "--group-size", "2",
-                         "--rollout", "hf")
+    proc = fusedrl_train(
+        "--out",
+        str(tmp_path / "r"),
+        "--model",
+        str(default_run / "base_model"),
+        "--dataset",
+        str(data),
+        "--reward",
+        "tests.test_trainer_units:bad_reward",
+        "--max-steps",
+        "1",
+        "--prompts-per-step",
+        "1",
+        "--group-size",
+        "2",
+        "--rollout",
+        "hf",
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "reward function 'tests.test_trainer_units:bad_reward' raised KeyError" in proc.stderr
     assert "prompt: 'boom 1'" in proc.stderr
@@ -244,18 +422,45 @@ def test_dynamic_sampling_keeping_fewer_sequences_than_minibatches(tmp_path):
     step that keeps 2 takes two minibatches, not two empty ones (their optimizer steps had no
     gradient, and adaptive entropy control had no entropy to steer by: a KeyError)."""
     out = tmp_path / "r"
-    check(fusedrl_train("--out", str(out), "--max-steps", "6", "--prompts-per-step", "2",
-                        "--group-size", "2", "--max-tokens", "8", "--rollout", "hf",
-                        "--warmstart-steps", "5", "--dynamic-sampling", "true",
-                        "--max-num-gen-batches", "1", "--minibatches", "4",
-                        "--entropy-target", "1"))  # fmt: skip
+    check(
+        fusedrl_train(
+            "--out",
+            str(out),
+            "--max-steps",
+            "6",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "8",
+            "--rollout",
+            "hf",
+            "--warmstart-steps",
+            "5",
+            "--dynamic-sampling",
+            "true",
+            "--max-num-gen-batches",
+            "1",
+            "--minibatches",
+            "4",
+            "--entropy-target",
+            "1",
+        )
+    )
     rows = read_metrics(out)
     assert len(rows) == 6 and any(0 < r["frac_zero_std"] < 1 for r in rows), rows  # it acted
 
 
 def test_config_errors_before_any_rollout(default_run, tmp_path):
-    proc = fusedrl_train("--out", str(tmp_path / "r"), "--model", str(default_run / "base_model"),
-                         "--max-tokens", "500")
+    proc = fusedrl_train(
+        "--out",
+        str(tmp_path / "r"),
+        "--model",
+        str(default_run / "base_model"),
+        "--max-tokens",
+        "500",
+    )
     assert proc.returncode == 2 and "max_position_embeddings=128" in proc.stderr
     proc = fusedrl_train("--out", str(tmp_path / "r"), "--dataset", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2 and "--dataset" in proc.stderr and "no such file" in proc.stderr
@@ -279,8 +484,18 @@ def test_a_non_finite_update_stops_the_run_naming_the_step(tmp_path):
     """lr 1e30 makes the weights overflow after one update: the next loss is NaN. The run stops
     there with the step named, applies nothing, writes no final_model and never says done."""
     out = tmp_path / "r"
-    proc = fusedrl_train("--out", str(out), "--max-steps", "4", "--lr", "1e30", "--save-every", "1",
-                         "--warmstart-steps", "0")
+    proc = fusedrl_train(
+        "--out",
+        str(out),
+        "--max-steps",
+        "4",
+        "--lr",
+        "1e30",
+        "--save-every",
+        "1",
+        "--warmstart-steps",
+        "0",
+    )
     assert proc.returncode == 1
     assert "fusedrl-train: error: step 2: loss = nan" in proc.stderr, proc.stderr[-3000:]
     assert "done" not in proc.stdout and "Traceback" not in proc.stderr
@@ -290,9 +505,18 @@ def test_a_non_finite_update_stops_the_run_naming_the_step(tmp_path):
 
 def test_skip_nonfinite_steps_skips_counts_then_fails(tmp_path):
     out = tmp_path / "r"
-    proc = fusedrl_train("--out", str(out), "--max-steps", "6", "--lr", "1e30",
-                         "--warmstart-steps", "0",
-                         "--skip-nonfinite-steps", "2")
+    proc = fusedrl_train(
+        "--out",
+        str(out),
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e30",
+        "--warmstart-steps",
+        "0",
+        "--skip-nonfinite-steps",
+        "2",
+    )
     assert proc.returncode == 1
     assert "More than --skip-nonfinite-steps=2 updates were non-finite" in proc.stderr
     rows = read_metrics(out)

@@ -21,8 +21,12 @@ def fusedrl_train(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", "--rollout", "hf", *args],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -45,28 +49,49 @@ def test_hf_rollouts_learn_the_default_task(hf_run):
 
 def test_hf_rollouts_resume_exactly(hf_run, tmp_path):
     out = tmp_path / "resumed"
-    fusedrl_train("--out", str(out), "--max-steps", "13", "--save-every", "10",
-                  "--resume", str(hf_run / "checkpoints" / "step_000010"))
+    fusedrl_train(
+        "--out",
+        str(out),
+        "--max-steps",
+        "13",
+        "--save-every",
+        "10",
+        "--resume",
+        str(hf_run / "checkpoints" / "step_000010"),
+    )
     resumed = read_metrics(out)
     reference = read_metrics(hf_run)[10:13]
     assert [r["step"] for r in resumed] == [11, 12, 13]
     for got, want in zip(resumed, reference):
         assert {k: v for k, v in got.items() if k not in TIMES} == {
-            k: v for k, v in want.items() if k not in TIMES}
+            k: v for k, v in want.items() if k not in TIMES
+        }
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_resume_continues_the_same_job_and_says_so(hf_run, tmp_path):
     """Only --resume and --out: the job (rollout hf, its preset, seed, ...) comes from the run's
     own config.yaml, not from the defaults."""
     out = tmp_path / "more"
-    proc = _cli("--resume", str(hf_run / "checkpoints" / "step_000010"), "--out", str(out),
-                "--max-steps", "11")
+    proc = _cli(
+        "--resume",
+        str(hf_run / "checkpoints" / "step_000010"),
+        "--out",
+        str(out),
+        "--max-steps",
+        "11",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fusedrl-train: resumed from step 10" in proc.stdout
     # the resumed run's base model (the KL reference) is copied, not warm-started again
@@ -80,14 +105,17 @@ def test_resume_continues_the_same_job_and_says_so(hf_run, tmp_path):
     want = read_metrics(hf_run)[10]
     got = read_metrics(out)[0]
     assert {k: v for k, v in got.items() if k not in TIMES} == {
-        k: v for k, v in want.items() if k not in TIMES}
+        k: v for k, v in want.items() if k not in TIMES
+    }
 
 
 def test_resume_refuses_a_job_change_and_a_finished_run(hf_run):
     proc = _cli("--resume", str(hf_run), "--preset", "grpo", "--group-size", "4")
     assert proc.returncode == 2
-    assert ("--preset 'dapo' -> 'grpo', --group-size 8 -> 4 would change the job this run "
-            "trains; pass --allow-job-change") in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "--preset 'dapo' -> 'grpo', --group-size 8 -> 4 would change the job this run "
+        "trains; pass --allow-job-change"
+    ) in proc.stderr, proc.stderr[-2000:]
     proc = _cli("--resume", str(hf_run))  # its last checkpoint is its last step
     assert proc.returncode == 2
     assert "the checkpoint is at step 20, --max-steps is 20: nothing left to train" in proc.stderr
@@ -100,9 +128,17 @@ def test_resume_into_another_architecture_is_a_clear_error(hf_run, tmp_path):
     tokenizer = char_tokenizer()
     tiny_qwen2(len(tokenizer), hidden_size=96, max_position_embeddings=128).save_pretrained(other)
     tokenizer.save_pretrained(other)
-    proc = _cli("--resume", str(hf_run / "checkpoints" / "step_000010"), "--out",
-                str(tmp_path / "r"), "--model", str(other), "--allow-job-change",
-                "--max-steps", "12")  # fmt: skip
+    proc = _cli(
+        "--resume",
+        str(hf_run / "checkpoints" / "step_000010"),
+        "--out",
+        str(tmp_path / "r"),
+        "--model",
+        str(other),
+        "--allow-job-change",
+        "--max-steps",
+        "12",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "the checkpoint does not fit the model" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -112,9 +148,24 @@ def test_the_exact_kl_to_the_reference(hf_run, tmp_path):
     exact KL over the vocabulary in the loss. It starts at 0 (the reference is the initial
     policy), grows as the policy moves, and the run stays finite."""
     out = tmp_path / "kl"
-    fusedrl_train("--out", str(out), "--model", str(hf_run / "base_model"), "--kl", "full",
-                  "--beta", "0.05", "--max-steps", "3", "--micro-batch-size", "32",
-                  "--warmstart-steps", "0", "--tensorboard", "false")
+    fusedrl_train(
+        "--out",
+        str(out),
+        "--model",
+        str(hf_run / "base_model"),
+        "--kl",
+        "full",
+        "--beta",
+        "0.05",
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "32",
+        "--warmstart-steps",
+        "0",
+        "--tensorboard",
+        "false",
+    )
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["kl"]) < 1e-6 < rows[2]["kl"]
@@ -129,9 +180,22 @@ def test_a_warm_started_teacher_lifts_a_fresh_student(hf_run, tmp_path):
     teacher the same run stays at 0 for 100 steps (docs/trainer.md gives both runs), because a
     random student's groups never hold an exact answer for RL to reinforce."""
     out = tmp_path / "distill"
-    proc = fusedrl_train("--out", str(out), "--warmstart-steps", "0", "--max-steps", "50",
-                         "--distill-teacher", str(hf_run / "base_model"),
-                         "--distill-kind", "forward_kl", "--lr", "2e-3", "--tensorboard", "false")
+    proc = fusedrl_train(
+        "--out",
+        str(out),
+        "--warmstart-steps",
+        "0",
+        "--max-steps",
+        "50",
+        "--distill-teacher",
+        str(hf_run / "base_model"),
+        "--distill-kind",
+        "forward_kl",
+        "--lr",
+        "2e-3",
+        "--tensorboard",
+        "false",
+    )
     assert "teacher" in proc.stdout and "forward_kl x 1" in proc.stdout
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 51))
@@ -148,12 +212,35 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
     the options reach the loss (their metrics are logged) and the run stays finite; the entropy
     controller follows TRL's rule and resumes where it stopped."""
     out = tmp_path / "objectives"
-    fusedrl_train("--out", str(out), "--model", str(hf_run / "base_model"), "--max-steps", "2",
-                  "--loss", "dppo_tv", "--kl-tau", "0.001", "--decoupled",
-                  "--decoupled-is-cap", "3", "--m2po-tau", "0.05", "--trust-region-delta", "1.0",
-                  "--entropy-target", "100", "--entropy-coef", "0.01",
-                  "--entropy-coef-delta", "0.02", "--warmstart-steps", "0",
-                  "--tensorboard", "false")  # fmt: skip
+    fusedrl_train(
+        "--out",
+        str(out),
+        "--model",
+        str(hf_run / "base_model"),
+        "--max-steps",
+        "2",
+        "--loss",
+        "dppo_tv",
+        "--kl-tau",
+        "0.001",
+        "--decoupled",
+        "--decoupled-is-cap",
+        "3",
+        "--m2po-tau",
+        "0.05",
+        "--trust-region-delta",
+        "1.0",
+        "--entropy-target",
+        "100",
+        "--entropy-coef",
+        "0.01",
+        "--entropy-coef-delta",
+        "0.02",
+        "--warmstart-steps",
+        "0",
+        "--tensorboard",
+        "false",
+    )
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("m2po_masked", "rs_tr_max_k2_masked", "dppo_kl_term", "is_weight_mean"):
@@ -166,7 +253,13 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
     assert all(0 < r["entropy"] <= 100 for r in rows)
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.0, 0.03])
     resumed = tmp_path / "objectives-resumed"
-    fusedrl_train("--out", str(resumed), "--max-steps", "3",
-                  "--resume", str(out / "checkpoints" / "step_000002"))  # fmt: skip
+    fusedrl_train(
+        "--out",
+        str(resumed),
+        "--max-steps",
+        "3",
+        "--resume",
+        str(out / "checkpoints" / "step_000002"),
+    )
     (row,) = read_metrics(resumed)
     assert row["step"] == 3 and row["entropy_coef"] == pytest.approx(0.05)  # not 0: restored

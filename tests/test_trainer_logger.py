@@ -20,15 +20,31 @@ matplotlib = pytest.importorskip("matplotlib")
 def _rows(steps=6):
     rows = []
     for step in range(steps):
-        rows.append({
-            "step": step, "reward_mean": 0.5 + 0.01 * step, "accuracy": 0.3 + 0.05 * step,
-            "reward/arith": 0.5 + 0.01 * step, "reward/format": 0.1, "frac_zero_std": 0.1,
-            "entropy": None if step == 2 else 0.5, "response_len_mean": 3.0,
-            "truncated_frac": 0.0, "clipfrac": 0.001 * step, "clip_high": 0.002,
-            "clip_low": 0.0, "kl": 0.0, "is_weight_mean": 1.0 + 1e-4 * step,
-            "loss": 0.1, "step_time": 0.2, "lr": 2e-4, "mismatch_kl_k1": 1e-3 * step,
-            "mismatch_kl_k3": 2e-3, "is_masked": 0.0, "entropy_masked": 0.8,
-        })  # fmt: skip
+        rows.append(
+            {
+                "step": step,
+                "reward_mean": 0.5 + 0.01 * step,
+                "accuracy": 0.3 + 0.05 * step,
+                "reward/arith": 0.5 + 0.01 * step,
+                "reward/format": 0.1,
+                "frac_zero_std": 0.1,
+                "entropy": None if step == 2 else 0.5,
+                "response_len_mean": 3.0,
+                "truncated_frac": 0.0,
+                "clipfrac": 0.001 * step,
+                "clip_high": 0.002,
+                "clip_low": 0.0,
+                "kl": 0.0,
+                "is_weight_mean": 1.0 + 1e-4 * step,
+                "loss": 0.1,
+                "step_time": 0.2,
+                "lr": 2e-4,
+                "mismatch_kl_k1": 1e-3 * step,
+                "mismatch_kl_k3": 2e-3,
+                "is_masked": 0.0,
+                "entropy_masked": 0.8,
+            }
+        )
     return rows
 
 
@@ -52,8 +68,7 @@ def test_divergences_of_float_noise_are_flat_and_never_negative(tmp_path):
     estimates (+-1e-8) get no panel; real ones get theirs, an estimate below 0 drawn at 0."""
     rows = _rows()
     for i, row in enumerate(rows):
-        row.update(mismatch_kl_k1=(-1) ** i * 1e-8, mismatch_kl_k3=1e-9,
-                   mismatch_chi2_token=-3e-8)  # fmt: skip
+        row.update(mismatch_kl_k1=(-1) ** i * 1e-8, mismatch_kl_k3=1e-9, mismatch_chi2_token=-3e-8)
     panels = dict(plotted_panels(rows))
     assert not any(title.startswith("train/inference mismatch") for title in panels), panels
     for i, row in enumerate(rows):
@@ -87,8 +102,15 @@ def test_tensorboard_tags_are_grouped(tmp_path):
     events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"rollout/reward_mean", "rollout/accuracy", "rollout/reward_arith", "loss/clipfrac",
-            "loss/kl", "perf/step_time", "perf/lr"} <= tags
+    assert {
+        "rollout/reward_mean",
+        "rollout/accuracy",
+        "rollout/reward_arith",
+        "loss/clipfrac",
+        "loss/kl",
+        "perf/step_time",
+        "perf/lr",
+    } <= tags
     assert all(tag.split("/")[0] in ("rollout", "loss", "perf") for tag in tags)
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["reward/arith"]
 

@@ -67,8 +67,12 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_run_that_resumes(point, tmp_path
     _save(run, 1, model, optimizer)
     _save(run, 2, model, optimizer)
     what, nth, allowed = KILL_POINTS[point]
-    targets = {"save": (torch, "save"), "rename": (os, "rename"), "replace": (os, "replace"),
-               "rmtree": (checkpoint.shutil, "rmtree")}  # fmt: skip
+    targets = {
+        "save": (torch, "save"),
+        "rename": (os, "rename"),
+        "replace": (os, "replace"),
+        "rmtree": (checkpoint.shutil, "rmtree"),
+    }
     module, name = targets[what]
     real = getattr(module, name)
     calls = {"n": 0}
@@ -94,8 +98,11 @@ def test_latest_naming_a_missing_checkpoint_falls_back_with_a_warning(tmp_path):
     for step in (1, 2):
         _save(tmp_path, step, model, optimizer)
     (tmp_path / "checkpoints" / "latest").write_text("step_000009\n")
-    with pytest.warns(UserWarning, match="names 'step_000009', which is missing or incomplete; "
-                      "resuming from the newest complete checkpoint, step_000002"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match="names 'step_000009', which is missing or incomplete; "
+        "resuming from the newest complete checkpoint, step_000002",
+    ):
         assert checkpoint.resolve(tmp_path).name == "step_000002"
     (tmp_path / "checkpoints" / "step_000002" / "optimizer.pt").unlink()  # incomplete
     (tmp_path / "checkpoints" / "latest").unlink()
@@ -135,8 +142,11 @@ def test_an_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     (run / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=f"--out {run} holds a run \\(metrics.jsonl\\): pass "
-                       f"--resume {run} to continue it, --overwrite to replace it"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=f"--out {run} holds a run \\(metrics.jsonl\\): pass "
+        f"--resume {run} to continue it, --overwrite to replace it",
+    ):
         claim_run_dir(run, TrainConfig(out=str(run)))
     assert claim_run_dir(run, TrainConfig(out=str(run), resume=str(run))) == []  # its own
     # --overwrite names what goes, removed only once the new run's start has passed its checks
@@ -179,8 +189,16 @@ def test_a_failed_start_with_overwrite_keeps_the_old_run(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "fusedrl.trainer", "--out", str(run), "--overwrite",
-               "--reward", "no_such_module:fn"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "fusedrl.trainer",
+        "--out",
+        str(run),
+        "--overwrite",
+        "--reward",
+        "no_such_module:fn",
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "no_such_module" in proc.stderr, proc.stderr
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
@@ -191,8 +209,14 @@ def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text("seed: 7\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
-                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "holds a run (config.yaml)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
     assert (run / "config.yaml").read_text() == "seed: 7\n"
@@ -209,9 +233,11 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "failure",
-    [OSError(28, "No space left on device"),
-     RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7680 vs 7572")],
-)  # fmt: skip
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7680 vs 7572"),
+    ],
+)
 def test_a_full_disk_names_the_path_and_leaves_no_temp_folder(failure, tmp_path, monkeypatch):
     model, optimizer = _model_and_optimizer()
     _save(tmp_path, 1, model, optimizer)
@@ -220,8 +246,9 @@ def test_a_full_disk_names_the_path_and_leaves_no_temp_folder(failure, tmp_path,
         raise failure
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(checkpoint.WriteError, match="writing .*step_000002: no space left on "
-                       "device"):  # fmt: skip
+    with pytest.raises(
+        checkpoint.WriteError, match="writing .*step_000002: no space left on device"
+    ):
         _save(tmp_path, 2, model, optimizer)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert checkpoint.resolve(tmp_path).name == "step_000001"

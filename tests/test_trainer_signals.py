@@ -22,10 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _start(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.Popen(
-        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", "--rollout", "hf",
-         "--warmstart-steps", "0", "--out", str(out), "--save-every", "1000", *args],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fusedrl.trainer",
+            "--progress",
+            "false",
+            "--rollout",
+            "hf",
+            "--warmstart-steps",
+            "0",
+            "--out",
+            str(out),
+            "--save-every",
+            "1000",
+            *args,
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 300) -> None:
@@ -58,10 +76,21 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(sig, tmp_path):
     # ... and the run continues from there.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--resume", str(out), "--max-steps",
-         str(last + 1)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fusedrl.trainer",
+            "--resume",
+            str(out),
+            "--max-steps",
+            str(last + 1),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from step {last}" in done.stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 2))

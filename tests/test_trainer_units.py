@@ -221,8 +221,9 @@ def test_reward_modules_from_the_working_directory_and_their_errors(tmp_path, mo
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     (reward,) = parse_rewards("my_rewards_ok:fn")
     assert reward.fn(["a"], ["b"]) == [1.0]
-    with pytest.raises(ValueError, match="importing module 'my_rewards_broken' failed: "
-                       "SyntaxError"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="importing module 'my_rewards_broken' failed: SyntaxError"
+    ):
         parse_rewards("my_rewards_broken:fn")
 
 
@@ -289,11 +290,15 @@ def test_the_adaptive_coefficient_reaches_the_loss(lm_head):
     batch, _, _ = _tiny_batch(n=5, seed=3)
     cfg = fusedrl.LossConfig.preset("dapo")
     grads = []
-    for config, coef in ((cfg.replace(entropy_coef=0.5), None), (cfg, torch.tensor(0.5)),
-                         (cfg, None)):  # fmt: skip
+    for config, coef in (
+        (cfg.replace(entropy_coef=0.5), None),
+        (cfg, torch.tensor(0.5)),
+        (cfg, None),
+    ):
         model = _tiny_model()
-        accumulate_gradients(model, batch, config, 2, None, "torch", lm_head=lm_head,
-                             entropy_coef=coef)  # fmt: skip
+        accumulate_gradients(
+            model, batch, config, 2, None, "torch", lm_head=lm_head, entropy_coef=coef
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
     assert (grads[2] - grads[0]).abs().max() > 1e-4  # the bonus acted
@@ -413,9 +418,14 @@ def test_the_exact_kl_on_both_paths(lm_head):
     with torch.no_grad():
         ref_logits = completion_logits(ref_model, batch, None)
     reference.policy_loss(
-        completion_logits(model, batch, None), batch.labels, batch.advantages, batch.mask,
-        rollout_logp=batch.rollout_logp, config=cfg, ref_logits=ref_logits,
-    ).loss.backward()  # fmt: skip
+        completion_logits(model, batch, None),
+        batch.labels,
+        batch.advantages,
+        batch.mask,
+        rollout_logp=batch.rollout_logp,
+        config=cfg,
+        ref_logits=ref_logits,
+    ).loss.backward()
     torch.testing.assert_close(got, _flat_grads(model), rtol=1e-4, atol=1e-6)
 
 
@@ -525,8 +535,16 @@ def test_distillation_on_the_cuda_backend_takes_tritons_two_row_kernels(monkeypa
     monkeypatch.setattr(fusedrl, "policy_loss", policy)
     batch, _, _ = _tiny_batch(n=3)
     teacher = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=3)
-    accumulate_gradients(_tiny_model(), batch, fusedrl.LossConfig.preset("dapo"), 0, None,
-                         "cuda", teacher=teacher, distill=Distill("jsd", 1.0, 0.5))  # fmt: skip
+    accumulate_gradients(
+        _tiny_model(),
+        batch,
+        fusedrl.LossConfig.preset("dapo"),
+        0,
+        None,
+        "cuda",
+        teacher=teacher,
+        distill=Distill("jsd", 1.0, 0.5),
+    )
     assert seen == {"distill": "triton", "policy": "cuda"}
 
 
@@ -546,9 +564,14 @@ def test_decoupled_ppo_takes_the_recomputed_log_probs_as_the_proximal_policy():
     got = _flat_grads(model)
     model = _tiny_model()
     reference.policy_loss(
-        completion_logits(model, batch, None), batch.labels, batch.advantages, batch.mask,
-        old_logp=batch.rollout_logp, prox_logp=batch.old_logp, config=cfg,
-    ).loss.backward()  # fmt: skip
+        completion_logits(model, batch, None),
+        batch.labels,
+        batch.advantages,
+        batch.mask,
+        old_logp=batch.rollout_logp,
+        prox_logp=batch.old_logp,
+        config=cfg,
+    ).loss.backward()
     torch.testing.assert_close(got, _flat_grads(model), rtol=1e-4, atol=1e-6)
     plain = _tiny_model()
     accumulate_gradients(plain, batch, cfg.replace(decoupled_is_cap=None), 2, None, "torch")
@@ -580,8 +603,9 @@ def test_adaptive_entropy_follows_trls_rule():
     entropies[5:15] = [0.05] * 10  # a long dip: the coefficient climbs to its cap
     entropies[20:30] = [0.9] * 10  # a long rise: it falls to its floor
     args = dict(coef=0.01, target=0.2, delta=0.004, low=0.002, high=0.03)
-    control = AdaptiveEntropy(args["target"], args["delta"], args["low"], args["high"],
-                              args["coef"])  # fmt: skip
+    control = AdaptiveEntropy(
+        args["target"], args["delta"], args["low"], args["high"], args["coef"]
+    )
     ours, our_coefs = [], []
     for entropy in entropies:
         ours.append(control.applied())
@@ -601,13 +625,16 @@ def test_adaptive_entropy_options():
     assert cfg.loss_config().entropy_coef == 0.0  # the coefficient is the controller's tensor
     assert cfg.initial_entropy_coef() == 0.02
     assert cfg.entropy_control() == (0.005, 0.0, 1.0)  # TRL's defaults
-    assert TrainConfig(entropy_target=0.3, entropy_coef_min=0.01,
-                       entropy_coef=0.02).validate().entropy_control() == (0.005, 0.01, 1.0)
+    assert TrainConfig(
+        entropy_target=0.3, entropy_coef_min=0.01, entropy_coef=0.02
+    ).validate().entropy_control() == (0.005, 0.01, 1.0)
     assert TrainConfig(entropy_coef=0.02).loss_config().entropy_coef == 0.02
     bad = [
         (dict(entropy_target=0.3, tp=2), "--entropy-target: .*--tp 1"),
-        (dict(entropy_target=0.3, entropy_coef_min=0.5, entropy_coef_max=0.4),
-         "--entropy-coef-min: must be in"),
+        (
+            dict(entropy_target=0.3, entropy_coef_min=0.5, entropy_coef_max=0.4),
+            "--entropy-coef-min: must be in",
+        ),
         (dict(entropy_target=0.3, entropy_coef=2.0), "--entropy-coef: the adaptive coefficient"),
         (dict(entropy_target=-1.0), "--entropy-target: must be >= 0"),
         (dict(entropy_target=0.3, entropy_coef_delta=0.0), "--entropy-coef-delta: must be > 0"),

@@ -16,10 +16,18 @@ from fusedrl.trainer.warmstart import noisy_answer, warm_start  # noqa: E402
 
 @pytest.mark.parametrize(
     "completion, answer, expected",
-    [("7", "7", True), (" 7\n", 7, True), ("17", "7", False), ("7 7", "7", False),
-     ("so \\boxed{42}.", "42", True), ("\\boxed{4}2", "42", False), ("", "0", False),
-     ("\\boxed{ 3 }", "3", True), ("\\boxed{2} then \\boxed{3}", "3", True)],
-)  # fmt: skip
+    [
+        ("7", "7", True),
+        (" 7\n", 7, True),
+        ("17", "7", False),
+        ("7 7", "7", False),
+        ("so \\boxed{42}.", "42", True),
+        ("\\boxed{4}2", "42", False),
+        ("", "0", False),
+        ("\\boxed{ 3 }", "3", True),
+        ("\\boxed{2} then \\boxed{3}", "3", True),
+    ],
+)
 def test_exact_match(completion, answer, expected):
     assert exact_match(completion, answer) is expected
 

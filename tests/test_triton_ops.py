@@ -70,9 +70,18 @@ def test_opcheck_fused_token_loss():
     low, high = torch.full((2, 3), 0.8), torch.full((2, 3), 1.28)
     variant = LossVariant(tau_neg=1.05, kl="k3", beta=0.1, entropy_coef=0.01)
     args = TokenLossArgs(
-        data["labels"], valid, data["advantages"][:, None].expand(2, 3).contiguous(), variant,
-        agg, None, data["old_logp"], data["ref_logp"], None, low, high,
-    )  # fmt: skip
+        data["labels"],
+        valid,
+        data["advantages"][:, None].expand(2, 3).contiguous(),
+        variant,
+        agg,
+        None,
+        data["old_logp"],
+        data["ref_logp"],
+        None,
+        low,
+        high,
+    )
     logits = data["logits"]
     opcheck = torch.library.opcheck
     opcheck(triton_backend.fused_token_loss, (logits, torch.empty_like(logits)), args.keywords())
@@ -94,9 +103,13 @@ def test_backend_dispatch_calls_no_importlib(monkeypatch):
 
     def call():
         return fusedrl.policy_loss(
-            data["logits"], data["labels"], data["advantages"], data["mask"],
-            old_logp=data["old_logp"], backend="triton",
-        )  # fmt: skip
+            data["logits"],
+            data["labels"],
+            data["advantages"],
+            data["mask"],
+            old_logp=data["old_logp"],
+            backend="triton",
+        )
 
     call()  # the first call imports what torch's custom ops import lazily (dynamo looks up modules)
 
@@ -122,18 +135,30 @@ def test_torch_compile_fullgraph(preset):
 
     def loss_fn(logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp):
         out = fusedrl.policy_loss(
-            logits, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=cfg, backend="triton",
-        )  # fmt: skip
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            config=cfg,
+            backend="triton",
+        )
         return out.loss, out.metrics["clipfrac"]
 
     torch.compiler.reset()  # each preset compiles anew, never against the recompile limit
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
     logits = data["logits"].clone().requires_grad_(True)
     loss, clipfrac = compiled(
-        logits, data["labels"], data["advantages"], data["mask"], data["old_logp"],
-        data["ref_logp"], data["rollout_logp"],
-    )  # fmt: skip
+        logits,
+        data["labels"],
+        data["advantages"],
+        data["mask"],
+        data["old_logp"],
+        data["ref_logp"],
+        data["rollout_logp"],
+    )
     loss.backward()
     ref, ref_grad = run_loss(reference.policy_loss, data, cfg)
     torch.testing.assert_close(loss, ref.loss)
@@ -159,9 +184,10 @@ def test_opcheck_the_ops_on_rows_of_scalars():
         variant = LossVariant(entropy_coef=coef, low_bound=0.8, high_bound=1.2)
         args = TokenLossArgs(data["labels"], valid, rows, variant, agg, valid, logp - 0.1)
         torch.library.opcheck(
-            triton_backend.sequence_terms, (logp, rows),
+            triton_backend.sequence_terms,
+            (logp, rows),
             {**args.keywords(), "sequence_ratio": True, "vocab": 67},
-        )  # fmt: skip
+        )
 
 
 def test_opcheck_two_rows_ops():
@@ -176,16 +202,47 @@ def test_opcheck_two_rows_ops():
         rows = torch.rand(labels.shape)
         torch.library.opcheck(
             triton_backend.two_rows_grad,
-            (student, teacher, lse_s, lse_q, value, aux, rows, 0.9, kind, beta,
-             torch.empty_like(student), labels, entropy, rows, rows),
-        )  # fmt: skip
+            (
+                student,
+                teacher,
+                lse_s,
+                lse_q,
+                value,
+                aux,
+                rows,
+                0.9,
+                kind,
+                beta,
+                torch.empty_like(student),
+                labels,
+                entropy,
+                rows,
+                rows,
+            ),
+        )
         row_temps = {"row_temps": 0.5 + torch.rand(labels.shape)}  # per-token temperatures
         torch.library.opcheck(triton_backend.two_rows_fwd, args, row_temps)
         torch.library.opcheck(
             triton_backend.two_rows_grad,
-            (student, teacher, lse_s, lse_q, value, aux, rows, 0.9, kind, beta,
-             torch.empty_like(student), None, None, None, None), row_temps,
-        )  # fmt: skip
+            (
+                student,
+                teacher,
+                lse_s,
+                lse_q,
+                value,
+                aux,
+                rows,
+                0.9,
+                kind,
+                beta,
+                torch.empty_like(student),
+                None,
+                None,
+                None,
+                None,
+            ),
+            row_temps,
+        )
 
 
 @pytest.mark.parametrize("kl", ["full", "full_reverse"])
@@ -197,9 +254,15 @@ def test_torch_compile_fullgraph_with_the_exact_kl(kl):
 
     def loss_fn(logits, labels, advantages, mask, old_logp, ref_logits):
         out = fusedrl.policy_loss(
-            logits, labels, advantages, mask, old_logp=old_logp, config=cfg, backend="triton",
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            config=cfg,
+            backend="triton",
             ref_logits=ref_logits,
-        )  # fmt: skip
+        )
         return out.loss
 
     args = (data["labels"], data["advantages"], data["mask"], data["old_logp"], ref_logits)

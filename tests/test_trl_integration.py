@@ -237,8 +237,12 @@ def test_parity_with_trl_corrections(name, with_sampler_logps, model_dir, tokeni
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
 def test_parity_vespo_with_vllm_importance_sampling(mode, model_dir, tokenizer, tmp_path):
     """VESPO folds TRL's per-token IS ratios into its sequence weight instead of multiplying."""
-    args = _args(tmp_path, loss_type="vespo", vllm_importance_sampling_mode=mode,
-                 vllm_importance_sampling_clip_max=1.3)  # fmt: skip
+    args = _args(
+        tmp_path,
+        loss_type="vespo",
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_max=1.3,
+    )
     trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
     inputs = _inputs(trainers[0].model, "vespo", 0.0, seed=6)
     gen = torch.Generator().manual_seed(7)
@@ -336,8 +340,9 @@ def test_clip_extreme_metrics_match_trl(sign, model_dir, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("lm_head", [False, True])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_parity_with_gradient_accumulation(loss_type, lm_head, model_dir, tokenizer, tmp_path,
-                                           monkeypatch):  # fmt: skip
+def test_parity_with_gradient_accumulation(
+    loss_type, lm_head, model_dir, tokenizer, tmp_path, monkeypatch
+):
     """Mid-window micro-batch of 2 accumulation steps, a generation batch of 1 step: TRL divides
     grpo's loss by the steps and rescales dapo's token count by steps / steps_per_generation.
     The fused loss writes its gradient already divided (grad_scale): backward rescales none."""
@@ -350,8 +355,9 @@ def test_parity_with_gradient_accumulation(loss_type, lm_head, model_dir, tokeni
         trainer.current_gradient_accumulation_steps = 2
     factors = []
     real = _autograd.scale_unless_one
-    monkeypatch.setattr(_autograd, "scale_unless_one",
-                        lambda g, f: factors.append(float(f)) or real(g, f))  # fmt: skip
+    monkeypatch.setattr(
+        _autograd, "scale_unless_one", lambda g, f: factors.append(float(f)) or real(g, f)
+    )
     _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=5))
     assert factors and set(factors) == {1.0}, factors
 
@@ -417,8 +423,9 @@ def test_parity_with_the_entropy_bonus(case, model_dir, tokenizer, tmp_path):
     metrics = _assert_same(*trainers, _inputs(trainers[0].model, loss_type, 0.0, seed=7))
     assert "policy_loss" in metrics and metrics["entropy_coef"] == [0.05]
     # The bonus acted: without it the loss is another number.
-    plain = _trainer(FusedGRPOTrainer, model_dir, tokenizer, _args(tmp_path, loss_type=loss_type,
-                                                                   **extra))  # fmt: skip
+    plain = _trainer(
+        FusedGRPOTrainer, model_dir, tokenizer, _args(tmp_path, loss_type=loss_type, **extra)
+    )
     plain.current_gradient_accumulation_steps = steps
     inputs = _inputs(trainers[0].model, loss_type, 0.0, seed=7)
     assert abs(_loss_and_grads(plain, inputs)[0] - _loss_and_grads(trainers[1], inputs)[0]) > 1e-3
@@ -428,8 +435,14 @@ def test_parity_with_the_entropy_bonus(case, model_dir, tokenizer, tmp_path):
 def test_parity_with_adaptive_entropy(target, model_dir, tokenizer, tmp_path):
     """use_adaptive_entropy: three optimizer steps; TRL's gate (no bonus before the first
     measurement), its updates and its logged coefficient, step by step."""
-    args = _args(tmp_path, loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.02,
-                 entropy_target=target, entropy_coef_delta=0.01)  # fmt: skip
+    args = _args(
+        tmp_path,
+        loss_type="dapo",
+        use_adaptive_entropy=True,
+        entropy_coef=0.02,
+        entropy_target=target,
+        entropy_coef_delta=0.01,
+    )
     trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
     for seed in range(3):
         inputs = _inputs(trainers[0].model, "dapo", 0.0, seed=20 + seed)
@@ -467,12 +480,14 @@ def test_the_sequence_level_refusal_lists_what_is_accepted(tmp_path, caplog):
     assert "weights each sequence by its completion length" in caplog.text
     with pytest.raises(ValueError, match="'grpo' \\(GSPO\\), 'bnpo', 'dr_grpo', 'dapo', 'luspo'"):
         loss_config_from_trl(
-            _args(tmp_path, loss_type="cispo", importance_sampling_level="sequence",
-                  epsilon_high=5.0)
-        )  # fmt: skip
+            _args(
+                tmp_path, loss_type="cispo", importance_sampling_level="sequence", epsilon_high=5.0
+            )
+        )
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "vespo"):  # each one named
-        loss_config_from_trl(_args(tmp_path, loss_type=loss_type,
-                                   importance_sampling_level="sequence"))  # fmt: skip
+        loss_config_from_trl(
+            _args(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
+        )
 
 
 def test_bad_settings_fail_before_the_models_load(tmp_path):
@@ -480,13 +495,16 @@ def test_bad_settings_fail_before_the_models_load(tmp_path):
     anything: the model path here does not exist, so any later check would name it instead."""
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match="fused_backend='jax' is not one of"):
-        FusedGRPOTrainer(model=missing, reward_funcs=_reward_len, args=_args(tmp_path),
-                         fused_backend="jax")  # fmt: skip
+        FusedGRPOTrainer(
+            model=missing, reward_funcs=_reward_len, args=_args(tmp_path), fused_backend="jax"
+        )
     with pytest.raises(ValueError, match="fused_lm_head must be None, True or False"):
-        FusedGRPOTrainer(model=missing, reward_funcs=_reward_len, args=_args(tmp_path),
-                         fused_lm_head="yes")  # fmt: skip
-    bad = _args(tmp_path, beta=0.04, use_bias_correction_kl=True,
-                importance_sampling_level="sequence")  # fmt: skip
+        FusedGRPOTrainer(
+            model=missing, reward_funcs=_reward_len, args=_args(tmp_path), fused_lm_head="yes"
+        )
+    bad = _args(
+        tmp_path, beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
+    )
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         FusedGRPOTrainer(missing, _reward_len, bad)
 
@@ -505,9 +523,14 @@ def test_the_fused_lm_head_is_the_default_and_said(model_dir, tokenizer, tmp_pat
     assert "backend auto, fused LM head on, loss LossConfig(" in lines[0], lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fusedrl.integrations.trl"):
-        off = FusedGRPOTrainer(model=model_dir, reward_funcs=_reward_len, args=_args(tmp_path),
-                               train_dataset=trainer.train_dataset, processing_class=tokenizer,
-                               fused_lm_head=False)  # fmt: skip
+        off = FusedGRPOTrainer(
+            model=model_dir,
+            reward_funcs=_reward_len,
+            args=_args(tmp_path),
+            train_dataset=trainer.train_dataset,
+            processing_class=tokenizer,
+            fused_lm_head=False,
+        )
     assert off.fused_lm_head is False
     assert "fused LM head off (fused_lm_head=False)" in caplog.records[-1].getMessage()
 
@@ -586,8 +609,14 @@ def test_distill_loss_equals_trl_generalized_jsd(beta, temperature):
     kinds = ["jsd"] + (["forward_kl"] if beta == 0 else ["reverse_kl"] if beta == 1 else [])
     for kind in kinds:
         ours, grad = _run(
-            fusedrl.distill_loss, student, teacher, labels, mask, kind=kind, beta=beta,
+            fusedrl.distill_loss,
+            student,
+            teacher,
+            labels,
+            mask,
+            kind=kind,
+            beta=beta,
             temperature=temperature,
-        )  # fmt: skip
+        )
         torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(grad, their_grad, atol=1e-7, rtol=1e-5)

@@ -244,9 +244,12 @@ def test_clip_cov_draws_as_many_tokens_as_verl():
     """At verl's default-sized ratio both draw max(1, int(ratio x tokens)) of the candidates at
     random (verl by randperm, fusedrl by keys): the same count, not the same tokens."""
     batch = _batch(seed=31)
-    config = _actor("clip_cov", policy_loss=PolicyLossConfig(
-        loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.2, clip_cov_ub=0.3
-    ))  # fmt: skip
+    config = _actor(
+        "clip_cov",
+        policy_loss=PolicyLossConfig(
+            loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-0.2, clip_cov_ub=0.3
+        ),
+    )
     run = {
         name: _run(core_algos.get_policy_loss_fn(name), batch, "token-mean", config, None)
         for name in ("clip_cov", "fusedrl_clip_cov")
@@ -283,9 +286,11 @@ def _against_verls_rejection(cfg, verl_option, threshold, seeds):
     gens = [torch.Generator().manual_seed(seed) for seed in seeds[1:]]
     batch["rollout"] = batch["old"] + 0.3 * torch.randn(B, T, generator=gens[0])
     verl_mask, verl_metrics = compute_rollout_rejection_mask(
-        log_ratio=batch["old"] - batch["rollout"], response_mask=batch["mask"].float(),
-        rollout_rs=verl_option, rollout_rs_threshold=threshold,
-    )  # fmt: skip
+        log_ratio=batch["old"] - batch["rollout"],
+        response_mask=batch["mask"].float(),
+        rollout_rs=verl_option,
+        rollout_rs_threshold=threshold,
+    )
     assert 0 < verl_mask.sum() < batch["mask"].sum()
     logits = torch.randn(B, T, 97, generator=gens[1])
     labels = torch.randint(0, 97, (B, T), generator=gens[2])
@@ -320,9 +325,13 @@ def test_rejection_sampling_parity(options, threshold):
         ), key
 
 
-@pytest.mark.parametrize(("mode", "delta", "verl_option"), [
-    ("max", 0.5, "seq_max_k2"), ("mean", 0.15, "seq_mean_k1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "delta", "verl_option"),
+    [
+        ("max", 0.5, "seq_max_k2"),
+        ("mean", 0.15, "seq_mean_k1"),
+    ],
+)
 def test_trust_region_masking_is_verls_rejection_with_its_bounds(mode, delta, verl_option):
     """LossConfig(trust_region_delta=, trust_region_mode=) masks what verl's
     compute_rollout_rejection_mask masks with seq_max_k2 at delta^2 / 2 (|log r| <= delta on
@@ -569,15 +578,21 @@ def test_rejection_parity_on_the_lower_bound(option):
 
     data, cfg, keep = rejection_batch(option)
     verl_mask, verl_metrics = compute_rollout_rejection_mask(
-        log_ratio=data["old_logp"] - data["rollout_logp"], response_mask=data["mask"].float(),
-        rollout_rs=option, rollout_rs_threshold=REJECTION_BOUNDS[option][0],
-    )  # fmt: skip
+        log_ratio=data["old_logp"] - data["rollout_logp"],
+        response_mask=data["mask"].float(),
+        rollout_rs=option,
+        rollout_rs_threshold=REJECTION_BOUNDS[option][0],
+    )
     assert torch.equal(verl_mask.bool(), data["mask"] & keep.bool())
     args = {k: v for k, v in data.items() if k not in ("logits", "mask", "rollout_logp")}
     ours = fusedrl.policy_loss(
-        data["logits"], mask=data["mask"], rollout_logp=data["rollout_logp"], config=cfg,
-        backend="torch", **args,
-    )  # fmt: skip
+        data["logits"],
+        mask=data["mask"],
+        rollout_logp=data["rollout_logp"],
+        config=cfg,
+        backend="torch",
+        **args,
+    )
     by_mask = fusedrl.policy_loss(
         data["logits"], mask=verl_mask.bool(), config=fusedrl.LossConfig(), backend="torch", **args
     )
@@ -663,8 +678,12 @@ def _megatron_stand_in(group_of):
 
     bench_tp = _load("bench_tp")
     modules = {}
-    for name in ("megatron", "megatron.core", "megatron.core.parallel_state",
-                 "megatron.core.tensor_parallel"):  # fmt: skip
+    for name in (
+        "megatron",
+        "megatron.core",
+        "megatron.core.parallel_state",
+        "megatron.core.tensor_parallel",
+    ):
         module = types.ModuleType(name)
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         module.__path__ = []
@@ -709,8 +728,13 @@ def _tp_run(fn, inputs: dict, labels, data, log, grad: bool = True) -> dict:
     def detach(t):
         return None if t is None else t.detach()
 
-    return {"logp": detach(logp), "entropy": detach(entropy), "fwd": fwd, "bwd": log.take(),
-            "grads": dict(zip(leaves, grads))}  # fmt: skip
+    return {
+        "logp": detach(logp),
+        "entropy": detach(entropy),
+        "fwd": fwd,
+        "bwd": log.take(),
+        "grads": dict(zip(leaves, grads)),
+    }
 
 
 def _tp_fns(kind: str, group, verl_tp, vocab_size):
@@ -768,14 +792,16 @@ def _tp_case(name: str, world: int, rank: int, group, verl_tp, log) -> dict:
         def ours(h, w, y):
             return fverl.linear_cross_entropy(h, w, y, 0.7, reduction, group)
 
-        out["ours"] = _tp_run(ours, {"hidden": data["hidden"], "weight": weight}, labels, data,
-                              log)  # fmt: skip
+        out["ours"] = _tp_run(ours, {"hidden": data["hidden"], "weight": weight}, labels, data, log)
         if rank == 0:
             single = {"hidden": data["hidden"], "weight": data["weight"]}
             out["single"] = _tp_run(
-                lambda h, w, y: fverl.linear_cross_entropy(h, w, y, 0.7, reduction), single,
-                labels, data, log,
-            )  # fmt: skip
+                lambda h, w, y: fverl.linear_cross_entropy(h, w, y, 0.7, reduction),
+                single,
+                labels,
+                data,
+                log,
+            )
 
             def torch_ref(h, w, y):
                 logp = torch.log_softmax((h.double() @ w.double().T) / 0.7, -1)
@@ -852,8 +878,9 @@ def tp_world(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out_dir = str(tmp_path_factory.mktemp("verl_tp"))
-    ctx = mp.start_processes(_tp_worker, args=(3, _free_port(), out_dir), nprocs=3, join=False,
-                             start_method="spawn")  # fmt: skip
+    ctx = mp.start_processes(
+        _tp_worker, args=(3, _free_port(), out_dir), nprocs=3, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + TP_DEADLINE_S
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -877,8 +904,12 @@ def _tp_compare(mine: dict, truth: dict, tol: dict, what: str) -> None:
             assert mine[key] is None, (what, key)
             continue
         assert mine[key].dtype == torch.float32 and mine[key].shape == truth[key].shape, what
-        torch.testing.assert_close(mine[key], truth[key].to(mine[key].dtype), **tol,
-                                   msg=lambda m, k=key: f"{what} {k}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            mine[key],
+            truth[key].to(mine[key].dtype),
+            **tol,
+            msg=lambda m, k=key: f"{what} {k}: {m}",
+        )
 
 
 def _grad_columns(grad: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -907,8 +938,9 @@ def test_megatron_helpers_match_single_process(tp_world, world, name):
         grad = ours["grads"]["logits"]
         assert grad.dtype == dtype and grad.shape[-1] == result["size"]
         expected = _grad_columns(single["grads"]["logits"], result["start"], result["size"])
-        torch.testing.assert_close(grad.float(), expected.float(),
-                                   **(dict(rtol=1e-2, atol=1e-2) if bf16 else tol))  # fmt: skip
+        torch.testing.assert_close(
+            grad.float(), expected.float(), **(dict(rtol=1e-2, atol=1e-2) if bf16 else tol)
+        )
         for key in ("logp", "entropy"):  # the same bits on every rank
             if ours[key] is not None:
                 assert torch.equal(ours[key], per_rank[0]["ours"][key]), (rank, key)
@@ -935,8 +967,9 @@ def test_megatron_helpers_match_verl(tp_world, world, name):
             continue
         mine, theirs = ours["grads"]["logits"], verls["grads"]["logits"]
         assert mine.dtype == theirs.dtype == dtype and mine.shape == theirs.shape
-        torch.testing.assert_close(mine.float(), theirs.float(),
-                                   **(dict(rtol=2e-2, atol=2e-2) if bf16 else tol))  # fmt: skip
+        torch.testing.assert_close(
+            mine.float(), theirs.float(), **(dict(rtol=2e-2, atol=2e-2) if bf16 else tol)
+        )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -970,8 +1003,9 @@ def test_megatron_default_group_is_megatrons(tp_world):
         ):
             for key in ("logp", "entropy"):
                 assert torch.equal(default["ours"][key], explicit["ours"][key]), (world, rank)
-            assert torch.equal(default["ours"]["grads"]["logits"],
-                               explicit["ours"]["grads"]["logits"])  # fmt: skip
+            assert torch.equal(
+                default["ours"]["grads"]["logits"], explicit["ours"]["grads"]["logits"]
+            )
 
 
 @pytest.mark.parametrize("name", ["linear_none", "linear_mean_uneven"])
@@ -1119,8 +1153,10 @@ def test_the_documented_main_ppo_command_composes_and_runs_the_fused_loss():
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, FSDPActorConfig)
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == (
-        0.2, 0.28, "token-mean"
-    )  # fmt: skip
+        0.2,
+        0.28,
+        "token-mean",
+    )
     loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
     assert loss_fn.__module__ == "fusedrl.integrations.verl", loss_fn
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "vllm"

@@ -55,10 +55,29 @@ def test_groups_run_on_one_worker(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(XDIST_GROUPS_LOG=str(log), PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q",
-         "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(suite), str(suite)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(suite),
+            str(suite),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     workers = defaultdict(list)
     for line in log.read_text().splitlines():

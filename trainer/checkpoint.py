@@ -43,8 +43,9 @@ def _full_state_dicts(model, optimizer) -> tuple[dict, dict]:
     return get_state_dict(model, optimizer, options=options)
 
 
-def save(run_dir: Path, step: int, model, optimizer, state: dict, extra: dict,
-         keep_last: int) -> Path | None:
+def save(
+    run_dir: Path, step: int, model, optimizer, state: dict, extra: dict, keep_last: int
+) -> Path | None:
     """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep_last`.
 
     `state` is JSON (step counters, cursor); `extra` holds tensors (estimator statistics).
@@ -104,8 +105,10 @@ def _writing(path: Path):
         raise WriteError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
     except RuntimeError as exc:
         if _disk_nearly_full(path) or "unexpected pos" in str(exc):
-            raise WriteError(errno.ENOSPC, f"writing {path}: no space left on device "
-                             f"({str(exc).splitlines()[0][:200]})") from exc
+            raise WriteError(
+                errno.ENOSPC,
+                f"writing {path}: no space left on device ({str(exc).splitlines()[0][:200]})",
+            ) from exc
         raise
 
 
@@ -145,8 +148,11 @@ def step_of(path: Path) -> int | None:
 
 def checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under `root` (checkpoints/), oldest step first."""
-    found = [p for p in root.glob("step_*") if p.is_dir() and step_of(p) is not None
-             and all((p / name).exists() for name in FILES)]  # fmt: skip
+    found = [
+        p
+        for p in root.glob("step_*")
+        if p.is_dir() and step_of(p) is not None and all((p / name).exists() for name in FILES)
+    ]
     return sorted(found, key=step_of)
 
 
@@ -176,8 +182,9 @@ def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> 
     """The trained policy as a Hugging Face directory (`from_pretrained`-ready), atomically."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                   cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not _is_main():
         return None
     final = Path(run_dir) / name
@@ -231,7 +238,12 @@ def load(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
     model_state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
     optim_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optim_state, options=options)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
     extra = torch.load(ckpt / "extra.pt", map_location="cpu", weights_only=True)
     return json.loads((ckpt / "trainer_state.json").read_text()), extra

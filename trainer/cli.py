@@ -21,16 +21,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What `pip install fusedrl` leaves out and `fusedrl[train]` brings (pyproject.toml), by module.
-TRAIN_EXTRA_MODULES = {"yaml", "tqdm", "transformers", "math_verify", "tensorboard",
-                       "matplotlib"}  # fmt: skip
+TRAIN_EXTRA_MODULES = {"yaml", "tqdm", "transformers", "math_verify", "tensorboard", "matplotlib"}
 
 
 def _missing_train_extra(exc: ModuleNotFoundError) -> int:
     """One line for a trainer dependency that a plain `pip install fusedrl` does not bring."""
     if (exc.name or "").split(".")[0] not in TRAIN_EXTRA_MODULES:
         raise exc
-    print(f"fusedrl-train: error: {exc.name} is not installed; the trainer's dependencies come "
-          "with `pip install 'fusedrl[train]'`", file=sys.stderr)  # fmt: skip
+    print(
+        f"fusedrl-train: error: {exc.name} is not installed; the trainer's dependencies come "
+        "with `pip install 'fusedrl[train]'`",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -75,8 +77,10 @@ def _main(argv: list[str] | None) -> int:
     finally:
         trainer.close(finished)
     if trainer.env.is_main:
-        print(f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in "
-              f"{run_dir}/plots.png, model in {run_dir}/final_model")
+        print(
+            f"fusedrl-train: done; metrics in {run_dir}/metrics.jsonl, plots in "
+            f"{run_dir}/plots.png, model in {run_dir}/final_model"
+        )
     return 0
 
 

@@ -32,22 +32,59 @@ from fusedrl.config import (
 )
 from fusedrl.distill import DISTILL_KINDS
 
-ADVANTAGES = ("grpo", "dr_grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo",
-              "dcpo_sas")
+ADVANTAGES = (
+    "grpo",
+    "dr_grpo",
+    "lite_ppo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
+    "dcpo_sas",
+)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLLOUTS = ("auto", "vllm", "hf")
 # Adaptive entropy control's step and bounds when unset: TRL 1.16's GRPOConfig defaults.
 ENTROPY_CONTROL_DEFAULTS = {
-    "entropy_coef_delta": 0.005, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+    "entropy_coef_delta": 0.005,
+    "entropy_coef_min": 0.0,
+    "entropy_coef_max": 1.0,
 }
 # LossConfig fields a run may override on top of its preset (None = the preset's value).
-LOSS_OVERRIDES = ("loss", "eps_low", "eps_high", "dual_clip_c", "delta", "agg", "kl", "beta",
-                  "entropy_coef", "is_correction", "is_cap", "is_cap_low", "kl_bias_correction",
-                  "off_policy_mask", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos",
-                  "vespo_k_neg", "vespo_lambda_neg", "clip_cov_ratio", "clip_cov_lb",
-                  "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dppo_ratio_cap", "kl_tau",
-                  "decoupled_is_cap", "dro_beta", "rejection", "rejection_threshold",
-                  "trust_region_delta", "trust_region_mode", "m2po_tau")
+LOSS_OVERRIDES = (
+    "loss",
+    "eps_low",
+    "eps_high",
+    "dual_clip_c",
+    "delta",
+    "agg",
+    "kl",
+    "beta",
+    "entropy_coef",
+    "is_correction",
+    "is_cap",
+    "is_cap_low",
+    "kl_bias_correction",
+    "off_policy_mask",
+    "top_entropy_quantile",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "dppo_ratio_cap",
+    "kl_tau",
+    "decoupled_is_cap",
+    "dro_beta",
+    "rejection",
+    "rejection_threshold",
+    "trust_region_delta",
+    "trust_region_mode",
+    "m2po_tau",
+)
 
 
 def _triton_installed() -> bool:
@@ -60,6 +97,7 @@ def _triton_installed() -> bool:
 # config read back by --config or --resume overwrites or resumes only what its own command
 # line asks for).
 PER_INVOCATION = ("overwrite", "resume")
+
 
 @dataclass
 class TrainConfig:
@@ -171,8 +209,7 @@ class TrainConfig:
             overrides["entropy_coef"] = 0.0
         # The loss replays the rollouts' sampling mask: logp over the set vLLM sampled from.
         top_p = self.top_p if self.top_p < 1 else None
-        cfg = LossConfig.preset(self.preset, temperature=self.temperature, top_p=top_p,
-                                **overrides)
+        cfg = LossConfig.preset(self.preset, temperature=self.temperature, top_p=top_p, **overrides)
         if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
             # Dr.GRPO divides by a constant: the generation budget.
             cfg = cfg.replace(norm_constant=float(self.max_tokens))
@@ -196,91 +233,186 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {msg}")
 
-        need(self.preset in PRESETS, "preset",
-             f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        need(
+            self.preset in PRESETS,
+            "preset",
+            f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}",
+        )
         need(self.kl is None or self.kl in KLS, "kl", f"one of {list(KLS)}, got {self.kl!r}")
-        need(self.kl not in FULL_KLS or self.tp == 1, "kl",
-             f"{self.kl!r} (the exact KL over the vocabulary) has no tensor-parallel path yet: use "
-             f"--tp 1 or an estimator, one of {list(KL_ESTIMATORS)}")
-        need(self.kl not in FULL_KLS or self.backend != "cuda" or _triton_installed(), "kl",
-             f"{self.kl!r} with --backend cuda runs Triton's two-row kernels, and triton is not "
-             "installed: use --backend torch, or install triton")
-        need(self.distill_kind in DISTILL_KINDS, "distill_kind",
-             f"one of {list(DISTILL_KINDS)}, got {self.distill_kind!r}")
+        need(
+            self.kl not in FULL_KLS or self.tp == 1,
+            "kl",
+            f"{self.kl!r} (the exact KL over the vocabulary) has no tensor-parallel path yet: use "
+            f"--tp 1 or an estimator, one of {list(KL_ESTIMATORS)}",
+        )
+        need(
+            self.kl not in FULL_KLS or self.backend != "cuda" or _triton_installed(),
+            "kl",
+            f"{self.kl!r} with --backend cuda runs Triton's two-row kernels, and triton is not "
+            "installed: use --backend torch, or install triton",
+        )
+        need(
+            self.distill_kind in DISTILL_KINDS,
+            "distill_kind",
+            f"one of {list(DISTILL_KINDS)}, got {self.distill_kind!r}",
+        )
         need(self.distill_coef >= 0, "distill_coef", f"must be >= 0, got {self.distill_coef}")
-        need(0 <= self.distill_beta <= 1, "distill_beta",
-             f"must be in [0, 1], got {self.distill_beta}")
-        need(self.distill_teacher is None or self.tp == 1, "distill_teacher",
-             "distillation has no tensor-parallel path yet: use --tp 1")
-        need(self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
-             "distill_teacher", "with --backend cuda the divergence runs Triton's two-row "
-             "kernels, and triton is not installed: use --backend torch, or install triton")
-        need(not self.decoupled or self.is_correction is None, "decoupled",
-             "decoupled PPO's behaviour weight is the train/inference IS correction: drop "
-             "--is-correction")
-        need(self.decoupled_is_cap is None or self.decoupled, "decoupled_is_cap",
-             "is read by --decoupled only")
-        need(not self.decoupled or self.loss_config().loss != "gmpo", "decoupled",
-             "gmpo weighs whole sequences, where decoupled PPO's proximal policy weighs tokens: "
-             "use another loss, or drop --decoupled")
-        need(self.rollout != "vllm" or importlib.util.find_spec("vllm") is not None, "rollout",
-             "vllm is not installed: use --rollout hf (transformers' generate) or auto")
-        need(not self.decoupled or self.tp == 1, "decoupled",
-             "the proximal log-probs (prox_logp) have no tensor-parallel path yet: use --tp 1")
+        need(
+            0 <= self.distill_beta <= 1,
+            "distill_beta",
+            f"must be in [0, 1], got {self.distill_beta}",
+        )
+        need(
+            self.distill_teacher is None or self.tp == 1,
+            "distill_teacher",
+            "distillation has no tensor-parallel path yet: use --tp 1",
+        )
+        need(
+            self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
+            "distill_teacher",
+            "with --backend cuda the divergence runs Triton's two-row "
+            "kernels, and triton is not installed: use --backend torch, or install triton",
+        )
+        need(
+            not self.decoupled or self.is_correction is None,
+            "decoupled",
+            "decoupled PPO's behaviour weight is the train/inference IS correction: drop "
+            "--is-correction",
+        )
+        need(
+            self.decoupled_is_cap is None or self.decoupled,
+            "decoupled_is_cap",
+            "is read by --decoupled only",
+        )
+        need(
+            not self.decoupled or self.loss_config().loss != "gmpo",
+            "decoupled",
+            "gmpo weighs whole sequences, where decoupled PPO's proximal policy weighs tokens: "
+            "use another loss, or drop --decoupled",
+        )
+        need(
+            self.rollout != "vllm" or importlib.util.find_spec("vllm") is not None,
+            "rollout",
+            "vllm is not installed: use --rollout hf (transformers' generate) or auto",
+        )
+        need(
+            not self.decoupled or self.tp == 1,
+            "decoupled",
+            "the proximal log-probs (prox_logp) have no tensor-parallel path yet: use --tp 1",
+        )
         for name in ENTROPY_CONTROL_DEFAULTS:
-            need(getattr(self, name) is None or self.entropy_target is not None, name,
-                 "is read by --entropy-target only (adaptive entropy control)")
+            need(
+                getattr(self, name) is None or self.entropy_target is not None,
+                name,
+                "is read by --entropy-target only (adaptive entropy control)",
+            )
         if self.entropy_target is not None:
             delta, low, high = self.entropy_control()
-            need(self.entropy_target >= 0, "entropy_target",
-                 f"must be >= 0 (nats per token), got {self.entropy_target}")
+            need(
+                self.entropy_target >= 0,
+                "entropy_target",
+                f"must be >= 0 (nats per token), got {self.entropy_target}",
+            )
             need(delta > 0, "entropy_coef_delta", f"must be > 0, got {delta}")
             need(high >= 0, "entropy_coef_max", f"must be >= 0, got {high}")
-            need(0 <= low <= high, "entropy_coef_min",
-                 f"must be in [0, --entropy-coef-max={high}], got {low}")
+            need(
+                0 <= low <= high,
+                "entropy_coef_min",
+                f"must be in [0, --entropy-coef-max={high}], got {low}",
+            )
             start = self.initial_entropy_coef()
-            need(low <= start <= high, "entropy_coef",
-                 f"the adaptive coefficient starts at {start}, outside [--entropy-coef-min, "
-                 f"--entropy-coef-max] = [{low}, {high}]")
-            need(self.tp == 1, "entropy_target",
-                 "the coefficient as a device scalar has no tensor-parallel path yet: use --tp 1")
-        need(self.advantage in ADVANTAGES, "advantage",
-             f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}")
-        need(self.group_size >= 2, "group_size",
-             f"must be >= 2 (group-relative advantages need two samples), got {self.group_size}")
-        for name in ("prompts_per_step", "max_tokens", "max_steps", "ppo_epochs", "minibatches",
-                     "max_num_gen_batches", "keep_last", "save_every", "max_prompt_tokens",
-                     "log_every"):
+            need(
+                low <= start <= high,
+                "entropy_coef",
+                f"the adaptive coefficient starts at {start}, outside [--entropy-coef-min, "
+                f"--entropy-coef-max] = [{low}, {high}]",
+            )
+            need(
+                self.tp == 1,
+                "entropy_target",
+                "the coefficient as a device scalar has no tensor-parallel path yet: use --tp 1",
+            )
+        need(
+            self.advantage in ADVANTAGES,
+            "advantage",
+            f"unknown advantage {self.advantage!r}; choose one of {list(ADVANTAGES)}",
+        )
+        need(
+            self.group_size >= 2,
+            "group_size",
+            f"must be >= 2 (group-relative advantages need two samples), got {self.group_size}",
+        )
+        for name in (
+            "prompts_per_step",
+            "max_tokens",
+            "max_steps",
+            "ppo_epochs",
+            "minibatches",
+            "max_num_gen_batches",
+            "keep_last",
+            "save_every",
+            "max_prompt_tokens",
+            "log_every",
+        ):
             need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "warmup_steps", "overlong_buffer", "weight_decay",
-                     "skip_nonfinite_steps", "warmstart_steps"):
+        for name in (
+            "micro_batch_size",
+            "warmup_steps",
+            "overlong_buffer",
+            "weight_decay",
+            "skip_nonfinite_steps",
+            "warmstart_steps",
+        ):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
-        need(self.overlong_buffer <= self.max_tokens, "overlong_buffer",
-             f"must be <= max_tokens={self.max_tokens}, got {self.overlong_buffer}")
+        need(
+            self.overlong_buffer <= self.max_tokens,
+            "overlong_buffer",
+            f"must be <= max_tokens={self.max_tokens}, got {self.overlong_buffer}",
+        )
         need(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        need(0 <= self.warmstart_noise < 1, "warmstart_noise",
-             f"must be in [0, 1), got {self.warmstart_noise}")
+        need(
+            0 <= self.warmstart_noise < 1,
+            "warmstart_noise",
+            f"must be in [0, 1), got {self.warmstart_noise}",
+        )
         need(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         need(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        need(self.rollout in ROLLOUTS, "rollout",
-             f"must be one of {ROLLOUTS}, got {self.rollout!r}")
-        need(self.backend in BACKENDS, "backend",
-             f"must be one of {BACKENDS}, got {self.backend!r}")
+        need(
+            self.rollout in ROLLOUTS, "rollout", f"must be one of {ROLLOUTS}, got {self.rollout!r}"
+        )
+        need(
+            self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}"
+        )
         need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
-        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-             f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        need(self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb",
-             f"must be > 0 (GB), got {self.vllm_kv_cache_gb}")
+        need(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        need(
+            self.vllm_kv_cache_gb > 0,
+            "vllm_kv_cache_gb",
+            f"must be > 0 (GB), got {self.vllm_kv_cache_gb}",
+        )
         # What fusedrl's tensor-parallel loss has no path for yet (docs/tensor_parallel.md).
-        need(self.tp == 1 or self.backend != "cuda", "tp",
-             "--backend cuda has no tensor-parallel path: use auto, triton or torch")
-        need(self.prompts_per_step * self.group_size >= self.minibatches, "minibatches",
-             f"{self.minibatches} minibatches need at least as many sequences per step "
-             f"(prompts_per_step x group_size = {self.prompts_per_step * self.group_size})")
-        need(not (self.dupo and self.dynamic_sampling), "dupo",
-             "DUPO refills the batch by duplication, dynamic sampling by oversampling: pick one")
+        need(
+            self.tp == 1 or self.backend != "cuda",
+            "tp",
+            "--backend cuda has no tensor-parallel path: use auto, triton or torch",
+        )
+        need(
+            self.prompts_per_step * self.group_size >= self.minibatches,
+            "minibatches",
+            f"{self.minibatches} minibatches need at least as many sequences per step "
+            f"(prompts_per_step x group_size = {self.prompts_per_step * self.group_size})",
+        )
+        need(
+            not (self.dupo and self.dynamic_sampling),
+            "dupo",
+            "DUPO refills the batch by duplication, dynamic sampling by oversampling: pick one",
+        )
         need(bool(self.reward.strip()), "reward", "at least one reward function is required")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -400,8 +532,7 @@ HELP = {
     "whole vocabulary added to the loss, or sampled_reverse_kl, the teacher's log-ratio on the "
     "sampled tokens subtracted from the advantages (fusedrl.distill_loss).",
     "distill_coef": "Weight of the teacher term (sampled_reverse_kl: of its advantage shift).",
-    "distill_beta": "jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: "
-    "reverse_kl).",
+    "distill_beta": "jsd's teacher share of the mixture, in [0, 1] (0: forward_kl, 1: reverse_kl).",
     "trust_region_delta": "Trust-region sequence masking (arXiv 2512.23075): a sequence whose "
     "log-ratio to vLLM's log-probs leaves [-delta, delta] is dropped; unset: off.",
     "trust_region_mode": "Where --trust-region-delta looks: max (any token) or mean (the "
@@ -542,9 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
         "arguments: a tiny Llama, warm-started, learns the built-in `sum` task on CPU.",
     )
     parser.add_argument("--config", help="YAML file of options; flags given here override it.")
-    parser.add_argument("--allow-job-change", action="store_true", default=argparse.SUPPRESS,
-                        help="With --resume: accept flags that change the job (model, dataset, "
-                        "reward, preset, advantage, group size, seed).")
+    parser.add_argument(
+        "--allow-job-change",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="With --resume: accept flags that change the job (model, dataset, "
+        "reward, preset, advantage, group size, seed).",
+    )
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(f)
         flag = "--" + f.name.replace("_", "-")
@@ -558,21 +693,50 @@ def build_parser() -> argparse.ArgumentParser:
                 raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
         if kind is bool:  # --flag, --flag false, --no-flag
-            parser.add_argument(flag, dest=f.name, nargs="?", const=True, type=parse,
-                                default=argparse.SUPPRESS, metavar="BOOL", help=help_text)
-            parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name,
-                                action="store_false", default=argparse.SUPPRESS,
-                                help=f"Same as {flag} false.")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                nargs="?",
+                const=True,
+                type=parse,
+                default=argparse.SUPPRESS,
+                metavar="BOOL",
+                help=help_text,
+            )
+            parser.add_argument(
+                f"--no-{f.name.replace('_', '-')}",
+                dest=f.name,
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help=f"Same as {flag} false.",
+            )
         else:
-            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
-                                help=help_text, metavar=kind.__name__.upper())
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=parse,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                metavar=kind.__name__.upper(),
+            )
     return parser
 
 
 # Options that define the job: resuming a run with another value trains a different job on its
 # weights, optimizer state and data cursor, so it takes --allow-job-change.
-JOB_OPTIONS = ("model", "dataset", "prompt_column", "answer_column", "reward", "preset",
-               "advantage", "group_size", "seed", "distill_teacher", "distill_kind")
+JOB_OPTIONS = (
+    "model",
+    "dataset",
+    "prompt_column",
+    "answer_column",
+    "reward",
+    "preset",
+    "advantage",
+    "group_size",
+    "seed",
+    "distill_teacher",
+    "distill_kind",
+)
 
 
 def resumed_run_dir(resume: str) -> Path:
@@ -597,8 +761,10 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         run = resumed_run_dir(args["resume"])
         saved = run / "config.yaml"
         if not saved.exists():
-            raise ValueError(f"--resume {args['resume']}: {saved} is missing, so the job to "
-                             "continue is unknown; pass its options with --config run.yaml")
+            raise ValueError(
+                f"--resume {args['resume']}: {saved} is missing, so the job to "
+                "continue is unknown; pass its options with --config run.yaml"
+            )
         cfg = dataclasses.replace(TrainConfig.from_yaml(saved), out=str(run))
         if not allow_change:
             _refuse_job_change(cfg, args, args["resume"])
@@ -614,10 +780,16 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 def _refuse_job_change(saved: TrainConfig, new: dict, resume: str) -> None:
     """ValueError when `new` (options by name) changes the job `saved` (a run's config) trains."""
-    changed = {name: (getattr(saved, name), new[name]) for name in JOB_OPTIONS
-               if name in new and new[name] != getattr(saved, name)}  # fmt: skip
+    changed = {
+        name: (getattr(saved, name), new[name])
+        for name in JOB_OPTIONS
+        if name in new and new[name] != getattr(saved, name)
+    }
     if changed:
-        listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {value!r}"
-                           for k, (old, value) in changed.items())  # fmt: skip
-        raise ValueError(f"--resume {resume}: {listed} would change the job this run trains; "
-                         "pass --allow-job-change if that is intended")
+        listed = ", ".join(
+            f"--{k.replace('_', '-')} {old!r} -> {value!r}" for k, (old, value) in changed.items()
+        )
+        raise ValueError(
+            f"--resume {resume}: {listed} would change the job this run trains; "
+            "pass --allow-job-change if that is intended"
+        )

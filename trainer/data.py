@@ -124,13 +124,20 @@ def _prompt_problem(prompt) -> str | None:
         return None
     if isinstance(prompt, list) and prompt:
         for i, message in enumerate(prompt):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):  # fmt: skip
-                return (f"is a list, but message {i} is not a {{'role': str, 'content': str}} "
-                        f"object: {str(message)[:80]}")  # fmt: skip
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                return (
+                    f"is a list, but message {i} is not a {{'role': str, 'content': str}} "
+                    f"object: {str(message)[:80]}"
+                )
         return None
-    return (f"must be text or a list of role/content messages, got {type(prompt).__name__} "
-            f"{str(prompt)[:80]}")  # fmt: skip
+    return (
+        f"must be text or a list of role/content messages, got {type(prompt).__name__} "
+        f"{str(prompt)[:80]}"
+    )
 
 
 def render_prompt(tokenizer, prompt, system_prompt: str | None) -> list[int]:

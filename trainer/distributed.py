@@ -61,9 +61,11 @@ def setup(tp: int = 1) -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % tp:
         # Every rank sees the same WORLD_SIZE, so every rank raises this (no rank waits alone).
-        raise ValueError(f"--tp {tp} must divide the number of processes ({world}; torchrun "
-                         "--nproc-per-node sets it): the world is laid out as world / tp "
-                         "data-parallel x tp tensor-parallel ranks")
+        raise ValueError(
+            f"--tp {tp} must divide the number of processes ({world}; torchrun "
+            "--nproc-per-node sets it): the world is laid out as world / tp "
+            "data-parallel x tp tensor-parallel ranks"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -78,8 +80,9 @@ def setup(tp: int = 1) -> DistEnv:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return DistEnv(rank=rank, world_size=world, device=device, owns_group=owns_group, tp=tp,
-                   mesh=mesh)
+    return DistEnv(
+        rank=rank, world_size=world, device=device, owns_group=owns_group, tp=tp, mesh=mesh
+    )
 
 
 def check_tensor_parallel(model: torch.nn.Module, tp: int, dp: int) -> None:
@@ -89,23 +92,29 @@ def check_tensor_parallel(model: torch.nn.Module, tp: int, dp: int) -> None:
         return
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
-        raise ValueError(f"--tp {tp}: the LM head must be a torch.nn.Linear to be split over the "
-                         f"vocabulary (ColwiseParallel), got {type(head).__name__}")
+        raise ValueError(
+            f"--tp {tp}: the LM head must be a torch.nn.Linear to be split over the "
+            f"vocabulary (ColwiseParallel), got {type(head).__name__}"
+        )
     embed = model.get_input_embeddings()
     if embed is not None and embed.weight is head.weight:
-        raise ValueError(f"--tp {tp}: the model ties its LM head to its input embeddings "
-                         "(tie_word_embeddings): splitting the head would untie them; --tp "
-                         "supports untied heads only for now")
+        raise ValueError(
+            f"--tp {tp}: the model ties its LM head to its input embeddings "
+            "(tie_word_embeddings): splitting the head would untie them; --tp "
+            "supports untied heads only for now"
+        )
     # One data-parallel rank: any vocabulary (torch's Shard gives uneven slices torch.chunk's
     # sizes, and the loss takes uneven slices). With FSDP2 over "dp" too, each rank's rows are
     # split again, and torch (2.13) cannot load a checkpoint into an uneven 2-D split of them
     # (an AssertionError in _StridedShard): the rows must split evenly over all dp x tp ranks.
     vocab = head.weight.shape[0]
     if dp > 1 and vocab % (dp * tp):
-        raise ValueError(f"--tp {tp} with {dp} data-parallel ranks: the LM head's {vocab} rows "
-                         f"(the vocabulary) must split evenly over the {dp * tp} ranks (FSDP2 "
-                         "shards each tensor-parallel slice again); use a model whose vocabulary "
-                         f"is a multiple of {dp * tp}, or --tp {dp * tp}")
+        raise ValueError(
+            f"--tp {tp} with {dp} data-parallel ranks: the LM head's {vocab} rows "
+            f"(the vocabulary) must split evenly over the {dp * tp} ranks (FSDP2 "
+            "shards each tensor-parallel slice again); use a model whose vocabulary "
+            f"is a multiple of {dp * tp}, or --tp {dp * tp}"
+        )
 
 
 def shard(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
@@ -123,8 +132,11 @@ def shard(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = env.mesh["dp"] if env.mesh is not None else init_device_mesh(
-        env.device.type, (env.world_size,))
+    mesh = (
+        env.mesh["dp"]
+        if env.mesh is not None
+        else init_device_mesh(env.device.type, (env.world_size,))
+    )
     for module in model.modules():
         if type(module).__name__.endswith("DecoderLayer"):
             fully_shard(module, mesh=mesh)
@@ -177,8 +189,7 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         if mesh is not None:
             from torch.distributed.tensor import DTensor, Replicate
 
-            grads_coef = DTensor.from_local(coef, mesh, [Replicate()] * mesh.ndim,
-                                            run_check=False)
+            grads_coef = DTensor.from_local(coef, mesh, [Replicate()] * mesh.ndim, run_check=False)
         else:
             grads_coef = coef
         torch._foreach_mul_(grads, grads_coef)

@@ -22,25 +22,40 @@ PANELS = (
     ("train/inference mismatch: KL(sampler || trainer)", ("mismatch_kl_k1", "mismatch_kl_k3")),
     ("train/inference mismatch: chi-square", ("mismatch_chi2_token", "mismatch_chi2_seq")),
     ("IS weights: effective sample size", ("is_ess",)),
-    ("tokens dropped by a correction",
-     ("is_masked", "off_policy_masked", "entropy_masked", "rs_masked")),
+    (
+        "tokens dropped by a correction",
+        ("is_masked", "off_policy_masked", "entropy_masked", "rs_masked"),
+    ),
     ("VESPO weight mean", ("vespo_phi_mean",)),
 )
 # Values the loop fills in when a run has no such term: a metric that never leaves its default
 # is not plotted (a flat KL of 0 in a run without KL says nothing).
-DEFAULTS = {"kl": 0.0, "is_weight_mean": 1.0, "dual_clipfrac": 0.0, "clip_low": 0.0,
-            "clip_high": 0.0, "truncated_frac": 0.0, "is_masked": 0.0}
+DEFAULTS = {
+    "kl": 0.0,
+    "is_weight_mean": 1.0,
+    "dual_clipfrac": 0.0,
+    "clip_low": 0.0,
+    "clip_high": 0.0,
+    "truncated_frac": 0.0,
+    "is_masked": 0.0,
+}
 # Divergences (>= 0) whose estimates are float noise around 0 when the sampler and the trainer
 # agree (the same weights, the same numerics): within NOISE of 0 on every step they are flat (no
 # panel), and an estimate below 0 (k1, chi-square's sample mean) is drawn at 0, never as a
 # negative KL or chi-square.
-DIVERGENCES = ("kl", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_chi2_token",
-               "mismatch_chi2_seq")
+DIVERGENCES = ("kl", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_chi2_token", "mismatch_chi2_seq")
 NOISE = 1e-6
 # TensorBoard groups by the tag's prefix; metrics.jsonl keeps the flat names.
 TB_GROUPS = {
-    "rollout": ("reward_mean", "reward_std", "accuracy", "frac_zero_std", "response_len_mean",
-                "truncated_frac", "gen_rounds"),
+    "rollout": (
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "frac_zero_std",
+        "response_len_mean",
+        "truncated_frac",
+        "gen_rounds",
+    ),
     "perf": ("step_time", "gen_time", "train_time", "lr"),
 }
 
@@ -48,7 +63,7 @@ TB_GROUPS = {
 def tensorboard_tag(name: str) -> str:
     """rollout/..., perf/... or loss/... (everything the update reports)."""
     if name.startswith("reward/"):
-        return "rollout/reward_" + name[len("reward/"):]
+        return "rollout/reward_" + name[len("reward/") :]
     for group, names in TB_GROUPS.items():
         if name in names or (group == "perf" and name.endswith("_time")):
             return f"{group}/{name}"
@@ -68,8 +83,10 @@ class MetricsLogger:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    print(f"fusedrl-train: warning: {self.path} line {number} is torn (a crash "
-                          f"mid-write?): dropped")
+                    print(
+                        f"fusedrl-train: warning: {self.path} line {number} is torn (a crash "
+                        f"mid-write?): dropped"
+                    )
                     continue
                 if row.get("step", resume_step) <= resume_step:  # (steps count from 1)
                     kept.append(line)
@@ -88,12 +105,15 @@ class MetricsLogger:
             else:
                 # purge_step: TensorBoard hides the events of steps >= resume_step written before
                 # the resume, so a resumed run does not show those steps twice.
-                self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
-                                            purge_step=resume_step)
+                self.writer = SummaryWriter(
+                    log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step
+                )
 
     def log(self, metrics: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in metrics.items()
+        }
         from .checkpoint import _writing
 
         with _writing(self.path), open(self.path, "a") as handle:
@@ -109,8 +129,11 @@ class MetricsLogger:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: ("none" if v is None else v) for k, v in config.items()
-                if v is None or isinstance(v, (str, int, float, bool))}  # fmt: skip
+        flat = {
+            k: ("none" if v is None else v)
+            for k, v in config.items()
+            if v is None or isinstance(v, (str, int, float, bool))
+        }
         for summary in hparams(flat, {}):
             self.writer.file_writer.add_summary(summary)
         table = "| option | value |\n|---|---|\n" + "".join(
@@ -198,7 +221,7 @@ def plot(run_dir: str | Path) -> Path | None:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
     out = Path(run_dir) / "plots.png"

@@ -83,8 +83,15 @@ MODEL_LR = 1e-6
 
 
 # What a run writes into its directory (and --overwrite removes; nothing else is touched).
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "final_model",
-                 "plots.png", "base_model")
+RUN_ARTIFACTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "checkpoints",
+    "tensorboard",
+    "final_model",
+    "plots.png",
+    "base_model",
+)
 
 
 def _same_dir(a: Path, b: Path) -> bool:
@@ -125,8 +132,11 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
             f"continue it, --overwrite to replace it, or another --out"
         )
     if cfg.model is not None and Path(cfg.model).exists():
-        inside = [name for name in present if Path(cfg.model).resolve().is_relative_to(
-            (run_dir / name).resolve())]  # fmt: skip
+        inside = [
+            name
+            for name in present
+            if Path(cfg.model).resolve().is_relative_to((run_dir / name).resolve())
+        ]
         if inside:
             raise ValueError(
                 f"--model {cfg.model} is inside {run_dir / inside[0]}, which --overwrite would "
@@ -190,17 +200,26 @@ def prepare_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> str:
         from .warmstart import warm_start
 
         tokenizer = char_tokenizer()
-        model = tiny_llama(len(tokenizer), hidden_size=128, max_position_embeddings=128,
-                           seed=cfg.seed)
+        model = tiny_llama(
+            len(tokenizer), hidden_size=128, max_position_embeddings=128, seed=cfg.seed
+        )
         if cfg.dataset is None and cfg.warmstart_steps > 0:
             prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
-            stats = warm_start(model, tokenizer, prompts, [r["answer"] for r in rows],
-                               steps=cfg.warmstart_steps, noise=cfg.warmstart_noise,
-                               seed=cfg.seed,
-                               progress=cfg.progress and sys.stderr.isatty())  # fmt: skip
-            print(f"fusedrl-train: warm start: {stats['steps']} supervised steps on the sum task "
-                  f"({cfg.warmstart_noise:.0%} of the answers run on) in {stats['seconds']:.0f} s, "
-                  f"loss {stats['loss']:.2f}")
+            stats = warm_start(
+                model,
+                tokenizer,
+                prompts,
+                [r["answer"] for r in rows],
+                steps=cfg.warmstart_steps,
+                noise=cfg.warmstart_noise,
+                seed=cfg.seed,
+                progress=cfg.progress and sys.stderr.isatty(),
+            )
+            print(
+                f"fusedrl-train: warm start: {stats['steps']} supervised steps on the sum task "
+                f"({cfg.warmstart_noise:.0%} of the answers run on) in {stats['seconds']:.0f} s, "
+                f"loss {stats['loss']:.2f}"
+            )
         tmp = run_dir / ".base_model.tmp"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -293,8 +312,11 @@ class Trainer:
             dist.broadcast_object_list(box)
             model_path = box[0]
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                       else self.tokenizer.eos_token_id)
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
         self.prompts: PromptSet = build_prompt_set(cfg, self.tokenizer, rows)
         self.loss_cfg: LossConfig = cfg.loss_config()
         self.compute_dtype = _dtype(cfg, self.env.device)
@@ -330,13 +352,16 @@ class Trainer:
         # logits for such models until a run tests it); a teacher's head must be plain too.
         transformed = any(v is not None for v in model_logit_transform(model).values())
         self.lm_head = (
-            cfg.fused_lm_head and self.env.dp_size == 1 and lm_head_of(model) is not None
+            cfg.fused_lm_head
+            and self.env.dp_size == 1
+            and lm_head_of(model) is not None
             and not (transformed and cfg.tp > 1)
             and (teacher is None or lm_head_of(teacher) is not None)
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.lr, weight_decay=cfg.weight_decay
+        )
         self.sas = adv.SmoothAdvantageStandardizer() if cfg.advantage == "dcpo_sas" else None
         self.entropy_control = None
         if cfg.entropy_target is not None:
@@ -355,15 +380,18 @@ class Trainer:
                 state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
             except (RuntimeError, KeyError, ValueError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
-                raise ValueError(f"--resume {ckpt}: the checkpoint does not fit the model "
-                                 f"{model_path} ({first})") from None
+                raise ValueError(
+                    f"--resume {ckpt}: the checkpoint does not fit the model {model_path} ({first})"
+                ) from None
             self.start_step, self.cursor = state["step"], state["cursor"]
             self.skipped_nonfinite = state.get("skipped_nonfinite", 0)
             resume_step = self.start_step
             if self.start_step >= cfg.max_steps:
-                raise ValueError(f"--resume {ckpt}: the checkpoint is at step {self.start_step}, "
-                                 f"--max-steps is {cfg.max_steps}: nothing left to train; pass a "
-                                 "larger --max-steps")
+                raise ValueError(
+                    f"--resume {ckpt}: the checkpoint is at step {self.start_step}, "
+                    f"--max-steps is {cfg.max_steps}: nothing left to train; pass a "
+                    "larger --max-steps"
+                )
             if self.env.is_main:
                 print(f"fusedrl-train: resumed from step {self.start_step} ({ckpt})")
             if self.sas is not None and extra.get("sas") is not None:
@@ -371,30 +399,43 @@ class Trainer:
             if self.entropy_control is not None and extra.get("entropy_control") is not None:
                 self.entropy_control.load_state_dict(extra["entropy_control"])
         if self.env.is_main:
-            print(run_summary(cfg, self.loss_cfg, model_path, len(self.prompts), self.lr,
-                              self.run_dir))  # fmt: skip
-        self.rollout_engine = "hf" if cfg.rollout == "hf" or (
-            cfg.rollout == "auto" and not vllm_available()
-        ) else "vllm"  # fmt: skip
+            print(
+                run_summary(
+                    cfg, self.loss_cfg, model_path, len(self.prompts), self.lr, self.run_dir
+                )
+            )
+        self.rollout_engine = (
+            "hf"
+            if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available())
+            else "vllm"
+        )
         if self.rollout_engine == "hf":
-            self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype,
-                                   self.env.device)
+            self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype, self.env.device)
         else:
             with native_stderr_hidden(cfg.verbose):
-                self.engine = VLLMEngine(model_path, cfg, max_len, self.compute_dtype,
-                                         self.env.device, distributed=self.env.world_size > 1)
+                self.engine = VLLMEngine(
+                    model_path,
+                    cfg,
+                    max_len,
+                    self.compute_dtype,
+                    self.env.device,
+                    distributed=self.env.world_size > 1,
+                )
         # Only now that everything has started does the run directory change: a start that
         # fails (an engine without memory, say) leaves a resumed run as it was.
         if self.env.is_main:
             if resume_step is not None and _same_dir(ckpt.parent.parent, self.run_dir):
                 for moved in checkpoint.set_aside_after(ckpt.parent, self.start_step):
-                    print(f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
-                          f"one resumes from step {self.start_step}, set aside")
+                    print(
+                        f"fusedrl-train: {moved.name}: a later checkpoint of the run this "
+                        f"one resumes from step {self.start_step}, set aside"
+                    )
             (self.run_dir / "config.yaml").write_text(self.resolved_config().to_yaml())
         if resume_step is not None:
             self.engine.sync_weights(full_state(self.model))
-        self.logger = (MetricsLogger(self.run_dir, cfg.tensorboard, resume_step)
-                       if self.env.is_main else None)
+        self.logger = (
+            MetricsLogger(self.run_dir, cfg.tensorboard, resume_step) if self.env.is_main else None
+        )
         if self.logger is not None and resume_step is None:
             self.logger.log_config(dataclasses.asdict(self.resolved_config()))
 
@@ -409,10 +450,13 @@ class Trainer:
             losses["entropy_coef"] = cfg.initial_entropy_coef()
         backend = fusedrl.backends.resolve(cfg.backend, self.env.device).__name__
         return dataclasses.replace(
-            cfg, **losses, lr=self.lr, dtype=str(self.compute_dtype).removeprefix("torch."),
+            cfg,
+            **losses,
+            lr=self.lr,
+            dtype=str(self.compute_dtype).removeprefix("torch."),
             backend=backend.rsplit(".", 1)[-1].removesuffix("_backend"),
             rollout=self.rollout_engine,
-        )  # fmt: skip
+        )
         self.last_samples: list[tuple[str, str, float]] = []
 
     # --- 1-3: rollouts, rewards, filters -------------------------------------------------
@@ -433,13 +477,17 @@ class Trainer:
         )
         samples = [s for g in groups for s in g]
         rows = [self.prompts.rows[s.prompt_index] for s in samples]
-        texts = self.tokenizer.batch_decode([s.completion_ids for s in samples],
-                                            skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            [s.completion_ids for s in samples], skip_special_tokens=True
+        )
         columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
         values, per_fn = score(self.rewards, [row["prompt"] for row in rows], texts, columns)
         answers = columns.get("answer")
-        correct = ([exact_match(t, a) for t, a in zip(texts, answers) if a is not None]
-                   if answers is not None else [])  # fmt: skip
+        correct = (
+            [exact_match(t, a) for t, a in zip(texts, answers) if a is not None]
+            if answers is not None
+            else []
+        )
         rewards = torch.tensor(values, dtype=torch.float32)
         if cfg.overlong_buffer > 0:
             lengths = torch.tensor([len(s.completion_ids) for s in samples])
@@ -447,15 +495,18 @@ class Trainer:
                 lengths, cfg.max_tokens, cfg.overlong_buffer
             )
         # A few of the round's completions for TensorBoard's text tab (the first of each group).
-        self.last_samples = [(str(rows[i]["prompt"]), texts[i], float(rewards[i]))
-                             for i in range(0, len(samples), cfg.group_size)][:8]  # fmt: skip
+        self.last_samples = [
+            (str(rows[i]["prompt"]), texts[i], float(rewards[i]))
+            for i in range(0, len(samples), cfg.group_size)
+        ][:8]
         # --tp: the ranks of a "tp" group must train on the same batch (the loss checks that the
         # labels agree). Their engines sample the same prompts with the same seeds, but nothing
         # makes two GPUs' samples or a user's reward function bit-identical: tp-rank 0's round
         # is everyone's.
         result = (groups, rewards, per_fn, correct, self.last_samples)
-        groups, rewards, per_fn, correct, self.last_samples = broadcast_in_tp_group(result,
-                                                                                   self.env)
+        groups, rewards, per_fn, correct, self.last_samples = broadcast_in_tp_group(
+            result, self.env
+        )
         return groups, rewards, per_fn, correct
 
     def rollout(self) -> tuple[list[Sample], torch.Tensor, dict]:
@@ -533,14 +584,16 @@ class Trainer:
         self.model.eval()  # no dropout: the ratio is exactly 1 on-policy
         metrics: dict[str, torch.Tensor] = {}
         if reuse:
-            batch.old_logp = token_logprobs(self.model, batch, lcfg, mb, self._autocast(),
-                                            cfg.backend, lm_head=self.lm_head)
+            batch.old_logp = token_logprobs(
+                self.model, batch, lcfg, mb, self._autocast(), cfg.backend, lm_head=self.lm_head
+            )
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
                 metrics["logp_diff_rollout"] = diff.sum() / batch.mask.sum().clamp_min(1)
         if self.ref_model is not None and not lcfg.full_kl:
-            batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, mb, self._autocast(),
-                                            cfg.backend, lm_head=self.lm_head)
+            batch.ref_logp = token_logprobs(
+                self.ref_model, batch, lcfg, mb, self._autocast(), cfg.backend, lm_head=self.lm_head
+            )
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * warmup
@@ -561,12 +614,20 @@ class Trainer:
                 if self.entropy_control is not None:
                     entropy_coef = self.entropy_coef.fill_(self.entropy_control.applied())
                 step_metrics = accumulate_gradients(
-                    self.model, mini, lcfg, mb, self._autocast(), cfg.backend,
-                    lm_head=self.lm_head, dp_group=self.env.dp_group,
+                    self.model,
+                    mini,
+                    lcfg,
+                    mb,
+                    self._autocast(),
+                    cfg.backend,
+                    lm_head=self.lm_head,
+                    dp_group=self.env.dp_group,
                     ref_model=self.ref_model if lcfg.full_kl else None,
-                    teacher=self.teacher, distill=self.distill, decoupled=cfg.decoupled,
+                    teacher=self.teacher,
+                    distill=self.distill,
+                    decoupled=cfg.decoupled,
                     entropy_coef=entropy_coef,
-                )  # fmt: skip
+                )
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
                 step_metrics["grad_norm"] = clip_grad_norm(self.model.parameters(), clip)
@@ -605,17 +666,20 @@ class Trainer:
         finite = torch.isfinite(sum_over_ranks(values)).tolist()  # every rank decides alike
         if all(finite):
             return True
-        bad = ", ".join(f"{name} = {float(v)}" for (name, v), ok
-                        in zip(watched.items(), finite) if not ok)  # fmt: skip
+        bad = ", ".join(
+            f"{name} = {float(v)}" for (name, v), ok in zip(watched.items(), finite) if not ok
+        )
         self.skipped_nonfinite += 1
-        if self.skipped_nonfinite > self.cfg.skip_nonfinite_steps:
+        allowed = self.cfg.skip_nonfinite_steps
+        if self.skipped_nonfinite > allowed:
+            advice = (
+                "Pass --skip-nonfinite-steps N to skip up to N such updates."
+                if allowed == 0
+                else f"More than --skip-nonfinite-steps={allowed} updates were non-finite."
+            )
             raise NonFiniteError(
                 f"step {step + 1}: {bad}; the update was not applied and no non-finite weights "
-                f"were saved (the last checkpoint is intact). "
-                + ("Pass --skip-nonfinite-steps N to skip up to N such updates."
-                   if self.cfg.skip_nonfinite_steps == 0 else
-                   f"More than --skip-nonfinite-steps={self.cfg.skip_nonfinite_steps} updates "
-                   "were non-finite.")
+                f"were saved (the last checkpoint is intact). " + advice
             )
         return False
 
@@ -646,8 +710,13 @@ class Trainer:
         if cfg.progress and self.env.is_main and not lines:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="fusedrl-train",
-                       unit="step", dynamic_ncols=True)
+            bar = tqdm(
+                total=cfg.max_steps,
+                initial=self.start_step,
+                desc="fusedrl-train",
+                unit="step",
+                dynamic_ncols=True,
+            )
         self._install_stop_handlers()
         for step in range(self.start_step, cfg.max_steps):
             t0 = time.perf_counter()
@@ -659,8 +728,12 @@ class Trainer:
             truncated = torch.tensor([s.truncated for s in samples])
             loss_rows = ~truncated if cfg.overlong_filter else torch.ones_like(truncated)
             batch = collate(
-                [s.prompt_ids for s in samples], [s.completion_ids for s in samples], advantages,
-                loss_rows, [s.logprobs for s in samples], self.pad_id,
+                [s.prompt_ids for s in samples],
+                [s.completion_ids for s in samples],
+                advantages,
+                loss_rows,
+                [s.logprobs for s in samples],
+                self.pad_id,
             )
             batch = batch.to(self.env.device)
             self.model.train()
@@ -679,19 +752,23 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(progress_line(record), refresh=False)
             elif lines and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps):
-                print(f"fusedrl-train: step {step + 1}/{cfg.max_steps} {progress_line(record)}",
-                      flush=True)
+                print(
+                    f"fusedrl-train: step {step + 1}/{cfg.max_steps} {progress_line(record)}",
+                    flush=True,
+                )
             stop = max_over_ranks(int(self.stop_signal is not None)) > 0  # every rank alike
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps or stop:
                 self._check_weights(step, "the checkpoint")
                 extra = {
                     "sas": self.sas.state_dict() if self.sas is not None else None,
-                    "entropy_control": None if self.entropy_control is None
+                    "entropy_control": None
+                    if self.entropy_control is None
                     else self.entropy_control.state_dict(),
-                }  # fmt: skip
+                }
                 state = {"cursor": self.cursor, "skipped_nonfinite": self.skipped_nonfinite}
-                checkpoint.save(self.run_dir, step + 1, self.model, self.optimizer, state, extra,
-                                cfg.keep_last)
+                checkpoint.save(
+                    self.run_dir, step + 1, self.model, self.optimizer, state, extra, cfg.keep_last
+                )
             if stop and step + 1 < cfg.max_steps:
                 if bar is not None:
                     bar.close()
@@ -718,12 +795,20 @@ class Trainer:
         def request_stop(signum, frame):
             name = signal.Signals(signum).name
             if self.stop_signal is not None:
-                print(f"\nfusedrl-train: {name} again: aborting now; the last checkpoint in "
-                      f"{self.run_dir / 'checkpoints'} is complete", file=sys.stderr, flush=True)
+                print(
+                    f"\nfusedrl-train: {name} again: aborting now; the last checkpoint in "
+                    f"{self.run_dir / 'checkpoints'} is complete",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(128 + signum)
             self.stop_signal = signum
-            print(f"\nfusedrl-train: {name}: stopping after the current step (send it again to "
-                  "abort now)", file=sys.stderr, flush=True)
+            print(
+                f"\nfusedrl-train: {name}: stopping after the current step (send it again to "
+                "abort now)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, request_stop)
@@ -744,8 +829,15 @@ class Trainer:
             record.update(zip(group, stacked.tolist()))
         if "loss" in record:  # each data-parallel rank's loss is its share of the global loss
             record["loss"] *= self.env.dp_size
-        for key in ("kl", "clipfrac", "clip_low", "clip_high", "is_weight_mean", "entropy",
-                    "logp_diff_rollout"):
+        for key in (
+            "kl",
+            "clipfrac",
+            "clip_low",
+            "clip_high",
+            "is_weight_mean",
+            "entropy",
+            "logp_diff_rollout",
+        ):
             record.setdefault(key, 0.0 if key != "is_weight_mean" else 1.0)
         record.update(step_time=t2 - t0, gen_time=t1 - t0, train_time=t2 - t1)
         return record
@@ -780,8 +872,9 @@ def describe_loss(lcfg: LossConfig) -> str:
     if lcfg.rejection is not None:
         parts.append(f"rejection {lcfg.rejection} @ {lcfg.rejection_threshold}")
     if lcfg.trust_region_delta is not None:
-        parts.append(f"trust-region mask {lcfg.trust_region_mode} |log r| <= "
-                     f"{lcfg.trust_region_delta:g}")  # fmt: skip
+        parts.append(
+            f"trust-region mask {lcfg.trust_region_mode} |log r| <= {lcfg.trust_region_delta:g}"
+        )
     if lcfg.sampling is not None:
         parts.append(f"log-probs over the sampled set (top_p {lcfg.top_p:g})")
     if lcfg.top_entropy_quantile < 1:
@@ -789,25 +882,32 @@ def describe_loss(lcfg: LossConfig) -> str:
     return ", ".join(parts)
 
 
-def run_summary(cfg: TrainConfig, lcfg: LossConfig, model_path: str, num_prompts: int,
-                lr: float, run_dir: Path) -> str:  # fmt: skip
+def run_summary(
+    cfg: TrainConfig, lcfg: LossConfig, model_path: str, num_prompts: int, lr: float, run_dir: Path
+) -> str:
     """What a person checks before a run: a few lines (config.yaml holds every option)."""
-    model = (f"tiny Llama, warm-started on the task ({model_path})" if cfg.model is None
-             else model_path)  # fmt: skip
+    model = (
+        f"tiny Llama, warm-started on the task ({model_path})" if cfg.model is None else model_path
+    )
     task = "built-in sum task" if cfg.dataset is None else cfg.dataset
     rows = [
         ("model", model),
         ("task", f"{task}, {num_prompts} prompts, reward {cfg.reward}"),
         ("algorithm", f"preset {cfg.preset}: {describe_loss(lcfg)}; advantage {cfg.advantage}"),
-        ("batch", f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples, at most "
-                  f"{cfg.max_tokens} tokens, temperature {cfg.temperature:g}"),
+        (
+            "batch",
+            f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples, at most "
+            f"{cfg.max_tokens} tokens, temperature {cfg.temperature:g}",
+        ),
         ("optimizer", f"AdamW lr {lr:g}, {cfg.max_steps} steps, grad clip {cfg.grad_clip:g}"),
         ("out", f"{run_dir} (every option in config.yaml)"),
     ]
     if cfg.distill_teacher is not None:
         beta = f", beta {cfg.distill_beta:g}" if cfg.distill_kind == "jsd" else ""
-        rows.insert(3, ("teacher", f"{cfg.distill_teacher}: {cfg.distill_kind} x "
-                                   f"{cfg.distill_coef:g}{beta}"))  # fmt: skip
+        rows.insert(
+            3,
+            ("teacher", f"{cfg.distill_teacher}: {cfg.distill_kind} x {cfg.distill_coef:g}{beta}"),
+        )
     return "fusedrl-train:\n" + "\n".join(f"  {name:<10} {value}" for name, value in rows)
 
 
@@ -827,9 +927,11 @@ class Stopped(Exception):
         """`step`: the last step done, numbered from 1 (its checkpoint is step_<step>)."""
         self.step, self.signum, self.run_dir = step, int(signum), run_dir
         name = signal.Signals(signum).name
-        super().__init__(f"stopped on {name} after step {step}; checkpoint "
-                         f"{run_dir}/checkpoints/step_{step:06d}; continue with "
-                         f"fusedrl-train --resume {run_dir}")
+        super().__init__(
+            f"stopped on {name} after step {step}; checkpoint "
+            f"{run_dir}/checkpoints/step_{step:06d}; continue with "
+            f"fusedrl-train --resume {run_dir}"
+        )
 
 
 class NonFiniteError(RuntimeError):

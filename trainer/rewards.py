@@ -149,12 +149,16 @@ def parse_rewards(spec: str) -> list[Reward]:
             try:
                 module = importlib.import_module(module_name)
             except Exception as exc:  # noqa: BLE001 - SyntaxError, ImportError, its own errors
-                raise ValueError(f"--reward {name!r}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                raise ValueError(
+                    f"--reward {name!r}: importing module {module_name!r} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             fn = getattr(module, attr, None)
             if fn is None:
-                raise ValueError(f"--reward {name!r}: module {module_name!r} "
-                                 f"({getattr(module, '__file__', '?')}) has no {attr!r}")
+                raise ValueError(
+                    f"--reward {name!r}: module {module_name!r} "
+                    f"({getattr(module, '__file__', '?')}) has no {attr!r}"
+                )
             if not callable(fn):
                 raise ValueError(f"--reward {name!r} is not callable")
         else:
@@ -189,8 +193,9 @@ def _as_number(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def score(rewards: list[Reward], prompts: list[str], completions: list[str],
-          columns: dict[str, list]) -> tuple[list[float], dict[str, float]]:
+def score(
+    rewards: list[Reward], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> tuple[list[float], dict[str, float]]:
     """Weighted sum of every reward function per sample, and each function's mean."""
     total = [0.0] * len(prompts)
     means = {}

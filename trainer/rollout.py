@@ -37,8 +37,15 @@ def full_state(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, cfg, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device, distributed: bool) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        distributed: bool,
+    ) -> None:
         # In-process engine core: the trainer and vLLM share one process and its weights.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM logs every weight reload and cache reset at INFO: once per step, over the bar.
@@ -54,8 +61,9 @@ class VLLMEngine:
         threads = torch.get_num_threads()
         kwargs = dict(
             model=model_path,
-            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
-                   torch.float16: "float16"}[dtype],
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+                dtype
+            ],
             max_model_len=max_model_len,
             seed=cfg.seed,
             logprobs_mode="processed_logprobs",
@@ -64,16 +72,19 @@ class VLLMEngine:
             use_tqdm_on_load=cfg.verbose,
         )
         if device.type == "cuda":
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_sleep_mode=cfg.vllm_sleep)
+            kwargs.update(
+                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep
+            )
         else:
             # A prefill split over two scheduler steps discards a sampled token and rewinds the
             # request's seeded generator, which a CPU generator cannot do (vLLM raises "CPU
             # Generator does not use offset"): a token budget that holds max_num_seqs whole
             # sequences keeps every prefill in one step.
-            kwargs.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 2**30),
-                          enforce_eager=True,
-                          max_num_batched_tokens=max(8192, kwargs["max_num_seqs"] * max_model_len))
+            kwargs.update(
+                kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 2**30),
+                enforce_eager=True,
+                max_num_batched_tokens=max(8192, kwargs["max_num_seqs"] * max_model_len),
+            )
         if distributed:
             # One engine per rank inside torchrun's process group (TRL's colocate mode).
             kwargs.update(distributed_executor_backend="external_launcher")
@@ -92,14 +103,22 @@ class VLLMEngine:
         self.asleep = False
         self._sync_path: str | None = None
 
-    def generate(self, prompts: list[list[int]], indices: list[int], seeds: list[int],
-                 cfg) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[list[int]], indices: list[int], seeds: list[int], cfg
+    ) -> list[list[Sample]]:
         """G samples per prompt; `seeds[i]` makes prompt i's samples reproducible."""
         from vllm import SamplingParams
 
         params = [
-            SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                           top_k=-1, max_tokens=cfg.max_tokens, logprobs=0, seed=seed)
+            SamplingParams(
+                n=cfg.group_size,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=-1,
+                max_tokens=cfg.max_tokens,
+                logprobs=0,
+                seed=seed,
+            )
             for seed in seeds
         ]
         outputs = self.llm.generate(
@@ -173,40 +192,59 @@ class HFEngine:
         self.model, self.device = model, device
         self.autocast = compute_dtype if compute_dtype != torch.float32 else None
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-            self.eos_ids[0] if self.eos_ids else 0)
+        self.pad_id = (
+            tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else (self.eos_ids[0] if self.eos_ids else 0)
+        )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], indices: list[int], seeds: list[int],
-                 cfg) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[list[int]], indices: list[int], seeds: list[int], cfg
+    ) -> list[list[Sample]]:
         """One batched `generate` for the round: prompts left-padded, G samples each, the RNG
         seeded from the round's first seed (the same prompts give the same samples). Under --tp
         the LM head's vocabulary-sharded logits are gathered for sampling."""
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts],
-                                 device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                                      device=self.device)
+        input_ids = torch.tensor(
+            [[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )
         was_training = self.model.training
         self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seeds[0])
-                with torch.autocast(self.device.type, dtype=self.autocast,
-                                    enabled=self.autocast is not None), whole_logits(self.model):
+                with (
+                    torch.autocast(
+                        self.device.type, dtype=self.autocast, enabled=self.autocast is not None
+                    ),
+                    whole_logits(self.model),
+                ):
                     out = self.model.generate(
-                        input_ids, attention_mask=attention_mask, do_sample=True,
-                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                        max_new_tokens=cfg.max_tokens, num_return_sequences=cfg.group_size,
-                        eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
-                        output_scores=True, return_dict_in_generate=True, use_cache=True,
+                        input_ids,
+                        attention_mask=attention_mask,
+                        do_sample=True,
+                        temperature=cfg.temperature,
+                        top_p=cfg.top_p,
+                        top_k=0,
+                        max_new_tokens=cfg.max_tokens,
+                        num_return_sequences=cfg.group_size,
+                        eos_token_id=self.eos_ids or None,
+                        pad_token_id=self.pad_id,
+                        output_scores=True,
+                        return_dict_in_generate=True,
+                        use_cache=True,
                         # Every forward is collective under FSDP or --tp: a rank whose samples
                         # all ended keeps stepping until every rank's have.
                         synced_gpus=world_size() > 1,
                     )
-                logps = self.model.compute_transition_scores(out.sequences, out.scores,
-                                                             normalize_logits=True)
+                logps = self.model.compute_transition_scores(
+                    out.sequences, out.scores, normalize_logits=True
+                )
         finally:
             self.model.train(was_training)
         new_tokens = out.sequences[:, width:].tolist()

@@ -205,16 +205,29 @@ def token_logprobs(
                 model, sub, autocast_dtype
             )
             logp, _ = fusedrl.linear_token_logprobs(
-                hidden, weight, sub.labels, cfg.temperature, bias=bias,
-                backend=_linear_backend(backend), top_k=cfg.top_k, top_p=cfg.top_p,
-                min_p=cfg.min_p, tp_group=tp_group, **transform,
-            )  # fmt: skip
+                hidden,
+                weight,
+                sub.labels,
+                cfg.temperature,
+                bias=bias,
+                backend=_linear_backend(backend),
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                min_p=cfg.min_p,
+                tp_group=tp_group,
+                **transform,
+            )
         else:
             logits = completion_logits(model, sub, autocast_dtype)
             logp, _ = fusedrl.token_logprobs(
-                logits, sub.labels, cfg.temperature, backend=backend,
-                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-            )  # fmt: skip
+                logits,
+                sub.labels,
+                cfg.temperature,
+                backend=backend,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                min_p=cfg.min_p,
+            )
         if rows.stop > rows.start:
             out[rows, : logp.shape[1]] = logp
     return out
@@ -246,9 +259,19 @@ def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
     return completion_logits(model, sub, autocast_dtype)
 
 
-def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backend: str,
-                      lm_head: bool, rows_args: dict, ref_model, teacher, distill: Distill | None,
-                      distill_normalizer) -> tuple[torch.Tensor, fusedrl.LossOutput]:
+def _micro_batch_loss(
+    model,
+    sub: Batch,
+    cfg: LossConfig,
+    autocast_dtype,
+    backend: str,
+    lm_head: bool,
+    rows_args: dict,
+    ref_model,
+    teacher,
+    distill: Distill | None,
+    distill_normalizer,
+) -> tuple[torch.Tensor, fusedrl.LossOutput]:
     """(the loss to backpropagate, the policy loss's output) of one micro-batch: the policy
     loss, with the exact KL to `ref_model` and the teacher term of `distill` when given."""
     policy = _outputs(model, sub, autocast_dtype, lm_head)
@@ -274,9 +297,17 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
 
         def policy_loss(advantages):
             return fusedrl.linear_policy_loss(
-                hidden, weight, sub.labels, advantages, sub.mask, bias=bias,
-                backend=linear_backend, tp_group=tp_group, **head_args, **rows_args,
-            )  # fmt: skip
+                hidden,
+                weight,
+                sub.labels,
+                advantages,
+                sub.mask,
+                bias=bias,
+                backend=linear_backend,
+                tp_group=tp_group,
+                **head_args,
+                **rows_args,
+            )
     else:
         logits = policy
         ref_args = {} if ref is None else {"ref_logits": ref}
@@ -284,21 +315,34 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         def policy_loss(advantages):
             # In place: the logits are dead after the loss (every other read is done by then).
             return fusedrl.policy_loss(
-                logits, sub.labels, advantages, sub.mask, inplace=True, backend=backend,
-                **ref_args, **rows_args,
-            )  # fmt: skip
+                logits,
+                sub.labels,
+                advantages,
+                sub.mask,
+                inplace=True,
+                backend=backend,
+                **ref_args,
+                **rows_args,
+            )
+
     if distill is None:
         out = policy_loss(sub.advantages)
         return out.loss, out
     if distill.kind == "sampled_reverse_kl":
         with torch.no_grad():
+
             def logprobs(outputs, filters):
                 if lm_head:
                     return fusedrl.linear_token_logprobs(
-                        outputs[0].detach(), outputs[1].detach(), sub.labels, cfg.temperature,
+                        outputs[0].detach(),
+                        outputs[1].detach(),
+                        sub.labels,
+                        cfg.temperature,
                         bias=None if outputs[2] is None else outputs[2].detach(),
-                        backend=linear_backend, **outputs[4], **filters,
-                    )[0]  # fmt: skip
+                        backend=linear_backend,
+                        **outputs[4],
+                        **filters,
+                    )[0]
                 return fusedrl.token_logprobs(
                     outputs.detach(), sub.labels, cfg.temperature, backend=backend, **filters
                 )[0]
@@ -314,8 +358,13 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
         out.metrics["distill"] = (gap * sub.mask).sum() / sub.mask.sum().clamp_min(1.0)
         return out.loss, out
     dcfg = distill.config(cfg)
-    common = dict(kind=distill.kind, beta=distill.beta, temperature=cfg.temperature, config=dcfg,
-                  normalizer=distill_normalizer)  # fmt: skip
+    common = dict(
+        kind=distill.kind,
+        beta=distill.beta,
+        temperature=cfg.temperature,
+        config=dcfg,
+        normalizer=distill_normalizer,
+    )
     # The term's upstream gradient: the coefficient times the policy loss's factor.
     term_scale = distill.coef * rows_args.get("grad_scale", 1.0)
     if term_scale not in (0.0, 1.0):
@@ -324,15 +373,29 @@ def _micro_batch_loss(model, sub: Batch, cfg: LossConfig, autocast_dtype, backen
     # take the logits' buffer for its own.
     if lm_head:
         term = fusedrl.linear_distill_loss(
-            hidden, weight, taught[0], taught[1], sub.labels, sub.mask, student_bias=bias,
-            teacher_bias=taught[2], backend=linear_backend, student_transform=transform,
-            teacher_transform=taught[4], **skip, **common,
-        )  # fmt: skip
+            hidden,
+            weight,
+            taught[0],
+            taught[1],
+            sub.labels,
+            sub.mask,
+            student_bias=bias,
+            teacher_bias=taught[2],
+            backend=linear_backend,
+            student_transform=transform,
+            teacher_transform=taught[4],
+            **skip,
+            **common,
+        )
     else:
         # csrc has no two-row kernel: "cuda" runs Triton's (config.py checks it is installed)
         term = fusedrl.distill_loss(
-            logits, taught, sub.labels, sub.mask,
-            backend="triton" if backend == "cuda" else backend, **common
+            logits,
+            taught,
+            sub.labels,
+            sub.mask,
+            backend="triton" if backend == "cuda" else backend,
+            **common,
         )
     out = policy_loss(sub.advantages)
     out.metrics["distill"] = term.metrics["distill"]
@@ -387,9 +450,13 @@ def accumulate_gradients(
             sub.mask = torch.zeros_like(sub.mask)
             sub.loss_tokens = [0] * len(sub)
         rows_args = dict(
-            old_logp=sub.old_logp, ref_logp=sub.ref_logp, rollout_logp=sub.rollout_logp,
-            config=cfg, normalizer=normalizer, return_entropy=True,
-        )  # fmt: skip
+            old_logp=sub.old_logp,
+            ref_logp=sub.ref_logp,
+            rollout_logp=sub.rollout_logp,
+            config=cfg,
+            normalizer=normalizer,
+            return_entropy=True,
+        )
         if entropy_coef is not None:
             rows_args["entropy_coef"] = entropy_coef
         if scale != 1.0:  # the gradient written times it: backward then rescales nothing
@@ -398,9 +465,18 @@ def accumulate_gradients(
             # (rollout_logp stays: the rejection and trust-region rules measure prox against it)
             rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp)
         loss, out = _micro_batch_loss(
-            model, sub, cfg, autocast_dtype, backend, lm_head, rows_args, ref_model, teacher,
-            distill, distill_normalizer,
-        )  # fmt: skip
+            model,
+            sub,
+            cfg,
+            autocast_dtype,
+            backend,
+            lm_head,
+            rows_args,
+            ref_model,
+            teacher,
+            distill,
+            distill_normalizer,
+        )
         (loss * scale).backward()
         weight = sub.mask.sum()
         weight_total = weight_total + weight

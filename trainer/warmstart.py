@@ -36,9 +36,19 @@ def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
     return answer + rng.choice(RAMBLES)
 
 
-def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], *,
-               steps: int, noise: float, seed: int, lr: float = 3e-3,
-               batch_size: int = 128, progress: bool = False) -> dict:  # fmt: skip
+def warm_start(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    answers: list[str],
+    *,
+    steps: int,
+    noise: float,
+    seed: int,
+    lr: float = 3e-3,
+    batch_size: int = 128,
+    progress: bool = False,
+) -> dict:
     """Fit `model` in place; returns {steps, seconds, loss (last step)}.
 
     AdamW with a 20-step linear warm-up and a cosine decay to 0, by plain cross-entropy on the
@@ -65,14 +75,21 @@ def warm_start(model, tokenizer, prompt_ids: list[list[int]], answers: list[str]
         ]
         # The RL update's own layout (trainer/step.py): prompts left-padded to P, completions
         # right-padded; the logits at P - 1 + t predict completion token t.
-        batch = collate([prompt_ids[i] for i in picks], completions, torch.zeros(len(picks)),
-                        torch.ones(len(picks), dtype=torch.bool), None, pad)  # fmt: skip
+        batch = collate(
+            [prompt_ids[i] for i in picks],
+            completions,
+            torch.zeros(len(picks)),
+            torch.ones(len(picks), dtype=torch.bool),
+            None,
+            pad,
+        )
         width, first = batch.labels.shape[1], batch.prompt_len - 1
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         targets = batch.labels.masked_fill(batch.mask == 0, -100)
         loss = torch.nn.functional.cross_entropy(
             logits[:, first : first + width].reshape(-1, logits.shape[-1]).float(),
-            targets.reshape(-1), ignore_index=-100,
+            targets.reshape(-1),
+            ignore_index=-100,
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

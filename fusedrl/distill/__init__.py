@@ -106,17 +106,38 @@ def distill_loss(
 
         cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
-            student_logits, teacher, labels, mask, beta, temperature, cfg, normalizer, inplace,
-            backend, advantages, old_logp, transform, grad_scale,
-        )  # fmt: skip
+            student_logits,
+            teacher,
+            labels,
+            mask,
+            beta,
+            temperature,
+            cfg,
+            normalizer,
+            inplace,
+            backend,
+            advantages,
+            old_logp,
+            transform,
+            grad_scale,
+        )
     cfg = distill_config(config)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
     # distillation has no advantages.
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     inp = prepare_loss_inputs(
-        student_logits, labels, advantages, mask, None, None, None, cfg, normalizer,
-        temperature=temperature if per_token else None, grad_scale=grad_scale,
-    )  # fmt: skip
+        student_logits,
+        labels,
+        advantages,
+        mask,
+        None,
+        None,
+        None,
+        cfg,
+        normalizer,
+        temperature=temperature if per_token else None,
+        grad_scale=grad_scale,
+    )
     temperature = inp.row_temps if per_token else temperature
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
     ops = two_row_ops(backend, inp.logits.device)
@@ -138,8 +159,9 @@ def distill_loss(
     )
 
 
-def _settled_arguments(kind, beta, softcap, logit_scale, temperature, backend, advantages,
-                       old_logp):  # fmt: skip
+def _settled_arguments(
+    kind, beta, softcap, logit_scale, temperature, backend, advantages, old_logp
+):
     """distill_loss's arguments checked: (beta, the soft cap's transform or None, the
     temperature with a bare logit scale folded in)."""
     beta = check_distill_args(kind, beta)
@@ -147,7 +169,12 @@ def _settled_arguments(kind, beta, softcap, logit_scale, temperature, backend, a
     if transform is None:  # a bare scale of both rows is one of the temperature
         temperature = scaled_temperature(temperature, logit_scale)
     temperature = checked_call(
-        kind, temperature, backend, DISTILL_BACKENDS, advantages, old_logp,
+        kind,
+        temperature,
+        backend,
+        DISTILL_BACKENDS,
+        advantages,
+        old_logp,
         " (distill_loss has no CUDA C++ kernel yet)",
-    )  # fmt: skip
+    )
     return beta, transform, temperature

@@ -170,9 +170,15 @@ def pair_sweep(
         rows_labels = labels[:, start:stop]
         if saved is None:
             chunk = ops.forward(
-                student, teacher, rows_labels, valid[:, start:stop], scalar, code, beta,
+                student,
+                teacher,
+                rows_labels,
+                valid[:, start:stop],
+                scalar,
+                code,
+                beta,
                 **chunk_rows_t,
-            )  # fmt: skip
+            )
             for whole, part in zip(cut, chunk):
                 whole.copy_(part)
         if sums is None:
@@ -184,10 +190,23 @@ def pair_sweep(
             dlogp = dlogp.reshape(1, -1)
             dentropy = None if dentropy is None else dentropy.reshape(1, -1)
         ops.grad(
-            student, teacher, lse_s, lse_q, value, aux, flat_weight[:, start:stop], scalar,
-            code, beta, student, rows_labels if policy is not None else None,
-            entropy if policy is not None else None, dlogp, dentropy, **chunk_rows_t,
-        )  # fmt: skip
+            student,
+            teacher,
+            lse_s,
+            lse_q,
+            value,
+            aux,
+            flat_weight[:, start:stop],
+            scalar,
+            code,
+            beta,
+            student,
+            rows_labels if policy is not None else None,
+            entropy if policy is not None else None,
+            dlogp,
+            dentropy,
+            **chunk_rows_t,
+        )
         grad = student[0]
         if lin.transform is not None:
             grad = lin.transform.chain_(grad, derivative)
@@ -220,17 +239,23 @@ def policy_loss_with_reference(
         agg = aggregation_weights(with_rejection(inp, cfg), cfg)
         dfull_kl = scaled_by(torch.where(inp.valid, cfg.beta * agg, 0.0), inp.grad_scale)
         stats, grads = pair_sweep(
-            lin, head, ops, code, 0.0, temperature, want, dfull_kl,
+            lin,
+            head,
+            ops,
+            code,
+            0.0,
+            temperature,
+            want,
+            dfull_kl,
             # the exact KL's share goes to the kernel as its own weight (dfull_kl): the policy's
             # per-token derivatives are those of the loss without it
             token_level_derivatives(lin, cfg.replace(kl=None, beta=0.0)),
-        )  # fmt: skip
+        )
     else:
         stats, grads = pair_sweep(lin, head, ops, code, 0.0, temperature, (False,) * 3)
     logp, kl, entropy = stats[0], stats[3], stats[5] if need_entropy else None
     terms = token_terms(logp, entropy, inp, cfg, full_kl=kl)
     if any(want) and grads is None:
-
         dlogp_rows, dentropy_rows = flat_rows(lin, terms.dlogp), flat_rows(lin, terms.dentropy)
 
         def known(start, stop, logp, entropy):

@@ -80,31 +80,75 @@ def linear_distill_loss(
     )
     per_token_t = isinstance(temperature, torch.Tensor)
     student_hidden, weight, bias, head, student_kwargs = _checked_heads(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-        teacher_bias, student_transform, teacher_transform,
-    )  # fmt: skip
+        student_hidden,
+        student_weight,
+        student_bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        student_transform,
+        teacher_transform,
+    )
     if kind == "sampled_reverse_kl":
         return _sampled_reverse_kl(
-            student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature,
-            config, normalizer, backend, advantages, old_logp, skip, live_rows, grad_scale,
-        )  # fmt: skip
+            student_hidden,
+            weight,
+            bias,
+            head,
+            student_kwargs,
+            labels,
+            mask,
+            beta,
+            temperature,
+            config,
+            normalizer,
+            backend,
+            advantages,
+            old_logp,
+            skip,
+            live_rows,
+            grad_scale,
+        )
     cfg = distill_config(config)
     advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
     inp = prepare_loss_inputs(
-        student_hidden, labels, advantages, mask, None, None, None, cfg, normalizer,
-        vocab=weight.shape[0], source="student_hidden",
-        temperature=temperature if per_token_t else None, grad_scale=grad_scale,
-    )  # fmt: skip
+        student_hidden,
+        labels,
+        advantages,
+        mask,
+        None,
+        None,
+        None,
+        cfg,
+        normalizer,
+        vocab=weight.shape[0],
+        source="student_hidden",
+        temperature=temperature if per_token_t else None,
+        grad_scale=grad_scale,
+    )
     temperature = inp.row_temps if per_token_t else temperature
     lin = LinearInputs(
-        hidden=inp.logits, weight=weight, bias=bias, rows=replace(inp, logits=None),
+        hidden=inp.logits,
+        weight=weight,
+        bias=bias,
+        rows=replace(inp, logits=None),
         transform=check_logit_transform(**student_kwargs),
-    )  # fmt: skip
+    )
     if skip:
         lin.live = live_row_indices(inp.valid, live_rows)
     ops = two_row_ops(backend, student_hidden.device)
-    return _head_divergence(lin, head, ops, resolved_kind(kind, beta), beta, temperature, cfg,
-                            student_hidden, weight, bias)  # fmt: skip
+    return _head_divergence(
+        lin,
+        head,
+        ops,
+        resolved_kind(kind, beta),
+        beta,
+        temperature,
+        cfg,
+        student_hidden,
+        weight,
+        bias,
+    )
 
 
 def _head_divergence(lin, head, ops, kind, beta, temperature, cfg, student_hidden, weight, bias):
@@ -113,9 +157,15 @@ def _head_divergence(lin, head, ops, kind, beta, temperature, cfg, student_hidde
     want = wanted_grads(student_hidden, weight, bias)
     agg_w = aggregation_weights(inp, cfg)  # the mask and counts alone: 0 off the counted tokens
     stats, grads = pair_sweep(  # (the gradients written times the caller's loss factor)
-        lin, head, ops, KERNEL_KIND[kind], beta, temperature, want,
+        lin,
+        head,
+        ops,
+        KERNEL_KIND[kind],
+        beta,
+        temperature,
+        want,
         scaled_by(agg_w, inp.grad_scale),
-    )  # fmt: skip
+    )
     logp, divergence = stats[0], torch.where(inp.valid, stats[3], 0.0)
     loss = (agg_w * divergence).sum()
     if any(want):
@@ -128,8 +178,9 @@ def _head_divergence(lin, head, ops, kind, beta, temperature, cfg, student_hidde
     )
 
 
-def _checked_scalars(kind, beta, skip_masked_rows, live_rows, temperature, backend, advantages,
-                     old_logp):  # fmt: skip
+def _checked_scalars(
+    kind, beta, skip_masked_rows, live_rows, temperature, backend, advantages, old_logp
+):
     """(beta, whether the heads skip the masked rows, the temperature) checked."""
     beta = check_distill_args(kind, beta)
     skip = check_skip_masked_rows(skip_masked_rows, live_rows)
@@ -138,21 +189,32 @@ def _checked_scalars(kind, beta, skip_masked_rows, live_rows, temperature, backe
 
 
 def _checked_heads(
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-    student_transform, teacher_transform,
-):  # fmt: skip
+    student_hidden,
+    student_weight,
+    student_bias,
+    teacher_hidden,
+    teacher_weight,
+    teacher_bias,
+    student_transform,
+    teacher_transform,
+):
     """Both heads checked: (student_hidden, its weight, its bias, the teacher's TeacherHead with
     its transform, the student's transform keywords)."""
     student_hidden = check_logits(student_hidden, name="student_hidden")
     student_names = ("student_weight", "student_bias", "student_hidden")
     weight, bias = check_lm_head(student_weight, student_bias, student_hidden, student_names)
     head = check_teacher_head(
-        teacher_hidden, teacher_weight, teacher_bias, student_hidden, weight.shape[0],
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        student_hidden,
+        weight.shape[0],
         ("teacher_hidden", "teacher_weight", "teacher_bias"),
-    )  # fmt: skip
+    )
     student_kwargs = _transform_kwargs(student_transform, "student_transform")
-    head.transform = check_logit_transform(**_transform_kwargs(teacher_transform,
-                                                               "teacher_transform"))
+    head.transform = check_logit_transform(
+        **_transform_kwargs(teacher_transform, "teacher_transform")
+    )
     return student_hidden, weight, bias, head, student_kwargs
 
 
@@ -169,9 +231,24 @@ def _transform_kwargs(transform: object, name: str) -> dict:
 
 
 def _sampled_reverse_kl(
-    student_hidden, weight, bias, head, student_kwargs, labels, mask, beta, temperature, config,
-    normalizer, backend, advantages, old_logp, skip, live_rows, grad_scale=None,
-) -> LossOutput:  # fmt: skip
+    student_hidden,
+    weight,
+    bias,
+    head,
+    student_kwargs,
+    labels,
+    mask,
+    beta,
+    temperature,
+    config,
+    normalizer,
+    backend,
+    advantages,
+    old_logp,
+    skip,
+    live_rows,
+    grad_scale=None,
+) -> LossOutput:
     """kind="sampled_reverse_kl" from the heads: the policy loss of `linear_policy_loss` with
     the teacher's log-ratio on the sampled tokens in its advantages (`sampled.py`)."""
     from .sampled import (
@@ -186,9 +263,19 @@ def _sampled_reverse_kl(
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
     inp = prepare_loss_inputs(
-        student_hidden, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
-        vocab=weight.shape[0], source="student_hidden", **per_token(temperature),
-    )  # fmt: skip
+        student_hidden,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        None,
+        None,
+        cfg,
+        normalizer,
+        vocab=weight.shape[0],
+        source="student_hidden",
+        **per_token(temperature),
+    )
     temperature = checked_temperature(inp, temperature)
     flat = inp.flat_input
     teacher_rows = head.hidden[0] if flat else head.hidden
@@ -198,24 +285,48 @@ def _sampled_reverse_kl(
     def logprobs(hidden, head_weight, head_bias, transform, filters):
         def run(labels):
             return linear_single_process.linear_token_logprobs(
-                hidden, head_weight, labels, temperature, bias=head_bias, backend=backend,
-                **filters, transform=transform,
-            )[0]  # fmt: skip
+                hidden,
+                head_weight,
+                labels,
+                temperature,
+                bias=head_bias,
+                backend=backend,
+                **filters,
+                transform=transform,
+            )[0]
 
         return run
 
     def loss(shifted):
         return linear_single_process.linear_policy_loss(
-            student_hidden, weight, labels, shifted, mask, old_logp=old_logp, config=cfg,
-            normalizer=normalizer, bias=bias, backend=backend, transform=student_head,
-            **per_token(temperature), skip_masked_rows=skip, live_rows=live_rows,
+            student_hidden,
+            weight,
+            labels,
+            shifted,
+            mask,
+            old_logp=old_logp,
+            config=cfg,
+            normalizer=normalizer,
+            bias=bias,
+            backend=backend,
+            transform=student_head,
+            **per_token(temperature),
+            skip_masked_rows=skip,
+            live_rows=live_rows,
             grad_scale=grad_scale,
-        )  # fmt: skip
+        )
 
     return shifted_advantage_loss(
-        inp, beta, logprobs(teacher_rows, head.weight, head.bias, head.transform, {}),
-        logprobs(student_hidden.detach(), weight.detach(),
-                 None if bias is None else bias.detach(), student_head,
-                 sampling_filters(cfg)),
-        old_logp, loss,
-    )  # fmt: skip
+        inp,
+        beta,
+        logprobs(teacher_rows, head.weight, head.bias, head.transform, {}),
+        logprobs(
+            student_hidden.detach(),
+            weight.detach(),
+            None if bias is None else bias.detach(),
+            student_head,
+            sampling_filters(cfg),
+        ),
+        old_logp,
+        loss,
+    )

@@ -42,9 +42,23 @@ def distill(
     loss = (agg_w * divergence).sum()
     if grad_out is not None:
         ops.grad(  # (written times the caller's loss factor, `grad_scale`)
-            inp.logits, teacher, lse_s, lse_q, value, aux, scaled_by(agg_w, inp.grad_scale),
-            temperature, code, beta, grad_out, None, None, None, None, **rows_t,
-        )  # fmt: skip
+            inp.logits,
+            teacher,
+            lse_s,
+            lse_q,
+            value,
+            aux,
+            scaled_by(agg_w, inp.grad_scale),
+            temperature,
+            code,
+            beta,
+            grad_out,
+            None,
+            None,
+            None,
+            None,
+            **rows_t,
+        )
     return loss, torch.where(inp.valid, logp, 0.0), divergence
 
 

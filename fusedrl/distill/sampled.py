@@ -120,9 +120,17 @@ def sampled_reverse_kl(
     # The policy loss's own checks (labels, mask, advantages, old_logp), before any kernel runs:
     # [B, T] tensors, masked labels made safe, per-sequence advantages broadcast.
     inp = prepare_loss_inputs(
-        student_logits, labels, advantages, mask, old_logp, None, None, cfg, normalizer,
+        student_logits,
+        labels,
+        advantages,
+        mask,
+        old_logp,
+        None,
+        None,
+        cfg,
+        normalizer,
         **per_token(temperature),
-    )  # fmt: skip
+    )
     temperature = checked_temperature(inp, temperature)
 
     def logprobs(logits, filters):
@@ -132,17 +140,30 @@ def sampled_reverse_kl(
 
     def loss(shifted):
         return single_process.policy_loss(
-            student_logits, labels, shifted, mask, old_logp=old_logp, config=cfg,
-            normalizer=normalizer, inplace=inplace, backend=backend, **per_token(temperature),
-            transform=transform, grad_scale=grad_scale,
-        )  # fmt: skip
+            student_logits,
+            labels,
+            shifted,
+            mask,
+            old_logp=old_logp,
+            config=cfg,
+            normalizer=normalizer,
+            inplace=inplace,
+            backend=backend,
+            **per_token(temperature),
+            transform=transform,
+            grad_scale=grad_scale,
+        )
 
     # The sampler's log-probs over the engine's sampled sets (as its old_logp are); the
     # teacher's over the whole vocabulary.
     return shifted_advantage_loss(
-        inp, beta, logprobs(teacher_logits.detach(), {}),
-        logprobs(student_logits.detach(), sampling_filters(cfg)), old_logp, loss,
-    )  # fmt: skip
+        inp,
+        beta,
+        logprobs(teacher_logits.detach(), {}),
+        logprobs(student_logits.detach(), sampling_filters(cfg)),
+        old_logp,
+        loss,
+    )
 
 
 def per_token(temperature) -> dict:

@@ -158,9 +158,13 @@ def grad(
             block_dlogp = flat_dlogp[start:stop]
             block_dent = None if flat_dent is None else flat_dent[start:stop]
             block = block + block_grad(
-                log_s, flat_labels[start:stop], rows_t, block_dlogp, block_dent,
+                log_s,
+                flat_labels[start:stop],
+                rows_t,
+                block_dlogp,
+                block_dent,
                 flat_entropy[start:stop],
-            )  # fmt: skip
+            )
             live = live | (block_dlogp != 0)[:, None]
             if block_dent is not None:
                 live = live | (block_dent != 0)[:, None]

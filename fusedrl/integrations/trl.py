@@ -128,8 +128,9 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
         # loss type's normalisation. Adaptive: the coefficient changes between steps, so it goes
         # to the loss as a tensor (FusedGRPOTrainer does); the config keeps 0.
         adaptive = getattr(args, "use_adaptive_entropy", False)
-        common.update(entropy_agg="token-mean",
-                      entropy_coef=0.0 if adaptive else float(args.entropy_coef))
+        common.update(
+            entropy_agg="token-mean", entropy_coef=0.0 if adaptive else float(args.entropy_coef)
+        )
     if loss_type == "vespo":  # its sequence weight reads token ratios whatever the level
         return LossConfig(
             loss="vespo",
@@ -201,9 +202,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         True requires the fused head (an error where it cannot run), False keeps the logits.
         The GRPOConfig and these arguments are checked before the models load."""
         if fused_backend not in fusedrl.BACKENDS:
-            raise ValueError(
-                f"fused_backend={fused_backend!r} is not one of {fusedrl.BACKENDS}"
-            )
+            raise ValueError(f"fused_backend={fused_backend!r} is not one of {fusedrl.BACKENDS}")
         if fused_lm_head not in (None, True, False):
             raise ValueError(f"fused_lm_head must be None, True or False, got {fused_lm_head!r}")
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -220,8 +219,11 @@ class FusedGRPOTrainer(GRPOTrainer):
         head = "on" if self.fused_lm_head else f"off ({why})"
         logger.info(
             "fusedrl %s: backend %s, fused LM head %s, loss %s",
-            fusedrl.__version__, fused_backend, head, self.fused_config,
-        )  # fmt: skip
+            fusedrl.__version__,
+            fused_backend,
+            head,
+            self.fused_config,
+        )
 
     def _fused_lm_head(self, wanted: bool | None) -> tuple[bool, str]:
         """(whether the loss runs from the hidden states and the head, why not)."""
@@ -415,14 +417,26 @@ class FusedGRPOTrainer(GRPOTrainer):
             # Padding rows make no logits (skip_masked_rows): it costs one wait for the count of
             # live rows, beside the many of TRL's own logging.
             out = fusedrl.linear_policy_loss(
-                hidden, weight, completion_ids, inputs["advantages"], mask, bias=bias,
-                backend=self._linear_backend(), skip_masked_rows=True, **transform, **loss_args,
-            )  # fmt: skip
+                hidden,
+                weight,
+                completion_ids,
+                inputs["advantages"],
+                mask,
+                bias=bias,
+                backend=self._linear_backend(),
+                skip_masked_rows=True,
+                **transform,
+                **loss_args,
+            )
         else:
             out = fusedrl.policy_loss(
-                logits, completion_ids, inputs["advantages"], mask, backend=self.fused_backend,
+                logits,
+                completion_ids,
+                inputs["advantages"],
+                mask,
+                backend=self.fused_backend,
                 **loss_args,
-            )  # fmt: skip
+            )
         loss = out.loss
         if bonus_coef is not None:
             self._entropy_bonus_bookkeeping(mode, out, mask, bonus_coef)
@@ -439,9 +453,13 @@ class FusedGRPOTrainer(GRPOTrainer):
         """TRL's controller as fusedrl's rule: its state is TRL's own attributes."""
         args = self.args
         return AdaptiveEntropy(
-            args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
-            args.entropy_coef_max, self.entropy_coef, self._last_world_entropy,
-        )  # fmt: skip
+            args.entropy_target,
+            args.entropy_coef_delta,
+            args.entropy_coef_min,
+            args.entropy_coef_max,
+            self.entropy_coef,
+            self._last_world_entropy,
+        )
 
     def _applied_entropy_coef(self) -> float:
         """TRL's coefficient for this micro-batch: the one set at the last optimizer step,

@@ -95,9 +95,17 @@ LOSS_AGG_MODES = (
 # verl clamps log(pi / pi_old) at +-20 in vanilla / sapo / cispo, but not in gspo / geo_mean; its
 # ppo_kl metric follows the mode's own log-ratio.
 _CLAMPED_PPO_KL = {
-    "vanilla": True, "sapo": True, "cispo": True, "gspo": False, "geo_mean": False,
-    "clip_cov": False, "kl_cov": False, "dppo_tv": True, "dppo_kl": True, "dro": False,
-}  # fmt: skip
+    "vanilla": True,
+    "sapo": True,
+    "cispo": True,
+    "gspo": False,
+    "geo_mean": False,
+    "clip_cov": False,
+    "kl_cov": False,
+    "dppo_tv": True,
+    "dppo_kl": True,
+    "dro": False,
+}
 # The metric names each mode returns (verl 0.9.1): gpg none, kl_cov / dro ppo_kl only.
 _METRIC_KEYS = {
     "gpg": (),
@@ -237,11 +245,13 @@ def _scalar_loss_config(mode, config, eps_low, eps_high, agg, norm_constant) -> 
     common = dict(loss=mode, agg=agg, norm_constant=norm_constant)
     if mode == "clip_cov":
         return LossConfig(
-            **common, eps_low=eps_low, eps_high=eps_high,
+            **common,
+            eps_low=eps_low,
+            eps_high=eps_high,
             clip_cov_ratio=_policy_loss_field(config, "clip_cov_ratio", 0.0002),
             clip_cov_lb=_policy_loss_field(config, "clip_cov_lb", 1.0),
             clip_cov_ub=_policy_loss_field(config, "clip_cov_ub", 5.0),
-        )  # fmt: skip
+        )
     if mode == "kl_cov":
         return LossConfig(
             **common,
@@ -256,9 +266,11 @@ def _scalar_loss_config(mode, config, eps_low, eps_high, agg, norm_constant) -> 
     # dppo_tv / dppo_kl: clip_ratio(_low / _high) are the trust region's thresholds; verl reads
     # clip_ratio_c with a fallback of 20 (ActorConfig's default is 3).
     return LossConfig(
-        **common, eps_low=eps_low, eps_high=eps_high,
+        **common,
+        eps_low=eps_low,
+        eps_high=eps_high,
         dppo_ratio_cap=float(_get(config, "clip_ratio_c", 20.0)),
-    )  # fmt: skip
+    )
 
 
 def verl_normalizer(
@@ -572,9 +584,13 @@ def _vocab_parallel(logits, labels, group, vocab_size, entropy: bool):
     if labels is None:  # entropy only: any id will do, 0 is in every vocabulary
         labels = torch.zeros(shape, dtype=torch.long, device=logits.device)
     logp, ent = fusedrl.token_logprobs(
-        rows, labels.reshape(rows.shape[:-1]), return_entropy=entropy, backend=BACKEND,
-        tp_group=group, vocab_size=vocab_size,
-    )  # fmt: skip
+        rows,
+        labels.reshape(rows.shape[:-1]),
+        return_entropy=entropy,
+        backend=BACKEND,
+        tp_group=group,
+        vocab_size=vocab_size,
+    )
     return logp.view(labels.shape), None if ent is None else ent.view(shape)
 
 
@@ -666,10 +682,16 @@ def linear_cross_entropy(
     rows = hidden.reshape(-1, hidden.shape[-1])
     sharded = dist_process_group is not None
     logp, entropy = fusedrl.linear_token_logprobs(
-        rows, weight, labels.reshape(-1), float(temperature), True,
-        backend=_linear_backend(sharded), tp_group=dist_process_group, vocab_size=vocab_size,
+        rows,
+        weight,
+        labels.reshape(-1),
+        float(temperature),
+        True,
+        backend=_linear_backend(sharded),
+        tp_group=dist_process_group,
+        vocab_size=vocab_size,
         reduce_input_grad=False,
-    )  # fmt: skip
+    )
     if reduction == "sum":
         logp = logp.sum()
     elif reduction == "mean":

@@ -30,8 +30,9 @@ class _LocalShard(torch.autograd.Function):
         from torch.distributed.tensor import DTensor
 
         mesh, placements, shape, stride = ctx.spec
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
+        return DTensor.from_local(
+            grad, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
 
 
 def is_dtensor(x: object) -> bool:

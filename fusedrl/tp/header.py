@@ -27,14 +27,34 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _NO_LABEL = 1 << 62
 
 # Host-side fields first, then the label statistics computed on the labels' device.
-HOST_FIELDS = ("failed", "batch", "time", "flat", "size", "start", "vocab_size", "dtype", "call",
-               "seed")  # fmt: skip
+HOST_FIELDS = (
+    "failed",
+    "batch",
+    "time",
+    "flat",
+    "size",
+    "start",
+    "vocab_size",
+    "dtype",
+    "call",
+    "seed",
+)
 LABEL_FIELDS = ("label_min", "label_max", "label_count")
 # The per-token (and scalar) inputs every rank must hold alike, each compared by a hash of its
 # bits in the header (`replicated_hash`); the LM-head forms' hidden states are not (hashing
 # [N, H] would cost more than the call's header is worth; docs/tensor_parallel.md says so).
-REPLICATED = ("labels", "mask", "advantages", "old_logp", "ref_logp", "rollout_logp",
-              "is_weights", "temperature", "normalizer", "grad_scale")  # fmt: skip
+REPLICATED = (
+    "labels",
+    "mask",
+    "advantages",
+    "old_logp",
+    "ref_logp",
+    "rollout_logp",
+    "is_weights",
+    "temperature",
+    "normalizer",
+    "grad_scale",
+)
 FIELDS = HOST_FIELDS + LABEL_FIELDS + tuple(f"hash_{name}" for name in REPLICATED)
 _ABSENT = 0  # the hash of an input not given (None, or a number folded into `call`)
 
@@ -102,11 +122,13 @@ def _label_stats(labels: object, valid: object, tokens: object, device) -> torch
         return torch.tensor([_NO_LABEL, -_NO_LABEL, 0], dtype=torch.int64, device=device)
     labels = labels.long()
     counted = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid != 0
-    return torch.stack([
-        torch.where(counted, labels, _NO_LABEL).amin(),
-        torch.where(counted, labels, -_NO_LABEL).amax(),
-        counted.sum(),
-    ])  # fmt: skip
+    return torch.stack(
+        [
+            torch.where(counted, labels, _NO_LABEL).amin(),
+            torch.where(counted, labels, -_NO_LABEL).amax(),
+            counted.sum(),
+        ]
+    )
 
 
 # splitmix64's finaliser (as signed int64): every input bit flips about half of the output bits,
@@ -175,11 +197,14 @@ def _replicated_hashes(values: dict, counted: object, device) -> torch.Tensor:
             keys[numel, on] = _position_keys(numel, on)
         return keys[numel, on]
 
-    return torch.stack([
-        replicated_hash(values.get(name), None if name == "mask" else counted, device,
-                        position_keys)
-        for name in REPLICATED
-    ])  # fmt: skip
+    return torch.stack(
+        [
+            replicated_hash(
+                values.get(name), None if name == "mask" else counted, device, position_keys
+            )
+            for name in REPLICATED
+        ]
+    )
 
 
 def _host_fields(tokens, vocab_rows, vocab_start, vocab_size, call, failed, seed) -> list:
@@ -261,12 +286,17 @@ def agree(
 def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
     """`agree`'s `replicated` for the policy losses: their checked `LossInputs`."""
     values = {
-        "labels": inp.labels, "mask": inp.mask, "advantages": inp.advantages,
-        "old_logp": inp.old_logp, "ref_logp": inp.ref_logp, "rollout_logp": inp.rollout_logp,
-        "is_weights": inp.is_weights, "normalizer": inp.normalizer,
+        "labels": inp.labels,
+        "mask": inp.mask,
+        "advantages": inp.advantages,
+        "old_logp": inp.old_logp,
+        "ref_logp": inp.ref_logp,
+        "rollout_logp": inp.rollout_logp,
+        "is_weights": inp.is_weights,
+        "normalizer": inp.normalizer,
         "temperature": inp.row_temps,  # (a number is in the call's settings)
         "grad_scale": inp.grad_scale,
-    }  # fmt: skip
+    }
     return values, inp.valid
 
 
@@ -296,8 +326,9 @@ def check(rows: list[dict], rank: int, failure: BaseException | None) -> VocabSh
     lead = [(h["time"],) if h["flat"] else (h["batch"], h["time"]) for h in rows]
     if len(set(lead)) > 1:
         raise _disagree("the token shape of logits / labels ([B, T] or [N])", lead)
-    dtypes = [str(_DTYPES[h["dtype"]]).replace("torch.", "") if h["dtype"] != NONE else "?"
-              for h in rows]  # fmt: skip
+    dtypes = [
+        str(_DTYPES[h["dtype"]]).replace("torch.", "") if h["dtype"] != NONE else "?" for h in rows
+    ]
     if len(set(dtypes)) > 1:
         raise _disagree("the dtype of the logits (or hidden)", dtypes)
     if len({h["call"] for h in rows}) > 1:
@@ -327,7 +358,7 @@ def _layout(rows: list[dict], rank: int) -> VocabShard:
                     f"{min(end, starts[r])}: [vocab_start, vocab_start + V_r) per rank are "
                     + ", ".join(
                         f"rank {q}: [{starts[q]}, {starts[q] + sizes[q]})" for q in range(len(rows))
-                    )  # fmt: skip
+                    )
                     + "; they must tile [0, total) with no gap or overlap"
                 )
             end += sizes[r]
@@ -376,8 +407,17 @@ def join_refusing(group, error: BaseException, tokens: object) -> NoReturn:
     def local_checks() -> None:
         raise error
 
-    agree(group, local_checks, tokens=tokens, vocab_rows=lambda: NONE, labels=None, valid=None,
-          vocab_start=None, vocab_size=None, call="")  # fmt: skip
+    agree(
+        group,
+        local_checks,
+        tokens=tokens,
+        vocab_rows=lambda: NONE,
+        labels=None,
+        valid=None,
+        vocab_start=None,
+        vocab_size=None,
+        call="",
+    )
     raise error  # (agree raised it already)
 
 

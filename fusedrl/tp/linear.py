@@ -191,8 +191,7 @@ def _columns(labels: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return shard.local_labels(labels, missing=shard.width)
 
 
-def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows,
-                 impl):  # fmt: skip
+def _slice_grads(lin, labels, lse, entropy, dlogp, dentropy, temperature, shard, want, rows, impl):
     local = _columns(labels, shard)
     if shard.width == 0:  # only padding rows here: no part of dX, zero dW and db
         hidden = lin.hidden
@@ -259,13 +258,26 @@ def linear_policy_loss(
         _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return linear_single_process.linear_policy_loss(
-            hidden, weight, labels, advantages, mask, old_logp=old_logp, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=config, normalizer=normalizer, bias=bias,
-            backend=backend, return_entropy=return_entropy, is_weights=is_weights,
-            temperature=temperature, transform=check_logit_transform(softcap, logit_scale),
+            hidden,
+            weight,
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            config=config,
+            normalizer=normalizer,
+            bias=bias,
+            backend=backend,
+            return_entropy=return_entropy,
+            is_weights=is_weights,
+            temperature=temperature,
+            transform=check_logit_transform(softcap, logit_scale),
             skip_masked_rows=check_skip_masked_rows(skip_masked_rows, live_rows),
-            live_rows=live_rows, grad_scale=grad_scale,
-        )  # fmt: skip
+            live_rows=live_rows,
+            grad_scale=grad_scale,
+        )
     skip = live_rows if live_rows is not None else skip_masked_rows
     want = wanted_grads(hidden, weight, bias)
 
@@ -275,24 +287,46 @@ def linear_policy_loss(
         check_skip_masked_rows(skip_masked_rows, live_rows)
         check_lm_head(weight, bias, check_logits(hidden, name="hidden"))
         inp = prepare_loss_inputs(
-            hidden, range_unchecked(labels), advantages, mask, old_logp, ref_logp, rollout_logp,
-            cfg, normalizer, is_weights, vocab=NO_LIMIT, source="hidden", temperature=temperature,
+            hidden,
+            range_unchecked(labels),
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            cfg,
+            normalizer,
+            is_weights,
+            vocab=NO_LIMIT,
+            source="hidden",
+            temperature=temperature,
             grad_scale=local_value(grad_scale),
-        )  # fmt: skip
+        )
         return inp, _backend(backend, inp.logits), transform
 
     (inp, impl, transform), shard, seed = agree(
-        tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
-        labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=(f"{cfg!r} temperature={shown_temperature(temperature)} softcap={softcap!r} "
-              f"logit_scale={logit_scale!r} skip_masked_rows={skip} "
-              f"{_head_settings(hidden, want, reduce_input_grad)}"),
+        tp_group,
+        local_checks,
+        tokens=hidden,
+        vocab_rows=lambda: weight.shape[0],
+        labels=labels,
+        valid=mask,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        call=(
+            f"{cfg!r} temperature={shown_temperature(temperature)} softcap={softcap!r} "
+            f"logit_scale={logit_scale!r} skip_masked_rows={skip} "
+            f"{_head_settings(hidden, want, reduce_input_grad)}"
+        ),
         replicated=lambda checked: loss_inputs_replicated(checked[0]),
         draw_seed=unseeded_pick(cfg),
-    )  # fmt: skip
+    )
     cfg = seeded(cfg, seed)
     lin = linear_torch.LinearInputs(
-        hidden=inp.logits, weight=weight, bias=bias, rows=dataclasses.replace(inp, logits=None),
+        hidden=inp.logits,
+        weight=weight,
+        bias=bias,
+        rows=dataclasses.replace(inp, logits=None),
         transform=transform,
     )
     if skip is not False:
@@ -305,15 +339,27 @@ def linear_policy_loss(
         _take_part_without_rows(lin, shard, tp_group, temperature)
         logp, lse, entropy = whole_row_stats(
             lambda local: _slice_stats(lin, part, inp.labels, shard, temperature, impl),
-            inp.labels, inp.valid, shard, tp_group,
-        )  # fmt: skip
+            inp.labels,
+            inp.valid,
+            shard,
+            tp_group,
+        )
         terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
         loss = terms.loss
         if any(want):
             grads = _slice_grads(
-                lin, inp.labels, lse, entropy, terms.dlogp, terms.dentropy, temperature,
-                shard, want, weight.shape[0], impl,
-            )  # fmt: skip
+                lin,
+                inp.labels,
+                lse,
+                entropy,
+                terms.dlogp,
+                terms.dentropy,
+                temperature,
+                shard,
+                want,
+                weight.shape[0],
+                impl,
+            )
     if any(want):
         if want[0] and reduce_input_grad:
             hidden = sum_grad_over_group(hidden, tp_group)
@@ -338,8 +384,11 @@ class _LinearLogprobs(torch.autograd.Function):
         _take_part_without_rows(lin, shard, group, temperature)
         logp, lse, entropy = whole_row_stats(
             lambda local: _slice_stats(lin, part, labels, shard, temperature, impl),
-            labels, None, shard, group,
-        )  # fmt: skip
+            labels,
+            None,
+            shard,
+            group,
+        )
         ctx.stats = (lin, shard, group, temperature, want, reduce, lse, entropy, hidden.shape)
         ctx.impl = impl
         return logp, entropy
@@ -348,9 +397,18 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         lin, shard, group, temperature, want, reduce, lse, entropy, shape = ctx.stats
         grads = _slice_grads(
-            lin, lin.rows.labels, lse, entropy, grad_logp.float(), grad_entropy.float(),
-            temperature, shard, want, lin.weight.shape[0], ctx.impl,
-        )  # fmt: skip
+            lin,
+            lin.rows.labels,
+            lse,
+            entropy,
+            grad_logp.float(),
+            grad_entropy.float(),
+            temperature,
+            shard,
+            want,
+            lin.weight.shape[0],
+            ctx.impl,
+        )
         dx = grads.hidden
         if dx is not None:
             dx = dx.view(shape)
@@ -383,10 +441,18 @@ def linear_token_logprobs(
         _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
         return linear_single_process.linear_token_logprobs(
-            hidden, weight, labels, temperature, return_entropy, bias, backend,
-            top_k=top_k, top_p=top_p, min_p=min_p,
+            hidden,
+            weight,
+            labels,
+            temperature,
+            return_entropy,
+            bias,
+            backend,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             transform=check_logit_transform(softcap, logit_scale),
-        )  # fmt: skip
+        )
     want = wanted_grads(hidden, weight, bias)
 
     def local_checks():
@@ -402,13 +468,21 @@ def linear_token_logprobs(
         return ids, temps, _backend(backend, checked), sampling, transform
 
     (ids, temperature, impl, sampling, transform), shard, _ = agree(
-        tp_group, local_checks, tokens=hidden, vocab_rows=lambda: weight.shape[0],
-        labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
-        call=(f"linear_token_logprobs temperature={shown_temperature(temperature)} "
-              f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
-              f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"),
+        tp_group,
+        local_checks,
+        tokens=hidden,
+        vocab_rows=lambda: weight.shape[0],
+        labels=labels,
+        valid=None,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        call=(
+            f"linear_token_logprobs temperature={shown_temperature(temperature)} "
+            f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
+            f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"
+        ),
         replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
-    )  # fmt: skip
+    )
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden
     labels2 = ids.unsqueeze(0) if flat else ids
@@ -416,16 +490,27 @@ def linear_token_logprobs(
     lin = _sharded(dataclasses.replace(lin, transform=transform), shard, tp_group, sampling)
     if any(want):
         logp, entropy = _LinearLogprobs.apply(
-            hidden3, weight, bias, lin, shard, tp_group, temperature, want, reduce_input_grad,
+            hidden3,
+            weight,
+            bias,
+            lin,
+            shard,
+            tp_group,
+            temperature,
+            want,
+            reduce_input_grad,
             impl,
-        )  # fmt: skip
+        )
     else:
         part = _slice_inputs(lin, shard)
         _take_part_without_rows(lin, shard, tp_group, temperature)
         logp, _, entropy = whole_row_stats(
             lambda local: _slice_stats(lin, part, labels2, shard, temperature, impl),
-            labels2, None, shard, tp_group,
-        )  # fmt: skip
+            labels2,
+            None,
+            shard,
+            tp_group,
+        )
     entropy = entropy if return_entropy else None
     if flat:
         logp = logp[0]

@@ -102,8 +102,14 @@ class SampledSets:
             rows_t = self.temperature
             if isinstance(rows_t, torch.Tensor):  # the block's rows' own, as [1, n]
                 rows_t = rows_t.reshape(1, -1)[:, start:stop]
-            mask_slice(block[None], flat_keep[start:stop][None], self.floors[start:stop],
-                       rows_t, masked, self.transform)  # fmt: skip
+            mask_slice(
+                block[None],
+                flat_keep[start:stop][None],
+                self.floors[start:stop],
+                rows_t,
+                masked,
+                self.transform,
+            )
             rows_valid = None if flat_valid is None else flat_valid[start:stop][None]
             part = ops.stats(masked, flat_local[start:stop][None], rows_valid, rows_t)
             for whole, rows in zip(out, part):
@@ -149,12 +155,23 @@ def policy_loss(
     if group_size(tp_group) == 1:
         refuse_unsupported(backend)
         return single_process.policy_loss(
-            token_columns(logits, vocab_start, vocab_size), labels, advantages, mask,
-            old_logp=old_logp, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config,
-            normalizer=normalizer, inplace=inplace, backend=backend,
-            return_entropy=return_entropy, is_weights=is_weights, temperature=temperature,
-            transform=transform, grad_scale=grad_scale,
-        )  # fmt: skip
+            token_columns(logits, vocab_start, vocab_size),
+            labels,
+            advantages,
+            mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            config=config,
+            normalizer=normalizer,
+            inplace=inplace,
+            backend=backend,
+            return_entropy=return_entropy,
+            is_weights=is_weights,
+            temperature=temperature,
+            transform=transform,
+            grad_scale=grad_scale,
+        )
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
     wants_grad = wants_grad and torch.is_grad_enabled()
@@ -162,21 +179,37 @@ def policy_loss(
     def local_checks():
         refuse_unsupported(backend)
         inp = prepare_loss_inputs(
-            logits, range_unchecked(labels), advantages, mask, old_logp, ref_logp,
-            rollout_logp, cfg, normalizer, is_weights, vocab=NO_LIMIT, temperature=temperature,
+            logits,
+            range_unchecked(labels),
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            cfg,
+            normalizer,
+            is_weights,
+            vocab=NO_LIMIT,
+            temperature=temperature,
             grad_scale=local_value(grad_scale),
-        )  # fmt: skip
+        )
         if wants_grad and inplace:
             check_writable(logits)
         return inp, slice_ops(backend, inp.logits.device, transform)
 
     (inp, ops), shard, seed = agree(
-        tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
-        labels=labels, valid=mask, vocab_start=vocab_start, vocab_size=vocab_size,
+        tp_group,
+        local_checks,
+        tokens=logits,
+        vocab_rows=lambda: logits.shape[-1],
+        labels=labels,
+        valid=mask,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
         call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
         replicated=lambda checked: loss_inputs_replicated(checked[0]),
         draw_seed=unseeded_pick(cfg),
-    )  # fmt: skip
+    )
     cfg = seeded(cfg, seed)
     temperature = temperature_of(inp, cfg)  # the config's, or the per-token ones as checked
 
@@ -189,8 +222,9 @@ def policy_loss(
                 grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         sets = None
         if cfg.sampling is not None:
-            sets = SampledSets(inp.logits, inp.labels, temperature, cfg.sampling, shard,
-                               tp_group, transform)  # fmt: skip
+            sets = SampledSets(
+                inp.logits, inp.labels, temperature, cfg.sampling, shard, tp_group, transform
+            )
             if grad is not None:  # the masked slice goes where the gradient will be written
                 sets.write(shard.narrow(inp.logits), shard.narrow(grad))
                 source = grad
@@ -205,9 +239,17 @@ def policy_loss(
         loss = terms.loss
         if grad is not None:
             write_slice_grad(
-                ops, source, inp.labels, lse, entropy, terms.dlogp, terms.dentropy,
-                temperature, shard, grad,
-            )  # fmt: skip
+                ops,
+                source,
+                inp.labels,
+                lse,
+                entropy,
+                terms.dlogp,
+                terms.dentropy,
+                temperature,
+                shard,
+                grad,
+            )
     if wants_grad:
         if inplace:
             torch.autograd.graph.increment_version(logits)
@@ -246,9 +288,17 @@ class _Logprobs(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         dentropy = None if grad_entropy is None else grad_entropy.float()
         write_slice_grad(
-            ctx.ops, logits, labels, lse, entropy, grad_logp.float(), dentropy, ctx.temperature,
-            ctx.shard, grad,
-        )  # fmt: skip
+            ctx.ops,
+            logits,
+            labels,
+            lse,
+            entropy,
+            grad_logp.float(),
+            dentropy,
+            ctx.temperature,
+            ctx.shard,
+            grad,
+        )
         return grad, None, None, None, None, None, None, None
 
 
@@ -274,9 +324,17 @@ def token_logprobs(
     if group_size(tp_group) == 1:
         refuse_unsupported(backend)
         columns = token_columns(logits, vocab_start, vocab_size)
-        return single_process.token_logprobs(columns, labels, temperature, return_entropy,
-                                             backend, top_k, top_p, min_p,
-                                             transform=transform)  # fmt: skip
+        return single_process.token_logprobs(
+            columns,
+            labels,
+            temperature,
+            return_entropy,
+            backend,
+            top_k,
+            top_p,
+            min_p,
+            transform=transform,
+        )
 
     def local_checks():
         refuse_unsupported(backend)
@@ -289,12 +347,18 @@ def token_logprobs(
         return ids, temps, slice_ops(backend, checked.device, transform), sampling
 
     (ids, temperature, ops, sampling), shard, _ = agree(
-        tp_group, local_checks, tokens=logits, vocab_rows=lambda: logits.shape[-1],
-        labels=labels, valid=None, vocab_start=vocab_start, vocab_size=vocab_size,
+        tp_group,
+        local_checks,
+        tokens=logits,
+        vocab_rows=lambda: logits.shape[-1],
+        labels=labels,
+        valid=None,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
         call=f"token_logprobs temperature={shown_temperature(temperature)} "
         f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} {transform!r}",
         replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
-    )  # fmt: skip
+    )
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
     labels2 = ids.unsqueeze(0) if flat else ids

@@ -55,9 +55,16 @@ def _torch_stats(logits, labels, valid, temperature, transform=None):
 
 def _torch_grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, transform=None):
     torch_backend.write_logits_grad(
-        logits, labels, temperature, dlogp, dentropy, out, lse=lse, entropy=entropy,
+        logits,
+        labels,
+        temperature,
+        dlogp,
+        dentropy,
+        out,
+        lse=lse,
+        entropy=entropy,
         transform=transform,
-    )  # fmt: skip
+    )
 
 
 WORKING_BACKENDS = "backend='triton' (CUDA tensors), 'torch', or 'auto'"
