@@ -31,6 +31,7 @@ from ._inputs import (
 )
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .logit_transform import LogitTransform
+from .row_blocks import row_blocks, rows_temperature
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
     Metrics,
@@ -44,7 +45,6 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
-from .torch_backend import row_blocks, rows_temperature
 
 
 @dataclass(frozen=True)
@@ -361,8 +361,14 @@ def loss_variant(
     high_bound: float,
     agg_from_mask: bool,
 ) -> LossVariant:
-    """The kernels' variant of a config (kernels/token_args.py), its numbers as fp32 scalars."""
-    return LossVariant(
+    """The kernels' variant of a config (kernels/token_args.py), its numbers as fp32 scalars.
+    Kept per config object and call numbers (a dict lookup: building it is a few microseconds
+    of a host-bound call; the entry holds the config, so its id is not reused meanwhile)."""
+    key = (id(cfg), temperature, cap, low_bound, high_bound, agg_from_mask)
+    known = _VARIANTS.get(key)
+    if known is not None and known[0] is cfg:
+        return known[1]
+    variant = LossVariant(
         "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels know PPO by that name
         temperature,
         cap,
@@ -377,6 +383,14 @@ def loss_variant(
         high_bound,
         agg_from_mask,
     )
+    if len(_VARIANTS) >= MAX_VARIANTS:  # a config per step must not leak
+        _VARIANTS.clear()
+    _VARIANTS[key] = (cfg, variant)
+    return variant
+
+
+MAX_VARIANTS = 256
+_VARIANTS: dict[tuple, tuple[LossConfig, LossVariant]] = {}
 
 
 def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:

@@ -24,6 +24,7 @@ from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
 from .fused_backend import needs_two_passes
 from .logit_transform import LogitTransform
+from .row_blocks import row_blocks, rows_temperature
 from .sampling import SamplingMask
 from .token_terms import (
     TokenTerms,
@@ -32,14 +33,7 @@ from .token_terms import (
     token_terms,
     with_rejection,
 )
-from .torch_backend import (
-    block_floor,
-    block_grad,
-    block_log_probs,
-    block_stats,
-    row_blocks,
-    rows_temperature,
-)
+from .torch_backend import block_floor, block_grad, block_log_probs, block_stats
 
 
 @dataclass

@@ -44,8 +44,8 @@ from .linear_torch import (
     spread_rows,
     sweep_hidden,
 )
+from .row_blocks import block_rows
 from .token_terms import TokenTerms, token_terms
-from .torch_backend import block_rows
 
 DESIGNS = ("gemm", "on-chip")
 DESIGN_ENV = "FUSEDRL_LINEAR_DESIGN"

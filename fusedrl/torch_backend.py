@@ -14,54 +14,18 @@ same work with pass 1 and pass 2 fused into a single read for token-level varian
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from ._inputs import LossInputs, needs_entropy, temperature_of
 from .config import LossConfig
 from .logit_transform import LogitTransform, banned, capped_rows
+from .row_blocks import row_blocks, rows_temperature
 from .sampling import SamplingMask, apply_floor, sampling_floor
 from .token_terms import TokenTerms, token_terms
 
-# Rows per block are chosen so that one fp32 temporary of the block holds about this many elements
-# (16 MiB): large enough to amortise the Python loop, small next to any real logits tensor.
 # backends.Backend: pi^2 takes one more read at half the temperature (no *_squares ops)
 SUMS_PI_SQUARED_IN_PASS = False
 READS_RAW_ROWS = False  # backends.Backend
-BLOCK_ELEMENTS = 1 << 22
-
-
-def block_rows(vocab: int, elements: int = BLOCK_ELEMENTS) -> int:
-    """Rows of a block of about `elements` elements of [rows, vocab]."""
-    return max(1, elements // max(vocab, 1))
-
-
-def row_blocks(
-    *tensors: torch.Tensor, vocab: int | None = None, elements: int | None = None
-) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
-    """(first flat row, [n, X] views of each tensor) over [B, T, X] tensors, never copying them.
-
-    Blocks hold about `elements` (default BLOCK_ELEMENTS) elements of a [n, vocab] temporary
-    (vocab: the last dimension unless given, as for hidden states whose logits are only made
-    block by block).
-    A [B, P+T, X] slice cannot be flattened to [B*T, X] without a copy, so when any tensor is
-    such a view all of them are walked sequence by sequence (the blocks must line up).
-    """
-    batch, time, _ = tensors[0].shape
-    vocab = tensors[0].shape[-1] if vocab is None else vocab
-    rows = block_rows(vocab, BLOCK_ELEMENTS if elements is None else elements)
-    try:
-        flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
-    except RuntimeError:
-        flats = None
-    if flats is not None:
-        for start in range(0, batch * time, rows):
-            yield start, tuple(f[start : start + rows] for f in flats)
-        return
-    for b in range(batch):
-        for t0 in range(0, time, rows):
-            yield b * time + t0, tuple(t[b, t0 : t0 + rows] for t in tensors)
 
 
 # Batch invariance: ATen sums a lone long row in pieces across threads, several rows a row per
@@ -78,14 +42,6 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     if whole < vocab:
         total = total + values[:, whole:].sum(-1)
     return total
-
-
-def rows_temperature(temperature, start: int, stop: int):
-    """The temperature of flat rows [start, stop): a float, or of per-token temperatures
-    ([B, T] tensor) the rows' own as an [n, 1] column that divides their block."""
-    if isinstance(temperature, torch.Tensor):
-        return temperature.reshape(-1)[start:stop, None]
-    return temperature
 
 
 def _divides(temperature) -> bool:

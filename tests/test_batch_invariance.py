@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, torch_backend
+from fusedrl import LossConfig, row_blocks
 
 from .conftest import ALL_PRESETS, LOGITS_BACKENDS, make_batch
 
@@ -31,7 +31,7 @@ WATCHED = 2
 def backend(request, monkeypatch):
     if request.param == "torch":
         # Blocks of a few rows: the sequence lands at another offset of a block in each batch.
-        monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 3 * 1031)
+        monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 3 * 1031)
     return request.param
 
 
@@ -87,11 +87,11 @@ def test_token_logprobs_and_their_gradient(backend, vocab, monkeypatch):
     upstream = torch.randn(2, *pool["labels"].shape, generator=torch.Generator().manual_seed(2))
     # Blocks of 4 rows: the watched rows share their block with 0 to 3 others, the same rows
     # or others, depending on the batch.
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * vocab)
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 4 * vocab)
     results = [_logprobs_and_grad(pool, rows, upstream, backend) for rows in BATCHES.values()]
     batches = list(BATCHES.values())
     if backend == "torch":  # and each row alone in its block
-        monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", vocab)
+        monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", vocab)
         results.append(_logprobs_and_grad(pool, [WATCHED], upstream, backend))
         batches.append([WATCHED])
     per_batch = _watched_rows(results, batches)

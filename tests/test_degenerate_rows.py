@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, linear_triton, reference, torch_backend
+from fusedrl import LossConfig, linear_triton, reference, row_blocks
 
 from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
@@ -36,7 +36,7 @@ def backend(request, monkeypatch):
         # row runs the unmasked loop, the masked remainder and the exact fallback.
         monkeypatch.setattr(launch, "MAX_BLOCK_V_INTERPRETED", 64)
     else:  # blocks of 4 rows: the degenerate row shares its block with finite ones
-        monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)
+        monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 4 * 131)
     return request.param
 
 

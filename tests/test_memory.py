@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent(
     import sys
     import torch
     import fusedrl
-    from fusedrl import reference, torch_backend
-    torch_backend.BLOCK_ELEMENTS = 1 << 20  # 4 MiB fp32 blocks: temporaries stay far below [N, V]
+    from fusedrl import reference, row_blocks
+    row_blocks.BLOCK_ELEMENTS = 1 << 20  # 4 MiB fp32 blocks: temporaries stay far below [N, V]
     impl, inplace = sys.argv[1], sys.argv[2] == "1"
     fn = fusedrl.policy_loss if impl == "torch" else reference.policy_loss
     cfg = fusedrl.LossConfig.preset("dapo")

@@ -118,14 +118,14 @@ def test_unsupported_paths_and_bad_values_are_named():
 
 def test_torch_backend_finds_each_floor_once(monkeypatch):
     """Pass 1 keeps each row's floor for pass 2 (top_p alone sorts every row: once is enough)."""
-    from fusedrl import torch_backend
+    from fusedrl import row_blocks, torch_backend
 
     calls = []
     real = torch_backend.sampling_floor
     monkeypatch.setattr(
         torch_backend, "sampling_floor", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
     logits, labels = _logits_and_sampled_labels(seed=5)
     data = make_batch(seed=5)
     data["logits"], data["labels"] = logits.clone().requires_grad_(True), labels
@@ -144,10 +144,10 @@ def test_no_grad_chunks_of_a_strided_slice(backend, monkeypatch):
     """Without a gradient the masked copy is made a chunk of rows at a time (the select kernel's
     chunks, the torch route's blocks): chunks of 5 rows over a [B, P+T, V] slice, which cannot
     be flattened and is walked sequence by sequence, with a partial last chunk."""
-    from fusedrl import fused_backend, torch_backend
+    from fusedrl import fused_backend, row_blocks
 
     monkeypatch.setattr(fused_backend, "SAMPLED_CHUNK_ELEMENTS", 5 * 1031)
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 5 * 1031)
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 5 * 1031)
     full, labels = _logits_and_sampled_labels(seed=6, time=11)
     logits, labels = full[:, 4:], labels[:, 4:]
     kwargs = dict(top_k=30, top_p=0.8, min_p=0.02)

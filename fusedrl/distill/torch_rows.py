@@ -22,15 +22,14 @@ import torch
 
 from ..fused_backend import TwoRowOps
 from ..logit_transform import LogitTransform, banned, capped_rows
+from ..row_blocks import row_blocks, rows_temperature
 from ..torch_backend import (
     block_grad,
     block_log_probs,
     entropy_of,
     full_kl_grad,
     full_kl_of,
-    row_blocks,
     row_sum,
-    rows_temperature,
 )
 
 # kernel kind -> the exact-KL direction of torch_backend ("full": KL(s || q))

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..logit_transform import LogitTransform, capped_rows
+from ..row_blocks import block_rows, row_blocks, rows_temperature
 from ..sampling import SamplingMask
-from ..torch_backend import _scaled, block_rows, row_blocks, rows_temperature
+from ..torch_backend import _scaled
 from .comm import all_reduce
 from .shard import VocabShard
 
