@@ -362,13 +362,28 @@ def loss_variant(
     agg_from_mask: bool,
 ) -> LossVariant:
     """The kernels' variant of a config (kernels/token_args.py), its numbers as fp32 scalars.
-    Kept per config object and call numbers (a dict lookup: building it is a few microseconds
-    of a host-bound call; the entry holds the config, so its id is not reused meanwhile)."""
+    Kept per config object and call numbers in eager calls (a dict lookup: building it is a few
+    microseconds of a host-bound call; the entry holds the config, so its id is not reused
+    meanwhile). A traced call builds it: a dict that changes between calls would be a guard."""
+    if torch.compiler.is_compiling():
+        return _variant_of(cfg, temperature, cap, low_bound, high_bound, agg_from_mask)
     key = (id(cfg), temperature, cap, low_bound, high_bound, agg_from_mask)
     known = _VARIANTS.get(key)
     if known is not None and known[0] is cfg:
         return known[1]
-    variant = LossVariant(
+    variant = _variant_of(cfg, temperature, cap, low_bound, high_bound, agg_from_mask)
+    if len(_VARIANTS) >= MAX_VARIANTS:  # a config per step must not leak
+        _VARIANTS.clear()
+    _VARIANTS[key] = (cfg, variant)
+    return variant
+
+
+MAX_VARIANTS = 256
+_VARIANTS: dict[tuple, tuple[LossConfig, LossVariant]] = {}
+
+
+def _variant_of(cfg, temperature, cap, low_bound, high_bound, agg_from_mask) -> LossVariant:
+    return LossVariant(
         "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels know PPO by that name
         temperature,
         cap,
@@ -383,14 +398,6 @@ def loss_variant(
         high_bound,
         agg_from_mask,
     )
-    if len(_VARIANTS) >= MAX_VARIANTS:  # a config per step must not leak
-        _VARIANTS.clear()
-    _VARIANTS[key] = (cfg, variant)
-    return variant
-
-
-MAX_VARIANTS = 256
-_VARIANTS: dict[tuple, tuple[LossConfig, LossVariant]] = {}
 
 
 def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
