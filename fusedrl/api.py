@@ -147,19 +147,21 @@ def policy_loss(
         softcap,
     ):
         out = call_plan.policy_loss(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            config,
-            normalizer,
-            backend,
-            return_entropy,
-            grad_scale,
-            inplace,
-            rollout_logp,
+            call_plan.Call(
+                logits,
+                labels,
+                advantages,
+                mask,
+                old_logp,
+                ref_logp,
+                rollout_logp,
+                config,
+                normalizer,
+                backend,
+                return_entropy,
+                grad_scale,
+                inplace,
+            )
         )
         if out is not None:  # a call of a kind already decided
             return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,23 +37,28 @@ from ._inputs import (
 from .config import LossConfig
 from .output import LossOutput
 
-# The arguments of `fusedrl.policy_loss` a planned call may have; every other one must be at its
-# default (the entry point checks them, tests/test_call_plan.py that the two lists cover them).
-PLANNED = (
-    "logits",
-    "labels",
-    "advantages",
-    "mask",
-    "old_logp",
-    "ref_logp",
-    "config",
-    "normalizer",
-    "backend",
-    "return_entropy",
-    "grad_scale",
-    "inplace",
-    "rollout_logp",
-)
+
+class Call(NamedTuple):
+    """The arguments of `fusedrl.policy_loss` a planned call may have, as the entry point gives
+    them: one object from there to the plan. Every other argument must be at its default (the
+    entry point checks them, tests/test_call_plan.py that the two lists cover them)."""
+
+    logits: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    rollout_logp: torch.Tensor | None
+    config: LossConfig | None
+    normalizer: torch.Tensor | float | None
+    backend: str
+    return_entropy: bool
+    grad_scale: torch.Tensor | float | None
+    inplace: bool
+
+
+PLANNED = Call._fields
 MAX_PLANS = 64  # kinds kept (least recently used dropped): a config per step must not leak
 _PLANS: OrderedDict[tuple, _Plan | None] = OrderedDict()
 
@@ -68,78 +74,47 @@ class _Plan:
     per_sequence_advantages: bool  # [B] advantages, broadcast over T
     inplace: bool  # the gradient written into the logits (checked writable on every call)
 
-    def run(
-        self,
-        logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        normalizer,
-        grad_scale,
-        rollout_logp=None,
-    ) -> LossOutput:
-        inp = self.inputs(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            normalizer,
-            grad_scale,
-            rollout_logp,
-        )
+    def run(self, call: Call) -> LossOutput:
+        inp = self.inputs(call)
 
         def compute(grad):
             logp, entropy, terms = self.run_call(inp, grad_out=grad)
             return terms.loss, (logp, entropy, terms)
 
         loss, (logp, entropy, terms) = with_known_grad(
-            logits, inp.logits, self.inplace, self.flat_input, compute, inp.grad_scale
+            call.logits, inp.logits, self.inplace, self.flat_input, compute, inp.grad_scale
         )
         if self.flat_input:
             logp = logp[0]
             entropy = None if entropy is None else entropy[0]
         return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
-    def inputs(
-        self,
-        logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        normalizer,
-        grad_scale=None,
-        rollout_logp=None,
-    ):
+    def inputs(self, call: Call) -> LossInputs:
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
         checks already passed (the kind's first call took them)."""
+        logits, labels, mask = call.logits, call.labels, call.mask
         shape = labels.shape
         if mask.dtype == torch.bool:  # (its metadata is the kind's: nothing else to check)
             checked_mask = valid = detached(mask)
         else:  # a weight mask: its values, on every call
             checked_mask = check_mask(mask, shape, logits.device)
             valid = checked_mask != 0
-        advantages = detached(advantages).float()
+        advantages = detached(call.advantages).float()
         if self.per_sequence_advantages:
             advantages = advantages.unsqueeze(1).expand(shape)
-        old = None if old_logp is None else detached(old_logp).float()
-        ref = None if ref_logp is None else detached(ref_logp).float()
-        rollout = None if rollout_logp is None else detached(rollout_logp).float()
+        old = None if call.old_logp is None else detached(call.old_logp).float()
+        ref = None if call.ref_logp is None else detached(call.ref_logp).float()
+        rollout = None if call.rollout_logp is None else detached(call.rollout_logp).float()
         tensors = (logits, labels.long(), advantages, checked_mask, valid, old, ref, rollout)
         if self.flat_input:  # [N, V]: one row of tokens
             tensors = tuple(None if t is None else t.unsqueeze(0) for t in tensors)
         return LossInputs(
             *tensors,
             is_weights=None,
-            normalizer=check_normalizer(normalizer, logits.device),
+            normalizer=check_normalizer(call.normalizer, logits.device),
             flat_input=self.flat_input,
             rows_masked=False,
-            grad_scale=check_grad_scale(grad_scale, logits.device),
+            grad_scale=check_grad_scale(call.grad_scale, logits.device),
         )
 
 
@@ -161,109 +136,59 @@ def _number_or_kind(value) -> object:
     return False
 
 
-def _key(
-    logits,
-    labels,
-    advantages,
-    mask,
-    old_logp,
-    ref_logp,
-    config,
-    normalizer,
-    backend,
-    return_entropy,
-    grad_scale,
-    inplace,
-    rollout_logp,
-) -> tuple | None:
+def _key(call: Call) -> tuple | None:
     """The call's kind; None where it is not planned. (Written out, not looped: a generator
     costs more than the checks.)"""
+    logits, old_logp, ref_logp, rollout_logp = (
+        call.logits,
+        call.old_logp,
+        call.ref_logp,
+        call.rollout_logp,
+    )
     if not (
         type(logits) is _TENSOR
-        and type(labels) is _TENSOR
-        and type(advantages) is _TENSOR
-        and type(mask) is _TENSOR
+        and type(call.labels) is _TENSOR
+        and type(call.advantages) is _TENSOR
+        and type(call.mask) is _TENSOR
         and logits.dim() > 0
         and (old_logp is None or type(old_logp) is _TENSOR)
         and (ref_logp is None or type(ref_logp) is _TENSOR)
         and (rollout_logp is None or type(rollout_logp) is _TENSOR)
     ):  # (subclasses: DTensor, or a mistake the general path names)
         return None
-    norm, scale = _number_or_kind(normalizer), _number_or_kind(grad_scale)
+    norm, scale = _number_or_kind(call.normalizer), _number_or_kind(call.grad_scale)
     if norm is False or scale is False:
         return None
     return (
-        id(config),
-        backend,
-        return_entropy,
+        id(call.config),
+        call.backend,
+        call.return_entropy,
         torch.is_grad_enabled(),
         logits.requires_grad,
         logits.stride(-1),
         norm,
         scale,
-        bool(inplace),
+        bool(call.inplace),
         _kind(logits),
-        _kind(labels),
-        _kind(advantages),
-        _kind(mask),
+        _kind(call.labels),
+        _kind(call.advantages),
+        _kind(call.mask),
         _kind(old_logp),
         _kind(ref_logp),
         _kind(rollout_logp),
     )
 
 
-def policy_loss(
-    logits,
-    labels,
-    advantages,
-    mask,
-    old_logp,
-    ref_logp,
-    config,
-    normalizer,
-    backend,
-    return_entropy,
-    grad_scale=None,
-    inplace=False,
-    rollout_logp=None,
-) -> LossOutput | None:
+def policy_loss(call: Call) -> LossOutput | None:
     """The planned call's output, or None where the call takes the general path."""
     if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
         return None
-    key = _key(
-        logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        config,
-        normalizer,
-        backend,
-        return_entropy,
-        grad_scale,
-        inplace,
-        rollout_logp,
-    )
+    key = _key(call)
     if key is None:
         return None
     plan = _PLANS.get(key, False)
-    if plan is False or (plan is not None and plan.config is not config):
-        plan = _decide(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            config,
-            normalizer,
-            backend,
-            return_entropy,
-            grad_scale,
-            inplace,
-            rollout_logp,
-        )
+    if plan is False or (plan is not None and plan.config is not call.config):
+        plan = _decide(call)
         _PLANS[key] = plan
         while len(_PLANS) > MAX_PLANS:
             try:
@@ -277,49 +202,23 @@ def policy_loss(
             pass
     if plan is None:
         return None
-    return plan.run(
-        logits, labels, advantages, mask, old_logp, ref_logp, normalizer, grad_scale, rollout_logp
-    )
+    return plan.run(call)
 
 
-def _decide(
-    logits,
-    labels,
-    advantages,
-    mask,
-    old_logp,
-    ref_logp,
-    config,
-    normalizer,
-    backend,
-    return_entropy,
-    grad_scale=None,
-    inplace=False,
-    rollout_logp=None,
-) -> _Plan | None:
+def _decide(call: Call) -> _Plan | None:
     """The general path's checks (they raise as there) and the backend's decision."""
-    cfg = config if config is not None else LossConfig()
+    cfg = call.config if call.config is not None else LossConfig()
     inp = prepare_loss_inputs(
-        logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        cfg,
-        normalizer,
-        mask_rows=False,
-        grad_scale=grad_scale,
+        *call[:7], cfg, call.normalizer, mask_rows=False, grad_scale=call.grad_scale
     )
-    impl = backends.resolve(backend, inp.logits.device)
-    if not (torch.is_grad_enabled() and logits.requires_grad):
+    impl = backends.resolve(call.backend, inp.logits.device)
+    if not (torch.is_grad_enabled() and call.logits.requires_grad):
         return None
-    run_call = impl.planned_call(inp, cfg, return_entropy)
+    run_call = impl.planned_call(inp, cfg, call.return_entropy)
     if run_call is None:
         return None
-    per_sequence = advantages.dim() == 1 and not inp.flat_input
-    return _Plan(config, run_call, inp.flat_input, per_sequence, bool(inplace))
+    per_sequence = call.advantages.dim() == 1 and not inp.flat_input
+    return _Plan(call.config, run_call, inp.flat_input, per_sequence, bool(call.inplace))
 
 
 def clear() -> None:

@@ -50,14 +50,15 @@ def char_tokenizer(chars: str = DEFAULT_CHARS):
 def _tiny_causal_lm(
     arch: str,
     vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    head_dim: int,
-    max_position_embeddings: int,
-    seed: int,
-    eos_token_id: int,
-    pad_token_id: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
 ):
     """A randomly initialised `arch` ("llama" or "qwen2") causal LM (fp32) from a config."""
     import torch
@@ -83,53 +84,14 @@ def _tiny_causal_lm(
     return AutoModelForCausalLM.from_config(config)
 
 
-def tiny_qwen2(
-    vocab_size: int,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    eos_token_id: int = 1,
-    pad_token_id: int = 0,
-):
-    """A randomly initialised Qwen2ForCausalLM (fp32) small enough for 2 CPU cores."""
-    return _tiny_causal_lm(
-        "qwen2",
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        head_dim,
-        max_position_embeddings,
-        seed,
-        eos_token_id,
-        pad_token_id,
-    )
+def tiny_qwen2(vocab_size: int, **sizes):
+    """A randomly initialised Qwen2ForCausalLM (fp32) small enough for 2 CPU cores. `sizes`:
+    hidden_size (64), num_layers (2), num_heads (2), head_dim (32), max_position_embeddings
+    (512), seed (0), eos_token_id (1), pad_token_id (0)."""
+    return _tiny_causal_lm("qwen2", vocab_size, **sizes)
 
 
-def tiny_llama(
-    vocab_size: int,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    eos_token_id: int = 1,
-    pad_token_id: int = 0,
-):
-    """A randomly initialised LlamaForCausalLM (fp32): the one to save with `char_tokenizer()`."""
-    return _tiny_causal_lm(
-        "llama",
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        head_dim,
-        max_position_embeddings,
-        seed,
-        eos_token_id,
-        pad_token_id,
-    )
+def tiny_llama(vocab_size: int, **sizes):
+    """A randomly initialised LlamaForCausalLM (fp32): the one to save with `char_tokenizer()`.
+    `sizes` as `tiny_qwen2`'s."""
+    return _tiny_causal_lm("llama", vocab_size, **sizes)

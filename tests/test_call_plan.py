@@ -61,16 +61,23 @@ def _keywords(data, cfg, normalizer=None) -> dict:
     return {**{name: data.get(name) for name in names}, "config": cfg, "normalizer": normalizer}
 
 
-def _args(data, cfg, normalizer=None):
-    return (
+def _call(data, cfg, normalizer=None, grad_scale=None) -> call_plan.Call:
+    """A `policy_loss` call of the Triton backend with a gradient, as the entry point hands it
+    to the plan."""
+    return call_plan.Call(
         data["logits"],
         data["labels"],
         data["advantages"],
         data["mask"],
         data.get("old_logp"),
         data.get("ref_logp"),
+        data.get("rollout_logp"),
         cfg,
         normalizer,
+        "triton",
+        False,
+        grad_scale,
+        False,
     )
 
 
@@ -84,12 +91,11 @@ def test_planned_inputs_equal_prepare_loss_inputs(kind, normalizer):
     scale = torch.tensor(0.5) if normalizer == "tensor" else 0.25 if normalizer else None
     data["labels"] = data["labels"].int()  # (int32 labels: the plan widens them as the checks do)
     logits = data["logits"].requires_grad_(True)
-    args = _args({**data, "logits": logits}, cfg, norm)
-    rollout = data.get("rollout_logp")
-    plan = call_plan._decide(*args, "triton", False, scale, rollout_logp=rollout)
+    call = _call({**data, "logits": logits}, cfg, norm, scale)
+    plan = call_plan._decide(call)
     assert plan is not None, f"{kind}: not planned"
-    got = plan.inputs(*args[:6], norm, scale, rollout)
-    want = prepare_loss_inputs(*args[:6], rollout, cfg, norm, mask_rows=False, grad_scale=scale)
+    got = plan.inputs(call)
+    want = prepare_loss_inputs(*call[:7], cfg, norm, mask_rows=False, grad_scale=scale)
     for field in dataclasses.fields(want):
         a, b = getattr(got, field.name), getattr(want, field.name)
         if isinstance(b, torch.Tensor):
