@@ -45,9 +45,12 @@ def policy_loss(
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
+    One line per argument; docs/losses.md ("Which backend and surface takes which argument")
+    says what each backend, tensor parallelism and the LM-head form do with it.
+
     Args:
-        logits: [B, T, V] (a strided view over B/T is fine; the vocab axis must be contiguous)
-            or [N, V]; bf16 / fp16 / fp32.
+        logits: [B, T, V] (strided over B / T is fine; the vocab axis contiguous) or [N, V];
+            bf16 / fp16 / fp32.
         labels: [B, T] int64 token ids whose log-prob is taken.
         advantages: [B] (one per sequence) or [B, T].
         mask: [B, T] bool or 0/1 float: the tokens that count.
@@ -55,78 +58,33 @@ def policy_loss(
         ref_logp: [B, T] reference-policy log-probs; required when config.beta > 0.
         rollout_logp: [B, T] inference-engine log-probs; required when config.is_correction is set.
         config: a `LossConfig` (default: PPO-clip, token-mean).
-        normalizer: replaces the aggregation denominator (token count for token-mean, sequence
-            count for seq-* modes): pass the global count under data parallel x grad accumulation.
+        normalizer: the aggregation's denominator in place of the batch's own (token count for
+            token-mean, sequence count for seq-*): the global one under DP x accumulation.
         inplace: write d(loss)/d(logits) into the logits buffer (the logits are destroyed).
         backend: "auto" | "triton" | "cuda" | "torch".
-        return_entropy: also compute the per-token entropy (always computed when the loss reads
-            it: config.entropy_coef != 0 or config.top_entropy_quantile < 1).
-        is_weights: precomputed train/inference IS weights ([B, T], [B, 1] or [B]; detached) that
-            multiply the per-token policy loss, for trainers that compute them elsewhere (verl's
-            rollout_is_weights, TRL's importance_sampling_ratio). Exclusive with
-            config.is_correction.
-        tp_group: a torch.distributed process group over which the vocabulary is sharded
-            (tensor parallelism, docs/tensor_parallel.md): `logits` is then this rank's slice
-            [B, T, V_r] (or [N, V_r]) and `labels` are global token ids. Outputs are the same on
-            every rank; the gradient is this rank's slice. One header all-gather of 23 int64 per
-            rank and one all-gather of 3 fp32 per token per rank in the forward, none in the
-            backward. backend="cuda" is not supported yet.
-            A DTensor `logits` sharded on its last dim needs none: its mesh's group is used.
-        vocab_start: the first global token id of this rank's slice (default: the sum of the
-            lower ranks' V_r); given on every rank or on none.
-        vocab_size: the true vocabulary size (default: the sum of the slices); columns at global
-            ids >= vocab_size are padding: they do not count and get a zero gradient.
-        ref_logits: the reference policy's logits, shaped like `logits` (no gradient), for the
-            exact KL over the vocabulary: config.kl="full" (KL(pi || pi_ref)) or "full_reverse"
-            (KL(pi_ref || pi)), both at config.temperature; ref_logp is then not passed.
-            backend="triton" reads both rows once a pass (kernels/two_rows.py; "cuda" runs the
-            same kernels), "torch" blocks of both; tensor parallelism refuses it for now.
+        return_entropy: also return the per-token entropy.
+        is_weights: precomputed train / inference IS weights ([B, T], [B, 1] or [B]; verl's
+            rollout_is_weights, TRL's importance_sampling_ratio); exclusive with is_correction.
+        tp_group: the process group over which the vocabulary is sharded: `logits` is this
+            rank's slice (docs/tensor_parallel.md); a DTensor sharded on its last dim needs none.
+        vocab_start: the first global token id of this rank's slice (default: the lower ranks').
+        vocab_size: the true vocabulary size; columns at global ids >= it are padding.
+        ref_logits: the reference policy's logits, shaped like `logits`, for the exact KL
+            (config.kl="full" / "full_reverse"; ref_logp is then not passed).
         return_sum_pi_squared: also return sum_v pi_v^2 per token (the Optimal Token Baseline's
-            input; verl's calculate_sum_pi_squared) as `sum_pi_squared`: on Triton from the
-            loss's own read (one FFMA per element in the fused kernel's sweep 1, or pass 1),
-            elsewhere (and with the exact KL) from one more no-grad read of the logits at half
-            the temperature; not with sampling filters or tensor parallelism yet.
-        temperature: per-token temperatures ([B, T], or [B] one per sequence; finite > 0 on
-            the counted tokens) in place of config.temperature (then left at 1): each row's
-            logits are divided by its own (prime-rl's per-token temperature), on the torch and
-            Triton backends (the exact KL's two distributions too), under tensor parallelism
-            too; with config.top_k / top_p / min_p each row's sampled set is chosen at its
-            temperature (as vLLM's per-request one).
-        prox_logp: decoupled PPO (AReaL; asynchronous RL): [B, T] log-probs of the proximal
-            policy (recomputed by the trainer before the update); the ratio and its clip are
-            taken against it, and each token's loss is weighted by pi_prox / pi_behav, the
-            behaviour policy being `old_logp` (the sampler's), its log clamped at +-20 before
-            the exp (as verl clamps log-ratios), 0 above config.decoupled_is_cap (none by
-            default). prox_logp == old_logp is the plain loss.
-            Exclusive with config.is_correction; not under tensor parallelism yet.
-        entropy_coef: the entropy bonus's coefficient as a one-element tensor on the logits'
-            device, in place of config.entropy_coef (then left at 0): adaptive entropy control
-            (Skywork-OR1, TRL's use_adaptive_entropy) changes it between steps without a
-            recompile or a host sync. The bonus (and the entropy) is then always computed, 0
-            included. Triton reads it in the fused kernel; the CUDA extension's fused kernel
-            takes a number, so there the call takes the two-pass path (one more read of the
-            logits). Not under tensor parallelism yet.
-        logit_scale: the model's logits are s x of these (Cohere's `logit_scale`, Granite's
-            1 / `logits_scaling`, applied after the head): s x / T = x / (T / s), so the scale
-            is folded into the temperature (config.temperature or the per-token ones): exact,
-            on every backend and under tensor parallelism, the gradient w.r.t. x included.
-            `ref_logits` (the exact KL) are taken as the same model's, scaled alike; ref_logp
-            must then be of s x too.
-        softcap: the model's logits are c tanh(s x / c) of these (Gemma 2/3's
-            `final_logit_softcapping` c, s the logit_scale or 1), applied inside the kernels
-            as they read each row (one exp2 and one reciprocal per element; the gradient
-            through the tanh), never as a copy; `ref_logits` are capped alike. A -inf logit (or
-            -finfo.max of the logits' dtype, as masks write it) stays banned, not -c. Sampled sets
-            (top_k / top_p / min_p) are the capped logits'. backend="triton" and "torch", under
-            tensor parallelism too (each rank caps its slice).
-        grad_scale: the factor the caller will multiply the loss by before backward (gradient
-            accumulation's 1 / steps, a loss scale): a finite number != 0 or a one-element
-            device tensor. The gradient is written already times it, so a backward whose
-            upstream gradient equals it touches no logits-sized tensor (without it such a
-            backward re-reads and re-writes the whole gradient); any other upstream gradient
-            stays exact (rescaled by its ratio to grad_scale). The loss and metrics are as
-            without it. Under tensor parallelism each rank's slice is written so (the ranks
-            must agree on it).
+            input) as `sum_pi_squared`.
+        temperature: per-token temperatures ([B, T] or [B]; finite > 0 where counted) in place
+            of config.temperature (then left at 1).
+        prox_logp: decoupled PPO's [B, T] proximal-policy log-probs (the ratio is taken against
+            them, each token weighted by pi_prox / pi_behav; old_logp is the behaviour's).
+        entropy_coef: the entropy bonus's coefficient as a one-element device tensor, in place
+            of config.entropy_coef (then left at 0): adaptive control without a recompile.
+        logit_scale: the model's logits are s x of these (Cohere, Granite); folded into the
+            temperature.
+        softcap: the model's logits are c tanh(s x / c) of these (Gemma 2/3), capped as each
+            row is read.
+        grad_scale: the factor the caller will multiply the loss by before backward (a number or
+            a one-element device tensor): the gradient is written already times it.
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -312,15 +270,11 @@ def token_logprobs(
     set is its temperature's).
 
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token ([B, T] fp32, no gradient;
-    the Optimal Token Baseline's input): on the Triton backend from the same read of the logits
-    (the log-prob kernel sums the squares beside the softmax), elsewhere from one more no-grad
-    read at half the temperature (`sum_pi_squared_of`, exact where the label's pi > 0: NaN for a
-    label of probability 0, where Triton's own sum is still exact); under tensor parallelism
-    too, not with sampling filters.
+    the Optimal Token Baseline's input); under tensor parallelism too, not with sampling filters.
 
-    `logit_scale`: the model's logits are s x of these, folded into the temperature as in
-    `policy_loss`. `softcap`: the model's logits are c tanh(s x / c), applied in the kernels as
-    in `policy_loss` (triton, torch; under tensor parallelism too).
+    `logit_scale`, `softcap`: the model's transform of these logits, as in `policy_loss`.
+    docs/losses.md ("Which backend and surface takes which argument") has what each backend
+    does with these.
     """
     from .tp.dtensor import wants_tensor_parallel
     from .tp.header import argument_checks

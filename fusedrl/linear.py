@@ -105,54 +105,31 @@ def linear_policy_loss(
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
+    One line per argument; docs/losses.md ("Which backend and surface takes which argument",
+    "The loss from the hidden states") has the details.
+
     Args:
-        hidden: [B, T, H] (a strided view over B/T is fine: hidden[:, P-1:-1] of the model body)
-            or [N, H]; bf16 / fp16 / fp32.
+        hidden: [B, T, H] (strided over B / T is fine: hidden[:, P-1:-1] of the model body) or
+            [N, H]; bf16 / fp16 / fp32.
         weight: [V, H], the LM head (model.lm_head.weight); the dtype and device of `hidden`.
         labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
-        return_entropy, is_weights: as in `fusedrl.policy_loss`.
+        return_entropy, is_weights, temperature, prox_logp, entropy_coef,
+        return_sum_pi_squared, grad_scale: as in `fusedrl.policy_loss` (the gradients of
+            hidden, weight and bias are written times grad_scale).
         bias: [V] or None.
         backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
-        tp_group, vocab_start, vocab_size: a vocab-sharded LM head (tensor parallelism,
-            docs/tensor_parallel.md): `weight` / `bias` are this rank's rows [V_r, H] / [V_r],
-            `hidden` and the labels (global token ids) are replicated; as in `policy_loss`.
-            Runs the torch backend (cuBLAS blocks on CUDA) for now.
-        reduce_input_grad: with tp_group, sum the [N, H] gradient of `hidden` over the group in
-            backward (one all-reduce); False leaves each rank its part (Megatron's
-            column-parallel convention, where the caller reduces).
-        ref_weight: [V, H'], the reference policy's LM head, for config.kl="full" /
-            "full_reverse" (the exact KL over the vocabulary, as `policy_loss`'s ref_logits):
-            its logits are made a chunk of rows at a time beside the policy's, never whole
-            (fusedrl/distill/linear.py); no gradient.
-        ref_hidden: the reference model's hidden states for the same tokens ([B, T, H'] /
-            [N, H']); default `hidden` (a reference that differs only in its head).
-        ref_bias: [V] or None, the reference head's bias.
-        softcap, logit_scale: what the model does to its head's output before the softmax,
-            logits = softcap tanh(logit_scale (hidden @ weight.T + bias) / softcap) (Gemma 2/3's
-            final_logit_softcapping, Cohere's logit_scale; `model_logit_transform(model)`
-            reads them from a transformers model): applied to each chunk of logits, the
-            gradient through tanh included; the reference head's logits take the same. None:
-            off. Under tensor parallelism each rank transforms its slice.
-        temperature: per-token temperatures, as in `policy_loss` (the torch backend and the
-            Triton `gemm` design).
-        prox_logp: decoupled PPO's proximal log-probs, as in `policy_loss`.
-        entropy_coef: the entropy coefficient as a device scalar, as in `policy_loss`.
-        return_sum_pi_squared: also return sum_v pi_v^2 per token (`sum_pi_squared`), as in
-            `policy_loss`, from one more no-grad sweep of the head at half the temperature;
-            not with sampling filters or tensor parallelism yet.
-        skip_masked_rows: make logits only for the rows whose mask is nonzero (the live rows,
-            gathered): padding and prompt rows cost no GEMM flops and no sweep, which saves
-            the masked fraction of the head's 6-8·N·H·V flops. Every output is as without it
-            (masked rows have logp = entropy = 0 and no gradient either way). Finding the rows
-            makes the host wait for the device once (their count), unless `live_rows` gives it.
-            The reference head of the exact KL skips them too, and under tensor parallelism
-            every rank its slice of the head (the ranks must agree on the skip).
-        live_rows: the number of rows whose mask is nonzero, when the caller knows it on the
-            host (e.g. from the rollout's lengths); implies skip_masked_rows and spares the
-            wait. A wrong count is a device-side assert (asynchronous on CUDA).
-        grad_scale: the factor the caller will multiply the loss by before backward, as in
-            `policy_loss`: the gradients of hidden, weight and bias are written times it (a
-            backward at that factor then touches none of them); under tensor parallelism too.
+        tp_group, vocab_start, vocab_size: a vocab-sharded head: `weight` / `bias` are this
+            rank's rows, `hidden` and the labels replicated (docs/tensor_parallel.md).
+        reduce_input_grad: with tp_group, all-reduce the gradient of `hidden` in backward;
+            False leaves each rank its part (Megatron's column-parallel convention).
+        ref_weight, ref_hidden, ref_bias: the reference model's head (and hidden states,
+            default `hidden`) for the exact KL (config.kl="full" / "full_reverse"); no gradient.
+        softcap, logit_scale: the model's transform of its head's output (Gemma 2/3, Cohere;
+            `model_logit_transform(model)` reads them), applied to each chunk of logits.
+        skip_masked_rows: make logits only for the rows whose mask is nonzero (one host wait
+            for their count, unless `live_rows` gives it); every output as without it.
+        live_rows: the number of rows whose mask is nonzero, known on the host; implies
+            skip_masked_rows (a wrong count is a device-side assert).
 
     Returns:
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
