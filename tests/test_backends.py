@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, reference, torch_backend
+from fusedrl import LossConfig, reference, row_blocks, torch_backend
 
 from .conftest import (
     ALL_PRESETS,
@@ -232,14 +232,14 @@ def assert_within_one_rounding(grad: torch.Tensor, truth_grad: torch.Tensor) -> 
 
 def test_small_blocks_cover_every_row(monkeypatch, backend):
     """Force many blocks (and a partial last block) so the chunk loop is exercised."""
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 3 * 257)
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 3 * 257)
     data = make_batch(batch=3, time=7, vocab=257, seed=8)
     assert_matches_reference(data, LossConfig.preset("grpo").replace(entropy_coef=0.01), backend)
 
 
 def test_strided_view_of_prompt_and_completion_logits(monkeypatch, backend):
     """A [B, P+T, V] tensor sliced to the completion is used as a view, never copied."""
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 2 * 211)  # blocks of 2 rows, T = 7
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 2 * 211)  # blocks of 2 rows, T = 7
     data = make_batch(batch=3, time=7, vocab=211, seed=9)
     full = torch.randn(3, 10, 211)
     full[:, 2:9] = data["logits"]

@@ -130,9 +130,9 @@ def test_backend_equals_the_oracle(kind, agg, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_in_place_flat_nan_padding_and_blocks(kind, backend, monkeypatch):
-    from fusedrl import torch_backend
+    from fusedrl import row_blocks
 
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)  # blocks split sequences
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 4 * 131)  # blocks split sequences
     student, teacher, labels, mask = _inputs(seed=3, nan_padding=True)
     kwargs = dict(kind=kind, beta=0.6, temperature=1.2, backend=backend)
     ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)

@@ -138,9 +138,9 @@ def test_in_place_flat_input_and_nan_padding(kind, backend, monkeypatch):
     """In place (the gradient written over the logits, the reference's logits read beside them),
     [N, V] input, NaN in masked positions of both logits, and blocks of a few rows (a block
     boundary inside a sequence)."""
-    from fusedrl import torch_backend
+    from fusedrl import row_blocks
 
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 4 * 131)
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 4 * 131)
     cfg = LossConfig.preset("dapo").replace(kl=kind, beta=0.5)
     data = _batch(seed=7, with_nan_padding=True)
     data["ref_logits"][~data["mask"]] = float("nan")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, linear_torch, linear_triton, reference, torch_backend
+from fusedrl import LossConfig, linear_torch, linear_triton, reference, row_blocks, torch_backend
 
 from .conftest import ALL_PRESETS, needs_interpreter, numeric_gradient
 from .test_backends import OPTIONS
@@ -31,7 +31,7 @@ def backend(request, monkeypatch):
     """The backend's name; every call sweeps several row blocks / chunks and a partial last one."""
     name, _, design = request.param.partition(":")
     if name == "torch":
-        monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 5 * 1031)
+        monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 5 * 1031)
     else:
         monkeypatch.setenv(linear_triton.DESIGN_ENV, design)
         monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 1031 * 4)
@@ -431,7 +431,7 @@ def test_torch_backend_finds_each_sampling_floor_once(monkeypatch):
     monkeypatch.setattr(
         torch_backend, "sampling_floor", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    monkeypatch.setattr(torch_backend, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
+    monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", 8 * 1031)  # 21 rows: 3 blocks
     data = _sampled_batch(seed=23)
     cfg = LossConfig.preset("gspo").replace(top_p=0.8)
     run_linear(data, cfg, "torch")

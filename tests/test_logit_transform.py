@@ -50,7 +50,7 @@ def small_chunks(monkeypatch):
     """Chunks of 5 rows (Triton's design) and blocks of 5 rows (torch's): boundaries inside
     the sequences."""
     monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)
-    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    monkeypatch.setattr(fusedrl.row_blocks, "BLOCK_ELEMENTS", 5 * 131)
     monkeypatch.setattr(pair, "PAIR_CHUNK_BYTES", 2 * 5 * 131 * 4)
 
 

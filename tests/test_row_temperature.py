@@ -117,7 +117,7 @@ def test_token_logprobs_row_by_row(backend):
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 def test_lm_head_forms_equal_the_oracle(preset, backend, monkeypatch):
     monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)  # chunks of 5 rows
-    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    monkeypatch.setattr(fusedrl.row_blocks, "BLOCK_ELEMENTS", 5 * 131)
     gen = torch.Generator().manual_seed(4)
     hidden, weight = torch.randn(3, 7, 16, generator=gen), torch.randn(131, 16, generator=gen)
     data = make_batch(vocab=131, seed=4)
@@ -163,7 +163,7 @@ def test_sampling_filters_take_them(filters, backend, monkeypatch):
     policy loss (one sweep and two), the log-probs with and without a gradient and the LM-head
     forms."""
     monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * 131 * 4)
-    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * 131)
+    monkeypatch.setattr(fusedrl.row_blocks, "BLOCK_ELEMENTS", 5 * 131)
     data = make_batch(vocab=131, seed=8, with_nan_padding=True)
     temps = _temperatures(data["labels"].shape, seed=8, masked=~data["mask"])
     filt = FILTERS[filters]

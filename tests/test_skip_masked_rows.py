@@ -39,7 +39,7 @@ def head_rows(monkeypatch):
     """The number of rows of hidden states each call sends to the LM head (both backends gather
     them with linear_torch.masked_rows); small chunks, so that several chunks run."""
     monkeypatch.setattr(linear_triton, "GRAD_CHUNK_BYTES", 5 * VOCAB * 4)
-    monkeypatch.setattr(fusedrl.torch_backend, "BLOCK_ELEMENTS", 5 * VOCAB)
+    monkeypatch.setattr(fusedrl.row_blocks, "BLOCK_ELEMENTS", 5 * VOCAB)
     seen = []
     real = linear_torch.masked_rows
 
