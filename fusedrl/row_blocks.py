@@ -17,8 +17,10 @@ import torch
 BLOCK_ELEMENTS = 1 << 22
 
 
-def block_rows(vocab: int, elements: int = BLOCK_ELEMENTS) -> int:
-    """Rows of a block of about `elements` elements of [rows, vocab]."""
+def block_rows(vocab: int, elements: int | None = None) -> int:
+    """Rows of a block of about `elements` (default BLOCK_ELEMENTS, read at the call: a test's
+    smaller blocks reach every caller) elements of [rows, vocab]."""
+    elements = BLOCK_ELEMENTS if elements is None else elements
     return max(1, elements // max(vocab, 1))
 
 
@@ -35,7 +37,7 @@ def row_blocks(
     """
     batch, time, _ = tensors[0].shape
     vocab = tensors[0].shape[-1] if vocab is None else vocab
-    rows = block_rows(vocab, BLOCK_ELEMENTS if elements is None else elements)
+    rows = block_rows(vocab, elements)
     try:
         flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
     except RuntimeError:

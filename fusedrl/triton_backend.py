@@ -210,15 +210,16 @@ def _fused_token_loss_inplace_eager(logits, args):
     return _kernels().split_rows.fused_token_loss(logits, logits, args)
 
 
-def _taking_args(op: Callable, body: Callable) -> Callable:
+def _taking_args(op: Callable, body: Callable, fields: tuple[str, ...] | None = None) -> Callable:
     """A `FusedOps` entry whose last positional argument is a TokenLossArgs: eagerly `body`
-    (the launcher, which takes the object), under torch.compile `op` with its fields by keyword."""
+    (the launcher, which takes the object), under torch.compile `op` with its fields (those of
+    its schema, `fields`; None: all) by keyword."""
 
     @functools.wraps(body)
     def call(*leading, **named):
         if torch.compiler.is_compiling():
             *tensors, args = leading
-            return op(*tensors, **args.keywords(), **named)
+            return op(*tensors, **args.keywords(fields), **named)
         return body(*leading, **named)
 
     return call
@@ -263,10 +264,36 @@ def _(partials):
     return partials.new_empty(()), partials.new_empty(width)
 
 
+# The fields the terms kernel reads (kernels/sequence_terms.py): no temperature, cap, per-token
+# temperatures, grad_scale or sum of p^2 buffer (whose alias annotation would mark the op as
+# mutating, for torch.compile to functionalise).
+SEQUENCE_FIELDS = (
+    "labels",
+    "valid",
+    "advantages",
+    "agg_weight",
+    "mask",
+    "old_logp",
+    "ref_logp",
+    "is_weight",
+    "low",
+    "high",
+    "entropy_coef_tensor",
+    "loss",
+    "dual_clip_c",
+    "delta",
+    "tau_pos",
+    "tau_neg",
+    "kl",
+    "beta",
+    "entropy_coef",
+    "low_bound",
+    "high_bound",
+)
 torch.library.define(
     "fusedrl::sequence_terms",
-    f"(Tensor logp, Tensor? entropy, *, {_ARGS_SCHEMA}, bool sequence_ratio, int vocab) -> "
-    "(Tensor, Tensor, Tensor)",
+    f"(Tensor logp, Tensor? entropy, *, {op_schema(SEQUENCE_FIELDS)}, bool sequence_ratio, "
+    "int vocab) -> (Tensor, Tensor, Tensor)",
 )
 
 
@@ -394,7 +421,9 @@ OPS = FusedOps(
     sum_slots=_kernels().loss_sums.SUM_SLOTS,
     fused_sums=True,
     aggregation_weights=aggregation_weights,
-    sequence_terms=_taking_args(sequence_terms, _kernels().sequence_terms.sequence_terms),
+    sequence_terms=_taking_args(
+        sequence_terms, _kernels().sequence_terms.sequence_terms, SEQUENCE_FIELDS
+    ),
 )
 policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)

@@ -102,12 +102,34 @@ def by_name(fused_op, fused_op_inplace) -> tuple:
     aggregation weights already times grad_scale, `fused_backend.fused_token_args`.)"""
 
     def fused_token_loss(logits, grad, args):
+        _check_takes(args)
         return fused_op(logits, grad, **args.keywords(CUDA_FIELDS))
 
     def fused_token_loss_inplace(logits, args):
+        _check_takes(args)
         return fused_op_inplace(logits, **args.keywords(CUDA_FIELDS))
 
     return fused_token_loss, fused_token_loss_inplace
+
+
+def _check_takes(args) -> None:
+    """The fields outside CUDA_FIELDS must be at what the op assumes: one it dropped (a
+    grad_scale, the sums' mask or constant bounds, a sum of p^2 buffer) would be silently lost."""
+    variant = args.variant
+    if (
+        args.mask is not None
+        or args.sum_sq is not None
+        or args.grad_scale_tensor is not None
+        or args.grad_scale != 1.0
+        or variant.agg_from_mask
+        or variant.low_bound != 0.0
+        or variant.high_bound != 0.0
+    ):
+        raise ValueError(
+            "the CUDA extension's fused op keeps no sums: it takes no mask, grad_scale, constant "
+            "ratio bounds or sum_sq buffer (fused_backend.fused_token_args(sums=False) builds "
+            "its arguments)"
+        )
 
 
 def triton_terms() -> dict:

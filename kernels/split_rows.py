@@ -722,19 +722,19 @@ def split_row_loss(
         grid = (groups * slices,)
         if two_launches:
             exchange = torch.empty(rows, 2 * MAX_SLICES.value + 1, PARTIAL.value, device=device)
-            args = arguments(exchange, unused)
-            _split_row_loss_kernel[grid](*args, **constexprs, PHASE=PHASE_CODES["stats"])
-            _split_row_loss_kernel[grid](*args, **constexprs, PHASE=PHASE_CODES["finish"])
+            launch = arguments(exchange, unused)
+            _split_row_loss_kernel[grid](*launch, **constexprs, PHASE=PHASE_CODES["stats"])
+            _split_row_loss_kernel[grid](*launch, **constexprs, PHASE=PHASE_CODES["finish"])
         else:  # one slice per row (or a recorded launch): no co-residency needed
-            args = arguments(logp, unused)
-            _split_row_loss_kernel[grid](*args, **constexprs, PHASE=PHASE_CODES["one_launch"])
+            launch = arguments(logp, unused)
+            _split_row_loss_kernel[grid](*launch, **constexprs, PHASE=PHASE_CODES["one_launch"])
         return logp, entropy, partials
     plan = _cooperative_grid(arguments, variant, rows, slices, partial_rows, device)
     if plan is None:
         return None
-    grid, args, options, key = plan
+    grid, launch, options, key = plan
     try:
-        _split_row_loss_kernel[grid](*args, **options)
+        _split_row_loss_kernel[grid](*launch, **options)
     except RuntimeError as error:  # the driver's "too many blocks in cooperative launch"
         _NOT_CO_RESIDENT[key] = str(error)
         return None
@@ -786,8 +786,8 @@ def _cooperative_grid(arguments, variant, rows, slices, partial_rows, device):
     # Two ring slots of partials per group (each written before it is read), and one arrivals
     # counter per group, zero at launch (a memset of a few hundred bytes).
     ring = torch.empty(groups * 2 * MAX_SLICES.value * PARTIAL.value, device=device)
-    args = arguments(ring, torch.zeros(groups, dtype=torch.int32, device=device))
-    return (groups * slices,), args, options, key
+    launch = arguments(ring, torch.zeros(groups, dtype=torch.int32, device=device))
+    return (groups * slices,), launch, options, key
 
 
 # Per variant: the compiled kernel's (registers, shared bytes), and why a cooperative launch

@@ -591,6 +591,32 @@ def test_cuda_op_schema_matches_the_triton_op():
         assert re.search(rf'"{op}\(.*?FUSEDRL_ROW_READ', text, re.S), op
 
 
+def test_the_cuda_adapter_refuses_what_its_op_would_drop():
+    """`by_name` passes CUDA_FIELDS alone: an argument outside them at anything but the value
+    the op assumes (a grad_scale, the sums' mask or constant bounds, a sum of p^2 buffer) raises
+    instead of being lost; the driver's no-sums arguments pass."""
+    from fusedrl.kernels.cuda import by_name
+    from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+
+    seen = []
+    fused, inplace = by_name(lambda *a, **k: seen.append(k), lambda *a, **k: seen.append(k))
+    rows = torch.zeros(1, 3)
+    plain = TokenLossArgs(rows.long(), rows > 0, rows, LossVariant(), rows)
+    fused(rows, rows, plain)
+    inplace(rows, plain)
+    assert [set(k) for k in seen] == [set(CUDA_FIELDS)] * 2
+    for dropped in (
+        {"grad_scale": 0.5},
+        {"grad_scale_tensor": torch.tensor(0.5)},
+        {"mask": rows > 0},
+        {"sum_sq": rows},
+        {"variant": LossVariant(low_bound=0.8, high_bound=1.2)},
+        {"variant": LossVariant(agg_from_mask=True)},
+    ):
+        with pytest.raises(ValueError, match="keeps no sums"):
+            fused(rows, rows, plain._replace(**dropped))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def _top_level_split(text: str, opener: str) -> list[list[str]]:
     """The comma-separated arguments of every `opener(...)` call in C++ `text` (string literals

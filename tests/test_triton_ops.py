@@ -186,7 +186,7 @@ def test_opcheck_the_ops_on_rows_of_scalars():
         torch.library.opcheck(
             triton_backend.sequence_terms,
             (logp, rows),
-            {**args.keywords(), "sequence_ratio": True, "vocab": 67},
+            {**args.keywords(triton_backend.SEQUENCE_FIELDS), "sequence_ratio": True, "vocab": 67},
         )
 
 

@@ -26,9 +26,9 @@ from .._inputs import (
 from ..config import LossConfig
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
+from ..row_blocks import row_blocks
 from ..sampling import SamplingMask, check_sampling
 from ..token_terms import token_terms
-from ..torch_backend import row_blocks
 from .comm import group_size
 from .dtensor import local_value, unwrap_logits
 from .header import (

@@ -23,6 +23,7 @@ import torch
 from .. import backends, torch_backend
 from ..fused_backend import temperature_keywords
 from ..logit_transform import LogitTransform, capped_rows
+from ..row_blocks import row_blocks, rows_temperature
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,9 @@ def _torch_stats(logits, labels, valid, temperature, transform=None):
         torch.empty(batch * time, dtype=torch.float32, device=logits.device) for _ in range(3)
     )
     flat_labels = labels.reshape(-1)
-    for start, (block,) in torch_backend.row_blocks(logits):
+    for start, (block,) in row_blocks(logits):
         stop = start + block.shape[0]
-        rows_t = torch_backend.rows_temperature(temperature, start, stop)
+        rows_t = rows_temperature(temperature, start, stop)
         log_probs, block_lse = torch_backend.block_log_probs(capped_rows(block, transform), rows_t)
         logp[start:stop], entropy[start:stop] = torch_backend.block_stats(
             log_probs, block_lse, flat_labels[start:stop], True
