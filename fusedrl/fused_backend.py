@@ -494,7 +494,7 @@ def _kernel_terms(
         sequence_ratio=cfg.ratio_level == "sequence",
         vocab=inp.logits.shape[-1],
     )
-    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, old)
+    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, args.is_weight)
     # (`TokenTerms`: the derivatives of the loss the caller scales, as token_terms gives them)
     dentropy = dentropy if bonus else None
     return replace(
@@ -509,18 +509,17 @@ def _summed_terms(
     inp: LossInputs,
     cfg: LossConfig,
     need_entropy: bool,
-    old: torch.Tensor | None = None,
+    weights: torch.Tensor | None,
 ) -> TokenTerms:
     """The loss and the metrics from a kernel's sums: one launch, each metric a view of its
     means (the names of `token_terms`'s metrics for the same call). The IS weights' and the
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
-    where the call has them. `old`: the old log-probs the terms used (logp on-policy)."""
+    where the call has them. `weights`: the IS weights the kernel used (None: none)."""
     loss, means = ops.token_loss_sums(partials)
     count, slots, labels_slot = _metric_slots(ops.sum_slots, inp.ref_logp is not None, need_entropy)
     check_labels_counted(means[labels_slot], inp)
     views = means[:count].unbind()  # one op for the metrics' views (each alone is one)
     metrics = {name: views[slot] for name, slot in slots}
-    weights = resolve_is_weights(inp.old_logp if old is None else old, inp, cfg)
     if weights is not None or inp.rollout_logp is not None:
         extra = Metrics()
         if weights is not None:
@@ -569,7 +568,8 @@ def fused_sums_call(
     "fused"): the fused kernel and `token_loss_sums`, two launches (three where the aggregation
     weights need a sequence's count: their kernel first)."""
     logp, entropy, partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
-    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy)
+    weights = resolve_is_weights(inp.old_logp, inp, cfg)  # (made once per inputs: the kernel's)
+    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, weights)
     return logp, entropy if need_entropy else None, terms
 
 

@@ -118,7 +118,8 @@ class TokenLossArgs(NamedTuple):
         )
 
     def presence(self) -> tuple[bool, ...]:
-        """Which optional tensors are given (a launch variant's switches), in OPTIONAL's order."""
+        """Which optional tensors are given (a launch variant's switches), in the order
+        `token_loss._variant_launch` unpacks them."""
         return (
             self.old_logp is not None,
             self.ref_logp is not None,
@@ -131,7 +132,7 @@ class TokenLossArgs(NamedTuple):
         )
 
 
-# The per-token tensors (what a chunk of rows cuts), and the optional inputs `presence` names.
+# The per-token tensors (what a chunk of rows cuts).
 ROW_FIELDS = (
     "labels",
     "valid",
@@ -145,16 +146,6 @@ ROW_FIELDS = (
     "high",
     "row_temps",
     "sum_sq",
-)
-OPTIONAL = (
-    "old_logp",
-    "ref_logp",
-    "is_weight",
-    "low",
-    "row_temps",
-    "entropy_coef_tensor",
-    "sum_sq",
-    "grad_scale_tensor",
 )
 
 # The CUDA extension's fused op takes these (csrc/bindings.cpp, FUSEDRL_FUSED_ARGS and its
