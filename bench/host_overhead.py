@@ -160,7 +160,9 @@ def inputs(batch: int, time_: int, vocab: int, seed: int = 0) -> dict:
     )
 
 
-def fusedrl_step(preset: str, data: dict):
+def fusedrl_step(preset: str, data: dict, read_metrics: bool = False):
+    """One forward + backward; `read_metrics`: and every metric read (their 0-dim views are
+    made when first read: a caller that logs them on each micro-batch pays for them here)."""
     import fusedrl
 
     cfg = fusedrl.LossConfig.preset(preset)
@@ -178,6 +180,8 @@ def fusedrl_step(preset: str, data: dict):
             config=cfg,
             backend="triton",
         )
+        if read_metrics:
+            _ = [out.metrics[name] for name in out.metrics]
         return torch.autograd.grad(out.loss, leaf)
 
     return step
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     data = inputs(args.B, args.T, args.V)
     cases = {f"fusedrl-triton {p}": fusedrl_step(p, data) for p in ("dapo", "grpo", "gspo")}
+    cases["fusedrl-triton dapo +metrics"] = fusedrl_step("dapo", data, read_metrics=True)
     try:
         cases["liger triton_grpo_loss dapo"] = liger_step(data)
     except ImportError as err:

@@ -102,7 +102,7 @@ def with_known_grad(logits, logits3, inplace: bool, flat_input: bool, compute, g
             check_writable(logits)
             grad = logits3
         else:
-            grad = torch.empty(logits3.shape, dtype=logits.dtype, device=logits.device)
+            grad = torch.empty_like(logits3, memory_format=torch.contiguous_format)
     if torch.compiler.is_compiling():
         with torch.no_grad():
             loss, result = compute(grad)

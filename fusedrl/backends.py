@@ -37,7 +37,8 @@ class Backend(Protocol):
 
     def planned_call(self, inp, cfg, return_entropy: bool):
         """`policy_loss` of calls of this kind with a gradient as a function of (inputs, the
-        gradient buffer), decided once for the kind (`call_plan`); None: the general path."""
+        gradient buffer) -> (logp, entropy, terms), decided once for the kind (`call_plan`);
+        None: the general path. Its terms' metrics may be `output.MetricSlots` (made when read)."""
         ...
 
     def token_logprobs(

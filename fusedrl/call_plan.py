@@ -35,7 +35,7 @@ from ._inputs import (
     prepare_loss_inputs,
 )
 from .config import LossConfig
-from .output import LossOutput
+from .output import LossOutputOfSums
 
 
 class Call(NamedTuple):
@@ -74,7 +74,7 @@ class _Plan:
     per_sequence_advantages: bool  # [B] advantages, broadcast over T
     inplace: bool  # the gradient written into the logits (checked writable on every call)
 
-    def run(self, call: Call) -> LossOutput:
+    def run(self, call: Call) -> LossOutputOfSums:
         inp = self.inputs(call)
 
         def compute(grad):
@@ -87,7 +87,7 @@ class _Plan:
         if self.flat_input:
             logp = logp[0]
             entropy = None if entropy is None else entropy[0]
-        return LossOutput(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
+        return LossOutputOfSums(loss=loss, logp=logp, entropy=entropy, metrics=terms.metrics)
 
     def inputs(self, call: Call) -> LossInputs:
         """`prepare_loss_inputs(..., mask_rows=False)` of a call of this kind, its metadata
@@ -100,8 +100,8 @@ class _Plan:
             checked_mask = check_mask(mask, shape, logits.device)
             valid = checked_mask != 0
         advantages = detached(call.advantages).float()
-        if self.per_sequence_advantages:
-            advantages = advantages.unsqueeze(1).expand(shape)
+        if self.per_sequence_advantages:  # [B] over T: one view (unsqueeze + expand is two)
+            advantages = advantages.as_strided(shape, (advantages.stride(0), 0))
         old = None if call.old_logp is None else detached(call.old_logp).float()
         ref = None if call.ref_logp is None else detached(call.ref_logp).float()
         rollout = None if call.rollout_logp is None else detached(call.rollout_logp).float()
@@ -118,10 +118,6 @@ class _Plan:
         )
 
 
-def _kind(t) -> tuple | None:
-    return None if t is None else (t.dtype, t.shape, t.device)
-
-
 _TENSOR = torch.Tensor
 
 
@@ -130,26 +126,21 @@ def _number_or_kind(value) -> object:
     if value is None:
         return None
     if type(value) is _TENSOR:
-        return _kind(value)
+        return value.dtype, value.shape, value.device
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return "number"  # (its value checked on every call)
     return False
 
 
 def _key(call: Call) -> tuple | None:
-    """The call's kind; None where it is not planned. (Written out, not looped: a generator
-    costs more than the checks.)"""
-    logits, old_logp, ref_logp, rollout_logp = (
-        call.logits,
-        call.old_logp,
-        call.ref_logp,
-        call.rollout_logp,
-    )
+    """The call's kind; None where it is not planned. (Written out, not looped or factored: at
+    a host-bound size each helper call or generator costs more than the check it makes.)"""
+    logits, labels, advantages, mask, old_logp, ref_logp, rollout_logp = call[:7]
     if not (
         type(logits) is _TENSOR
-        and type(call.labels) is _TENSOR
-        and type(call.advantages) is _TENSOR
-        and type(call.mask) is _TENSOR
+        and type(labels) is _TENSOR
+        and type(advantages) is _TENSOR
+        and type(mask) is _TENSOR
         and logits.dim() > 0
         and (old_logp is None or type(old_logp) is _TENSOR)
         and (ref_logp is None or type(ref_logp) is _TENSOR)
@@ -169,17 +160,27 @@ def _key(call: Call) -> tuple | None:
         norm,
         scale,
         bool(call.inplace),
-        _kind(logits),
-        _kind(call.labels),
-        _kind(call.advantages),
-        _kind(call.mask),
-        _kind(old_logp),
-        _kind(ref_logp),
-        _kind(rollout_logp),
+        logits.dtype,
+        logits.shape,
+        logits.device,
+        labels.dtype,
+        labels.shape,
+        labels.device,
+        advantages.dtype,
+        advantages.shape,
+        advantages.device,
+        mask.dtype,
+        mask.shape,
+        mask.device,
+        None if old_logp is None else (old_logp.dtype, old_logp.shape, old_logp.device),
+        None if ref_logp is None else (ref_logp.dtype, ref_logp.shape, ref_logp.device),
+        None
+        if rollout_logp is None
+        else (rollout_logp.dtype, rollout_logp.shape, rollout_logp.device),
     )
 
 
-def policy_loss(call: Call) -> LossOutput | None:
+def policy_loss(call: Call) -> LossOutputOfSums | None:
     """The planned call's output, or None where the call takes the general path."""
     if torch.compiler.is_compiling():  # (the plans are the eager host's; compile traces ops)
         return None

@@ -31,6 +31,7 @@ from ._inputs import (
 )
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
 from .logit_transform import LogitTransform
+from .output import MetricSlots
 from .row_blocks import row_blocks, rows_temperature
 from .sampling import SamplingMask, mask_to_sampled_set
 from .token_terms import (
@@ -510,24 +511,32 @@ def _summed_terms(
     cfg: LossConfig,
     need_entropy: bool,
     weights: torch.Tensor | None,
+    views_when_read: bool = False,
 ) -> TokenTerms:
     """The loss and the metrics from a kernel's sums: one launch, each metric a view of its
     means (the names of `token_terms`'s metrics for the same call). The IS weights' and the
     train / inference mismatch metrics, which count sequences, are taken from logp on the host
-    where the call has them. `weights`: the IS weights the kernel used (None: none)."""
+    where the call has them. `weights`: the IS weights the kernel used (None: none).
+    `views_when_read`: the metrics as `MetricSlots`, for a `LossOutputOfSums` to make when
+    read (the planned call's)."""
     loss, means = ops.token_loss_sums(partials)
     count, slots, labels_slot = _metric_slots(ops.sum_slots, inp.ref_logp is not None, need_entropy)
     check_labels_counted(means[labels_slot], inp)
-    views = means[:count].unbind()  # one op for the metrics' views (each alone is one)
-    metrics = {name: views[slot] for name, slot in slots}
+    extra = {}
     if weights is not None or inp.rollout_logp is not None:
-        extra = Metrics()
+        pending = Metrics()
         if weights is not None:
-            extra.mean("is_weight_mean", weights, inp)
-            extra["is_weight_max"] = max_over_valid(weights, inp)
-        add_mismatch_metrics(extra, logp, weights, inp)
-        metrics.update(extra.finish())
-    return TokenTerms(loss=loss, dlogp=None, dentropy=None, metrics=metrics)
+            pending.mean("is_weight_mean", weights, inp)
+            pending["is_weight_max"] = max_over_valid(weights, inp)
+        add_mismatch_metrics(pending, logp, weights, inp)
+        extra = pending.finish()
+    metrics = MetricSlots(means, count, slots, extra)
+    return TokenTerms(
+        loss=loss,
+        dlogp=None,
+        dentropy=None,
+        metrics=metrics if views_when_read else metrics.views(),
+    )
 
 
 @functools.cache
@@ -563,13 +572,15 @@ def fused_sums_call(
     need_entropy: bool,
     grad_out: torch.Tensor,
     sum_sq: torch.Tensor | None = None,
+    views_when_read: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, TokenTerms]:
     """The call as the fused kernel whose own sums are the loss and the metrics (`_terms_source`
     "fused"): the fused kernel and `token_loss_sums`, two launches (three where the aggregation
-    weights need a sequence's count: their kernel first)."""
+    weights need a sequence's count: their kernel first). `views_when_read`: as
+    `_summed_terms`'s."""
     logp, entropy, partials = _fused_token_level(ops, inp, cfg, grad_out, sum_sq)
     weights = resolve_is_weights(inp.old_logp, inp, cfg)  # (made once per inputs: the kernel's)
-    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, weights)
+    terms = _summed_terms(ops, partials, logp, inp, cfg, need_entropy, weights, views_when_read)
     return logp, entropy if need_entropy else None, terms
 
 
@@ -582,7 +593,9 @@ def planned_call(ops: FusedOps, inp: LossInputs, cfg: LossConfig, need_entropy: 
         return None
     if _terms_source(ops, inp, cfg, fused=True) != "fused":
         return None
-    return functools.partial(fused_sums_call, ops, cfg=cfg, need_entropy=need_entropy)
+    return functools.partial(
+        fused_sums_call, ops, cfg=cfg, need_entropy=need_entropy, views_when_read=True
+    )
 
 
 def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:

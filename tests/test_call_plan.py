@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import api, call_plan, reference, single_process
+from fusedrl import api, call_plan, output, reference, single_process
 from fusedrl._inputs import prepare_loss_inputs
 
 from .conftest import make_batch, needs_interpreter
@@ -137,6 +137,30 @@ def test_planned_calls_equal_the_general_path(preset, kind):
         torch.testing.assert_close(out.loss.double(), oracle.loss, rtol=1e-5, atol=1e-6)
     plans = [p for p in call_plan._PLANS.values() if p is not None and p.config is cfg]
     assert len(plans) == 1, "the calls of one kind were not planned once"
+
+
+def test_planned_metrics_are_made_when_first_read():
+    """The planned call's output holds its metrics as slots of the kernel's means until
+    `metrics` is read; then a plain dict, the same object on every read, equal to the general
+    path's; a LossOutput to dataclasses (replace, ==) and to an assignment."""
+    cfg = fusedrl.LossConfig.preset("dapo")
+    data = _kind_batch(0, rollout=True)
+    leaf = data["logits"].detach().requires_grad_(True)
+    for _ in range(2):  # the second call is planned
+        out = fusedrl.policy_loss(leaf, **_keywords(data, cfg), backend="triton")
+    assert isinstance(out, fusedrl.LossOutput)
+    assert isinstance(out.__dict__["metrics"], output.MetricSlots)
+    metrics = out.metrics
+    assert type(metrics) is dict and out.metrics is metrics
+    assert {"clipfrac", "ppo_kl", "logp_mean"} <= metrics.keys() and "is_weight_mean" not in metrics
+    assert any(name.startswith("mismatch") for name in metrics), sorted(metrics)
+    want = single_process.policy_loss(leaf, **_keywords(data, cfg), backend="triton")
+    assert metrics.keys() == want.metrics.keys()
+    assert all(torch.equal(metrics[k], want.metrics[k]) for k in metrics)
+    again = dataclasses.replace(out, loss=out.loss * 2)
+    assert again.metrics is metrics and out == dataclasses.replace(out)
+    out.metrics = {"x": out.loss}
+    assert out.metrics.keys() == {"x"}
 
 
 def test_every_argument_is_planned_or_at_its_default():
