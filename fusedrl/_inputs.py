@@ -169,7 +169,9 @@ def check_row_temperatures(
     if temperature.device != device:
         raise ValueError(f"temperature is on {temperature.device} but the logits are on {device}")
     values = temperature.float()
-    if not flat_input and values.dim() == 1 and values.shape[0] == shape[0]:
+    if values.dim() == 0:  # one for every token, kept on the device
+        values = values.expand(shape)
+    elif not flat_input and values.dim() == 1 and values.shape[0] == shape[0]:
         values = values[:, None].expand(shape)  # one per sequence
     if tuple(values.shape) != tuple(shape):
         raise ValueError(
@@ -548,14 +550,33 @@ def _checked_is_weights(is_weights, config, shape, device, flat_input) -> torch.
     return check_advantages(is_weights, shape, device, flat_input, name="is_weights")
 
 
+def temperature_in_config(config: object, temperature: object) -> tuple[object, object]:
+    """The loss functions' `temperature=` set one way: a number takes config.temperature's
+    place (which must then be 1: one temperature, not two), a tensor stays per-token
+    temperatures. Returns (config, temperature); a bad config is left as it is, for
+    `prepare_loss_inputs` to name."""
+    if temperature is None or isinstance(temperature, torch.Tensor):
+        return config, temperature
+    value = check_temperature(temperature)
+    if config is None or isinstance(config, LossConfig):
+        cfg = config if config is not None else LossConfig()
+        if cfg.temperature != 1.0:
+            raise ValueError(
+                f"temperature={temperature!r} and config.temperature={cfg.temperature} are both "
+                "set: pass one"
+            )
+        return cfg.replace(temperature=value), None
+    return config, temperature
+
+
 def _checked_row_temperatures(temperature, config, shape, device, flat_input, valid):
     """`temperature=` per-token temperatures (in place of config.temperature), or None."""
     if temperature is None:
         return None
     if not isinstance(temperature, torch.Tensor):
         raise TypeError(
-            f"temperature must be a tensor of per-token temperatures (a single one goes in "
-            f"config.temperature), got {type(temperature).__name__}"
+            f"temperature must be a number or a tensor of per-token temperatures, got "
+            f"{type(temperature).__name__}"
         )
     if config.temperature != 1.0:
         raise ValueError(

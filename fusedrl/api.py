@@ -9,6 +9,7 @@ from ._inputs import (
     capping_transform,
     check_sum_pi_squared,
     scaled_temperature,
+    temperature_in_config,
 )
 from .backends import BACKENDS
 from .config import LossConfig
@@ -36,7 +37,7 @@ def policy_loss(
     vocab_size: int | None = None,
     ref_logits: torch.Tensor | None = None,
     return_sum_pi_squared: bool = False,
-    temperature: torch.Tensor | None = None,
+    temperature: float | torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
     logit_scale: float | None = None,
@@ -73,8 +74,8 @@ def policy_loss(
             (config.kl="full" / "full_reverse"; ref_logp is then not passed).
         return_sum_pi_squared: also return sum_v pi_v^2 per token (the Optimal Token Baseline's
             input) as `sum_pi_squared`.
-        temperature: per-token temperatures ([B, T] or [B]; finite > 0 where counted) in place
-            of config.temperature (then left at 1).
+        temperature: a number, or per-token temperatures ([B, T], [B] or 0-dim; finite > 0
+            where counted), in place of config.temperature (then left at 1).
         prox_logp: decoupled PPO's [B, T] proximal-policy log-probs (the ratio is taken against
             them, each token weighted by pi_prox / pi_behav; old_logp is the behaviour's).
         entropy_coef: the entropy bonus's coefficient as a one-element device tensor, in place
@@ -128,6 +129,7 @@ def policy_loss(
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
+        config, temperature = temperature_in_config(config, temperature)
         transform = capping_transform(softcap, logit_scale)
         if logit_scale is not None and transform is None:
             # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)

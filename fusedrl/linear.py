@@ -14,6 +14,7 @@ from . import linear_single_process, output
 from ._inputs import (
     check_skip_masked_rows,
     check_sum_pi_squared,
+    temperature_in_config,
 )
 from .config import LossConfig
 from .logit_transform import check_logit_transform, model_logit_transform
@@ -95,7 +96,7 @@ def linear_policy_loss(
     ref_bias: torch.Tensor | None = None,
     softcap: float | None = None,
     logit_scale: float | None = None,
-    temperature: torch.Tensor | None = None,
+    temperature: float | torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
     return_sum_pi_squared: bool = False,
@@ -139,6 +140,7 @@ def linear_policy_loss(
 
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
+        config, temperature = temperature_in_config(config, temperature)
         transform, skip_masked_rows = _check_linear_loss_arguments(
             config,
             ref_weight,

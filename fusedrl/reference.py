@@ -21,7 +21,15 @@ import math
 
 import torch
 
-from ._inputs import LossInputs, check_labels, check_logits, check_temperature, prepare_loss_inputs
+from ._inputs import (
+    LossInputs,
+    check_labels,
+    check_logits,
+    check_sum_pi_squared,
+    check_temperature,
+    prepare_loss_inputs,
+    temperature_in_config,
+)
 from .config import LossConfig, parse_rejection
 from .output import LossOutput
 
@@ -636,16 +644,22 @@ def policy_loss(
     return_entropy: bool = False,
     is_weights: torch.Tensor | None = None,
     ref_logits: torch.Tensor | None = None,
-    temperature: torch.Tensor | None = None,
+    temperature: float | torch.Tensor | None = None,
     prox_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
     logit_scale: float | None = None,
     softcap: float | None = None,
+    grad_scale: float | torch.Tensor | None = None,
+    return_sum_pi_squared: bool = False,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
 
     `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
-    `temperature`: per-token temperatures, each token's logits divided by its own.
+    `grad_scale` is checked and has no other effect: fusedrl writes its gradient times it and
+    divides it out of the upstream gradient, so its gradients are autograd's, as here.
+    `temperature`: a number in place of config.temperature, or per-token temperatures, each
+    token's logits divided by its own. `return_sum_pi_squared`: sum_v pi_v^2 per counted token
+    from the probabilities at that temperature (0 elsewhere).
     `prox_logp`: decoupled PPO (AReaL's ppo_actor_loss_fn): the ratio against pi_prox, each
     token's loss times pi_prox / pi_behav (old_logp: the behaviour policy; its log clamped at
     +-20 before the exp, as verl clamps log-ratios), dropped above config.decoupled_is_cap.
@@ -658,7 +672,8 @@ def policy_loss(
         logits = _model_logits(logits, logit_scale, softcap)
         if ref_logits is not None:
             ref_logits = _model_logits(ref_logits, logit_scale, softcap)
-    cfg = config if config is not None else LossConfig()
+    cfg, temperature = temperature_in_config(config, temperature)
+    cfg = cfg if cfg is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
         # log(pi_prox / pi_behav) clamped at +-20 before the exp, as verl clamps its log-ratios
         log_w = (prox_logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -683,6 +698,7 @@ def policy_loss(
         ref_logits=ref_logits,
         temperature=temperature,
         entropy_coef=entropy_coef,
+        grad_scale=grad_scale,
     )
     bonus_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef.float().reshape(())
     has_bonus = entropy_coef is not None or cfg.entropy_coef != 0.0
@@ -767,11 +783,19 @@ def policy_loss(
     unflat = (lambda t: t[0]) if inp.flat_input else (lambda t: t)
     logp_out = unflat(torch.where(inp.valid, logp.detach(), 0.0))
     ent_out = None if entropy is None else unflat(torch.where(inp.valid, entropy.detach(), 0.0))
+    squares = None
+    if return_sum_pi_squared:
+        check_sum_pi_squared(cfg.sampling is not None)
+        with torch.no_grad():
+            wide = torch.float64 if safe_logits.dtype == torch.float64 else torch.float32
+            probs = torch.softmax(safe_logits.to(wide) / divisor, dim=-1)
+            squares = unflat(torch.where(inp.valid, (probs * probs).sum(-1), 0.0))
     return LossOutput(
         loss=loss,
         logp=logp_out,
         entropy=ent_out,
         metrics={k: v.detach() for k, v in metrics.items()},
+        sum_pi_squared=squares,
     )
 
 

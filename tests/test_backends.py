@@ -398,24 +398,50 @@ def test_policy_loss_module_and_auto_backend():
     torch.testing.assert_close(auto.loss, ref.loss)
 
 
+# What each public surface of the policy loss does not take of policy_loss's arguments, and why;
+# anything else policy_loss takes, every surface takes (a new argument joins them all, or here).
+SURFACE_EXCEPTIONS = {
+    # the LM-head form: hidden states and the head in place of logits that never exist
+    "linear_policy_loss": {"logits", "inplace", "ref_logits"},
+    # the oracle: one process, the whole vocabulary
+    "reference.policy_loss": {"tp_group", "vocab_start", "vocab_size"},
+    "PolicyLoss": set(),
+}
+
+
+def _surface_arguments() -> dict[str, set[str]]:
+    import inspect
+
+    def names(function):
+        return set(inspect.signature(function).parameters) - {"self"}
+
+    module = names(fusedrl.PolicyLoss.__init__) | names(fusedrl.PolicyLoss.forward)
+    return {
+        "linear_policy_loss": names(fusedrl.linear_policy_loss),
+        "reference.policy_loss": names(reference.policy_loss),
+        "PolicyLoss": module,
+    }
+
+
 def test_every_surface_accepts_what_policy_loss_accepts():
-    """PolicyLoss (its constructor's settings and forward's keywords together) takes every
-    argument of policy_loss; a per-token temperature and a device entropy coefficient through
-    the module equal the function's."""
+    """Every surface of the policy loss (the module, its constructor's settings and forward's
+    keywords together; the LM-head form; the oracle) takes every argument of policy_loss
+    but its named exceptions; a per-token temperature, a number temperature and a device
+    entropy coefficient through the module equal the function's."""
     import inspect
 
     wanted = set(inspect.signature(fusedrl.policy_loss).parameters)
-    module = set(inspect.signature(fusedrl.PolicyLoss.__init__).parameters)
-    module |= set(inspect.signature(fusedrl.PolicyLoss.forward).parameters)
-    assert not wanted - module, sorted(wanted - module)
+    for surface, takes in _surface_arguments().items():
+        assert wanted - takes == SURFACE_EXCEPTIONS[surface], surface
     data = make_batch(seed=22)
     args = {k: v for k, v in data.items() if k != "logits"}
-    extra = dict(temperature=torch.full(data["labels"].shape, 0.8), entropy_coef=torch.tensor(0.01))
-    out = fusedrl.PolicyLoss("dapo", backend="torch")(data["logits"], **args, **extra)
-    want = fusedrl.policy_loss(
-        data["logits"], config=LossConfig.preset("dapo"), **args, backend="torch", **extra
-    )
-    torch.testing.assert_close(out.loss, want.loss, atol=0, rtol=0)
+    for temperature in (torch.full(data["labels"].shape, 0.8), 0.8):
+        extra = dict(temperature=temperature, entropy_coef=torch.tensor(0.01))
+        out = fusedrl.PolicyLoss("dapo", backend="torch")(data["logits"], **args, **extra)
+        want = fusedrl.policy_loss(
+            data["logits"], config=LossConfig.preset("dapo"), **args, backend="torch", **extra
+        )
+        torch.testing.assert_close(out.loss, want.loss, atol=0, rtol=0)
 
 
 def test_unavailable_backends_raise_clearly(monkeypatch):

@@ -129,6 +129,26 @@ def test_bad_grad_scale_is_named(backend, bad, error, match):
         _run(data, CONFIGS["dapo"], backend, 1.0, grad_scale=bad)
 
 
+def test_the_oracle_takes_it_as_a_checked_no_op():
+    """fusedrl divides its declared factor out of the upstream gradient, so its gradients are
+    autograd's at any factor: the oracle's with grad_scale are its own without, and a bad one
+    is named there too."""
+    data = make_batch(seed=3)
+    logits = data.pop("logits")
+    outs = []
+    for scale in (None, 0.25):
+        leaf = logits.detach().requires_grad_(True)
+        out = fusedrl.reference.policy_loss(leaf, **data, grad_scale=scale)
+        outs.append((out.loss, torch.autograd.grad(out.loss * 0.25, leaf)[0]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    leaf = logits.detach().requires_grad_(True)
+    ours = fusedrl.policy_loss(leaf, **data, backend="torch", grad_scale=0.25)
+    (grad,) = torch.autograd.grad(ours.loss * 0.25, leaf)
+    torch.testing.assert_close(grad, outs[1][1], atol=1e-7, rtol=1e-5)
+    with pytest.raises(ValueError, match="grad_scale must be a finite number != 0"):
+        fusedrl.reference.policy_loss(logits, **data, grad_scale=0.0)
+
+
 LINEAR_CONFIGS = {
     "dapo": LossConfig.preset("dapo"),  # one sweep: the derivatives with each chunk
     "gspo": LossConfig.preset("gspo"),  # a forward sweep, the terms, a gradient sweep

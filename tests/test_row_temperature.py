@@ -224,6 +224,43 @@ def test_misuse_is_named():
     torch.testing.assert_close(one.loss, fusedrl.policy_loss(**data, temperature=temps).loss)
 
 
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_one_temperature_set_one_way(backend):
+    """`temperature=` a number is config.temperature (policy_loss, the LM-head form, the
+    oracle); a 0-dim tensor is that number on every token; both set, or a temperature of
+    another type, is refused by name."""
+    data = make_batch(vocab=37, seed=4)
+    cfg = LossConfig.preset("dapo")
+    want, want_grad = run_loss(
+        fusedrl.policy_loss, data, cfg.replace(temperature=0.7), backend=backend
+    )
+    for temperature in (0.7, torch.tensor(0.7)):
+        out, grad = run_loss(
+            fusedrl.policy_loss, data, cfg, backend=backend, temperature=temperature
+        )
+        torch.testing.assert_close(out.loss, want.loss, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-6)
+    oracle, oracle_grad = run_loss(reference.policy_loss, data, cfg, temperature=0.7)
+    torch.testing.assert_close(oracle.loss, want.loss, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(oracle.loss, run_loss(reference.policy_loss, data, cfg)[0].loss)
+    hidden = torch.randn(*data["labels"].shape, 8, generator=torch.Generator().manual_seed(2))
+    weight = torch.randn(37, 8, generator=torch.Generator().manual_seed(3))
+    args = {k: v for k, v in data.items() if k != "logits"}
+    linear = fusedrl.linear_policy_loss(hidden, weight, **args, config=cfg, temperature=0.7)
+    head = reference.policy_loss(hidden @ weight.T, **args, config=cfg.replace(temperature=0.7))
+    torch.testing.assert_close(linear.loss, head.loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"temperature=0.7 and config.temperature=0.5"):
+        fusedrl.policy_loss(**data, config=cfg.replace(temperature=0.5), temperature=0.7)
+    with pytest.raises(ValueError, match=r"temperature=0.7 and config.temperature=0.5"):
+        fusedrl.linear_policy_loss(
+            hidden, weight, **args, config=cfg.replace(temperature=0.5), temperature=0.7
+        )
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        fusedrl.policy_loss(**data, temperature=-1.0)
+    with pytest.raises(TypeError, match="temperature must be a number"):
+        fusedrl.policy_loss(**data, temperature="0.7")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["jsd", "reverse_kl", "sampled_reverse_kl"])
 def test_distillation_takes_them(kind, backend):

@@ -69,6 +69,24 @@ def test_policy_loss_returns_it_without_changing_the_loss(backend, inplace):
     assert (outs[1].sum_pi_squared[~mask] == 0).all()  # NaN padding does not leak
     torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=0, rtol=0)
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+    oracle = reference.policy_loss(**data, config=cfg, return_sum_pi_squared=True)
+    torch.testing.assert_close(oracle.sum_pi_squared, want, atol=1e-6, rtol=1e-4)
+
+
+def test_the_oracle_takes_per_token_temperatures_and_refuses_sampling_filters():
+    """reference.policy_loss(return_sum_pi_squared=True) at per-token temperatures: each row's
+    from its own (`reference.sum_pi_squared` row by row); sampled sets are refused as by
+    policy_loss."""
+    data = make_batch(vocab=131, seed=6, with_nan_padding=True)
+    temps = 0.5 + torch.rand(data["labels"].shape, generator=torch.Generator().manual_seed(1))
+    out = reference.policy_loss(**data, temperature=temps, return_sum_pi_squared=True)
+    for b, t in [(0, 0), (1, 3), (2, 5)]:
+        if data["mask"][b, t]:
+            row = reference.sum_pi_squared(data["logits"][b, t][None], float(temps[b, t]))[0]
+            torch.testing.assert_close(out.sum_pi_squared[b, t], row, atol=1e-6, rtol=1e-5)
+    assert (out.sum_pi_squared[~data["mask"]] == 0).all() and data["mask"][0, 0]
+    with pytest.raises(NotImplementedError, match="sum"):
+        reference.policy_loss(**data, config=LossConfig(top_k=5), return_sum_pi_squared=True)
 
 
 @needs_interpreter
