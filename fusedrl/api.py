@@ -43,6 +43,8 @@ def policy_loss(
     logit_scale: float | None = None,
     softcap: float | None = None,
     grad_scale: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -86,6 +88,10 @@ def policy_loss(
             row is read.
         grad_scale: the factor the caller will multiply the loss by before backward (a number or
             a one-element device tensor): the gradient is written already times it.
+        cu_seqlens: packed sequences: int32 / int64 [S + 1] boundaries of the S sequences whose
+            tokens the [N, V] logits concatenate (flash-attention's convention); advantages
+            [S] or [N], every per-token argument [N]; as the padded call (fusedrl/packed.py).
+        max_seqlen: the longest sequence's length, if known (else read: one host sync).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -104,6 +110,8 @@ def policy_loss(
         entropy_coef,
         logit_scale,
         softcap,
+        cu_seqlens,
+        max_seqlen,
     ):
         out = call_plan.policy_loss(
             call_plan.Call(
@@ -129,19 +137,38 @@ def policy_loss(
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
-        config, temperature = temperature_in_config(config, temperature)
-        transform = capping_transform(softcap, logit_scale)
-        if logit_scale is not None and transform is None:
-            # (a bad config or temperature is left as it is, for prepare_loss_inputs to name)
-            if isinstance(temperature, torch.Tensor):
-                temperature = scaled_temperature(temperature, logit_scale)
-            elif config is None or isinstance(config, LossConfig):
-                cfg = config if config is not None else LossConfig()
-                config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
+        config, temperature, transform = _model_head(config, temperature, softcap, logit_scale)
         if sharded:
             _refuse_under_tensor_parallelism(
                 prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
+        if cu_seqlens is not None or max_seqlen is not None:
+            _refuse_when_packed(cu_seqlens, sharded, inplace, ref_logits, config)
+    if cu_seqlens is not None:
+        from . import packed
+
+        return packed.policy_loss(
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            config,
+            normalizer,
+            backend,
+            return_entropy,
+            is_weights,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            temperature=temperature,
+            prox_logp=prox_logp,
+            entropy_coef=entropy_coef,
+            transform=transform,
+            return_sum_pi_squared=return_sum_pi_squared,
+            grad_scale=grad_scale,
+        )
     if sharded:
         from . import tp
 
@@ -202,6 +229,8 @@ def _plannable(
     entropy_coef,
     logit_scale,
     softcap,
+    cu_seqlens,
+    max_seqlen,
 ) -> bool:
     """Whether every argument of `policy_loss` outside `call_plan.PLANNED` is at its default:
     such a call's kind may be decided once (tests/test_call_plan.py checks the two lists)."""
@@ -217,7 +246,42 @@ def _plannable(
         and entropy_coef is None
         and logit_scale is None
         and softcap is None
+        and cu_seqlens is None
+        and max_seqlen is None
     )
+
+
+def _model_head(config, temperature, softcap, logit_scale) -> tuple:
+    """(config, temperature, transform) with the temperature set one way and the model's head
+    resolved: a soft cap as the transform the kernels apply, a bare logit scale folded into the
+    temperature. (A bad config or temperature is left as it is, for prepare_loss_inputs to
+    name.)"""
+    config, temperature = temperature_in_config(config, temperature)
+    transform = capping_transform(softcap, logit_scale)
+    if logit_scale is not None and transform is None:
+        if isinstance(temperature, torch.Tensor):
+            temperature = scaled_temperature(temperature, logit_scale)
+        elif config is None or isinstance(config, LossConfig):
+            cfg = config if config is not None else LossConfig()
+            config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
+    return config, temperature, transform
+
+
+def _refuse_when_packed(cu_seqlens, sharded: bool, inplace: bool, ref_logits, config) -> None:
+    if cu_seqlens is None:
+        raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+    if sharded:
+        raise NotImplementedError("cu_seqlens under tensor parallelism is not supported yet")
+    if inplace:
+        raise NotImplementedError(
+            "inplace=True with cu_seqlens is not supported yet (the packed loss's gradient "
+            "comes from its log-prob pass's backward): pass inplace=False"
+        )
+    if ref_logits is not None or (isinstance(config, LossConfig) and config.full_kl):
+        raise NotImplementedError(
+            "config.kl='full' / 'full_reverse' (ref_logits) with cu_seqlens is not supported "
+            "yet: use a per-token KL estimator"
+        )
 
 
 def _refuse_under_tensor_parallelism(
@@ -396,6 +460,8 @@ class PolicyLoss(torch.nn.Module):
         vocab_start=None,
         vocab_size=None,
         grad_scale=None,
+        cu_seqlens=None,
+        max_seqlen=None,
     ) -> LossOutput:
         """`policy_loss` with this module's config, backend, inplace and head settings; every
         other keyword as there."""
@@ -424,6 +490,8 @@ class PolicyLoss(torch.nn.Module):
             softcap=self.softcap,
             logit_scale=self.logit_scale,
             grad_scale=grad_scale,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
 
     def extra_repr(self) -> str:

@@ -651,8 +651,13 @@ def policy_loss(
     softcap: float | None = None,
     grad_scale: float | torch.Tensor | None = None,
     return_sum_pi_squared: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LossOutput:
     """The GRPO-family policy loss of DESIGN section 4, eager and in fp32.
+
+    `cu_seqlens`: packed [N, V] logits of S sequences: the padded call on the sequences cut
+    out of them (`max_seqlen` unused), its per-token outputs packed again.
 
     `inplace` and `backend` exist for signature parity with `fusedrl.policy_loss`; ignored.
     `grad_scale` is checked and has no other effect: fusedrl writes its gradient times it and
@@ -672,6 +677,15 @@ def policy_loss(
         logits = _model_logits(logits, logit_scale, softcap)
         if ref_logits is not None:
             ref_logits = _model_logits(ref_logits, logit_scale, softcap)
+    if cu_seqlens is not None:
+        tensors = dict(labels=labels, advantages=advantages, mask=mask, old_logp=old_logp)
+        tensors.update(ref_logp=ref_logp, rollout_logp=rollout_logp, is_weights=is_weights)
+        tensors.update(temperature=temperature, prox_logp=prox_logp)
+        rest = dict(config=config, normalizer=normalizer, return_entropy=return_entropy)
+        rest.update(ref_logits=ref_logits, entropy_coef=entropy_coef, grad_scale=grad_scale)
+        rest.update(logit_scale=logit_scale, softcap=softcap)
+        rest.update(return_sum_pi_squared=return_sum_pi_squared)
+        return _packed(logits, cu_seqlens, tensors, rest)
     cfg, temperature = temperature_in_config(config, temperature)
     cfg = cfg if cfg is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:
@@ -796,6 +810,39 @@ def policy_loss(
         entropy=ent_out,
         metrics={k: v.detach() for k, v in metrics.items()},
         sum_pi_squared=squares,
+    )
+
+
+def _packed(logits, cu_seqlens, tensors: dict, rest: dict):
+    """`policy_loss` of packed sequences as the padded call: each sequence cut out of the [N, V]
+    logits and its per-token inputs ([N]) and padded to the longest (mask False there); a
+    per-sequence input ([S], [S, 1]) as it is."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    tokens = logits.shape[0]
+    longest = max((b - a for a, b in spans), default=0)
+
+    def padded(x, fill=0):
+        if not isinstance(x, torch.Tensor) or not (x.dim() >= 1 and x.shape[0] == tokens):
+            return x  # None, a number, or one per sequence
+        tail = x.shape[1:]
+        rows = [torch.cat([x[a:b], x.new_full((longest - b + a, *tail), fill)]) for a, b in spans]
+        return torch.stack(rows) if rows else x.new_zeros((0, longest, *tail))
+
+    def packed(x):
+        if x is None or not spans:
+            return None if x is None else x.new_zeros(0)
+        return torch.cat([x[s, : b - a] for s, (a, b) in enumerate(spans)])
+
+    fills = {"mask": False if tensors["mask"].dtype == torch.bool else 0, "is_weights": 1.0}
+    fills["temperature"] = 1.0
+    arguments = {name: padded(value, fills.get(name, 0)) for name, value in tensors.items()}
+    out = policy_loss(padded(logits), **arguments, **rest)
+    return dataclasses.replace(
+        out,
+        logp=packed(out.logp),
+        entropy=packed(out.entropy),
+        sum_pi_squared=packed(out.sum_pi_squared),
     )
 
 

@@ -1,0 +1,275 @@
+"""Packed sequences: `policy_loss(..., cu_seqlens=)` on padding-free [N, V] logits.
+
+Padding-free batches (verl's `use_remove_padding=True`, TRL's padding-free option, prime-rl's
+and OpenRLHF's packed micro-batches) hand the loss the concatenated tokens of S sequences and
+their boundaries, `cu_seqlens` (int32 / int64 [S + 1], flash-attention's convention: sequence s
+is rows cu_seqlens[s] to cu_seqlens[s + 1]). The result equals the padded call on the same
+sequences, for every objective and option (tests/test_packed.py):
+
+- A loss whose every term is a token's own (token-mean aggregation, token-level ratios and
+  rejection, no rollout log-probs or IS weights, whose metrics count sequences) does not see the
+  boundaries: it is the plain [N, V] call, the fused kernel's one read and one write.
+- Every other loss reads the logits once for the log-probs and entropy (the backend's log-prob
+  pass, differentiable), takes its per-sequence terms on the [S, T_max] padded layout of those
+  per-token scalars (a few floats a token; the logits are never padded or copied), and hands
+  d(loss)/d(logp) and d(loss)/d(entropy) back to the log-prob pass's backward, which reads the
+  logits once more and writes the gradient: 2R + 1W, as the padded two-pass losses.
+
+T_max (the longest sequence) sizes the padded layout: `max_seqlen=` gives it, as
+flash-attention's varlen functions take it; without it, it is read from `cu_seqlens` (one host
+sync on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import output, single_process
+from ._autograd import attach_grads
+from ._inputs import (
+    _fail_if,
+    check_sum_pi_squared,
+    masked_rows,
+    needs_entropy,
+    prepare_loss_inputs,
+)
+from .config import LossConfig
+from .logit_transform import LogitTransform
+from .output import LossOutput
+from .token_terms import token_terms
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class Segments:
+    """The sequences of a packed batch: their boundaries, lengths, and each padded position's
+    flat row (`rows`, N where the position is padding) and whether it holds a token."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int | None):
+        self.tokens = tokens
+        self.count = cu_seqlens.numel() - 1
+        self.starts = cu_seqlens[:-1].long()
+        self.lengths = cu_seqlens[1:].long() - self.starts
+        longest = int(self.lengths.max()) if max_seqlen is None and self.count else max_seqlen
+        self.longest = longest or 0
+        if max_seqlen is not None and self.count:
+            _fail_if(
+                (self.lengths > max_seqlen).any(),
+                f"max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens",
+                self.lengths,
+            )
+        positions = torch.arange(self.longest, device=cu_seqlens.device)
+        self.inside = positions < self.lengths[:, None]  # [S, T_max]
+        self.rows = torch.where(self.inside, self.starts[:, None] + positions, tokens)
+
+    def pad(self, flat: torch.Tensor | None, fill: float | bool = 0) -> torch.Tensor | None:
+        """A per-token [N] tensor on the [S, T_max] padded layout, `fill` on the padding."""
+        if flat is None:
+            return None
+        padded = flat.new_full((self.tokens + 1,), fill)
+        padded[: self.tokens] = flat
+        return padded[self.rows]
+
+    def unpad(self, padded: torch.Tensor | None) -> torch.Tensor | None:
+        """The tokens of an [S, T_max] tensor, [N] (a scatter: no host sync)."""
+        if padded is None:
+            return None
+        flat = padded.new_zeros(self.tokens + 1)
+        flat.scatter_(0, self.rows.reshape(-1), torch.where(self.inside, padded, 0).reshape(-1))
+        return flat[: self.tokens]
+
+    def per_token(self, values: torch.Tensor | None, name: str) -> torch.Tensor | None:
+        """One value per sequence [S] (or [S, 1]) repeated over its tokens, [N]; a per-token [N]
+        tensor as it is (with N == S the two readings agree: one token a sequence)."""
+        if values is None or (values.dim() == 1 and values.shape[0] == self.tokens):
+            return values
+        if tuple(values.shape) not in ((self.count,), (self.count, 1)):
+            raise ValueError(
+                f"{name} shape {tuple(values.shape)} must be [{self.tokens}] (one per token) or "
+                f"[{self.count}] (one per sequence of cu_seqlens)"
+            )
+        return torch.repeat_interleave(values.reshape(-1), self.lengths, output_size=self.tokens)
+
+    def padded_per_sequence_or_token(self, values: torch.Tensor | None, fill: float = 0.0):
+        """A per-token [N] tensor padded to [S, T_max]; a per-sequence one ([S], [S, 1]) as it is
+        (the padded call's own per-sequence layout)."""
+        if values is None or not (values.dim() == 1 and values.shape[0] == self.tokens):
+            return values
+        return self.pad(values, fill)
+
+
+def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> torch.Tensor:
+    """`cu_seqlens`: a 1-D int32 / int64 tensor on the logits' device, 0 first, N last,
+    never decreasing (the values checked without a host sync off the CPU), for [N, V] logits."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens must be int32 or int64, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [S + 1] (0 first, the token count last), got shape "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"cu_seqlens needs packed [N, V] logits, got {shape}")
+    if cu_seqlens.device != logits.device:
+        raise ValueError(
+            f"cu_seqlens is on {cu_seqlens.device} but the logits are on {logits.device}"
+        )
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0
+    ):
+        raise TypeError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    tokens = logits.shape[0]
+    bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != tokens)
+    if cu_seqlens.numel() > 1:
+        bad = bad | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
+    _fail_if(
+        bad,
+        f"cu_seqlens must start at 0, never decrease and end at the token count {tokens}",
+        cu_seqlens,
+    )
+    return cu_seqlens
+
+
+def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
+    """Whether every term and metric of the loss is a token's own, so that the packed call is
+    the plain [N, V] call: token-mean, token-level ratio and rejection (`needs_sequences`), and
+    no rollout log-probs or IS weights (their mismatch metrics count sequences)."""
+    return not cfg.needs_sequences and rollout_logp is None and is_weights is None
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor | None,
+    config: LossConfig | None,
+    normalizer,
+    backend: str,
+    return_entropy: bool,
+    is_weights: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    temperature: torch.Tensor | None,
+    prox_logp: torch.Tensor | None,
+    entropy_coef: torch.Tensor | None,
+    transform: LogitTransform | None,
+    return_sum_pi_squared: bool,
+    grad_scale,
+) -> LossOutput:
+    """`fusedrl.policy_loss` of packed sequences (the module docstring says how)."""
+    cfg = config if config is not None else LossConfig()
+    cu_seqlens = check_cu_seqlens(cu_seqlens, logits, max_seqlen)
+    if isinstance(temperature, torch.Tensor) and cfg.temperature != 1.0:
+        raise ValueError(
+            f"temperature (per token) and config.temperature={cfg.temperature} are both set: "
+            "pass one"
+        )
+    if return_sum_pi_squared:
+        check_sum_pi_squared(cfg.sampling is not None)
+    segments = Segments(cu_seqlens, logits.shape[0], max_seqlen)
+    if isinstance(advantages, torch.Tensor):
+        advantages = segments.per_token(advantages, "advantages")
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = segments.per_token(temperature, "temperature")
+    if sees_no_boundaries(cfg, rollout_logp, is_weights):
+        return single_process.policy_loss(
+            logits,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            None,
+            cfg,
+            normalizer,
+            backend=backend,
+            return_entropy=return_entropy,
+            temperature=temperature,
+            prox_logp=prox_logp,
+            entropy_coef=entropy_coef,
+            transform=transform,
+            return_sum_pi_squared=return_sum_pi_squared,
+            grad_scale=grad_scale,
+        )
+    # The padded layout of the per-token inputs; a stand-in for the logits (V wide, nothing
+    # copied) carries their vocabulary, dtype and device to the checks.
+    stand_in = logits.new_zeros(1, 1, logits.shape[-1]).expand(segments.count, segments.longest, -1)
+    inp = masked_rows(
+        prepare_loss_inputs(
+            stand_in,
+            segments.pad(labels),
+            segments.padded_per_sequence_or_token(advantages),
+            segments.pad(mask, False if mask.dtype == torch.bool else 0),
+            segments.pad(old_logp),
+            segments.pad(ref_logp),
+            segments.pad(rollout_logp),
+            cfg,
+            normalizer,
+            segments.padded_per_sequence_or_token(is_weights, 1.0),
+            prox_logp=segments.pad(prox_logp),
+            entropy_coef=entropy_coef,
+            mask_rows=False,
+            grad_scale=grad_scale,
+        )
+    )
+    counted = segments.unpad(inp.valid.float()) != 0
+    safe_labels = torch.where(counted, labels, 0)
+    entropy_wanted = return_entropy or needs_entropy(inp, cfg)
+    sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
+    rows_temperature = cfg.temperature  # (a masked token's may be anything: 1 there)
+    if temperature is not None:
+        rows_temperature = torch.where(counted, temperature.float(), 1.0)
+    logp, entropy = single_process.token_logprobs(
+        logits,
+        safe_labels,
+        rows_temperature,
+        entropy_wanted,
+        backend,
+        **sampling,
+        transform=transform,
+    )
+    # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
+    terms = token_terms(
+        segments.pad(torch.where(counted, logp.detach(), 0.0)),
+        None if entropy is None else segments.pad(torch.where(counted, entropy.detach(), 0.0)),
+        inp,
+        cfg,
+    )
+    pairs = [(logp, segments.unpad(terms.dlogp))]
+    if entropy is not None and terms.dentropy is not None:
+        pairs.append((entropy, segments.unpad(terms.dentropy)))
+    loss = terms.loss
+    if logits.requires_grad and torch.is_grad_enabled():
+        loss = attach_grads(
+            loss,
+            tuple(x for x, _ in pairs),
+            tuple(g for _, g in pairs),
+            inp.grad_scale,
+        )
+    squares = None
+    if return_sum_pi_squared:
+        squares = _sum_pi_squared(logits, safe_labels, logp, rows_temperature, backend, transform)
+        squares = torch.where(counted, squares, 0.0)
+    return LossOutput(
+        loss=loss,
+        logp=torch.where(counted, logp.detach(), 0.0),
+        entropy=None if not return_entropy else torch.where(counted, entropy.detach(), 0.0),
+        metrics=terms.metrics,
+        sum_pi_squared=squares,
+    )
+
+
+def _sum_pi_squared(logits, labels, logp, temperature, backend, transform) -> torch.Tensor:
+    """sum_v pi_v^2 per token from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)."""
+    with torch.no_grad():
+        sharp, _ = single_process.token_logprobs(
+            logits.detach(), labels, temperature / 2, False, backend, transform=transform
+        )
+    return output.sum_pi_squared_of(logp.detach(), sharp)

@@ -1,0 +1,228 @@
+"""Packed sequences (`policy_loss(..., cu_seqlens=)`, fusedrl/packed.py): equal to the padded
+call on the same sequences, for every preset and the options whose terms see the sequence
+boundaries (sequence IS weights and rejection, the mismatch metrics, OPSM, an entropy bonus,
+per-token temperatures, a normalizer, grad_scale), on every logits backend, with sequences of
+length 0 and 1, masked tokens inside a sequence and a sequence with none counted; the oracle's
+packed call (which cuts the sequences out) agrees; bf16 against the float64 truth; and what a
+bad `cu_seqlens` gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedrl
+from fusedrl import LossConfig, packed, reference
+
+from .conftest import LOGITS_BACKENDS
+
+LENGTHS = (5, 0, 1, 9, 4, 6)  # a sequence of 0 and of 1 token; the fourth as long as the pad
+VOCAB = 131
+
+
+def _batch(seed: int, dtype=torch.float32, per_token_adv: bool = False) -> dict:
+    """A padded [S, T, V] batch and the same sequences packed [N, V]: each sequence's first
+    LENGTHS[s] positions, a random mask inside them (the last sequence has no counted token),
+    NaN logits and label -100 on the padding and the masked tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    count, longest = len(LENGTHS), max(LENGTHS)
+    inside = torch.arange(longest)[None] < torch.tensor(LENGTHS)[:, None]
+    mask = inside & (torch.rand(count, longest, generator=gen) < 0.8)
+    mask[:, 0] &= inside[:, 0]  # (a first token counted where the sequence has one: non-empty)
+    mask[0, 0] = mask[3, 0] = True
+    mask[-1] = False
+    logits = 2.0 * torch.randn(count, longest, VOCAB, generator=gen)
+    labels = torch.randint(0, VOCAB, (count, longest), generator=gen)
+    with torch.no_grad():
+        now = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    logits[~mask] = float("nan")
+    labels[~mask] = -100
+    noise = lambda scale: scale * torch.randn(count, longest, generator=gen)  # noqa: E731
+    padded = dict(
+        logits=logits.to(dtype),
+        labels=labels,
+        mask=mask,
+        advantages=torch.randn((count, longest) if per_token_adv else (count,), generator=gen),
+        old_logp=now + noise(0.3),
+        ref_logp=now + noise(0.2),
+        rollout_logp=now + noise(0.5),
+    )
+    flat = {k: (v[inside] if v.dim() >= 2 else v) for k, v in padded.items()}
+    bounds = torch.tensor((0, *torch.tensor(LENGTHS).cumsum(0).tolist()), dtype=torch.int32)
+    return {"padded": padded, "packed": flat, "inside": inside, "cu_seqlens": bounds}
+
+
+CASES = {
+    "dapo": (LossConfig.preset("dapo"), {}),  # no boundary seen: the plain [N, V] call
+    "grpo": (LossConfig.preset("grpo", beta=0.05), {}),  # seq-mean-token-mean, k3 KL
+    "dr_grpo": (LossConfig.preset("dr_grpo"), {}),
+    "gspo": (LossConfig.preset("gspo"), {}),  # the sequence ratio
+    "gspo_token": (LossConfig.preset("gspo_token"), {"per_token_adv": True}),
+    "gmpo": (LossConfig.preset("gmpo"), {}),
+    "sequence IS": (
+        LossConfig.preset("dapo", is_correction="sequence_truncate", is_cap=3.0),
+        {"rollout": True, "seed": 13},
+    ),
+    "sequence rejection": (
+        LossConfig.preset("grpo", rejection="seq_mean_k3", rejection_threshold=0.1),
+        {"rollout": True},
+    ),
+    "entropy bonus": (LossConfig.preset("grpo", entropy_coef=0.02), {}),
+    "dapo rollout metrics": (LossConfig.preset("dapo"), {"rollout": True}),
+}
+
+
+# What shows that a case's sequence-level branch acted (on the padded call's metrics).
+ACTS = {
+    "sequence IS": lambda m: m["is_weight_mean"] < m["is_weight_max"] == 3.0,  # some truncated
+    "sequence rejection": lambda m: 0 < m["rs_masked_seqs"] < 1,
+    "dapo rollout metrics": lambda m: m["mismatch_chi2_seq"] > 0,
+}
+
+
+def _call(function, data, cfg, backend=None, rollout=False, **kwargs):
+    args = {k: v for k, v in data.items() if k != "logits" and (rollout or k != "rollout_logp")}
+    leaf = data["logits"].detach().requires_grad_(True)
+    if backend is not None:
+        kwargs["backend"] = backend
+    out = function(leaf, **args, config=cfg, return_entropy=True, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return out, grad
+
+
+def _assert_equal_outputs(got, got_grad, want, want_grad, inside, atol=1e-5):
+    torch.testing.assert_close(got.loss, want.loss, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad[inside], atol=atol, rtol=1e-5)
+    torch.testing.assert_close(got.logp, want.logp[inside], atol=atol, rtol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy[inside], atol=atol, rtol=1e-5)
+    assert got.metrics.keys() == want.metrics.keys()
+    for name in want.metrics:
+        torch.testing.assert_close(got.metrics[name], want.metrics[name], atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_packed_equals_the_padded_call(case, backend):
+    cfg, options = CASES[case]
+    rollout = options.get("rollout", False)
+    seed = options.get("seed", len(case))
+    data = _batch(seed=seed, per_token_adv=options.get("per_token_adv", False))
+    want, want_grad = _call(fusedrl.policy_loss, data["padded"], cfg, backend, rollout)
+    got, got_grad = _call(
+        fusedrl.policy_loss,
+        data["packed"],
+        cfg,
+        backend,
+        rollout,
+        cu_seqlens=data["cu_seqlens"],
+    )
+    _assert_equal_outputs(got, got_grad, want, want_grad, data["inside"])
+    assert ACTS.get(case, lambda m: True)(want.metrics), want.metrics
+    assert torch.isfinite(got_grad).all() and (got_grad[~data["packed"]["mask"]] == 0).all()
+    oracle, oracle_grad = _call(
+        reference.policy_loss, data["packed"], cfg, rollout=rollout, cu_seqlens=data["cu_seqlens"]
+    )
+    _assert_equal_outputs(oracle, oracle_grad, want, want_grad, data["inside"])
+
+
+def test_the_boundaries_act():
+    """The cases are not blind to the boundaries: with the sequences cut elsewhere the loss of a
+    sequence-level preset changes (and a token-level one's does not)."""
+    data = _batch(seed=3, per_token_adv=True)  # (a sequence's advantage moves with it else)
+    moved = data["cu_seqlens"].clone()
+    moved[1] -= 2  # the second sequence (empty) takes the first's last two tokens
+    losses = {}
+    for name in ("dapo", "gspo", "grpo"):
+        cfg = CASES[name][0]
+        outs = [
+            fusedrl.policy_loss(**data["packed"], config=cfg, backend="torch", cu_seqlens=cuts)
+            for cuts in (data["cu_seqlens"], moved)
+        ]
+        losses[name] = outs[0].loss, outs[1].loss
+    assert torch.equal(*losses["dapo"])
+    assert not torch.allclose(*losses["gspo"]) and not torch.allclose(*losses["grpo"])
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_options_through_the_packed_path(backend):
+    """Per-token temperatures (masked tokens' anything), per-sequence IS weights, a normalizer,
+    grad_scale and the sum of squares, each as the padded call."""
+    cfg = LossConfig.preset("gspo")
+    data = _batch(seed=11)
+    gen = torch.Generator().manual_seed(5)
+    temps = 0.6 + torch.rand(data["padded"]["mask"].shape, generator=gen)
+    weights = 0.5 + torch.rand(len(LENGTHS), generator=gen)
+    common = dict(normalizer=4.0, grad_scale=0.5, is_weights=weights, return_sum_pi_squared=True)
+    want, want_grad = _call(
+        fusedrl.policy_loss, data["padded"], cfg, backend, temperature=temps, **common
+    )
+    flat_temps = torch.where(data["packed"]["mask"], temps[data["inside"]], 0.0)
+    got, got_grad = _call(
+        fusedrl.policy_loss,
+        data["packed"],
+        cfg,
+        backend,
+        temperature=flat_temps,
+        cu_seqlens=data["cu_seqlens"],
+        max_seqlen=max(LENGTHS),
+        **common,
+    )
+    _assert_equal_outputs(got, got_grad, want, want_grad, data["inside"])
+    torch.testing.assert_close(
+        got.sum_pi_squared, want.sum_pi_squared[data["inside"]], atol=1e-5, rtol=1e-4
+    )
+
+
+def test_bf16_against_the_float64_truth():
+    data = _batch(seed=7, dtype=torch.bfloat16)
+    cfg = CASES["gspo"][0]
+    got, got_grad = _call(fusedrl.policy_loss, data["packed"], cfg, cu_seqlens=data["cu_seqlens"])
+    truth = {k: (v.double() if v.is_floating_point() else v) for k, v in data["padded"].items()}
+    want, want_grad = _call(reference.policy_loss, truth, cfg)
+    torch.testing.assert_close(got.loss.double(), want.loss, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_grad.double(), want_grad[data["inside"]], atol=2e-3, rtol=5e-2)
+
+
+def test_all_masked_gives_zero_loss_and_gradient():
+    data = _batch(seed=2)
+    batch = dict(data["packed"], mask=torch.zeros_like(data["packed"]["mask"]))
+    for preset in ("dapo", "gspo"):
+        out, grad = _call(
+            fusedrl.policy_loss,
+            batch,
+            LossConfig.preset(preset),
+            "torch",
+            cu_seqlens=data["cu_seqlens"],
+        )
+        assert out.loss.item() == 0.0 and (grad == 0).all(), preset
+
+
+def test_bad_cu_seqlens_are_named():
+    data = _batch(seed=1)
+    flat, cuts = data["packed"], data["cu_seqlens"]
+    tokens = flat["labels"].shape[0]
+
+    def call(**kwargs):
+        return fusedrl.policy_loss(**{**flat, **kwargs}, config=LossConfig.preset("gspo"))
+
+    decreasing = cuts.clone()
+    decreasing[2] = 7  # 0, 5, 7, 6, ...
+    with pytest.raises(ValueError, match="never decrease"):
+        call(cu_seqlens=decreasing)
+    with pytest.raises(ValueError, match=f"end at the token count {tokens}"):
+        call(cu_seqlens=cuts[:-1])
+    with pytest.raises(TypeError, match="int32 or int64, got dtype torch.float32"):
+        call(cu_seqlens=cuts.float())
+    with pytest.raises(ValueError, match=r"1-D \[S \+ 1\]"):
+        call(cu_seqlens=cuts[None])
+    with pytest.raises(ValueError, match=r"cu_seqlens needs packed \[N, V\] logits"):
+        call(cu_seqlens=cuts, logits=flat["logits"][None])
+    with pytest.raises(ValueError, match="max_seqlen=3 is shorter"):
+        call(cu_seqlens=cuts, max_seqlen=3)
+    with pytest.raises(ValueError, match="max_seqlen .* needs cu_seqlens"):
+        call(max_seqlen=3)
+    with pytest.raises(NotImplementedError, match="inplace=True with cu_seqlens"):
+        call(cu_seqlens=cuts, inplace=True)
+    with pytest.raises(ValueError, match="advantages shape"):
+        call(cu_seqlens=cuts, advantages=torch.randn(4))
+    assert packed.sees_no_boundaries(LossConfig.preset("dapo"), None, None)
