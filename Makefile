@@ -75,8 +75,10 @@ test-install: $(STAMP)
 # their own venv. verl is installed --no-deps: its requirements (ray[default], wandb, datasets, peft,
 # tensorboard, hydra, ...) serve its trainer; its loss functions and logits helpers import only
 # numpy, omegaconf, packaging, ray (verl.protocol, imported by `import verl`), tensordict,
-# transformers (torch_functional), codetiming and orjson, taken within verl's own pins. triton (the
-# version the main venv gets) runs the drop-in's Triton case through the interpreter (~15 s).
+# transformers (torch_functional), codetiming and orjson, taken within verl's own pins; its actor
+# engine (tests/test_verl_engine.py) adds hydra-core, pillow, uvicorn, fastapi, peft, accelerate
+# and psutil. triton (the version the main venv gets) runs the drop-in's Triton case through the
+# interpreter (~15 s).
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.fusedrl-installed
@@ -89,12 +91,13 @@ $(VERL_STAMP): pyproject.toml setup.py
 	$(VERL_PY) -m pip install --no-deps "verl==$(VERL_VERSION)"
 	$(VERL_PY) -m pip install "torch==2.13.0" numpy packaging omegaconf ray codetiming orjson \
 		"tensordict>=0.8,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0" triton==3.9.0 pytest \
-		hydra-core
+		hydra-core pillow uvicorn fastapi peft accelerate psutil
 	$(VERL_PY) -m pip install --no-deps -e .
 	touch $(VERL_STAMP)
 
 test-verl: $(VERL_STAMP)
-	TRITON_INTERPRET=1 $(VERL_PY) -m pytest tests/test_verl_integration.py $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VERL_PY) -m pytest tests/test_verl_integration.py tests/test_verl_engine.py \
+		$(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

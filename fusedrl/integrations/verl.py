@@ -383,35 +383,47 @@ def fused_policy_loss(
     )
     terms = token_terms(logp, None, inp, cfg)
     pg_loss = _LossFromLogp.apply(log_prob, terms.loss, terms.dlogp.to(log_prob.dtype))
+    return pg_loss, policy_metrics(mode, cfg, logp, old, inp.advantages, mask, terms.metrics)
+
+
+def policy_metrics(
+    mode: str,
+    cfg: LossConfig,
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """verl's metrics of policy loss `mode` ([B, R] tensors, 0 off the bool `mask`; `metrics`:
+    fusedrl's of the same call), as verl's loss returns them: host floats by verl's names."""
     keys = _METRIC_KEYS.get(mode, _ALL_METRIC_KEYS)
     if not keys:
-        return pg_loss, {}
-
+        return {}
     log_ratio = logp - old
     if _CLAMPED_PPO_KL[mode]:
         log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     # kl_cov reports the mean |log ratio| as its ppo_kl.
     ppo_kl = _masked_mean(log_ratio.abs() if mode == "kl_cov" else -log_ratio, mask)
-    zero = torch.zeros((), device=log_prob.device)
+    zero = torch.zeros((), device=logp.device)
     if mode == "geo_mean":
         # verl counts any clipped log-ratio by the sign of the advantage (fusedrl's clip_low /
         # clip_high also look at the direction of the clip).
         clipped = log_ratio != log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
-        adv = inp.advantages
-        clipfrac = _masked_mean((clipped & (adv > 0)).float(), mask)
-        clipfrac_lower = _masked_mean((clipped & (adv < 0)).float(), mask)
+        clipfrac = _masked_mean((clipped & (advantages > 0)).float(), mask)
+        clipfrac_lower = _masked_mean((clipped & (advantages < 0)).float(), mask)
     else:
-        clipfrac = zero if mode == "sapo" else terms.metrics["clipfrac"]
-        clipfrac_lower = terms.metrics["dual_clipfrac"] if mode == "vanilla" else zero
+        clipfrac = zero if mode == "sapo" else metrics["clipfrac"]
+        clipfrac_lower = metrics["dual_clipfrac"] if mode == "vanilla" else zero
         if mode in ("dppo_tv", "dppo_kl"):  # verl: valid tokens whose ratio passed the cap
-            clipfrac_lower = terms.metrics["ratio_capped"]
-    metrics = {
+            clipfrac_lower = metrics["ratio_capped"]
+    found = {
         "actor/pg_clipfrac": clipfrac,
         "actor/ppo_kl": ppo_kl,
         "actor/pg_clipfrac_lower": clipfrac_lower,
     }
     # verl reports host floats (one sync per metric), and so does its logging downstream.
-    return pg_loss, {k: float(metrics[k]) for k in keys}
+    return {k: float(found[k]) for k in keys}
 
 
 def _make_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
