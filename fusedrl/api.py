@@ -148,7 +148,7 @@ def policy_loss(
         from . import packed
 
         return packed.policy_loss(
-            logits,
+            packed.LogitsRows(logits, backend, transform),
             labels,
             advantages,
             mask,
@@ -157,7 +157,6 @@ def policy_loss(
             rollout_logp,
             config,
             normalizer,
-            backend,
             return_entropy,
             is_weights,
             cu_seqlens=cu_seqlens,
@@ -165,7 +164,6 @@ def policy_loss(
             temperature=temperature,
             prox_logp=prox_logp,
             entropy_coef=entropy_coef,
-            transform=transform,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
         )

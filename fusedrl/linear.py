@@ -103,6 +103,8 @@ def linear_policy_loss(
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     grad_scale: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -115,8 +117,9 @@ def linear_policy_loss(
         weight: [V, H], the LM head (model.lm_head.weight); the dtype and device of `hidden`.
         labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
         return_entropy, is_weights, temperature, prox_logp, entropy_coef,
-        return_sum_pi_squared, grad_scale: as in `fusedrl.policy_loss` (the gradients of
-            hidden, weight and bias are written times grad_scale).
+        return_sum_pi_squared, grad_scale, cu_seqlens, max_seqlen: as in `fusedrl.policy_loss`
+            (the gradients of hidden, weight and bias are written times grad_scale; packed
+            sequences take [N, H] hidden states).
         bias: [V] or None.
         backend: "auto" (Triton on CUDA, torch elsewhere) | "triton" | "torch".
         tp_group, vocab_start, vocab_size: a vocab-sharded head: `weight` / `bias` are this
@@ -154,6 +157,33 @@ def linear_policy_loss(
             prox_logp,
             entropy_coef,
             sharded,
+        )
+    if cu_seqlens is not None or max_seqlen is not None:
+        from . import packed
+
+        _refuse_when_packed(cu_seqlens, sharded, ref_weight)
+        rows = packed.HeadRows(
+            hidden, weight, bias, backend, transform, skip_masked_rows, live_rows
+        )
+        return packed.policy_loss(
+            rows,
+            labels,
+            advantages,
+            mask,
+            old_logp,
+            ref_logp,
+            rollout_logp,
+            config,
+            normalizer,
+            return_entropy,
+            is_weights,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            temperature=temperature,
+            prox_logp=prox_logp,
+            entropy_coef=entropy_coef,
+            return_sum_pi_squared=return_sum_pi_squared,
+            grad_scale=grad_scale,
         )
     if sharded:
         from .tp import linear as tp_linear
@@ -211,6 +241,16 @@ def linear_policy_loss(
         return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
     )
+
+
+def _refuse_when_packed(cu_seqlens, sharded: bool, ref_weight) -> None:
+    if cu_seqlens is None:
+        raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+    if sharded or ref_weight is not None:
+        raise NotImplementedError(
+            "cu_seqlens with tensor parallelism or the exact KL (ref_weight) is not supported "
+            "by linear_policy_loss yet"
+        )
 
 
 def linear_token_logprobs(

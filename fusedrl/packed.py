@@ -22,10 +22,12 @@ sync on a GPU).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from . import output, single_process
-from ._autograd import attach_grads
+from . import linear_single_process, output, single_process
+from ._autograd import attach_grads, wanted_grads
 from ._inputs import (
     _fail_if,
     check_sum_pi_squared,
@@ -112,7 +114,9 @@ def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> 
         )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"cu_seqlens needs packed [N, V] logits, got {shape}")
+        raise ValueError(
+            f"cu_seqlens needs packed [N, V] logits (or [N, H] hidden states), got {shape}"
+        )
     if cu_seqlens.device != logits.device:
         raise ValueError(
             f"cu_seqlens is on {cu_seqlens.device} but the logits are on {logits.device}"
@@ -140,8 +144,94 @@ def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
     return not cfg.needs_sequences and rollout_logp is None and is_weights is None
 
 
+class LogitsRows(NamedTuple):
+    """The rows of a packed call as [N, V] logits (`fusedrl.policy_loss`)."""
+
+    logits: torch.Tensor
+    backend: str
+    transform: LogitTransform | None
+
+    @property
+    def source(self) -> torch.Tensor:  # (what `cu_seqlens` is checked against)
+        return self.logits
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+    def wants_grad(self) -> bool:
+        return self.logits.requires_grad
+
+    def plain(self, **arguments) -> LossOutput:
+        """The call without boundaries (single_process.policy_loss)."""
+        return single_process.policy_loss(
+            self.logits, backend=self.backend, transform=self.transform, **arguments
+        )
+
+    def logprobs(self, labels, temperature, return_entropy: bool, **sampling) -> tuple:
+        return single_process.token_logprobs(
+            self.logits,
+            labels,
+            temperature,
+            return_entropy,
+            self.backend,
+            **sampling,
+            transform=self.transform,
+        )
+
+
+class HeadRows(NamedTuple):
+    """The rows of a packed call as [N, H] hidden states and an LM head
+    (`fusedrl.linear_policy_loss`): the logits are never made."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    backend: str
+    transform: LogitTransform | None
+    skip_masked_rows: bool
+    live_rows: int | None
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.hidden
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def wants_grad(self) -> bool:
+        return any(wanted_grads(self.hidden, self.weight, self.bias))
+
+    def plain(self, **arguments) -> LossOutput:
+        """The call without boundaries (linear_single_process.linear_policy_loss)."""
+        return linear_single_process.linear_policy_loss(
+            self.hidden,
+            self.weight,
+            bias=self.bias,
+            backend=self.backend,
+            transform=self.transform,
+            skip_masked_rows=self.skip_masked_rows,
+            live_rows=self.live_rows,
+            **arguments,
+        )
+
+    def logprobs(self, labels, temperature, return_entropy: bool, **sampling) -> tuple:
+        return linear_single_process.linear_token_logprobs(
+            self.hidden,
+            self.weight,
+            labels,
+            temperature,
+            return_entropy,
+            self.bias,
+            self.backend,
+            **sampling,
+            transform=self.transform,
+        )
+
+
 def policy_loss(
-    logits: torch.Tensor,
+    rows: LogitsRows | HeadRows,
     labels: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
@@ -150,7 +240,6 @@ def policy_loss(
     rollout_logp: torch.Tensor | None,
     config: LossConfig | None,
     normalizer,
-    backend: str,
     return_entropy: bool,
     is_weights: torch.Tensor | None,
     *,
@@ -159,13 +248,13 @@ def policy_loss(
     temperature: torch.Tensor | None,
     prox_logp: torch.Tensor | None,
     entropy_coef: torch.Tensor | None,
-    transform: LogitTransform | None,
     return_sum_pi_squared: bool,
     grad_scale,
 ) -> LossOutput:
-    """`fusedrl.policy_loss` of packed sequences (the module docstring says how)."""
+    """`fusedrl.policy_loss` / `linear_policy_loss` of packed sequences (the module docstring
+    says how) on the call's `rows`."""
     cfg = config if config is not None else LossConfig()
-    cu_seqlens = check_cu_seqlens(cu_seqlens, logits, max_seqlen)
+    cu_seqlens = check_cu_seqlens(cu_seqlens, rows.source, max_seqlen)
     if isinstance(temperature, torch.Tensor) and cfg.temperature != 1.0:
         raise ValueError(
             f"temperature (per token) and config.temperature={cfg.temperature} are both set: "
@@ -173,34 +262,30 @@ def policy_loss(
         )
     if return_sum_pi_squared:
         check_sum_pi_squared(cfg.sampling is not None)
-    segments = Segments(cu_seqlens, logits.shape[0], max_seqlen)
+    segments = Segments(cu_seqlens, rows.source.shape[0], max_seqlen)
     if isinstance(advantages, torch.Tensor):
         advantages = segments.per_token(advantages, "advantages")
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = segments.per_token(temperature, "temperature")
     if sees_no_boundaries(cfg, rollout_logp, is_weights):
-        return single_process.policy_loss(
-            logits,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            None,
-            cfg,
-            normalizer,
-            backend=backend,
+        return rows.plain(
+            labels=labels,
+            advantages=advantages,
+            mask=mask,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            config=cfg,
+            normalizer=normalizer,
             return_entropy=return_entropy,
             temperature=temperature,
             prox_logp=prox_logp,
             entropy_coef=entropy_coef,
-            transform=transform,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
         )
     # The padded layout of the per-token inputs; a stand-in for the logits (V wide, nothing
     # copied) carries their vocabulary, dtype and device to the checks.
-    stand_in = logits.new_zeros(1, 1, logits.shape[-1]).expand(segments.count, segments.longest, -1)
+    stand_in = rows.source.new_zeros(1, 1, rows.vocab).expand(segments.count, segments.longest, -1)
     inp = masked_rows(
         prepare_loss_inputs(
             stand_in,
@@ -221,20 +306,12 @@ def policy_loss(
     )
     counted = segments.unpad(inp.valid.float()) != 0
     safe_labels = torch.where(counted, labels, 0)
-    entropy_wanted = return_entropy or needs_entropy(inp, cfg)
     sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
     rows_temperature = cfg.temperature  # (a masked token's may be anything: 1 there)
     if temperature is not None:
         rows_temperature = torch.where(counted, temperature.float(), 1.0)
-    logp, entropy = single_process.token_logprobs(
-        logits,
-        safe_labels,
-        rows_temperature,
-        entropy_wanted,
-        backend,
-        **sampling,
-        transform=transform,
-    )
+    entropy_wanted = return_entropy or needs_entropy(inp, cfg)
+    logp, entropy = rows.logprobs(safe_labels, rows_temperature, entropy_wanted, **sampling)
     # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
     terms = token_terms(
         segments.pad(torch.where(counted, logp.detach(), 0.0)),
@@ -246,17 +323,14 @@ def policy_loss(
     if entropy is not None and terms.dentropy is not None:
         pairs.append((entropy, segments.unpad(terms.dentropy)))
     loss = terms.loss
-    if logits.requires_grad and torch.is_grad_enabled():
-        loss = attach_grads(
-            loss,
-            tuple(x for x, _ in pairs),
-            tuple(g for _, g in pairs),
-            inp.grad_scale,
-        )
+    if rows.wants_grad() and torch.is_grad_enabled():
+        inputs, grads = tuple(x for x, _ in pairs), tuple(g for _, g in pairs)
+        loss = attach_grads(loss, inputs, grads, inp.grad_scale)
     squares = None
-    if return_sum_pi_squared:
-        squares = _sum_pi_squared(logits, safe_labels, logp, rows_temperature, backend, transform)
-        squares = torch.where(counted, squares, 0.0)
+    if return_sum_pi_squared:  # from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)
+        with torch.no_grad():
+            sharp, _ = rows.logprobs(safe_labels, rows_temperature / 2, False)
+        squares = torch.where(counted, output.sum_pi_squared_of(logp.detach(), sharp), 0.0)
     return LossOutput(
         loss=loss,
         logp=torch.where(counted, logp.detach(), 0.0),
@@ -264,12 +338,3 @@ def policy_loss(
         metrics=terms.metrics,
         sum_pi_squared=squares,
     )
-
-
-def _sum_pi_squared(logits, labels, logp, temperature, backend, transform) -> torch.Tensor:
-    """sum_v pi_v^2 per token from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)."""
-    with torch.no_grad():
-        sharp, _ = single_process.token_logprobs(
-            logits.detach(), labels, temperature / 2, False, backend, transform=transform
-        )
-    return output.sum_pi_squared_of(logp.detach(), sharp)

@@ -401,9 +401,8 @@ def test_policy_loss_module_and_auto_backend():
 # What each public surface of the policy loss does not take of policy_loss's arguments, and why;
 # anything else policy_loss takes, every surface takes (a new argument joins them all, or here).
 SURFACE_EXCEPTIONS = {
-    # the LM-head form: hidden states and the head in place of logits that never exist; packed
-    # sequences not yet (issue 45)
-    "linear_policy_loss": {"logits", "inplace", "ref_logits", "cu_seqlens", "max_seqlen"},
+    # the LM-head form: hidden states and the head in place of logits that never exist
+    "linear_policy_loss": {"logits", "inplace", "ref_logits"},
     # the oracle: one process, the whole vocabulary
     "reference.policy_loss": {"tp_group", "vocab_start", "vocab_size"},
     "PolicyLoss": set(),

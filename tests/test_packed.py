@@ -14,7 +14,7 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, packed, reference
 
-from .conftest import LOGITS_BACKENDS
+from .conftest import BACKENDS, LOGITS_BACKENDS
 
 LENGTHS = (5, 0, 1, 9, 4, 6)  # a sequence of 0 and of 1 token; the fourth as long as the pad
 VOCAB = 131
@@ -171,6 +171,36 @@ def test_options_through_the_packed_path(backend):
     torch.testing.assert_close(
         got.sum_pi_squared, want.sum_pi_squared[data["inside"]], atol=1e-5, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "grpo"])
+def test_the_lm_head_form_equals_the_padded_call(preset, backend):
+    """linear_policy_loss(hidden [N, H], weight, cu_seqlens=) against its padded call: the loss,
+    the gradients of the hidden states and of the head, the log-probs and the metrics."""
+    cfg = CASES[preset][0]
+    data = _batch(seed=21)
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(*data["padded"]["mask"].shape, 16, generator=gen)
+    weight = 0.5 * torch.randn(VOCAB, 16, generator=gen)
+    args = {k: v for k, v in data["padded"].items() if k not in ("logits", "rollout_logp")}
+    flat = {k: v for k, v in data["packed"].items() if k not in ("logits", "rollout_logp")}
+    runs = []
+    for rows, extra in ((hidden, args), (hidden[data["inside"]], flat)):
+        leaves = [rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        packed_call = {"cu_seqlens": data["cu_seqlens"]} if rows.dim() == 2 else {}
+        out = fusedrl.linear_policy_loss(
+            *leaves, **extra, config=cfg, backend=backend, return_entropy=True, **packed_call
+        )
+        runs.append((out, torch.autograd.grad(out.loss, leaves)))
+    (want, (want_hidden, want_weight)), (got, (got_hidden, got_weight)) = runs
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_hidden, want_hidden[data["inside"]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_weight, want_weight, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logp, want.logp[data["inside"]], atol=1e-5, rtol=1e-5)
+    assert got.metrics.keys() == want.metrics.keys()
+    for name in want.metrics:
+        torch.testing.assert_close(got.metrics[name], want.metrics[name], atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_against_the_float64_truth():
