@@ -317,6 +317,8 @@ def token_logprobs(
     return_sum_pi_squared: bool = False,
     logit_scale: float | None = None,
     softcap: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """log_softmax(logits / temperature) at `labels` in fp32 (and the entropy), differentiable.
 
@@ -337,12 +339,16 @@ def token_logprobs(
     the Optimal Token Baseline's input); under tensor parallelism too, not with sampling filters.
 
     `logit_scale`, `softcap`: the model's transform of these logits, as in `policy_loss`.
+    `cu_seqlens`, `max_seqlen`: packed sequences, as in `policy_loss`: checked, and nothing
+    else changes (each row's log-prob is its own).
     docs/losses.md ("Which backend and surface takes which argument") has what each backend
     does with these.
     """
+    from .packed import check_packed_rows
     from .tp.dtensor import wants_tensor_parallel
     from .tp.header import argument_checks
 
+    check_packed_rows(cu_seqlens, logits, max_seqlen)
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
         transform = capping_transform(softcap, logit_scale)

@@ -271,6 +271,8 @@ def linear_token_logprobs(
     softcap: float | None = None,
     logit_scale: float | None = None,
     return_sum_pi_squared: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """log_softmax((hidden @ weight.T + bias) / temperature) at `labels`, fp32, and the entropy.
 
@@ -282,9 +284,13 @@ def linear_token_logprobs(
     as in `linear_policy_loss`. `temperature` may be per-token, as in `fusedrl.token_logprobs`.
     `return_sum_pi_squared`: a third output, sum_v pi_v^2 per token: with the Triton "gemm"
     design from the same sweep (the row kernels sum the squares), else from one more no-grad
-    sweep at half the temperature, as in `fusedrl.token_logprobs`.
+    sweep at half the temperature, as in `fusedrl.token_logprobs`. `cu_seqlens`, `max_seqlen`:
+    packed sequences, checked as in `fusedrl.token_logprobs`.
     """
+    from .packed import check_packed_rows
     from .tp.header import argument_checks
+
+    check_packed_rows(cu_seqlens, hidden, max_seqlen)
 
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise

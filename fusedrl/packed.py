@@ -54,12 +54,6 @@ class Segments:
         self.lengths = cu_seqlens[1:].long() - self.starts
         longest = int(self.lengths.max()) if max_seqlen is None and self.count else max_seqlen
         self.longest = longest or 0
-        if max_seqlen is not None and self.count:
-            _fail_if(
-                (self.lengths > max_seqlen).any(),
-                f"max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens",
-                self.lengths,
-            )
         positions = torch.arange(self.longest, device=cu_seqlens.device)
         self.inside = positions < self.lengths[:, None]  # [S, T_max]
         self.rows = torch.where(self.inside, self.starts[:, None] + positions, tokens)
@@ -128,13 +122,30 @@ def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> 
     tokens = logits.shape[0]
     bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != tokens)
     if cu_seqlens.numel() > 1:
-        bad = bad | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        bad = bad | (lengths < 0).any()
+        if max_seqlen is not None:
+            _fail_if(
+                (lengths > max_seqlen).any(),
+                f"max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens",
+                cu_seqlens,
+            )
     _fail_if(
         bad,
         f"cu_seqlens must start at 0, never decrease and end at the token count {tokens}",
         cu_seqlens,
     )
     return cu_seqlens
+
+
+def check_packed_rows(cu_seqlens: object, rows: object, max_seqlen: object) -> None:
+    """The log-prob functions' `cu_seqlens` / `max_seqlen`: checked as the loss's, and nothing
+    more (each token's log-prob and entropy are its own row's, whatever the boundaries)."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+        return
+    check_cu_seqlens(cu_seqlens, rows, max_seqlen)
 
 
 def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:

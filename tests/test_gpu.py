@@ -1479,3 +1479,30 @@ def test_split_row_kernel_falls_back_when_not_co_resident(monkeypatch):
     assert split_rows._NOT_CO_RESIDENT, "the split kernel should have declined"
     torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-6, rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["dapo", "gspo", "grpo", "sequence IS"])
+@FUSED
+def test_packed_sequences_compiled(case, backend):
+    """policy_loss(cu_seqlens=) on CUDA equals the padded call (tests/test_packed.py's batch,
+    the compiled kernels), and with max_seqlen given it reads nothing on the host."""
+    from .test_packed import CASES, LENGTHS, _batch
+
+    cfg, options = CASES[case]
+    rollout = options.get("rollout", False)
+    data = _batch(seed=options.get("seed", 4))
+    padded, packed = _on_gpu(data["padded"]), _on_gpu(data["packed"])
+    if not rollout:
+        del padded["rollout_logp"], packed["rollout_logp"]
+    cu_seqlens, inside = data["cu_seqlens"].cuda(), data["inside"].cuda()
+    want, want_grad = run_loss(_impl(backend), padded, cfg, return_entropy=True)
+    keywords = dict(cu_seqlens=cu_seqlens, max_seqlen=max(LENGTHS), return_entropy=True)
+    got, grad = run_loss(_impl(backend), packed, cfg, **keywords)  # (compiles, warms up)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad[inside], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logp, want.logp[inside], atol=1e-5, rtol=1e-5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_loss(_impl(backend), packed, cfg, **keywords)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -256,3 +256,29 @@ def test_bad_cu_seqlens_are_named():
     with pytest.raises(ValueError, match="advantages shape"):
         call(cu_seqlens=cuts, advantages=torch.randn(4))
     assert packed.sees_no_boundaries(LossConfig.preset("dapo"), None, None)
+
+
+def test_the_log_prob_functions_check_and_keep_them():
+    """token_logprobs / linear_token_logprobs take cu_seqlens (checked as the loss's) and give
+    what they give without it: each row's log-prob is its own."""
+    data = _batch(seed=9)
+    flat, cuts = data["packed"], data["cu_seqlens"]
+    labels = torch.where(flat["mask"], flat["labels"], 0)
+    logits = torch.nan_to_num(flat["logits"])
+    plain = fusedrl.token_logprobs(logits, labels, 0.8, True, backend="torch")
+    packed_call = fusedrl.token_logprobs(
+        logits, labels, 0.8, True, backend="torch", cu_seqlens=cuts, max_seqlen=max(LENGTHS)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain, packed_call))
+    hidden, weight = torch.randn(labels.shape[0], 8), torch.randn(VOCAB, 8)
+    head = fusedrl.linear_token_logprobs(hidden, weight, labels, backend="torch")
+    head_packed = fusedrl.linear_token_logprobs(
+        hidden, weight, labels, backend="torch", cu_seqlens=cuts
+    )
+    assert torch.equal(head[0], head_packed[0])
+    with pytest.raises(ValueError, match="never decrease"):
+        fusedrl.token_logprobs(logits, labels, cu_seqlens=cuts.flip(0))
+    with pytest.raises(ValueError, match="max_seqlen=2 is shorter"):
+        fusedrl.linear_token_logprobs(hidden, weight, labels, cu_seqlens=cuts, max_seqlen=2)
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        fusedrl.token_logprobs(logits, labels, max_seqlen=4)
