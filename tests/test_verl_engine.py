@@ -34,6 +34,9 @@ CASES = {
         loss_mode="vanilla", loss_agg_mode="seq-mean-token-sum-norm", use_kl_loss=True
     ),
     "gspo seq-mean-token-mean": dict(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean"),
+    "vanilla token-mean, rollout IS weights": dict(
+        loss_mode="vanilla", loss_agg_mode="token-mean", rollout_is_weights=True
+    ),
     "cispo token-mean, T=0.7, micro-batch 1": dict(
         loss_mode="cispo", loss_agg_mode="token-mean", temperature=0.7, micro_batch_size=1
     ),

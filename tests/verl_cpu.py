@@ -411,7 +411,7 @@ def _build_worker(config):
 # --------------------------------------------------------------------------- batch
 
 
-def _make_batch(config, *, seed: int, use_kl_loss: bool):
+def _make_batch(config, *, seed: int, use_kl_loss: bool, rollout_is_weights: bool = False):
     """The padded batch the driver holds at `_update_actor`, then what that method does to it."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
@@ -464,6 +464,9 @@ def _make_batch(config, *, seed: int, use_kl_loss: bool):
     if use_kl_loss:
         ref_noise = 0.1 * torch.randn(logp.shape, generator=g)
         tensors["ref_log_prob"] = (logp + ref_noise) * response_attn
+    if rollout_is_weights:  # the trainer's train / inference IS weights (decoupled mode)
+        weights = 0.5 + torch.rand(logp.shape, generator=g)
+        tensors["rollout_is_weights"] = weights * response_attn
     batch = DataProto.from_single_dict(
         tensors, meta_info={"global_token_num": attention_mask.sum(-1).tolist()}
     )
@@ -514,13 +517,15 @@ def run_actor_update(
     temperature: float = 1.0,
     micro_batch_size: int = 2,
     seed: int = 0,
+    rollout_is_weights: bool = False,
 ) -> dict:
     """One `TrainingWorker.train_mini_batch` (4 sequences, one mini-batch) with `engine_cls`.
 
     `engine_cls` is verl's `FSDPEngineWithLMHead` or a subclass; the other arguments set
     actor.policy_loss.loss_mode, actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss
     (coef 0.01, low_var_kl), rollout.temperature and actor.ppo_micro_batch_size_per_gpu; `seed`
-    draws the batch (same seed, same batch, whatever the engine).
+    draws the batch (same seed, same batch, whatever the engine); `rollout_is_weights` adds
+    per-token train / inference IS weights to it, as the trainer's decoupled mode does.
 
     Returns {'grads': {param_name: fp32 gradient accumulated just before optimizer_step},
     'metrics': the metrics dict train_mini_batch returned, as plain python values / lists}.
@@ -538,7 +543,9 @@ def run_actor_update(
         temperature=temperature,
         micro=micro_batch_size,
     )
-    td = _make_batch(config, seed=seed, use_kl_loss=use_kl_loss)
+    td = _make_batch(
+        config, seed=seed, use_kl_loss=use_kl_loss, rollout_is_weights=rollout_is_weights
+    )
     torch.manual_seed(seed)  # clip_cov / kl_cov draw with torch's RNG
     worker = _build_worker(config)
     engine = worker.engine
