@@ -59,6 +59,10 @@ class LossInputs:
     # accumulation, loss scaling), a number or a 0-dim fp32 device tensor; the gradient is
     # written already scaled by it. None: 1.
     grad_scale: float | torch.Tensor | None = None
+    # [B, T] fp32 aggregation weights given by the caller, in place of those of the mask and
+    # config.agg (`token_terms.aggregation_weights`): packed sequences' per-segment weights
+    # (fusedrl/packed.py), whose flat [1, N] rows carry no boundaries. None: the mask's.
+    agg_weights: torch.Tensor | None = None
     # What token_terms derives from the mask alone, once per call (the masked means' weights,
     # the aggregation weights): not an input, never copied by `dataclasses.replace`.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -410,6 +414,7 @@ def prepare_loss_inputs(
     transform: LogitTransform | None = None,
     mask_rows: bool = True,
     grad_scale: object = None,
+    agg_weights: torch.Tensor | None = None,
 ) -> LossInputs:
     """Checked inputs; `source="hidden"` (with `vocab`) checks the LM-head loss's hidden states
     [B, T, H] / [N, H] in place of the logits, which then never exist. `ref_logits`: the
@@ -422,7 +427,8 @@ def prepare_loss_inputs(
     soft cap the backends apply (`capping_transform`), or None. `mask_rows=False`: the per-token
     tensors as the caller gave them (`LossInputs.rows_masked`), for a backend whose kernels read
     counted tokens only. `grad_scale`: the factor the caller multiplies the loss by before
-    backward (`check_grad_scale`)."""
+    backward (`check_grad_scale`). `agg_weights`: per-token aggregation weights in place of
+    the mask's (`LossInputs.agg_weights`)."""
     logits, flat_input = _checked_source(logits, config, source)
     shape, device = tuple(logits.shape[:-1]), logits.device
     checked_mask = check_mask(mask, shape, device)
@@ -438,6 +444,7 @@ def prepare_loss_inputs(
     if prox_logp is not None:
         old, weights = decoupled_inputs(prox_logp, old, weights, valid, shape, device, config)
     row_temps = _checked_row_temperatures(temperature, config, shape, device, flat_input, valid)
+    agg = _per_token("agg_weights", agg_weights, shape, device)
 
     def rows(t: torch.Tensor | None, masked: bool = mask_rows) -> torch.Tensor | None:
         # Masked positions may hold anything (NaN padding): zero them once here so that no
@@ -467,6 +474,7 @@ def prepare_loss_inputs(
         transform=transform,
         rows_masked=mask_rows,
         grad_scale=check_grad_scale(grad_scale, device),
+        agg_weights=rows(None if agg is None else agg.float()),
     )
 
 

@@ -406,8 +406,12 @@ def mask_aggregation(inp: LossInputs, cfg: LossConfig) -> float | None:
     for the fused kernel to weigh the mask itself (AGG_FROM_MASK: no weights launch before it):
     token-mean's normalizer, or 0.0 for the kernel to count the mask; seq-mean-token-sum-norm's
     N x C (token_terms.aggregation_weights's formulas). None where a weight needs a sequence's
-    count (seq-mean-*), a device normalizer, or rejection's mask."""
-    if cfg.rejection_rules or isinstance(inp.normalizer, torch.Tensor):
+    count (seq-mean-*), a device normalizer, rejection's mask, or the caller gave the weights."""
+    if (
+        cfg.rejection_rules
+        or isinstance(inp.normalizer, torch.Tensor)
+        or inp.agg_weights is not None
+    ):
         return None
     if cfg.agg == "token-mean":
         return 0.0 if inp.normalizer is None else float(inp.normalizer)

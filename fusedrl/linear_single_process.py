@@ -64,9 +64,10 @@ def linear_policy_loss(
     live_rows: int | None = None,
     return_sum_pi_squared: bool = False,
     grad_scale=None,
+    agg_weights=None,
 ) -> LossOutput:
     """`fusedrl.linear_policy_loss` on one process: `transform` checked, `skip_masked_rows`
-    a bool (True when `live_rows` is given)."""
+    a bool (True when `live_rows` is given); `agg_weights` as in `single_process`."""
     full_kl = config is not None and config.full_kl
     cfg = config if config is not None else LossConfig()
     if isinstance(hidden, torch.Tensor):  # the head's shape before the labels are checked
@@ -89,6 +90,7 @@ def linear_policy_loss(
         prox_logp=prox_logp,
         entropy_coef=entropy_coef,
         grad_scale=grad_scale,
+        agg_weights=agg_weights,
     )
     weight, bias = check_lm_head(weight, bias, hidden)
     ref_head = None

@@ -305,7 +305,7 @@ def _rows_slice(lin: LinearInputs, inp: LossInputs, start: int, stop: int, **fie
 
     sliced = {
         name: cut(getattr(inp, name))
-        for name in ("labels", "advantages", "mask", "valid", "old_logp", "ref_logp")
+        for name in ("labels", "advantages", "mask", "valid", "old_logp", "ref_logp", "agg_weights")
     }
     return replace(inp, **sliced, rollout_logp=None, **fields)
 

@@ -38,7 +38,7 @@ from ._inputs import (
 from .config import LossConfig
 from .logit_transform import LogitTransform
 from .output import LossOutput
-from .token_terms import token_terms
+from .token_terms import aggregation_weights, token_terms
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -153,6 +153,18 @@ def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
     the plain [N, V] call: token-mean, token-level ratio and rejection (`needs_sequences`), and
     no rollout log-probs or IS weights (their mismatch metrics count sequences)."""
     return not cfg.needs_sequences and rollout_logp is None and is_weights is None
+
+
+def weighs_sequences_only(cfg: LossConfig, rollout_logp, is_weights) -> bool:
+    """Whether the boundaries enter the loss through its aggregation weights alone (a
+    sequence-mean of token-level ratios, GRPO's and Dr. GRPO's): the plain [N, V] call then
+    takes each token's weight, computed per sequence, and stays one read and one write."""
+    return sees_no_boundaries(replace_agg(cfg), rollout_logp, is_weights)
+
+
+def replace_agg(cfg: LossConfig) -> LossConfig:
+    """The config with a token-mean aggregation (the weights given stand in for its own)."""
+    return cfg if cfg.agg == "token-mean" else cfg.replace(agg="token-mean", norm_constant=None)
 
 
 class LogitsRows(NamedTuple):
@@ -278,14 +290,34 @@ def policy_loss(
         advantages = segments.per_token(advantages, "advantages")
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = segments.per_token(temperature, "temperature")
-    if sees_no_boundaries(cfg, rollout_logp, is_weights):
+    # The padded layout of the per-token inputs; a stand-in for the logits (V wide, nothing
+    # copied) carries their vocabulary, dtype and device to the checks.
+    stand_in = rows.source.new_zeros(1, 1, rows.vocab).expand(segments.count, segments.longest, -1)
+    one_pass = weighs_sequences_only(cfg, rollout_logp, is_weights)
+    if one_pass and not sees_no_boundaries(cfg, rollout_logp, is_weights):
+        # (the aggregation alone: its weights read the mask, the normalizer and agg's fields)
+        aggregation = LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
+        padded = prepare_loss_inputs(
+            stand_in,
+            segments.pad(torch.zeros_like(labels)),
+            segments.padded_per_sequence_or_token(advantages),
+            segments.pad(mask, False if mask.dtype == torch.bool else 0),
+            None,
+            None,
+            None,
+            aggregation,
+            normalizer,
+            mask_rows=False,
+        )
+        weights = segments.unpad(aggregation_weights(masked_rows(padded), aggregation))
+    if one_pass:
         return rows.plain(
             labels=labels,
             advantages=advantages,
             mask=mask,
             old_logp=old_logp,
             ref_logp=ref_logp,
-            config=cfg,
+            config=replace_agg(cfg),
             normalizer=normalizer,
             return_entropy=return_entropy,
             temperature=temperature,
@@ -293,10 +325,8 @@ def policy_loss(
             entropy_coef=entropy_coef,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
+            **({} if cfg.agg == "token-mean" else {"agg_weights": weights}),
         )
-    # The padded layout of the per-token inputs; a stand-in for the logits (V wide, nothing
-    # copied) carries their vocabulary, dtype and device to the checks.
-    stand_in = rows.source.new_zeros(1, 1, rows.vocab).expand(segments.count, segments.longest, -1)
     inp = masked_rows(
         prepare_loss_inputs(
             stand_in,

@@ -54,8 +54,10 @@ def policy_loss(
     transform: LogitTransform | None = None,
     return_sum_pi_squared: bool = False,
     grad_scale=None,
+    agg_weights=None,
 ) -> LossOutput:
-    """`fusedrl.policy_loss` on one process, `transform` the model's soft cap (or None)."""
+    """`fusedrl.policy_loss` on one process, `transform` the model's soft cap (or None);
+    `agg_weights`: per-token aggregation weights in place of the mask's (packed sequences)."""
     cfg = config if config is not None else LossConfig()
     inp = prepare_loss_inputs(
         logits,
@@ -75,6 +77,7 @@ def policy_loss(
         transform=transform,
         mask_rows=False,
         grad_scale=grad_scale,
+        agg_weights=agg_weights,
     )
     impl = backends.resolve(backend, inp.logits.device)
     if not impl.READS_RAW_ROWS:

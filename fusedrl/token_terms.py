@@ -217,7 +217,10 @@ def _select_max(
 
 def aggregation_weights(inp: LossInputs, cfg: LossConfig, kernel=None) -> torch.Tensor:
     """agg_w[b, t] such that agg(X) = sum_bt agg_w * X over valid tokens (verl's agg_loss modes);
-    `kernel(mask, agg, normalizer, norm_constant)`: a backend's one-launch form of the same."""
+    `kernel(mask, agg, normalizer, norm_constant)`: a backend's one-launch form of the same.
+    Weights the caller gave (`LossInputs.agg_weights`) are these."""
+    if inp.agg_weights is not None:
+        return inp.agg_weights
     key = ("aggregation_weights", cfg.agg, cfg.norm_constant)
     if kernel is not None:
         return _per_inputs(

@@ -282,3 +282,27 @@ def test_the_log_prob_functions_check_and_keep_them():
         fusedrl.linear_token_logprobs(hidden, weight, labels, cu_seqlens=cuts, max_seqlen=2)
     with pytest.raises(ValueError, match="needs cu_seqlens"):
         fusedrl.token_logprobs(logits, labels, max_seqlen=4)
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "dr_grpo", "gspo"])
+def test_which_losses_read_the_logits_once(preset, monkeypatch):
+    """Token-level ratios (dapo; grpo and dr_grpo, whose sequences enter through their
+    aggregation weights alone) are the plain fused call: the log-prob pass of the two-pass
+    route never runs. A sequence ratio (gspo) takes it."""
+    from fusedrl import single_process
+
+    passes = []
+    real = single_process.token_logprobs
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(single_process, "token_logprobs", counted)
+    data = _batch(seed=12)
+    flat = {k: v for k, v in data["packed"].items() if k != "rollout_logp"}
+    fusedrl.policy_loss(
+        **flat, config=CASES[preset][0], backend="triton", cu_seqlens=data["cu_seqlens"]
+    )
+    assert bool(passes) == (preset == "gspo")
+    assert packed.weighs_sequences_only(CASES[preset][0], None, None) == (preset != "gspo")
