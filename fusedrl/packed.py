@@ -58,6 +58,20 @@ class Segments:
         self.inside = positions < self.lengths[:, None]  # [S, T_max]
         self.rows = torch.where(self.inside, self.starts[:, None] + positions, tokens)
 
+    def stand_in(self, source: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[S, T_max, V] logits in name only (one V-wide row, expanded: nothing copied): what
+        carries the vocabulary, dtype and device of the padded layout to the input checks."""
+        return source.new_zeros(1, 1, vocab).expand(self.count, self.longest, -1)
+
+    def check_per_token(self, tensors: dict) -> None:
+        """Each per-token argument given is [N], one value per packed token."""
+        for name, value in tensors.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != (self.tokens,):
+                raise ValueError(
+                    f"{name} shape {tuple(value.shape)} must be [{self.tokens}]: one per packed "
+                    "token (cu_seqlens)"
+                )
+
     def pad(self, flat: torch.Tensor | None, fill: float | bool = 0) -> torch.Tensor | None:
         """A per-token [N] tensor on the [S, T_max] padded layout, `fill` on the padding."""
         if flat is None:
@@ -253,6 +267,44 @@ class HeadRows(NamedTuple):
         )
 
 
+def segment_weights(
+    segments: Segments, source: torch.Tensor, vocab: int, mask, cfg: LossConfig, normalizer
+) -> torch.Tensor | None:
+    """Each token's aggregation weight [N] under `cfg.agg` over the packed sequences
+    (`token_terms.aggregation_weights` on their padded layout, unpadded); None for token-mean,
+    whose weights are the mask's own."""
+    if cfg.agg == "token-mean":
+        return None
+    # (the aggregation alone: its weights read the mask, the normalizer and agg's fields)
+    aggregation = LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
+    zeros = torch.zeros(segments.tokens, device=source.device)
+    padded = prepare_loss_inputs(
+        segments.stand_in(source, vocab),
+        segments.pad(zeros.long()),
+        segments.pad(zeros),
+        segments.pad(mask, False if mask.dtype == torch.bool else 0),
+        None,
+        None,
+        None,
+        aggregation,
+        normalizer,
+        mask_rows=False,
+    )
+    return segments.unpad(aggregation_weights(masked_rows(padded), aggregation))
+
+
+def packed_aggregation(
+    cu_seqlens, max_seqlen, source: torch.Tensor, vocab: int, mask, cfg: LossConfig, normalizer
+) -> tuple[LossConfig, torch.Tensor | None]:
+    """(the config with a token-mean aggregation, each token's weight under its own
+    aggregation over the packed sequences, None for token-mean): for a loss whose terms are
+    each a token's own (distillation's divergences), the boundaries' whole part."""
+    check_packed_rows(cu_seqlens, source, max_seqlen)
+    segments = Segments(cu_seqlens, source.shape[0], max_seqlen)
+    segments.check_per_token({"mask": mask})
+    return replace_agg(cfg), segment_weights(segments, source, vocab, mask, cfg, normalizer)
+
+
 def policy_loss(
     rows: LogitsRows | HeadRows,
     labels: torch.Tensor,
@@ -290,27 +342,10 @@ def policy_loss(
         advantages = segments.per_token(advantages, "advantages")
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
         temperature = segments.per_token(temperature, "temperature")
-    # The padded layout of the per-token inputs; a stand-in for the logits (V wide, nothing
-    # copied) carries their vocabulary, dtype and device to the checks.
-    stand_in = rows.source.new_zeros(1, 1, rows.vocab).expand(segments.count, segments.longest, -1)
-    one_pass = weighs_sequences_only(cfg, rollout_logp, is_weights)
-    if one_pass and not sees_no_boundaries(cfg, rollout_logp, is_weights):
-        # (the aggregation alone: its weights read the mask, the normalizer and agg's fields)
-        aggregation = LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
-        padded = prepare_loss_inputs(
-            stand_in,
-            segments.pad(torch.zeros_like(labels)),
-            segments.padded_per_sequence_or_token(advantages),
-            segments.pad(mask, False if mask.dtype == torch.bool else 0),
-            None,
-            None,
-            None,
-            aggregation,
-            normalizer,
-            mask_rows=False,
-        )
-        weights = segments.unpad(aggregation_weights(masked_rows(padded), aggregation))
-    if one_pass:
+    per_token = dict(labels=labels, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
+    per_token.update(rollout_logp=rollout_logp, prox_logp=prox_logp)
+    segments.check_per_token(per_token)
+    if weighs_sequences_only(cfg, rollout_logp, is_weights):
         return rows.plain(
             labels=labels,
             advantages=advantages,
@@ -325,11 +360,11 @@ def policy_loss(
             entropy_coef=entropy_coef,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
-            **({} if cfg.agg == "token-mean" else {"agg_weights": weights}),
+            agg_weights=segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer),
         )
     inp = masked_rows(
         prepare_loss_inputs(
-            stand_in,
+            segments.stand_in(rows.source, rows.vocab),
             segments.pad(labels),
             segments.padded_per_sequence_or_token(advantages),
             segments.pad(mask, False if mask.dtype == torch.bool else 0),

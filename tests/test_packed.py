@@ -255,6 +255,8 @@ def test_bad_cu_seqlens_are_named():
         call(cu_seqlens=cuts, inplace=True)
     with pytest.raises(ValueError, match="advantages shape"):
         call(cu_seqlens=cuts, advantages=torch.randn(4))
+    with pytest.raises(ValueError, match=rf"old_logp shape \(4,\) must be \[{tokens}\]"):
+        call(cu_seqlens=cuts, old_logp=torch.randn(4))
     assert packed.sees_no_boundaries(LossConfig.preset("dapo"), None, None)
 
 
@@ -306,3 +308,44 @@ def test_which_losses_read_the_logits_once(preset, monkeypatch):
     )
     assert bool(passes) == (preset == "gspo")
     assert packed.weighs_sequences_only(CASES[preset][0], None, None) == (preset != "gspo")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_distillation_equals_the_padded_call(agg, backend):
+    """distill_loss(student [N, V], teacher, cu_seqlens=) against its padded call: the divergence
+    is each token's own, the sequences enter through the aggregation weights."""
+    data = _batch(seed=17)
+    gen = torch.Generator().manual_seed(3)
+    teacher = torch.randn(*data["padded"]["mask"].shape, VOCAB, generator=gen)
+    student = torch.nan_to_num(data["padded"]["logits"])
+    config = LossConfig(agg=agg)
+    runs = []
+    for layout in ("padded", "packed"):
+        cut = (lambda t: t[data["inside"]]) if layout == "packed" else (lambda t: t)
+        leaf = cut(student).clone().requires_grad_(True)
+        out = fusedrl.distill_loss(
+            leaf,
+            cut(teacher),
+            cut(torch.where(data["padded"]["mask"], data["padded"]["labels"], 0)),
+            cut(data["padded"]["mask"]),
+            kind="jsd",
+            config=config,
+            backend=backend,
+            **({"cu_seqlens": data["cu_seqlens"]} if layout == "packed" else {}),
+        )
+        runs.append((out, torch.autograd.grad(out.loss, leaf)[0]))
+    (want, want_grad), (got, got_grad) = runs
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad[data["inside"]], atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(got.metrics["distill"], want.metrics["distill"])
+    with pytest.raises(NotImplementedError, match="sampled_reverse_kl"):
+        fusedrl.distill_loss(
+            cut(student),
+            cut(teacher),
+            data["packed"]["labels"].clamp_min(0),
+            data["packed"]["mask"],
+            kind="sampled_reverse_kl",
+            advantages=torch.zeros(sum(LENGTHS)),
+            cu_seqlens=data["cu_seqlens"],
+        )

@@ -56,6 +56,8 @@ def distill_loss(
     softcap: float | None = None,
     logit_scale: float | None = None,
     grad_scale: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LossOutput:
     """The student-teacher divergence over the whole vocabulary, per token, aggregated; or the
     teacher's log-ratio on the sampled tokens as a negative advantage of a policy loss.
@@ -90,6 +92,8 @@ def distill_loss(
             `linear_distill_loss(student_transform=, teacher_transform=)`).
         grad_scale: the factor the caller will multiply the loss by before backward, as in
             `policy_loss`: the student's gradient is written times it.
+        cu_seqlens, max_seqlen: packed sequences ([N, V] logits), as in `policy_loss`; not
+            with sampled_reverse_kl.
 
     Returns:
         LossOutput(loss, logp: the student's [B, T] log-probs of `labels` at the temperature,
@@ -103,6 +107,12 @@ def distill_loss(
     teacher = check_teacher(teacher_logits, student_logits)
     if kind == "sampled_reverse_kl":
         from .sampled import check_sampled_config, sampled_reverse_kl
+
+        if cu_seqlens is not None or max_seqlen is not None:
+            raise NotImplementedError(
+                "cu_seqlens with kind='sampled_reverse_kl' is not supported yet: pass the "
+                "teacher-shifted advantages to fusedrl.policy_loss(..., cu_seqlens=) instead"
+            )
 
         cfg = check_sampled_config(config, temperature)
         return sampled_reverse_kl(
@@ -121,7 +131,8 @@ def distill_loss(
             transform,
             grad_scale,
         )
-    cfg = distill_config(config)
+    packing = (cu_seqlens, max_seqlen, student_logits, mask, normalizer)
+    cfg, agg_weights = _aggregation(distill_config(config), *packing)
     # The shared checks of the policy loss (labels, mask, normalizer, the [N, V] form); a
     # distillation has no advantages.
     advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
@@ -137,6 +148,7 @@ def distill_loss(
         normalizer,
         temperature=temperature if per_token else None,
         grad_scale=grad_scale,
+        agg_weights=agg_weights,
     )
     temperature = inp.row_temps if per_token else temperature
     teacher3 = teacher.unsqueeze(0) if inp.flat_input else teacher
@@ -157,6 +169,18 @@ def distill_loss(
     return LossOutput(
         loss=loss, logp=logp, entropy=None, metrics={"distill": masked_mean(divergence, inp)}
     )
+
+
+def _aggregation(cfg, cu_seqlens, max_seqlen, student_logits, mask, normalizer):
+    """(config, per-token aggregation weights or None): `cfg` as it is, or for packed
+    sequences its token-mean form and each token's weight (fusedrl/packed.py: the divergence is
+    each token's own, so the boundaries enter through the weights alone)."""
+    if cu_seqlens is None and max_seqlen is None:
+        return cfg, None
+    from ..packed import packed_aggregation
+
+    vocab = student_logits.shape[-1]
+    return packed_aggregation(cu_seqlens, max_seqlen, student_logits, vocab, mask, cfg, normalizer)
 
 
 def _settled_arguments(
