@@ -673,19 +673,19 @@ def policy_loss(
     reference's logits too. `softcap`: they are c tanh(s x / c) (Gemma 2/3), the reference's
     too (`_model_logits`).
     """
+    if cu_seqlens is not None:  # (before the model's transform: the padded call applies it)
+        tensors = dict(labels=labels, advantages=advantages, mask=mask, old_logp=old_logp)
+        tensors.update(ref_logp=ref_logp, rollout_logp=rollout_logp, is_weights=is_weights)
+        tensors.update(temperature=temperature, prox_logp=prox_logp, ref_logits=ref_logits)
+        rest = dict(config=config, normalizer=normalizer, return_entropy=return_entropy)
+        rest.update(entropy_coef=entropy_coef, grad_scale=grad_scale)
+        rest.update(logit_scale=logit_scale, softcap=softcap)
+        rest.update(return_sum_pi_squared=return_sum_pi_squared)
+        return _packed(logits, cu_seqlens, tensors, rest)
     if logit_scale is not None or softcap is not None:
         logits = _model_logits(logits, logit_scale, softcap)
         if ref_logits is not None:
             ref_logits = _model_logits(ref_logits, logit_scale, softcap)
-    if cu_seqlens is not None:
-        tensors = dict(labels=labels, advantages=advantages, mask=mask, old_logp=old_logp)
-        tensors.update(ref_logp=ref_logp, rollout_logp=rollout_logp, is_weights=is_weights)
-        tensors.update(temperature=temperature, prox_logp=prox_logp)
-        rest = dict(config=config, normalizer=normalizer, return_entropy=return_entropy)
-        rest.update(ref_logits=ref_logits, entropy_coef=entropy_coef, grad_scale=grad_scale)
-        rest.update(logit_scale=logit_scale, softcap=softcap)
-        rest.update(return_sum_pi_squared=return_sum_pi_squared)
-        return _packed(logits, cu_seqlens, tensors, rest)
     cfg, temperature = temperature_in_config(config, temperature)
     cfg = cfg if cfg is not None else LossConfig()
     if prox_logp is not None and old_logp is not None:

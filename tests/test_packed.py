@@ -125,6 +125,29 @@ def test_packed_equals_the_padded_call(case, backend):
     _assert_equal_outputs(oracle, oracle_grad, want, want_grad, data["inside"])
 
 
+@pytest.mark.parametrize("head", [dict(softcap=3.0), dict(logit_scale=0.5)])
+def test_the_oracles_packed_call_takes_the_model_head_once(head):
+    """reference.policy_loss(cu_seqlens=) with a soft cap or a logit scale: the padded call's
+    result (the model's transform applied once, not again on the cut-out sequences); the
+    exact KL's reference logits are cut out with the logits."""
+    data = _batch(seed=5)
+    cfg = LossConfig.preset("grpo", kl="full")
+    gen = torch.Generator().manual_seed(6)
+    ref_logits = torch.randn(data["padded"]["logits"].shape, generator=gen)
+    padded = {k: v for k, v in data["padded"].items() if k != "ref_logp"}
+    flat = {k: v for k, v in data["packed"].items() if k != "ref_logp"}
+    want, want_grad = _call(reference.policy_loss, padded, cfg, ref_logits=ref_logits, **head)
+    got, got_grad = _call(
+        reference.policy_loss,
+        flat,
+        cfg,
+        ref_logits=ref_logits[data["inside"]],
+        cu_seqlens=data["cu_seqlens"],
+        **head,
+    )
+    _assert_equal_outputs(got, got_grad, want, want_grad, data["inside"])
+
+
 def test_the_boundaries_act():
     """The cases are not blind to the boundaries: with the sequences cut elsewhere the loss of a
     sequence-level preset changes (and a token-level one's does not)."""
