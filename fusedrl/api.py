@@ -143,7 +143,7 @@ def policy_loss(
                 prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
         if cu_seqlens is not None or max_seqlen is not None:
-            _refuse_when_packed(cu_seqlens, sharded, inplace, ref_logits, config)
+            _refuse_when_packed(cu_seqlens, max_seqlen, sharded, inplace, ref_logits, config)
     if cu_seqlens is not None:
         from . import packed
 
@@ -265,9 +265,12 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple:
     return config, temperature, transform
 
 
-def _refuse_when_packed(cu_seqlens, sharded: bool, inplace: bool, ref_logits, config) -> None:
-    if cu_seqlens is None:
-        raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+def _refuse_when_packed(
+    cu_seqlens, max_seqlen, sharded: bool, inplace: bool, ref_logits, config
+) -> None:
+    from .packed import require_cu_seqlens
+
+    require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded:
         raise NotImplementedError("cu_seqlens under tensor parallelism is not supported yet")
     if inplace:

@@ -161,7 +161,7 @@ def linear_policy_loss(
     if cu_seqlens is not None or max_seqlen is not None:
         from . import packed
 
-        _refuse_when_packed(cu_seqlens, sharded, ref_weight)
+        _refuse_when_packed(cu_seqlens, max_seqlen, sharded, ref_weight)
         rows = packed.HeadRows(
             hidden, weight, bias, backend, transform, skip_masked_rows, live_rows
         )
@@ -243,9 +243,10 @@ def linear_policy_loss(
     )
 
 
-def _refuse_when_packed(cu_seqlens, sharded: bool, ref_weight) -> None:
-    if cu_seqlens is None:
-        raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool, ref_weight) -> None:
+    from .packed import require_cu_seqlens
+
+    require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded or ref_weight is not None:
         raise NotImplementedError(
             "cu_seqlens with tensor parallelism or the exact KL (ref_weight) is not supported "

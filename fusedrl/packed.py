@@ -6,22 +6,24 @@ their boundaries, `cu_seqlens` (int32 / int64 [S + 1], flash-attention's convent
 is rows cu_seqlens[s] to cu_seqlens[s + 1]). The result equals the padded call on the same
 sequences, for every objective and option (tests/test_packed.py):
 
-- A loss whose every term is a token's own (token-mean aggregation, token-level ratios and
-  rejection, no rollout log-probs or IS weights, whose metrics count sequences) does not see the
-  boundaries: it is the plain [N, V] call, the fused kernel's one read and one write.
+- A loss whose every term is a token's own (token-level ratios and rejection, no rollout
+  log-probs or IS weights, whose metrics count sequences) is the plain [N, V] call, the fused
+  kernel's one read and one write; where its aggregation is a sequence mean (GRPO, Dr. GRPO),
+  each token's aggregation weight is computed per sequence first and handed to that call.
 - Every other loss reads the logits once for the log-probs and entropy (the backend's log-prob
   pass, differentiable), takes its per-sequence terms on the [S, T_max] padded layout of those
   per-token scalars (a few floats a token; the logits are never padded or copied), and hands
   d(loss)/d(logp) and d(loss)/d(entropy) back to the log-prob pass's backward, which reads the
   logits once more and writes the gradient: 2R + 1W, as the padded two-pass losses.
 
-T_max (the longest sequence) sizes the padded layout: `max_seqlen=` gives it, as
-flash-attention's varlen functions take it; without it, it is read from `cu_seqlens` (one host
-sync on a GPU).
+T_max (the longest sequence) sizes the padded layout, where one is made: `max_seqlen=` gives
+it, as flash-attention's varlen functions take it; without it, it is read from `cu_seqlens`
+(one host sync on a GPU).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -44,19 +46,34 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class Segments:
-    """The sequences of a packed batch: their boundaries, lengths, and each padded position's
-    flat row (`rows`, N where the position is padding) and whether it holds a token."""
+    """The sequences of a packed batch: their boundaries and lengths, and, made when first used
+    (a loss that sees no boundary never needs them, nor T_max's host read), the padded layout:
+    each padded position's flat row (`rows`, N where the position is padding) and whether it
+    holds a token (`inside`)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int | None):
         self.tokens = tokens
         self.count = cu_seqlens.numel() - 1
         self.starts = cu_seqlens[:-1].long()
         self.lengths = cu_seqlens[1:].long() - self.starts
-        longest = int(self.lengths.max()) if max_seqlen is None and self.count else max_seqlen
-        self.longest = longest or 0
-        positions = torch.arange(self.longest, device=cu_seqlens.device)
-        self.inside = positions < self.lengths[:, None]  # [S, T_max]
-        self.rows = torch.where(self.inside, self.starts[:, None] + positions, tokens)
+        self._max_seqlen = max_seqlen
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """T_max: `max_seqlen`, or the longest sequence (a host read)."""
+        if self._max_seqlen is not None:
+            return self._max_seqlen
+        return int(self.lengths.max()) if self.count else 0
+
+    @functools.cached_property
+    def inside(self) -> torch.Tensor:
+        positions = torch.arange(self.longest, device=self.lengths.device)
+        return positions < self.lengths[:, None]  # [S, T_max]
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        positions = torch.arange(self.longest, device=self.lengths.device)
+        return torch.where(self.inside, self.starts[:, None] + positions, self.tokens)
 
     def stand_in(self, source: torch.Tensor, vocab: int) -> torch.Tensor:
         """[S, T_max, V] logits in name only (one V-wide row, expanded: nothing copied): what
@@ -152,14 +169,17 @@ def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> 
     return cu_seqlens
 
 
+def require_cu_seqlens(cu_seqlens: object, max_seqlen: object) -> None:
+    if cu_seqlens is None and max_seqlen is not None:
+        raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
+
+
 def check_packed_rows(cu_seqlens: object, rows: object, max_seqlen: object) -> None:
     """The log-prob functions' `cu_seqlens` / `max_seqlen`: checked as the loss's, and nothing
     more (each token's log-prob and entropy are its own row's, whatever the boundaries)."""
-    if cu_seqlens is None:
-        if max_seqlen is not None:
-            raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
-        return
-    check_cu_seqlens(cu_seqlens, rows, max_seqlen)
+    require_cu_seqlens(cu_seqlens, max_seqlen)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, rows, max_seqlen)
 
 
 def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
@@ -330,13 +350,6 @@ def policy_loss(
     says how) on the call's `rows`."""
     cfg = config if config is not None else LossConfig()
     cu_seqlens = check_cu_seqlens(cu_seqlens, rows.source, max_seqlen)
-    if isinstance(temperature, torch.Tensor) and cfg.temperature != 1.0:
-        raise ValueError(
-            f"temperature (per token) and config.temperature={cfg.temperature} are both set: "
-            "pass one"
-        )
-    if return_sum_pi_squared:
-        check_sum_pi_squared(cfg.sampling is not None)
     segments = Segments(cu_seqlens, rows.source.shape[0], max_seqlen)
     if isinstance(advantages, torch.Tensor):
         advantages = segments.per_token(advantages, "advantages")
@@ -362,6 +375,11 @@ def policy_loss(
             grad_scale=grad_scale,
             agg_weights=segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer),
         )
+    if return_sum_pi_squared:  # (the plain call checks its own)
+        check_sum_pi_squared(cfg.sampling is not None)
+    padded_temperature = temperature  # (per-token ones padded: the checks are the padded call's)
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        padded_temperature = segments.pad(temperature, 1.0)
     inp = masked_rows(
         prepare_loss_inputs(
             segments.stand_in(rows.source, rows.vocab),
@@ -374,6 +392,7 @@ def policy_loss(
             cfg,
             normalizer,
             segments.padded_per_sequence_or_token(is_weights, 1.0),
+            temperature=padded_temperature,
             prox_logp=segments.pad(prox_logp),
             entropy_coef=entropy_coef,
             mask_rows=False,

@@ -226,6 +226,24 @@ def test_the_lm_head_form_equals_the_padded_call(preset, backend):
         torch.testing.assert_close(got.metrics[name], want.metrics[name], atol=1e-5, rtol=1e-5)
 
 
+def test_a_loss_blind_to_the_boundaries_makes_no_padded_layout(monkeypatch):
+    """dapo (each term a token's own, token-mean) never makes the padded layout, so a packed
+    call without max_seqlen reads no T_max on the host; grpo's weights and gspo's terms do."""
+
+    def refused(self):
+        raise AssertionError("the padded layout was made")
+
+    monkeypatch.setattr(packed.Segments, "longest", property(refused))
+    data = _batch(seed=13)
+    flat = {k: v for k, v in data["packed"].items() if k != "rollout_logp"}
+    fusedrl.policy_loss(**flat, config=LossConfig.preset("dapo"), cu_seqlens=data["cu_seqlens"])
+    for preset in ("grpo", "gspo"):
+        with pytest.raises(AssertionError, match="padded layout"):
+            fusedrl.policy_loss(
+                **flat, config=LossConfig.preset(preset), cu_seqlens=data["cu_seqlens"]
+            )
+
+
 def test_bf16_against_the_float64_truth():
     data = _batch(seed=7, dtype=torch.bfloat16)
     cfg = CASES["gspo"][0]
@@ -280,6 +298,14 @@ def test_bad_cu_seqlens_are_named():
         call(cu_seqlens=cuts, advantages=torch.randn(4))
     with pytest.raises(ValueError, match=rf"old_logp shape \(4,\) must be \[{tokens}\]"):
         call(cu_seqlens=cuts, old_logp=torch.randn(4))
+    for preset in ("gspo", "grpo"):  # the two-pass call and the one-pass one
+        with pytest.raises(ValueError, match="both set: pass one"):
+            fusedrl.policy_loss(
+                **flat,
+                config=LossConfig.preset(preset, temperature=0.7),
+                temperature=torch.ones(tokens),
+                cu_seqlens=cuts,
+            )
     assert packed.sees_no_boundaries(LossConfig.preset("dapo"), None, None)
 
 
