@@ -735,10 +735,13 @@ def policy_loss(
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, grads=False)
         return logp, entropy if need_entropy else None, terms
     scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
-    squares = {} if sum_sq is None else {"sum_sq": sum_sq}
-    logp, lse, entropy = ops.logprobs_fwd(
-        inp.logits, inp.labels, inp.valid, scalar, **rows, **squares
-    )
+    if sum_sq is None:
+        logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
+    else:  # one read still; the [B, T] copy is 1 / V of it
+        logp, lse, entropy, squares = ops.logprobs_squares(
+            inp.logits, inp.labels, scalar, **rows, valid=inp.valid
+        )
+        sum_sq.copy_(squares)
     if source == "kernel":
         terms = _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
     else:

@@ -74,7 +74,7 @@ def _eager_or_traced(op: Callable, body: Callable | None = None) -> Callable:
     return call
 
 
-@_custom_op("logprobs_fwd", mutates_args=("sum_sq",))
+@_custom_op("logprobs_fwd", mutates_args=())
 def logprobs_fwd(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -82,21 +82,22 @@ def logprobs_fwd(
     temperature: float,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
-    sum_sq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cap` (every row op): a soft cap's a = s / c, the rows read as tanh(a x) at the
-    temperature T / c (`fused_backend.temperature_keywords`). `sum_sq` (this op and the fused
-    loss): a [B, T] fp32 buffer that gets sum_v pi_v^2 per row from the same read."""
+    temperature T / c (`fused_backend.temperature_keywords`)."""
     return _kernels().logprobs.logprobs_forward(
-        logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
+        logits, labels, valid, temperature, row_temps, cap=cap
     )
 
 
 @logprobs_fwd.register_fake
-def _(logits, labels, valid, temperature, row_temps=None, cap=None, sum_sq=None):
+def _(logits, labels, valid, temperature, row_temps=None, cap=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(3))
 
 
+# sum_v pi_v^2 comes back as a fourth output, not into a buffer the op mutates: torch 2.11's
+# functionalization fails on a mutated optional argument left None (IndexError under
+# torch.compile, seen on an H200 in tests/test_gpu.py's gspo case).
 @_custom_op("logprobs_squares_fwd", mutates_args=())
 def logprobs_squares_fwd(
     logits: torch.Tensor,
@@ -104,18 +105,19 @@ def logprobs_squares_fwd(
     temperature: float,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`logprobs_fwd` of every row (the log-prob calls have no mask) and sum_v pi_v^2 per row,
-    from the same read of the logits."""
+    """`logprobs_fwd` and sum_v pi_v^2 per row, from the same read of the logits; `valid`:
+    the rows to read (None: every row, as the log-prob calls, which have no mask)."""
     sum_sq = fused_backend._empty_rows_like(labels)
     stats = _kernels().logprobs.logprobs_forward(
-        logits, labels, None, temperature, row_temps, cap=cap, sum_sq=sum_sq
+        logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
     )
     return (*stats, sum_sq)
 
 
 @logprobs_squares_fwd.register_fake
-def _(logits, labels, temperature, row_temps=None, cap=None):
+def _(logits, labels, temperature, row_temps=None, cap=None, valid=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
 
 

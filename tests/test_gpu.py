@@ -163,13 +163,15 @@ def test_no_host_sync_on_the_hot_path(backend):
     for preset in SYNC_FREE_PRESETS:  # compile and warm up first
         run_loss(_impl(backend), data, LossConfig.preset(preset))
     run_loss(_impl(backend), data, cfg)
+    # made before the debug mode: its host-to-device copy is a sync, not the loss's
+    device_scale = torch.tensor(0.25, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         for preset in SYNC_FREE_PRESETS:
             for batch in (data, fractional):
                 run_loss(_impl(backend), batch, LossConfig.preset(preset))
         run_loss(_impl(backend), data, cfg)
-        for scale in (0.5, torch.tensor(0.25, device="cuda")):  # grad_scale: no read either
+        for scale in (0.5, device_scale):  # grad_scale: no read either
             run_loss(_impl(backend), data, LossConfig.preset("dapo"), grad_scale=scale)
     finally:
         torch.cuda.set_sync_debug_mode("default")
