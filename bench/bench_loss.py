@@ -25,7 +25,9 @@ next impl runs, so no impl is timed on gradient values. Each rotated buffer has 
 reference log-probs, computed from it. A table is printed and one JSON file per op is written to
 bench/results/<op>-<gpu>-<date>.json, rewritten after every case (a run cut short keeps what it
 measured; `"complete": false` until the end). `--smoke` results say `"smoke": true`: they check
-that the script runs, they measure nothing.
+that the script runs, they measure nothing. `--cuda-graph` (GPU): each step is captured once per
+rotated buffer in a CUDA graph and its replays are timed, so that a host-bound shape shows the
+GPU's own time beside the eager one (an impl that cannot be captured records its error).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import datetime
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -583,6 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time CUDA-graph replays of each step: the GPU's time without the host's launches",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes on any device: checks the script runs, measures nothing",
@@ -593,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     args.V = args.V or MATRICES[args.matrix]["V"]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cuda_graph and device.type != "cuda":
+        parser.error("--cuda-graph needs a CUDA device (graphs capture GPU launches)")
     if args.smoke:
         args.N, args.V, args.sequences = [32], [263], 4
         args.copy_gib, args.warmup_ms, args.rep_ms = 0.01, 1, 20
@@ -783,9 +793,12 @@ def _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth) -> list[d
                     case.dirty = True
                     case.restore_next()
                 peak = peak_memory_above_inputs(step, device)
+                restore = case.restore_next
+                if args.cuda_graph:
+                    step, restore = graphed(step, case), case.restore_all
                 if inplace:
                     ms, p20, p80 = _bench_restoring(
-                        step, case.restore_next, device, args.warmup_ms, args.rep_ms
+                        step, restore, device, args.warmup_ms, args.rep_ms
                     )
                 else:
                     ms, p20, p80 = _bench(step, device, args.warmup_ms, args.rep_ms)
@@ -797,7 +810,7 @@ def _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth) -> list[d
                     gbps=row["bytes_floor"] / (ms * 1e-3) / 1e9,
                     pct_of_floor=100.0 * floor_ms / ms,
                     peak_mem_bytes=peak,
-                    timing=_timing(device, inplace),
+                    timing=_timing(device, inplace) + ", CUDA-graph replays" * args.cuda_graph,
                 )
             except torch.cuda.OutOfMemoryError:
                 row.update(ms=None, error="out of memory")
@@ -810,6 +823,34 @@ def _run_case(args, impls, device, dtype, n, vocab, preset, bandwidth) -> list[d
             _print_row(row)
     del case
     return rows
+
+
+def graphed(step, case: Case):
+    """`step` captured in one CUDA graph per rotated buffer; each call replays the next. The
+    replay launches the captured kernels with no Python, dispatcher or autograd in between: the
+    GPU's time of the step. (An in-place impl's buffers are then restored whole: a graph always
+    writes the buffer it captured.)"""
+    copies = len(case.buffers)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compilation, lazy allocations (capture forbids)
+        for _ in range(copies):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    captured = []
+    for _ in range(copies):  # the i-th graph takes the i-th buffer, as the replays cycle
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        captured.append((graph, outputs))
+    replays = itertools.cycle(captured)
+
+    def replay():
+        graph, outputs = next(replays)
+        graph.replay()
+        return outputs  # the captured step's (loss, gradient), rewritten by this replay
+
+    return replay
 
 
 def _timing(device: torch.device, inplace: bool) -> str:

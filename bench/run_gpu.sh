@@ -394,27 +394,29 @@ stage_tp() {
 
 stage_session() {
   # A lease of 15 device-minutes, 1-2 of them to start the machine, affords one full call: the
-  # GPU tests first (both backends, ~2.5 minutes), then what the time left allows, the most
-  # telling first: the loss at a host-bound and a memory-bound shape against its peers (the
-  # split-row kernel beside the default), the gradient-accumulation row (grad_scale= declared
-  # or rescaled in backward), both fused kernels' DRAM bytes (ncu), the fused kernel's launch
-  # shapes (two rounds), the exact KL at its 2R + 1W floor.
+  # GPU tests first (both backends, ~3 minutes), then what the time left allows, the most
+  # telling first: the loss at host-bound and memory-bound shapes against its peers (the
+  # H200 run of 2026-11-28 cut this matrix at V = 262144: the split-row kernel, slower at every
+  # shape there, is left out of it), the fused kernel's launch shapes (two rounds, with the
+  # wider per-thread tiles), the host-bound shape's GPU time (CUDA-graph replays), the fused
+  # kernel's DRAM bytes (ncu), the gradient-accumulation row. (Measured on 2026-11-28 and left
+  # to their stages: the split-row kernel's bytes, the exact KL: `profile`, `distill`.)
   stage_tests
-  step session:bench "$((DEADLINE - SECONDS - 200))" "$PREFIX-bench_loss-session.log" \
-    "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 --presets dapo \
-    --impls fusedrl-triton fusedrl-triton-split fusedrl-cuda liger torch-compile \
+  step session:bench "$((DEADLINE - SECONDS - 170))" "$PREFIX-bench_loss-session.log" \
+    "$PY" bench/bench_loss.py --N 4096 16384 --V 32000 151936 262144 --presets dapo \
+    --impls fusedrl-triton fusedrl-cuda liger torch-compile \
     --ops policy_loss_fwd_bwd --warmup-ms 50 --rep-ms 200 --tag session --out "$OUTDIR"
-  step session:grad_scale "$((DEADLINE - SECONDS - 150))" "$PREFIX-bench_loss-grad_scale.log" \
-    "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
-    --impls fusedrl-triton fusedrl-triton-split fusedrl-cuda liger --ops policy_loss_fwd_bwd \
-    --warmup-ms 50 --rep-ms 200 --tag grad_scale --out "$OUTDIR"
-  # DRAM bytes of the two fused kernels (ncu): the split-row one should read the logits once
-  stage_profile "dapo dapo_split"
-  step session:sweep "$((DEADLINE - SECONDS - 60))" "$PREFIX-sweep_fused.log" \
+  step session:sweep "$((DEADLINE - SECONDS - 80))" "$PREFIX-sweep_fused.log" \
     "$PY" bench/sweep_fused.py --out "$OUTDIR"
-  step session:full_kl "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-full_kl.log" \
-    "$PY" bench/bench_loss.py --presets full_kl --N 16384 --V 151936 \
-    --impls fusedrl-triton torch-eager --ops policy_loss_fwd_bwd --tag full_kl --out "$OUTDIR"
+  step session:graph "$((DEADLINE - SECONDS - 50))" "$PREFIX-bench_loss-graph.log" \
+    "$PY" bench/bench_loss.py --N 4096 --V 32000 --presets dapo \
+    --impls fusedrl-triton fusedrl-cuda liger torch-compile --ops policy_loss_fwd_bwd \
+    --cuda-graph --warmup-ms 50 --rep-ms 200 --tag graph --out "$OUTDIR"
+  stage_profile "dapo"
+  step session:grad_scale "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-grad_scale.log" \
+    "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
+    --impls fusedrl-triton fusedrl-cuda liger --ops policy_loss_fwd_bwd \
+    --warmup-ms 50 --rep-ms 200 --tag grad_scale --out "$OUTDIR"
 }
 
 case "$STAGE" in

@@ -32,6 +32,12 @@ SHAPE = {"N": 16384, "V": 151936}
 SMOKE_SHAPE = {"N": 6, "V": 1031}
 PROGRAMS_PER_SM = (1, 2, 3, 4)
 WARPS = (8, 16)
+# Bytes each thread loads per tile: 32 doubles every thread's loads in flight (two 16-byte
+# vectors a tile, the prefetched tile's too) at the cost of registers; ncu put the fused kernel
+# at 46% of peak DRAM throughput on an H200 with its bytes at the floor (2026-11-28): more
+# bytes in flight is the lead. Timed at the shapes that keep enough programs resident.
+WIDE_BYTES_PER_THREAD = 32
+WIDE_SHAPES = tuple(itertools.product((2, 4), WARPS, (WIDE_BYTES_PER_THREAD,)))
 COPIES = 2
 # Every shape is timed in two rounds, the second in reverse order: the first H100 sweep
 # (2026-11-26) put the best shape 10% ahead of the default, with a 5% spread between two runs
@@ -40,28 +46,50 @@ ROUNDS = 2
 
 
 @contextlib.contextmanager
-def launch_shape(programs_per_sm: int | None, warps: int | None):
-    """The fused kernel launched with `programs_per_sm` programs per SM of `warps` warps (None:
-    the launcher's own choice), by swapping the launcher's sizing rules for the call."""
+def launch_shape(
+    programs_per_sm: int | None, warps: int | None, bytes_per_thread: int | None = None
+):
+    """The fused kernel launched with `programs_per_sm` programs per SM of `warps` warps, each
+    thread loading `bytes_per_thread` a tile (None: the launcher's own choice), by swapping the
+    launcher's sizing rules for the call."""
     from fusedrl.kernels import launch, token_loss
 
-    saved = (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM)
+    saved = (
+        token_loss.persistent_programs,
+        launch.MAX_WARPS,
+        launch.MIN_CTAS_PER_SM,
+        launch.BYTES_PER_THREAD,
+    )
     try:
         if programs_per_sm is not None:
             launch.MIN_CTAS_PER_SM = programs_per_sm  # the register cap: that many resident
 
-            def programs(rows, row_bytes, device):
+            def programs(rows, row_bytes, device, fit_l2=True):
                 if device.type != "cuda":
-                    return saved[0](rows, row_bytes, device)
+                    return saved[0](rows, row_bytes, device, fit_l2)
                 sms, _ = launch._sms_and_l2(device.index or torch.cuda.current_device())
                 return max(1, min(rows, sms * programs_per_sm))
 
             token_loss.persistent_programs = programs
         if warps is not None:
-            launch.MAX_WARPS = warps  # the tile: one 16-byte vector a thread
+            launch.MAX_WARPS = warps  # the tile: BYTES_PER_THREAD a thread
+        if bytes_per_thread is not None:
+            launch.BYTES_PER_THREAD = bytes_per_thread
         yield
     finally:
-        token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM = saved
+        (
+            token_loss.persistent_programs,
+            launch.MAX_WARPS,
+            launch.MIN_CTAS_PER_SM,
+            launch.BYTES_PER_THREAD,
+        ) = saved
+
+
+def launch_shapes() -> list[tuple[int | None, int | None, int | None]]:
+    """(programs per SM, warps, bytes per thread) of every timed shape; (None, None, None): the
+    launcher's own choice."""
+    plain = [(per_sm, warps, None) for per_sm, warps in itertools.product(PROGRAMS_PER_SM, WARPS)]
+    return [(None, None, None), *plain, *WIDE_SHAPES]
 
 
 def main(argv=None) -> int:
@@ -76,33 +104,24 @@ def main(argv=None) -> int:
         f"N={n} V={v} bf16 dapo in place; copy bandwidth {bandwidth:.0f} GB/s, 1R+1W floor "
         f"{floor_ms:.3f} ms" + ("  (smoke run, not a measurement)" * args.smoke)
     )
-    print(f"{'round':>5} {'programs/SM':>11} {'warps':>5} {'ms':>9} {'%floor':>7}")
+    print(f"{'round':>5} {'programs/SM':>11} {'warps':>5} {'B/thr':>5} {'ms':>9} {'%floor':>7}")
     rows = []
-    shapes = [(None, None), *itertools.product(PROGRAMS_PER_SM, WARPS)]
+    shapes = launch_shapes()
     rounds = [(r, shape) for r in range(ROUNDS) for shape in (shapes[::-1] if r else shapes)]
-    for round_, (per_sm, warps) in rounds:
-        with launch_shape(per_sm, warps):
+    for round_, (per_sm, warps, width) in rounds:
+        label = f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5} {width or '-':>5}"
+        shape = {"programs_per_sm": per_sm, "warps": warps, "bytes_per_thread": width}
+        with launch_shape(per_sm, warps, width):
             steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])
             try:
                 ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
             except Exception as err:  # noqa: BLE001 - a shape the compiler refuses is a result
-                rows.append(
-                    {"round": round_, "programs_per_sm": per_sm, "warps": warps, "error": repr(err)}
-                )
-                label = f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5}"
+                rows.append({"round": round_, **shape, "error": repr(err)})
                 print(f"{label} failed: {err!r}"[:200])
                 continue
         pct = 100.0 * floor_ms / ms
-        rows.append(
-            {
-                "round": round_,
-                "programs_per_sm": per_sm,
-                "warps": warps,
-                "ms": ms,
-                "pct_of_floor": pct,
-            }
-        )
-        print(f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5} {ms:>9.3f} {pct:>6.1f}%")
+        rows.append({"round": round_, **shape, "ms": ms, "pct_of_floor": pct})
+        print(f"{label} {ms:>9.3f} {pct:>6.1f}%")
     write_run_json(
         args.out,
         "sweep_fused",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+from fusedrl.kernels.token_args import KERNEL_SCALARS, LossVariant, TokenLossArgs
 
 from ._inputs import (
     LossInputs,
@@ -383,21 +383,28 @@ MAX_VARIANTS = 256
 _VARIANTS: dict[tuple, tuple[LossConfig, LossVariant]] = {}
 
 
+# The kernels' numbers that the config holds under another name. Every other one of
+# KERNEL_SCALARS but the call's ratio bounds is the config's field of the same name: a new
+# number of the loss needs no line here.
+_CONFIG_NAMES = {"tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"}
+_CALL_NUMBERS = ("low_bound", "high_bound")
+
+
 def _variant_of(cfg, temperature, cap, low_bound, high_bound, agg_from_mask) -> LossVariant:
+    numbers = {
+        name: kernel_float(getattr(cfg, _CONFIG_NAMES.get(name, name)))
+        for name in KERNEL_SCALARS
+        if name not in _CALL_NUMBERS
+    }
     return LossVariant(
-        "ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels know PPO by that name
-        temperature,
-        cap,
-        kernel_float(cfg.dual_clip_c),
-        kernel_float(cfg.delta),
-        kernel_float(cfg.sapo_tau_pos),
-        kernel_float(cfg.sapo_tau_neg),
-        cfg.kl,
-        kernel_float(cfg.beta),
-        kernel_float(cfg.entropy_coef),
-        low_bound,
-        high_bound,
-        agg_from_mask,
+        loss="ppo" if cfg.loss in PPO_CLIPPED else cfg.loss,  # the kernels' name for PPO
+        temperature=temperature,
+        cap=cap,
+        kl=cfg.kl,
+        low_bound=low_bound,
+        high_bound=high_bound,
+        agg_from_mask=agg_from_mask,
+        **numbers,
     )
 
 

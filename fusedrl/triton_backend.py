@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fusedrl.kernels.token_args import TokenLossArgs, op_schema
+from fusedrl.kernels.token_args import LossVariant, TokenLossArgs, op_schema
 
 from . import fused_backend
 from .fused_backend import FusedOps
@@ -266,31 +266,25 @@ def _(partials):
     return partials.new_empty(()), partials.new_empty(width)
 
 
-# The fields the terms kernel reads (kernels/sequence_terms.py): no temperature, cap, per-token
-# temperatures, grad_scale or sum of p^2 buffer (whose alias annotation would mark the op as
-# mutating, for torch.compile to functionalise).
-SEQUENCE_FIELDS = (
-    "labels",
-    "valid",
-    "advantages",
-    "agg_weight",
-    "mask",
-    "old_logp",
-    "ref_logp",
-    "is_weight",
-    "low",
-    "high",
-    "entropy_coef_tensor",
-    "loss",
-    "dual_clip_c",
-    "delta",
-    "tau_pos",
-    "tau_neg",
-    "kl",
-    "beta",
-    "entropy_coef",
-    "low_bound",
-    "high_bound",
+# The fields the terms kernel reads (kernels/sequence_terms.py): all but the rows' (temperature,
+# cap, per-token temperatures), the gradient's (grad_scale), the mask-weighed aggregation and
+# the sum of p^2 buffer (whose alias annotation would mark the op as mutating, for
+# torch.compile to functionalise). A new number of the variant joins by itself.
+_NOT_SEQUENCE_FIELDS = {
+    "variant",
+    "row_temps",
+    "grad_scale_tensor",
+    "sum_sq",
+    "grad_scale",
+    "agg_denominator",
+    "temperature",
+    "cap",
+    "agg_from_mask",
+}
+SEQUENCE_FIELDS = tuple(
+    name
+    for name in (*TokenLossArgs._fields, *LossVariant._fields)
+    if name not in _NOT_SEQUENCE_FIELDS
 )
 torch.library.define(
     "fusedrl::sequence_terms",

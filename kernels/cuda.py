@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .token_args import CUDA_FIELDS
+from .token_args import CUDA_FIELDS, LossVariant
 
 
 def _find_csrc() -> Path:
@@ -112,10 +112,37 @@ def by_name(fused_op, fused_op_inplace) -> tuple:
     return fused_token_loss, fused_token_loss_inplace
 
 
+# The variant's fields the op drops because the driver hands it their effect otherwise (the
+# bounds as tensors, the aggregation weights made), checked by `_check_takes` itself.
+_DROPPED_BY_DESIGN = ("agg_from_mask", "low_bound", "high_bound")
+
+
+@functools.lru_cache(maxsize=256)
+def _unknown_numbers(variant: LossVariant) -> tuple[str, ...]:
+    """The variant's fields that csrc/ does not take and that are not at their defaults: a
+    number of the loss newer than the extension, which it would silently leave out."""
+    defaults = LossVariant._field_defaults
+    return tuple(
+        name
+        for name in LossVariant._fields
+        if name not in CUDA_FIELDS
+        and name not in _DROPPED_BY_DESIGN
+        and getattr(variant, name) != defaults[name]
+    )
+
+
 def _check_takes(args) -> None:
     """The fields outside CUDA_FIELDS must be at what the op assumes: one it dropped (a
-    grad_scale, the sums' mask or constant bounds, a sum of p^2 buffer) would be silently lost."""
+    grad_scale, the sums' mask or constant bounds, a sum of p^2 buffer, a number of the loss it
+    does not know) would be silently lost."""
     variant = args.variant
+    unknown = _unknown_numbers(variant)
+    if unknown:
+        raise NotImplementedError(
+            f"backend='cuda': the CUDA extension does not implement {', '.join(unknown)} "
+            f"(csrc/ takes {', '.join(n for n in CUDA_FIELDS if n in LossVariant._fields)}); "
+            "use backend='triton' or 'torch'"
+        )
     if (
         args.mask is not None
         or args.sum_sq is not None

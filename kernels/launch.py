@@ -66,8 +66,11 @@ def _sms_and_l2(device_index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.L2_cache_size
 
 
-def persistent_programs(rows: int, row_bytes: int, device: torch.device) -> int:
-    """Programs of a two-sweep kernel: as many rows in flight as L2 holds, one per SM at least.
+def persistent_programs(
+    rows: int, row_bytes: int, device: torch.device, fit_l2: bool = True
+) -> int:
+    """Programs of a two-sweep kernel: as many rows in flight as L2 holds, one per SM at least;
+    `fit_l2=False`: MIN_CTAS_PER_SM per SM whatever L2 holds.
 
     Sweep 2 re-reads the row that sweep 1 just streamed, back to front, with its own loads and
     the gradient stores marked evict-first: a line is still in L2 when sweep 2 comes back for it
@@ -75,13 +78,20 @@ def persistent_programs(rows: int, row_bytes: int, device: torch.device) -> int:
     SMs) bf16 rows of V = 151936 (297 KB) get one program per SM (39 MB), V = 32000 two (17 MB).
     Fewer than one per SM would leave SMs idle, so V = 262144 (512 KB rows, 67 MB) overflows L2
     and re-reads part of each row from HBM (docs/benchmarks.md has the traffic model).
+
+    The fused token-level kernel takes `fit_l2=False`: at V = 151936 bf16 two 16-warp programs
+    per SM beat the one that L2 allows on both GPUs measured (bench/sweep_fused.py: H100 5.80 ->
+    5.41 ms, H200 4.79 -> 4.06 ms; bench/results/*sweep_fused*): the second row's loads in flight
+    are worth more than the sweep-2 re-reads they push out of L2.
     """
     if device.type != "cuda":
         return max(1, min(rows, INTERPRETED_PROGRAMS))
     # A tensor's device always has an index; a bare torch.device("cuda") means the current one.
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, l2_bytes = _sms_and_l2(index)
-    per_sm = max(1, min(MIN_CTAS_PER_SM, l2_bytes // max(1, row_bytes * sms)))
+    per_sm = MIN_CTAS_PER_SM
+    if fit_l2:
+        per_sm = max(1, min(per_sm, l2_bytes // max(1, row_bytes * sms)))
     return max(1, min(rows, sms * per_sm))
 
 

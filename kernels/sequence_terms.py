@@ -35,11 +35,15 @@ from .loss_sums import (
     slot,
 )
 from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs by its module's)
+    BETA_AT,
+    ENTROPY_COEF_AT,
+    HIGH_BOUND_AT,
     KL_CODES,
     KL_NONE,
     KL_VALUE_CODES,
     LOG_RATIO_CLAMP,
     LOSS_CODES,
+    LOW_BOUND_AT,
     SEQ_LOG_RATIO_MAX,
     kl_dlogp,
     kl_value,
@@ -98,14 +102,7 @@ def _sequence_terms_kernel(
     vocab,
     adv_stride_b,
     adv_stride_t,
-    low_bound,
-    high_bound,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    beta,
-    entropy_coef,
+    loss_scalars,
     SEQUENCE_RATIO: tl.constexpr,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
@@ -129,7 +126,7 @@ def _sequence_terms_kernel(
     ratio."""
     b = tl.cast(tl.program_id(0), tl.int64)
     start = b * time
-    bonus_coef = entropy_coef
+    bonus_coef = loss_scalars[ENTROPY_COEF_AT]
     if ENTROPY_COEF_FROM_PTR:
         bonus_coef = tl.load(entropy_coef_ptr)
     seq_log_ratio = 0.0
@@ -154,8 +151,8 @@ def _sequence_terms_kernel(
         old = tl.load(old_ptr + at, mask=inside, other=0.0)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t, mask=inside, other=0.0)
         agg_weight = tl.load(agg_weight_ptr + at, mask=inside, other=0.0)
-        low = low_bound
-        high = high_bound
+        low = loss_scalars[LOW_BOUND_AT]
+        high = loss_scalars[HIGH_BOUND_AT]
         if HAS_BOUNDS:
             low = tl.load(low_ptr + at, mask=inside, other=0.0)
             high = tl.load(high_ptr + at, mask=inside, other=0.0)
@@ -174,10 +171,7 @@ def _sequence_terms_kernel(
             adv=adv,
             low=low,
             high=high,
-            dual_clip_c=dual_clip_c,
-            delta=delta,
-            tau_pos=tau_pos,
-            tau_neg=tau_neg,
+            loss_scalars=loss_scalars,
             LOSS=LOSS,
             DUAL_CLIP=DUAL_CLIP,
             HAS_DELTA=HAS_DELTA,
@@ -194,6 +188,7 @@ def _sequence_terms_kernel(
             ref = tl.load(ref_ptr + at, mask=inside, other=0.0)
             kl = kl_value(logp, ref, KL_VALUE)
             if KL != KL_NONE:
+                beta = loss_scalars[BETA_AT]
                 d_token += beta * kl_dlogp(logp, ref, KL)
                 value += beta * kl
                 unread = unread | (ref != ref)
@@ -267,7 +262,7 @@ def sequence_terms(
         vocab,
         args.advantages.stride(0),
         args.advantages.stride(1),
-        *variant_scalars(args.variant),
+        variant_scalars(args.variant),  # one tuple: `loss_scalars`
         **variant_constexprs(
             args.variant,
             args.ref_logp is not None,

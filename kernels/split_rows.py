@@ -63,7 +63,12 @@ from .rows import (
     row_temperature,
     scaled,
 )
-from .terms import KL_CODES, KL_VALUE_CODES, LOSS_CODES  # noqa: F401  (aot varies these)
+from .terms import (  # noqa: F401  (the codes: aot varies these)
+    ENTROPY_COEF_AT,
+    KL_CODES,
+    KL_VALUE_CODES,
+    LOSS_CODES,
+)
 from .token_args import LossVariant, TokenLossArgs
 from .token_loss import (
     CROSSED_SWITCHES,  # noqa: F401  (aot crosses the same switches here)
@@ -291,14 +296,7 @@ def _split_row_loss_kernel(
     inv_temperature,
     scale2,
     cap2,
-    low_bound,
-    high_bound,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    beta,
-    entropy_coef,
+    loss_scalars,
     grad_scale,
     agg_denominator,
     LOSS: tl.constexpr,
@@ -334,7 +332,7 @@ def _split_row_loss_kernel(
         mask_ptr=mask_ptr,
         entropy_coef_ptr=entropy_coef_ptr,
         grad_scale_ptr=grad_scale_ptr,
-        entropy_coef=entropy_coef,
+        entropy_coef=loss_scalars[ENTROPY_COEF_AT],
         grad_scale=grad_scale,
         agg_denominator=agg_denominator,
         ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
@@ -408,8 +406,7 @@ def _split_row_loss_kernel(
                 high_ptr=high_ptr,
                 is_weight_ptr=is_weight_ptr,
                 ref_ptr=ref_ptr,
-                low_bound=low_bound,
-                high_bound=high_bound,
+                loss_scalars=loss_scalars,
                 AGG_FROM_MASK=AGG_FROM_MASK,
                 HAS_OLD=HAS_OLD,
                 HAS_BOUNDS=HAS_BOUNDS,
@@ -525,11 +522,7 @@ def _split_row_loss_kernel(
                     ref=ref,
                     weight_ptr=mask_ptr + row,
                     slots=slots,
-                    dual_clip_c=dual_clip_c,
-                    delta=delta,
-                    tau_pos=tau_pos,
-                    tau_neg=tau_neg,
-                    beta=beta,
+                    loss_scalars=loss_scalars,
                     bonus_coef=bonus_coef,
                     LOSS=LOSS,
                     DUAL_CLIP=DUAL_CLIP,

@@ -10,7 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .token_args import LossVariant
+from .token_args import (  # noqa: F401  (variant_scalars: the launchers import it from here)
+    KERNEL_SCALARS,
+    LossVariant,
+    variant_scalars,
+)
 
 # constexpr codes of the variants (csrc/fused_loss.h's LossCode / KlCode have the same values);
 # fusedrl.triton_backend maps LossConfig onto them, the kernels branch on the names below.
@@ -35,6 +39,16 @@ LOG_RATIO_CLAMP = tl.constexpr(20.0)
 SEQ_LOG_RATIO_MAX = tl.constexpr(10.0)  # GSPO's sequence log-ratio, from above
 KL_LOG_CLAMP = tl.constexpr(20.0)
 KL_VALUE_CLAMP = tl.constexpr(10.0)
+
+# Where each runtime number of the variant sits in the kernels' `loss_scalars` tuple.
+LOW_BOUND_AT = tl.constexpr(KERNEL_SCALARS.index("low_bound"))
+HIGH_BOUND_AT = tl.constexpr(KERNEL_SCALARS.index("high_bound"))
+DUAL_CLIP_C_AT = tl.constexpr(KERNEL_SCALARS.index("dual_clip_c"))
+DELTA_AT = tl.constexpr(KERNEL_SCALARS.index("delta"))
+TAU_POS_AT = tl.constexpr(KERNEL_SCALARS.index("tau_pos"))
+TAU_NEG_AT = tl.constexpr(KERNEL_SCALARS.index("tau_neg"))
+BETA_AT = tl.constexpr(KERNEL_SCALARS.index("beta"))
+ENTROPY_COEF_AT = tl.constexpr(KERNEL_SCALARS.index("entropy_coef"))
 
 
 @triton.jit
@@ -64,10 +78,7 @@ def policy_term(
     adv,
     low,
     high,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
+    loss_scalars,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     HAS_DELTA: tl.constexpr,
@@ -85,6 +96,7 @@ def policy_term(
     dual_clipped = clipped
     if LOSS == LOSS_CLIPPED:
         if HAS_DELTA:
+            delta = loss_scalars[DELTA_AT]
             loss_unclipped = -adv * tl.minimum(ratio, delta)
             d_unclipped = tl.where(ratio <= delta, -adv * dratio, 0.0)
         else:
@@ -96,7 +108,7 @@ def policy_term(
         value = tl.maximum(loss_unclipped, loss_clipped)
         clipped = loss_clipped > loss_unclipped
         if DUAL_CLIP:
-            loss_dual = -adv * dual_clip_c
+            loss_dual = -adv * loss_scalars[DUAL_CLIP_C_AT]
             keep = tl.where(value < loss_dual, 1.0, tl.where(value > loss_dual, 0.0, 0.5))
             d = tl.where(adv < 0, d * keep, d)
             dual_clipped = (value > loss_dual) & (adv < 0)
@@ -106,7 +118,7 @@ def policy_term(
         value = d * logp
         clipped = ratio != clipped_ratio
     elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
-        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        tau = tl.where(adv > 0, loss_scalars[TAU_POS_AT], loss_scalars[TAU_NEG_AT])
         gate = tl.sigmoid(tau * (ratio - 1.0))
         d = -4.0 * gate * (1.0 - gate) * dratio * adv
         value = -(4.0 / tau) * gate * adv
@@ -163,22 +175,6 @@ def kl_value(logp, ref, KL_VALUE: tl.constexpr):
         raw = tl.exp(log_ratio) - log_ratio - 1.0
         value = tl.minimum(tl.maximum(raw, -KL_VALUE_CLAMP), KL_VALUE_CLAMP)
     return tl.where(delta != delta, float("nan"), value)
-
-
-def variant_scalars(variant: LossVariant) -> tuple[float, ...]:
-    """The loss kernels' runtime scalars of a variant, in their signatures' order (an option
-    that is off as 0.0: its constexpr switch keeps the kernel from reading it)."""
-    v = variant
-    return (
-        float(v.low_bound),
-        float(v.high_bound),
-        float(v.dual_clip_c or 0.0),
-        float(v.delta or 0.0),
-        float(v.tau_pos),
-        float(v.tau_neg),
-        float(v.beta),
-        float(v.entropy_coef),
-    )
 
 
 def variant_constexprs(

@@ -46,6 +46,27 @@ class LossVariant(NamedTuple):
     agg_from_mask: bool = False
 
 
+# The variant's runtime numbers, in the order of the one tuple the loss kernels take
+# (`loss_scalars`; kernels/terms.py names an index for each): a new number of the loss is one
+# more LossVariant field and one more name here, and no kernel signature changes.
+KERNEL_SCALARS = (
+    "low_bound",
+    "high_bound",
+    "dual_clip_c",
+    "delta",
+    "tau_pos",
+    "tau_neg",
+    "beta",
+    "entropy_coef",
+)
+
+
+def variant_scalars(variant: LossVariant) -> tuple[float, ...]:
+    """The loss kernels' `loss_scalars` of a variant (an option that is off, None, as 0.0: its
+    constexpr switch keeps the kernel from reading it)."""
+    return tuple(float(getattr(variant, name) or 0.0) for name in KERNEL_SCALARS)
+
+
 class TokenLossArgs(NamedTuple):
     """What a token-level loss kernel reads beside the logits (or the log-probs of a pass) and
     the gradient buffer. Per-token tensors are [B, T] (a chunk of flat rows: [1, n]), read on

@@ -47,10 +47,14 @@ from .rows import (
     write_row_zeros,
 )
 from .terms import (  # noqa: F401  (the codes: aot varies a kernel's constexprs by its module's)
+    BETA_AT,
+    ENTROPY_COEF_AT,
+    HIGH_BOUND_AT,
     KL_CODES,
     KL_NONE,
     KL_VALUE_CODES,
     LOSS_CODES,
+    LOW_BOUND_AT,
     kl_dlogp,
     kl_value,
     policy_term,
@@ -121,8 +125,7 @@ def load_token_inputs(
     high_ptr,
     is_weight_ptr,
     ref_ptr,
-    low_bound,
-    high_bound,
+    loss_scalars,
     AGG_FROM_MASK: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
@@ -140,8 +143,8 @@ def load_token_inputs(
     old = 0.0
     if HAS_OLD:
         old = tl.load(old_ptr + row)
-    low = low_bound
-    high = high_bound
+    low = loss_scalars[LOW_BOUND_AT]
+    high = loss_scalars[HIGH_BOUND_AT]
     if HAS_BOUNDS:
         low = tl.load(low_ptr + row)
         high = tl.load(high_ptr + row)
@@ -167,11 +170,7 @@ def token_step(
     ref,
     weight_ptr,
     slots,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    beta,
+    loss_scalars,
     bonus_coef,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
@@ -195,10 +194,7 @@ def token_step(
         adv=adv,
         low=low,
         high=high,
-        dual_clip_c=dual_clip_c,
-        delta=delta,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
+        loss_scalars=loss_scalars,
         LOSS=LOSS,
         DUAL_CLIP=DUAL_CLIP,
         HAS_DELTA=HAS_DELTA,
@@ -212,6 +208,7 @@ def token_step(
     if KL_VALUE != KL_NONE:
         kl = kl_value(logp, ref, KL_VALUE)
     if KL != KL_NONE:
+        beta = loss_scalars[BETA_AT]
         d_token += beta * kl_dlogp(logp, ref, KL)
         value += beta * kl
         unread = unread | (ref != ref)
@@ -270,14 +267,7 @@ def _fused_token_loss_kernel(
     inv_temperature,
     scale2,
     cap2,
-    low_bound,
-    high_bound,
-    dual_clip_c,
-    delta,
-    tau_pos,
-    tau_neg,
-    beta,
-    entropy_coef,
+    loss_scalars,
     grad_scale,
     agg_denominator,
     LOSS: tl.constexpr,
@@ -299,12 +289,13 @@ def _fused_token_loss_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
-    are in flight as the launcher sized to L2 (`persistent_programs`). ENTROPY_COEF_FROM_PTR:
+    are in flight as the launcher chose (`sum_programs`). ENTROPY_COEF_FROM_PTR:
     the entropy coefficient is a device scalar (adaptive entropy control changes it between
     steps without a recompile or a host sync), read once per program. SOFTCAP: the rows are read
     as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). SUM_PI_SQUARED: sweep 1 also sums
     sum_v pi_v^2 per row into sum_sq_ptr (the Optimal Token Baseline's input), one FFMA per
-    element more. HAS_BOUNDS: per-token ratio bounds (DCPO), else low_bound / high_bound.
+    element more. HAS_BOUNDS: per-token ratio bounds (DCPO), else the variant's constant ones;
+    `loss_scalars`: the variant's runtime numbers (token_args.KERNEL_SCALARS).
     grad_scale (or, GRAD_SCALE_FROM_PTR, a device scalar): the factor the caller multiplies the
     loss by before backward; the gradient is written times it, the loss and its sums are not.
     AGG_FROM_MASK: each token's aggregation weight is its mask weight over agg_denominator
@@ -321,7 +312,7 @@ def _fused_token_loss_kernel(
         mask_ptr=mask_ptr,
         entropy_coef_ptr=entropy_coef_ptr,
         grad_scale_ptr=grad_scale_ptr,
-        entropy_coef=entropy_coef,
+        entropy_coef=loss_scalars[ENTROPY_COEF_AT],
         grad_scale=grad_scale,
         agg_denominator=agg_denominator,
         ENTROPY_COEF_FROM_PTR=ENTROPY_COEF_FROM_PTR,
@@ -359,8 +350,7 @@ def _fused_token_loss_kernel(
                 high_ptr=high_ptr,
                 is_weight_ptr=is_weight_ptr,
                 ref_ptr=ref_ptr,
-                low_bound=low_bound,
-                high_bound=high_bound,
+                loss_scalars=loss_scalars,
                 AGG_FROM_MASK=AGG_FROM_MASK,
                 HAS_OLD=HAS_OLD,
                 HAS_BOUNDS=HAS_BOUNDS,
@@ -397,11 +387,7 @@ def _fused_token_loss_kernel(
                 ref=ref,
                 weight_ptr=mask_ptr + row,
                 slots=slots,
-                dual_clip_c=dual_clip_c,
-                delta=delta,
-                tau_pos=tau_pos,
-                tau_neg=tau_neg,
-                beta=beta,
+                loss_scalars=loss_scalars,
                 bonus_coef=bonus_coef,
                 LOSS=LOSS,
                 DUAL_CLIP=DUAL_CLIP,
@@ -457,7 +443,7 @@ def _variant_launch(
         1.0 / variant.temperature,
         LOG2E.value / variant.temperature,  # log2(e) / T: sweep 1 works in base 2
         cap_arg(variant.cap),
-        *variant_scalars(variant),
+        variant_scalars(variant),  # one tuple: the kernels' `loss_scalars`
     )
     constexprs = dict(
         **variant_constexprs(variant, has_ref, has_is, has_bounds, coef_tensor),
@@ -477,7 +463,8 @@ def _variant_launch(
 def sum_programs(logits: torch.Tensor) -> int:
     """How many programs the fused kernel runs on these logits: the rows of its `partials`."""
     batch, time, vocab = logits.shape
-    return persistent_programs(batch * time, vocab * logits.element_size(), logits.device)
+    rows, row_bytes = batch * time, vocab * logits.element_size()
+    return persistent_programs(rows, row_bytes, logits.device, fit_l2=False)
 
 
 @launches_on("logits")

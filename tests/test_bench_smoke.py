@@ -75,6 +75,17 @@ def test_bench_loss_checks_every_impl_against_the_oracle(monkeypatch):
     assert found["liger"].startswith("loss "), found
 
 
+def test_bench_loss_cuda_graph_needs_a_gpu(capsys):
+    """--cuda-graph times graph replays: on a machine without CUDA it refuses by name at once
+    (tests/test_gpu.py runs it on a GPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/test_gpu.py covers the graph mode")
+    with pytest.raises(SystemExit) as exit_info:
+        _load("bench_loss").main(["--cuda-graph", "--smoke"])
+    assert exit_info.value.code == 2
+    assert "--cuda-graph needs a CUDA device" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_loss_smoke_and_plot(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -522,21 +533,35 @@ def test_sweep_fused_smoke(tmp_path):
 
     from fusedrl.kernels import launch, token_loss
 
-    before = (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM)
+    def sizing():
+        return (
+            token_loss.persistent_programs,
+            launch.MAX_WARPS,
+            launch.MIN_CTAS_PER_SM,
+            launch.BYTES_PER_THREAD,
+        )
+
+    before = sizing()
     assert sweep_fused.main(["--smoke", "--out", str(tmp_path)]) == 0
-    assert (token_loss.persistent_programs, launch.MAX_WARPS, launch.MIN_CTAS_PER_SM) == before
+    assert sizing() == before
     result = json.loads((tmp_path / "sweep_fused-smoke.json").read_text())
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
-    timed = {(row["programs_per_sm"], row["warps"]) for row in result["rows"] if row["ms"] > 0}
-    expected = {(None, None), *itertools.product(sweep_fused.PROGRAMS_PER_SM, sweep_fused.WARPS)}
-    assert timed == expected
-    rounds = [(row["round"], row["programs_per_sm"], row["warps"]) for row in result["rows"]]
+
+    def shape(row):
+        return row["programs_per_sm"], row["warps"], row["bytes_per_thread"]
+
+    timed = {shape(row) for row in result["rows"] if row["ms"] > 0}
+    plain = itertools.product(sweep_fused.PROGRAMS_PER_SM, sweep_fused.WARPS, [None])
+    expected = {(None, None, None), *plain, *sweep_fused.WIDE_SHAPES}
+    assert timed == expected and len(sweep_fused.WIDE_SHAPES) == 4
+    rounds = [(row["round"], *shape(row)) for row in result["rows"]]
     assert sorted(rounds, key=str) == sorted(
         ((r, *shape) for r in range(sweep_fused.ROUNDS) for shape in expected), key=str
     )  # every shape timed once per round
-    with sweep_fused.launch_shape(3, 8):
-        assert (launch.MAX_WARPS, launch.MIN_CTAS_PER_SM) == (8, 3)
+    with sweep_fused.launch_shape(3, 8, 32):
+        assert (launch.MAX_WARPS, launch.MIN_CTAS_PER_SM, launch.BYTES_PER_THREAD) == (8, 3, 32)
         assert launch.max_registers(8) == 65536 // (3 * 32 * 8)
+        assert launch.block_size(151936, torch.device("cuda")) == 8 * 32 * 32 // 2
 
 
 def test_host_overhead_smoke(tmp_path):

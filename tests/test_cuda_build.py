@@ -617,6 +617,24 @@ def test_the_cuda_adapter_refuses_what_its_op_would_drop():
             fused(rows, rows, plain._replace(**dropped))
 
 
+def test_the_cuda_adapter_refuses_a_number_newer_than_the_extension(monkeypatch):
+    """A number of the loss that csrc/ does not take yet (here: `delta`, as if it were new) is
+    refused by name where it is set, and passes at its default: a new LossVariant field needs
+    no line in the CUDA adapter to be safe."""
+    from fusedrl.kernels import cuda
+    from fusedrl.kernels.token_args import LossVariant, TokenLossArgs
+
+    monkeypatch.setattr(cuda, "CUDA_FIELDS", tuple(n for n in CUDA_FIELDS if n != "delta"))
+    cuda._unknown_numbers.cache_clear()
+    fused, _ = cuda.by_name(lambda *a, **k: None, lambda *a, **k: None)
+    rows = torch.zeros(1, 3)
+    plain = TokenLossArgs(rows.long(), rows > 0, rows, LossVariant(), rows)
+    fused(rows, rows, plain)  # delta at its default: nothing lost
+    with pytest.raises(NotImplementedError, match="does not implement delta"):
+        fused(rows, rows, plain._replace(variant=LossVariant(delta=2.0)))
+    cuda._unknown_numbers.cache_clear()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def _top_level_split(text: str, opener: str) -> list[list[str]]:
     """The comma-separated arguments of every `opener(...)` call in C++ `text` (string literals

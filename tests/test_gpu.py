@@ -234,6 +234,35 @@ def test_loss_forward_and_backward_replay_in_a_cuda_graph(preset, backend):
         torch.testing.assert_close(captured.metrics[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
+def test_bench_loss_times_cuda_graph_replays(tmp_path):
+    """bench_loss.py --cuda-graph: fusedrl and Liger captured and replayed (a row with a time,
+    or for a peer the error that stopped its capture), and a replay writes the eager step's
+    gradient."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_loss
+
+    case = bench_loss.Case(512, 32003, "dapo", torch.bfloat16, torch.device("cuda"), 2, 8)
+    step = bench_loss.make_step("policy_loss_fwd_bwd", "fusedrl-triton", case)
+    eager = [step()[1].clone() for _ in range(2)]
+    replay = bench_loss.graphed(step, case)
+    for want in eager:  # the replays cycle over the buffers in the eager steps' order
+        torch.testing.assert_close(replay()[1], want, atol=0, rtol=0)
+    args = ["--N", "512", "--V", "32003", "--presets", "dapo", "--ops", "policy_loss_fwd_bwd"]
+    args += ["--impls", "fusedrl-triton", "liger", "--cuda-graph", "--copy-gib", "0.05"]
+    args += ["--warmup-ms", "5", "--rep-ms", "20", "--out", str(tmp_path)]
+    assert bench_loss.main(args) == 0
+    (result,) = tmp_path.glob("policy_loss_fwd_bwd-*.json")
+    rows = {row["impl"]: row for row in json.loads(result.read_text())["rows"]}
+    assert rows["fusedrl-triton"]["ms"] > 0 and "CUDA-graph" in rows["fusedrl-triton"]["timing"]
+    if "liger" in rows:  # (skipped where liger_kernel is not installed)
+        assert rows["liger"].get("ms") or rows["liger"]["error"]
+    assert eager[0].abs().sum() > 0
+
+
 @FUSED
 def test_batch_invariance_on_gpu(backend):
     data = _on_gpu(

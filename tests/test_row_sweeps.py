@@ -196,6 +196,23 @@ def test_persistent_grid_keeps_rows_in_flight_within_l2(monkeypatch):
     assert launch.persistent_programs(100, 64, torch.device("cpu")) == 3
 
 
+def test_fused_kernel_keeps_two_programs_per_sm_past_l2(monkeypatch):
+    """The fused token-level kernel's grid is two programs per SM at every V (the measured
+    sweeps: a second row in flight beats the L2 fit), never more programs than rows."""
+    from types import SimpleNamespace
+
+    from fusedrl.kernels import launch, token_loss
+
+    sms, l2 = 132, 50 * 2**20
+    monkeypatch.setattr(launch, "_sms_and_l2", lambda index: (sms, l2))
+    cuda = torch.device("cuda", 0)
+    for vocab in (32000, 151936, 262144):
+        assert launch.persistent_programs(16384, vocab * 2, cuda, fit_l2=False) == 2 * sms
+        logits = SimpleNamespace(shape=(4, 4096, vocab), element_size=lambda: 2, device=cuda)
+        assert token_loss.sum_programs(logits) == 2 * sms, vocab
+    assert launch.persistent_programs(7, 262144 * 2, cuda, fit_l2=False) == 7
+
+
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 @pytest.mark.parametrize("vocab", [7, 131, 1031, 32003, 151936])
 def test_gpu_launch_shape(vocab, elem_bytes):
