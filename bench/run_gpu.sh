@@ -278,7 +278,10 @@ stage_bench() {
 }
 
 stage_profile() {
-  # $1: the calls to profile (default: all four of bench/profile_fused.py)
+  # $1: the calls to profile (default: all four of bench/profile_fused.py). Beside the DRAM
+  # bytes, the warps' stall reasons and the achieved occupancy (the H200 run of 2026-11-28 put
+  # the fused kernel's bytes at the floor and its DRAM throughput at 46 %: why it waits is the
+  # next question); they stay in the .csv, the JSON keeps the bytes.
   local calls=${1:-"dapo dapo_split logprobs gspo"}
   local kernels="_fused_token_loss_kernel|_split_row_loss_kernel|_logprobs_fwd_kernel"
   kernels+="|_logits_grad_kernel"
@@ -304,7 +307,8 @@ stage_profile() {
   for call in $calls; do
     step "profile:ncu-$call" 200 "$PREFIX-ncu-$call.log" \
       "$ncu" --target-processes all --profile-from-start off --kernel-name "regex:$kernels" \
-      --launch-count 4 --metrics "$metrics" -f -o "$PREFIX-ncu-$call" \
+      --launch-count 4 --metrics "$metrics" --section WarpStateStats --section Occupancy \
+      -f -o "$PREFIX-ncu-$call" \
       "$PY" bench/profile_fused.py --calls "$call" "${shape[@]}"
     step "profile:csv-$call" 60 "$PREFIX-ncu-$call.csv" \
       "$ncu" -i "$PREFIX-ncu-$call.ncu-rep" --csv --page details --print-units base

@@ -38,6 +38,11 @@ WARPS = (8, 16)
 # bytes in flight is the lead. Timed at the shapes that keep enough programs resident.
 WIDE_BYTES_PER_THREAD = 32
 WIDE_SHAPES = tuple(itertools.product((2, 4), WARPS, (WIDE_BYTES_PER_THREAD,)))
+# programs_per_sm = 0: one program per row, not persistent (a grid of N programs, as Liger's
+# kernels launch), the hardware scheduler keeping as many resident as the register cap of two
+# per SM allows.
+ONE_ROW_EACH = 0
+ROW_SHAPES = tuple((ONE_ROW_EACH, warps, None) for warps in WARPS)
 COPIES = 2
 # Every shape is timed in two rounds, the second in reverse order: the first H100 sweep
 # (2026-11-26) put the best shape 10% ahead of the default, with a 5% spread between two runs
@@ -62,11 +67,14 @@ def launch_shape(
     )
     try:
         if programs_per_sm is not None:
-            launch.MIN_CTAS_PER_SM = programs_per_sm  # the register cap: that many resident
+            # the register cap: that many resident (one program per row: two, the default's)
+            launch.MIN_CTAS_PER_SM = programs_per_sm or saved[2]
 
             def programs(rows, row_bytes, device, fit_l2=True):
                 if device.type != "cuda":
                     return saved[0](rows, row_bytes, device, fit_l2)
+                if programs_per_sm == ONE_ROW_EACH:
+                    return max(1, rows)
                 sms, _ = launch._sms_and_l2(device.index or torch.cuda.current_device())
                 return max(1, min(rows, sms * programs_per_sm))
 
@@ -89,7 +97,7 @@ def launch_shapes() -> list[tuple[int | None, int | None, int | None]]:
     """(programs per SM, warps, bytes per thread) of every timed shape; (None, None, None): the
     launcher's own choice."""
     plain = [(per_sm, warps, None) for per_sm, warps in itertools.product(PROGRAMS_PER_SM, WARPS)]
-    return [(None, None, None), *plain, *WIDE_SHAPES]
+    return [(None, None, None), *plain, *WIDE_SHAPES, *ROW_SHAPES]
 
 
 def main(argv=None) -> int:
@@ -109,7 +117,8 @@ def main(argv=None) -> int:
     shapes = launch_shapes()
     rounds = [(r, shape) for r in range(ROUNDS) for shape in (shapes[::-1] if r else shapes)]
     for round_, (per_sm, warps, width) in rounds:
-        label = f"{round_:>5} {per_sm or 'default':>11} {warps or '-':>5} {width or '-':>5}"
+        where = "default" if per_sm is None else "per row" if per_sm == ONE_ROW_EACH else per_sm
+        label = f"{round_:>5} {where:>11} {warps or '-':>5} {width or '-':>5}"
         shape = {"programs_per_sm": per_sm, "warps": warps, "bytes_per_thread": width}
         with launch_shape(per_sm, warps, width):
             steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])

@@ -525,7 +525,7 @@ def test_bench_distill_smoke(tmp_path):
     assert all(row["bytes_floor"] == 3 * 6 * 1031 * 2 for row in result["rows"] if "ms" in row)
 
 
-def test_sweep_fused_smoke(tmp_path):
+def test_sweep_fused_smoke(tmp_path, monkeypatch):
     """bench/sweep_fused.py runs every launch shape on CPU (interpreted: the shapes only change
     GPU launches) and writes its JSON; and the shape it sets is undone after each one."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -552,12 +552,17 @@ def test_sweep_fused_smoke(tmp_path):
 
     timed = {shape(row) for row in result["rows"] if row["ms"] > 0}
     plain = itertools.product(sweep_fused.PROGRAMS_PER_SM, sweep_fused.WARPS, [None])
-    expected = {(None, None, None), *plain, *sweep_fused.WIDE_SHAPES}
+    expected = {(None, None, None), *plain, *sweep_fused.WIDE_SHAPES, *sweep_fused.ROW_SHAPES}
     assert timed == expected and len(sweep_fused.WIDE_SHAPES) == 4
     rounds = [(row["round"], *shape(row)) for row in result["rows"]]
     assert sorted(rounds, key=str) == sorted(
         ((r, *shape) for r in range(sweep_fused.ROUNDS) for shape in expected), key=str
     )  # every shape timed once per round
+    with sweep_fused.launch_shape(sweep_fused.ONE_ROW_EACH, 16):
+        assert launch.MIN_CTAS_PER_SM == before[2]  # one program per row: the default's cap
+        monkeypatch.setattr(launch, "_sms_and_l2", lambda index: (132, 50 * 2**20))
+        cuda = torch.device("cuda", 0)
+        assert token_loss.persistent_programs(16384, 303872, cuda, fit_l2=False) == 16384
     with sweep_fused.launch_shape(3, 8, 32):
         assert (launch.MAX_WARPS, launch.MIN_CTAS_PER_SM, launch.BYTES_PER_THREAD) == (8, 3, 32)
         assert launch.max_registers(8) == 65536 // (3 * 32 * 8)
