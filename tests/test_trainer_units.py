@@ -44,6 +44,8 @@ from fusedrl.trainer.step import (
         (["--preset", "gmpo", "--is-correction", "token_mask"], "loss options (--preset gmpo"),
         (["--top-p", "0"], "--top-p"),
         (["--reward", " "], "--reward"),
+        (["--pack", "true", "--kl", "full"], "--pack: not with --kl full"),
+        (["--pack", "true", "--distill-teacher", "x"], "--pack: not with --distill-teacher"),
     ],
 )
 def test_bad_config_names_the_option(argv, needle):
@@ -661,3 +663,57 @@ def test_verbose_restores_the_warnings_whatever_the_filters_hold():
         quiet_libraries(verbose=True)
         patterns = [getattr(f[3], "pattern", f[3]) for f in warnings.filters]
         assert NOISY_MODULES not in patterns and "some_library" in patterns
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
+    """--pack: each micro-batch as one padding-free row (block-diagonal attention, logits or
+    hidden states at the loss rows alone, cu_seqlens into the loss) gives the padded path's
+    gradients of every parameter and its metrics, with empty completions and a filtered row."""
+    cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
+    batch, _, completions = _tiny_batch(n=7, seed=5)
+    assert 0 in [len(c) for c in completions]  # an empty completion rides along
+    grads, metrics = [], []
+    for pack in (False, True):
+        model = _tiny_model()
+        model.config._attn_implementation = attn
+        metrics.append(
+            accumulate_gradients(model, batch, cfg, 3, None, "torch", lm_head=lm_head, pack=pack)
+        )
+        grads.append(_flat_grads(model))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    assert grads[0].abs().sum() > 0
+    for key, value in metrics[0].items():
+        torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_packing_lays_the_sequences_end_to_end():
+    """The packed row: each sequence's real tokens, position ids restarting at 0, the loss rows
+    at the positions that predict completion tokens, and an additive mask that lets no token
+    see another sequence or a later token (none under flash attention)."""
+    from fusedrl.trainer.packing import pack_rows
+
+    batch, prompts, completions = _tiny_batch(n=4, seed=2)
+    packed = pack_rows(batch, "sdpa", torch.float32)
+    ids = packed.input_ids[0].tolist()
+    expected, keep, start = [], [], 0
+    for p, c in zip(prompts, completions):
+        expected += p + c
+        keep += [start + len(p) - 1 + j for j in range(len(c))]
+        start += len(p) + len(c)
+    assert ids == expected and packed.keep.tolist() == keep
+    assert packed.position_ids[0, : len(prompts[0]) + len(completions[0])].tolist() == list(
+        range(len(prompts[0]) + len(completions[0]))
+    )
+    assert packed.cu_seqlens.tolist() == [0, *torch.tensor([len(c) for c in completions]).cumsum(0)]
+    labels = packed.tokens(batch.labels).tolist()
+    assert labels == [t for c in completions for t in c]
+    back = packed.padded(packed.tokens(batch.labels))
+    assert torch.equal(back, torch.where(packed.completion, batch.labels, 0))
+    allowed = packed.attention_mask[0, 0] == 0
+    first = len(prompts[0]) + len(completions[0])
+    assert allowed[first, first] and not allowed[first, first - 1]  # a new sequence starts
+    assert allowed[first - 1, 0] and not allowed[0, 1]  # causal within the first
+    assert pack_rows(batch, "flash_attention_2", torch.float32).attention_mask is None

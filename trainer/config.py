@@ -190,6 +190,7 @@ class TrainConfig:
     backend: str = "auto"  # fusedrl backend
     fused_lm_head: bool = True  # loss from hidden states + LM head, no logits (plain heads)
     tp: int = 1  # tensor parallel ranks: the LM head split over the vocabulary (torchrun)
+    pack: bool = False  # each micro-batch as one padding-free row (trainer/packing.py)
     # --- output ---------------------------------------------------------------------------
     out: str = "runs/fusedrl"
     save_every: int = 20
@@ -267,6 +268,12 @@ class TrainConfig:
             "distill_teacher",
             "distillation has no tensor-parallel path yet: use --tp 1",
         )
+        for ok, what in (
+            (self.tp == 1, "--tp > 1 (the loss takes no vocab-sharded packed rows yet)"),
+            (self.kl not in FULL_KLS, f"--kl {self.kl} (the exact KL takes padded rows)"),
+            (self.distill_teacher is None, "--distill-teacher (its term takes padded rows)"),
+        ):
+            need(not self.pack or ok, "pack", f"not with {what}: drop --pack")
         need(
             self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
             "distill_teacher",
@@ -569,6 +576,10 @@ HELP = {
     "[tokens x vocab] logits (fusedrl.linear_policy_loss), when the head is a plain linear "
     "layer and FSDP does not shard it (one data-parallel rank); --no-fused-lm-head "
     "materialises the logits.",
+    "pack": "Run each micro-batch as one padding-free row: the sequences laid end to end, "
+    "attention kept within each (flash attention from the position ids; sdpa / eager through a "
+    "block-diagonal mask of N^2 elements), logits only where the loss reads them, the loss on "
+    "packed rows (cu_seqlens). Old / reference log-probs stay padded.",
     "tp": "Tensor-parallel ranks (under torchrun; must divide the world size): the LM head is "
     "split over the vocabulary on each group of tp ranks, the rest replicated on them, FSDP2 "
     "over the world / tp data-parallel ranks.",

@@ -627,6 +627,7 @@ class Trainer:
                     distill=self.distill,
                     decoupled=cfg.decoupled,
                     entropy_coef=entropy_coef,
+                    pack=cfg.pack,
                 )
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

@@ -26,6 +26,7 @@ from fusedrl.logit_transform import model_logit_transform
 from fusedrl.tp.dtensor import is_dtensor
 
 from .distributed import max_over_ranks, sum_over_ranks, world_size
+from .packing import PackedRows, pack_rows
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Batch:
     # host-side count of each sequence's loss tokens (mask's row sums): the LM-head loss makes
     # logits for these rows alone without asking the device how many there are
     loss_tokens: list[int] | None = None
+    # host-side prompt lengths (without the left padding): --pack lays the rows end to end
+    prompt_lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -54,8 +57,9 @@ class Batch:
             if isinstance(value, torch.Tensor):
                 sub[name] = value[index]
         sub["lengths"] = self.lengths[index]
-        if self.loss_tokens is not None:
-            sub["loss_tokens"] = self.loss_tokens[index]
+        for name in ("loss_tokens", "prompt_lengths"):
+            if sub[name] is not None:
+                sub[name] = sub[name][index]
         width = max(sub["lengths"], default=1) or 1
         for name in ("labels", "mask", "rollout_logp", "old_logp", "ref_logp"):
             if sub[name] is not None:
@@ -109,6 +113,7 @@ def collate(
         lengths=[len(c) for c in completions],
         rollout_logp=rollout,
         loss_tokens=[len(c) if keep else 0 for c, keep in zip(completions, loss_rows.tolist())],
+        prompt_lengths=[len(p) for p in prompts],
     )
 
 
@@ -259,6 +264,30 @@ def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
     return completion_logits(model, sub, autocast_dtype)
 
 
+def packed_outputs(model, sub: Batch, packed: PackedRows, autocast_dtype, lm_head: bool):
+    """`_outputs` of a packed micro-batch (trainer/packing.py): logits [M, V] of the positions
+    that predict completion tokens, made for those alone, or with `lm_head` the hidden states
+    [M, H] there and the head's parameters, as `completion_hidden` gives them."""
+    inputs = dict(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=packed.attention_mask,
+        use_cache=False,
+    )
+    with _autocast(sub, autocast_dtype):
+        if not lm_head:
+            return model(**inputs, logits_to_keep=packed.keep).logits[0]
+        hidden = model.base_model(**inputs).last_hidden_state[0, packed.keep]
+    head = lm_head_of(model)
+    weight, tp_group = _rows(head.weight)
+    bias = None if head.bias is None else _rows(head.bias)[0].to(hidden.dtype)
+    return hidden, weight.to(hidden.dtype), bias, tp_group, model_logit_transform(model)
+
+
+# The per-token arguments of the loss that a packed micro-batch hands over as its [M] rows.
+PER_TOKEN_ARGS = ("old_logp", "ref_logp", "rollout_logp", "prox_logp")
+
+
 def _micro_batch_loss(
     model,
     sub: Batch,
@@ -271,9 +300,13 @@ def _micro_batch_loss(
     teacher,
     distill: Distill | None,
     distill_normalizer,
+    packed: PackedRows | None = None,
 ) -> tuple[torch.Tensor, fusedrl.LossOutput]:
     """(the loss to backpropagate, the policy loss's output) of one micro-batch: the policy
-    loss, with the exact KL to `ref_model` and the teacher term of `distill` when given."""
+    loss, with the exact KL to `ref_model` and the teacher term of `distill` when given;
+    `packed` (--pack, neither of those): the micro-batch as one padding-free row."""
+    if packed is not None:
+        return _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args)
     policy = _outputs(model, sub, autocast_dtype, lm_head)
     with torch.no_grad():
         ref = None if ref_model is None else _outputs(ref_model, sub, autocast_dtype, lm_head)
@@ -402,6 +435,32 @@ def _micro_batch_loss(
     return out.loss + distill.coef * term.loss, out
 
 
+def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args):
+    """`_micro_batch_loss` of a packed micro-batch: the loss on the [M] loss rows, with the
+    sequences' boundaries (`cu_seqlens`) in place of the padding."""
+    policy = packed_outputs(model, sub, packed, autocast_dtype, lm_head)
+    args = dict(rows_args, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
+    args.update({k: packed.tokens(args[k]) for k in PER_TOKEN_ARGS if k in args})
+    labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
+    if lm_head:
+        hidden, weight, bias, tp_group, transform = policy
+        out = fusedrl.linear_policy_loss(
+            hidden,
+            weight,
+            labels,
+            sub.advantages,
+            mask,
+            bias=bias,
+            backend=_linear_backend(backend),
+            tp_group=tp_group,
+            **transform,
+            **args,
+        )
+    else:  # (packed rows are not taken in place: fusedrl refuses inplace with cu_seqlens)
+        out = fusedrl.policy_loss(policy, labels, sub.advantages, mask, backend=backend, **args)
+    return out.loss, out
+
+
 def accumulate_gradients(
     model,
     batch: Batch,
@@ -417,6 +476,7 @@ def accumulate_gradients(
     distill: Distill | None = None,
     decoupled: bool = False,
     entropy_coef: torch.Tensor | None = None,
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
@@ -429,6 +489,8 @@ def accumulate_gradients(
     policy, batch.rollout_logp (the engine's) the behaviour one (fusedrl's prox_logp=).
     `entropy_coef`: the entropy bonus's coefficient as a device scalar (adaptive entropy
     control), in place of cfg.entropy_coef.
+    `pack`: each micro-batch as one padding-free row (trainer/packing.py); not with `ref_model`
+    or a teacher (the config refuses those).
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -464,6 +526,7 @@ def accumulate_gradients(
         if decoupled:  # the recomputed log-probs are the proximal policy, vLLM's the behaviour
             # (rollout_logp stays: the rejection and trust-region rules measure prox against it)
             rows_args.update(old_logp=sub.rollout_logp, prox_logp=sub.old_logp)
+        packed = _packed(model, sub, autocast_dtype) if pack else None
         loss, out = _micro_batch_loss(
             model,
             sub,
@@ -476,6 +539,7 @@ def accumulate_gradients(
             teacher,
             distill,
             distill_normalizer,
+            packed,
         )
         (loss * scale).backward()
         weight = sub.mask.sum()
@@ -487,8 +551,16 @@ def accumulate_gradients(
             # On-policy, this logp is the rollout policy's: its gap to the engine's (vLLM's or
             # transformers') is the sync error.
             # With old_logp given the caller measures the gap once, from old_logp.
-            diff = ((out.logp - sub.rollout_logp).abs() * sub.mask).sum()
+            logp = out.logp if packed is None else packed.padded(out.logp)
+            diff = ((logp - sub.rollout_logp).abs() * sub.mask).sum()
             sums["logp_diff_rollout"] = sums.get("logp_diff_rollout", 0.0) + diff
     metrics = {k: v / weight_total.clamp_min(1.0) for k, v in sums.items() if k != "loss"}
     metrics["loss"] = sums.get("loss", torch.zeros(()))
     return metrics
+
+
+def _packed(model, sub: Batch, autocast_dtype) -> PackedRows:
+    """`sub` packed for `model`: its attention implementation decides how the sequences are
+    kept apart, its compute dtype the additive mask's."""
+    dtype = autocast_dtype or next(model.parameters()).dtype
+    return pack_rows(sub, model.config._attn_implementation, dtype)

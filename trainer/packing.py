@@ -1,0 +1,92 @@
+"""Padding-free micro-batches (--pack): a padded [B, P + T] micro-batch as one packed row.
+
+Each sequence's real tokens (its prompt without the left padding, its completion without the
+right padding) are laid end to end in one [1, N] row, with position ids that restart at every
+sequence, so the model computes no padding. Attention must not cross sequences: with flash
+attention (`attn_implementation="flash_attention_2"` / "_3") transformers reads the boundaries
+from the restarting position ids; with sdpa or eager (transformers 5.19 does not isolate packed
+sequences from position ids there) the row gets a block-diagonal causal mask, additive and
+[1, 1, N, N]: N^2 elements, so long packed micro-batches want flash attention. The model makes
+logits (or, for the fused LM head, the loss takes hidden states) only at the M positions that
+predict a completion token (`logits_to_keep` as indices), and the loss reads them as packed
+[M, V] rows with `cu_seqlens` at the sequences' boundaries (fusedrl's packed sequences).
+
+Everything is sized from the batch's host-side lengths: packing asks the device nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One micro-batch packed: the model's inputs and where its loss rows sit."""
+
+    input_ids: torch.Tensor  # [1, N] every sequence's real tokens, end to end
+    position_ids: torch.Tensor  # [1, N] restarting at 0 at every sequence
+    attention_mask: torch.Tensor | None  # [1, 1, N, N] additive, or None under flash attention
+    keep: torch.Tensor  # [M] the row positions that predict a completion token
+    cu_seqlens: torch.Tensor  # [B + 1] int32: the sequences' boundaries among the M loss rows
+    max_seqlen: int  # the longest completion
+    completion: torch.Tensor  # [B, T] bool: the padded layout's completion positions, row-major
+
+    def tokens(self, padded: torch.Tensor | None) -> torch.Tensor | None:
+        """A [B, T] per-token tensor of the padded layout as the packed [M] rows."""
+        return None if padded is None else padded[self.completion]
+
+    def padded(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed [M] rows back in the padded [B, T] layout (0 at the padding)."""
+        out = packed.new_zeros(self.completion.shape)
+        out[self.completion] = packed
+        return out
+
+
+def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -> PackedRows:
+    """`batch` (a trainer Batch) packed; `attn_implementation`: the model's, which decides how
+    the sequences are kept apart; `mask_dtype`: the additive mask's (the model's compute dtype)."""
+    device = batch.input_ids.device
+    width = batch.labels.shape[1]
+    prompt_len = batch.prompt_len
+    prompts = batch.prompt_lengths
+    if prompts is None:  # (a Batch made without them: one read of its attention mask)
+        prompts = batch.attention_mask[:, :prompt_len].sum(1).tolist()
+    completions = batch.lengths
+    pieces, positions, keep, starts = [], [], [], [0]
+    offset = 0
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        pieces.append(batch.input_ids[row, prompt_len - prompt : prompt_len + completion])
+        length = prompt + completion
+        positions.append(torch.arange(length))
+        # the position before each completion token predicts it
+        keep.append(torch.arange(offset + prompt - 1, offset + prompt - 1 + completion))
+        starts.append(starts[-1] + completion)
+        offset += length
+    lengths = torch.tensor([p + c for p, c in zip(prompts, completions)])
+    columns = torch.arange(width)
+    completion_mask = columns[None, :] < torch.tensor(completions)[:, None]
+    return PackedRows(
+        input_ids=torch.cat(pieces)[None],
+        position_ids=torch.cat(positions)[None].to(device),
+        attention_mask=_block_causal(lengths, mask_dtype, device)
+        if attn_implementation not in FLASH_ATTENTION
+        else None,
+        keep=torch.cat(keep).to(device),
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
+        max_seqlen=max(completions, default=0),
+        completion=completion_mask.to(device),
+    )
+
+
+def _block_causal(lengths: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, N, N] additive mask: 0 where a token may attend (earlier or itself, same sequence),
+    the dtype's lowest value elsewhere (transformers' convention for a 4-D mask)."""
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+    index = torch.arange(sequence.numel(), device=device)
+    allowed = (sequence[:, None] == sequence[None, :]) & (index[None, :] <= index[:, None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
