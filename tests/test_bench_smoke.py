@@ -239,7 +239,12 @@ def test_bench_loss_inplace_impls_time_fresh_logits(monkeypatch):
 
     monkeypatch.setattr(bench_loss, "make_step", checked_make_step)
     args = argparse.Namespace(
-        ops=["policy_loss_fwd_bwd"], presets=["dapo"], sequences=4, warmup_ms=1, rep_ms=5
+        ops=["policy_loss_fwd_bwd"],
+        presets=["dapo"],
+        sequences=4,
+        warmup_ms=1,
+        rep_ms=5,
+        cuda_graph=False,
     )
     impls = ["fusedrl-triton-inplace", "fusedrl-torch", "torch-eager"]
     rows = bench_loss._run_case(args, impls, cpu, torch.bfloat16, 32, 263, "dapo", 100.0)
