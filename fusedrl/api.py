@@ -148,7 +148,7 @@ def policy_loss(
         from . import packed
 
         return packed.policy_loss(
-            packed.LogitsRows(logits, backend, transform),
+            packed.LogitsRows(logits, backend, transform, inplace),
             labels,
             advantages,
             mask,
@@ -273,11 +273,6 @@ def _refuse_when_packed(
     require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded:
         raise NotImplementedError("cu_seqlens under tensor parallelism is not supported yet")
-    if inplace:
-        raise NotImplementedError(
-            "inplace=True with cu_seqlens is not supported yet (the packed loss's gradient "
-            "comes from its log-prob pass's backward): pass inplace=False"
-        )
     if ref_logits is not None or (isinstance(config, LossConfig) and config.full_kl):
         raise NotImplementedError(
             "config.kl='full' / 'full_reverse' (ref_logits) with cu_seqlens is not supported "

@@ -207,6 +207,8 @@ class LogitsRows(NamedTuple):
     logits: torch.Tensor
     backend: str
     transform: LogitTransform | None
+    # the gradient into the logits' buffer: token-level ratios only (`policy_loss`)
+    inplace: bool = False
 
     @property
     def source(self) -> torch.Tensor:  # (what `cu_seqlens` is checked against)
@@ -222,7 +224,11 @@ class LogitsRows(NamedTuple):
     def plain(self, **arguments) -> LossOutput:
         """The call without boundaries (single_process.policy_loss)."""
         return single_process.policy_loss(
-            self.logits, backend=self.backend, transform=self.transform, **arguments
+            self.logits,
+            backend=self.backend,
+            transform=self.transform,
+            inplace=self.inplace,
+            **arguments,
         )
 
     def logprobs(self, labels, temperature, return_entropy: bool, **sampling) -> tuple:
@@ -374,6 +380,12 @@ def policy_loss(
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
             agg_weights=segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer),
+        )
+    if getattr(rows, "inplace", False):
+        raise NotImplementedError(
+            "inplace=True with cu_seqlens takes token-level ratios with a token or sequence "
+            "mean (dapo, grpo, dr_grpo, ...); this call's ratios or corrections need whole "
+            "sequences, whose gradient comes from a log-prob pass's backward: pass inplace=False"
         )
     if return_sum_pi_squared:  # (the plain call checks its own)
         check_sum_pi_squared(cfg.sampling is not None)

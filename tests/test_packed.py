@@ -268,6 +268,45 @@ def test_all_masked_gives_zero_loss_and_gradient():
         assert out.loss.item() == 0.0 and (grad == 0).all(), preset
 
 
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("case", ["dapo", "grpo", "dr_grpo"])
+def test_token_level_ratios_run_in_place(case, backend):
+    """inplace=True with cu_seqlens where the boundaries enter by the weights alone: the
+    gradient (the padded call's) is written into the packed logits' buffer, which backward
+    hands back without a copy; a loss that needs whole sequences refuses by name."""
+    cfg = CASES[case][0]
+    data = _batch(seed=len(case) + 3)
+    want, want_grad = _call(fusedrl.policy_loss, data["padded"], cfg, backend)
+    flat = data["packed"]
+    args = {k: v for k, v in flat.items() if k not in ("logits", "rollout_logp")}
+    logits = flat["logits"].clone().requires_grad_(True)
+    seen = []
+    logits.register_hook(lambda g: seen.append(g.data_ptr()))
+    out = fusedrl.policy_loss(
+        logits,
+        **args,
+        config=cfg,
+        backend=backend,
+        return_entropy=True,
+        inplace=True,
+        cu_seqlens=data["cu_seqlens"],
+    )
+    in_buffer = logits.detach().clone()
+    out.loss.backward()
+    _assert_equal_outputs(out, logits.grad, want, want_grad, data["inside"])
+    torch.testing.assert_close(in_buffer, want_grad[data["inside"]], atol=1e-5, rtol=1e-5)
+    assert seen == [logits.data_ptr()]
+    with pytest.raises(NotImplementedError, match="inplace=True with cu_seqlens takes token-level"):
+        fusedrl.policy_loss(
+            flat["logits"].clone().requires_grad_(True),
+            **args,
+            config=LossConfig.preset("gspo"),
+            backend=backend,
+            inplace=True,
+            cu_seqlens=data["cu_seqlens"],
+        )
+
+
 def test_bad_cu_seqlens_are_named():
     data = _batch(seed=1)
     flat, cuts = data["packed"], data["cu_seqlens"]
