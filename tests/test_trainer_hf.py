@@ -267,7 +267,8 @@ def test_the_2026_objectives_through_the_cli(hf_run, tmp_path):
 
 def test_packed_micro_batches_through_the_cli(hf_run, tmp_path):
     """--pack: the same seeded step with and without padding-free micro-batches (the rollouts
-    are the same samples) gives the same loss and gradient norm; config.yaml records it."""
+    are the same samples; two minibatches, so the old log-probs are recomputed) gives the same
+    loss and gradient norm; config.yaml records it."""
     rows = []
     for pack in ("false", "true"):
         out = tmp_path / f"pack-{pack}"
@@ -280,6 +281,8 @@ def test_packed_micro_batches_through_the_cli(hf_run, tmp_path):
             "1",
             "--micro-batch-size",
             "3",
+            "--minibatches",  # two updates: the old log-probs recomputed (packed too)
+            "2",
             "--pack",
             pack,
             "--warmstart-steps",

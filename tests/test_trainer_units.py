@@ -671,19 +671,24 @@ def test_verbose_restores_the_warnings_whatever_the_filters_hold():
 def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
     """--pack: each micro-batch as one padding-free row (block-diagonal attention, logits or
     hidden states at the loss rows alone, cu_seqlens into the loss) gives the padded path's
-    gradients of every parameter and its metrics, with empty completions and a filtered row."""
+    gradients of every parameter, its metrics and its old / ref log-probs, with empty
+    completions and a filtered row."""
     cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
     batch, _, completions = _tiny_batch(n=7, seed=5)
     assert 0 in [len(c) for c in completions]  # an empty completion rides along
-    grads, metrics = [], []
+    grads, metrics, logps = [], [], []
     for pack in (False, True):
         model = _tiny_model()
         model.config._attn_implementation = attn
+        logps.append(token_logprobs(model, batch, cfg, 3, None, "torch", lm_head, pack))
         metrics.append(
             accumulate_gradients(model, batch, cfg, 3, None, "torch", lm_head=lm_head, pack=pack)
         )
         grads.append(_flat_grads(model))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    completion = torch.arange(batch.labels.shape[1])[None] < torch.tensor(batch.lengths)[:, None]
+    torch.testing.assert_close(logps[1][completion], logps[0][completion], rtol=1e-5, atol=1e-5)
+    assert (logps[1][~completion] == 0).all()  # (the padded pass leaves its padding's values)
     assert grads[0].abs().sum() > 0
     for key, value in metrics[0].items():
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)

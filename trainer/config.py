@@ -579,7 +579,7 @@ HELP = {
     "pack": "Run each micro-batch as one padding-free row: the sequences laid end to end, "
     "attention kept within each (flash attention from the position ids; sdpa / eager through a "
     "block-diagonal mask of N^2 elements), logits only where the loss reads them, the loss on "
-    "packed rows (cu_seqlens). Old / reference log-probs stay padded.",
+    "packed rows (cu_seqlens); the old / reference log-prob passes too.",
     "tp": "Tensor-parallel ranks (under torchrun; must divide the world size): the LM head is "
     "split over the vocabulary on each group of tp ranks, the rest replicated on them, FSDP2 "
     "over the world / tp data-parallel ranks.",

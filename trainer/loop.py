@@ -585,14 +585,21 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         if reuse:
             batch.old_logp = token_logprobs(
-                self.model, batch, lcfg, mb, self._autocast(), cfg.backend, lm_head=self.lm_head
+                self.model, batch, lcfg, mb, self._autocast(), cfg.backend, self.lm_head, cfg.pack
             )
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
                 metrics["logp_diff_rollout"] = diff.sum() / batch.mask.sum().clamp_min(1)
         if self.ref_model is not None and not lcfg.full_kl:
             batch.ref_logp = token_logprobs(
-                self.ref_model, batch, lcfg, mb, self._autocast(), cfg.backend, lm_head=self.lm_head
+                self.ref_model,
+                batch,
+                lcfg,
+                mb,
+                self._autocast(),
+                cfg.backend,
+                self.lm_head,
+                cfg.pack,
             )
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group in self.optimizer.param_groups:

@@ -199,20 +199,26 @@ def token_logprobs(
     autocast_dtype: torch.dtype | None,
     backend: str,
     lm_head: bool = False,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Log-probs of the completion tokens under `model` with the fused no-grad kernel (from the
-    hidden states and the head, without logits, when `lm_head`)."""
+    hidden states and the head, without logits, when `lm_head`; each micro-batch as one
+    padding-free row when `pack`)."""
     out = torch.zeros(batch.labels.shape, device=batch.labels.device)
     for rows in micro_batches(len(batch), micro_batch_size):
         sub = batch.rows(_nonempty(rows, len(batch)))
+        packed = _packed(model, sub, autocast_dtype) if pack else None
+        labels = sub.labels if packed is None else packed.tokens(sub.labels)
+        if packed is not None:
+            outputs = packed_outputs(model, sub, packed, autocast_dtype, lm_head)
+        else:
+            outputs = _outputs(model, sub, autocast_dtype, lm_head)
         if lm_head:
-            hidden, weight, bias, tp_group, transform = completion_hidden(
-                model, sub, autocast_dtype
-            )
+            hidden, weight, bias, tp_group, transform = outputs
             logp, _ = fusedrl.linear_token_logprobs(
                 hidden,
                 weight,
-                sub.labels,
+                labels,
                 cfg.temperature,
                 bias=bias,
                 backend=_linear_backend(backend),
@@ -223,16 +229,17 @@ def token_logprobs(
                 **transform,
             )
         else:
-            logits = completion_logits(model, sub, autocast_dtype)
             logp, _ = fusedrl.token_logprobs(
-                logits,
-                sub.labels,
+                outputs,
+                labels,
                 cfg.temperature,
                 backend=backend,
                 top_k=cfg.top_k,
                 top_p=cfg.top_p,
                 min_p=cfg.min_p,
             )
+        if packed is not None:
+            logp = packed.padded(logp)
         if rows.stop > rows.start:
             out[rows, : logp.shape[1]] = logp
     return out
