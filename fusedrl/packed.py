@@ -40,7 +40,7 @@ from ._inputs import (
 from .config import LossConfig
 from .logit_transform import LogitTransform
 from .output import LossOutput
-from .token_terms import aggregation_weights, token_terms
+from .token_terms import Metrics, add_mismatch_metrics, aggregation_weights, token_terms
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -189,11 +189,51 @@ def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
     return not cfg.needs_sequences and rollout_logp is None and is_weights is None
 
 
+def reads_rollout_for_metrics_only(cfg: LossConfig, rollout_logp, is_weights) -> bool:
+    """Whether `rollout_logp` enters the call's metrics alone (no IS correction, rejection,
+    trust region or off-policy mask reads it, no IS weights given): the loss is then the call's
+    without it, and its mismatch metrics, which count sequences, come from the log-probs."""
+    return (
+        rollout_logp is not None
+        and is_weights is None
+        and cfg.is_correction is None
+        and not cfg.rejection_rules
+        and cfg.off_policy_mask is None
+    )
+
+
+def rollout_mismatch(segments, source, vocab: int, mask, rollout_logp, logp) -> dict:
+    """`token_terms.add_mismatch_metrics` of packed log-probs against the engine's: on the
+    padded layout of the [N] per-token values (small [S, T] tensors, no logits)."""
+    padded = prepare_loss_inputs(
+        segments.stand_in(source, vocab),
+        segments.pad(torch.zeros(segments.tokens, dtype=torch.long, device=source.device)),
+        segments.pad(torch.zeros(segments.tokens, device=source.device)),
+        segments.pad(mask, False if mask.dtype == torch.bool else 0),
+        None,
+        None,
+        segments.pad(rollout_logp),
+        LossConfig(),
+        None,
+    )
+    metrics = Metrics()
+    add_mismatch_metrics(metrics, segments.pad(logp.detach()), None, padded)
+    return metrics
+
+
 def weighs_sequences_only(cfg: LossConfig, rollout_logp, is_weights) -> bool:
     """Whether the boundaries enter the loss through its aggregation weights alone (a
     sequence-mean of token-level ratios, GRPO's and Dr. GRPO's): the plain [N, V] call then
     takes each token's weight, computed per sequence, and stays one read and one write."""
     return sees_no_boundaries(replace_agg(cfg), rollout_logp, is_weights)
+
+
+def reads_logits_once(cfg: LossConfig, rollout_logp, is_weights) -> bool:
+    """Whether a packed call is the plain [N, V] call (one read and one write; `inplace=True`
+    taken): the boundaries enter through the aggregation weights and the mismatch metrics
+    alone."""
+    metrics_only = reads_rollout_for_metrics_only(cfg, rollout_logp, is_weights)
+    return weighs_sequences_only(cfg, None if metrics_only else rollout_logp, is_weights)
 
 
 def replace_agg(cfg: LossConfig) -> LossConfig:
@@ -364,8 +404,9 @@ def policy_loss(
     per_token = dict(labels=labels, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
     per_token.update(rollout_logp=rollout_logp, prox_logp=prox_logp)
     segments.check_per_token(per_token)
-    if weighs_sequences_only(cfg, rollout_logp, is_weights):
-        return rows.plain(
+    if reads_logits_once(cfg, rollout_logp, is_weights):
+        metrics_only = reads_rollout_for_metrics_only(cfg, rollout_logp, is_weights)
+        out = rows.plain(
             labels=labels,
             advantages=advantages,
             mask=mask,
@@ -381,6 +422,12 @@ def policy_loss(
             grad_scale=grad_scale,
             agg_weights=segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer),
         )
+        if metrics_only:  # the loss read the logits once; the mismatch from its log-probs
+            extra = rollout_mismatch(
+                segments, rows.source, rows.vocab, mask, rollout_logp, out.logp
+            )
+            out.metrics.update(extra)
+        return out
     if getattr(rows, "inplace", False):
         raise NotImplementedError(
             "inplace=True with cu_seqlens takes token-level ratios with a token or sequence "

@@ -378,7 +378,8 @@ def test_the_log_prob_functions_check_and_keep_them():
 def test_which_losses_read_the_logits_once(preset, monkeypatch):
     """Token-level ratios (dapo; grpo and dr_grpo, whose sequences enter through their
     aggregation weights alone) are the plain fused call: the log-prob pass of the two-pass
-    route never runs. A sequence ratio (gspo) takes it."""
+    route never runs, with rollout log-probs for the metrics too. A sequence ratio (gspo)
+    takes it."""
     from fusedrl import single_process
 
     passes = []
@@ -391,11 +392,25 @@ def test_which_losses_read_the_logits_once(preset, monkeypatch):
     monkeypatch.setattr(single_process, "token_logprobs", counted)
     data = _batch(seed=12)
     flat = {k: v for k, v in data["packed"].items() if k != "rollout_logp"}
-    fusedrl.policy_loss(
-        **flat, config=CASES[preset][0], backend="triton", cu_seqlens=data["cu_seqlens"]
-    )
+    cfg = CASES[preset][0]
+    fusedrl.policy_loss(**flat, config=cfg, backend="triton", cu_seqlens=data["cu_seqlens"])
     assert bool(passes) == (preset == "gspo")
-    assert packed.weighs_sequences_only(CASES[preset][0], None, None) == (preset != "gspo")
+    assert packed.weighs_sequences_only(cfg, None, None) == (preset != "gspo")
+    # The engine's log-probs read for the mismatch metrics alone (as a trainer passes them):
+    # still one read; an IS correction reads them in the loss, which then needs the sequences.
+    passes.clear()
+    rollout = data["packed"]["rollout_logp"]
+    out = fusedrl.policy_loss(
+        **flat,
+        rollout_logp=rollout,
+        config=cfg,
+        backend="triton",
+        cu_seqlens=data["cu_seqlens"],
+    )
+    assert bool(passes) == (preset == "gspo") and out.metrics["mismatch_chi2_seq"] > 0
+    corrected = cfg.replace(is_correction="sequence_truncate", is_cap=3.0)
+    assert not packed.reads_rollout_for_metrics_only(corrected, rollout, None)
+    assert packed.reads_rollout_for_metrics_only(cfg, rollout, None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

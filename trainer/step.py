@@ -23,6 +23,7 @@ from fusedrl import LossConfig
 from fusedrl.distill.sampled import teacher_shifted_advantages
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
+from fusedrl.packed import reads_logits_once
 from fusedrl.tp.dtensor import is_dtensor
 
 from .distributed import max_over_ranks, sum_over_ranks, world_size
@@ -463,8 +464,13 @@ def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args
             **transform,
             **args,
         )
-    else:  # (packed rows are not taken in place: fusedrl refuses inplace with cu_seqlens)
-        out = fusedrl.policy_loss(policy, labels, sub.advantages, mask, backend=backend, **args)
+    else:
+        # In place where the packed loss reads the logits once (token-level ratios): the
+        # logits are dead after it; a loss that needs whole sequences takes them out of place.
+        inplace = reads_logits_once(args["config"], args.get("rollout_logp"), None)
+        out = fusedrl.policy_loss(
+            policy, labels, sub.advantages, mask, backend=backend, inplace=inplace, **args
+        )
     return out.loss, out
 
 
