@@ -8,8 +8,10 @@ bf16 autocast on a GPU), the GRPO-family loss, backward, grad-norm clip and Adam
 synthetic token ids (no vLLM). `fusedrl` is `fusedrl.trainer.step.accumulate_gradients` (the fused
 loss reads the logits view once and writes the gradient into it); `eager` takes the completion
 logits, divides by the temperature, log-softmaxes in fp32 and gathers (TRL's recipe), then the
-same loss in PyTorch ops. Both get the same weights and batch. Results: a table and
-bench/results/train_step-<gpu>-<date>.json (median step time, peak memory).
+same loss in PyTorch ops. `fusedrl-packed` is the fusedrl step with `--pack` (each micro-batch
+as one padding-free row: trainer/packing.py; completions of 1/2 to 1 times --completion-len,
+so about a quarter of the padded batch is padding). All get the same weights and batch.
+Results: a table and bench/results/train_step-<gpu>-<date>.json (median step time, peak memory).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ TINY = dict(
     vocab_size=1031,
     tie_word_embeddings=False,
 )
+
+
+IMPLS = ("eager", "fusedrl", "fusedrl-packed")
 
 
 def make_batch(vocab: int, batch: int, prompt_len: int, completion_len: int) -> Batch:
@@ -70,8 +75,9 @@ def run(impl: str, model, batch: Batch, cfg: LossConfig, steps: int, autocast) -
     batch.old_logp = batch.rollout_logp  # an off-policy minibatch: the ratio is not 1
 
     def train_step():
-        if impl == "fusedrl":
-            accumulate_gradients(model, batch, cfg, 0, autocast, "auto")
+        if impl.startswith("fusedrl"):
+            pack = impl == "fusedrl-packed"
+            accumulate_gradients(model, batch, cfg, 0, autocast, "auto", pack=pack)
         else:
             eager_loss(model, batch, cfg, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = make_batch(shape["vocab_size"], args.batch, args.prompt_len, args.completion_len)
     batch = batch.to(device)
     rows = []
-    for impl in ("eager", "fusedrl"):
+    for impl in IMPLS:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=0)).to(device).train()
         if args.gradient_checkpointing and not args.smoke:
@@ -127,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     base = rows[0]
-    print(f"{'impl':<8} {'step ms':>9} {'speedup':>8} {'peak GiB':>9} {'mem saved':>10}")
+    print(f"{'impl':<14} {'step ms':>9} {'speedup':>8} {'peak GiB':>9} {'mem saved':>10}")
     for row in rows:
         peak = row["peak_mem_bytes"]
         saved = (base["peak_mem_bytes"] - peak) / 2**30 if peak is not None else None
         print(
-            f"{row['impl']:<8} {row['step_ms']:9.1f} {base['step_ms'] / row['step_ms']:7.2f}x "
+            f"{row['impl']:<14} {row['step_ms']:9.1f} {base['step_ms'] / row['step_ms']:7.2f}x "
             f"{'-' if peak is None else f'{peak / 2**30:9.2f}'} "
             f"{'-' if saved is None else f'{saved:9.2f}'}"
         )

@@ -162,7 +162,7 @@ def test_bench_train_step_smoke(tmp_path):
         timeout=300,
     )
     result = json.loads(next(tmp_path.glob("train_step-*.json")).read_text())
-    assert [r["impl"] for r in result["rows"]] == ["eager", "fusedrl"]
+    assert [r["impl"] for r in result["rows"]] == ["eager", "fusedrl", "fusedrl-packed"]
     assert all(r["step_ms"] > 0 and r["tokens"] > 0 for r in result["rows"])
 
 
