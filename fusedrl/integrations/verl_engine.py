@@ -36,6 +36,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.losses import ppo_loss
 
 import fusedrl
+from fusedrl.packed import reads_logits_once
 
 from .verl import BACKEND, LOSS_MODES, _get, loss_config_from_verl, policy_metrics, verl_normalizer
 
@@ -136,6 +137,10 @@ def fused_ppo_loss(config: Any, logits: torch.Tensor, output_args: dict, data):
     calculate_entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
     use_kl = bool(_get(config, "use_kl_loss", False))
     is_weights = rows.get("rollout_is_weights", None)
+    # The logits are dead after the loss (the engine's own log-prob and entropy pass is the one
+    # this replaces): the gradient goes into their buffer wherever fusedrl takes it, i.e. on
+    # padded rows always, on packed rows where the loss reads them once (token-level ratios).
+    inplace = not packed or reads_logits_once(cfg, None, is_weights)
     out = fusedrl.policy_loss(
         layout.logits,
         layout.labels(output_args),
@@ -150,6 +155,7 @@ def fused_ppo_loss(config: Any, logits: torch.Tensor, output_args: dict, data):
         is_weights=None if is_weights is None else layout.scatter(is_weights, response_mask),
         temperature=data["temperature"],
         cu_seqlens=layout.cu_seqlens,
+        inplace=inplace,
     )
     logp = layout.gather(out.logp, response_mask)
     entropy = None if out.entropy is None else layout.gather(out.entropy, response_mask)
