@@ -143,12 +143,12 @@ def policy_loss(
                 prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
         if cu_seqlens is not None or max_seqlen is not None:
-            _refuse_when_packed(cu_seqlens, max_seqlen, sharded, inplace, ref_logits, config)
+            _refuse_when_packed(cu_seqlens, max_seqlen, sharded)
     if cu_seqlens is not None:
         from . import packed
 
         return packed.policy_loss(
-            packed.LogitsRows(logits, backend, transform, inplace),
+            packed.LogitsRows(logits, backend, transform, inplace, ref_logits),
             labels,
             advantages,
             mask,
@@ -265,19 +265,12 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple:
     return config, temperature, transform
 
 
-def _refuse_when_packed(
-    cu_seqlens, max_seqlen, sharded: bool, inplace: bool, ref_logits, config
-) -> None:
+def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool) -> None:
     from .packed import require_cu_seqlens
 
     require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded:
         raise NotImplementedError("cu_seqlens under tensor parallelism is not supported yet")
-    if ref_logits is not None or (isinstance(config, LossConfig) and config.full_kl):
-        raise NotImplementedError(
-            "config.kl='full' / 'full_reverse' (ref_logits) with cu_seqlens is not supported "
-            "yet: use a per-token KL estimator"
-        )
 
 
 def _refuse_under_tensor_parallelism(

@@ -249,6 +249,9 @@ class LogitsRows(NamedTuple):
     transform: LogitTransform | None
     # the gradient into the logits' buffer: token-level ratios only (`policy_loss`)
     inplace: bool = False
+    # the reference's packed logits of the exact KL (kl="full" / "full_reverse"): a token's own
+    # term, so token-level ratios only, as `inplace`
+    ref_logits: torch.Tensor | None = None
 
     @property
     def source(self) -> torch.Tensor:  # (what `cu_seqlens` is checked against)
@@ -268,6 +271,7 @@ class LogitsRows(NamedTuple):
             backend=self.backend,
             transform=self.transform,
             inplace=self.inplace,
+            ref_logits=self.ref_logits,
             **arguments,
         )
 
@@ -433,6 +437,12 @@ def policy_loss(
             "inplace=True with cu_seqlens takes token-level ratios with a token or sequence "
             "mean (dapo, grpo, dr_grpo, ...); this call's ratios or corrections need whole "
             "sequences, whose gradient comes from a log-prob pass's backward: pass inplace=False"
+        )
+    if cfg.full_kl or getattr(rows, "ref_logits", None) is not None:
+        raise NotImplementedError(
+            "config.kl='full' / 'full_reverse' (ref_logits) with cu_seqlens takes token-level "
+            "ratios with a token or sequence mean (dapo, grpo, dr_grpo, ...); this call's "
+            "ratios or corrections need whole sequences: use a per-token KL estimator"
         )
     if return_sum_pi_squared:  # (the plain call checks its own)
         check_sum_pi_squared(cfg.sampling is not None)

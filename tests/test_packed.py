@@ -269,6 +269,45 @@ def test_all_masked_gives_zero_loss_and_gradient():
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+@pytest.mark.parametrize("kl", ["full", "full_reverse"])
+def test_the_exact_kl_on_packed_rows(kl, preset, backend):
+    """config.kl="full" / "full_reverse" with cu_seqlens: each token's KL over the vocabulary
+    is its own, so a token-level ratio (a token or sequence mean) is the plain call on the
+    packed logits and the reference's: the padded call's loss, gradient and metrics, the
+    oracle's too, with the KL acting; a sequence ratio refuses it by name."""
+    cfg = LossConfig.preset(preset, kl=kl, beta=0.3)
+    data = _batch(seed=17)
+    gen = torch.Generator().manual_seed(18)
+    ref_logits = data["padded"]["logits"].nan_to_num() + torch.randn(
+        data["padded"]["logits"].shape, generator=gen
+    )
+    padded = {k: v for k, v in data["padded"].items() if k != "ref_logp"}
+    flat = {k: v for k, v in data["packed"].items() if k != "ref_logp"}
+    want, want_grad = _call(fusedrl.policy_loss, padded, cfg, backend, ref_logits=ref_logits)
+    packed_ref = ref_logits[data["inside"]]
+    cuts = data["cu_seqlens"]
+    got, got_grad = _call(
+        fusedrl.policy_loss, flat, cfg, backend, ref_logits=packed_ref, cu_seqlens=cuts
+    )
+    _assert_equal_outputs(got, got_grad, want, want_grad, data["inside"])
+    oracle, oracle_grad = _call(
+        reference.policy_loss, flat, cfg, ref_logits=packed_ref, cu_seqlens=cuts
+    )
+    _assert_equal_outputs(oracle, oracle_grad, want, want_grad, data["inside"])
+    assert want.metrics["kl"] > 0.05  # the exact KL acted
+    with pytest.raises(NotImplementedError, match="kl='full' / 'full_reverse' .* cu_seqlens"):
+        _call(
+            fusedrl.policy_loss,
+            flat,
+            LossConfig.preset("gspo", kl=kl, beta=0.3),
+            backend,
+            ref_logits=packed_ref,
+            cu_seqlens=cuts,
+        )
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("case", ["dapo", "grpo", "dr_grpo"])
 def test_token_level_ratios_run_in_place(case, backend):
     """inplace=True with cu_seqlens where the boundaries enter by the weights alone: the
