@@ -29,7 +29,7 @@
 # are never installed over the machine's), then fusedrl itself, editable, without dependencies:
 # the machine's torch (2.11) and Triton (3.6) are used as they are; no registry is needed.
 # Wheels to carry in .whl/ (git-ignored) when the machine lacks them, downloaded where a registry
-# is reachable:
+# is reachable: `bash bench/gpu_wheels.sh` fetches the peers below at their pins (about 3 MB):
 #   - liger-kernel==0.8.5, the peer of bench/bench_loss.py (pure Python):
 #       python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5

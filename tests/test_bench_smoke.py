@@ -395,6 +395,22 @@ def test_run_gpu_sh_parses(tmp_path):
     assert "bash bench/run_gpu.sh session" in proc.stdout  # the last line of the list too
 
 
+def test_gpu_wheels_sh_pins_what_the_project_pins():
+    """bench/gpu_wheels.sh (the wheels a GPU machine without a registry is carried): it parses,
+    refuses an unknown option by name, and fetches the peers at the versions pyproject's extras
+    pin (a mismatch would benchmark another TRL or Liger than the parity tests ran)."""
+    script = BENCH / "gpu_wheels.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script), "--nope"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown option '--nope'" in proc.stderr
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    text = script.read_text()
+    pins = re.findall(r"(trl==[\d.]+|liger-kernel==[\d.]+)", pyproject)
+    assert len(pins) >= 2, pins
+    for pin in pins:
+        assert pin in text, pin
+
+
 def test_run_gpu_sh_refuses_without_gpu(tmp_path):
     """`bash bench/run_gpu.sh tests /tmp/x` on a machine without a GPU: a clear refusal, non-zero,
     before it installs or writes anything."""
