@@ -674,8 +674,9 @@ def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
     gradients of every parameter, its metrics and its old / ref log-probs, with empty
     completions and a filtered row."""
     cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None, entropy_coef=0.01)
-    batch, _, completions = _tiny_batch(n=7, seed=5)
+    batch, _, completions = _tiny_batch(n=7, seed=4)
     assert 0 in [len(c) for c in completions]  # an empty completion rides along
+    assert batch.lengths[1] > 0 == batch.loss_tokens[1]  # a filtered one is left out of the pack
     grads, metrics, logps = [], [], []
     for pack in (False, True):
         model = _tiny_model()
@@ -686,39 +687,48 @@ def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
         )
         grads.append(_flat_grads(model))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
-    completion = torch.arange(batch.labels.shape[1])[None] < torch.tensor(batch.lengths)[:, None]
-    torch.testing.assert_close(logps[1][completion], logps[0][completion], rtol=1e-5, atol=1e-5)
-    assert (logps[1][~completion] == 0).all()  # (the padded pass leaves its padding's values)
+    # the log-probs of every token with a loss weight; 0 elsewhere (the padded pass leaves its
+    # padding's and the filtered rows' values, which no loss reads)
+    counted = batch.mask > 0
+    torch.testing.assert_close(logps[1][counted], logps[0][counted], rtol=1e-5, atol=1e-5)
+    assert (logps[1][~counted] == 0).all()
     assert grads[0].abs().sum() > 0
     for key, value in metrics[0].items():
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_packing_lays_the_sequences_end_to_end():
-    """The packed row: each sequence's real tokens, position ids restarting at 0, the loss rows
-    at the positions that predict completion tokens, and an additive mask that lets no token
-    see another sequence or a later token (none under flash attention)."""
+    """The packed row: each sequence with a loss token (the filtered and the empty ones left
+    out), its real tokens, position ids restarting at 0, the loss rows at the positions that
+    predict completion tokens, and an additive mask that lets no token see another sequence or a
+    later token (none under flash attention); a micro-batch with no loss token keeps one."""
     from fusedrl.trainer.packing import pack_rows
 
     batch, prompts, completions = _tiny_batch(n=4, seed=2)
+    live = [row for row, count in enumerate(batch.loss_tokens) if count > 0]
+    assert live == [0, 2] and batch.lengths[1] > 0  # row 1 filtered, row 3 empty
     packed = pack_rows(batch, "sdpa", torch.float32)
-    ids = packed.input_ids[0].tolist()
+    assert packed.sequences.tolist() == live
+    prompts, completions = [prompts[r] for r in live], [completions[r] for r in live]
     expected, keep, start = [], [], 0
     for p, c in zip(prompts, completions):
         expected += p + c
         keep += [start + len(p) - 1 + j for j in range(len(c))]
         start += len(p) + len(c)
-    assert ids == expected and packed.keep.tolist() == keep
+    assert packed.input_ids[0].tolist() == expected and packed.keep.tolist() == keep
     assert packed.position_ids[0, : len(prompts[0]) + len(completions[0])].tolist() == list(
         range(len(prompts[0]) + len(completions[0]))
     )
     assert packed.cu_seqlens.tolist() == [0, *torch.tensor([len(c) for c in completions]).cumsum(0)]
-    labels = packed.tokens(batch.labels).tolist()
-    assert labels == [t for c in completions for t in c]
+    assert packed.tokens(batch.labels).tolist() == [t for c in completions for t in c]
+    assert torch.equal(packed.per_sequence(batch.advantages), batch.advantages[live])
     back = packed.padded(packed.tokens(batch.labels))
     assert torch.equal(back, torch.where(packed.completion, batch.labels, 0))
+    assert not packed.completion[1].any()  # the filtered row: nothing packed
     allowed = packed.attention_mask[0, 0] == 0
     first = len(prompts[0]) + len(completions[0])
     assert allowed[first, first] and not allowed[first, first - 1]  # a new sequence starts
     assert allowed[first - 1, 0] and not allowed[0, 1]  # causal within the first
     assert pack_rows(batch, "flash_attention_2", torch.float32).attention_mask is None
+    batch.loss_tokens = [0] * len(batch)  # (an empty micro-batch of a rank: the forward runs)
+    assert pack_rows(batch, "sdpa", torch.float32).sequences.tolist() == [0]

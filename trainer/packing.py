@@ -10,6 +10,9 @@ sequences from position ids there) the row gets a block-diagonal causal mask, ad
 logits (or, for the fused LM head, the loss takes hidden states) only at the M positions that
 predict a completion token (`logits_to_keep` as indices), and the loss reads them as packed
 [M, V] rows with `cu_seqlens` at the sequences' boundaries (fusedrl's packed sequences).
+A sequence with no loss token (filtered: overlong, a zero-variance group's) is left out of the
+row altogether: it adds nothing to the loss, its gradient or its metrics, and the overlong ones
+are the longest the batch has (one is kept where none has a loss token: the forward still runs).
 
 Everything is sized from the batch's host-side lengths: packing asks the device nothing.
 """
@@ -31,9 +34,14 @@ class PackedRows:
     position_ids: torch.Tensor  # [1, N] restarting at 0 at every sequence
     attention_mask: torch.Tensor | None  # [1, 1, N, N] additive, or None under flash attention
     keep: torch.Tensor  # [M] the row positions that predict a completion token
-    cu_seqlens: torch.Tensor  # [B + 1] int32: the sequences' boundaries among the M loss rows
+    sequences: torch.Tensor  # [S] the batch rows packed (those with a loss token)
+    cu_seqlens: torch.Tensor  # [S + 1] int32: the sequences' boundaries among the M loss rows
     max_seqlen: int  # the longest completion
-    completion: torch.Tensor  # [B, T] bool: the padded layout's completion positions, row-major
+    completion: torch.Tensor  # [B, T] bool: the packed sequences' completion positions, row-major
+
+    def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """A [B] per-sequence tensor (the advantages) as the packed sequences' [S]."""
+        return values[self.sequences]
 
     def tokens(self, padded: torch.Tensor | None) -> torch.Tensor | None:
         """A [B, T] per-token tensor of the padded layout as the packed [M] rows."""
@@ -55,10 +63,16 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
     prompts = batch.prompt_lengths
     if prompts is None:  # (a Batch made without them: one read of its attention mask)
         prompts = batch.attention_mask[:, :prompt_len].sum(1).tolist()
-    completions = batch.lengths
+    live = [
+        row
+        for row in range(len(batch.lengths))
+        if batch.loss_tokens is None or batch.loss_tokens[row] > 0
+    ] or [0]
+    prompts = [prompts[row] for row in live]
+    completions = [batch.lengths[row] for row in live]
     pieces, positions, keep, starts = [], [], [], [0]
     offset = 0
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+    for row, prompt, completion in zip(live, prompts, completions):
         pieces.append(batch.input_ids[row, prompt_len - prompt : prompt_len + completion])
         length = prompt + completion
         positions.append(torch.arange(length))
@@ -67,8 +81,9 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
         starts.append(starts[-1] + completion)
         offset += length
     lengths = torch.tensor([p + c for p, c in zip(prompts, completions)])
-    columns = torch.arange(width)
-    completion_mask = columns[None, :] < torch.tensor(completions)[:, None]
+    packed_lengths = torch.zeros(len(batch.lengths), dtype=torch.long)
+    packed_lengths[live] = torch.tensor(completions)
+    completion_mask = torch.arange(width)[None, :] < packed_lengths[:, None]
     return PackedRows(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None].to(device),
@@ -76,6 +91,7 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
         if attn_implementation not in FLASH_ATTENTION
         else None,
         keep=torch.cat(keep).to(device),
+        sequences=torch.tensor(live, device=device),
         cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
         max_seqlen=max(completions, default=0),
         completion=completion_mask.to(device),

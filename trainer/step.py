@@ -204,7 +204,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """Log-probs of the completion tokens under `model` with the fused no-grad kernel (from the
     hidden states and the head, without logits, when `lm_head`; each micro-batch as one
-    padding-free row when `pack`)."""
+    padding-free row when `pack`, where a sequence with no loss token is left out: 0 there)."""
     out = torch.zeros(batch.labels.shape, device=batch.labels.device)
     for rows in micro_batches(len(batch), micro_batch_size):
         sub = batch.rows(_nonempty(rows, len(batch)))
@@ -450,13 +450,14 @@ def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args
     args = dict(rows_args, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
     args.update({k: packed.tokens(args[k]) for k in PER_TOKEN_ARGS if k in args})
     labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
+    advantages = packed.per_sequence(sub.advantages)
     if lm_head:
         hidden, weight, bias, tp_group, transform = policy
         out = fusedrl.linear_policy_loss(
             hidden,
             weight,
             labels,
-            sub.advantages,
+            advantages,
             mask,
             bias=bias,
             backend=_linear_backend(backend),
@@ -469,7 +470,7 @@ def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args
         # logits are dead after it; a loss that needs whole sequences takes them out of place.
         inplace = reads_logits_once(args["config"], args.get("rollout_logp"), None)
         out = fusedrl.policy_loss(
-            policy, labels, sub.advantages, mask, backend=backend, inplace=inplace, **args
+            policy, labels, advantages, mask, backend=backend, inplace=inplace, **args
         )
     return out.loss, out
 
