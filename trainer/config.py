@@ -31,6 +31,7 @@ from fusedrl.config import (
     LossConfig,
 )
 from fusedrl.distill import DISTILL_KINDS
+from fusedrl.packed import reads_logits_once
 
 ADVANTAGES = (
     "grpo",
@@ -85,6 +86,12 @@ LOSS_OVERRIDES = (
     "trust_region_mode",
     "m2po_tau",
 )
+
+
+def _reads_packed_rows_once(loss_config: LossConfig) -> bool:
+    """Whether the packed loss of the trainer's calls (which hand the engine's log-probs: given,
+    whatever they are) reads the logits once: then it takes the exact KL's reference logits."""
+    return reads_logits_once(loss_config, rollout_logp=True, is_weights=None)
 
 
 def _triton_installed() -> bool:
@@ -270,7 +277,12 @@ class TrainConfig:
         )
         for ok, what in (
             (self.tp == 1, "--tp > 1 (the loss takes no vocab-sharded packed rows yet)"),
-            (self.kl not in FULL_KLS, f"--kl {self.kl} (the exact KL takes padded rows)"),
+            (
+                self.kl not in FULL_KLS or _reads_packed_rows_once(self.loss_config()),
+                f"--kl {self.kl} and this loss (packed rows take the exact KL where the loss "
+                "reads them once: token-level ratios, no sequence-level IS correction or "
+                "rejection)",
+            ),
             (self.distill_teacher is None, "--distill-teacher (its term takes padded rows)"),
         ):
             need(not self.pack or ok, "pack", f"not with {what}: drop --pack")

@@ -314,7 +314,9 @@ def _micro_batch_loss(
     loss, with the exact KL to `ref_model` and the teacher term of `distill` when given;
     `packed` (--pack, neither of those): the micro-batch as one padding-free row."""
     if packed is not None:
-        return _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args)
+        return _packed_loss(
+            model, sub, packed, autocast_dtype, backend, lm_head, rows_args, ref_model
+        )
     policy = _outputs(model, sub, autocast_dtype, lm_head)
     with torch.no_grad():
         ref = None if ref_model is None else _outputs(ref_model, sub, autocast_dtype, lm_head)
@@ -443,10 +445,15 @@ def _micro_batch_loss(
     return out.loss + distill.coef * term.loss, out
 
 
-def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args):
+def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args, ref_model):
     """`_micro_batch_loss` of a packed micro-batch: the loss on the [M] loss rows, with the
-    sequences' boundaries (`cu_seqlens`) in place of the padding."""
+    sequences' boundaries (`cu_seqlens`) in place of the padding; `ref_model` (the exact KL,
+    logits path only): its packed logits beside the policy's."""
     policy = packed_outputs(model, sub, packed, autocast_dtype, lm_head)
+    ref_args = {}
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_args["ref_logits"] = packed_outputs(ref_model, sub, packed, autocast_dtype, False)
     args = dict(rows_args, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
     args.update({k: packed.tokens(args[k]) for k in PER_TOKEN_ARGS if k in args})
     labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
@@ -470,7 +477,7 @@ def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args
         # logits are dead after it; a loss that needs whole sequences takes them out of place.
         inplace = reads_logits_once(args["config"], args.get("rollout_logp"), None)
         out = fusedrl.policy_loss(
-            policy, labels, advantages, mask, backend=backend, inplace=inplace, **args
+            policy, labels, advantages, mask, backend=backend, inplace=inplace, **ref_args, **args
         )
     return out.loss, out
 
@@ -503,8 +510,8 @@ def accumulate_gradients(
     policy, batch.rollout_logp (the engine's) the behaviour one (fusedrl's prox_logp=).
     `entropy_coef`: the entropy bonus's coefficient as a device scalar (adaptive entropy
     control), in place of cfg.entropy_coef.
-    `pack`: each micro-batch as one padding-free row (trainer/packing.py); not with `ref_model`
-    or a teacher (the config refuses those).
+    `pack`: each micro-batch as one padding-free row (trainer/packing.py); not with a teacher,
+    and `ref_model` on the logits path only (the config and the trainer see to both).
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
