@@ -744,7 +744,10 @@ def test_packing_lays_the_sequences_end_to_end():
     back = packed.padded(packed.tokens(batch.labels))
     assert torch.equal(back, torch.where(packed.completion, batch.labels, 0))
     assert not packed.completion[1].any()  # the filtered row: nothing packed
-    allowed = packed.attention_mask[0, 0] == 0
+    allowed = packed.attention_mask[0, 0]  # sdpa's: bool, True where a token may attend
+    assert allowed.dtype == torch.bool
+    additive = pack_rows(batch, "eager", torch.float32).attention_mask[0, 0]
+    assert torch.equal(additive == 0, allowed)  # eager's: added to the scores
     first = len(prompts[0]) + len(completions[0])
     assert allowed[first, first] and not allowed[first, first - 1]  # a new sequence starts
     assert allowed[first - 1, 0] and not allowed[0, 1]  # causal within the first

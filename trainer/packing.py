@@ -5,8 +5,9 @@ right padding) are laid end to end in one [1, N] row, with position ids that res
 sequence, so the model computes no padding. Attention must not cross sequences: with flash
 attention (`attn_implementation="flash_attention_2"` / "_3") transformers reads the boundaries
 from the restarting position ids; with sdpa or eager (transformers 5.19 does not isolate packed
-sequences from position ids there) the row gets a block-diagonal causal mask, additive and
-[1, 1, N, N]: N^2 elements, so long packed micro-batches want flash attention. The model makes
+sequences from position ids there) the row gets a block-diagonal causal mask [1, 1, N, N]: bool
+under sdpa (1 byte an element), additive under eager (which adds it to the scores). N^2
+elements either way, so long packed micro-batches want flash attention. The model makes
 logits (or, for the fused LM head, the loss takes hidden states) only at the M positions that
 predict a completion token (`logits_to_keep` as indices), and the loss reads them as packed
 [M, V] rows with `cu_seqlens` at the sequences' boundaries (fusedrl's packed sequences).
@@ -32,7 +33,7 @@ class PackedRows:
 
     input_ids: torch.Tensor  # [1, N] every sequence's real tokens, end to end
     position_ids: torch.Tensor  # [1, N] restarting at 0 at every sequence
-    attention_mask: torch.Tensor | None  # [1, 1, N, N] additive, or None under flash attention
+    attention_mask: torch.Tensor | None  # [1, 1, N, N] bool (sdpa) / additive, None (flash)
     keep: torch.Tensor  # [M] the row positions that predict a completion token
     sequences: torch.Tensor  # [S] the batch rows packed (those with a loss token)
     cu_seqlens: torch.Tensor  # [S + 1] int32: the sequences' boundaries among the M loss rows
@@ -87,9 +88,7 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
     return PackedRows(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None].to(device),
-        attention_mask=_block_causal(lengths, mask_dtype, device)
-        if attn_implementation not in FLASH_ATTENTION
-        else None,
+        attention_mask=_attention_mask(lengths, attn_implementation, mask_dtype, device),
         keep=torch.cat(keep).to(device),
         sequences=torch.tensor(live, device=device),
         cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -98,11 +97,22 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
     )
 
 
+def _attention_mask(lengths, attn_implementation, mask_dtype, device) -> torch.Tensor | None:
+    """How `attn_implementation` keeps the packed sequences apart (see the module docstring)."""
+    if attn_implementation in FLASH_ATTENTION:
+        return None
+    dtype = torch.bool if attn_implementation == "sdpa" else mask_dtype  # (eager adds it)
+    return _block_causal(lengths, dtype, device)
+
+
 def _block_causal(lengths: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, N, N] additive mask: 0 where a token may attend (earlier or itself, same sequence),
-    the dtype's lowest value elsewhere (transformers' convention for a 4-D mask)."""
+    """[1, 1, N, N] mask of where a token may attend (earlier or itself, same sequence): True
+    there for a bool `dtype`, else additive (0 there, the dtype's lowest value elsewhere:
+    transformers' convention for a 4-D float mask)."""
     sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
     index = torch.arange(sequence.numel(), device=device)
     allowed = (sequence[:, None] == sequence[None, :]) & (index[None, :] <= index[:, None])
+    if dtype == torch.bool:
+        return allowed[None, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
