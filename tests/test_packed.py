@@ -226,6 +226,65 @@ def test_the_lm_head_form_equals_the_padded_call(preset, backend):
         torch.testing.assert_close(got.metrics[name], want.metrics[name], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_lm_heads_distillation_equals_the_padded_call(agg, backend):
+    """linear_distill_loss(student [N, H], ..., cu_seqlens=) against its padded call: the loss,
+    the gradients of the student's hidden states and head, the metric; the sequences enter
+    through the aggregation weights (they act: the sequence means differ from token-mean)."""
+    data = _batch(seed=23)
+    gen = torch.Generator().manual_seed(9)
+    shape = data["padded"]["mask"].shape
+    hidden, teacher_hidden = torch.randn(*shape, 16, generator=gen), torch.randn(*shape, 8)
+    weight, teacher_weight = 0.5 * torch.randn(VOCAB, 16, generator=gen), torch.randn(VOCAB, 8)
+    labels = torch.where(data["padded"]["mask"], data["padded"]["labels"], 0)
+    runs = []
+    for layout in ("padded", "packed"):
+        cut = (lambda t: t[data["inside"]]) if layout == "packed" else (lambda t: t)
+        leaves = [cut(hidden).clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        out = fusedrl.linear_distill_loss(
+            *leaves,
+            cut(teacher_hidden),
+            teacher_weight,
+            cut(labels),
+            cut(data["padded"]["mask"]),
+            kind="jsd",
+            config=LossConfig(agg=agg),
+            backend=backend,
+            **({"cu_seqlens": data["cu_seqlens"]} if layout == "packed" else {}),
+        )
+        runs.append((out, torch.autograd.grad(out.loss, leaves)))
+    (want, (want_hidden, want_weight)), (got, (got_hidden, got_weight)) = runs
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_hidden, want_hidden[data["inside"]], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_weight, want_weight, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.metrics["distill"], want.metrics["distill"])
+    if agg != "token-mean":  # the boundaries acted
+        plain = fusedrl.linear_distill_loss(
+            hidden[data["inside"]],
+            weight,
+            teacher_hidden[data["inside"]],
+            teacher_weight,
+            labels[data["inside"]],
+            data["packed"]["mask"],
+            kind="jsd",
+            backend=backend,
+        )
+        assert not torch.allclose(plain.loss, got.loss)
+    with pytest.raises(NotImplementedError, match="sampled_reverse_kl"):
+        fusedrl.linear_distill_loss(
+            hidden[data["inside"]],
+            weight,
+            teacher_hidden[data["inside"]],
+            teacher_weight,
+            labels[data["inside"]],
+            data["packed"]["mask"],
+            kind="sampled_reverse_kl",
+            advantages=torch.zeros(sum(LENGTHS)),
+            cu_seqlens=data["cu_seqlens"],
+        )
+
+
 def test_a_loss_blind_to_the_boundaries_makes_no_padded_layout(monkeypatch):
     """dapo (each term a token's own, token-mean) never makes the padded layout, so a packed
     call without max_seqlen reads no T_max on the host; grpo's weights and gspo's terms do."""

@@ -48,6 +48,8 @@ def linear_distill_loss(
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     grad_scale: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LossOutput:
     """`fusedrl.distill_loss` of the logits `student_hidden @ student_weight.T + student_bias`
     and `teacher_hidden @ teacher_weight.T + teacher_bias`, which are never stored whole.
@@ -70,6 +72,8 @@ def linear_distill_loss(
             log-probs, which have no mask, are taken on every row).
         grad_scale: the factor the caller will multiply the loss by before backward, as in
             `policy_loss`: the student's gradients are written times it.
+        cu_seqlens, max_seqlen: packed sequences ([N, H] hidden states), as in
+            `distill_loss`; not with kind="sampled_reverse_kl".
 
     Returns:
         LossOutput as `distill_loss`'s, its loss differentiable w.r.t. student_hidden,
@@ -90,6 +94,11 @@ def linear_distill_loss(
         teacher_transform,
     )
     if kind == "sampled_reverse_kl":
+        if cu_seqlens is not None or max_seqlen is not None:
+            raise NotImplementedError(
+                "cu_seqlens with kind='sampled_reverse_kl' is not supported yet: pass the "
+                "teacher-shifted advantages to fusedrl.linear_policy_loss(..., cu_seqlens=)"
+            )
         return _sampled_reverse_kl(
             student_hidden,
             weight,
@@ -109,7 +118,14 @@ def linear_distill_loss(
             live_rows,
             grad_scale,
         )
-    cfg = distill_config(config)
+    cfg, agg_weights = distill_config(config), None
+    if cu_seqlens is not None or max_seqlen is not None:
+        # the divergence is each token's own: the boundaries enter through the weights alone
+        from ..packed import packed_aggregation
+
+        cfg, agg_weights = packed_aggregation(
+            cu_seqlens, max_seqlen, student_hidden, weight.shape[0], mask, cfg, normalizer
+        )
     advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
     inp = prepare_loss_inputs(
         student_hidden,
@@ -125,6 +141,7 @@ def linear_distill_loss(
         source="student_hidden",
         temperature=temperature if per_token_t else None,
         grad_scale=grad_scale,
+        agg_weights=agg_weights,
     )
     temperature = inp.row_temps if per_token_t else temperature
     lin = LinearInputs(
