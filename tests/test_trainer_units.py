@@ -45,7 +45,6 @@ from fusedrl.trainer.step import (
         (["--top-p", "0"], "--top-p"),
         (["--reward", " "], "--reward"),
         (["--pack", "true", "--kl", "full", "--preset", "gspo"], "--pack: not with --kl full"),
-        (["--pack", "true", "--distill-teacher", "x"], "--pack: not with --distill-teacher"),
     ],
 )
 def test_bad_config_names_the_option(argv, needle):
@@ -347,7 +346,8 @@ def _flat_grads(model) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["forward_kl", "jsd", "sampled_reverse_kl"])
 def test_the_teacher_term_on_every_path(kind):
     """--distill-teacher: the logits path, micro-batches and the fused LM head
-    (linear_distill_loss / linear_policy_loss) all give the gradient of the whole batch's
+    (linear_distill_loss / linear_policy_loss), padded and packed (--pack), all give the
+    gradient of the whole batch's
     policy loss + coef x the divergence, computed here by the oracle on materialised logits
     (sampled_reverse_kl: the policy loss on A - coef (log pi - log pi_teacher))."""
     from fusedrl import reference
@@ -360,7 +360,8 @@ def test_the_teacher_term_on_every_path(kind):
         teacher.lm_head.weight.mul_(30.0)
     distill = Distill(kind, 0.7, 0.3)
     grads, metrics = [], []
-    for lm_head, micro in ((False, 0), (False, 2), (True, 2)):
+    paths = ((False, 0, False), (False, 2, False), (True, 2, False), (False, 2, True))
+    for lm_head, micro, pack in (*paths, (True, 2, True)):
         model = _tiny_model()
         metrics.append(
             accumulate_gradients(
@@ -373,6 +374,7 @@ def test_the_teacher_term_on_every_path(kind):
                 lm_head=lm_head,
                 teacher=teacher,
                 distill=distill,
+                pack=pack,
             )
         )
         grads.append(_flat_grads(model))

@@ -283,7 +283,6 @@ class TrainConfig:
                 "reads them once: token-level ratios, no sequence-level IS correction or "
                 "rejection)",
             ),
-            (self.distill_teacher is None, "--distill-teacher (its term takes padded rows)"),
         ):
             need(not self.pack or ok, "pack", f"not with {what}: drop --pack")
         need(

@@ -312,15 +312,34 @@ def _micro_batch_loss(
 ) -> tuple[torch.Tensor, fusedrl.LossOutput]:
     """(the loss to backpropagate, the policy loss's output) of one micro-batch: the policy
     loss, with the exact KL to `ref_model` and the teacher term of `distill` when given;
-    `packed` (--pack, neither of those): the micro-batch as one padding-free row."""
-    if packed is not None:
-        return _packed_loss(
-            model, sub, packed, autocast_dtype, backend, lm_head, rows_args, ref_model
-        )
-    policy = _outputs(model, sub, autocast_dtype, lm_head)
+    `packed` (--pack): the micro-batch as one padding-free row, every per-token tensor as its
+    [M] loss rows and the sequences' boundaries (`cu_seqlens`) in place of the padding."""
+    if packed is None:
+
+        def outputs(m, head):
+            return _outputs(m, sub, autocast_dtype, head)
+
+        labels, mask, advantages = sub.labels, sub.mask, sub.advantages
+        layout = {}
+        # In place: the logits are dead after the loss (every other read is done by then).
+        inplace = True
+    else:
+
+        def outputs(m, head):
+            return packed_outputs(m, sub, packed, autocast_dtype, head)
+
+        labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
+        advantages = packed.per_sequence(sub.advantages)
+        layout = dict(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
+        rows_args = {
+            k: packed.tokens(v) if k in PER_TOKEN_ARGS else v for k, v in rows_args.items()
+        }
+        # (in place where the packed loss reads the logits once: token-level ratios)
+        inplace = reads_logits_once(cfg, rows_args.get("rollout_logp"), None)
+    policy = outputs(model, lm_head)
     with torch.no_grad():
-        ref = None if ref_model is None else _outputs(ref_model, sub, autocast_dtype, lm_head)
-        taught = None if teacher is None else _outputs(teacher, sub, autocast_dtype, lm_head)
+        ref = None if ref_model is None else outputs(ref_model, lm_head)
+        taught = None if teacher is None else outputs(teacher, lm_head)
     linear_backend = _linear_backend(backend)
     if lm_head:
         hidden, weight, bias, tp_group, transform = policy
@@ -329,9 +348,10 @@ def _micro_batch_loss(
             head_args.update(ref_hidden=ref[0], ref_weight=ref[1], ref_bias=ref[2])
 
         # Padding and filtered rows make no logits (the reference's and the teacher's heads
-        # neither; under --tp no rank's slice): the host knows how many rows are live.
+        # neither; under --tp no rank's slice): the host knows how many rows are live. (A
+        # packed row holds none of them.)
         skip = {}
-        if sub.loss_tokens is not None:
+        if sub.loss_tokens is not None and packed is None:
             skip["live_rows"] = sum(sub.loss_tokens)
         head_args.update(skip)
 
@@ -342,34 +362,35 @@ def _micro_batch_loss(
             return fusedrl.linear_policy_loss(
                 hidden,
                 weight,
-                sub.labels,
+                labels,
                 advantages,
-                sub.mask,
+                mask,
                 bias=bias,
                 backend=linear_backend,
                 tp_group=tp_group,
                 **head_args,
                 **rows_args,
+                **layout,
             )
     else:
         logits = policy
         ref_args = {} if ref is None else {"ref_logits": ref}
 
         def policy_loss(advantages):
-            # In place: the logits are dead after the loss (every other read is done by then).
             return fusedrl.policy_loss(
                 logits,
-                sub.labels,
+                labels,
                 advantages,
-                sub.mask,
-                inplace=True,
+                mask,
+                inplace=inplace,
                 backend=backend,
                 **ref_args,
                 **rows_args,
+                **layout,
             )
 
     if distill is None:
-        out = policy_loss(sub.advantages)
+        out = policy_loss(advantages)
         return out.loss, out
     if distill.kind == "sampled_reverse_kl":
         with torch.no_grad():
@@ -379,7 +400,7 @@ def _micro_batch_loss(
                     return fusedrl.linear_token_logprobs(
                         outputs[0].detach(),
                         outputs[1].detach(),
-                        sub.labels,
+                        labels,
                         cfg.temperature,
                         bias=None if outputs[2] is None else outputs[2].detach(),
                         backend=linear_backend,
@@ -387,18 +408,20 @@ def _micro_batch_loss(
                         **filters,
                     )[0]
                 return fusedrl.token_logprobs(
-                    outputs.detach(), sub.labels, cfg.temperature, backend=backend, **filters
+                    outputs.detach(), labels, cfg.temperature, backend=backend, **filters
                 )[0]
 
             # The sampler's log-probs are the engine's (over its sampled sets, as old_logp is
             # when the batch is reused); the teacher's are its own, over the whole vocabulary.
             filters = dict(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
-            sampler = sub.old_logp if sub.old_logp is not None else logprobs(policy, filters)
+            old = sub.old_logp if packed is None else packed.tokens(sub.old_logp)
+            sampler = old if old is not None else logprobs(policy, filters)
+            per_token = advantages if packed is None else packed.tokens(_per_token(sub))
             shifted, gap = teacher_shifted_advantages(
-                sub.advantages, sampler, logprobs(taught, {}), sub.mask, distill.coef
+                per_token, sampler, logprobs(taught, {}), mask, distill.coef
             )
         out = policy_loss(shifted)
-        out.metrics["distill"] = (gap * sub.mask).sum() / sub.mask.sum().clamp_min(1.0)
+        out.metrics["distill"] = (gap * mask).sum() / mask.sum().clamp_min(1.0)
         return out.loss, out
     dcfg = distill.config(cfg)
     common = dict(
@@ -407,6 +430,7 @@ def _micro_batch_loss(
         temperature=cfg.temperature,
         config=dcfg,
         normalizer=distill_normalizer,
+        **layout,
     )
     # The term's upstream gradient: the coefficient times the policy loss's factor.
     term_scale = distill.coef * rows_args.get("grad_scale", 1.0)
@@ -420,8 +444,8 @@ def _micro_batch_loss(
             weight,
             taught[0],
             taught[1],
-            sub.labels,
-            sub.mask,
+            labels,
+            mask,
             student_bias=bias,
             teacher_bias=taught[2],
             backend=linear_backend,
@@ -435,51 +459,19 @@ def _micro_batch_loss(
         term = fusedrl.distill_loss(
             logits,
             taught,
-            sub.labels,
-            sub.mask,
+            labels,
+            mask,
             backend="triton" if backend == "cuda" else backend,
             **common,
         )
-    out = policy_loss(sub.advantages)
+    out = policy_loss(advantages)
     out.metrics["distill"] = term.metrics["distill"]
     return out.loss + distill.coef * term.loss, out
 
 
-def _packed_loss(model, sub, packed, autocast_dtype, backend, lm_head, rows_args, ref_model):
-    """`_micro_batch_loss` of a packed micro-batch: the loss on the [M] loss rows, with the
-    sequences' boundaries (`cu_seqlens`) in place of the padding; `ref_model` (the exact KL,
-    logits path only): its packed logits beside the policy's."""
-    policy = packed_outputs(model, sub, packed, autocast_dtype, lm_head)
-    ref_args = {}
-    if ref_model is not None:
-        with torch.no_grad():
-            ref_args["ref_logits"] = packed_outputs(ref_model, sub, packed, autocast_dtype, False)
-    args = dict(rows_args, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
-    args.update({k: packed.tokens(args[k]) for k in PER_TOKEN_ARGS if k in args})
-    labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
-    advantages = packed.per_sequence(sub.advantages)
-    if lm_head:
-        hidden, weight, bias, tp_group, transform = policy
-        out = fusedrl.linear_policy_loss(
-            hidden,
-            weight,
-            labels,
-            advantages,
-            mask,
-            bias=bias,
-            backend=_linear_backend(backend),
-            tp_group=tp_group,
-            **transform,
-            **args,
-        )
-    else:
-        # In place where the packed loss reads the logits once (token-level ratios): the
-        # logits are dead after it; a loss that needs whole sequences takes them out of place.
-        inplace = reads_logits_once(args["config"], args.get("rollout_logp"), None)
-        out = fusedrl.policy_loss(
-            policy, labels, advantages, mask, backend=backend, inplace=inplace, **ref_args, **args
-        )
-    return out.loss, out
+def _per_token(sub: Batch) -> torch.Tensor:
+    """The [B] advantages over the [B, T] layout (a packed call takes them per token)."""
+    return sub.advantages[:, None].expand(sub.mask.shape)
 
 
 def accumulate_gradients(
