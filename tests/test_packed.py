@@ -259,25 +259,16 @@ def test_the_lm_heads_distillation_equals_the_padded_call(agg, backend):
     torch.testing.assert_close(got_hidden, want_hidden[data["inside"]], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_weight, want_weight, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.metrics["distill"], want.metrics["distill"])
+    inside = data["inside"]
+    packed_rows = (hidden[inside], weight, teacher_hidden[inside], teacher_weight, labels[inside])
     if agg != "token-mean":  # the boundaries acted
         plain = fusedrl.linear_distill_loss(
-            hidden[data["inside"]],
-            weight,
-            teacher_hidden[data["inside"]],
-            teacher_weight,
-            labels[data["inside"]],
-            data["packed"]["mask"],
-            kind="jsd",
-            backend=backend,
+            *packed_rows, data["packed"]["mask"], kind="jsd", backend=backend
         )
         assert not torch.allclose(plain.loss, got.loss)
     with pytest.raises(NotImplementedError, match="sampled_reverse_kl"):
         fusedrl.linear_distill_loss(
-            hidden[data["inside"]],
-            weight,
-            teacher_hidden[data["inside"]],
-            teacher_weight,
-            labels[data["inside"]],
+            *packed_rows,
             data["packed"]["mask"],
             kind="sampled_reverse_kl",
             advantages=torch.zeros(sum(LENGTHS)),
