@@ -288,6 +288,35 @@ def test_dupo_sas_and_sequence_level_loss(default_run, tmp_path):
     assert len(read_metrics(out)) == 2
 
 
+def test_packed_micro_batches_with_vllm_rollouts(default_run, tmp_path):
+    """--pack with vLLM's rollouts (its log-probs reach the loss, reused twice): the same two
+    seeded steps as padded micro-batches, metric for metric, the mismatch metrics included."""
+    rows = []
+    for pack in ("false", "true"):
+        out = tmp_path / f"pack-{pack}"
+        check(
+            fusedrl_train(
+                "--out",
+                str(out),
+                "--model",
+                str(default_run / "base_model"),
+                "--max-steps",
+                "2",
+                "--micro-batch-size",
+                "8",
+                "--minibatches",
+                "2",
+                "--pack",
+                pack,
+            )
+        )
+        rows.append(read_metrics(out))
+    for padded, packed in zip(*rows, strict=True):
+        for key in ("loss", "grad_norm", "entropy", "mismatch_kl_k3", "mismatch_chi2_seq"):
+            assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+    assert rows[0][0]["mismatch_kl_k3"] > 0  # vLLM's log-probs were read
+
+
 def test_vespo_with_every_rollout_correction(default_run, tmp_path):
     """VESPO, the bias-corrected KL, the off-policy mask against vLLM's log-probs and the
     top-entropy selection, through the CLI: the run trains and logs what each correction did."""
