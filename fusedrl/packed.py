@@ -205,17 +205,7 @@ def reads_rollout_for_metrics_only(cfg: LossConfig, rollout_logp, is_weights) ->
 def rollout_mismatch(segments, source, vocab: int, mask, rollout_logp, logp) -> dict:
     """`token_terms.add_mismatch_metrics` of packed log-probs against the engine's: on the
     padded layout of the [N] per-token values (small [S, T] tensors, no logits)."""
-    padded = prepare_loss_inputs(
-        segments.stand_in(source, vocab),
-        segments.pad(torch.zeros(segments.tokens, dtype=torch.long, device=source.device)),
-        segments.pad(torch.zeros(segments.tokens, device=source.device)),
-        segments.pad(mask, False if mask.dtype == torch.bool else 0),
-        None,
-        None,
-        segments.pad(rollout_logp),
-        LossConfig(),
-        None,
-    )
+    padded = _padded_mask_inputs(segments, source, vocab, mask, LossConfig(), None, rollout_logp)
     metrics = Metrics()
     add_mismatch_metrics(metrics, segments.pad(logp.detach()), None, padded)
     return metrics
@@ -347,20 +337,28 @@ def segment_weights(
         return None
     # (the aggregation alone: its weights read the mask, the normalizer and agg's fields)
     aggregation = LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
+    padded = _padded_mask_inputs(segments, source, vocab, mask, aggregation, normalizer)
+    return segments.unpad(aggregation_weights(padded, aggregation))
+
+
+def _padded_mask_inputs(
+    segments: Segments, source, vocab: int, mask, cfg: LossConfig, normalizer, rollout_logp=None
+):
+    """The checked, masked inputs (`prepare_loss_inputs`) on the padded layout of a call that
+    reads the mask (and the engine's log-probs) alone: labels and advantages 0, the logits a
+    stand-in. What the per-sequence weights and metrics are taken from."""
     zeros = torch.zeros(segments.tokens, device=source.device)
-    padded = prepare_loss_inputs(
+    return prepare_loss_inputs(
         segments.stand_in(source, vocab),
         segments.pad(zeros.long()),
         segments.pad(zeros),
         segments.pad(mask, False if mask.dtype == torch.bool else 0),
         None,
         None,
-        None,
-        aggregation,
+        segments.pad(rollout_logp),
+        cfg,
         normalizer,
-        mask_rows=False,
     )
-    return segments.unpad(aggregation_weights(masked_rows(padded), aggregation))
 
 
 def packed_aggregation(

@@ -71,24 +71,25 @@ def pack_rows(batch, attn_implementation: str | None, mask_dtype: torch.dtype) -
     ] or [0]
     prompts = [prompts[row] for row in live]
     completions = [batch.lengths[row] for row in live]
-    pieces, positions, keep, starts = [], [], [], [0]
+    pieces, positions, keep, starts, lengths = [], [], [], [0], []
     offset = 0
     for row, prompt, completion in zip(live, prompts, completions):
         pieces.append(batch.input_ids[row, prompt_len - prompt : prompt_len + completion])
-        length = prompt + completion
-        positions.append(torch.arange(length))
+        lengths.append(prompt + completion)
+        positions.append(torch.arange(lengths[-1]))
         # the position before each completion token predicts it
         keep.append(torch.arange(offset + prompt - 1, offset + prompt - 1 + completion))
         starts.append(starts[-1] + completion)
-        offset += length
-    lengths = torch.tensor([p + c for p, c in zip(prompts, completions)])
+        offset += lengths[-1]
     packed_lengths = torch.zeros(len(batch.lengths), dtype=torch.long)
     packed_lengths[live] = torch.tensor(completions)
     completion_mask = torch.arange(width)[None, :] < packed_lengths[:, None]
     return PackedRows(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None].to(device),
-        attention_mask=_attention_mask(lengths, attn_implementation, mask_dtype, device),
+        attention_mask=_attention_mask(
+            torch.tensor(lengths), attn_implementation, mask_dtype, device
+        ),
         keep=torch.cat(keep).to(device),
         sequences=torch.tensor(live, device=device),
         cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),

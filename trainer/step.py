@@ -165,7 +165,12 @@ def completion_hidden(model, batch: Batch, autocast_dtype: torch.dtype | None):
             position_ids=position_ids,
             use_cache=False,
         )
-    hidden = out.last_hidden_state[:, -(width + 1) : -1]
+    return _with_head(model, head, out.last_hidden_state[:, -(width + 1) : -1])
+
+
+def _with_head(model, head, hidden: torch.Tensor) -> tuple:
+    """(hidden, weight, bias, tp_group, transform): `completion_hidden`'s, for these hidden
+    states (a padded or a packed micro-batch's)."""
     weight, tp_group = _rows(head.weight)
     bias = None if head.bias is None else _rows(head.bias)[0].to(hidden.dtype)
     return hidden, weight.to(hidden.dtype), bias, tp_group, model_logit_transform(model)
@@ -210,10 +215,7 @@ def token_logprobs(
         sub = batch.rows(_nonempty(rows, len(batch)))
         packed = _packed(model, sub, autocast_dtype) if pack else None
         labels = sub.labels if packed is None else packed.tokens(sub.labels)
-        if packed is not None:
-            outputs = packed_outputs(model, sub, packed, autocast_dtype, lm_head)
-        else:
-            outputs = _outputs(model, sub, autocast_dtype, lm_head)
+        outputs = _outputs(model, sub, autocast_dtype, lm_head, packed)
         if lm_head:
             hidden, weight, bias, tp_group, transform = outputs
             logp, _ = fusedrl.linear_token_logprobs(
@@ -265,8 +267,11 @@ class Distill:
         return LossConfig(agg=cfg.agg, norm_constant=cfg.norm_constant)
 
 
-def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool):
-    """The completion's logits, or with `lm_head` (hidden, weight, bias, tp_group, transform)."""
+def _outputs(model, sub: Batch, autocast_dtype, lm_head: bool, packed: PackedRows | None = None):
+    """The completion's logits, or with `lm_head` (hidden, weight, bias, tp_group, transform);
+    `packed`: of `sub` packed (`packed_outputs`)."""
+    if packed is not None:
+        return packed_outputs(model, sub, packed, autocast_dtype, lm_head)
     if lm_head:
         return completion_hidden(model, sub, autocast_dtype)
     return completion_logits(model, sub, autocast_dtype)
@@ -286,10 +291,7 @@ def packed_outputs(model, sub: Batch, packed: PackedRows, autocast_dtype, lm_hea
         if not lm_head:
             return model(**inputs, logits_to_keep=packed.keep).logits[0]
         hidden = model.base_model(**inputs).last_hidden_state[0, packed.keep]
-    head = lm_head_of(model)
-    weight, tp_group = _rows(head.weight)
-    bias = None if head.bias is None else _rows(head.bias)[0].to(hidden.dtype)
-    return hidden, weight.to(hidden.dtype), bias, tp_group, model_logit_transform(model)
+    return _with_head(model, lm_head_of(model), hidden)
 
 
 # The per-token arguments of the loss that a packed micro-batch hands over as its [M] rows.
@@ -315,19 +317,11 @@ def _micro_batch_loss(
     `packed` (--pack): the micro-batch as one padding-free row, every per-token tensor as its
     [M] loss rows and the sequences' boundaries (`cu_seqlens`) in place of the padding."""
     if packed is None:
-
-        def outputs(m, head):
-            return _outputs(m, sub, autocast_dtype, head)
-
         labels, mask, advantages = sub.labels, sub.mask, sub.advantages
         layout = {}
         # In place: the logits are dead after the loss (every other read is done by then).
         inplace = True
     else:
-
-        def outputs(m, head):
-            return packed_outputs(m, sub, packed, autocast_dtype, head)
-
         labels, mask = packed.tokens(sub.labels), packed.tokens(sub.mask)
         advantages = packed.per_sequence(sub.advantages)
         layout = dict(cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
@@ -336,10 +330,14 @@ def _micro_batch_loss(
         }
         # (in place where the packed loss reads the logits once: token-level ratios)
         inplace = reads_logits_once(cfg, rows_args.get("rollout_logp"), None)
-    policy = outputs(model, lm_head)
+    policy = _outputs(model, sub, autocast_dtype, lm_head, packed)
     with torch.no_grad():
-        ref = None if ref_model is None else outputs(ref_model, lm_head)
-        taught = None if teacher is None else outputs(teacher, lm_head)
+        ref = (
+            None if ref_model is None else _outputs(ref_model, sub, autocast_dtype, lm_head, packed)
+        )
+        taught = (
+            None if teacher is None else _outputs(teacher, sub, autocast_dtype, lm_head, packed)
+        )
     linear_backend = _linear_backend(backend)
     if lm_head:
         hidden, weight, bias, tp_group, transform = policy
