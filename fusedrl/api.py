@@ -266,7 +266,7 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple:
 
 
 def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool) -> None:
-    from .packed import require_cu_seqlens
+    from .segments import require_cu_seqlens
 
     require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded:
@@ -335,7 +335,7 @@ def token_logprobs(
     docs/losses.md ("Which backend and surface takes which argument") has what each backend
     does with these.
     """
-    from .packed import check_packed_rows
+    from .segments import check_packed_rows
     from .tp.dtensor import wants_tensor_parallel
     from .tp.header import argument_checks
 

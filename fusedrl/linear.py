@@ -244,7 +244,7 @@ def linear_policy_loss(
 
 
 def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool, ref_weight) -> None:
-    from .packed import require_cu_seqlens
+    from .segments import require_cu_seqlens
 
     require_cu_seqlens(cu_seqlens, max_seqlen)
     if sharded or ref_weight is not None:
@@ -288,7 +288,7 @@ def linear_token_logprobs(
     sweep at half the temperature, as in `fusedrl.token_logprobs`. `cu_seqlens`, `max_seqlen`:
     packed sequences, checked as in `fusedrl.token_logprobs`.
     """
-    from .packed import check_packed_rows
+    from .segments import check_packed_rows
     from .tp.header import argument_checks
 
     check_packed_rows(cu_seqlens, hidden, max_seqlen)

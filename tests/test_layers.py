@@ -67,7 +67,20 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+def _with_packages(name: str, imported: set[str]) -> set[str]:
+    """`imported` and the packages above each (importing `fusedrl.distill.heads` runs
+    `fusedrl/distill/__init__.py` first), but for `name`'s own packages, which are running."""
+    found = set()
+    for module in imported:
+        parts = module.split(".")
+        for end in range(1, len(parts) + 1):
+            above = ".".join(parts[:end])
+            if above in MODULES and above != name and not name.startswith(above + "."):
+                found.add(above)
+    return found
+
+
+GRAPH = {name: _with_packages(name, _imports(name, path)) for name, path in MODULES.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -101,6 +114,8 @@ def test_the_source_is_read():
     assert {"fusedrl.api", "fusedrl.tp.loss", "fusedrl.kernels.token_loss"} <= set(MODULES)
     assert "fusedrl.single_process" in GRAPH["fusedrl.tp.loss"]  # a function-level import
     assert "fusedrl.distill.args" in GRAPH["fusedrl.distill"]  # a package's __init__
+    # importing a submodule runs its package's __init__ first
+    assert "fusedrl.distill" in GRAPH["fusedrl.linear_single_process"]
 
 
 def test_no_import_cycle():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig, packed, reference
+from fusedrl import LossConfig, packed, reference, segments
 
 from .conftest import BACKENDS, LOGITS_BACKENDS
 
@@ -283,7 +283,7 @@ def test_a_loss_blind_to_the_boundaries_makes_no_padded_layout(monkeypatch):
     def refused(self):
         raise AssertionError("the padded layout was made")
 
-    monkeypatch.setattr(packed.Segments, "longest", property(refused))
+    monkeypatch.setattr(segments.Segments, "longest", property(refused))
     data = _batch(seed=13)
     flat = {k: v for k, v in data["packed"].items() if k != "rollout_logp"}
     fusedrl.policy_loss(**flat, config=LossConfig.preset("dapo"), cu_seqlens=data["cu_seqlens"])

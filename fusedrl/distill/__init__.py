@@ -173,11 +173,11 @@ def distill_loss(
 
 def _aggregation(cfg, cu_seqlens, max_seqlen, student_logits, mask, normalizer):
     """(config, per-token aggregation weights or None): `cfg` as it is, or for packed
-    sequences its token-mean form and each token's weight (fusedrl/packed.py: the divergence is
+    sequences its token-mean form and each token's weight (fusedrl/segments.py: the divergence is
     each token's own, so the boundaries enter through the weights alone)."""
     if cu_seqlens is None and max_seqlen is None:
         return cfg, None
-    from ..packed import packed_aggregation
+    from ..segments import packed_aggregation
 
     vocab = student_logits.shape[-1]
     return packed_aggregation(cu_seqlens, max_seqlen, student_logits, vocab, mask, cfg, normalizer)

@@ -121,7 +121,7 @@ def linear_distill_loss(
     cfg, agg_weights = distill_config(config), None
     if cu_seqlens is not None or max_seqlen is not None:
         # the divergence is each token's own: the boundaries enter through the weights alone
-        from ..packed import packed_aggregation
+        from ..segments import packed_aggregation
 
         cfg, agg_weights = packed_aggregation(
             cu_seqlens, max_seqlen, student_hidden, weight.shape[0], mask, cfg, normalizer
