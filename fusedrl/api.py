@@ -11,6 +11,7 @@ from ._inputs import (
     scaled_temperature,
     temperature_in_config,
 )
+from .arguments import ModelHead, RolloutInputs
 from .backends import BACKENDS
 from .config import LossConfig
 from .logit_transform import capping_keywords, check_logit_transform
@@ -137,32 +138,24 @@ def policy_loss(
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
-        config, temperature, transform = _model_head(config, temperature, softcap, logit_scale)
+        config, head = _model_head(config, temperature, softcap, logit_scale)
         if sharded:
             _refuse_under_tensor_parallelism(
                 prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
         if cu_seqlens is not None or max_seqlen is not None:
             _refuse_when_packed(cu_seqlens, max_seqlen, sharded)
+    rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
+    call = (labels, advantages, mask, rollout, head, config, normalizer)
     if cu_seqlens is not None:
         from . import packed
 
         return packed.policy_loss(
-            packed.LogitsRows(logits, backend, transform, inplace, ref_logits),
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
-            config,
-            normalizer,
-            return_entropy,
-            is_weights,
+            packed.LogitsRows(logits, backend, inplace, ref_logits),
+            *call,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
-            temperature=temperature,
-            prox_logp=prox_logp,
+            return_entropy=return_entropy,
             entropy_coef=entropy_coef,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
@@ -170,46 +163,24 @@ def policy_loss(
     if sharded:
         from . import tp
 
+        shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
         return tp.policy_loss(
             logits,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
-            config,
-            normalizer,
-            inplace,
-            backend,
-            return_entropy,
-            is_weights,
-            tp_group=tp_group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            temperature=temperature,
-            transform=transform,
+            *call,
+            **shard,
+            inplace=inplace,
+            backend=backend,
+            return_entropy=return_entropy,
             grad_scale=grad_scale,
         )
     return single_process.policy_loss(
         logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        config,
-        normalizer,
-        inplace,
-        backend,
-        return_entropy,
-        is_weights,
+        *call,
+        backend=backend,
+        inplace=inplace,
+        return_entropy=return_entropy,
         ref_logits=ref_logits,
-        temperature=temperature,
-        prox_logp=prox_logp,
         entropy_coef=entropy_coef,
-        transform=transform,
         return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
     )
@@ -249,9 +220,9 @@ def _plannable(
     )
 
 
-def _model_head(config, temperature, softcap, logit_scale) -> tuple:
-    """(config, temperature, transform) with the temperature set one way and the model's head
-    resolved: a soft cap as the transform the kernels apply, a bare logit scale folded into the
+def _model_head(config, temperature, softcap, logit_scale) -> tuple[object, ModelHead]:
+    """(config, model head) with the temperature set one way and the model's head resolved: a
+    soft cap as the transform the kernels apply, a bare logit scale folded into the
     temperature. (A bad config or temperature is left as it is, for prepare_loss_inputs to
     name.)"""
     config, temperature = temperature_in_config(config, temperature)
@@ -262,7 +233,7 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple:
         elif config is None or isinstance(config, LossConfig):
             cfg = config if config is not None else LossConfig()
             config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
-    return config, temperature, transform
+    return config, ModelHead(temperature, transform)
 
 
 def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool) -> None:

@@ -16,6 +16,7 @@ from ._inputs import (
     check_sum_pi_squared,
     temperature_in_config,
 )
+from .arguments import ModelHead, RolloutInputs
 from .config import LossConfig
 from .logit_transform import check_logit_transform, model_logit_transform
 from .output import LossOutput
@@ -158,29 +159,20 @@ def linear_policy_loss(
             entropy_coef,
             sharded,
         )
+    rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
+    head = ModelHead(temperature, transform)
+    call = (labels, advantages, mask, rollout, head, config, normalizer)
+    rows = {"skip_masked_rows": skip_masked_rows, "live_rows": live_rows}
     if cu_seqlens is not None or max_seqlen is not None:
         from . import packed
 
         _refuse_when_packed(cu_seqlens, max_seqlen, sharded, ref_weight)
-        rows = packed.HeadRows(
-            hidden, weight, bias, backend, transform, skip_masked_rows, live_rows
-        )
         return packed.policy_loss(
-            rows,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
-            config,
-            normalizer,
-            return_entropy,
-            is_weights,
+            packed.HeadRows(hidden, weight, bias, backend, skip_masked_rows, live_rows),
+            *call,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
-            temperature=temperature,
-            prox_logp=prox_logp,
+            return_entropy=return_entropy,
             entropy_coef=entropy_coef,
             return_sum_pi_squared=return_sum_pi_squared,
             grad_scale=grad_scale,
@@ -191,53 +183,29 @@ def linear_policy_loss(
         return tp_linear.linear_policy_loss(
             hidden,
             weight,
-            labels,
-            advantages,
-            mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
-            config,
-            normalizer,
-            bias,
-            backend,
-            return_entropy,
-            is_weights,
+            *call,
+            bias=bias,
+            backend=backend,
+            return_entropy=return_entropy,
             tp_group=tp_group,
             vocab_start=vocab_start,
             vocab_size=vocab_size,
             reduce_input_grad=reduce_input_grad,
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            skip_masked_rows=skip_masked_rows,
-            live_rows=live_rows,
+            **rows,
             grad_scale=grad_scale,
         )
     return linear_single_process.linear_policy_loss(
         hidden,
         weight,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        config,
-        normalizer,
-        bias,
-        backend,
-        return_entropy,
-        is_weights,
+        *call,
+        bias=bias,
+        backend=backend,
+        return_entropy=return_entropy,
         ref_weight=ref_weight,
         ref_hidden=ref_hidden,
         ref_bias=ref_bias,
-        temperature=temperature,
-        prox_logp=prox_logp,
         entropy_coef=entropy_coef,
-        transform=transform,
-        skip_masked_rows=skip_masked_rows,
-        live_rows=live_rows,
+        **rows,
         return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
     )

@@ -20,9 +20,9 @@ from ._inputs import (
     check_logits,
     check_sum_pi_squared,
     check_temperature_arg,
-    prepare_loss_inputs,
     temperature_of,
 )
+from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
 from .distill.heads import check_teacher_head, policy_loss_with_reference
 from .distill.rows import two_row_ops
@@ -43,51 +43,44 @@ def linear_policy_loss(
     labels,
     advantages,
     mask,
-    old_logp=None,
-    ref_logp=None,
-    rollout_logp=None,
+    rollout: RolloutInputs,
+    head: ModelHead,
     config: LossConfig | None = None,
     normalizer=None,
+    *,
     bias=None,
     backend: str = "auto",
     return_entropy: bool = False,
-    is_weights=None,
-    *,
     ref_weight=None,
     ref_hidden=None,
     ref_bias=None,
-    temperature=None,
-    prox_logp=None,
     entropy_coef=None,
-    transform: LogitTransform | None = None,
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     return_sum_pi_squared: bool = False,
     grad_scale=None,
     agg_weights=None,
 ) -> LossOutput:
-    """`fusedrl.linear_policy_loss` on one process: `transform` checked, `skip_masked_rows`
-    a bool (True when `live_rows` is given); `agg_weights` as in `single_process`."""
+    """`fusedrl.linear_policy_loss` on one process, its rollout inputs and model head as
+    objects (fusedrl/arguments.py): `skip_masked_rows` a bool (True when `live_rows` is
+    given); `agg_weights` as in `single_process`."""
     full_kl = config is not None and config.full_kl
     cfg = config if config is not None else LossConfig()
+    transform = head.transform
     if isinstance(hidden, torch.Tensor):  # the head's shape before the labels are checked
         check_lm_head(weight, bias, hidden)  # against its rows (a [H, V] head is named as such)
-    inp = prepare_loss_inputs(
+    inp = checked_inputs(
         hidden,
         labels,
         advantages,
         mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
+        rollout,
+        head,
         cfg,
         normalizer,
-        is_weights,
         vocab=weight.shape[0] if isinstance(weight, torch.Tensor) else None,
         source="hidden",
         ref_head=full_kl,
-        temperature=temperature,
-        prox_logp=prox_logp,
         entropy_coef=entropy_coef,
         grad_scale=grad_scale,
         agg_weights=agg_weights,

@@ -24,15 +24,16 @@ per-sequence weights) are fusedrl/segments.py's, which distillation shares.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from . import linear_single_process, output, single_process
 from ._autograd import attach_grads, wanted_grads
-from ._inputs import check_sum_pi_squared, masked_rows, needs_entropy, prepare_loss_inputs
+from ._inputs import check_sum_pi_squared, masked_rows, needs_entropy
+from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
-from .logit_transform import LogitTransform
 from .output import LossOutput
 from .segments import (
     Segments,
@@ -84,7 +85,6 @@ class LogitsRows(NamedTuple):
 
     logits: torch.Tensor
     backend: str
-    transform: LogitTransform | None
     # the gradient into the logits' buffer: token-level ratios only (`policy_loss`)
     inplace: bool = False
     # the reference's packed logits of the exact KL (kl="full" / "full_reverse"): a token's own
@@ -102,18 +102,18 @@ class LogitsRows(NamedTuple):
     def wants_grad(self) -> bool:
         return self.logits.requires_grad
 
-    def plain(self, **arguments) -> LossOutput:
+    def plain(self, *call, **options) -> LossOutput:
         """The call without boundaries (single_process.policy_loss)."""
         return single_process.policy_loss(
             self.logits,
+            *call,
             backend=self.backend,
-            transform=self.transform,
             inplace=self.inplace,
             ref_logits=self.ref_logits,
-            **arguments,
+            **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, **sampling) -> tuple:
+    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
         return single_process.token_logprobs(
             self.logits,
             labels,
@@ -121,7 +121,7 @@ class LogitsRows(NamedTuple):
             return_entropy,
             self.backend,
             **sampling,
-            transform=self.transform,
+            transform=transform,
         )
 
 
@@ -133,7 +133,6 @@ class HeadRows(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor | None
     backend: str
-    transform: LogitTransform | None
     skip_masked_rows: bool
     live_rows: int | None
 
@@ -148,20 +147,20 @@ class HeadRows(NamedTuple):
     def wants_grad(self) -> bool:
         return any(wanted_grads(self.hidden, self.weight, self.bias))
 
-    def plain(self, **arguments) -> LossOutput:
+    def plain(self, *call, **options) -> LossOutput:
         """The call without boundaries (linear_single_process.linear_policy_loss)."""
         return linear_single_process.linear_policy_loss(
             self.hidden,
             self.weight,
+            *call,
             bias=self.bias,
             backend=self.backend,
-            transform=self.transform,
             skip_masked_rows=self.skip_masked_rows,
             live_rows=self.live_rows,
-            **arguments,
+            **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, **sampling) -> tuple:
+    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
         return linear_single_process.linear_token_logprobs(
             self.hidden,
             self.weight,
@@ -171,7 +170,7 @@ class HeadRows(NamedTuple):
             self.bias,
             self.backend,
             **sampling,
-            transform=self.transform,
+            transform=transform,
         )
 
 
@@ -180,58 +179,69 @@ def policy_loss(
     labels: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    rollout_logp: torch.Tensor | None,
+    rollout: RolloutInputs,
+    head: ModelHead,
     config: LossConfig | None,
     normalizer,
-    return_entropy: bool,
-    is_weights: torch.Tensor | None,
     *,
     cu_seqlens: torch.Tensor,
     max_seqlen: int | None,
-    temperature: torch.Tensor | None,
-    prox_logp: torch.Tensor | None,
+    return_entropy: bool,
     entropy_coef: torch.Tensor | None,
     return_sum_pi_squared: bool,
     grad_scale,
 ) -> LossOutput:
     """`fusedrl.policy_loss` / `linear_policy_loss` of packed sequences (the module docstring
-    says how) on the call's `rows`."""
+    says how) on the call's `rows`, its rollout inputs and model head as objects."""
     cfg = config if config is not None else LossConfig()
     cu_seqlens = check_cu_seqlens(cu_seqlens, rows.source, max_seqlen)
     segments = Segments(cu_seqlens, rows.source.shape[0], max_seqlen)
     if isinstance(advantages, torch.Tensor):
         advantages = segments.per_token(advantages, "advantages")
-    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-        temperature = segments.per_token(temperature, "temperature")
-    per_token = dict(labels=labels, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
-    per_token.update(rollout_logp=rollout_logp, prox_logp=prox_logp)
-    segments.check_per_token(per_token)
-    if reads_logits_once(cfg, rollout_logp, is_weights):
-        metrics_only = reads_rollout_for_metrics_only(cfg, rollout_logp, is_weights)
-        out = rows.plain(
-            labels=labels,
-            advantages=advantages,
-            mask=mask,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            config=replace_agg(cfg),
-            normalizer=normalizer,
-            return_entropy=return_entropy,
-            temperature=temperature,
-            prox_logp=prox_logp,
-            entropy_coef=entropy_coef,
-            return_sum_pi_squared=return_sum_pi_squared,
-            grad_scale=grad_scale,
-            agg_weights=segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer),
+    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() > 0:
+        head = head.map_temperature(lambda t: segments.per_token(t, "temperature"))
+    segments.check_per_token({"labels": labels, "mask": mask, **rollout.per_token()})
+    options = dict(return_entropy=return_entropy, entropy_coef=entropy_coef)
+    options.update(return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale)
+    if reads_logits_once(cfg, rollout.rollout_logp, rollout.is_weights):
+        return _plain_call(
+            rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
         )
-        if metrics_only:  # the loss read the logits once; the mismatch from its log-probs
-            extra = rollout_mismatch(
-                segments, rows.source, rows.vocab, mask, rollout_logp, out.logp
-            )
-            out.metrics.update(extra)
-        return out
+    _refuse_whole_sequence_options(rows, cfg)
+    return _two_passes(
+        rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
+    )
+
+
+def _plain_call(
+    rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
+) -> LossOutput:
+    """The packed call as the plain [N, V] call (`reads_logits_once`): each token's aggregation
+    weight computed per sequence; the mismatch metrics, if the engine's log-probs enter them
+    alone, from the call's log-probs."""
+    # (no IS weights here, and the engine's log-probs, if any, are for the metrics alone)
+    plain_rollout = dataclasses.replace(rollout, rollout_logp=None)
+    weights = segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer)
+    out = rows.plain(
+        labels,
+        advantages,
+        mask,
+        plain_rollout,
+        head,
+        replace_agg(cfg),
+        normalizer,
+        **options,
+        agg_weights=weights,
+    )
+    if rollout.rollout_logp is not None:
+        extra = rollout_mismatch(
+            segments, rows.source, rows.vocab, mask, rollout.rollout_logp, out.logp
+        )
+        out.metrics.update(extra)
+    return out
+
+
+def _refuse_whole_sequence_options(rows, cfg: LossConfig) -> None:
     if getattr(rows, "inplace", False):
         raise NotImplementedError(
             "inplace=True with cu_seqlens takes token-level ratios with a token or sequence "
@@ -244,28 +254,40 @@ def policy_loss(
             "ratios with a token or sequence mean (dapo, grpo, dr_grpo, ...); this call's "
             "ratios or corrections need whole sequences: use a per-token KL estimator"
         )
-    if return_sum_pi_squared:  # (the plain call checks its own)
+
+
+def _two_passes(
+    rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
+) -> LossOutput:
+    """A loss whose terms need whole sequences: the log-prob pass, the terms on the padded
+    layout of its per-token scalars, the gradient through the pass's backward (2R + 1W)."""
+    return_entropy = options["return_entropy"]
+    if options["return_sum_pi_squared"]:  # (the plain call checks its own)
         check_sum_pi_squared(cfg.sampling is not None)
-    padded_temperature = temperature  # (per-token ones padded: the checks are the padded call's)
+    temperature = head.temperature
+    padded_head = head  # (per-token temperatures padded: the checks are the padded call's)
     if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-        padded_temperature = segments.pad(temperature, 1.0)
+        padded_head = head.map_temperature(lambda t: segments.pad(t, 1.0))
+    padded_rollout = rollout.map(
+        lambda name, value: (
+            segments.padded_per_sequence_or_token(value, 1.0)
+            if name == "is_weights"
+            else segments.pad(value)
+        )
+    )
     inp = masked_rows(
-        prepare_loss_inputs(
+        checked_inputs(
             segments.stand_in(rows.source, rows.vocab),
             segments.pad(labels),
             segments.padded_per_sequence_or_token(advantages),
             segments.pad(mask, False if mask.dtype == torch.bool else 0),
-            segments.pad(old_logp),
-            segments.pad(ref_logp),
-            segments.pad(rollout_logp),
+            padded_rollout,
+            padded_head,
             cfg,
             normalizer,
-            segments.padded_per_sequence_or_token(is_weights, 1.0),
-            temperature=padded_temperature,
-            prox_logp=segments.pad(prox_logp),
-            entropy_coef=entropy_coef,
+            entropy_coef=options["entropy_coef"],
             mask_rows=False,
-            grad_scale=grad_scale,
+            grad_scale=options["grad_scale"],
         )
     )
     counted = segments.unpad(inp.valid.float()) != 0
@@ -275,7 +297,9 @@ def policy_loss(
     if temperature is not None:
         rows_temperature = torch.where(counted, temperature.float(), 1.0)
     entropy_wanted = return_entropy or needs_entropy(inp, cfg)
-    logp, entropy = rows.logprobs(safe_labels, rows_temperature, entropy_wanted, **sampling)
+    logp, entropy = rows.logprobs(
+        safe_labels, rows_temperature, entropy_wanted, head.transform, **sampling
+    )
     # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
     terms = token_terms(
         segments.pad(torch.where(counted, logp.detach(), 0.0)),
@@ -291,9 +315,11 @@ def policy_loss(
         inputs, grads = tuple(x for x, _ in pairs), tuple(g for _, g in pairs)
         loss = attach_grads(loss, inputs, grads, inp.grad_scale)
     squares = None
-    if return_sum_pi_squared:  # from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)
+    if options[
+        "return_sum_pi_squared"
+    ]:  # from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)
         with torch.no_grad():
-            sharp, _ = rows.logprobs(safe_labels, rows_temperature / 2, False)
+            sharp, _ = rows.logprobs(safe_labels, rows_temperature / 2, False, head.transform)
         squares = torch.where(counted, output.sum_pi_squared_of(logp.detach(), sharp), 0.0)
     return LossOutput(
         loss=loss,

@@ -18,9 +18,9 @@ from ._inputs import (
     check_sum_pi_squared,
     check_temperature_arg,
     masked_rows,
-    prepare_loss_inputs,
     temperature_of,
 )
+from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
 from .logit_transform import LogitTransform
 from .output import LossOutput
@@ -37,44 +37,35 @@ def policy_loss(
     labels,
     advantages,
     mask,
-    old_logp=None,
-    ref_logp=None,
-    rollout_logp=None,
+    rollout: RolloutInputs,
+    head: ModelHead,
     config: LossConfig | None = None,
     normalizer=None,
-    inplace: bool = False,
-    backend: str = "auto",
-    return_entropy: bool = False,
-    is_weights=None,
     *,
+    backend: str = "auto",
+    inplace: bool = False,
+    return_entropy: bool = False,
     ref_logits=None,
-    temperature=None,
-    prox_logp=None,
     entropy_coef=None,
-    transform: LogitTransform | None = None,
     return_sum_pi_squared: bool = False,
     grad_scale=None,
     agg_weights=None,
 ) -> LossOutput:
-    """`fusedrl.policy_loss` on one process, `transform` the model's soft cap (or None);
-    `agg_weights`: per-token aggregation weights in place of the mask's (packed sequences)."""
+    """`fusedrl.policy_loss` on one process, its rollout inputs and model head as objects
+    (fusedrl/arguments.py); `agg_weights`: per-token aggregation weights in place of the
+    mask's (packed sequences)."""
     cfg = config if config is not None else LossConfig()
-    inp = prepare_loss_inputs(
+    inp = checked_inputs(
         logits,
         labels,
         advantages,
         mask,
-        old_logp,
-        ref_logp,
-        rollout_logp,
+        rollout,
+        head,
         cfg,
         normalizer,
-        is_weights,
         ref_logits=ref_logits,
-        temperature=temperature,
-        prox_logp=prox_logp,
         entropy_coef=entropy_coef,
-        transform=transform,
         mask_rows=False,
         grad_scale=grad_scale,
         agg_weights=agg_weights,
@@ -96,7 +87,7 @@ def policy_loss(
                 inp.labels,
                 temperature_of(inp, cfg) / 2,
                 False,
-                **transform_keyword(transform),
+                **transform_keyword(head.transform),
             )
 
     def compute(grad):

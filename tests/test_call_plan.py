@@ -13,6 +13,7 @@ import torch
 import fusedrl
 from fusedrl import api, call_plan, output, reference, single_process
 from fusedrl._inputs import prepare_loss_inputs
+from fusedrl.arguments import ModelHead, RolloutInputs
 
 from .conftest import make_batch, needs_interpreter
 
@@ -59,6 +60,13 @@ def _keywords(data, cfg, normalizer=None) -> dict:
     """policy_loss's keywords after the logits."""
     names = ("labels", "advantages", "mask", "old_logp", "ref_logp", "rollout_logp")
     return {**{name: data.get(name) for name in names}, "config": cfg, "normalizer": normalizer}
+
+
+def _general(logits, data, cfg, **options):
+    """The general path of a `policy_loss` call (`single_process.policy_loss`, no plan)."""
+    rollout = RolloutInputs(data.get("old_logp"), data.get("ref_logp"), data.get("rollout_logp"))
+    call = (data["labels"], data["advantages"], data["mask"], rollout, ModelHead(), cfg, None)
+    return single_process.policy_loss(logits, *call, backend="triton", **options)
 
 
 def _call(data, cfg, normalizer=None, grad_scale=None) -> call_plan.Call:
@@ -124,9 +132,7 @@ def test_planned_calls_equal_the_general_path(preset, kind):
         )
         (grad,) = torch.autograd.grad(out.loss, leaf)
         general_leaf = data["logits"].detach().requires_grad_(True)
-        want = single_process.policy_loss(
-            general_leaf, **_keywords(data, cfg), backend="triton", return_entropy=True
-        )
+        want = _general(general_leaf, data, cfg, return_entropy=True)
         (want_grad,) = torch.autograd.grad(want.loss, general_leaf)
         assert torch.equal(out.loss, want.loss) and torch.equal(grad, want_grad)
         assert torch.equal(out.logp, want.logp) and torch.equal(out.entropy, want.entropy)
@@ -154,7 +160,7 @@ def test_planned_metrics_are_made_when_first_read():
     assert type(metrics) is dict and out.metrics is metrics
     assert {"clipfrac", "ppo_kl", "logp_mean"} <= metrics.keys() and "is_weight_mean" not in metrics
     assert any(name.startswith("mismatch") for name in metrics), sorted(metrics)
-    want = single_process.policy_loss(leaf, **_keywords(data, cfg), backend="triton")
+    want = _general(leaf, data, cfg)
     assert metrics.keys() == want.metrics.keys()
     assert all(torch.equal(metrics[k], want.metrics[k]) for k in metrics)
     again = dataclasses.replace(out, loss=out.loss * 2)
@@ -247,9 +253,7 @@ def test_planned_inplace_calls_equal_the_general_path(preset):
         out = fusedrl.policy_loss(leaf, **_keywords(data, cfg), backend="triton", inplace=True)
         out.loss.backward()
         general = data["logits"].clone().requires_grad_(True)
-        want = single_process.policy_loss(
-            general, **_keywords(data, cfg), backend="triton", inplace=True
-        )
+        want = _general(general, data, cfg, inplace=True)
         want.loss.backward()
         assert torch.equal(out.loss, want.loss)
         assert torch.equal(leaf.grad, general.grad) and torch.equal(leaf.detach(), leaf.grad)

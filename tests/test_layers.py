@@ -279,3 +279,46 @@ def test_every_imported_name_exists():
         if name != "*" and name not in _defined_names(MODULES[module])
     ]
     assert not missing, "\n".join(missing)
+
+
+# The families that run a policy-loss call, below the entry points: each takes the call's rollout
+# inputs and model head as the two objects of fusedrl/arguments.py, never as their fields.
+FAMILY_LOSSES = {
+    "fusedrl.single_process": "policy_loss",
+    "fusedrl.linear_single_process": "linear_policy_loss",
+    "fusedrl.packed": "policy_loss",
+    "fusedrl.tp.loss": "policy_loss",
+    "fusedrl.tp.linear": "linear_policy_loss",
+}
+OBJECT_FIELDS = {
+    "rollout": ("old_logp", "ref_logp", "rollout_logp", "prox_logp", "is_weights"),
+    "head": ("temperature", "transform", "softcap", "logit_scale"),
+}
+
+
+def _parameters(module: str, function: str) -> list[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    arguments = node.args
+    return [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+
+
+@pytest.mark.parametrize("module", sorted(FAMILY_LOSSES))
+def test_families_take_the_rollout_and_head_as_objects(module):
+    parameters = _parameters(module, FAMILY_LOSSES[module])
+    for name, fields in OBJECT_FIELDS.items():
+        assert name in parameters, (module, name)
+        spelled = sorted(set(fields) & set(parameters))
+        assert not spelled, f"{module}: {spelled} travel in `{name}` (fusedrl/arguments.py)"
+
+
+def test_the_object_fields_are_the_objects():
+    """The lists above are the objects' own fields (a new field joins both, or the check is
+    blind to it)."""
+    import dataclasses
+
+    from fusedrl.arguments import ModelHead, RolloutInputs
+
+    assert {f.name for f in dataclasses.fields(RolloutInputs)} == set(OBJECT_FIELDS["rollout"])
+    head_fields = {f.name for f in dataclasses.fields(ModelHead)}
+    assert head_fields <= set(OBJECT_FIELDS["head"])

@@ -15,6 +15,7 @@ from .._inputs import (
     check_skip_masked_rows,
     prepare_loss_inputs,
 )
+from ..arguments import RolloutInputs, checked_inputs
 from ..backends import LINEAR_BACKENDS
 from ..config import LossConfig
 from ..linear_torch import LinearInputs, live_row_indices
@@ -271,7 +272,7 @@ def _sampled_reverse_kl(
     from .sampled import (
         check_sampled_config,
         checked_temperature,
-        per_token,
+        model_head,
         sampling_filters,
         shifted_advantage_loss,
     )
@@ -279,25 +280,23 @@ def _sampled_reverse_kl(
     cfg = check_sampled_config(config, temperature)
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_hidden.shape[:-1], device=student_hidden.device)
-    inp = prepare_loss_inputs(
+    student_head = check_logit_transform(**student_kwargs)
+    rollout, model = RolloutInputs(old_logp=old_logp), model_head(temperature, student_head)
+    inp = checked_inputs(
         student_hidden,
         labels,
         advantages,
         mask,
-        old_logp,
-        None,
-        None,
+        rollout,
+        model,
         cfg,
         normalizer,
         vocab=weight.shape[0],
         source="student_hidden",
-        **per_token(temperature),
     )
     temperature = checked_temperature(inp, temperature)
     flat = inp.flat_input
     teacher_rows = head.hidden[0] if flat else head.hidden
-
-    student_head = check_logit_transform(**student_kwargs)
 
     def logprobs(hidden, head_weight, head_bias, transform, filters):
         def run(labels):
@@ -321,13 +320,12 @@ def _sampled_reverse_kl(
             labels,
             shifted,
             mask,
-            old_logp=old_logp,
-            config=cfg,
-            normalizer=normalizer,
+            rollout,
+            model,
+            cfg,
+            normalizer,
             bias=bias,
             backend=backend,
-            transform=student_head,
-            **per_token(temperature),
             skip_masked_rows=skip,
             live_rows=live_rows,
             grad_scale=grad_scale,

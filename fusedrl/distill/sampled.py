@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..arguments import ModelHead, RolloutInputs, checked_inputs
 from ..config import LossConfig
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
@@ -113,24 +114,13 @@ def sampled_reverse_kl(
     """`transform`: the soft cap both models' logits are read under (None: none);
     `grad_scale`: the policy loss's (`policy_loss`)."""
     from .. import single_process
-    from .._inputs import prepare_loss_inputs
 
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)
     # The policy loss's own checks (labels, mask, advantages, old_logp), before any kernel runs:
     # [B, T] tensors, masked labels made safe, per-sequence advantages broadcast.
-    inp = prepare_loss_inputs(
-        student_logits,
-        labels,
-        advantages,
-        mask,
-        old_logp,
-        None,
-        None,
-        cfg,
-        normalizer,
-        **per_token(temperature),
-    )
+    rollout, head = RolloutInputs(old_logp=old_logp), model_head(temperature, transform)
+    inp = checked_inputs(student_logits, labels, advantages, mask, rollout, head, cfg, normalizer)
     temperature = checked_temperature(inp, temperature)
 
     def logprobs(logits, filters):
@@ -144,13 +134,12 @@ def sampled_reverse_kl(
             labels,
             shifted,
             mask,
-            old_logp=old_logp,
-            config=cfg,
-            normalizer=normalizer,
+            rollout,
+            head,
+            cfg,
+            normalizer,
             inplace=inplace,
             backend=backend,
-            **per_token(temperature),
-            transform=transform,
             grad_scale=grad_scale,
         )
 
@@ -166,10 +155,10 @@ def sampled_reverse_kl(
     )
 
 
-def per_token(temperature) -> dict:
-    """The policy loss's `temperature=` keyword for per-token temperatures (a float is in the
-    config already)."""
-    return {"temperature": temperature} if isinstance(temperature, torch.Tensor) else {}
+def model_head(temperature, transform) -> ModelHead:
+    """The policy loss's model head: per-token temperatures (a float is in the config
+    already) and the model's transform."""
+    return ModelHead(temperature if isinstance(temperature, torch.Tensor) else None, transform)
 
 
 def checked_temperature(inp, temperature):

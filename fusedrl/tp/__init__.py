@@ -3,7 +3,9 @@
 Under tensor parallelism the LM head is split over the vocabulary: rank r holds logits
 [B, T, V_r] for the global token ids [start_r, start_r + V_r). `fusedrl.policy_loss(...,
 tp_group=group)` and `fusedrl.token_logprobs(..., tp_group=group)` take that slice and the global
-labels; outputs are the same on every rank, gradients are each rank's slice.
+labels; outputs are the same on every rank, gradients are each rank's slice. (This package's
+`policy_loss` / `linear_policy_loss` are the family those entry points call: they take the
+rollout inputs and model head as fusedrl/arguments.py's objects.)
 
     shard.py   the vocab layout (starts, sizes, padding) and labels as a rank sees them
     header.py  the per-call header: what ranks must agree on, checked alike on every rank

@@ -24,9 +24,9 @@ from .._inputs import (
     check_logits,
     check_skip_masked_rows,
     check_temperature_arg,
-    prepare_loss_inputs,
     temperature_of,
 )
+from ..arguments import ModelHead, RolloutInputs, checked_inputs
 from ..backends import LINEAR_BACKENDS
 from ..config import LossConfig
 from ..logit_transform import check_logit_transform
@@ -219,41 +219,34 @@ def linear_policy_loss(
     labels,
     advantages,
     mask,
-    old_logp=None,
-    ref_logp=None,
-    rollout_logp=None,
+    rollout: RolloutInputs,
+    head: ModelHead,
     config: LossConfig | None = None,
     normalizer=None,
+    *,
     bias=None,
     backend: str = "auto",
     return_entropy: bool = False,
-    is_weights=None,
-    *,
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_input_grad: bool = True,
-    temperature: torch.Tensor | None = None,
-    softcap: float | None = None,
-    logit_scale: float | None = None,
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     grad_scale=None,
 ) -> LossOutput:
-    """`temperature`: per-token temperatures (replicated), in place of config.temperature.
-    `grad_scale`: as on one process, each rank's gradients written times it (the header compares
-    it across ranks).
-    `softcap`, `logit_scale`: the model's transform after the head, elementwise: each rank
-    applies it to its slice of the logits (and its derivative to their gradient).
-    `skip_masked_rows`, `live_rows`: as on one process; the mask is replicated, so every rank
-    walks the same live rows (the ranks must agree on the skip: their per-chunk collectives
-    follow the rows)."""
+    """`fusedrl.linear_policy_loss` of a vocab-sharded head (its rollout inputs and model head
+    as objects, fusedrl/arguments.py). Per-token temperatures are replicated; the model's
+    transform after the head is elementwise: each rank applies it to its slice of the logits
+    (and its derivative to their gradient); `grad_scale`: each rank's gradients written times
+    it (the header compares all three across ranks). `skip_masked_rows`, `live_rows`: as on
+    one process; the mask is replicated, so every rank walks the same live rows (the ranks
+    must agree on the skip: their per-chunk collectives follow the rows)."""
     cfg = config if config is not None else LossConfig()
-    per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
-    labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
-        local_value, per_token
-    )
-    temperature, normalizer = local_value(temperature), local_value(normalizer)
+    labels, advantages, mask = map(local_value, (labels, advantages, mask))
+    rollout = rollout.map(lambda _, value: local_value(value))
+    head = head.map_temperature(local_value)
+    normalizer = local_value(normalizer)
     if group_size(tp_group) == 1:
         _refuse(backend)
         weight, bias = _head_rows(weight, bias, vocab_start, vocab_size)
@@ -263,17 +256,13 @@ def linear_policy_loss(
             labels,
             advantages,
             mask,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            config=config,
-            normalizer=normalizer,
+            rollout,
+            head,
+            config,
+            normalizer,
             bias=bias,
             backend=backend,
             return_entropy=return_entropy,
-            is_weights=is_weights,
-            temperature=temperature,
-            transform=check_logit_transform(softcap, logit_scale),
             skip_masked_rows=check_skip_masked_rows(skip_masked_rows, live_rows),
             live_rows=live_rows,
             grad_scale=grad_scale,
@@ -283,26 +272,22 @@ def linear_policy_loss(
 
     def local_checks():
         _refuse(backend)
-        transform = check_logit_transform(softcap, logit_scale)
         check_skip_masked_rows(skip_masked_rows, live_rows)
         check_lm_head(weight, bias, check_logits(hidden, name="hidden"))
-        inp = prepare_loss_inputs(
+        inp = checked_inputs(
             hidden,
             range_unchecked(labels),
             advantages,
             mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
+            rollout,
+            head,
             cfg,
             normalizer,
-            is_weights,
             vocab=NO_LIMIT,
             source="hidden",
-            temperature=temperature,
             grad_scale=local_value(grad_scale),
         )
-        return inp, _backend(backend, inp.logits), transform
+        return inp, _backend(backend, inp.logits), head.transform
 
     (inp, impl, transform), shard, seed = agree(
         tp_group,
@@ -314,8 +299,8 @@ def linear_policy_loss(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         call=(
-            f"{cfg!r} temperature={shown_temperature(temperature)} softcap={softcap!r} "
-            f"logit_scale={logit_scale!r} skip_masked_rows={skip} "
+            f"{cfg!r} temperature={shown_temperature(head.temperature)} {head.transform!r} "
+            f"skip_masked_rows={skip} "
             f"{_head_settings(hidden, want, reduce_input_grad)}"
         ),
         replicated=lambda checked: loss_inputs_replicated(checked[0]),

@@ -20,9 +20,9 @@ from .._inputs import (
     check_labels,
     check_logits,
     check_temperature_arg,
-    prepare_loss_inputs,
     temperature_of,
 )
+from ..arguments import ModelHead, RolloutInputs, checked_inputs
 from ..config import LossConfig
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
@@ -122,36 +122,30 @@ def policy_loss(
     labels,
     advantages,
     mask,
-    old_logp=None,
-    ref_logp=None,
-    rollout_logp=None,
+    rollout: RolloutInputs,
+    head: ModelHead,
     config: LossConfig | None = None,
     normalizer=None,
-    inplace: bool = False,
-    backend: str = "auto",
-    return_entropy: bool = False,
-    is_weights=None,
     *,
     tp_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
-    temperature: torch.Tensor | None = None,
-    transform: LogitTransform | None = None,
+    inplace: bool = False,
+    backend: str = "auto",
+    return_entropy: bool = False,
     grad_scale=None,
 ) -> LossOutput:
-    """`temperature`: per-token temperatures (replicated, as every per-token input), in place
-    of config.temperature: each rank divides its slice's rows by them. `transform`: a soft cap
-    (`fusedrl.policy_loss(softcap=)`), elementwise: each rank caps its slice as its kernels read it
-    (the ranks must agree on it: the header compares it). `grad_scale`: as in `policy_loss`,
-    each rank's slice of the gradient written times it (the ranks must agree: the header
-    compares it)."""
+    """`fusedrl.policy_loss` of vocab-sharded logits (its rollout inputs and model head as
+    objects, fusedrl/arguments.py). Per-token temperatures are replicated, as every per-token
+    input: each rank divides its slice's rows by them; a soft cap is elementwise: each rank
+    caps its slice as its kernels read it; `grad_scale`: each rank's slice of the gradient
+    written times it (the ranks must agree on all three: the header compares them)."""
     cfg = config if config is not None else LossConfig()
     logits, tp_group = unwrap_logits(logits, tp_group)
-    per_token = (labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights)
-    labels, advantages, mask, old_logp, ref_logp, rollout_logp, is_weights = map(
-        local_value, per_token
-    )
-    temperature, normalizer = local_value(temperature), local_value(normalizer)
+    labels, advantages, mask = map(local_value, (labels, advantages, mask))
+    rollout = rollout.map(lambda _, value: local_value(value))
+    head = head.map_temperature(local_value)
+    normalizer = local_value(normalizer)
     if group_size(tp_group) == 1:
         refuse_unsupported(backend)
         return single_process.policy_loss(
@@ -159,38 +153,32 @@ def policy_loss(
             labels,
             advantages,
             mask,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            config=config,
-            normalizer=normalizer,
+            rollout,
+            head,
+            config,
+            normalizer,
             inplace=inplace,
             backend=backend,
             return_entropy=return_entropy,
-            is_weights=is_weights,
-            temperature=temperature,
-            transform=transform,
             grad_scale=grad_scale,
         )
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
     wants_grad = wants_grad and torch.is_grad_enabled()
+    transform = head.transform
 
     def local_checks():
         refuse_unsupported(backend)
-        inp = prepare_loss_inputs(
+        inp = checked_inputs(
             logits,
             range_unchecked(labels),
             advantages,
             mask,
-            old_logp,
-            ref_logp,
-            rollout_logp,
+            rollout,
+            head,
             cfg,
             normalizer,
-            is_weights,
             vocab=NO_LIMIT,
-            temperature=temperature,
             grad_scale=local_value(grad_scale),
         )
         if wants_grad and inplace:
@@ -206,7 +194,7 @@ def policy_loss(
         valid=mask,
         vocab_start=vocab_start,
         vocab_size=vocab_size,
-        call=f"{cfg!r} temperature={shown_temperature(temperature)} {transform!r}",
+        call=f"{cfg!r} temperature={shown_temperature(head.temperature)} {transform!r}",
         replicated=lambda checked: loss_inputs_replicated(checked[0]),
         draw_seed=unseeded_pick(cfg),
     )
