@@ -17,6 +17,7 @@ from .config import LossConfig
 from .logit_transform import capping_keywords, check_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
+from .segments import check_packed_rows, require_cu_seqlens
 
 
 def policy_loss(
@@ -143,15 +144,18 @@ def policy_loss(
             _refuse_under_tensor_parallelism(
                 prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
             )
-        if cu_seqlens is not None or max_seqlen is not None:
-            _refuse_when_packed(cu_seqlens, max_seqlen, sharded)
+        require_cu_seqlens(cu_seqlens, max_seqlen)
     rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
     call = (labels, advantages, mask, rollout, head, config, normalizer)
+    shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
     if cu_seqlens is not None:
         from . import packed
 
+        rows = packed.LogitsRows(logits, backend, inplace, ref_logits)
+        if sharded:
+            rows = packed.ShardRows(logits, backend, inplace, shard, cu_seqlens)
         return packed.policy_loss(
-            packed.LogitsRows(logits, backend, inplace, ref_logits),
+            rows,
             *call,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
@@ -163,7 +167,6 @@ def policy_loss(
     if sharded:
         from . import tp
 
-        shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
         return tp.policy_loss(
             logits,
             *call,
@@ -236,14 +239,6 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple[object, Mode
     return config, ModelHead(temperature, transform)
 
 
-def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool) -> None:
-    from .segments import require_cu_seqlens
-
-    require_cu_seqlens(cu_seqlens, max_seqlen)
-    if sharded:
-        raise NotImplementedError("cu_seqlens under tensor parallelism is not supported yet")
-
-
 def _refuse_under_tensor_parallelism(
     prox_logp, entropy_coef, return_sum_pi_squared: bool, ref_logits, config
 ) -> None:
@@ -306,13 +301,12 @@ def token_logprobs(
     docs/losses.md ("Which backend and surface takes which argument") has what each backend
     does with these.
     """
-    from .segments import check_packed_rows
     from .tp.dtensor import wants_tensor_parallel
     from .tp.header import argument_checks
 
-    check_packed_rows(cu_seqlens, logits, max_seqlen)
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
+        check_packed_rows(cu_seqlens, logits, max_seqlen)
         transform = capping_transform(softcap, logit_scale)
         if transform is None:
             temperature = scaled_temperature(temperature, logit_scale)
@@ -366,6 +360,7 @@ def token_logprobs(
             vocab_start=vocab_start,
             vocab_size=vocab_size,
             transform=transform,
+            cu_seqlens=cu_seqlens,
         )
     return single_process.token_logprobs(
         logits,

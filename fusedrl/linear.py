@@ -159,16 +159,23 @@ def linear_policy_loss(
             entropy_coef,
             sharded,
         )
+        _refuse_when_packed(cu_seqlens, max_seqlen, ref_weight)
     rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
     head = ModelHead(temperature, transform)
     call = (labels, advantages, mask, rollout, head, config, normalizer)
     rows = {"skip_masked_rows": skip_masked_rows, "live_rows": live_rows}
-    if cu_seqlens is not None or max_seqlen is not None:
+    shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
+    shard["reduce_input_grad"] = reduce_input_grad
+    if cu_seqlens is not None:
         from . import packed
 
-        _refuse_when_packed(cu_seqlens, max_seqlen, sharded, ref_weight)
+        head_rows = packed.HeadRows(hidden, weight, bias, backend, **rows)
+        if sharded:
+            head_rows = packed.ShardHeadRows(
+                hidden, weight, bias, backend, shard, **rows, cu_seqlens=cu_seqlens
+            )
         return packed.policy_loss(
-            packed.HeadRows(hidden, weight, bias, backend, skip_masked_rows, live_rows),
+            head_rows,
             *call,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
@@ -187,10 +194,7 @@ def linear_policy_loss(
             bias=bias,
             backend=backend,
             return_entropy=return_entropy,
-            tp_group=tp_group,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            reduce_input_grad=reduce_input_grad,
+            **shard,
             **rows,
             grad_scale=grad_scale,
         )
@@ -211,14 +215,15 @@ def linear_policy_loss(
     )
 
 
-def _refuse_when_packed(cu_seqlens, max_seqlen, sharded: bool, ref_weight) -> None:
+def _refuse_when_packed(cu_seqlens, max_seqlen, ref_weight) -> None:
     from .segments import require_cu_seqlens
 
     require_cu_seqlens(cu_seqlens, max_seqlen)
-    if sharded or ref_weight is not None:
+    if cu_seqlens is not None and ref_weight is not None:
         raise NotImplementedError(
-            "cu_seqlens with tensor parallelism or the exact KL (ref_weight) is not supported "
-            "by linear_policy_loss yet"
+            "cu_seqlens with the exact KL (ref_weight) is not supported by linear_policy_loss "
+            "yet: pass the packed logits to policy_loss(..., ref_logits=, cu_seqlens=), or use "
+            "a per-token KL estimator with ref_logp"
         )
 
 
@@ -259,10 +264,9 @@ def linear_token_logprobs(
     from .segments import check_packed_rows
     from .tp.header import argument_checks
 
-    check_packed_rows(cu_seqlens, hidden, max_seqlen)
-
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
+        check_packed_rows(cu_seqlens, hidden, max_seqlen)
         in_sweep = (
             return_sum_pi_squared
             and not sharded
@@ -320,6 +324,7 @@ def linear_token_logprobs(
             reduce_input_grad=reduce_input_grad,
             softcap=softcap,
             logit_scale=logit_scale,
+            cu_seqlens=cu_seqlens,
         )
     return linear_single_process.linear_token_logprobs(
         hidden,

@@ -24,6 +24,7 @@ per-sequence weights) are fusedrl/segments.py's, which distillation shares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -31,9 +32,10 @@ import torch
 
 from . import linear_single_process, output, single_process
 from ._autograd import attach_grads, wanted_grads
-from ._inputs import check_sum_pi_squared, masked_rows, needs_entropy
+from ._inputs import LossInputs, check_sum_pi_squared, masked_rows, needs_entropy
 from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
+from .logit_transform import capping_keywords
 from .output import LossOutput
 from .segments import (
     Segments,
@@ -43,6 +45,10 @@ from .segments import (
     segment_weights,
 )
 from .token_terms import token_terms
+from .tp import linear as tp_linear
+from .tp import loss as tp_loss
+from .tp.dtensor import local_value, unwrap_logits
+from .tp.header import argument_checks
 
 
 def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
@@ -102,6 +108,13 @@ class LogitsRows(NamedTuple):
     def wants_grad(self) -> bool:
         return self.logits.requires_grad
 
+    def checks(self):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def checked_labels(labels):  # (the padded call's checks take them as they are)
+        return labels
+
     def plain(self, *call, **options) -> LossOutput:
         """The call without boundaries (single_process.policy_loss)."""
         return single_process.policy_loss(
@@ -147,6 +160,13 @@ class HeadRows(NamedTuple):
     def wants_grad(self) -> bool:
         return any(wanted_grads(self.hidden, self.weight, self.bias))
 
+    def checks(self):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def checked_labels(labels):  # (the padded call's checks take them as they are)
+        return labels
+
     def plain(self, *call, **options) -> LossOutput:
         """The call without boundaries (linear_single_process.linear_policy_loss)."""
         return linear_single_process.linear_policy_loss(
@@ -174,8 +194,125 @@ class HeadRows(NamedTuple):
         )
 
 
+class ShardRows(NamedTuple):
+    """The rows of a packed call as this rank's [N, V_r] slice of vocab-sharded logits
+    (`fusedrl.policy_loss(..., tp_group=)`): the plain call and the log-prob pass are tensor
+    parallelism's, whose header compares `cu_seqlens` across the ranks."""
+
+    logits: torch.Tensor  # a DTensor sharded on its last dim, or this rank's slice
+    backend: str
+    inplace: bool
+    shard: dict  # tp_group, vocab_start, vocab_size
+    cu_seqlens: torch.Tensor
+
+    @property
+    def source(self) -> torch.Tensor:  # this rank's slice
+        return unwrap_logits(self.logits, self.shard["tp_group"])[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.source.shape[-1]
+
+    def wants_grad(self) -> bool:
+        return self.logits.requires_grad
+
+    def checks(self):
+        return argument_checks(True, self.logits, self.shard["tp_group"])
+
+    @staticmethod
+    def checked_labels(labels):
+        # global token ids: their range is the log-prob pass's header's to check, against the
+        # global vocabulary (this rank's V_r is not it)
+        return torch.zeros_like(labels) if isinstance(labels, torch.Tensor) else labels
+
+    def plain(self, *call, **options) -> LossOutput:
+        """The call without boundaries (tp.loss.policy_loss)."""
+        return tp_loss.policy_loss(
+            self.logits,
+            *call,
+            **self.shard,
+            inplace=self.inplace,
+            backend=self.backend,
+            cu_seqlens=self.cu_seqlens,
+            **options,
+        )
+
+    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+        return tp_loss.token_logprobs(
+            self.logits,
+            labels,
+            temperature,
+            return_entropy,
+            self.backend,
+            **sampling,
+            **self.shard,
+            transform=transform,
+            cu_seqlens=self.cu_seqlens,
+        )
+
+
+class ShardHeadRows(NamedTuple):
+    """The rows of a packed call as [N, H] hidden states and this rank's rows of a
+    vocab-sharded LM head (`fusedrl.linear_policy_loss(..., tp_group=)`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    backend: str
+    shard: dict  # tp_group, vocab_start, vocab_size, reduce_input_grad
+    skip_masked_rows: bool
+    live_rows: int | None
+    cu_seqlens: torch.Tensor
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.hidden
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def wants_grad(self) -> bool:
+        return any(wanted_grads(self.hidden, self.weight, self.bias))
+
+    def checks(self):
+        return argument_checks(True, self.hidden, self.shard["tp_group"])
+
+    checked_labels = staticmethod(ShardRows.checked_labels)
+
+    def plain(self, *call, **options) -> LossOutput:
+        """The call without boundaries (tp.linear.linear_policy_loss)."""
+        return tp_linear.linear_policy_loss(
+            self.hidden,
+            self.weight,
+            *call,
+            bias=self.bias,
+            backend=self.backend,
+            **self.shard,
+            skip_masked_rows=self.skip_masked_rows,
+            live_rows=self.live_rows,
+            cu_seqlens=self.cu_seqlens,
+            **options,
+        )
+
+    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+        return tp_linear.linear_token_logprobs(
+            self.hidden,
+            self.weight,
+            labels,
+            temperature,
+            return_entropy,
+            self.bias,
+            self.backend,
+            **sampling,
+            **self.shard,
+            **capping_keywords(transform),
+            cu_seqlens=self.cu_seqlens,
+        )
+
+
 def policy_loss(
-    rows: LogitsRows | HeadRows,
+    rows: LogitsRows | HeadRows | ShardRows | ShardHeadRows,
     labels: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
@@ -194,34 +331,45 @@ def policy_loss(
     """`fusedrl.policy_loss` / `linear_policy_loss` of packed sequences (the module docstring
     says how) on the call's `rows`, its rollout inputs and model head as objects."""
     cfg = config if config is not None else LossConfig()
-    cu_seqlens = check_cu_seqlens(cu_seqlens, rows.source, max_seqlen)
-    segments = Segments(cu_seqlens, rows.source.shape[0], max_seqlen)
-    if isinstance(advantages, torch.Tensor):
-        advantages = segments.per_token(advantages, "advantages")
-    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() > 0:
-        head = head.map_temperature(lambda t: segments.per_token(t, "temperature"))
-    segments.check_per_token({"labels": labels, "mask": mask, **rollout.per_token()})
-    options = dict(return_entropy=return_entropy, entropy_coef=entropy_coef)
-    options.update(return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale)
-    if reads_logits_once(cfg, rollout.rollout_logp, rollout.is_weights):
-        return _plain_call(
-            rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
+    options = {"return_entropy": return_entropy, "grad_scale": grad_scale}
+    if entropy_coef is not None:  # (the tensor-parallel forms take neither)
+        options["entropy_coef"] = entropy_coef
+    if return_sum_pi_squared:
+        options["return_sum_pi_squared"] = True
+    labels, advantages, mask, normalizer = map(local_value, (labels, advantages, mask, normalizer))
+    rollout = rollout.map(lambda _, value: local_value(value))
+    head = head.map_temperature(local_value)
+    with rows.checks():  # under tensor parallelism, one rank's bad argument: every rank raises
+        segments = Segments(
+            check_cu_seqlens(local_value(cu_seqlens), rows.source, max_seqlen),
+            rows.source.shape[0],
+            max_seqlen,
         )
-    _refuse_whole_sequence_options(rows, cfg)
-    return _two_passes(
-        rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
-    )
+        if isinstance(advantages, torch.Tensor):
+            advantages = segments.per_token(advantages, "advantages")
+        if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() > 0:
+            head = head.map_temperature(lambda t: segments.per_token(t, "temperature"))
+        segments.check_per_token({"labels": labels, "mask": mask, **rollout.per_token()})
+        call = (labels, advantages, mask, rollout, head, cfg, normalizer)
+        once = reads_logits_once(cfg, rollout.rollout_logp, rollout.is_weights)
+        if once:
+            weights = segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer)
+        else:
+            _refuse_whole_sequence_options(rows, cfg)
+            inp = _padded_inputs(rows, segments, *call, options)
+    if once:
+        return _plain_call(rows, segments, *call, options, weights)
+    return _two_passes(rows, segments, labels, head, cfg, options, inp)
 
 
 def _plain_call(
-    rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
+    rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options, weights
 ) -> LossOutput:
-    """The packed call as the plain [N, V] call (`reads_logits_once`): each token's aggregation
-    weight computed per sequence; the mismatch metrics, if the engine's log-probs enter them
-    alone, from the call's log-probs."""
+    """The packed call as the plain [N, V] call (`reads_logits_once`), each token's aggregation
+    weight (`weights`) computed per sequence; the mismatch metrics, if the engine's log-probs
+    enter them alone, from the call's log-probs."""
     # (no IS weights here, and the engine's log-probs, if any, are for the metrics alone)
     plain_rollout = dataclasses.replace(rollout, rollout_logp=None)
-    weights = segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer)
     out = rows.plain(
         labels,
         advantages,
@@ -256,17 +404,15 @@ def _refuse_whole_sequence_options(rows, cfg: LossConfig) -> None:
         )
 
 
-def _two_passes(
+def _padded_inputs(
     rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
-) -> LossOutput:
-    """A loss whose terms need whole sequences: the log-prob pass, the terms on the padded
-    layout of its per-token scalars, the gradient through the pass's backward (2R + 1W)."""
-    return_entropy = options["return_entropy"]
-    if options["return_sum_pi_squared"]:  # (the plain call checks its own)
+) -> LossInputs:
+    """The checked, masked inputs of a loss whose terms need whole sequences, on the padded
+    [S, T_max] layout of the per-token scalars (the logits a stand-in: never padded)."""
+    if options.get("return_sum_pi_squared"):  # (the plain call checks its own)
         check_sum_pi_squared(cfg.sampling is not None)
-    temperature = head.temperature
     padded_head = head  # (per-token temperatures padded: the checks are the padded call's)
-    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() > 0:
         padded_head = head.map_temperature(lambda t: segments.pad(t, 1.0))
     padded_rollout = rollout.map(
         lambda name, value: (
@@ -275,21 +421,29 @@ def _two_passes(
             else segments.pad(value)
         )
     )
-    inp = masked_rows(
+    return masked_rows(
         checked_inputs(
             segments.stand_in(rows.source, rows.vocab),
-            segments.pad(labels),
+            segments.pad(rows.checked_labels(labels)),
             segments.padded_per_sequence_or_token(advantages),
             segments.pad(mask, False if mask.dtype == torch.bool else 0),
             padded_rollout,
             padded_head,
             cfg,
             normalizer,
-            entropy_coef=options["entropy_coef"],
+            entropy_coef=options.get("entropy_coef"),
             mask_rows=False,
             grad_scale=options["grad_scale"],
         )
     )
+
+
+def _two_passes(rows, segments, labels, head, cfg, options, inp) -> LossOutput:
+    """A loss whose terms need whole sequences: the log-prob pass, the terms on the padded
+    layout of its per-token scalars (`inp`), the gradient through the pass's backward
+    (2R + 1W)."""
+    return_entropy = options["return_entropy"]
+    temperature = head.temperature
     counted = segments.unpad(inp.valid.float()) != 0
     safe_labels = torch.where(counted, labels, 0)
     sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
@@ -315,9 +469,7 @@ def _two_passes(
         inputs, grads = tuple(x for x, _ in pairs), tuple(g for _, g in pairs)
         loss = attach_grads(loss, inputs, grads, inp.grad_scale)
     squares = None
-    if options[
-        "return_sum_pi_squared"
-    ]:  # from the log-probs at T and T / 2 (`output.sum_pi_squared_of`)
+    if options.get("return_sum_pi_squared"):  # from the log-probs at T and T / 2
         with torch.no_grad():
             sharp, _ = rows.logprobs(safe_labels, rows_temperature / 2, False, head.transform)
         squares = torch.where(counted, output.sum_pi_squared_of(logp.detach(), sharp), 0.0)

@@ -77,6 +77,7 @@ class Case:
     softcap: float | None = None  # the model's soft cap (logits: raw ones; LM head: after it)
     skip_masked_rows: bool = False  # the LM-head loss: logits for the live rows alone
     grad_scale: float | None = None  # the loss's factor before backward (`grad_scale=`)
+    packed: bool = False  # [N, V] rows of packed sequences with `cu_seqlens` (`packed_bounds`)
 
     def sampling_filters(self) -> dict:
         """The sampling mask replayed (the config's for the losses), {} when none."""
@@ -392,6 +393,16 @@ CASES = [
         sampling=(("top_k", 20), ("top_p", 0.85)),
     ),
     # a group of one: the single-process result, bit for bit
+    # packed sequences (cu_seqlens): token-level (the plain call), a sequence mean (its weights
+    # per sequence) with the engine's log-probs for the metrics, sequence-level ratios (the
+    # log-prob pass and the terms on the padded layout), on logits, DTensor logits and a head
+    Case("packed_dapo_inplace", packed=True, inplace=True, return_entropy=True),
+    Case("packed_grpo_dtensor", packed=True, preset="grpo", layout="dtensor"),
+    Case("packed_gspo", packed=True, preset="gspo", overrides=GSPO_OPEN, return_entropy=True),
+    Case("triton_packed_gspo", **TRITON, packed=True, preset="gspo", overrides=GSPO_OPEN),
+    Case("packed_logprobs", kind="logprobs", packed=True, return_entropy=True),
+    Case("packed_linear_grpo", kind="linear", packed=True, preset="grpo"),
+    Case("packed_linear_gspo", kind="linear", packed=True, preset="gspo", overrides=GSPO_OPEN),
     Case("tp1_dapo", kind="tp1", return_entropy=True),
     Case("tp1_padded", kind="tp1", layout="padded", preset="grpo"),
     Case("tp1_triton_gspo", kind="tp1", **TRITON, preset="gspo"),
@@ -402,6 +413,22 @@ CASES = [
     Case("tp1_dapo_sampling", kind="tp1", overrides=(("top_k", 30), ("top_p", 0.9))),
     Case("tp1_logprobs_sampling", kind="tp1", inputs="logprobs", sampling=(("top_p", 0.8),)),
     # bad input: the same error on every rank, and the world goes on
+    Case(
+        "bad_cu_seqlens_differs",
+        kind="bad",
+        packed=True,
+        preset="gspo",
+        overrides=GSPO_OPEN,
+        inputs="cu_seqlens_differs",
+        expect_error="TensorParallelInputError",
+    ),
+    Case(
+        "bad_cu_seqlens_last_rank",
+        kind="bad",
+        packed=True,
+        inputs="cu_seqlens_last_rank",
+        expect_error="local",
+    ),
     Case(
         "bad_label_on_one_rank",
         kind="bad",
@@ -603,16 +630,26 @@ def case_inputs(case: Case) -> dict:
         vocab=case.vocab,
         dtype=case.dtype,
         seed=11,
-        per_token_adv=case.per_token_adv or case.flat,
+        per_token_adv=case.per_token_adv or case.flat or case.packed,
         with_nan_padding=case.nan_padding,
     )
     if case.inputs == "all_masked":
         data["mask"] = torch.zeros_like(data["mask"])
     if case.inputs == "int32_labels":
         data["labels"] = data["labels"].int()
-    if case.flat:
+    if case.flat or case.packed:
         data = {k: v.reshape(-1, *v.shape[2:]) for k, v in data.items()}
+    if case.packed and not _logprobs_kind(case):
+        data["cu_seqlens"] = packed_bounds(case)
     return data
+
+
+def packed_bounds(case: Case) -> torch.Tensor:
+    """The boundaries of a packed case's rows: four sequences of the batch's tokens, one of
+    them empty, the others counting different numbers of tokens (so a sequence mean is not the
+    token mean); int32, flash-attention's convention."""
+    tokens = case.batch * case.time
+    return torch.tensor([0, tokens // 7, tokens // 7, tokens // 2, tokens], dtype=torch.int32)
 
 
 def dead_rows(whole: dict, data: dict, world: int, case: Case) -> tuple[dict, dict]:
@@ -771,6 +808,8 @@ def _fused(case: Case):
             kwargs["skip_masked_rows"] = True
         if case.grad_scale is not None:  # (the gradient written at the factor `_call` applies)
             kwargs["grad_scale"] = case.grad_scale
+        if case.packed and _logprobs_kind(case):  # (the losses have it in their inputs)
+            kwargs["cu_seqlens"] = packed_bounds(case)
         return fn(*args, backend=case.backend, **kwargs)
 
     return call
@@ -814,8 +853,9 @@ def whole_inputs(case: Case) -> tuple[dict, dict]:
     if not _linear_kind(case):
         return {"logits": logits}, data
     gen = torch.Generator().manual_seed(13)
+    rows = (case.batch * case.time,) if case.flat or case.packed else (case.batch, case.time)
     head = {
-        "hidden": torch.randn(case.batch, case.time, HIDDEN, generator=gen),
+        "hidden": torch.randn(*rows, HIDDEN, generator=gen),
         "weight": 0.5 * torch.randn(case.vocab, HIDDEN, generator=gen),
         "bias": 0.1 * torch.randn(case.vocab, generator=gen),
     }
@@ -909,6 +949,10 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
     if what.endswith("label_too_big_rank0") and rank == 0:
         data["labels"] = data["labels"].clone()
         data["labels"][0, 0] = case.vocab  # a counted token (mask[0, 0] is set)
+    if what == "cu_seqlens_differs" and rank == 1:  # another valid cut of the same tokens
+        data["cu_seqlens"] = data["cu_seqlens"] + torch.tensor([0, 1, 1, 0, 0], dtype=torch.int32)
+    if what == "cu_seqlens_last_rank" and rank == world - 1:  # ends short of the tokens
+        data["cu_seqlens"] = data["cu_seqlens"] - torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32)
     if what == "label_negative":
         data["labels"] = data["labels"].clone()
         data["labels"][0, 0] = -7
@@ -1351,6 +1395,7 @@ def test_bad_input_raises_alike_on_every_rank(worlds, world, name):
             "softcap_last_rank": "softcap",
             "logprobs_top_k_last_rank": "top_k",
             "linear_head_transposed_last_rank": "a transposed [H, V] head",
+            "cu_seqlens_last_rank": "end at the token count",
         }[case.inputs]
         assert errors[-1][0] == "ValueError" and named in errors[-1][1], errors
         for error in errors[:-1]:
@@ -1369,6 +1414,7 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_label_on_one_rank": "labels must be global token ids in [0, 1031) where mask is set",
         "bad_negative_label": "found -7",
         "bad_labels_differ": "disagree on labels",
+        "bad_cu_seqlens_differs": "disagree on cu_seqlens",
         "bad_labels_collide": "disagree on labels",
         "bad_advantages_differs": "disagree on advantages",
         "bad_old_logp_differs": "disagree on old_logp",

@@ -18,7 +18,7 @@ rollout inputs and model head as fusedrl/arguments.py's objects.)
     linear.py  linear_policy_loss / linear_token_logprobs (the LM head's rows [V_r, H])
     dtensor.py DTensor logits sharded on the vocab: the local shard and the mesh's group
 
-Cost per call (docs/tensor_parallel.md): the header (one all-gather of 23 int64 per rank), then
+Cost per call (docs/tensor_parallel.md): the header (one all-gather of 24 int64 per rank), then
 one all-gather of 3 fp32 per token per rank in the forward; none in the backward (the LM-head
 forms: one all-reduce of the [N, H] input gradient). Sampling-mask replay adds its selects'
 all-reduces (at most 256 fp32 per token each; 4 per filter).

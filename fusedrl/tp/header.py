@@ -54,6 +54,7 @@ REPLICATED = (
     "temperature",
     "normalizer",
     "grad_scale",
+    "cu_seqlens",  # packed sequences' boundaries (not per token: hashed whole, as the mask)
 )
 FIELDS = HOST_FIELDS + LABEL_FIELDS + tuple(f"hash_{name}" for name in REPLICATED)
 _ABSENT = 0  # the hash of an input not given (None, or a number folded into `call`)
@@ -200,7 +201,10 @@ def _replicated_hashes(values: dict, counted: object, device) -> torch.Tensor:
     return torch.stack(
         [
             replicated_hash(
-                values.get(name), None if name == "mask" else counted, device, position_keys
+                values.get(name),
+                None if name in ("mask", "cu_seqlens") else counted,
+                device,
+                position_keys,
             )
             for name in REPLICATED
         ]
@@ -283,9 +287,11 @@ def agree(
     return checked, check(rows, rank, failure), rows[0]["seed"]
 
 
-def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
-    """`agree`'s `replicated` for the policy losses: their checked `LossInputs`."""
+def loss_inputs_replicated(inp, cu_seqlens=None) -> tuple[dict, torch.Tensor]:
+    """`agree`'s `replicated` for the policy losses: their checked `LossInputs` (and packed
+    sequences' boundaries, which their aggregation weights come from)."""
     values = {
+        "cu_seqlens": _boundaries(cu_seqlens),
         "labels": inp.labels,
         "mask": inp.mask,
         "advantages": inp.advantages,
@@ -300,10 +306,16 @@ def loss_inputs_replicated(inp) -> tuple[dict, torch.Tensor]:
     return values, inp.valid
 
 
-def logprob_inputs_replicated(labels, temperature) -> tuple[dict, None]:
-    """`agree`'s `replicated` for the log-prob functions: the checked labels and temperature."""
+def logprob_inputs_replicated(labels, temperature, cu_seqlens=None) -> tuple[dict, None]:
+    """`agree`'s `replicated` for the log-prob functions: the checked labels and temperature
+    (and packed sequences' boundaries, where a loss's per-sequence terms follow the pass)."""
     per_token = temperature if isinstance(temperature, torch.Tensor) else None
-    return {"labels": labels, "temperature": per_token}, None
+    return {"labels": labels, "temperature": per_token, "cu_seqlens": _boundaries(cu_seqlens)}, None
+
+
+def _boundaries(cu_seqlens):
+    """int32 and int64 boundaries hash alike."""
+    return cu_seqlens.long() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
 
 
 def _disagree(what: str, values: list) -> TensorParallelInputError:

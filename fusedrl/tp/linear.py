@@ -234,6 +234,8 @@ def linear_policy_loss(
     skip_masked_rows: bool = False,
     live_rows: int | None = None,
     grad_scale=None,
+    agg_weights=None,
+    cu_seqlens=None,
 ) -> LossOutput:
     """`fusedrl.linear_policy_loss` of a vocab-sharded head (its rollout inputs and model head
     as objects, fusedrl/arguments.py). Per-token temperatures are replicated; the model's
@@ -241,7 +243,8 @@ def linear_policy_loss(
     (and its derivative to their gradient); `grad_scale`: each rank's gradients written times
     it (the header compares all three across ranks). `skip_masked_rows`, `live_rows`: as on
     one process; the mask is replicated, so every rank walks the same live rows (the ranks
-    must agree on the skip: their per-chunk collectives follow the rows)."""
+    must agree on the skip: their per-chunk collectives follow the rows). `agg_weights`,
+    `cu_seqlens`: packed sequences, as in `tp.loss.policy_loss`."""
     cfg = config if config is not None else LossConfig()
     labels, advantages, mask = map(local_value, (labels, advantages, mask))
     rollout = rollout.map(lambda _, value: local_value(value))
@@ -266,6 +269,7 @@ def linear_policy_loss(
             skip_masked_rows=check_skip_masked_rows(skip_masked_rows, live_rows),
             live_rows=live_rows,
             grad_scale=grad_scale,
+            agg_weights=agg_weights,
         )
     skip = live_rows if live_rows is not None else skip_masked_rows
     want = wanted_grads(hidden, weight, bias)
@@ -286,6 +290,7 @@ def linear_policy_loss(
             vocab=NO_LIMIT,
             source="hidden",
             grad_scale=local_value(grad_scale),
+            agg_weights=agg_weights,
         )
         return inp, _backend(backend, inp.logits), head.transform
 
@@ -303,7 +308,7 @@ def linear_policy_loss(
             f"skip_masked_rows={skip} "
             f"{_head_settings(hidden, want, reduce_input_grad)}"
         ),
-        replicated=lambda checked: loss_inputs_replicated(checked[0]),
+        replicated=lambda checked: loss_inputs_replicated(checked[0], cu_seqlens),
         draw_seed=unseeded_pick(cfg),
     )
     cfg = seeded(cfg, seed)
@@ -420,7 +425,10 @@ def linear_token_logprobs(
     reduce_input_grad: bool = True,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    cu_seqlens=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fusedrl.linear_token_logprobs` of a vocab-sharded head; `cu_seqlens`: as in
+    `tp.loss.token_logprobs`."""
     labels, temperature = local_value(labels), local_value(temperature)
     if group_size(tp_group) == 1:
         _refuse(backend)
@@ -466,7 +474,7 @@ def linear_token_logprobs(
             f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
             f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"
         ),
-        replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
+        replicated=lambda checked: logprob_inputs_replicated(*checked[:2], cu_seqlens),
     )
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden

@@ -134,12 +134,16 @@ def policy_loss(
     backend: str = "auto",
     return_entropy: bool = False,
     grad_scale=None,
+    agg_weights=None,
+    cu_seqlens=None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of vocab-sharded logits (its rollout inputs and model head as
-    objects, fusedrl/arguments.py). Per-token temperatures are replicated, as every per-token
-    input: each rank divides its slice's rows by them; a soft cap is elementwise: each rank
-    caps its slice as its kernels read it; `grad_scale`: each rank's slice of the gradient
-    written times it (the ranks must agree on all three: the header compares them)."""
+    objects, fusedrl/arguments.py); `agg_weights` as in `single_process`, from packed
+    sequences' `cu_seqlens` (which the header compares across ranks). Per-token temperatures
+    are replicated, as every per-token input: each rank divides its slice's rows by them; a
+    soft cap is elementwise: each rank caps its slice as its kernels read it; `grad_scale`:
+    each rank's slice of the gradient written times it (the ranks must agree on all three: the
+    header compares them)."""
     cfg = config if config is not None else LossConfig()
     logits, tp_group = unwrap_logits(logits, tp_group)
     labels, advantages, mask = map(local_value, (labels, advantages, mask))
@@ -161,6 +165,7 @@ def policy_loss(
             backend=backend,
             return_entropy=return_entropy,
             grad_scale=grad_scale,
+            agg_weights=agg_weights,
         )
 
     wants_grad = isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -180,6 +185,7 @@ def policy_loss(
             normalizer,
             vocab=NO_LIMIT,
             grad_scale=local_value(grad_scale),
+            agg_weights=agg_weights,
         )
         if wants_grad and inplace:
             check_writable(logits)
@@ -195,7 +201,7 @@ def policy_loss(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         call=f"{cfg!r} temperature={shown_temperature(head.temperature)} {transform!r}",
-        replicated=lambda checked: loss_inputs_replicated(checked[0]),
+        replicated=lambda checked: loss_inputs_replicated(checked[0], cu_seqlens),
         draw_seed=unseeded_pick(cfg),
     )
     cfg = seeded(cfg, seed)
@@ -304,9 +310,11 @@ def token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     transform: LogitTransform | None = None,
+    cu_seqlens=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fusedrl.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
-    `policy_loss`."""
+    `policy_loss`; `cu_seqlens`: packed sequences' boundaries, compared across ranks (each
+    row's log-prob is its own; a packed loss's per-sequence terms follow this pass)."""
     logits, tp_group = unwrap_logits(logits, tp_group)
     labels, temperature = local_value(labels), local_value(temperature)
     if group_size(tp_group) == 1:
@@ -345,7 +353,7 @@ def token_logprobs(
         vocab_size=vocab_size,
         call=f"token_logprobs temperature={shown_temperature(temperature)} "
         f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} {transform!r}",
-        replicated=lambda checked: logprob_inputs_replicated(*checked[:2]),
+        replicated=lambda checked: logprob_inputs_replicated(*checked[:2], cu_seqlens),
     )
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
