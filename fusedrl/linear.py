@@ -21,6 +21,7 @@ from .config import LossConfig
 from .logit_transform import check_logit_transform, model_logit_transform
 from .output import LossOutput
 from .sampling import check_sampling
+from .segments import require_cu_seqlens
 
 
 def _check_linear_loss_arguments(
@@ -159,7 +160,7 @@ def linear_policy_loss(
             entropy_coef,
             sharded,
         )
-        _refuse_when_packed(cu_seqlens, max_seqlen, ref_weight)
+        require_cu_seqlens(cu_seqlens, max_seqlen)
     rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
     head = ModelHead(temperature, transform)
     call = (labels, advantages, mask, rollout, head, config, normalizer)
@@ -169,7 +170,8 @@ def linear_policy_loss(
     if cu_seqlens is not None:
         from . import packed
 
-        head_rows = packed.HeadRows(hidden, weight, bias, backend, **rows)
+        reference = {"ref_weight": ref_weight, "ref_hidden": ref_hidden, "ref_bias": ref_bias}
+        head_rows = packed.HeadRows(hidden, weight, bias, backend, **rows, **reference)
         if sharded:
             head_rows = packed.ShardHeadRows(
                 hidden, weight, bias, backend, shard, **rows, cu_seqlens=cu_seqlens
@@ -213,18 +215,6 @@ def linear_policy_loss(
         return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
     )
-
-
-def _refuse_when_packed(cu_seqlens, max_seqlen, ref_weight) -> None:
-    from .segments import require_cu_seqlens
-
-    require_cu_seqlens(cu_seqlens, max_seqlen)
-    if cu_seqlens is not None and ref_weight is not None:
-        raise NotImplementedError(
-            "cu_seqlens with the exact KL (ref_weight) is not supported by linear_policy_loss "
-            "yet: pass the packed logits to policy_loss(..., ref_logits=, cu_seqlens=), or use "
-            "a per-token KL estimator with ref_logp"
-        )
 
 
 def linear_token_logprobs(

@@ -148,6 +148,11 @@ class HeadRows(NamedTuple):
     backend: str
     skip_masked_rows: bool
     live_rows: int | None
+    # the reference's head of the exact KL (kl="full" / "full_reverse"; `ref_hidden` packed as
+    # `hidden`, default `hidden`): a token's own term, so token-level ratios only
+    ref_weight: torch.Tensor | None = None
+    ref_hidden: torch.Tensor | None = None
+    ref_bias: torch.Tensor | None = None
 
     @property
     def source(self) -> torch.Tensor:
@@ -177,6 +182,9 @@ class HeadRows(NamedTuple):
             backend=self.backend,
             skip_masked_rows=self.skip_masked_rows,
             live_rows=self.live_rows,
+            ref_weight=self.ref_weight,
+            ref_hidden=self.ref_hidden,
+            ref_bias=self.ref_bias,
             **options,
         )
 
@@ -396,9 +404,10 @@ def _refuse_whole_sequence_options(rows, cfg: LossConfig) -> None:
             "mean (dapo, grpo, dr_grpo, ...); this call's ratios or corrections need whole "
             "sequences, whose gradient comes from a log-prob pass's backward: pass inplace=False"
         )
-    if cfg.full_kl or getattr(rows, "ref_logits", None) is not None:
+    if cfg.full_kl:  # (ref_logits / ref_weight come with it: the entry points check so)
         raise NotImplementedError(
-            "config.kl='full' / 'full_reverse' (ref_logits) with cu_seqlens takes token-level "
+            "config.kl='full' / 'full_reverse' (ref_logits / ref_weight) with cu_seqlens takes "
+            "token-level "
             "ratios with a token or sequence mean (dapo, grpo, dr_grpo, ...); this call's "
             "ratios or corrections need whole sequences: use a per-token KL estimator"
         )

@@ -227,6 +227,56 @@ def test_the_lm_head_form_equals_the_padded_call(preset, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("preset", "kl"), [("dapo", "full"), ("grpo", "full_reverse")])
+def test_the_lm_heads_exact_kl_on_packed_rows(preset, kl, backend):
+    """linear_policy_loss(..., ref_weight=, ref_hidden=, cu_seqlens=): the exact KL to the
+    reference head is each token's own term, so token-level ratios take it in their plain
+    call: the padded call's loss, gradients and metrics, with the KL acting; a sequence ratio
+    refuses it by name."""
+    cfg = LossConfig.preset(preset, kl=kl, beta=0.3)
+    data = _batch(seed=23)
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(*data["padded"]["mask"].shape, 16, generator=gen)
+    weight = 0.5 * torch.randn(VOCAB, 16, generator=gen)
+    ref_weight = weight + 0.3 * torch.randn(VOCAB, 16, generator=gen)
+    ref_hidden = hidden + 0.2 * torch.randn(hidden.shape, generator=gen)
+    drop = ("logits", "rollout_logp", "ref_logp")
+    args = {k: v for k, v in data["padded"].items() if k not in drop}
+    flat = {k: v for k, v in data["packed"].items() if k not in drop}
+    inside, cuts = data["inside"], data["cu_seqlens"]
+    runs = []
+    for rows, ref_rows, extra in (
+        (hidden, ref_hidden, args),
+        (hidden[inside], ref_hidden[inside], flat),
+    ):
+        leaves = [rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        packed_call = {"cu_seqlens": cuts} if rows.dim() == 2 else {}
+        reference_head = {"ref_weight": ref_weight, "ref_hidden": ref_rows}
+        out = fusedrl.linear_policy_loss(
+            *leaves, **extra, config=cfg, backend=backend, **reference_head, **packed_call
+        )
+        runs.append((out, torch.autograd.grad(out.loss, leaves)))
+    (want, (want_hidden, want_weight)), (got, (got_hidden, got_weight)) = runs
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_hidden, want_hidden[inside], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_weight, want_weight, atol=1e-5, rtol=1e-5)
+    assert got.metrics.keys() == want.metrics.keys()
+    for name in want.metrics:
+        torch.testing.assert_close(got.metrics[name], want.metrics[name], atol=1e-5, rtol=1e-5)
+    assert want.metrics["kl"] > 0.05  # the exact KL acted
+    with pytest.raises(NotImplementedError, match="kl='full' / 'full_reverse' .* cu_seqlens"):
+        fusedrl.linear_policy_loss(
+            hidden[inside],
+            weight,
+            **flat,
+            config=LossConfig.preset("gspo", kl=kl, beta=0.3),
+            backend=backend,
+            ref_weight=ref_weight,
+            cu_seqlens=cuts,
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_the_lm_heads_distillation_equals_the_padded_call(agg, backend):
     """linear_distill_loss(student [N, H], ..., cu_seqlens=) against its padded call: the loss,

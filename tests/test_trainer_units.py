@@ -699,11 +699,13 @@ def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("lm_head", [False, True])
 @pytest.mark.parametrize("preset", ["dapo", "grpo"])
-def test_packed_micro_batches_take_the_exact_kl(preset):
-    """--pack --kl full: the reference's packed logits beside the policy's give the padded
-    path's gradients (the exact KL acting: not the gradients without it); the config takes
-    it for a loss that reads packed rows once."""
+def test_packed_micro_batches_take_the_exact_kl(preset, lm_head):
+    """--pack --kl full: the reference's packed logits (or, with the fused head, its packed
+    hidden states and head) beside the policy's give the padded path's gradients (the exact KL
+    acting: not the gradients without it); the config takes it for a loss that reads packed
+    rows once."""
     cfg = fusedrl.LossConfig.preset(preset, kl="full", beta=0.2)
     batch, _, _ = _tiny_batch(n=7, seed=4)
     ref_model = tiny_qwen2(37, hidden_size=32, num_layers=1, num_heads=1, head_dim=32, seed=4)
@@ -711,7 +713,9 @@ def test_packed_micro_batches_take_the_exact_kl(preset):
     grads = []
     for config, pack, ref in ((cfg, False, ref_model), (cfg, True, ref_model), (plain, True, None)):
         model = _tiny_model()
-        accumulate_gradients(model, batch, config, 3, None, "torch", ref_model=ref, pack=pack)
+        accumulate_gradients(
+            model, batch, config, 3, None, "torch", lm_head=lm_head, ref_model=ref, pack=pack
+        )
         grads.append(_flat_grads(model))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
     assert (grads[2] - grads[0]).abs().max() > 1e-5

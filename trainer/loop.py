@@ -357,8 +357,6 @@ class Trainer:
             and lm_head_of(model) is not None
             and not (transformed and cfg.tp > 1)
             and (teacher is None or lm_head_of(teacher) is not None)
-            # packed rows take the exact KL from the reference's logits (not its head) alone
-            and not (cfg.pack and self.loss_cfg.full_kl)
         )
         self.lr = cfg.lr if cfg.lr is not None else (TINY_LR if cfg.model is None else MODEL_LR)
         self.optimizer = torch.optim.AdamW(
