@@ -45,6 +45,12 @@ class Backend(Protocol):
         self, logits, labels, temperature, return_entropy: bool, **kwargs
     ) -> tuple: ...
 
+    def terms(self, logp, entropy, inp, cfg, need_entropy: bool):
+        """The loss, metrics and d(loss)/d(logp), d(loss)/d(entropy) (`TokenTerms`) of given
+        log-probs and entropy, as the two-pass path takes them between its passes: for a caller
+        that ran the log-prob pass itself (packed sequences' padded layout)."""
+        ...
+
 
 class LinearBackend(Protocol):
     """What an LM-head loss backend module (linear_torch, linear_triton) provides to

@@ -31,6 +31,10 @@ def planned_call(inp, cfg, need_entropy):
     return fused_backend.planned_call(_ops(), inp, cfg, need_entropy)
 
 
+def terms(logp, entropy, inp, cfg, need_entropy):
+    return fused_backend.terms(_ops(), logp, entropy, inp, cfg, need_entropy)
+
+
 def token_logprobs(logits, labels, temperature, return_entropy, sampling=None, transform=None):
     return fused_backend.token_logprobs(
         _ops(), logits, labels, temperature, return_entropy, sampling, transform

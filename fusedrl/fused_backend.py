@@ -514,6 +514,22 @@ def _kernel_terms(
     )
 
 
+def terms(
+    ops: FusedOps,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    inp: LossInputs,
+    cfg: LossConfig,
+    need_entropy: bool,
+) -> TokenTerms:
+    """backends.Backend.terms: the terms kernel where it covers the call (two launches), else
+    `token_terms` on the masked rows."""
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
+    if ops.sequence_terms is not None and sequence_kernel_covers(inp, cfg):
+        return _kernel_terms(ops, logp, entropy, inp, cfg, need_entropy)
+    return token_terms(logp, entropy if need_entropy else None, masked_rows(inp), cfg)
+
+
 def _summed_terms(
     ops: FusedOps,
     partials: torch.Tensor,

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import linear_single_process, output, single_process
+from . import backends, linear_single_process, output, single_process
 from ._autograd import attach_grads, wanted_grads
 from ._inputs import LossInputs, check_sum_pi_squared, masked_rows, needs_entropy
 from .arguments import ModelHead, RolloutInputs, checked_inputs
@@ -44,7 +44,6 @@ from .segments import (
     rollout_mismatch,
     segment_weights,
 )
-from .token_terms import token_terms
 from .tp import linear as tp_linear
 from .tp import loss as tp_loss
 from .tp.dtensor import local_value, unwrap_logits
@@ -464,11 +463,14 @@ def _two_passes(rows, segments, labels, head, cfg, options, inp) -> LossOutput:
         safe_labels, rows_temperature, entropy_wanted, head.transform, **sampling
     )
     # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
-    terms = token_terms(
+    # The backend's own terms, as its padded two-pass call takes them (Triton's terms kernel:
+    # two launches where torch takes some seventy).
+    terms = backends.resolve(rows.backend, logp.device).terms(
         segments.pad(torch.where(counted, logp.detach(), 0.0)),
         None if entropy is None else segments.pad(torch.where(counted, entropy.detach(), 0.0)),
         inp,
         cfg,
+        entropy is not None,
     )
     pairs = [(logp, segments.unpad(terms.dlogp))]
     if entropy is not None and terms.dentropy is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import LossInputs, needs_entropy, temperature_of
+from ._inputs import LossInputs, masked_rows, needs_entropy, temperature_of
 from .config import LossConfig
 from .logit_transform import LogitTransform, banned, capped_rows
 from .row_blocks import row_blocks, rows_temperature
@@ -352,6 +352,12 @@ def token_logprobs(
 def planned_call(inp, cfg, need_entropy):
     """backends.Backend: no call is one fused kernel here (the torch code's blocks)."""
     return None
+
+
+def terms(logp, entropy, inp, cfg, need_entropy):
+    """backends.Backend.terms: `token_terms` on the masked rows."""
+    need_entropy = need_entropy or needs_entropy(inp, cfg)
+    return token_terms(logp, entropy if need_entropy else None, masked_rows(inp), cfg)
 
 
 def policy_loss(

@@ -425,6 +425,7 @@ policy_loss = functools.partial(fused_backend.policy_loss, OPS)
 token_logprobs = functools.partial(fused_backend.token_logprobs, OPS)
 token_logprobs_squares = functools.partial(fused_backend.token_logprobs_squares, OPS)
 policy_loss_squares = functools.partial(fused_backend.policy_loss_squares, OPS)
+terms = functools.partial(fused_backend.terms, OPS)
 # A planned call runs eagerly only (`call_plan` plans no traced call): its ops are the launchers
 # themselves, without the check for tracing that each of OPS makes (a planned dapo call's host
 # time is some 60 us, a third of it frames like these).

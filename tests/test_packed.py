@@ -552,6 +552,33 @@ def test_which_losses_read_the_logits_once(preset, monkeypatch):
     assert packed.reads_rollout_for_metrics_only(cfg, rollout, None)
 
 
+@pytest.mark.parametrize(("preset", "by_kernel"), [("gspo", True), ("gmpo", False)])
+def test_the_two_pass_route_takes_the_backends_own_terms(preset, by_kernel, monkeypatch):
+    """A loss that needs whole sequences takes its terms on the padded layout as the backend's
+    padded two-pass call does: Triton's terms kernel where it covers the loss (gspo), torch's
+    token_terms where not (gmpo); the padded call's loss and gradient either way."""
+    from fusedrl import fused_backend
+
+    kernel_calls = []
+    real = fused_backend._kernel_terms
+
+    def counted(*args, **kwargs):
+        kernel_calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_backend, "_kernel_terms", counted)
+    cfg = CASES[preset][0]
+    data = _batch(seed=14, per_token_adv=preset != "gmpo")
+    want, want_grad = _call(fusedrl.policy_loss, data["padded"], cfg, "triton")
+    kernel_calls.clear()
+    got, got_grad = _call(
+        fusedrl.policy_loss, data["packed"], cfg, "triton", cu_seqlens=data["cu_seqlens"]
+    )
+    assert len(kernel_calls) == int(by_kernel)
+    _assert_equal_outputs(got, got_grad, want, want_grad, data["inside"])
+    assert want_grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_distillation_equals_the_padded_call(agg, backend):
