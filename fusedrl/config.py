@@ -36,6 +36,9 @@ SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 # The PPO clipped objective (LUSPO differs from PPO only in its defaults: a sequence ratio and a
 # per-sequence token sum).
 PPO_CLIPPED = ("ppo", "luspo")
+# Losses that take a sequence ratio (ratio_level="sequence"): GSPO's clipped objective, and
+# CISPO's / SAPO's weights of it (TRL's importance_sampling_level="sequence" for them).
+SEQUENCE_RATIO_LOSSES = (*PPO_CLIPPED, "cispo", "sapo")
 RATIO_LEVELS = ("token", "sequence")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # The entropy bonus's own aggregations (LossConfig.entropy_agg); None: the policy's `agg`
@@ -146,7 +149,7 @@ _PPO_EPS = (0.2, 0.2)
 
 
 def _default_eps(loss: str, ratio_level: str) -> tuple[float, float]:
-    if ratio_level == "sequence":
+    if ratio_level == "sequence" and loss in PPO_CLIPPED:  # GSPO's bounds of its clipped ratio
         return _DEFAULT_EPS["sequence"]
     return _DEFAULT_EPS.get(loss, _PPO_EPS)
 
@@ -204,8 +207,9 @@ class LossConfig:
     """The GRPO-family policy loss, as a few scalars per token.
 
     ``eps_low`` / ``eps_high`` left as ``None`` take the default of the chosen variant: 0.2 / 0.2
-    (PPO, GRPO, CISPO, ...), 3e-4 / 4e-4 for ``ratio_level="sequence"`` (GSPO), 0.4 / 0.4 for GMPO
-    (a log-ratio range) and 0.16 / 0.2 for DCPO. After construction they always hold numbers.
+    (PPO, GRPO, CISPO, SAPO, ...), 3e-4 / 4e-4 for GSPO's clipped sequence ratio (ppo or luspo
+    at ``ratio_level="sequence"``), 0.4 / 0.4 for GMPO (a log-ratio range) and 0.16 / 0.2 for
+    DCPO. After construction they always hold numbers.
     ``is_cap_low=None`` means ``1 / is_cap`` for the mask modes (verl's default) and no lower
     bound for the truncate modes. ``ratio_level`` / ``agg`` left as ``None`` take ``"token"`` /
     ``"token-mean"``, except for LUSPO: ``"sequence"`` / ``"seq-mean-token-sum"``.
@@ -507,10 +511,10 @@ class LossConfig:
 
     def _check_variant_options(self) -> None:
         """Reject combinations that have no meaning rather than silently ignoring a knob."""
-        if self.ratio_level == "sequence" and self.loss not in PPO_CLIPPED:
+        if self.ratio_level == "sequence" and self.loss not in SEQUENCE_RATIO_LOSSES:
             raise ValueError(
-                f"LossConfig.ratio_level='sequence' (GSPO) clips a sequence ratio with the PPO "
-                f"objective and needs loss='ppo' or 'luspo', got loss={self.loss!r}"
+                f"LossConfig.ratio_level='sequence' takes a sequence ratio into the loss's "
+                f"weight and needs loss in {SEQUENCE_RATIO_LOSSES}, got loss={self.loss!r}"
                 + (
                     " (GMPO is sequence-level by construction: use ratio_level='token')"
                     if self.loss == "gmpo"

@@ -371,6 +371,16 @@ def _ratio(logp: torch.Tensor, old: torch.Tensor, inp: LossInputs, cfg: LossConf
     return log_ratio.exp()
 
 
+def _whole_sequence_ratio(logp: torch.Tensor, old: torch.Tensor, inp: LossInputs):
+    """GSPO's sequence ratio s_i = exp(min(mean_t log-ratio, 10)) as a function of every token
+    of the sequence ([B, 1]; TRL's coef_1 at importance_sampling_level="sequence", which its
+    bias-corrected KL is multiplied by and differentiated through)."""
+    log_ratio = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_len = inp.mask.sum(-1, keepdim=True).clamp_min(1.0)
+    seq_log_ratio = torch.where(inp.valid, log_ratio * inp.mask, 0.0).sum(-1, keepdim=True)
+    return torch.clamp(seq_log_ratio / seq_len, max=SEQ_LOG_RATIO_MAX).exp()
+
+
 def _vespo(logp, old, adv, w, inp, cfg, metrics) -> torch.Tensor:
     """VESPO (TRL's get_gamma_weights): -phi A logp, phi = e^lam w^k e^(-lam w) of the sequence
     ratio w (log w clamped to [log 1e-8, 20], per-token IS weights multiplied in), no gradient."""
@@ -772,7 +782,9 @@ def policy_loss(
         kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3")
         metrics["kl"] = masked_mean(kl.detach(), inp)
         if cfg.beta > 0:
-            if cfg.kl_bias_correction:  # KL(pi || ref) under samples of pi_old: times the ratio
+            if cfg.kl_bias_correction and cfg.ratio_level == "sequence":
+                kl = kl * _whole_sequence_ratio(logp, old, inp)
+            elif cfg.kl_bias_correction:  # KL(pi || ref) under samples of pi_old: times r
                 kl = kl * _ratio(logp, old, inp, cfg)
             per_token = per_token + cfg.beta * kl
     per_token = per_token + _nan_inputs_term(logp, old, adv, w, inp, cfg)

@@ -289,6 +289,27 @@ def _ratio(logp, old, inp, cfg, grads: bool = True) -> tuple[torch.Tensor, torch
     return ratio, ratio * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def _kl_times_sequence_ratio(logp, old, kl, dkl, agg_w, inp, cfg):
+    """(kl s, its derivative through kl alone, dkl s, and the part through s) of the
+    bias-corrected KL at the sequence level, as TRL differentiates it: s_i = exp(min(mean_t
+    m_t log r_t, 10)) is a function of every token of the sequence, d s_i / d logp_u = s_i m_u
+    / |y_i| (0 where a clamp holds), so each token's weighted KL reaches every token of its
+    sequence. (The policy term's sequence ratio keeps the per-token convention: its value is
+    the same on every token of a sequence, so the two gradients agree there.)"""
+    ratio, _ = _ratio(logp, old, inp, cfg, grads=False)
+    if dkl is None:
+        return kl * ratio, None, None
+    raw_log_ratio = logp - old
+    m = torch.where(inp.valid, inp.mask, 0.0)
+    length = m.sum(-1, keepdim=True).clamp_min(1.0)
+    log_ratio = torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_lr = torch.where(inp.valid, log_ratio * m, 0.0).sum(-1, keepdim=True) / length
+    ds = ratio * (seq_lr <= SEQ_LOG_RATIO_MAX).float() * (m / length)
+    ds = ds * _inside(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weighted_kl = torch.where(inp.valid, kl * agg_w, 0.0).sum(-1, keepdim=True)
+    return kl * ratio, dkl * ratio, ds * weighted_kl
+
+
 def _ratio_terms(logp, old, adv, inp, cfg, metrics, grads: bool = True):
     """Per-token loss and d/dlogp (None without `grads`: the fused kernel applied it already)
     for ppo / dcpo / cispo / sapo (token or GSPO sequence ratio)."""
@@ -679,7 +700,11 @@ def token_terms(
         kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3", grads)
         metrics.mean("kl", kl, inp)
         if cfg.beta > 0:
-            if cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
+            if cfg.kl_bias_correction and cfg.ratio_level == "sequence":
+                kl, dkl, coupled = _kl_times_sequence_ratio(logp, old, kl, dkl, agg_w, inp, cfg)
+                if coupled is not None:  # (not weighted by the token's own agg_w: it is whole)
+                    dlogp = dlogp + cfg.beta * coupled
+            elif cfg.kl_bias_correction:  # d(kl r) = dkl r + kl dr
                 ratio, dratio = _ratio(logp, old, inp, cfg, grads)
                 kl, dkl = kl * ratio, None if dkl is None else dkl * ratio + kl * dratio
             per_token = per_token + cfg.beta * kl

@@ -143,7 +143,7 @@ def test_unknown_preset():
         (dict(is_cap_low=0.5), "is_cap_low"),  # without is_correction
         (dict(norm_constant=100.0), "norm_constant"),  # only for seq-mean-token-sum-norm
         (dict(agg="seq-mean-token-sum-norm", norm_constant=0.0), "norm_constant"),
-        (dict(loss="cispo", ratio_level="sequence"), "ratio_level"),
+        (dict(loss="pg", ratio_level="sequence"), "ratio_level"),
         (dict(loss="gmpo", ratio_level="sequence"), "ratio_level"),
         (dict(loss="gmpo", is_correction="token_truncate"), "is_correction"),
         (dict(loss="vespo", is_correction="sequence_truncate"), "is_correction"),

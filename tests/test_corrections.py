@@ -137,6 +137,53 @@ def test_kl_bias_correction_gradient_of_the_kl_term():
     torch.testing.assert_close(grad, dlogp[..., None] * (onehot - probs), atol=1e-6, rtol=1e-5)
 
 
+def test_kl_bias_correction_at_the_sequence_level_differentiates_the_whole_ratio():
+    """At ratio_level="sequence" the KL is multiplied by the sequence ratio s_i and, as TRL
+    differentiates it, through every token of the sequence: with A = 0, k1 and a per-sequence
+    sum, d/dlogp_u = s_i (m_u + m_u / |y_i| sum_t m_t kl_t) (not the per-token s_i (1 + kl_u))."""
+    data, logp = _data(seed=6)
+    data["advantages"] = torch.zeros(6)
+    data["old_logp"] = logp - 0.3 + 0.1 * torch.randn_like(logp)
+    cfg = LossConfig(
+        kl="k1", beta=1.0, kl_bias_correction=True, agg="seq-mean-token-sum", ratio_level="sequence"
+    )
+    _, grad = run_loss(reference.policy_loss, data, cfg, normalizer=1.0)
+    m = data["mask"].float()
+    length = m.sum(-1, keepdim=True).clamp_min(1.0)
+    s = (((logp - data["old_logp"]) * m).sum(-1, keepdim=True) / length).exp()
+    kl = logp - data["ref_logp"]
+    dlogp = s * (m + m / length * (m * kl).sum(-1, keepdim=True))
+    probs = torch.softmax(data["logits"], -1)
+    onehot = torch.nn.functional.one_hot(data["labels"], probs.shape[-1])
+    torch.testing.assert_close(grad, dlogp[..., None] * (onehot - probs), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_kl_bias_correction_at_the_sequence_level_on_every_backend(agg, backend):
+    """GSPO with TRL's bias-corrected KL: every backend equals the oracle (whose gradient the
+    closed form above pins)."""
+    data, logp = _data(seed=9)
+    data["old_logp"] = logp - 0.3 * torch.randn_like(logp)
+    cfg = LossConfig.preset("gspo", kl="k3", beta=0.5, kl_bias_correction=True, agg=agg)
+    _compare(data, cfg.replace(eps_low=0.2, eps_high=0.2), backend)
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("loss", ["cispo", "sapo"])
+def test_cispo_and_sapo_take_the_sequence_ratio(loss, backend):
+    """ratio_level="sequence" with CISPO (-sg(clip(s_i)) A logp) and SAPO (the soft gate of
+    s_i): every backend equals the oracle, the sequence ratio acting (not the token loss; CISPO's
+    cap clips some sequences)."""
+    data, logp = _data(seed=8)
+    data["old_logp"] = logp - 0.2 * torch.randn_like(logp)
+    cfg = LossConfig(loss=loss, ratio_level="sequence", agg="seq-mean-token-mean", eps_high=0.05)
+    ref = _compare(data, cfg, backend)
+    assert not torch.allclose(_loss(data, cfg), _loss(data, cfg.replace(ratio_level="token")))
+    if loss == "cispo":
+        assert 0 < ref.metrics["clipfrac"] < 1
+
+
 # -------------------------------------------------------------------- off-policy sequence mask
 def _off_policy_data(seed):
     data, logp = _data(seed=seed)

@@ -184,8 +184,9 @@ CASES = (
     + [("grpo", "sequence", beta) for beta in (0.0, 0.04)]
     + [("luspo", "sequence", beta) for beta in (0.0, 0.04)]
     # accepted with TRL's warning (the sequence weighted by its length)
-    + [(lt, "sequence", 0.0) for lt in ("bnpo", "dr_grpo", "dapo")]
-    + [("dapo", "sequence", 0.04)]
+    + [(lt, "sequence", 0.0) for lt in ("bnpo", "dr_grpo", "dapo", "cispo")]
+    + [("dapo", "sequence", 0.04), ("cispo", "sequence", 0.04)]
+    + [("sapo", "sequence", beta) for beta in (0.0, 0.04)]
 )
 
 
@@ -205,6 +206,16 @@ def test_parity_with_trl_compute_loss(loss_type, level, beta, model_dir, tokeniz
 CORRECTIONS = {
     "bias_corrected_kl": ("dapo", dict(beta=0.04, use_bias_correction_kl=True)),
     "bias_corrected_kl_grpo": ("grpo", dict(beta=0.04, use_bias_correction_kl=True)),
+    # TRL's defaults at the sequence level: the KL times the sequence ratio, differentiated
+    # through every token of the sequence
+    "bias_corrected_kl_gspo": (
+        "grpo",
+        dict(beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+    ),
+    "bias_corrected_kl_sequence_dapo": (
+        "dapo",
+        dict(beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+    ),
     "off_policy_mask": ("grpo", dict(off_policy_mask_threshold=0.05)),
     "off_policy_mask_vespo": ("vespo", dict(off_policy_mask_threshold=0.05)),
     "top_entropy_quantile": ("dapo", dict(top_entropy_quantile=0.5)),
@@ -461,33 +472,30 @@ def test_parity_with_adaptive_entropy(target, model_dir, tokenizer, tmp_path):
     assert fused_trainer._metrics["train"]["entropy_coef"] == pytest.approx(expected)
 
 
-def test_unsupported_combinations_are_named(tmp_path):
-    sequence_bias_corrected = _args(
-        tmp_path, beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
-    )
-    with pytest.raises(ValueError, match="use_bias_correction_kl"):
-        loss_config_from_trl(sequence_bias_corrected)
+def test_settings_that_mean_nothing_are_named(tmp_path):
+    """What GRPOConfig accepts but no loss can mean is refused by name: TRL's cispo takes
+    epsilon_high as the absolute cap of its ratio, so one at or below 1 caps every token."""
+    with pytest.raises(ValueError, match="epsilon_high=0.5: TRL's cispo"):
+        loss_config_from_trl(_args(tmp_path, loss_type="cispo", epsilon_high=0.5))
 
 
-def test_the_sequence_level_refusal_lists_what_is_accepted(tmp_path, caplog):
-    """cispo at the sequence level is refused, naming what is accepted; bnpo / dr_grpo / dapo
-    are accepted with TRL's warning (their parity with TRL: test_parity_with_trl_compute_loss)."""
+def test_every_loss_type_is_accepted_at_the_sequence_level(tmp_path, caplog):
+    """Every loss_type TRL takes at importance_sampling_level="sequence" is taken, with TRL's
+    warning where TRL warns (bnpo / dr_grpo / dapo / cispo: the sequence weighted by its length;
+    their parity with TRL: test_parity_with_trl_compute_loss)."""
     import logging
 
-    sequence_dapo = _args(tmp_path, loss_type="dapo", importance_sampling_level="sequence")
-    with caplog.at_level(logging.WARNING, logger="fusedrl.integrations.trl"):
-        loss_config_from_trl(sequence_dapo)
-    assert "weights each sequence by its completion length" in caplog.text
-    with pytest.raises(ValueError, match="'grpo' \\(GSPO\\), 'bnpo', 'dr_grpo', 'dapo', 'luspo'"):
-        loss_config_from_trl(
-            _args(
-                tmp_path, loss_type="cispo", importance_sampling_level="sequence", epsilon_high=5.0
-            )
-        )
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "vespo"):  # each one named
-        loss_config_from_trl(
-            _args(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
-        )
+    from fusedrl.integrations.trl import SUPPORTED_LOSS_TYPES
+
+    for loss_type in SUPPORTED_LOSS_TYPES:
+        caplog.clear()
+        extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+        args = _args(tmp_path, loss_type=loss_type, importance_sampling_level="sequence", **extra)
+        with caplog.at_level(logging.WARNING, logger="fusedrl.integrations.trl"):
+            cfg = loss_config_from_trl(args)
+        warned = "weights each sequence by its completion length" in caplog.text
+        assert warned == (loss_type in ("bnpo", "dr_grpo", "dapo", "cispo")), loss_type
+        assert cfg.ratio_level == ("token" if loss_type == "vespo" else "sequence"), loss_type
 
 
 def test_bad_settings_fail_before_the_models_load(tmp_path):
@@ -502,10 +510,8 @@ def test_bad_settings_fail_before_the_models_load(tmp_path):
         FusedGRPOTrainer(
             model=missing, reward_funcs=_reward_len, args=_args(tmp_path), fused_lm_head="yes"
         )
-    bad = _args(
-        tmp_path, beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
-    )
-    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+    bad = _args(tmp_path, loss_type="cispo", epsilon_high=0.5)
+    with pytest.raises(ValueError, match="TRL's cispo uses it as the absolute cap"):
         FusedGRPOTrainer(missing, _reward_len, bad)
 
 

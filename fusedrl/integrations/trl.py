@@ -88,29 +88,12 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     if level not in ("token", "sequence"):
         raise ValueError(f"GRPOConfig.importance_sampling_level={level!r} is not supported")
     bias_corrected_kl = args.beta != 0.0 and getattr(args, "use_bias_correction_kl", False)
-    if bias_corrected_kl and level == "sequence":
-        raise ValueError(
-            "GRPOConfig.use_bias_correction_kl=True with importance_sampling_level='sequence': "
-            "TRL differentiates the KL through the whole sequence ratio, fusedrl's sequence "
-            "ratio carries each token's own gradient (GSPO-token); use the token level"
-        )
-    if level == "sequence" and loss_type == "cispo":
-        raise ValueError(
-            "GRPOConfig.importance_sampling_level='sequence' with loss_type='cispo': fusedrl "
-            "supports sequence-level ratios with loss_type 'grpo' (GSPO), 'bnpo', 'dr_grpo', "
-            "'dapo', 'luspo' and 'vespo' (whose weight is sequence-level at either level)"
-        )
-    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo"):
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         logger.warning(  # TRL's own warning, as GRPOTrainer gives it
             "importance_sampling_level='sequence' with loss_type=%r sums per-token "
             "contributions, which weights each sequence by its completion length instead of "
             "optimizing the per-sequence objective; loss_type='grpo' is the GSPO paper's setup",
             loss_type,
-        )
-    if level == "sequence" and loss_type == "sapo":
-        raise ValueError(
-            "GRPOConfig.loss_type='sapo' with importance_sampling_level='sequence' "
-            "is not supported by fusedrl"
         )
     eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
@@ -149,6 +132,7 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
             )
         return LossConfig(
             loss="cispo",
+            ratio_level=level,
             eps_low=_OPEN_LOWER_BOUND,
             eps_high=eps_high - 1.0,
             agg="token-mean",
@@ -157,6 +141,7 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     if loss_type == "sapo":
         return LossConfig(
             loss="sapo",
+            ratio_level=level,
             sapo_tau_pos=args.sapo_temperature_pos,
             sapo_tau_neg=args.sapo_temperature_neg,
             agg="seq-mean-token-mean",
