@@ -166,6 +166,22 @@ def test_bench_train_step_smoke(tmp_path):
     assert all(r["step_ms"] > 0 and r["tokens"] > 0 for r in result["rows"])
 
 
+def test_bench_pack_job_smoke(tmp_path):
+    """The default job padded, packed and packed by a token budget: the same seeded updates
+    (their losses agree), each timed."""
+    pytest.importorskip("transformers")
+    script = [sys.executable, str(BENCH / "bench_pack_job.py"), "--smoke", "--budgets", "64"]
+    subprocess.run(
+        [*script, "--out", str(tmp_path)], check=True, capture_output=True, text=True, timeout=300
+    )
+    result = json.loads(next(tmp_path.glob("pack_job-*.json")).read_text())
+    rows = result["results"]
+    assert list(rows) == ["padded", "packed", "packed-64"] and result["note"] == SMOKE_NOTE
+    assert all(row["train_time_s"] > 0 and row["steps"] == 4 for row in rows.values())
+    losses = [row["loss"] for row in rows.values()]
+    assert max(losses) - min(losses) <= 1e-5 * max(1.0, abs(losses[0]))
+
+
 def test_bench_loss_impls_match_the_docs():
     """Every impl docs/benchmarks.md lists is a choice of bench_loss.py --impls."""
     bench_loss = _load("bench_loss")

@@ -45,6 +45,8 @@ from fusedrl.trainer.step import (
         (["--top-p", "0"], "--top-p"),
         (["--reward", " "], "--reward"),
         (["--pack", "true", "--kl", "full", "--preset", "gspo"], "--pack: not with --kl full"),
+        (["--max-tokens-per-microbatch", "64"], "--max-tokens-per-microbatch: is a packed"),
+        (["--pack", "--max-tokens-per-microbatch", "0"], "needs --pack and a value >= 1, got 0"),
     ],
 )
 def test_bad_config_names_the_option(argv, needle):
@@ -694,6 +696,46 @@ def test_packed_micro_batches_equal_the_padded_ones(preset, attn, lm_head):
     counted = batch.mask > 0
     torch.testing.assert_close(logps[1][counted], logps[0][counted], rtol=1e-5, atol=1e-5)
     assert (logps[1][~counted] == 0).all()
+    assert grads[0].abs().sum() > 0
+    for key, value in metrics[0].items():
+        torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_micro_batches_by_a_token_budget():
+    """--max-tokens-per-microbatch: consecutive rows while their packed tokens (prompt and
+    completion; none for a row without a loss token) fit the budget, a longer row alone."""
+    from fusedrl.trainer.step import micro_batches, packed_row_tokens
+
+    batch, prompts, completions = _tiny_batch(n=7, seed=4)
+    tokens = packed_row_tokens(batch)
+    live = [count > 0 for count in batch.loss_tokens]
+    assert tokens == [len(p) + len(c) if k else 0 for p, c, k in zip(prompts, completions, live)]
+    assert tokens == [6, 0, 9, 4, 5, 0, 9]
+    slices = micro_batches(len(batch), 3, tokens, 8)
+    assert [(s.start, s.stop) for s in slices] == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    assert [(s.start, s.stop) for s in micro_batches(7, 3)] == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+@pytest.mark.parametrize("preset", ["grpo", "gspo"])
+def test_packed_micro_batches_by_a_token_budget_equal_the_padded_ones(preset, lm_head):
+    """--pack --max-tokens-per-microbatch: micro-batches of varying sizes (a row over the
+    budget alone) give the padded path's gradients, metrics and old log-probs."""
+    cfg = fusedrl.LossConfig.preset(preset, beta=0.0, kl=None)
+    batch, _, _ = _tiny_batch(n=7, seed=4)
+    grads, metrics, logps = [], [], []
+    for pack, budget in ((False, None), (True, 8)):
+        model = _tiny_model()
+        logps.append(token_logprobs(model, batch, cfg, 3, None, "torch", lm_head, pack, budget))
+        metrics.append(
+            accumulate_gradients(
+                model, batch, cfg, 3, None, "torch", lm_head=lm_head, pack=pack, max_tokens=budget
+            )
+        )
+        grads.append(_flat_grads(model))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    counted = batch.mask > 0
+    torch.testing.assert_close(logps[1][counted], logps[0][counted], rtol=1e-5, atol=1e-5)
     assert grads[0].abs().sum() > 0
     for key, value in metrics[0].items():
         torch.testing.assert_close(metrics[1][key], value, rtol=1e-4, atol=1e-6, msg=key)

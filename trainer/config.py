@@ -198,6 +198,7 @@ class TrainConfig:
     fused_lm_head: bool = True  # loss from hidden states + LM head, no logits (plain heads)
     tp: int = 1  # tensor parallel ranks: the LM head split over the vocabulary (torchrun)
     pack: bool = False  # each micro-batch as one padding-free row (trainer/packing.py)
+    max_tokens_per_microbatch: int | None = None  # with --pack: micro-batches by token budget
     # --- output ---------------------------------------------------------------------------
     out: str = "runs/fusedrl"
     save_every: int = 20
@@ -285,6 +286,12 @@ class TrainConfig:
             ),
         ):
             need(not self.pack or ok, "pack", f"not with {what}: drop --pack")
+        budget = self.max_tokens_per_microbatch
+        need(
+            budget is None or (self.pack and budget >= 1),
+            "max_tokens_per_microbatch",
+            f"is a packed micro-batch's token budget: needs --pack and a value >= 1, got {budget}",
+        )
         need(
             self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
             "distill_teacher",
@@ -591,6 +598,10 @@ HELP = {
     "attention kept within each (flash attention from the position ids; sdpa / eager through a "
     "block-diagonal mask of N^2 elements), logits only where the loss reads them, the loss on "
     "packed rows (cu_seqlens); the old / reference log-prob passes too.",
+    "max_tokens_per_microbatch": "With --pack: build each micro-batch from consecutive "
+    "sequences while their prompt and completion tokens fit this budget (a longer sequence "
+    "alone), in place of --micro-batch-size sequences. Under sdpa / eager a packed row's "
+    "attention mask costs N^2: a budget keeps N small.",
     "tp": "Tensor-parallel ranks (under torchrun; must divide the world size): the LM head is "
     "split over the vocabulary on each group of tp ranks, the rest replicated on them, FSDP2 "
     "over the world / tp data-parallel ranks.",

@@ -585,7 +585,15 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         if reuse:
             batch.old_logp = token_logprobs(
-                self.model, batch, lcfg, mb, self._autocast(), cfg.backend, self.lm_head, cfg.pack
+                self.model,
+                batch,
+                lcfg,
+                mb,
+                self._autocast(),
+                cfg.backend,
+                self.lm_head,
+                cfg.pack,
+                cfg.max_tokens_per_microbatch,
             )
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
@@ -600,6 +608,7 @@ class Trainer:
                 cfg.backend,
                 self.lm_head,
                 cfg.pack,
+                cfg.max_tokens_per_microbatch,
             )
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
@@ -635,6 +644,7 @@ class Trainer:
                     decoupled=cfg.decoupled,
                     entropy_coef=entropy_coef,
                     pack=cfg.pack,
+                    max_tokens=cfg.max_tokens_per_microbatch,
                 )
                 average_replicated_grads(self.model, self.env)
                 clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

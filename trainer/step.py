@@ -189,11 +189,39 @@ def loss_normalizer(cfg: LossConfig, mask: torch.Tensor) -> torch.Tensor:
     return (mask.sum(-1) > 0).sum().float()
 
 
-def micro_batches(n_rows: int, micro_batch_size: int) -> list[slice]:
-    """Row slices; every rank runs the same count (FSDP collectives must match), some empty."""
-    size = micro_batch_size if micro_batch_size > 0 else max(n_rows, 1)
-    count = max_over_ranks(-(-n_rows // size))
-    return [slice(i * size, min((i + 1) * size, n_rows)) for i in range(count)]
+def micro_batches(
+    n_rows: int, micro_batch_size: int, row_tokens: list[int] | None = None, max_tokens=None
+) -> list[slice]:
+    """Row slices; every rank runs the same count (FSDP collectives must match), some empty.
+    With `max_tokens` (packed rows): consecutive rows while their `row_tokens` fit the budget
+    (a longer row alone), in place of `micro_batch_size` rows."""
+    if max_tokens is None:
+        size = micro_batch_size if micro_batch_size > 0 else max(n_rows, 1)
+        slices = [slice(i * size, min((i + 1) * size, n_rows)) for i in range(-(-n_rows // size))]
+    else:
+        slices = _by_token_budget(row_tokens, max_tokens)
+    count = max_over_ranks(len(slices))
+    return slices + [slice(n_rows, n_rows)] * (count - len(slices))
+
+
+def _by_token_budget(row_tokens: list[int], max_tokens: int) -> list[slice]:
+    slices, start, used = [], 0, 0
+    for row, tokens in enumerate(row_tokens):
+        if row > start and used + tokens > max_tokens:
+            slices.append(slice(start, row))
+            start, used = row, 0
+        used += tokens
+    if start < len(row_tokens):
+        slices.append(slice(start, len(row_tokens)))
+    return slices
+
+
+def packed_row_tokens(batch: Batch) -> list[int]:
+    """The tokens each row puts into a packed micro-batch (prompt and completion; none for a
+    sequence without a loss token, which packing leaves out: trainer/packing.py)."""
+    prompts = batch.prompt_lengths or [batch.prompt_len] * len(batch)
+    live = batch.loss_tokens or [1] * len(batch)
+    return [p + n if keep else 0 for p, n, keep in zip(prompts, batch.lengths, live)]
 
 
 @torch.no_grad()
@@ -206,12 +234,14 @@ def token_logprobs(
     backend: str,
     lm_head: bool = False,
     pack: bool = False,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probs of the completion tokens under `model` with the fused no-grad kernel (from the
     hidden states and the head, without logits, when `lm_head`; each micro-batch as one
-    padding-free row when `pack`, where a sequence with no loss token is left out: 0 there)."""
+    padding-free row when `pack`, where a sequence with no loss token is left out: 0 there;
+    `max_tokens`: packed micro-batches by that token budget)."""
     out = torch.zeros(batch.labels.shape, device=batch.labels.device)
-    for rows in micro_batches(len(batch), micro_batch_size):
+    for rows in _micro_batches(batch, micro_batch_size, max_tokens):
         sub = batch.rows(_nonempty(rows, len(batch)))
         packed = _packed(model, sub, autocast_dtype) if pack else None
         labels = sub.labels if packed is None else packed.tokens(sub.labels)
@@ -246,6 +276,11 @@ def token_logprobs(
         if rows.stop > rows.start:
             out[rows, : logp.shape[1]] = logp
     return out
+
+
+def _micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int | None) -> list[slice]:
+    row_tokens = None if max_tokens is None else packed_row_tokens(batch)
+    return micro_batches(len(batch), micro_batch_size, row_tokens, max_tokens)
 
 
 def _nonempty(rows: slice, n_rows: int) -> slice:
@@ -488,6 +523,7 @@ def accumulate_gradients(
     decoupled: bool = False,
     entropy_coef: torch.Tensor | None = None,
     pack: bool = False,
+    max_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Backward of the minibatch loss in micro-batches; returns token-weighted metrics.
 
@@ -500,8 +536,8 @@ def accumulate_gradients(
     policy, batch.rollout_logp (the engine's) the behaviour one (fusedrl's prox_logp=).
     `entropy_coef`: the entropy bonus's coefficient as a device scalar (adaptive entropy
     control), in place of cfg.entropy_coef.
-    `pack`: each micro-batch as one padding-free row (trainer/packing.py); not with a teacher,
-    and `ref_model` on the logits path only (the config and the trainer see to both).
+    `pack`: each micro-batch as one padding-free row (trainer/packing.py); `max_tokens`: the
+    packed micro-batches by that token budget in place of `micro_batch_size` rows.
 
     `normalizer` defaults to the count of the minibatch all-reduced over `dp_group` (the
     data-parallel ranks; None: every rank), so the gradients summed over micro-batches and ranks
@@ -516,7 +552,7 @@ def accumulate_gradients(
     scale = float(world_size(dp_group))
     sums: dict[str, torch.Tensor] = {}
     weight_total = torch.zeros((), device=batch.mask.device)
-    for rows in micro_batches(len(batch), micro_batch_size):
+    for rows in _micro_batches(batch, micro_batch_size, max_tokens):
         empty = rows.stop <= rows.start
         sub = batch.rows(_nonempty(rows, len(batch)))
         if empty:
