@@ -172,10 +172,26 @@ def tp_runs(tmp_path_factory):
     fusedrl_train(
         2, *TP_RUN, *same, "--tp", "2", "--no-fused-lm-head", "--out", str(root / "tp2_logits")
     )
-    return {name: root / name for name in ("tp1", "tp2", "tp2_logits")}
+    # packed rows (cu_seqlens) on each rank's slice: the head's rows, and DTensor logits
+    fusedrl_train(2, *TP_RUN, *same, "--tp", "2", "--pack", "--out", str(root / "tp2_pack"))
+    fusedrl_train(
+        2,
+        *TP_RUN,
+        *same,
+        "--tp",
+        "2",
+        "--pack",
+        "--no-fused-lm-head",
+        "--out",
+        str(root / "tp2_logits_pack"),
+    )
+    return {name: root / name for name in ("tp1", "tp2", "tp2_logits", *TP_PACKED)}
 
 
-@pytest.mark.parametrize("run", ["tp2", "tp2_logits"])
+TP_PACKED = ("tp2_pack", "tp2_logits_pack")
+
+
+@pytest.mark.parametrize("run", ["tp2", "tp2_logits", *TP_PACKED])
 def test_tensor_parallel_step_equals_one_process(tp_runs, run):
     single, tp = read_metrics(tp_runs["tp1"]), read_metrics(tp_runs[run])
     assert [r["step"] for r in tp] == [1, 2]
@@ -184,6 +200,7 @@ def test_tensor_parallel_step_equals_one_process(tp_runs, run):
         f"{run}: loss {first['loss']!r} vs {want['loss']!r}, grad_norm "
         f"{first['grad_norm']!r} vs {want['grad_norm']!r}"
     )
+    assert (f"pack: {str(run in TP_PACKED).lower()}") in (tp_runs[run] / "config.yaml").read_text()
     assert first["reward_mean"] == want["reward_mean"]  # the same samples
     assert first["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     assert first["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

@@ -277,7 +277,6 @@ class TrainConfig:
             "distillation has no tensor-parallel path yet: use --tp 1",
         )
         for ok, what in (
-            (self.tp == 1, "--tp > 1 (the loss takes no vocab-sharded packed rows yet)"),
             (
                 self.kl not in FULL_KLS or _reads_packed_rows_once(self.loss_config()),
                 f"--kl {self.kl} and this loss (packed rows take the exact KL where the loss "
