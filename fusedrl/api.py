@@ -47,6 +47,7 @@ def policy_loss(
     grad_scale: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    cp_group=None,
 ) -> LossOutput:
     """GRPO-family policy loss from the logits, reading them once per pass and never in fp32 copies.
 
@@ -94,6 +95,9 @@ def policy_loss(
             tokens the [N, V] logits concatenate (flash-attention's convention); advantages
             [S] or [N], every per-token argument [N]; as the padded call (fusedrl/packed.py).
         max_seqlen: the longest sequence's length, if known (else read: one host sync).
+        cp_group: context parallelism: the packed tokens split over this group's ranks in
+            rank order, `logits` and every per-token input this rank's chunk, `cu_seqlens`
+            the whole batch's (fusedrl/context_parallel.py).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,
@@ -114,6 +118,7 @@ def policy_loss(
         softcap,
         cu_seqlens,
         max_seqlen,
+        cp_group,
     ):
         out = call_plan.policy_loss(
             call_plan.Call(
@@ -140,30 +145,27 @@ def policy_loss(
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
         config, head = _model_head(config, temperature, softcap, logit_scale)
-        if sharded:
-            _refuse_under_tensor_parallelism(
-                prox_logp, entropy_coef, return_sum_pi_squared, ref_logits, config
-            )
-        require_cu_seqlens(cu_seqlens, max_seqlen)
+        _refuse_what_has_no_path(
+            config,
+            sharded,
+            cp_group,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            inplace=inplace,
+            ref_logits=ref_logits,
+            prox_logp=prox_logp,
+            entropy_coef=entropy_coef,
+            return_sum_pi_squared=return_sum_pi_squared,
+        )
     rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
     call = (labels, advantages, mask, rollout, head, config, normalizer)
     shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
     if cu_seqlens is not None:
-        from . import packed
-
-        rows = packed.LogitsRows(logits, backend, inplace, ref_logits)
-        if sharded:
-            rows = packed.ShardRows(logits, backend, inplace, shard, cu_seqlens)
-        return packed.policy_loss(
-            rows,
-            *call,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
-            return_entropy=return_entropy,
-            entropy_coef=entropy_coef,
-            return_sum_pi_squared=return_sum_pi_squared,
-            grad_scale=grad_scale,
-        )
+        packing = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        options = {"return_entropy": return_entropy, "entropy_coef": entropy_coef}
+        options.update(return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale)
+        rows = (logits, backend, inplace, ref_logits, shard if sharded else None)
+        return _packed_policy_loss(rows, call, packing, cp_group, options)
     if sharded:
         from . import tp
 
@@ -189,6 +191,24 @@ def policy_loss(
     )
 
 
+def _packed_policy_loss(rows: tuple, call: tuple, packing: dict, cp_group, options: dict):
+    """Packed sequences (fusedrl/packed.py) on this process's logits, its slice of them
+    (`shard`: tensor parallelism) or its chunk of the tokens (`cp_group`: context
+    parallelism, fusedrl/context_parallel.py)."""
+    from . import context_parallel, packed
+
+    logits, backend, inplace, ref_logits, shard = rows
+    if cp_group is not None:
+        options.pop("return_sum_pi_squared")  # (refused above)
+        return context_parallel.policy_loss(
+            packed.LogitsRows(logits, backend), *call, **packing, cp_group=cp_group, **options
+        )
+    packed_rows = packed.LogitsRows(logits, backend, inplace, ref_logits)
+    if shard is not None:
+        packed_rows = packed.ShardRows(logits, backend, inplace, shard, packing["cu_seqlens"])
+    return packed.policy_loss(packed_rows, *call, **packing, **options)
+
+
 def _plannable(
     is_weights,
     tp_group,
@@ -203,6 +223,7 @@ def _plannable(
     softcap,
     cu_seqlens,
     max_seqlen,
+    cp_group,
 ) -> bool:
     """Whether every argument of `policy_loss` outside `call_plan.PLANNED` is at its default:
     such a call's kind may be decided once (tests/test_call_plan.py checks the two lists)."""
@@ -220,6 +241,7 @@ def _plannable(
         and softcap is None
         and cu_seqlens is None
         and max_seqlen is None
+        and cp_group is None
     )
 
 
@@ -237,6 +259,50 @@ def _model_head(config, temperature, softcap, logit_scale) -> tuple[object, Mode
             cfg = config if config is not None else LossConfig()
             config = cfg.replace(temperature=scaled_temperature(cfg.temperature, logit_scale))
     return config, ModelHead(temperature, transform)
+
+
+def _refuse_what_has_no_path(config, sharded: bool, cp_group, **arguments) -> None:
+    """The arguments of a call whose parallelism (tensor, context) has no path for them yet,
+    and a max_seqlen without cu_seqlens, refused by name."""
+    require_cu_seqlens(arguments["cu_seqlens"], arguments["max_seqlen"])
+    if sharded:
+        _refuse_under_tensor_parallelism(
+            arguments["prox_logp"],
+            arguments["entropy_coef"],
+            arguments["return_sum_pi_squared"],
+            arguments["ref_logits"],
+            config,
+        )
+    if cp_group is not None:
+        _refuse_under_context_parallelism(
+            arguments["cu_seqlens"],
+            sharded,
+            arguments["inplace"],
+            arguments["ref_logits"],
+            config,
+            arguments["return_sum_pi_squared"],
+        )
+
+
+def _refuse_under_context_parallelism(
+    cu_seqlens, sharded, inplace, ref_logits, config, return_sum_pi_squared: bool
+) -> None:
+    if cu_seqlens is None:
+        raise ValueError(
+            "cp_group takes packed sequences: pass cu_seqlens, the whole batch's boundaries "
+            "(each rank's logits its chunk of the tokens, in rank order)"
+        )
+    full_kl = ref_logits is not None or (isinstance(config, LossConfig) and config.full_kl)
+    if sharded or inplace or full_kl:
+        raise NotImplementedError(
+            "cp_group with tp_group (or DTensor logits), inplace=True or the exact KL "
+            "(ref_logits) is not supported yet"
+        )
+    if return_sum_pi_squared:
+        raise NotImplementedError(
+            "return_sum_pi_squared with cp_group is not supported by policy_loss yet: take it "
+            "from token_logprobs(..., return_sum_pi_squared=True) on each rank's chunk"
+        )
 
 
 def _refuse_under_tensor_parallelism(
@@ -423,6 +489,7 @@ class PolicyLoss(torch.nn.Module):
         grad_scale=None,
         cu_seqlens=None,
         max_seqlen=None,
+        cp_group=None,
     ) -> LossOutput:
         """`policy_loss` with this module's config, backend, inplace and head settings; every
         other keyword as there."""
@@ -453,6 +520,7 @@ class PolicyLoss(torch.nn.Module):
             grad_scale=grad_scale,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
+            cp_group=cp_group,
         )
 
     def extra_repr(self) -> str:

@@ -363,7 +363,7 @@ def policy_loss(
             weights = segment_weights(segments, rows.source, rows.vocab, mask, cfg, normalizer)
         else:
             _refuse_whole_sequence_options(rows, cfg)
-            inp = _padded_inputs(rows, segments, *call, options)
+            inp = padded_inputs(rows, segments, *call, options)
     if once:
         return _plain_call(rows, segments, *call, options, weights)
     return _two_passes(rows, segments, labels, head, cfg, options, inp)
@@ -412,7 +412,7 @@ def _refuse_whole_sequence_options(rows, cfg: LossConfig) -> None:
         )
 
 
-def _padded_inputs(
+def padded_inputs(
     rows, segments, labels, advantages, mask, rollout, head, cfg, normalizer, options
 ) -> LossInputs:
     """The checked, masked inputs of a loss whose terms need whole sequences, on the padded
@@ -446,6 +446,32 @@ def _padded_inputs(
     )
 
 
+def terms_with_grads(rows, segments, values, own, inp, cfg, mine: slice | None = None):
+    """(the terms, the loss with its gradient attached) of a loss whose terms need whole
+    sequences: the backend's own terms (Triton's terms kernel where it covers the loss: two
+    launches where torch takes some seventy) on the padded layout of `values` (the log-probs
+    and entropy [N], 0 where not counted), and d(loss)/d(logp), d(loss)/d(entropy) handed to
+    the log-prob pass's outputs `own` (their tokens `mine` of the N: context parallelism's
+    chunk; None: all)."""
+    logp, entropy = values
+    terms = backends.resolve(rows.backend, logp.device).terms(
+        segments.pad(logp),
+        None if entropy is None else segments.pad(entropy),
+        inp,
+        cfg,
+        entropy is not None,
+    )
+    mine = slice(None) if mine is None else mine
+    pairs = [(own[0], segments.unpad(terms.dlogp)[mine])]
+    if own[1] is not None and terms.dentropy is not None:
+        pairs.append((own[1], segments.unpad(terms.dentropy)[mine]))
+    loss = terms.loss
+    if rows.wants_grad() and torch.is_grad_enabled():
+        inputs, grads = tuple(x for x, _ in pairs), tuple(g for _, g in pairs)
+        loss = attach_grads(loss, inputs, grads, inp.grad_scale)
+    return terms, loss
+
+
 def _two_passes(rows, segments, labels, head, cfg, options, inp) -> LossOutput:
     """A loss whose terms need whole sequences: the log-prob pass, the terms on the padded
     layout of its per-token scalars (`inp`), the gradient through the pass's backward
@@ -463,22 +489,11 @@ def _two_passes(rows, segments, labels, head, cfg, options, inp) -> LossOutput:
         safe_labels, rows_temperature, entropy_wanted, head.transform, **sampling
     )
     # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
-    # The backend's own terms, as its padded two-pass call takes them (Triton's terms kernel:
-    # two launches where torch takes some seventy).
-    terms = backends.resolve(rows.backend, logp.device).terms(
-        segments.pad(torch.where(counted, logp.detach(), 0.0)),
-        None if entropy is None else segments.pad(torch.where(counted, entropy.detach(), 0.0)),
-        inp,
-        cfg,
-        entropy is not None,
+    logp_values = torch.where(counted, logp.detach(), 0.0)
+    entropy_values = None if entropy is None else torch.where(counted, entropy.detach(), 0.0)
+    terms, loss = terms_with_grads(
+        rows, segments, (logp_values, entropy_values), (logp, entropy), inp, cfg
     )
-    pairs = [(logp, segments.unpad(terms.dlogp))]
-    if entropy is not None and terms.dentropy is not None:
-        pairs.append((entropy, segments.unpad(terms.dentropy)))
-    loss = terms.loss
-    if rows.wants_grad() and torch.is_grad_enabled():
-        inputs, grads = tuple(x for x, _ in pairs), tuple(g for _, g in pairs)
-        loss = attach_grads(loss, inputs, grads, inp.grad_scale)
     squares = None
     if options.get("return_sum_pi_squared"):  # from the log-probs at T and T / 2
         with torch.no_grad():

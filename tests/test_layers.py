@@ -287,6 +287,7 @@ FAMILY_LOSSES = {
     "fusedrl.single_process": "policy_loss",
     "fusedrl.linear_single_process": "linear_policy_loss",
     "fusedrl.packed": "policy_loss",
+    "fusedrl.context_parallel": "policy_loss",
     "fusedrl.tp.loss": "policy_loss",
     "fusedrl.tp.linear": "linear_policy_loss",
 }

@@ -1,0 +1,211 @@
+"""Context parallelism: packed sequences split over the ranks of a group (verl's Ulysses
+sequence parallelism, torch's context parallel), `policy_loss(..., cu_seqlens=, cp_group=)`.
+
+Each rank holds a contiguous chunk of the packed token stream, in rank order: rank r's logits
+[N_r, V] are tokens offset_r .. offset_r + N_r of the N tokens that `cu_seqlens` (the whole
+batch's boundaries, the same on every rank) cuts into S sequences; a sequence may cross ranks.
+Every per-token input is the rank's chunk [N_r]; `advantages` and `is_weights` may be one per
+sequence [S] (then the same on every rank).
+
+How: each rank reads its chunk's logits once for the log-probs and entropy (the log-prob pass,
+differentiable). One all-gather then brings every rank's per-token scalars (the mask, the
+log-probs and entropy, the rollout's log-probs, per-token advantages, weights, temperatures: a
+few floats a token, never the logits) to every rank, which computes the loss's terms over the
+whole batch alike (the packed two-pass route's: fusedrl/packed.py) and hands its own chunk's
+d(loss)/d(logp) and d(loss)/d(entropy) to its log-prob pass's backward, which reads its logits
+once more and writes their gradient (2R + 1W; no collective in the backward).
+
+Outputs: the loss and the metrics, the same on every rank (the whole batch's); logp and
+entropy of this rank's chunk [N_r]. The gradient is d(loss)/d(this rank's logits): summed over
+the group, the model's parameter gradients are the single-process ones (pass `grad_scale=`
+the group's size where the data-parallel reduction averages over it instead).
+
+Before the data, a header (one all-gather of 3 int64 a rank): each rank's N_r, whether its own
+checks passed, and a hash of its `cu_seqlens`, so that a bad argument on one rank, or
+boundaries that differ, raise on every rank instead of leaving the others in the all-gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from . import packed
+from ._inputs import check_logits
+from .arguments import ModelHead, RolloutInputs
+from .config import LossConfig
+from .output import LossOutput
+from .segments import Segments, check_cu_seqlens
+from .tp.comm import all_gather, group_rank_and_size
+from .tp.header import replicated_hash
+
+
+class ContextParallelInputError(ValueError):
+    """Bad input to a context-parallel call, found by the header on every rank."""
+
+
+def policy_loss(
+    rows: packed.LogitsRows,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout: RolloutInputs,
+    head: ModelHead,
+    config: LossConfig | None,
+    normalizer,
+    *,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    cp_group,
+    return_entropy: bool,
+    entropy_coef: torch.Tensor | None,
+    grad_scale,
+) -> LossOutput:
+    """`fusedrl.policy_loss` of this rank's chunk of packed sequences (the module docstring
+    says how), its rollout inputs and model head as objects."""
+    cfg = config if config is not None else LossConfig()
+    rank, world = group_rank_and_size(cp_group)
+    failure = None
+    try:
+        _local_checks(rows.logits, labels, mask, rollout, head, cu_seqlens)
+    except (TypeError, ValueError, NotImplementedError) as err:
+        failure = err
+    sizes = _header(rows.logits, cu_seqlens, failure, cp_group, world, rank)
+    tokens, offset = sum(sizes), sum(sizes[:rank])
+    mine = slice(offset, offset + sizes[rank])
+    whole = torch.empty((tokens, 1), device=rows.logits.device)  # (what cu_seqlens counts)
+    segments = Segments(check_cu_seqlens(cu_seqlens, whole, max_seqlen), tokens, max_seqlen)
+    valid = mask != 0
+    temperature = _own_temperature(head.temperature, segments, mine, valid)
+    rows_temperature = cfg.temperature if temperature is None else temperature
+    want_entropy = return_entropy or cfg.needs_entropy or entropy_coef is not None
+    sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
+    safe_labels = torch.where(valid, labels, 0)
+    logp, entropy = rows.logprobs(
+        safe_labels, rows_temperature, want_entropy, head.transform, **sampling
+    )
+    own = {"mask": mask, "logp": torch.where(valid, logp.detach(), 0.0)}
+    if entropy is not None:
+        own["entropy"] = torch.where(valid, entropy.detach(), 0.0)
+    own.update({k: v for k, v in rollout.per_token().items() if v is not None})
+    for name, value in (("advantages", advantages), ("is_weights", rollout.is_weights)):
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(mask.shape):
+            own[name] = value  # per token (else one per sequence, the same on every rank)
+    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() == 1:
+        own["temperature"] = head.temperature
+    full = _gather(own, sizes, cp_group, world)
+    whole_rollout = RolloutInputs(
+        **{f.name: full.get(f.name, getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
+    )
+    whole_head = dataclasses.replace(head, temperature=full.get("temperature", head.temperature))
+    options = {"return_entropy": return_entropy, "grad_scale": grad_scale}
+    if entropy_coef is not None:
+        options["entropy_coef"] = entropy_coef
+    inp = packed.padded_inputs(
+        rows,
+        segments,
+        torch.zeros(tokens, dtype=torch.long, device=whole.device),
+        segments.per_token(full.get("advantages", advantages), "advantages"),
+        full["mask"],
+        whole_rollout,
+        whole_head,
+        cfg,
+        normalizer,
+        options,
+    )
+    counted = segments.unpad(inp.valid.float()) != 0
+    values = (
+        torch.where(counted, full["logp"], 0.0),
+        None if entropy is None else torch.where(counted, full["entropy"], 0.0),
+    )
+    terms, loss = packed.terms_with_grads(rows, segments, values, (logp, entropy), inp, cfg, mine)
+    return LossOutput(
+        loss=loss,
+        logp=own["logp"],
+        entropy=own["entropy"] if return_entropy else None,
+        metrics=terms.metrics,
+    )
+
+
+def _local_checks(logits, labels, mask, rollout, head, cu_seqlens) -> None:
+    """This rank's arguments alone: [N_r, V] logits, every per-token input [N_r] (advantages
+    and IS weights may be [S]; their values are checked on the whole batch)."""
+    logits = check_logits(logits)
+    if logits.dim() != 2:
+        raise ValueError(
+            f"cp_group takes packed [N, V] logits (this rank's chunk), got {tuple(logits.shape)}"
+        )
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise ValueError("cp_group needs cu_seqlens: the whole batch's [S + 1] boundaries")
+    chunk = (logits.shape[0],)
+    per_token = {"labels": labels, "mask": mask, **rollout.per_token()}
+    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() == 1:
+        per_token["temperature"] = head.temperature
+    for name, value in per_token.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != chunk:
+            raise ValueError(
+                f"{name} shape {tuple(value.shape)} must be [{chunk[0]}]: one per token of this "
+                "rank's chunk (cp_group)"
+            )
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _header(logits, cu_seqlens, failure, group, world: int, rank: int) -> list[int]:
+    """Every rank's chunk size, once every rank's own checks passed and the boundaries agree;
+    else the same error on every rank (the failing rank its own)."""
+    size = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() >= 1 else -1
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    boundaries = cu_seqlens.long() if isinstance(cu_seqlens, torch.Tensor) else None
+    digest = replicated_hash(boundaries, None, device) if failure is None else 0
+    local = torch.tensor([size, int(failure is not None), 0], dtype=torch.int64, device=device)
+    local[2] = digest
+    rows = all_gather(local, group, world).tolist()
+    failed = [r for r, row in enumerate(rows) if row[1]]
+    if failed:
+        if failure is not None:
+            raise failure
+        raise ContextParallelInputError(
+            f"fusedrl context parallel: rank(s) {failed} rejected their inputs (their error "
+            "names the argument)"
+        )
+    if len({row[2] for row in rows}) > 1:
+        raise ContextParallelInputError(
+            "fusedrl context parallel: ranks disagree on cu_seqlens (the whole batch's "
+            "boundaries must be the same on every rank)"
+        )
+    return [row[0] for row in rows]
+
+
+def _own_temperature(temperature, segments: Segments, mine: slice, valid: torch.Tensor):
+    """This rank's tokens' temperatures for its log-prob pass (1 where a token does not count),
+    from per-token [N_r], per-sequence [S] or 0-dim ones; None: the config's number."""
+    if not isinstance(temperature, torch.Tensor):
+        return None
+    if temperature.dim() == 0:
+        return temperature
+    if temperature.shape[0] != valid.shape[0]:  # one per sequence: spread, then this chunk
+        temperature = segments.per_token(temperature, "temperature")[mine]
+    return torch.where(valid, temperature.float(), 1.0)
+
+
+def _gather(own: dict, sizes: list[int], group, world: int) -> dict:
+    """Every rank's per-token columns, whole: one all-gather of [max N_r, K] fp32 (a bool mask
+    comes back bool; fp32 holds every value these columns take as they are)."""
+    names = list(own)
+    width = max(sizes)
+    device = own["mask"].device
+    stacked = torch.zeros((width, len(names)), dtype=torch.float32, device=device)
+    stacked[: sizes[group_rank_and_size(group)[0]]] = torch.stack(
+        [own[name].float() for name in names], dim=1
+    )
+    parts = all_gather(stacked, group, world)
+    columns = torch.cat([parts[r, : sizes[r]] for r in range(world)])
+    full = {name: columns[:, i] for i, name in enumerate(names)}
+    if own["mask"].dtype == torch.bool:
+        full["mask"] = full["mask"] != 0
+    return full

@@ -1,0 +1,235 @@
+"""Context parallelism (fusedrl/context_parallel.py) on CPU: gloo worlds of 2 and 3 processes.
+
+The packed batch of tests/test_packed.py (25 tokens in six sequences, one empty, masked tokens
+holding NaN logits) is cut into contiguous chunks, one a rank in rank order, unevenly, so that
+sequences cross ranks. Each world is spawned once and runs every case; each rank saves what it
+computed, and the tests compare it with the single-process packed call on the whole batch (run
+by rank 0 in the same world): the loss and metrics on every rank, each rank's log-probs,
+entropy and gradient its chunk of the single call's; and bad input raising on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import fusedrl
+from fusedrl import LossConfig
+
+from .test_packed import _batch
+
+WORLDS = (2, 3)
+CHUNKS = {2: (12, 13), 3: (7, 10, 8)}  # of the 25 packed tokens; sequence 3 crosses ranks
+DEADLINE_S = 240
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    config: LossConfig
+    backend: str = "torch"
+    per_token_adv: bool = False
+    rollout: bool = False  # the engine's log-probs given (metrics, or the IS correction)
+    row_temps: bool = False
+    bad: str = ""  # a named defect (see `_bad_arguments`), raised on every rank
+
+
+GSPO_OPEN = {"eps_low": 0.2, "eps_high": 0.3}
+CASES = [
+    # sequence ratios, crossing ranks; the mismatch metrics count sequences
+    Case("gspo", LossConfig.preset("gspo", **GSPO_OPEN), rollout=True),
+    Case("gspo_triton", LossConfig.preset("gspo", **GSPO_OPEN), backend="triton"),
+    Case(
+        "sequence_is_entropy_bonus",
+        LossConfig.preset("grpo", is_correction="sequence_truncate", is_cap=1.5, entropy_coef=0.02),
+        rollout=True,
+    ),
+    Case("grpo_kl_row_temps", LossConfig.preset("grpo", beta=0.1), row_temps=True),
+    Case("dapo_per_token_adv", LossConfig.preset("dapo"), per_token_adv=True),
+    Case("bad_mask_shape_last_rank", LossConfig.preset("dapo"), bad="mask_shape_last_rank"),
+    Case("bad_cu_seqlens_differ", LossConfig.preset("dapo"), bad="cu_seqlens_differ"),
+    Case("bad_no_cu_seqlens", LossConfig.preset("dapo"), bad="no_cu_seqlens"),
+]
+BY_NAME = {case.name: case for case in CASES}
+
+
+def _inputs(case: Case) -> dict:
+    data = _batch(seed=31, per_token_adv=case.per_token_adv)
+    flat = dict(data["packed"], cu_seqlens=data["cu_seqlens"])
+    if not case.rollout:
+        flat.pop("rollout_logp")
+    if case.row_temps:
+        gen = torch.Generator().manual_seed(3)
+        flat["temperature"] = 0.5 + torch.rand(flat["labels"].shape, generator=gen)
+    return flat
+
+
+def _call(case: Case, inputs: dict, **extra) -> dict:
+    leaf = inputs["logits"].detach().clone().requires_grad_(True)
+    args = {k: v for k, v in inputs.items() if k != "logits"}
+    out = fusedrl.policy_loss(
+        leaf, **args, config=case.config, backend=case.backend, return_entropy=True, **extra
+    )
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return {
+        "loss": out.loss.detach(),
+        "logp": out.logp,
+        "entropy": out.entropy,
+        "grad": grad,
+        "metrics": {k: v.detach() for k, v in out.metrics.items()},
+    }
+
+
+def _chunk(inputs: dict, mine: slice, tokens: int) -> dict:
+    """This rank's part: every [N, ...] tensor's rows `mine`; per-sequence ones and the
+    boundaries as they are."""
+    return {
+        k: v[mine] if k != "cu_seqlens" and v.dim() >= 1 and v.shape[0] == tokens else v
+        for k, v in inputs.items()
+    }
+
+
+def _bad_arguments(case: Case, mine_inputs: dict, rank: int, world: int) -> dict:
+    if case.bad == "mask_shape_last_rank" and rank == world - 1:
+        mine_inputs["mask"] = mine_inputs["mask"][:-1]
+    if case.bad == "cu_seqlens_differ" and rank == 1:
+        bounds = mine_inputs["cu_seqlens"].clone()
+        bounds[2] += 1  # another valid cut of the same tokens
+        mine_inputs["cu_seqlens"] = bounds
+    if case.bad == "no_cu_seqlens":
+        mine_inputs.pop("cu_seqlens")
+    return mine_inputs
+
+
+def _run(case: Case, world: int, rank: int, group) -> dict:
+    inputs = _inputs(case)
+    tokens = inputs["labels"].shape[0]
+    sizes = CHUNKS[world]
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    mine_inputs = _bad_arguments(case, _chunk(inputs, mine, tokens), rank, world)
+    result = {"mine": (mine.start, mine.stop)}
+    if case.bad:
+        try:
+            _call(case, mine_inputs, cp_group=group)
+            result["error"] = None
+        except Exception as err:
+            result["error"] = (type(err).__name__, str(err))
+        return result
+    result.update(_call(case, mine_inputs, cp_group=group))
+    if rank == 0:
+        result["single"] = _call(case, inputs)
+    return result
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results = {}
+    for case in CASES:
+        try:
+            results[case.name] = _run(case, world, rank, dist.group.WORLD)
+        except Exception:
+            results[case.name] = {"crash": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            out = str(tmp_path_factory.mktemp(f"cp{world}"))
+            ctx = mp.start_processes(
+                _worker, args=(world, _free_port(), out), nprocs=world, join=False
+            )
+            deadline = time.monotonic() + DEADLINE_S
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in ctx.processes:
+                        process.terminate()
+                    pytest.fail(f"the context-parallel world of {world} hung")
+            cache[world] = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+        return cache[world]
+
+    return get
+
+
+def _results(worlds, world: int, name: str) -> list[dict]:
+    per_rank = [results[name] for results in worlds(world)]
+    for rank, result in enumerate(per_rank):
+        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+    return per_rank
+
+
+GOOD = [case.name for case in CASES if not case.bad]
+
+
+@pytest.mark.parametrize("name", GOOD)
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_rank_gets_the_single_process_result(worlds, world, name):
+    """The loss and metrics on every rank are the single call's on the whole batch; each
+    rank's log-probs, entropy and gradient are its chunk of the single call's."""
+    per_rank = _results(worlds, world, name)
+    single = per_rank[0]["single"]
+    assert single["grad"].nan_to_num().abs().sum() > 0
+    for rank, result in enumerate(per_rank):
+        mine = slice(*result["mine"])
+        torch.testing.assert_close(result["loss"], single["loss"], atol=1e-6, rtol=1e-5)
+        assert result["metrics"].keys() == single["metrics"].keys(), rank
+        for key, value in single["metrics"].items():
+            torch.testing.assert_close(result["metrics"][key], value, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["logp"], single["logp"][mine], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["entropy"], single["entropy"][mine])
+        torch.testing.assert_close(
+            result["grad"], single["grad"][mine], atol=1e-6, rtol=1e-5, equal_nan=True
+        )
+        # the whole batch's loss, the same bits on every rank
+        assert torch.equal(result["loss"], per_rank[0]["loss"]), rank
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_input_raises_on_every_rank(worlds, world):
+    """One rank's bad mask: its own error there, a pointer on the others; boundaries that
+    differ across ranks, or none: the same error everywhere. Nobody hangs."""
+    errors = [r["error"] for r in _results(worlds, world, "bad_mask_shape_last_rank")]
+    assert errors[-1][0] == "ValueError" and "mask shape" in errors[-1][1], errors
+    for error in errors[:-1]:
+        assert error[0] == "ContextParallelInputError", errors
+        assert f"rank(s) [{world - 1}] rejected" in error[1], errors
+    errors = [r["error"] for r in _results(worlds, world, "bad_cu_seqlens_differ")]
+    assert {e for e in errors} == {("ContextParallelInputError", errors[0][1])}, errors
+    assert "disagree on cu_seqlens" in errors[0][1]
+    errors = [r["error"] for r in _results(worlds, world, "bad_no_cu_seqlens")]
+    assert all(e[0] == "ValueError" and "cp_group takes packed" in e[1] for e in errors), errors
+
+
+def test_the_cases_act():
+    """What the comparisons take for granted: sequences cross ranks in both worlds, and the
+    sequence-level branches act on these inputs."""
+    bounds = _inputs(BY_NAME["gspo"])["cu_seqlens"].tolist()
+    for sizes in CHUNKS.values():
+        cuts = [sum(sizes[: r + 1]) for r in range(len(sizes) - 1)]
+        assert any(lo < cut < hi for cut in cuts for lo, hi in zip(bounds, bounds[1:]))
+    out = _call(BY_NAME["sequence_is_entropy_bonus"], _inputs(BY_NAME["sequence_is_entropy_bonus"]))
+    assert out["metrics"]["is_weight_mean"] < out["metrics"]["is_weight_max"] == 1.5
