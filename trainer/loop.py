@@ -583,33 +583,16 @@ class Trainer:
         reuse = cfg.ppo_epochs > 1 or cfg.minibatches > 1 or cfg.decoupled
         self.model.eval()  # no dropout: the ratio is exactly 1 on-policy
         metrics: dict[str, torch.Tensor] = {}
+        # (the micro-batches, precision, backend, head and packing of the update itself)
+        layout = (mb, self._autocast(), cfg.backend, self.lm_head, cfg.pack)
+        layout += (cfg.max_tokens_per_microbatch,)
         if reuse:
-            batch.old_logp = token_logprobs(
-                self.model,
-                batch,
-                lcfg,
-                mb,
-                self._autocast(),
-                cfg.backend,
-                self.lm_head,
-                cfg.pack,
-                cfg.max_tokens_per_microbatch,
-            )
+            batch.old_logp = token_logprobs(self.model, batch, lcfg, *layout)
             if batch.rollout_logp is not None:
                 diff = (batch.old_logp - batch.rollout_logp).abs() * batch.mask
                 metrics["logp_diff_rollout"] = diff.sum() / batch.mask.sum().clamp_min(1)
         if self.ref_model is not None and not lcfg.full_kl:
-            batch.ref_logp = token_logprobs(
-                self.ref_model,
-                batch,
-                lcfg,
-                mb,
-                self._autocast(),
-                cfg.backend,
-                self.lm_head,
-                cfg.pack,
-                cfg.max_tokens_per_microbatch,
-            )
+            batch.ref_logp = token_logprobs(self.ref_model, batch, lcfg, *layout)
         warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * warmup
