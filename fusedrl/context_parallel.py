@@ -5,7 +5,8 @@ Each rank holds a contiguous chunk of the packed token stream, in rank order: ra
 [N_r, V] are tokens offset_r .. offset_r + N_r of the N tokens that `cu_seqlens` (the whole
 batch's boundaries, the same on every rank) cuts into S sequences; a sequence may cross ranks.
 Every per-token input is the rank's chunk [N_r]; `advantages` and `is_weights` may be one per
-sequence [S] (then the same on every rank).
+sequence [S] (then the same on every rank). The LM-head form (`linear_policy_loss(...,
+cp_group=)`) takes each rank's chunk of the hidden states [N_r, H] and the whole head.
 
 How: each rank reads its chunk's logits once for the log-probs and entropy (the log-prob pass,
 differentiable). One all-gather then brings every rank's per-token scalars (the mask, the
@@ -47,7 +48,7 @@ class ContextParallelInputError(ValueError):
 
 
 def policy_loss(
-    rows: packed.LogitsRows,
+    rows: packed.LogitsRows | packed.HeadRows,
     labels: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
@@ -63,19 +64,20 @@ def policy_loss(
     entropy_coef: torch.Tensor | None,
     grad_scale,
 ) -> LossOutput:
-    """`fusedrl.policy_loss` of this rank's chunk of packed sequences (the module docstring
-    says how), its rollout inputs and model head as objects."""
+    """`fusedrl.policy_loss` / `linear_policy_loss` of this rank's chunk of packed sequences
+    (the module docstring says how) on the call's `rows` (its logits [N_r, V], or its hidden
+    states [N_r, H] and the LM head), its rollout inputs and model head as objects."""
     cfg = config if config is not None else LossConfig()
     rank, world = group_rank_and_size(cp_group)
     failure = None
     try:
-        _local_checks(rows.logits, labels, mask, rollout, head, cu_seqlens)
+        _local_checks(rows, labels, mask, rollout, head, cu_seqlens)
     except (TypeError, ValueError, NotImplementedError) as err:
         failure = err
-    sizes = _header(rows.logits, cu_seqlens, failure, cp_group, world, rank)
+    sizes = _header(rows.source, cu_seqlens, failure, cp_group, world, rank)
     tokens, offset = sum(sizes), sum(sizes[:rank])
     mine = slice(offset, offset + sizes[rank])
-    whole = torch.empty((tokens, 1), device=rows.logits.device)  # (what cu_seqlens counts)
+    whole = torch.empty((tokens, 1), device=rows.source.device)  # (what cu_seqlens counts)
     segments = Segments(check_cu_seqlens(cu_seqlens, whole, max_seqlen), tokens, max_seqlen)
     valid = mask != 0
     temperature = _own_temperature(head.temperature, segments, mine, valid)
@@ -129,13 +131,16 @@ def policy_loss(
     )
 
 
-def _local_checks(logits, labels, mask, rollout, head, cu_seqlens) -> None:
-    """This rank's arguments alone: [N_r, V] logits, every per-token input [N_r] (advantages
-    and IS weights may be [S]; their values are checked on the whole batch)."""
-    logits = check_logits(logits)
+def _local_checks(rows, labels, mask, rollout, head, cu_seqlens) -> None:
+    """This rank's arguments alone: [N_r, V] logits (or [N_r, H] hidden states), every
+    per-token input [N_r] (advantages and IS weights may be [S]; their values are checked on
+    the whole batch)."""
+    source = "logits" if isinstance(rows, packed.LogitsRows) else "hidden"
+    logits = check_logits(rows.source, name=source)
     if logits.dim() != 2:
         raise ValueError(
-            f"cp_group takes packed [N, V] logits (this rank's chunk), got {tuple(logits.shape)}"
+            f"cp_group takes packed [N, {'V' if source == 'logits' else 'H'}] {source} (this "
+            f"rank's chunk), got {tuple(logits.shape)}"
         )
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError("cp_group needs cu_seqlens: the whole batch's [S + 1] boundaries")

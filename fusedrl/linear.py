@@ -107,6 +107,7 @@ def linear_policy_loss(
     grad_scale: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    cp_group=None,
 ) -> LossOutput:
     """`fusedrl.policy_loss` of the logits `hidden @ weight.T + bias`, which are never stored.
 
@@ -119,7 +120,8 @@ def linear_policy_loss(
         weight: [V, H], the LM head (model.lm_head.weight); the dtype and device of `hidden`.
         labels, advantages, mask, old_logp, ref_logp, rollout_logp, config, normalizer,
         return_entropy, is_weights, temperature, prox_logp, entropy_coef,
-        return_sum_pi_squared, grad_scale, cu_seqlens, max_seqlen: as in `fusedrl.policy_loss`
+        return_sum_pi_squared, grad_scale, cu_seqlens, max_seqlen, cp_group: as in
+            `fusedrl.policy_loss`
             (the gradients of hidden, weight and bias are written times grad_scale; packed
             sequences take [N, H] hidden states).
         bias: [V] or None.
@@ -161,6 +163,8 @@ def linear_policy_loss(
             sharded,
         )
         require_cu_seqlens(cu_seqlens, max_seqlen)
+        if cp_group is not None:
+            _refuse_under_context_parallelism(cu_seqlens, sharded, config, return_sum_pi_squared)
     rollout = RolloutInputs(old_logp, ref_logp, rollout_logp, prox_logp, is_weights)
     head = ModelHead(temperature, transform)
     call = (labels, advantages, mask, rollout, head, config, normalizer)
@@ -168,24 +172,12 @@ def linear_policy_loss(
     shard = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_size": vocab_size}
     shard["reduce_input_grad"] = reduce_input_grad
     if cu_seqlens is not None:
-        from . import packed
-
         reference = {"ref_weight": ref_weight, "ref_hidden": ref_hidden, "ref_bias": ref_bias}
-        head_rows = packed.HeadRows(hidden, weight, bias, backend, **rows, **reference)
-        if sharded:
-            head_rows = packed.ShardHeadRows(
-                hidden, weight, bias, backend, shard, **rows, cu_seqlens=cu_seqlens
-            )
-        return packed.policy_loss(
-            head_rows,
-            *call,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
-            return_entropy=return_entropy,
-            entropy_coef=entropy_coef,
-            return_sum_pi_squared=return_sum_pi_squared,
-            grad_scale=grad_scale,
-        )
+        head_rows = (hidden, weight, bias, backend, rows, reference, shard if sharded else None)
+        packing = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        options = {"return_entropy": return_entropy, "entropy_coef": entropy_coef}
+        options.update(return_sum_pi_squared=return_sum_pi_squared, grad_scale=grad_scale)
+        return _packed_linear_loss(head_rows, call, packing, cp_group, options)
     if sharded:
         from .tp import linear as tp_linear
 
@@ -215,6 +207,39 @@ def linear_policy_loss(
         return_sum_pi_squared=return_sum_pi_squared,
         grad_scale=grad_scale,
     )
+
+
+def _packed_linear_loss(head_rows: tuple, call: tuple, packing: dict, cp_group, options: dict):
+    """Packed sequences (fusedrl/packed.py) from this process's hidden states and head, its
+    rows of a vocab-sharded head (`shard`), or its chunk of the tokens (`cp_group`: context
+    parallelism, fusedrl/context_parallel.py)."""
+    from . import context_parallel, packed
+
+    hidden, weight, bias, backend, rows, reference, shard = head_rows
+    own_rows = packed.HeadRows(hidden, weight, bias, backend, **rows, **reference)
+    if cp_group is not None:
+        options.pop("return_sum_pi_squared")  # (refused above)
+        packing["cp_group"] = cp_group
+        return context_parallel.policy_loss(own_rows, *call, **packing, **options)
+    if shard is not None:
+        own_rows = packed.ShardHeadRows(
+            hidden, weight, bias, backend, shard, **rows, cu_seqlens=packing["cu_seqlens"]
+        )
+    return packed.policy_loss(own_rows, *call, **packing, **options)
+
+
+def _refuse_under_context_parallelism(cu_seqlens, sharded, config, return_sum_pi_squared):
+    if cu_seqlens is None:
+        raise ValueError(
+            "cp_group takes packed sequences: pass cu_seqlens, the whole batch's boundaries "
+            "(each rank's hidden states its chunk of the tokens, in rank order)"
+        )
+    full_kl = isinstance(config, LossConfig) and config.full_kl
+    if sharded or full_kl or return_sum_pi_squared:
+        raise NotImplementedError(
+            "cp_group with tp_group, the exact KL (ref_weight) or return_sum_pi_squared is not "
+            "supported by linear_policy_loss yet"
+        )
 
 
 def linear_token_logprobs(

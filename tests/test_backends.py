@@ -402,8 +402,7 @@ def test_policy_loss_module_and_auto_backend():
 # anything else policy_loss takes, every surface takes (a new argument joins them all, or here).
 SURFACE_EXCEPTIONS = {
     # the LM-head form: hidden states and the head in place of logits that never exist
-    # (and, not yet, context parallelism)
-    "linear_policy_loss": {"logits", "inplace", "ref_logits", "cp_group"},
+    "linear_policy_loss": {"logits", "inplace", "ref_logits"},
     # the oracle: one process, the whole vocabulary
     "reference.policy_loss": {"tp_group", "vocab_start", "vocab_size", "cp_group"},
     "PolicyLoss": set(),

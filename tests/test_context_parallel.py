@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import fusedrl
 from fusedrl import LossConfig
 
-from .test_packed import _batch
+from .test_packed import VOCAB, _batch
 
 WORLDS = (2, 3)
 CHUNKS = {2: (12, 13), 3: (7, 10, 8)}  # of the 25 packed tokens; sequence 3 crosses ranks
@@ -38,6 +38,7 @@ class Case:
     per_token_adv: bool = False
     rollout: bool = False  # the engine's log-probs given (metrics, or the IS correction)
     row_temps: bool = False
+    lm_head: bool = False  # hidden states [N, H] and the head (linear_policy_loss)
     bad: str = ""  # a named defect (see `_bad_arguments`), raised on every rank
 
 
@@ -53,6 +54,9 @@ CASES = [
     ),
     Case("grpo_kl_row_temps", LossConfig.preset("grpo", beta=0.1), row_temps=True),
     Case("dapo_per_token_adv", LossConfig.preset("dapo"), per_token_adv=True),
+    # the LM-head form: each rank its chunk's hidden states, the head replicated
+    Case("gspo_lm_head", LossConfig.preset("gspo", **GSPO_OPEN), lm_head=True, rollout=True),
+    Case("grpo_lm_head_triton", LossConfig.preset("grpo"), backend="triton", lm_head=True),
     Case("bad_mask_shape_last_rank", LossConfig.preset("dapo"), bad="mask_shape_last_rank"),
     Case("bad_cu_seqlens_differ", LossConfig.preset("dapo"), bad="cu_seqlens_differ"),
     Case("bad_no_cu_seqlens", LossConfig.preset("dapo"), bad="no_cu_seqlens"),
@@ -68,21 +72,43 @@ def _inputs(case: Case) -> dict:
     if case.row_temps:
         gen = torch.Generator().manual_seed(3)
         flat["temperature"] = 0.5 + torch.rand(flat["labels"].shape, generator=gen)
+    if case.lm_head:  # the head's own log-probs, moved a little, as the rollout's
+        gen = torch.Generator().manual_seed(5)
+        tokens = flat["labels"].shape[0]
+        flat["logits"] = torch.randn(tokens, HIDDEN, generator=gen)  # (the hidden states)
+        flat["weight"] = 0.5 * torch.randn(VOCAB, HIDDEN, generator=gen)
+        with torch.no_grad():
+            logits = flat["logits"] @ flat["weight"].T
+            labels = flat["labels"].clamp_min(0)[:, None]
+            now = torch.log_softmax(logits, -1).gather(-1, labels)[:, 0]
+        for name, scale in (("old_logp", 0.3), ("ref_logp", 0.2), ("rollout_logp", 0.5)):
+            if name in flat:
+                flat[name] = now + scale * torch.randn(tokens, generator=gen)
     return flat
 
 
+HIDDEN = 16
+
+
 def _call(case: Case, inputs: dict, **extra) -> dict:
-    leaf = inputs["logits"].detach().clone().requires_grad_(True)
-    args = {k: v for k, v in inputs.items() if k != "logits"}
-    out = fusedrl.policy_loss(
-        leaf, **args, config=case.config, backend=case.backend, return_entropy=True, **extra
+    """The loss of `inputs` (logits, or hidden states in "logits" and the head in "weight"),
+    with the gradients of the rows ("grad") and of the head ("weight_grad")."""
+    leaves = [inputs["logits"].detach().clone().requires_grad_(True)]
+    function = fusedrl.policy_loss
+    if case.lm_head:
+        leaves.append(inputs["weight"].detach().clone().requires_grad_(True))
+        function = fusedrl.linear_policy_loss
+    args = {k: v for k, v in inputs.items() if k not in ("logits", "weight")}
+    out = function(
+        *leaves, **args, config=case.config, backend=case.backend, return_entropy=True, **extra
     )
-    (grad,) = torch.autograd.grad(out.loss, leaf)
+    grads = torch.autograd.grad(out.loss, leaves)
     return {
         "loss": out.loss.detach(),
         "logp": out.logp,
         "entropy": out.entropy,
-        "grad": grad,
+        "grad": grads[0],
+        "weight_grad": grads[1] if case.lm_head else None,
         "metrics": {k: v.detach() for k, v in out.metrics.items()},
     }
 
@@ -206,6 +232,10 @@ def test_every_rank_gets_the_single_process_result(worlds, world, name):
         )
         # the whole batch's loss, the same bits on every rank
         assert torch.equal(result["loss"], per_rank[0]["loss"]), rank
+    if single["weight_grad"] is not None:  # the head's: each rank its chunk's part, summed
+        summed = sum(result["weight_grad"] for result in per_rank)
+        torch.testing.assert_close(summed, single["weight_grad"], atol=1e-6, rtol=1e-5)
+        assert single["weight_grad"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("world", WORLDS)
