@@ -9,6 +9,7 @@ out.loss.backward()
 from . import advantages, reference
 from .api import PolicyLoss, policy_loss, token_logprobs
 from .backends import BACKENDS, LINEAR_BACKENDS
+from .batch_stats import batch_statistics_over
 from .config import PRESETS, LossConfig
 from .distill import DISTILL_KINDS, distill_loss
 from .distill.linear import linear_distill_loss
@@ -26,6 +27,7 @@ __all__ = [
     "LossOutput",
     "PolicyLoss",
     "advantages",
+    "batch_statistics_over",
     "distill_loss",
     "linear_distill_loss",
     "linear_policy_loss",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._inputs import LossInputs, entropy_coef_of, has_entropy_bonus
+from .batch_stats import gathered, statistics_group
 from .config import SCALAR_LOSSES, LossConfig
 
 # ------------------------------------------------------------------ the backends' own semantics
@@ -585,9 +586,16 @@ def _off_policy_keep(logp, old, adv, inp, cfg, metrics) -> torch.Tensor:
 
 def _top_entropy_keep(entropy, inp, cfg, metrics) -> torch.Tensor:
     """1 on the tokens whose entropy is at least the (1 - rho) quantile of the call's counted
-    tokens (rho = cfg.top_entropy_quantile), 0 elsewhere."""
+    tokens (rho = cfg.top_entropy_quantile; of every rank's, inside
+    `fusedrl.batch_statistics_over(group)`), 0 elsewhere."""
     counted = inp.valid & (inp.mask > 0)
-    threshold = masked_quantile(entropy, counted, 1.0 - cfg.top_entropy_quantile)
+    group = statistics_group()
+    if group is None:
+        threshold = masked_quantile(entropy, counted, 1.0 - cfg.top_entropy_quantile)
+    else:  # over every rank's counted tokens (`fusedrl.batch_statistics_over`)
+        values = gathered(entropy, counted, group)
+        every = torch.ones_like(values, dtype=torch.bool)
+        threshold = masked_quantile(values, every, 1.0 - cfg.top_entropy_quantile)
     keep = (entropy >= threshold) & counted
     metrics.mean("entropy_masked", ~keep, inp)
     return keep.float()

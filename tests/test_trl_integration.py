@@ -245,6 +245,41 @@ def test_parity_with_trl_corrections(name, with_sampler_logps, model_dir, tokeni
     assert config.top_entropy_quantile == options.get("top_entropy_quantile", 1.0)
 
 
+def test_top_entropy_under_several_processes_gathers_the_quantile(
+    model_dir, tokenizer, tmp_path, monkeypatch
+):
+    """Under several processes the drop-in takes the top-entropy quantile over the process
+    group (`fusedrl.batch_statistics_over`), as TRL gathers it: run here in a gloo group of
+    one with the accelerator saying 2 processes (the branch runs, its gathers are the process's
+    own; tests/test_batch_stats.py has the quantile over two ranks), equal to GRPOTrainer."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from fusedrl import token_terms
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    seen = []
+    real = token_terms.gathered
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(token_terms, "gathered", counted)
+    args = _args(tmp_path, loss_type="dapo", top_entropy_quantile=0.5)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    try:
+        _assert_same(*trainers, _inputs(trainers[0].model, "dapo", 0.0, seed=4))
+    finally:
+        dist.destroy_process_group()
+    assert seen  # the fused loss took the group's quantile
+
+
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
 def test_parity_vespo_with_vllm_importance_sampling(mode, model_dir, tokenizer, tmp_path):
     """VESPO folds TRL's per-token IS ratios into its sequence weight instead of multiplying."""

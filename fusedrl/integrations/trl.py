@@ -362,11 +362,10 @@ class FusedGRPOTrainer(GRPOTrainer):
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_weights = inputs["importance_sampling_ratio"]
+        # TRL takes the top-entropy quantile over every process's tokens (it gathers them)
+        stats_group = None
         if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
-            raise ValueError(
-                "GRPOConfig.top_entropy_quantile < 1 under several processes: TRL takes the "
-                "entropy quantile over every process's tokens, fusedrl over this process's"
-            )
+            stats_group = torch.distributed.group.WORLD
         mode = "train" if self.model.training else "eval"
         old_logp = inputs.get("old_per_token_logps")
         ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
@@ -398,30 +397,31 @@ class FusedGRPOTrainer(GRPOTrainer):
             # A fill on the device (torch.tensor(x, device=cuda) would copy from pageable host
             # memory and wait for the stream): the host never waits here.
             loss_args["entropy_coef"] = torch.full((), bonus_coef, device=mask.device)
-        if use_lm_head:
-            # Padding rows make no logits (skip_masked_rows): it costs one wait for the count of
-            # live rows, beside the many of TRL's own logging.
-            out = fusedrl.linear_policy_loss(
-                hidden,
-                weight,
-                completion_ids,
-                inputs["advantages"],
-                mask,
-                bias=bias,
-                backend=self._linear_backend(),
-                skip_masked_rows=True,
-                **transform,
-                **loss_args,
-            )
-        else:
-            out = fusedrl.policy_loss(
-                logits,
-                completion_ids,
-                inputs["advantages"],
-                mask,
-                backend=self.fused_backend,
-                **loss_args,
-            )
+        with fusedrl.batch_statistics_over(stats_group):
+            if use_lm_head:
+                # Padding rows make no logits (skip_masked_rows): it costs one wait for the count of
+                # live rows, beside the many of TRL's own logging.
+                out = fusedrl.linear_policy_loss(
+                    hidden,
+                    weight,
+                    completion_ids,
+                    inputs["advantages"],
+                    mask,
+                    bias=bias,
+                    backend=self._linear_backend(),
+                    skip_masked_rows=True,
+                    **transform,
+                    **loss_args,
+                )
+            else:
+                out = fusedrl.policy_loss(
+                    logits,
+                    completion_ids,
+                    inputs["advantages"],
+                    mask,
+                    backend=self.fused_backend,
+                    **loss_args,
+                )
         loss = out.loss
         if bonus_coef is not None:
             self._entropy_bonus_bookkeeping(mode, out, mask, bonus_coef)
