@@ -47,7 +47,7 @@ from .segments import (
 from .tp import linear as tp_linear
 from .tp import loss as tp_loss
 from .tp.dtensor import local_value, unwrap_logits
-from .tp.header import argument_checks
+from .tp.header import argument_checks, loss_inputs_replicated
 
 
 def sees_no_boundaries(cfg: LossConfig, rollout_logp, is_weights) -> bool:
@@ -125,7 +125,7 @@ class LogitsRows(NamedTuple):
             **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+    def logprobs(self, labels, temperature, return_entropy, transform, inp=None, **sampling):
         return single_process.token_logprobs(
             self.logits,
             labels,
@@ -187,7 +187,7 @@ class HeadRows(NamedTuple):
             **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+    def logprobs(self, labels, temperature, return_entropy, transform, inp=None, **sampling):
         return linear_single_process.linear_token_logprobs(
             self.hidden,
             self.weight,
@@ -199,6 +199,12 @@ class HeadRows(NamedTuple):
             **sampling,
             transform=transform,
         )
+
+
+def _compared(inp, cu_seqlens):
+    """What the log-prob pass's header compares across the ranks beside its labels: the loss's
+    own inputs on the padded layout (`inp`; None: the pass alone)."""
+    return None if inp is None else loss_inputs_replicated(inp, cu_seqlens)
 
 
 class ShardRows(NamedTuple):
@@ -244,7 +250,7 @@ class ShardRows(NamedTuple):
             **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+    def logprobs(self, labels, temperature, return_entropy, transform, inp=None, **sampling):
         return tp_loss.token_logprobs(
             self.logits,
             labels,
@@ -255,6 +261,7 @@ class ShardRows(NamedTuple):
             **self.shard,
             transform=transform,
             cu_seqlens=self.cu_seqlens,
+            compared=_compared(inp, self.cu_seqlens),
         )
 
 
@@ -302,7 +309,7 @@ class ShardHeadRows(NamedTuple):
             **options,
         )
 
-    def logprobs(self, labels, temperature, return_entropy: bool, transform, **sampling):
+    def logprobs(self, labels, temperature, return_entropy, transform, inp=None, **sampling):
         return tp_linear.linear_token_logprobs(
             self.hidden,
             self.weight,
@@ -315,6 +322,7 @@ class ShardHeadRows(NamedTuple):
             **self.shard,
             **capping_keywords(transform),
             cu_seqlens=self.cu_seqlens,
+            compared=_compared(inp, self.cu_seqlens),
         )
 
 
@@ -403,7 +411,7 @@ def _refuse_whole_sequence_options(rows, cfg: LossConfig) -> None:
             "mean (dapo, grpo, dr_grpo, ...); this call's ratios or corrections need whole "
             "sequences, whose gradient comes from a log-prob pass's backward: pass inplace=False"
         )
-    if cfg.full_kl:  # (ref_logits / ref_weight come with it: the entry points check so)
+    if cfg.full_kl or getattr(rows, "ref_logits", None) is not None:
         raise NotImplementedError(
             "config.kl='full' / 'full_reverse' (ref_logits / ref_weight) with cu_seqlens takes "
             "token-level "
@@ -486,7 +494,7 @@ def _two_passes(rows, segments, labels, head, cfg, options, inp) -> LossOutput:
         rows_temperature = torch.where(counted, temperature.float(), 1.0)
     entropy_wanted = return_entropy or needs_entropy(inp, cfg)
     logp, entropy = rows.logprobs(
-        safe_labels, rows_temperature, entropy_wanted, head.transform, **sampling
+        safe_labels, rows_temperature, entropy_wanted, head.transform, inp, **sampling
     )
     # (the log-prob pass reads every row: a masked one's NaN padding must not reach the terms)
     logp_values = torch.where(counted, logp.detach(), 0.0)

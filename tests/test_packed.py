@@ -405,6 +405,15 @@ def test_the_exact_kl_on_packed_rows(kl, preset, backend):
             ref_logits=packed_ref,
             cu_seqlens=cuts,
         )
+    with pytest.raises((NotImplementedError, ValueError), match="ref_logits"):  # not ignored
+        _call(
+            fusedrl.policy_loss,
+            flat,
+            CASES["gspo"][0],
+            backend,
+            ref_logits=packed_ref,
+            cu_seqlens=cuts,
+        )
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)

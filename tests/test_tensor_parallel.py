@@ -422,6 +422,15 @@ CASES = [
         inputs="cu_seqlens_differs",
         expect_error="TensorParallelInputError",
     ),
+    Case(  # the sequence-level route: the log-prob pass's header compares the loss's inputs
+        "bad_packed_gspo_advantages_differs",
+        kind="bad",
+        packed=True,
+        preset="gspo",
+        overrides=GSPO_OPEN,
+        inputs="advantages_differs",
+        expect_error="TensorParallelInputError",
+    ),
     Case(
         "bad_cu_seqlens_last_rank",
         kind="bad",
@@ -1415,6 +1424,7 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_negative_label": "found -7",
         "bad_labels_differ": "disagree on labels",
         "bad_cu_seqlens_differs": "disagree on cu_seqlens",
+        "bad_packed_gspo_advantages_differs": "disagree on advantages",
         "bad_labels_collide": "disagree on labels",
         "bad_advantages_differs": "disagree on advantages",
         "bad_old_logp_differs": "disagree on old_logp",

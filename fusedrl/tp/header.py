@@ -44,6 +44,8 @@ LABEL_FIELDS = ("label_min", "label_max", "label_count")
 # bits in the header (`replicated_hash`); the LM-head forms' hidden states are not (hashing
 # [N, H] would cost more than the call's header is worth; docs/tensor_parallel.md says so).
 REPLICATED = (
+    "cu_seqlens",  # packed sequences' boundaries (not per token: hashed whole, as the mask);
+    # first, so that boundaries that differ are named before the padded inputs they move
     "labels",
     "mask",
     "advantages",
@@ -54,7 +56,6 @@ REPLICATED = (
     "temperature",
     "normalizer",
     "grad_scale",
-    "cu_seqlens",  # packed sequences' boundaries (not per token: hashed whole, as the mask)
 )
 FIELDS = HOST_FIELDS + LABEL_FIELDS + tuple(f"hash_{name}" for name in REPLICATED)
 _ABSENT = 0  # the hash of an input not given (None, or a number folded into `call`)
@@ -311,6 +312,17 @@ def logprob_inputs_replicated(labels, temperature, cu_seqlens=None) -> tuple[dic
     (and packed sequences' boundaries, where a loss's per-sequence terms follow the pass)."""
     per_token = temperature if isinstance(temperature, torch.Tensor) else None
     return {"labels": labels, "temperature": per_token, "cu_seqlens": _boundaries(cu_seqlens)}, None
+
+
+def with_compared(replicated: tuple[dict, object], compared) -> tuple[dict, object]:
+    """`replicated` and, where a packed loss hands them (`compared`: (values, counted) of its
+    padded inputs, `loss_inputs_replicated`'s), the loss's own inputs beside the log-prob
+    pass's labels and temperature (those stay the pass's own)."""
+    if compared is None:
+        return replicated
+    extra, counted = compared
+    own = {k: v for k, v in extra.items() if k not in ("labels", "temperature")}
+    return {**replicated[0], **own}, counted
 
 
 def _boundaries(cu_seqlens):

@@ -47,6 +47,7 @@ from .header import (
     seeded,
     shown_temperature,
     unseeded_pick,
+    with_compared,
 )
 from .ops import refuse_unsupported
 from .rows import whole_row_stats
@@ -426,6 +427,7 @@ def linear_token_logprobs(
     softcap: float | None = None,
     logit_scale: float | None = None,
     cu_seqlens=None,
+    compared=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fusedrl.linear_token_logprobs` of a vocab-sharded head; `cu_seqlens`: as in
     `tp.loss.token_logprobs`."""
@@ -474,7 +476,9 @@ def linear_token_logprobs(
             f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} softcap={softcap!r} "
             f"logit_scale={logit_scale!r} {_head_settings(hidden, want, reduce_input_grad)}"
         ),
-        replicated=lambda checked: logprob_inputs_replicated(*checked[:2], cu_seqlens),
+        replicated=lambda checked: with_compared(
+            logprob_inputs_replicated(*checked[:2], cu_seqlens), compared
+        ),
     )
     flat = hidden.dim() == 2
     hidden3 = hidden.unsqueeze(0) if flat else hidden

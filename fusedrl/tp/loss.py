@@ -41,6 +41,7 @@ from .header import (
     seeded,
     shown_temperature,
     unseeded_pick,
+    with_compared,
 )
 from .ops import refuse_unsupported, slice_ops
 from .rows import whole_row_stats, write_slice_grad
@@ -311,6 +312,7 @@ def token_logprobs(
     vocab_size: int | None = None,
     transform: LogitTransform | None = None,
     cu_seqlens=None,
+    compared=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fusedrl.token_logprobs` over vocab-sharded logits; `transform`: a soft cap, as in
     `policy_loss`; `cu_seqlens`: packed sequences' boundaries, compared across ranks (each
@@ -353,7 +355,9 @@ def token_logprobs(
         vocab_size=vocab_size,
         call=f"token_logprobs temperature={shown_temperature(temperature)} "
         f"top_k={top_k!r} top_p={top_p!r} min_p={min_p!r} {transform!r}",
-        replicated=lambda checked: logprob_inputs_replicated(*checked[:2], cu_seqlens),
+        replicated=lambda checked: with_compared(
+            logprob_inputs_replicated(*checked[:2], cu_seqlens), compared
+        ),
     )
     flat = logits.dim() == 2
     logits3 = logits.unsqueeze(0) if flat else logits
