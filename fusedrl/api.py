@@ -97,7 +97,7 @@ def policy_loss(
         max_seqlen: the longest sequence's length, if known (else read: one host sync).
         cp_group: context parallelism: the packed tokens split over this group's ranks in
             rank order, `logits` and every per-token input this rank's chunk, `cu_seqlens`
-            the whole batch's (fusedrl/context_parallel.py).
+            the whole batch's, per-sequence values [S, 1] (fusedrl/context_parallel.py).
 
     Returns:
         LossOutput(loss: 0-dim fp32 differentiable w.r.t. logits, logp: [B, T] fp32 detached,

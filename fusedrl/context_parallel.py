@@ -5,8 +5,10 @@ Each rank holds a contiguous chunk of the packed token stream, in rank order: ra
 [N_r, V] are tokens offset_r .. offset_r + N_r of the N tokens that `cu_seqlens` (the whole
 batch's boundaries, the same on every rank) cuts into S sequences; a sequence may cross ranks.
 Every per-token input is the rank's chunk [N_r]; `advantages` and `is_weights` may be one per
-sequence [S] (then the same on every rank). The LM-head form (`linear_policy_loss(...,
-cp_group=)`) takes each rank's chunk of the hidden states [N_r, H] and the whole head.
+sequence as [S, 1] (the same on every rank; a one-dimensional [S] could read as per token on a
+rank whose chunk holds S tokens, so it is refused by name); temperatures per token or one.
+The LM-head form (`linear_policy_loss(..., cp_group=)`) takes each rank's chunk of the hidden
+states [N_r, H] and the whole head.
 
 How: each rank reads its chunk's logits once for the log-probs and entropy (the log-prob pass,
 differentiable). One all-gather then brings every rank's per-token scalars (the mask, the
@@ -21,14 +23,17 @@ entropy of this rank's chunk [N_r]. The gradient is d(loss)/d(this rank's logits
 the group, the model's parameter gradients are the single-process ones (pass `grad_scale=`
 the group's size where the data-parallel reduction averages over it instead).
 
-Before the data, a header (one all-gather of 3 int64 a rank): each rank's N_r, whether its own
-checks passed, and a hash of its `cu_seqlens`, so that a bad argument on one rank, or
-boundaries that differ, raise on every rank instead of leaving the others in the all-gather.
+Before the data, a header (one all-gather of 4 int64 a rank): each rank's N_r, whether its own
+checks and log-prob pass went through, a hash of the settings every rank must share
+(`cu_seqlens`, `max_seqlen`, the config, normalizer, grad_scale) and which columns it sends,
+so that a bad argument on one rank, or settings that differ, raise on every rank instead of
+leaving the others in the all-gather; what is checked after it, every rank checks alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -69,34 +74,29 @@ def policy_loss(
     states [N_r, H] and the LM head), its rollout inputs and model head as objects."""
     cfg = config if config is not None else LossConfig()
     rank, world = group_rank_and_size(cp_group)
-    failure = None
-    try:
-        _local_checks(rows, labels, mask, rollout, head, cu_seqlens)
+    want_entropy = return_entropy or cfg.needs_entropy or entropy_coef is not None
+    own = logp = entropy = failure = None
+    try:  # everything a rank reads alone, before any collective (a failure joins the header)
+        _local_checks(rows, labels, mask, advantages, rollout, head, cu_seqlens)
+        valid = mask != 0
+        temperature = cfg.temperature
+        if isinstance(head.temperature, torch.Tensor):  # per token, or one for all
+            temperature = torch.where(valid, head.temperature.float(), 1.0)
+        sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
+        logp, entropy = rows.logprobs(
+            torch.where(valid, labels, 0), temperature, want_entropy, head.transform, **sampling
+        )
+        own = _own_columns(mask, valid, logp, entropy, advantages, rollout, head)
     except (TypeError, ValueError, NotImplementedError) as err:
         failure = err
-    sizes = _header(rows.source, cu_seqlens, failure, cp_group, world, rank)
+    settings = (cu_seqlens, max_seqlen, cfg, normalizer, grad_scale)
+    sizes = _header(rows.source, settings, own, failure, cp_group, world, rank)
+    # From here every rank holds the same boundaries, settings and layout: what raises, raises
+    # on every rank alike.
     tokens, offset = sum(sizes), sum(sizes[:rank])
     mine = slice(offset, offset + sizes[rank])
     whole = torch.empty((tokens, 1), device=rows.source.device)  # (what cu_seqlens counts)
     segments = Segments(check_cu_seqlens(cu_seqlens, whole, max_seqlen), tokens, max_seqlen)
-    valid = mask != 0
-    temperature = _own_temperature(head.temperature, segments, mine, valid)
-    rows_temperature = cfg.temperature if temperature is None else temperature
-    want_entropy = return_entropy or cfg.needs_entropy or entropy_coef is not None
-    sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p}
-    safe_labels = torch.where(valid, labels, 0)
-    logp, entropy = rows.logprobs(
-        safe_labels, rows_temperature, want_entropy, head.transform, **sampling
-    )
-    own = {"mask": mask, "logp": torch.where(valid, logp.detach(), 0.0)}
-    if entropy is not None:
-        own["entropy"] = torch.where(valid, entropy.detach(), 0.0)
-    own.update({k: v for k, v in rollout.per_token().items() if v is not None})
-    for name, value in (("advantages", advantages), ("is_weights", rollout.is_weights)):
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(mask.shape):
-            own[name] = value  # per token (else one per sequence, the same on every rank)
-    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() == 1:
-        own["temperature"] = head.temperature
     full = _gather(own, sizes, cp_group, world)
     whole_rollout = RolloutInputs(
         **{f.name: full.get(f.name, getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
@@ -131,10 +131,11 @@ def policy_loss(
     )
 
 
-def _local_checks(rows, labels, mask, rollout, head, cu_seqlens) -> None:
+def _local_checks(rows, labels, mask, advantages, rollout, head, cu_seqlens) -> None:
     """This rank's arguments alone: [N_r, V] logits (or [N_r, H] hidden states), every
-    per-token input [N_r] (advantages and IS weights may be [S]; their values are checked on
-    the whole batch)."""
+    per-token input [N_r]; `advantages` and `is_weights` [N_r] per token or [S, 1] per sequence
+    (a one-dimensional [S] could read as either where a chunk holds S tokens); per-token or one
+    temperature (their values, and the labels', the log-prob pass checks)."""
     source = "logits" if isinstance(rows, packed.LogitsRows) else "hidden"
     logits = check_logits(rows.source, name=source)
     if logits.dim() != 2:
@@ -142,33 +143,75 @@ def _local_checks(rows, labels, mask, rollout, head, cu_seqlens) -> None:
             f"cp_group takes packed [N, {'V' if source == 'logits' else 'H'}] {source} (this "
             f"rank's chunk), got {tuple(logits.shape)}"
         )
+    if getattr(rows, "skip_masked_rows", False) or getattr(rows, "live_rows", None) is not None:
+        raise NotImplementedError("skip_masked_rows / live_rows with cp_group is not supported")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError("cp_group needs cu_seqlens: the whole batch's [S + 1] boundaries")
-    chunk = (logits.shape[0],)
+    if cu_seqlens.device != logits.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, the {source} on {logits.device}")
+    chunk, sequences = (logits.shape[0],), cu_seqlens.numel() - 1
     per_token = {"labels": labels, "mask": mask, **rollout.per_token()}
-    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() == 1:
-        per_token["temperature"] = head.temperature
+    temperature = head.temperature
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        per_token["temperature"] = temperature  # (per sequence: not under cp_group)
     for name, value in per_token.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if isinstance(value, torch.Tensor) and tuple(value.shape) != chunk:
             raise ValueError(
                 f"{name} shape {tuple(value.shape)} must be [{chunk[0]}]: one per token of this "
                 "rank's chunk (cp_group)"
             )
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in (("advantages", advantages), ("is_weights", rollout.is_weights)):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        if value is not None and shape not in (chunk, (sequences, 1)):
+            raise ValueError(
+                f"{name} shape {shape} must be [{chunk[0]}] (one per token of this rank's chunk) "
+                f"or [{sequences}, 1] (one per sequence of cu_seqlens) under cp_group"
+            )
 
 
-def _header(logits, cu_seqlens, failure, group, world: int, rank: int) -> list[int]:
-    """Every rank's chunk size, once every rank's own checks passed and the boundaries agree;
-    else the same error on every rank (the failing rank its own)."""
-    size = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() >= 1 else -1
-    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+# The columns a rank may send beside the mask and log-probs; the header compares which it sends.
+OPTIONAL_COLUMNS = (
+    "entropy",
+    "old_logp",
+    "ref_logp",
+    "rollout_logp",
+    "prox_logp",
+    "advantages",
+    "is_weights",
+    "temperature",
+)
+
+
+def _own_columns(mask, valid, logp, entropy, advantages, rollout, head) -> dict:
+    """This rank's per-token scalars for the gather (0 where a token does not count)."""
+    own = {"mask": mask, "logp": torch.where(valid, logp.detach(), 0.0)}
+    if entropy is not None:
+        own["entropy"] = torch.where(valid, entropy.detach(), 0.0)
+    own.update({k: v for k, v in rollout.per_token().items() if v is not None})
+    for name, value in (("advantages", advantages), ("is_weights", rollout.is_weights)):
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            own[name] = value  # per token ([S, 1]: per sequence, the same on every rank)
+    if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() == 1:
+        own["temperature"] = head.temperature
+    return own
+
+
+def _header(source, settings: tuple, own, failure, group, world: int, rank: int) -> list[int]:
+    """Every rank's chunk size, once every rank's own checks and log-prob pass passed, and the
+    ranks agree on the settings (boundaries, max_seqlen, config, normalizer, grad_scale) and
+    on which columns they send; else the same error on every rank (the failing rank its
+    own)."""
+    size = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() >= 1 else -1
+    device = source.device if isinstance(source, torch.Tensor) else torch.device("cpu")
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    boundaries = cu_seqlens.long() if isinstance(cu_seqlens, torch.Tensor) else None
-    digest = replicated_hash(boundaries, None, device) if failure is None else 0
-    local = torch.tensor([size, int(failure is not None), 0], dtype=torch.int64, device=device)
-    local[2] = digest
+    local = torch.zeros(4, dtype=torch.int64, device=device)
+    local[0], local[1] = size, int(failure is not None)
+    if failure is None:
+        local[2] = _settings_digest(settings, device)
+        local[3] = sum(1 << i for i, name in enumerate(OPTIONAL_COLUMNS) if name in own)
     rows = all_gather(local, group, world).tolist()
     failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
@@ -180,22 +223,27 @@ def _header(logits, cu_seqlens, failure, group, world: int, rank: int) -> list[i
         )
     if len({row[2] for row in rows}) > 1:
         raise ContextParallelInputError(
-            "fusedrl context parallel: ranks disagree on cu_seqlens (the whole batch's "
-            "boundaries must be the same on every rank)"
+            "fusedrl context parallel: ranks disagree on cu_seqlens, max_seqlen, the config, "
+            "normalizer or grad_scale (each must be the same on every rank)"
+        )
+    if len({row[3] for row in rows}) > 1:
+        raise ContextParallelInputError(
+            "fusedrl context parallel: ranks disagree on which inputs they give, or on which "
+            "are per token: every rank gives the same ones, advantages / is_weights [N_r] per "
+            "token or [S, 1] per sequence on every rank"
         )
     return [row[0] for row in rows]
 
 
-def _own_temperature(temperature, segments: Segments, mine: slice, valid: torch.Tensor):
-    """This rank's tokens' temperatures for its log-prob pass (1 where a token does not count),
-    from per-token [N_r], per-sequence [S] or 0-dim ones; None: the config's number."""
-    if not isinstance(temperature, torch.Tensor):
-        return None
-    if temperature.dim() == 0:
-        return temperature
-    if temperature.shape[0] != valid.shape[0]:  # one per sequence: spread, then this chunk
-        temperature = segments.per_token(temperature, "temperature")[mine]
-    return torch.where(valid, temperature.float(), 1.0)
+def _settings_digest(settings: tuple, device) -> torch.Tensor:
+    """A 0-dim int64 hash of what every rank must share (no host sync)."""
+    cu_seqlens, max_seqlen, cfg, normalizer, grad_scale = settings
+    digest = replicated_hash(cu_seqlens.long(), None, device)
+    digest = digest ^ (zlib.crc32(f"{max_seqlen!r} {cfg!r}".encode()) << 1)
+    for value in (normalizer, grad_scale):
+        if value is not None:
+            digest = digest ^ (replicated_hash(value, None, device) * 3)
+    return digest
 
 
 def _gather(own: dict, sizes: list[int], group, world: int) -> dict:

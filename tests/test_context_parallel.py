@@ -60,6 +60,12 @@ CASES = [
     Case("bad_mask_shape_last_rank", LossConfig.preset("dapo"), bad="mask_shape_last_rank"),
     Case("bad_cu_seqlens_differ", LossConfig.preset("dapo"), bad="cu_seqlens_differ"),
     Case("bad_no_cu_seqlens", LossConfig.preset("dapo"), bad="no_cu_seqlens"),
+    # found by the log-prob pass, after the local checks: still before any collective
+    Case("bad_label_last_rank", LossConfig.preset("dapo"), bad="label_last_rank"),
+    # [S] could be per token on a rank whose chunk holds S tokens: [S, 1] is asked for
+    Case("bad_advantages_per_sequence_1d", LossConfig.preset("dapo"), bad="advantages_1d"),
+    Case("bad_advantages_layout_differs", LossConfig.preset("dapo"), bad="advantages_layout"),
+    Case("bad_config_differs", LossConfig.preset("dapo"), bad="config_differs"),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -67,6 +73,8 @@ BY_NAME = {case.name: case for case in CASES}
 def _inputs(case: Case) -> dict:
     data = _batch(seed=31, per_token_adv=case.per_token_adv)
     flat = dict(data["packed"], cu_seqlens=data["cu_seqlens"])
+    if not case.per_token_adv:  # one per sequence: [S, 1] under cp_group
+        flat["advantages"] = flat["advantages"][:, None]
     if not case.rollout:
         flat.pop("rollout_logp")
     if case.row_temps:
@@ -131,6 +139,14 @@ def _bad_arguments(case: Case, mine_inputs: dict, rank: int, world: int) -> dict
         mine_inputs["cu_seqlens"] = bounds
     if case.bad == "no_cu_seqlens":
         mine_inputs.pop("cu_seqlens")
+    if case.bad == "label_last_rank" and rank == world - 1:
+        labels = mine_inputs["labels"].clone()
+        labels[mine_inputs["mask"].nonzero()[0, 0]] = 10_000  # a counted token's
+        mine_inputs["labels"] = labels
+    if case.bad == "advantages_1d":
+        mine_inputs["advantages"] = mine_inputs["advantages"][:, 0]
+    if case.bad == "advantages_layout" and rank == 1:  # per token here, per sequence elsewhere
+        mine_inputs["advantages"] = torch.zeros(mine_inputs["labels"].shape)
     return mine_inputs
 
 
@@ -142,6 +158,8 @@ def _run(case: Case, world: int, rank: int, group) -> dict:
     mine_inputs = _bad_arguments(case, _chunk(inputs, mine, tokens), rank, world)
     result = {"mine": (mine.start, mine.stop)}
     if case.bad:
+        if case.bad == "config_differs" and rank == 1:
+            case = dataclasses.replace(case, config=case.config.replace(eps_high=0.3))
         try:
             _call(case, mine_inputs, cp_group=group)
             result["error"] = None
@@ -247,11 +265,23 @@ def test_bad_input_raises_on_every_rank(worlds, world):
     for error in errors[:-1]:
         assert error[0] == "ContextParallelInputError", errors
         assert f"rank(s) [{world - 1}] rejected" in error[1], errors
-    errors = [r["error"] for r in _results(worlds, world, "bad_cu_seqlens_differ")]
-    assert {e for e in errors} == {("ContextParallelInputError", errors[0][1])}, errors
-    assert "disagree on cu_seqlens" in errors[0][1]
-    errors = [r["error"] for r in _results(worlds, world, "bad_no_cu_seqlens")]
-    assert all(e[0] == "ValueError" and "cp_group takes packed" in e[1] for e in errors), errors
+    errors = [r["error"] for r in _results(worlds, world, "bad_label_last_rank")]
+    assert errors[-1][0] == "ValueError" and "labels must be in" in errors[-1][1], errors
+    assert all(e[0] == "ContextParallelInputError" for e in errors[:-1]), errors
+    for name, phrase in (
+        ("bad_cu_seqlens_differ", "disagree on cu_seqlens"),
+        ("bad_config_differs", "the config"),
+        ("bad_advantages_layout_differs", "which are per token"),
+    ):
+        errors = [r["error"] for r in _results(worlds, world, name)]
+        assert {e for e in errors} == {("ContextParallelInputError", errors[0][1])}, errors
+        assert phrase in errors[0][1], (name, errors)
+    for name, phrase in (
+        ("bad_no_cu_seqlens", "cp_group takes packed"),
+        ("bad_advantages_per_sequence_1d", "or [6, 1] (one per sequence"),
+    ):
+        errors = [r["error"] for r in _results(worlds, world, name)]
+        assert all(e[0] == "ValueError" and phrase in e[1] for e in errors), (name, errors)
 
 
 def test_the_cases_act():
