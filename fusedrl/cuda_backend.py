@@ -1,9 +1,12 @@
 """`backend="cuda"`: the CUDA C++ extension (csrc/), driven exactly like the Triton backend.
 
-The ops are loaded (or JIT-built) on first use by `fusedrl.kernels.cuda.load()`.
+The ops are loaded (or JIT-built) on first use by `fusedrl.kernels.cuda.load()`; `fused_ops`
+makes the driver's `FusedOps` of them (with the Triton ops csrc/ has no counterpart of).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from . import fused_backend
 
@@ -19,8 +22,61 @@ def _ops():
     if _OPS is None:
         from fusedrl.kernels import cuda
 
-        _OPS = cuda.load()
+        ops = cuda.load()
+        _OPS = fused_ops(
+            ops.cuda_logprobs_fwd.default,
+            ops.cuda_logits_grad.default,
+            ops.cuda_fused_token_loss.default,
+            ops.cuda_fused_token_loss_inplace.default,
+        )
     return _OPS
+
+
+def fused_ops(logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inplace):
+    """The extension's four ops (csrc/bindings.cpp's signatures) as the driver's `FusedOps`:
+    the fused pair through `kernels.cuda.by_name`, and the Triton ops csrc/ has no counterpart
+    of beside them."""
+    from fusedrl.kernels.cuda import by_name
+
+    return fused_backend.FusedOps(
+        logprobs_fwd,
+        logits_grad,
+        *by_name(fused_token_loss, fused_token_loss_inplace),
+        _from_triton("sampled_set"),
+        _from_triton("TWO_ROWS"),
+        **triton_terms(),
+    )
+
+
+def triton_terms() -> dict:
+    """The Triton ops on [B, T] scalars that csrc/ has no counterpart of, as `FusedOps` fields:
+    the two-pass terms kernel, the sums' finalize and the aggregation weights (a two-pass call
+    is then the extension's two passes and three small launches, not torch's [B, T] terms);
+    none where triton is not installed. The extension's fused op keeps no sums
+    (`FusedOps.fused_sums` False): its token-level calls take `token_terms`."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    from . import triton_backend
+
+    triton = triton_backend.OPS
+    return {
+        "token_loss_sums": triton.token_loss_sums,
+        "sum_slots": triton.sum_slots,
+        "aggregation_weights": triton.aggregation_weights,
+        "sequence_terms": triton.sequence_terms,
+    }
+
+
+def _from_triton(name: str):
+    """A Triton op that csrc/ has no counterpart of (the sampled-set select, `sampled_set`; the
+    two-row kernels of the exact KL and distillation, `TWO_ROWS`): used where triton is
+    installed; else None (the select falls back to fusedrl.sampling's torch one, the exact KL and
+    distillation are refused with a message)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from . import triton_backend
+
+    return getattr(triton_backend, name)
 
 
 def policy_loss(inp, cfg, need_entropy, grad_out):

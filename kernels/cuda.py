@@ -72,7 +72,8 @@ def _registered() -> bool:
 
 @functools.cache
 def load(verbose: bool = False):
-    """The CUDA ops as a `fusedrl.fused_backend.FusedOps` (built or loaded once per process)."""
+    """The extension's ops, `torch.ops.fusedrl` (built or loaded once per process, their fakes
+    registered). `fusedrl.cuda_backend` makes the driver's `FusedOps` of them."""
     if not torch.cuda.is_available():
         raise RuntimeError("backend='cuda' needs a CUDA device; use backend='triton' or 'torch'")
     if not _registered():
@@ -80,19 +81,8 @@ def load(verbose: bool = False):
             import fusedrl._C  # noqa: F401  (prebuilt: registers the ops on import)
         except ImportError:
             _jit_build(verbose)
-    from fusedrl.fused_backend import FusedOps
-
     _register_fakes()
-
-    ops = torch.ops.fusedrl
-    return FusedOps(
-        ops.cuda_logprobs_fwd.default,
-        ops.cuda_logits_grad.default,
-        *by_name(ops.cuda_fused_token_loss.default, ops.cuda_fused_token_loss_inplace.default),
-        _from_triton("sampled_set"),
-        _from_triton("TWO_ROWS"),
-        **triton_terms(),
-    )
+    return torch.ops.fusedrl
 
 
 def by_name(fused_op, fused_op_inplace) -> tuple:
@@ -159,25 +149,6 @@ def _check_takes(args) -> None:
         )
 
 
-def triton_terms() -> dict:
-    """The Triton ops on [B, T] scalars that csrc/ has no counterpart of, as `FusedOps` fields:
-    the two-pass terms kernel, the sums' finalize and the aggregation weights (a two-pass call
-    is then the extension's two passes and three small launches, not torch's [B, T] terms);
-    none where triton is not installed. The extension's fused op keeps no sums
-    (`FusedOps.fused_sums` False): its token-level calls take `token_terms`."""
-    if importlib.util.find_spec("triton") is None:
-        return {}
-    from fusedrl import triton_backend
-
-    triton = triton_backend.OPS
-    return {
-        "token_loss_sums": triton.token_loss_sums,
-        "sum_slots": triton.sum_slots,
-        "aggregation_weights": triton.aggregation_weights,
-        "sequence_terms": triton.sequence_terms,
-    }
-
-
 def cluster_kernel_info(device=None, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Which fused kernel `backend="cuda"` can run on `device` (default: the current one) for
     logits of `dtype`: `available` when the loaded code of the one-read cluster kernel was
@@ -225,18 +196,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("fusedrl::cuda_fused_token_loss_inplace")
     def _(logits, labels, *per_token_and_variant, **row_temps):
         return rows_like(labels), rows_like(labels)
-
-
-def _from_triton(name: str):
-    """A Triton op that csrc/ has no counterpart of (the sampled-set select, `sampled_set`; the
-    two-row kernels of the exact KL and distillation, `TWO_ROWS`): used where triton is
-    installed; else None (the select falls back to fusedrl.sampling's torch one, the exact KL and
-    distillation are refused with a message)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from fusedrl import triton_backend
-
-    return getattr(triton_backend, name)
 
 
 def _jit_build(verbose: bool) -> None:

@@ -87,19 +87,16 @@ class HostKernels:
         self.calls: list[str] = []  # the ops run, in order (the tests check which path ran)
 
     def ops(self):
-        """The FusedOps that `fusedrl.kernels.cuda.load()` makes, with these four ops: the
-        select, two-row and [B, T] terms kernels are Triton's there too (here through the
-        interpreter)."""
-        from fusedrl.fused_backend import FusedOps
-        from fusedrl.kernels.cuda import _from_triton, by_name, triton_terms
+        """The FusedOps that `fusedrl.cuda_backend` makes of the extension's ops, made of these
+        four: the select, two-row and [B, T] terms kernels are Triton's there too (here
+        through the interpreter)."""
+        from fusedrl.cuda_backend import fused_ops
 
-        return FusedOps(
+        return fused_ops(
             self.logprobs_fwd,
             self.logits_grad,
-            *by_name(self.fused_token_loss, self.fused_token_loss_inplace),
-            _from_triton("sampled_set"),
-            _from_triton("TWO_ROWS"),
-            **triton_terms(),
+            self.fused_token_loss,
+            self.fused_token_loss_inplace,
         )
 
     # ------------------------------------------------------------------ the ops

@@ -704,14 +704,13 @@ def test_the_cuda_backend_takes_the_two_row_kernels_from_triton(monkeypatch):
     sampled-set select) where triton is installed, and says it has none where it is not."""
     import importlib.util
 
-    from fusedrl import triton_backend
-    from fusedrl.kernels import cuda
+    from fusedrl import cuda_backend, triton_backend
 
-    assert cuda._from_triton("TWO_ROWS") is triton_backend.TWO_ROWS
-    assert cuda._from_triton("sampled_set") is triton_backend.sampled_set
+    assert cuda_backend._from_triton("TWO_ROWS") is triton_backend.TWO_ROWS
+    assert cuda_backend._from_triton("sampled_set") is triton_backend.sampled_set
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
     )
-    assert cuda._from_triton("TWO_ROWS") is None
-    assert cuda._from_triton("sampled_set") is None
+    assert cuda_backend._from_triton("TWO_ROWS") is None
+    assert cuda_backend._from_triton("sampled_set") is None

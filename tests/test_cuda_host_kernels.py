@@ -52,7 +52,7 @@ def test_each_call_takes_the_extensions_kernels(backend, cuda_host_kernels):
 @pytest.mark.parametrize("preset", ["gspo", "gspo_token", "grpo", "cispo"])
 def test_terms_come_from_the_triton_terms_kernel(preset, cuda_on_the_host, monkeypatch):
     """The extension has no kernel on [B, T] scalars: between its two passes a sequence-level
-    call takes Triton's terms kernel and sums (kernels.cuda.triton_terms), not torch's terms;
+    call takes Triton's terms kernel and sums (cuda_backend.triton_terms), not torch's terms;
     after its fused kernel (which keeps no sums) a token-level call takes them for the loss and
     the metrics. Loss, gradient and metrics equal the oracle's."""
     import dataclasses

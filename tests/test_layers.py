@@ -131,6 +131,14 @@ def test_nothing_below_the_entry_points_imports_one(name):
     assert not explicit & ENTRY_MODULES, (name, sorted(explicit & ENTRY_MODULES))
 
 
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if m.startswith("fusedrl.kernels")))
+def test_the_kernels_import_nothing_above_them(name):
+    """The kernels are the lowest layer: they import no module of fusedrl/ (the CUDA loader
+    hands the extension's raw ops up; fusedrl.cuda_backend makes the driver's ops of them)."""
+    above = {m for m in GRAPH[name] if not m.startswith("fusedrl.kernels")}
+    assert not above, (name, sorted(above))
+
+
 def test_a_planted_cycle_is_found():
     """The check itself: an import of an entry point from a backend closes a cycle."""
     planted = {**GRAPH, "fusedrl.torch_backend": GRAPH["fusedrl.torch_backend"] | {"fusedrl.api"}}
