@@ -98,7 +98,7 @@ def _args(tmp_path, **overrides):
     return GRPOConfig(**{**base, **overrides})
 
 
-def _trainer(cls, model, tokenizer, args):
+def _trainer(cls, model, tokenizer, args, **kwargs):
     dataset = Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3=", "4+4="]})
     trainer = cls(
         model=model,
@@ -106,6 +106,7 @@ def _trainer(cls, model, tokenizer, args):
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
+        **kwargs,
     )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -336,6 +337,35 @@ def test_parity_with_the_fused_lm_head(
     real = inputs["completion_mask"].bool()
     torch.testing.assert_close(ours[real], ref[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent[real], ref_ent[real], rtol=1e-5, atol=1e-5)
+
+
+def test_parity_with_the_head_in_fp32(model_dir, tokenizer, tmp_path):
+    """cast_lm_head_to_fp32 on a bf16 model: TRL runs the head in fp32 on the bf16 body's hidden
+    states, and so does the fused head (in bf16 they are ~1e-2 apart in the gradients)."""
+    args = _args(
+        tmp_path,
+        loss_type="dapo",
+        cast_lm_head_to_fp32=True,
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    assert trainers[1].fused_lm_head
+    assert trainers[1].model.model.embed_tokens.weight.dtype == torch.bfloat16
+    _assert_same(*trainers, _inputs(trainers[0].model, "dapo", 0.0, seed=8))
+
+
+def test_parity_with_a_peft_adapter(model_dir, tokenizer, tmp_path):
+    """A LoRA policy (peft_config): the adapter runs inside the body that the fused head reads
+    (the forward TRL patches is the PEFT model's base); TRL's numbers, the head on."""
+    peft = pytest.importorskip("peft")
+    args = _args(tmp_path, loss_type="grpo", beta=0.04, use_bias_correction_kl=False)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainers = [
+        _trainer(c, model_dir, tokenizer, args, peft_config=lora)
+        for c in (GRPOTrainer, FusedGRPOTrainer)
+    ]
+    assert trainers[1].fused_lm_head
+    _assert_same(*trainers, _inputs(trainers[0].model, "grpo", 0.04, seed=9))
 
 
 @pytest.mark.parametrize(
@@ -574,6 +604,10 @@ def test_the_fused_lm_head_is_the_default_and_said(model_dir, tokenizer, tmp_pat
         )
     assert off.fused_lm_head is False
     assert "fused LM head off (fused_lm_head=False)" in caplog.records[-1].getMessage()
+    trainer.is_fsdp_enabled = True  # a sharded head: the logits path, or an error if required
+    assert trainer._fused_lm_head(None) == (False, "DeepSpeed / FSDP shard the LM head's weight")
+    with pytest.raises(ValueError, match="fused_lm_head=True cannot run: DeepSpeed / FSDP"):
+        trainer._fused_lm_head(True)
 
 
 def test_mapping_values(tmp_path):

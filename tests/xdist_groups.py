@@ -38,6 +38,7 @@ XDIST_GROUPS = {
             "test_mutation_tool.py",
             "test_packaging.py",
             "test_trl_integration.py",
+            "test_trl_distributed.py",
             "test_gpu.py",
         )
     },

