@@ -19,6 +19,7 @@ XDIST_GROUPS = {
         "test_kernels_compile.py",
         "test_trainer_e2e.py",
         "test_sampling_vllm.py",
+        "test_trl_vllm.py",
         "test_trainer_distributed.py",
         "test_tensor_parallel.py",
         # trainer subprocesses with transformers' generate: beside a vLLM engine (whose threads
