@@ -344,7 +344,12 @@ class LossConfig:
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", default_high)
         _check_positive("eps_low", self.eps_low)
-        _check_positive("eps_high", self.eps_high)
+        if self.loss == "cispo":
+            # CISPO bounds a weight, not a trust region: a cap below 1 (TRL's cispo with
+            # epsilon_high <= 1, its default when unset) scales every ratio above it down to it.
+            _check_positive("eps_high", self.eps_high, above=-self.eps_low)
+        else:
+            _check_positive("eps_high", self.eps_high)
         if self.loss in (*PPO_CLIPPED, "cispo") and self.eps_low >= 1:
             raise ValueError(
                 f"LossConfig.eps_low={self.eps_low!r} must be < 1 for loss={self.loss!r}: "

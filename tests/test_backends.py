@@ -143,6 +143,8 @@ OPTIONS = {
     "gmpo_seq_is": LossConfig(loss="gmpo", is_correction="sequence_mask", is_cap=1.5),
     "dcpo_kl": LossConfig(loss="dcpo", kl="k3", beta=0.1),
     "sapo_is": LossConfig(loss="sapo", is_correction="token_truncate", is_cap=1.2),
+    # TRL's cispo with epsilon_high = 0.9: a cap below 1
+    "cispo_cap_below_one": LossConfig(loss="cispo", eps_low=0.5, eps_high=-0.1),
     **{f"kl_{k}": LossConfig(kl=k, beta=0.2) for k in ("k1", "k2", "abs", "k3", "k1+", "k3+")},
     **{
         f"is_{m}": LossConfig(is_correction=m, is_cap=1.3)

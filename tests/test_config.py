@@ -122,6 +122,9 @@ def test_unknown_preset():
         (dict(eps_low=0.0), "eps_low"),
         (dict(eps_low=-0.1), "eps_low"),
         (dict(eps_high=0.0), "eps_high"),
+        # CISPO's cap 1 + eps_high may be below 1, never at or below the lower bound 1 - eps_low
+        (dict(loss="cispo", eps_low=0.2, eps_high=-0.2), "eps_high"),
+        (dict(loss="cispo", eps_high=float("inf")), "eps_high"),
         (dict(eps_high=float("nan")), "eps_high"),
         (dict(eps_low=1.0), "eps_low"),
         (dict(dual_clip_c=1.0), "dual_clip_c"),
@@ -163,6 +166,13 @@ def test_unknown_preset():
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LossConfig(**kwargs)
+
+
+def test_a_cispo_cap_below_one_is_accepted():
+    """TRL's cispo with epsilon_high <= 1 (its default when unset: epsilon = 0.2)."""
+    assert LossConfig(loss="cispo", eps_low=1 - 1e-12, eps_high=-0.8).eps_high == -0.8
+    with pytest.raises(ValueError, match="eps_high must be > 0"):
+        LossConfig(loss="ppo", eps_high=-0.1)
 
 
 def test_all_choices_accepted():

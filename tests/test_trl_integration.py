@@ -537,11 +537,16 @@ def test_parity_with_adaptive_entropy(target, model_dir, tokenizer, tmp_path):
     assert fused_trainer._metrics["train"]["entropy_coef"] == pytest.approx(expected)
 
 
-def test_settings_that_mean_nothing_are_named(tmp_path):
-    """What GRPOConfig accepts but no loss can mean is refused by name: TRL's cispo takes
-    epsilon_high as the absolute cap of its ratio, so one at or below 1 caps every token."""
-    with pytest.raises(ValueError, match="epsilon_high=0.5: TRL's cispo"):
-        loss_config_from_trl(_args(tmp_path, loss_type="cispo", epsilon_high=0.5))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cap", [None, 0.5])
+def test_parity_cispo_with_a_cap_below_one(cap, level, model_dir, tokenizer, tmp_path):
+    """TRL's cispo caps the ratio at epsilon_high itself; unset, that is epsilon (0.2), which
+    TRL's own tests run: every ratio above the cap weighs the cap. Accepted, TRL's numbers."""
+    args = _args(tmp_path, loss_type="cispo", importance_sampling_level=level, epsilon_high=cap)
+    trainers = [_trainer(c, model_dir, tokenizer, args) for c in (GRPOTrainer, FusedGRPOTrainer)]
+    assert trainers[1].fused_config.eps_high == pytest.approx((cap or args.epsilon) - 1)
+    metrics = _assert_same(*trainers, _inputs(trainers[0].model, "cispo", 0.0, seed=10))
+    assert 0 < metrics["cispo_clip_ratio"][0] < 1  # capped tokens (A > 0), and others
 
 
 def test_every_loss_type_is_accepted_at_the_sequence_level(tmp_path, caplog):
@@ -575,8 +580,8 @@ def test_bad_settings_fail_before_the_models_load(tmp_path):
         FusedGRPOTrainer(
             model=missing, reward_funcs=_reward_len, args=_args(tmp_path), fused_lm_head="yes"
         )
-    bad = _args(tmp_path, loss_type="cispo", epsilon_high=0.5)
-    with pytest.raises(ValueError, match="TRL's cispo uses it as the absolute cap"):
+    bad = _args(tmp_path, importance_sampling_level="tokens")  # GRPOConfig takes any string
+    with pytest.raises(ValueError, match="importance_sampling_level='tokens' is not supported"):
         FusedGRPOTrainer(missing, _reward_len, bad)
 
 

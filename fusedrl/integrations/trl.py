@@ -133,11 +133,8 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
             **common,
         )
     if loss_type == "cispo":
-        if eps_high <= 1.0:
-            raise ValueError(
-                f"GRPOConfig.epsilon_high={eps_high!r}: TRL's cispo uses it as the absolute cap of "
-                "the IS ratio, so it must be > 1"
-            )
+        # The cap may be at or below 1 (TRL's default when epsilon_high is unset is epsilon,
+        # 0.2): every ratio above it weighs the cap, as in TRL.
         return LossConfig(
             loss="cispo",
             ratio_level=level,
