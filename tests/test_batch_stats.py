@@ -10,18 +10,16 @@ outside the block, the rank's own quantile.
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fusedrl
 from fusedrl import LossConfig, reference
 
 from .conftest import make_batch, run_loss
+from .worlds import free_port, run_world
 
 WORLD = 2
 CONFIG = LossConfig.preset("grpo", top_entropy_quantile=0.3, beta=0.05)
@@ -96,17 +94,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("stats"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(port, out), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.terminate()
-            pytest.fail("the world hung")
-    results = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    results = run_world(_worker, WORLD, (free_port(), out), out, 180, "the world")
     for rank, result in enumerate(results):
         assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
     return results

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fusedrl
 from fusedrl import LossConfig
 
 from .test_packed import VOCAB, _batch
+from .worlds import free_port, run_world
 
 WORLDS = (2, 3)
 CHUNKS = {2: (12, 13), 3: (7, 10, 8)}  # of the 25 packed tokens; sequence 3 crosses ranks
@@ -191,12 +189,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     cache: dict[int, list[dict]] = {}
@@ -204,16 +196,10 @@ def worlds(tmp_path_factory):
     def get(world: int) -> list[dict]:
         if world not in cache:
             out = str(tmp_path_factory.mktemp(f"cp{world}"))
-            ctx = mp.start_processes(
-                _worker, args=(world, _free_port(), out), nprocs=world, join=False
+            what = f"the context-parallel world of {world}"
+            cache[world] = run_world(
+                _worker, world, (world, free_port(), out), out, DEADLINE_S, what
             )
-            deadline = time.monotonic() + DEADLINE_S
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in ctx.processes:
-                        process.terminate()
-                    pytest.fail(f"the context-parallel world of {world} hung")
-            cache[world] = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
         return cache[world]
 
     return get

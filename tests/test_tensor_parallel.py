@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fusedrl
 import fusedrl.tp
@@ -38,6 +35,7 @@ from fusedrl import LossConfig, reference
 from fusedrl.tp.header import FIELDS
 
 from .conftest import make_batch
+from .worlds import free_port, run_world
 
 WORLDS = (2, 3)
 SPLITS = {  # uneven slices of the true vocabulary
@@ -1129,35 +1127,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, out_dir: str) -> list[dict]:
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # the children inherit it (CPU tensors only there)
-    try:
-        ctx = mp.start_processes(
-            _worker,
-            args=(world, _free_port(), out_dir),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.terminate()
-            pytest.fail(f"the tensor-parallel world of {world} hung past {DEADLINE_S} s")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    what = f"the tensor-parallel world of {world}"
+    return run_world(_worker, world, (world, free_port(), out_dir), out_dir, DEADLINE_S, what)
 
 
 @pytest.fixture(scope="module")

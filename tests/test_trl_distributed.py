@@ -11,13 +11,12 @@ the body; a real two-step `train()` of both trainers ends with the same weights 
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from .worlds import free_port, run_world
 
 pytest.importorskip("trl")
 
@@ -97,7 +96,8 @@ def _parity(rank: int, model_dir: str, out_dir: str, peft: bool) -> dict:
 
 
 def _training_run(rank: int, model_dir: str, out_dir: str) -> dict:
-    """`train()` for two steps with gradient accumulation: the weights each trainer ends with."""
+    """`train()` for two steps with gradient accumulation and a KL to the reference model: the
+    weights each trainer ends with."""
     from trl import GRPOTrainer
 
     from fusedrl.integrations.trl import FusedGRPOTrainer
@@ -111,6 +111,7 @@ def _training_run(rank: int, model_dir: str, out_dir: str) -> dict:
         args = _args(
             f"{out_dir}/{cls.__name__}",
             loss_type="dapo",
+            beta=0.04,  # the reference model's log-probs through the fused head too
             per_device_train_batch_size=2,
             num_generations=4,
             gradient_accumulation_steps=2,
@@ -148,17 +149,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=1).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     out = str(tmp_path_factory.mktemp("trl-world"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(port, str(model_dir), out), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 400
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.terminate()
-            pytest.fail("the world hung")
-    results = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    results = run_world(_worker, WORLD, (free_port(), str(model_dir), out), out, 400, "the world")
     for rank, result in enumerate(results):
         assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
     return results

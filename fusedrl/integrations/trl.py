@@ -249,7 +249,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         return [m for m in (policy, self.ref_model) if m is not None]
 
     def _fused_lm_head(self, wanted: bool | None) -> tuple[bool, str]:
-        """(whether the loss runs from the hidden states and the head, why not)."""
+        """(whether the loss runs from the hidden states and the head, why not); where it does,
+        the models are given the head call (`add_head_call`)."""
         if wanted is False:
             return False, "fused_lm_head=False"
         why = ""
