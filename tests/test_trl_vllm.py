@@ -12,8 +12,12 @@ the engine got the trained weights; the loss and gradient are live and finite.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,19 +36,15 @@ def _reward(completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def train(out_dir: str) -> None:
+    """The run, in a process of its own (`run` below): vLLM's CPU engine pins the process's OpenMP
+    threads and sets torch's thread count, and TRL's colocate mode starts a torch.distributed
+    world; none of it may outlive the run in a pytest worker. Writes run.json."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     # TRL's colocate mode runs vLLM's external launcher: a torch.distributed world of one.
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -52,13 +52,16 @@ def run(tmp_path_factory):
     from fusedrl.integrations.trl import FusedGRPOTrainer
     from fusedrl.tiny import char_tokenizer, tiny_qwen2
 
+    from .worlds import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     tokenizer = char_tokenizer()
-    model_dir = tmp_path_factory.mktemp("tiny-qwen2")
+    model_dir = os.path.join(out_dir, "model")
     # head_dim 32: vLLM's CPU attention takes 32 and up
     tiny_qwen2(len(tokenizer), hidden_size=64, num_layers=1).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     args = GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("out")),
+        output_dir=os.path.join(out_dir, "out"),
         per_device_train_batch_size=8,
         num_generations=8,
         max_completion_length=6,
@@ -68,7 +71,6 @@ def run(tmp_path_factory):
         seed=5,
         use_vllm=True,
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.1,
         vllm_enable_sleep_mode=False,
         use_cpu=True,
         bf16=False,
@@ -78,7 +80,7 @@ def run(tmp_path_factory):
         save_strategy="no",
     )
     trainer = FusedGRPOTrainer(
-        model=str(model_dir),
+        model=model_dir,
         reward_funcs=_reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3=", "4+4="] * 4}),
@@ -87,30 +89,50 @@ def run(tmp_path_factory):
     calls = []
     real = fusedrl.linear_policy_loss
     fusedrl.linear_policy_loss = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        trainer.train()
-    finally:
-        fusedrl.linear_policy_loss = real
+    trainer.train()
     steps = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
-    return trainer, steps, calls
+    result = {
+        "use_vllm": trainer.use_vllm,
+        "fused_lm_head": trainer.fused_lm_head,
+        "is_correction": trainer.vllm_importance_sampling_correction,
+        "steps": steps,
+        "loss_calls": len(calls),
+        "finite_weights": all(bool(p.isfinite().all()) for p in trainer.model.parameters()),
+    }
+    with open(os.path.join(out_dir, "run.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("trl-vllm"))
+    root = Path(__file__).resolve().parents[1]
+    # 1 GiB of KV cache, whatever this process already holds (vLLM's CPU default is a share of
+    # the node's memory minus the process's, which a busy pytest worker can exhaust)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    code = f"from tests.test_trl_vllm import train; train({out!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(os.path.join(out, "run.json")) as f:
+        return json.load(f)
 
 
 def test_the_fused_head_trained_on_vllm_rollouts(run):
-    trainer, steps, calls = run
-    assert trainer.use_vllm and trainer.fused_lm_head
-    assert trainer.vllm_importance_sampling_correction
-    assert len(steps) == STEPS and len(calls) == STEPS
+    steps = run["steps"]
+    assert run["use_vllm"] and run["fused_lm_head"] and run["is_correction"]
+    assert len(steps) == STEPS and run["loss_calls"] == STEPS
     assert any(h["loss"] != 0 and h["grad_norm"] > 0 for h in steps)
     for h in steps:
         assert all(math.isfinite(h[k]) for k in ("loss", "grad_norm", "entropy")), h
-    for p in trainer.model.parameters():
-        assert p.isfinite().all()
+    assert run["finite_weights"]
 
 
 def test_trainer_logprobs_agree_with_the_engine_at_every_step(run):
     """At the sampling temperature, through the weights TRL synced into the engine: the entropy
     moved between steps (the weights changed), and the agreement held."""
-    _, steps, _ = run
+    steps = run["steps"]
     for h in steps:
         assert h["sampling/sampling_logp_difference/max"] < LOGP_AGREEMENT, h
         assert abs(h["sampling/importance_sampling_ratio/min"] - 1) < LOGP_AGREEMENT, h
