@@ -32,7 +32,8 @@ import fusedrl  # noqa: E402
 from fusedrl.integrations import verl as fverl  # noqa: E402
 from fusedrl.tp.header import FIELDS  # noqa: E402
 
-from .test_tensor_parallel import CollectiveLog, _free_port, rank_slice  # noqa: E402
+from .test_tensor_parallel import CollectiveLog, rank_slice  # noqa: E402
+from .worlds import free_port, run_world  # noqa: E402
 
 B, T, V = 6, 11, 1031
 LENGTHS = (11, 4, 0, 9, 1, 7)  # ragged, one empty response
@@ -873,21 +874,9 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def tp_world(tmp_path_factory):
-    import time
-
-    import torch.multiprocessing as mp
-
     out_dir = str(tmp_path_factory.mktemp("verl_tp"))
-    ctx = mp.start_processes(
-        _tp_worker, args=(3, _free_port(), out_dir), nprocs=3, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TP_DEADLINE_S
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.terminate()
-            pytest.fail(f"the gloo world hung past {TP_DEADLINE_S} s")
-    per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(3)]
+    args = (3, free_port(), out_dir)
+    per_rank = run_world(_tp_worker, 3, args, out_dir, TP_DEADLINE_S, "the gloo world")
 
     def results(world: int, name: str) -> list[dict]:
         out = [per_rank[rank][(world, name)] for rank in range(world)]
