@@ -21,7 +21,7 @@ import fusedrl
 from fusedrl import LossConfig
 
 from .test_packed import VOCAB, _batch
-from .worlds import free_port, run_world
+from .worlds import named_results, worlds_by_size
 
 WORLDS = (2, 3)
 CHUNKS = {2: (12, 13), 3: (7, 10, 8)}  # of the 25 packed tokens; sequence 3 crosses ranks
@@ -191,25 +191,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            out = str(tmp_path_factory.mktemp(f"cp{world}"))
-            what = f"the context-parallel world of {world}"
-            cache[world] = run_world(
-                _worker, world, (world, free_port(), out), out, DEADLINE_S, what
-            )
-        return cache[world]
-
-    return get
+    return worlds_by_size(tmp_path_factory, _worker, "the context-parallel world", DEADLINE_S)
 
 
 def _results(worlds, world: int, name: str) -> list[dict]:
-    per_rank = [results[name] for results in worlds(world)]
-    for rank, result in enumerate(per_rank):
-        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
-    return per_rank
+    return named_results(worlds(world), name)
 
 
 GOOD = [case.name for case in CASES if not case.bad]

@@ -35,7 +35,7 @@ from fusedrl import LossConfig, reference
 from fusedrl.tp.header import FIELDS
 
 from .conftest import make_batch
-from .worlds import free_port, run_world
+from .worlds import named_results, worlds_by_size
 
 WORLDS = (2, 3)
 SPLITS = {  # uneven slices of the true vocabulary
@@ -1127,28 +1127,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def _spawn(world: int, out_dir: str) -> list[dict]:
-    what = f"the tensor-parallel world of {world}"
-    return run_world(_worker, world, (world, free_port(), out_dir), out_dir, DEADLINE_S, what)
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = _spawn(world, str(tmp_path_factory.mktemp(f"tp{world}")))
-        return cache[world]
-
-    return get
+    return worlds_by_size(tmp_path_factory, _worker, "the tensor-parallel world", DEADLINE_S)
 
 
 def _results(worlds, world: int, name: str) -> list[dict]:
-    per_rank = [rank_results[name] for rank_results in worlds(world)]
-    for rank, result in enumerate(per_rank):
-        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
-    return per_rank
+    return named_results(worlds(world), name)
 
 
 def _cases(*kinds: str, oracle: bool | None = None) -> list:

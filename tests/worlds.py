@@ -43,3 +43,26 @@ def run_world(
                 process.terminate()
             pytest.fail(f"{what} hung past {deadline_s:g} s")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def worlds_by_size(tmp_path_factory, worker: Callable, what: str, deadline_s: float) -> Callable:
+    """world size -> the per-rank results of `worker(rank, world, port, out_dir)`, each size
+    spawned once (for a module-scoped fixture)."""
+    cache: dict[int, list] = {}
+
+    def get(world: int) -> list:
+        if world not in cache:
+            out = str(tmp_path_factory.mktemp(f"world{world}"))
+            args = (world, free_port(), out)
+            cache[world] = run_world(worker, world, args, out, deadline_s, f"{what} of {world}")
+        return cache[world]
+
+    return get
+
+
+def named_results(per_rank: list[dict], name: str) -> list[dict]:
+    """Each rank's result `name`, failing on a rank that saved a crash there."""
+    results = [rank_results[name] for rank_results in per_rank]
+    for rank, result in enumerate(results):
+        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+    return results
