@@ -41,6 +41,10 @@ class LossInputs:
     ref_logits: torch.Tensor | None = None
     # [B, T] fp32 per-token temperatures (`temperature=` a tensor), in place of cfg.temperature
     row_temps: torch.Tensor | None = None
+    # [B, T] fp32 each row's sampled-set floor on the raw logits (config.top_k / top_p / min_p,
+    # found by the backend's select kernel): the kernels read the set through it, in place of
+    # a masked copy of the logits. None: the logits are read whole (or already masked).
+    sampled_floors: torch.Tensor | None = None
     # 0-dim fp32 entropy coefficient on the logits' device (`entropy_coef=` a tensor), in place
     # of cfg.entropy_coef: adaptive entropy control changes it without a recompile or a sync
     entropy_coef: torch.Tensor | None = None

@@ -43,7 +43,7 @@ def fused_ops(logprobs_fwd, logits_grad, fused_token_loss, fused_token_loss_inpl
         logits_grad,
         *by_name(fused_token_loss, fused_token_loss_inplace),
         _from_triton("sampled_set"),
-        _from_triton("TWO_ROWS"),
+        two_rows=_from_triton("TWO_ROWS"),
         **triton_terms(),
     )
 

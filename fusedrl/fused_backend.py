@@ -72,6 +72,11 @@ class FusedOps:
     # (logits, labels, out, temperature, top_k, top_p, min_p): out = logits masked to the sampled
     # sets, found on chip (kernels/sampling.py); None: torch.topk / sort a block at a time.
     sampled_set: Callable | None = None
+    # (logits, labels, temperature, top_k, top_p, min_p) -> [B, T] fp32: each row's sampled-set
+    # floor, found on chip, which the log-prob, gradient and fused-loss ops then read with
+    # `floors=`: no masked copy of the logits. None: those ops cannot (the CUDA extension's),
+    # and `sampled_set` writes the copy they read.
+    sampled_floors: Callable | None = None
     # The two-row ops, for the exact KL to the reference (kl="full" / "full_reverse") and
     # distillation; None: the backend has none.
     two_rows: TwoRowOps | None = None
@@ -107,13 +112,17 @@ def _empty_rows_like(labels: torch.Tensor) -> torch.Tensor:
 
 
 def temperature_keywords(
-    temperature, rows: slice | None = None, transform: LogitTransform | None = None
+    temperature,
+    rows: slice | None = None,
+    transform: LogitTransform | None = None,
+    floors: torch.Tensor | None = None,
 ) -> tuple[float, dict]:
     """(the ops' float temperature, their `row_temps=` keyword) of a float or of per-token
     temperatures ([B, T] tensor; `rows`: the flat rows of a chunk, taken as [1, n]). With a
     soft cap (`transform`: y = c tanh(s x / c)) the ops read tanh(a x), a = s / c, at the
-    temperature T / c (y / T = tanh(a x) / (T / c)): their `cap=` keyword is a."""
-    keywords = {}
+    temperature T / c (y / T = tanh(a x) / (T / c)): their `cap=` keyword is a. `floors`:
+    sampled-set floors ([B, T], `FusedOps.sampled_floors`), the row ops' `floors=` keyword."""
+    keywords = {} if floors is None else {"floors": floors}
     if transform is not None and transform.softcap is not None:
         keywords["cap"] = transform.scale / transform.softcap
         temperature = temperature / transform.softcap
@@ -126,14 +135,17 @@ def temperature_keywords(
 
 class _FusedLogprobs(torch.autograd.Function):
     """`source` (None: the logits) is what the kernels read: the logits masked to a sampled
-    set; its gradient is the logits' (0 outside the set). `squares`: a last output, sum_v pi_v^2
-    per row (no gradient), from the same read (`ops.logprobs_squares`). `transform`: a soft cap
-    the kernels apply (or None)."""
+    set; its gradient is the logits' (0 outside the set). `floors`: the sampled sets as each
+    row's floor instead, read from the logits themselves (`FusedOps.sampled_floors`).
+    `squares`: a last output, sum_v pi_v^2 per row (no gradient), from the same read
+    (`ops.logprobs_squares`). `transform`: a soft cap the kernels apply (or None)."""
 
     @staticmethod
-    def forward(ctx, ops, logits, labels, temperature, return_entropy, source, squares, transform):
+    def forward(
+        ctx, ops, logits, labels, temperature, return_entropy, source, squares, transform, floors
+    ):
         source = logits if source is None else source
-        scalar, rows = temperature_keywords(temperature, transform=transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform, floors=floors)
         if squares:
             logp, lse, entropy, *sum_sq = ops.logprobs_squares(source, labels, scalar, **rows)
         else:
@@ -160,7 +172,7 @@ class _FusedLogprobs(torch.autograd.Function):
             grad,
             **ctx.rows,
         )
-        return None, grad, None, None, None, None, None, None
+        return None, grad, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ sampling-mask replay
@@ -192,6 +204,18 @@ def _write_sampled_set(ops, logits, labels, temperature, sampling, out, transfor
         # kernels keep a -inf banned under the cap.
         kept = mask_to_sampled_set(transform.rows(block), flat_labels[start:stop], rows_t, sampling)
         out_block.copy_(block.masked_fill(kept == float("-inf"), float("-inf")))
+
+
+def sampled_floors(ops, logits, labels, temperature, sampling, transform=None):
+    """[B, T] fp32: each row's sampled-set floor, where the backend's row ops read the sets
+    through floors (`FusedOps.sampled_floors`); None where they read a masked copy instead (no
+    such op, or a soft cap: its sets are the capped logits', found by the torch route)."""
+    if ops.sampled_floors is None or (transform is not None and transform.softcap is not None):
+        return None
+    scalar, rows = temperature_keywords(temperature)
+    return ops.sampled_floors(
+        logits, labels, scalar, sampling.top_k, sampling.top_p, sampling.min_p, **rows
+    )
 
 
 # Rows of a masked copy without a gradient, with the select kernel: 256 MiB of bf16, enough rows
@@ -239,7 +263,7 @@ def token_logprobs_squares(
     from one read of the logits."""
     if logits.requires_grad and torch.is_grad_enabled():
         out = _FusedLogprobs.apply(
-            ops, logits, labels, temperature, return_entropy, None, True, transform
+            ops, logits, labels, temperature, return_entropy, None, True, transform, None
         )
         return (out[0], out[1], out[2]) if return_entropy else (out[0], None, out[1])
     scalar, rows = temperature_keywords(temperature, transform=transform)
@@ -257,23 +281,26 @@ def token_logprobs(
     transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     sampling = sampling if sampling is not None and sampling.active else None
+    floors = None
+    if sampling is not None:
+        floors = sampled_floors(ops, logits.detach(), labels, temperature, sampling, transform)
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
-        if sampling is not None:  # one masked copy of the logits, kept for backward
+        if sampling is not None and floors is None:  # one masked copy, kept for backward
             source = torch.empty_like(logits)
             _write_sampled_set(
                 ops, logits.detach(), labels, temperature, sampling, source, transform
             )
         out = _FusedLogprobs.apply(
-            ops, logits, labels, temperature, return_entropy, source, False, transform
+            ops, logits, labels, temperature, return_entropy, source, False, transform, floors
         )
         return (out[0], out[1]) if return_entropy else (out[0], None)
-    if sampling is not None:
+    if sampling is not None and floors is None:
         logp, _, entropy = _sampled_stats(
             ops, logits, labels, None, temperature, sampling, transform
         )
     else:
-        scalar, rows = temperature_keywords(temperature, transform=transform)
+        scalar, rows = temperature_keywords(temperature, transform=transform, floors=floors)
         logp, _, entropy = ops.logprobs_fwd(logits, labels, None, scalar, **rows)
     return logp, entropy if return_entropy else None
 
@@ -351,6 +378,7 @@ def fused_token_args(
         sum_sq,
         1.0 if scale is None or isinstance(scale, torch.Tensor) else scale,
         denominator or 0.0,
+        inp.sampled_floors,
     )
 
 
@@ -719,28 +747,28 @@ def policy_loss(
     need_entropy = need_entropy or needs_entropy(inp, cfg)
     fused = grad_out is not None and not needs_two_passes(inp, cfg)
     source = _terms_source(ops, inp, cfg, fused)
+    sampling = cfg.sampling
+    floors = None
+    if sampling is not None:
+        temperature = temperature_of(inp, cfg)
+        floors = sampled_floors(ops, inp.logits, inp.labels, temperature, sampling, inp.transform)
     # The kernels read counted tokens only; torch's terms multiply by the mask, and the exact
-    # KL's terms and the sampled sets' search take every row (`LossInputs.rows_masked`).
-    if source == "torch" or cfg.full_kl or cfg.sampling is not None:
+    # KL's terms and a masked copy's search take every row (`LossInputs.rows_masked`).
+    if source == "torch" or cfg.full_kl or (sampling is not None and floors is None):
         inp = masked_rows(inp)
     if cfg.full_kl:
         return _with_exact_kl(ops, inp, cfg, need_entropy, grad_out)
-    sampling = cfg.sampling
-    if sampling is not None:
+    if floors is not None:
+        # The kernels read the sets through the floors: no masked copy, no other change.
+        inp = replace(inp, sampled_floors=floors)
+    elif sampling is not None:
         if grad_out is None:
             logp, _, entropy = _sampled_stats(
-                ops,
-                inp.logits,
-                inp.labels,
-                inp.valid,
-                temperature_of(inp, cfg),
-                sampling,
-                inp.transform,
+                ops, inp.logits, inp.labels, inp.valid, temperature, sampling, inp.transform
             )
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg)
             return logp, entropy if need_entropy else None, terms
         # The masked logits go where the gradient will be written; the kernels then run in place.
-        temperature = temperature_of(inp, cfg)
         _write_sampled_set(
             ops, inp.logits, inp.labels, temperature, sampling, grad_out, inp.transform
         )
@@ -757,7 +785,9 @@ def policy_loss(
         else:
             terms = token_terms(logp, entropy if need_entropy else None, inp, cfg, grads=False)
         return logp, entropy if need_entropy else None, terms
-    scalar, rows = temperature_keywords(temperature_of(inp, cfg), transform=inp.transform)
+    scalar, rows = temperature_keywords(
+        temperature_of(inp, cfg), transform=inp.transform, floors=inp.sampled_floors
+    )
     if sum_sq is None:
         logp, lse, entropy = ops.logprobs_fwd(inp.logits, inp.labels, inp.valid, scalar, **rows)
     else:  # one read still; the [B, T] copy is 1 / V of it

@@ -82,16 +82,18 @@ def logprobs_fwd(
     temperature: float,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cap` (every row op): a soft cap's a = s / c, the rows read as tanh(a x) at the
-    temperature T / c (`fused_backend.temperature_keywords`)."""
+    temperature T / c (`fused_backend.temperature_keywords`). `floors` (every row op): each
+    row's sampled-set floor (`sampled_floors`), the rows read over their sets."""
     return _kernels().logprobs.logprobs_forward(
-        logits, labels, valid, temperature, row_temps, cap=cap
+        logits, labels, valid, temperature, row_temps, cap=cap, floors=floors
     )
 
 
 @logprobs_fwd.register_fake
-def _(logits, labels, valid, temperature, row_temps=None, cap=None):
+def _(logits, labels, valid, temperature, row_temps=None, cap=None, floors=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(3))
 
 
@@ -106,18 +108,19 @@ def logprobs_squares_fwd(
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
     valid: torch.Tensor | None = None,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`logprobs_fwd` and sum_v pi_v^2 per row, from the same read of the logits; `valid`:
     the rows to read (None: every row, as the log-prob calls, which have no mask)."""
     sum_sq = fused_backend._empty_rows_like(labels)
     stats = _kernels().logprobs.logprobs_forward(
-        logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq
+        logits, labels, valid, temperature, row_temps, cap=cap, sum_sq=sum_sq, floors=floors
     )
     return (*stats, sum_sq)
 
 
 @logprobs_squares_fwd.register_fake
-def _(logits, labels, temperature, row_temps=None, cap=None, valid=None):
+def _(logits, labels, temperature, row_temps=None, cap=None, valid=None, floors=None):
     return tuple(fused_backend._empty_rows_like(labels) for _ in range(4))
 
 
@@ -133,14 +136,27 @@ def logits_grad(
     out: torch.Tensor,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
+    floors: torch.Tensor | None = None,
 ) -> None:
     _kernels().logprobs.logits_backward(
-        logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps, cap
+        logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps, cap, floors
     )
 
 
 @logits_grad.register_fake
-def _(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, row_temps=None, cap=None):
+def _(
+    logits,
+    labels,
+    lse,
+    entropy,
+    dlogp,
+    dentropy,
+    temperature,
+    out,
+    row_temps=None,
+    cap=None,
+    floors=None,
+):
     return None
 
 
@@ -158,6 +174,26 @@ def sampled_set(
     _kernels().sampling.write_sampled_set(
         logits, labels, out, temperature, top_k, top_p, min_p, row_temps
     )
+
+
+@_custom_op("sampled_floors", mutates_args=())
+def sampled_floors(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    row_temps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _kernels().sampling.sampled_floors(
+        logits, labels, temperature, top_k, top_p, min_p, row_temps
+    )
+
+
+@sampled_floors.register_fake
+def _(logits, labels, temperature, top_k, top_p, min_p, row_temps=None):
+    return fused_backend._empty_rows_like(labels)
 
 
 # The fused loss (and its in-place twin, which writes the gradient into the logits). An op cannot
@@ -410,6 +446,7 @@ OPS = FusedOps(
     _taking_args(fused_token_loss, _kernels().split_rows.fused_token_loss),
     _taking_args(fused_token_loss_inplace, _fused_token_loss_inplace_eager),
     _eager_or_traced(sampled_set),
+    _eager_or_traced(sampled_floors),
     TWO_ROWS,
     logprobs_squares=_eager_or_traced(logprobs_squares_fwd),
     loss_squares=True,

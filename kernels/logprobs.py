@@ -5,6 +5,9 @@
 - `logits_backward`: given per-token d(loss)/d(logp) and d(loss)/d(H), one read + one write of each
   row. It is the backward of `token_logprobs` and pass 2 of the sequence-level losses.
 
+Both read a replayed sampled set through per-row floors (`floors=`, kernels/sampling.py's
+`sampled_floors`): the logits below a row's floor, its label excepted, count as -inf.
+
 Both take [B, T, V] logits with any batch/time strides (vocab contiguous) and run one program per
 row; masked rows (valid == 0) are skipped and get zeros.
 """
@@ -20,6 +23,7 @@ from .launch import block_size, fast_exp2, launch_options
 from .rows import (
     LOG2E,
     cap_arg,
+    check_floors,
     logp_of,
     row_offset,
     row_stats,
@@ -45,6 +49,7 @@ def _logprobs_fwd_kernel(
     entropy_ptr,
     sum_sq_ptr,
     temperature_ptr,
+    floor_ptr,
     time,
     vocab,
     stride_b,
@@ -58,9 +63,11 @@ def _logprobs_fwd_kernel(
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FLOORED: tl.constexpr,
 ):
     """SUM_PI_SQUARED: also sum_v pi_v^2 per row into sum_sq_ptr, from the same read. SOFTCAP:
-    the row is read as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e))."""
+    the row is read as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). FLOORED: over the row's
+    sampled set, the logits at or above floor_ptr[row] and the label."""
     row = tl.program_id(0).to(tl.int64)
     valid = 1
     if HAS_VALID:
@@ -74,6 +81,9 @@ def _logprobs_fwd_kernel(
         # reads its labels unchecked: its terms kernel counts such labels and the host raises).
         label = tl.load(labels_ptr + row)
         label = tl.where((label >= 0) & (label < vocab), label, 0)
+        floor = 0.0
+        if FLOORED:
+            floor = tl.load(floor_ptr + row)
         label_value, lse, mean_z, sum_pi_sq = row_stats(
             row_ptr,
             vocab,
@@ -85,6 +95,8 @@ def _logprobs_fwd_kernel(
             SUM_PI_SQUARED,
             SOFTCAP,
             BLOCK_V,
+            floor,
+            FLOORED,
         )
         tl.store(logp_ptr + row, logp_of(label_value, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)
@@ -109,6 +121,7 @@ def _logits_grad_kernel(
     dlogp_ptr,
     dentropy_ptr,
     temperature_ptr,
+    floor_ptr,
     time,
     vocab,
     stride_b,
@@ -123,7 +136,10 @@ def _logits_grad_kernel(
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FLOORED: tl.constexpr,
 ):
+    """FLOORED: the gradient over the row's sampled set (0 below floor_ptr[row], the label
+    excepted), as `_logprobs_fwd_kernel` read it."""
     row = tl.program_id(0).to(tl.int64)
     out_row = out_ptr + row_offset(row, time, out_stride_b, out_stride_t)
     dlogp = tl.load(dlogp_ptr + row)
@@ -139,6 +155,9 @@ def _logits_grad_kernel(
         # so does one >= V (an unchecked label, which the host reports), never read past the row.
         label = tl.load(labels_ptr + row)
         label = tl.where(label < vocab, label, -1)
+        floor = 0.0
+        if FLOORED:
+            floor = tl.load(floor_ptr + row)
         write_row_grad(
             row_ptr,
             out_row,
@@ -157,6 +176,8 @@ def _logits_grad_kernel(
             SOFTCAP,
             FAST_EXP2,
             BLOCK_V,
+            floor,
+            FLOORED,
         )
     else:
         write_row_zeros(out_row, vocab, BLOCK_V)
@@ -171,12 +192,15 @@ def logprobs_forward(
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
     sum_sq: torch.Tensor | None = None,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, T, V] logits, [B, T] labels (and valid) -> logp, lse, entropy, each [B, T] fp32; with
     `sum_sq` (a [B, T] fp32 buffer) also sum_v pi_v^2 per row (0 on invalid rows) into it, from
     the same read. `row_temps`: [B, T] per-token temperatures, in place of `temperature`. `cap`:
     a soft cap's a = s / c: the rows are read as tanh(a x) (`rows.capped`), at `temperature`
-    T / c."""
+    T / c. `floors`: [B, T] fp32, each row's sampled-set floor on the raw logits
+    (`sampling.sampled_floors`): the statistics over the set."""
+    check_floors(floors, labels, cap)
     batch, time, vocab = logits.shape
     rows = batch * time
     logp, lse, entropy = (
@@ -199,6 +223,7 @@ def logprobs_forward(
         entropy,
         logp if sum_sq is None else sum_sq,  # never written without SUM_PI_SQUARED
         row_temperature_arg(row_temps, logp),
+        logp if floors is None else floors,
         time,
         vocab,
         logits.stride(0),
@@ -212,6 +237,7 @@ def logprobs_forward(
         SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
+        FLOORED=floors is not None,
         **launch_options(block, logits.element_size()),
     )
     return logp, lse, entropy
@@ -229,11 +255,13 @@ def logits_backward(
     out: torch.Tensor,
     row_temps: torch.Tensor | None = None,
     cap: float | None = None,
+    floors: torch.Tensor | None = None,
 ) -> None:
     """out[b, t] = d(loss)/d(logits[b, t]); `out` may be `logits` itself (in place). A negative
     label means the row's label is not in these logits (tensor parallelism: another rank holds
     its vocab slice): the row gets the softmax terms only, no one-hot term. `row_temps`: [B, T]
-    per-token temperatures, in place of `temperature`; `cap`: as `logprobs_forward`."""
+    per-token temperatures, in place of `temperature`; `cap`, `floors`: as `logprobs_forward`."""
+    check_floors(floors, labels, cap)
     batch, time, vocab = logits.shape
     if batch * time == 0:
         return
@@ -249,6 +277,7 @@ def logits_backward(
         dlogp,
         dentropy_arg,
         row_temperature_arg(row_temps, dlogp),
+        dlogp if floors is None else floors,
         time,
         vocab,
         logits.stride(0),
@@ -263,5 +292,6 @@ def logits_backward(
         SOFTCAP=cap is not None,
         FAST_EXP2=fast_exp2(logits.device),
         BLOCK_V=block,
+        FLOORED=floors is not None,
         **launch_options(block, logits.element_size()),
     )

@@ -20,6 +20,11 @@ issue few enough instructions per element that it never becomes issue-bound):
 - Logits below FLOOR (-inf for a banned token, -finfo.max) count as probability 0 without a
   select per element: y is clamped to FLOOR with a NaN-propagating max, so 0 * y stays 0 and a
   NaN logit still poisons the statistics.
+- A replayed sampled set (vLLM's top_k / top_p / min_p, kernels/sampling.py) is read through
+  each row's floor (FLOORED): a logit below it is read as -inf, one compare and select per
+  element on the loaded tile, so no masked copy of the logits is ever written. The label stays
+  in the set: its term is added apart where the floor dropped it (`row_stats`), and its
+  gradient entry is stored apart anyway (`label_entry`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ def rows_buffer(buffer: torch.Tensor, like: torch.Tensor, name: str) -> torch.Te
             f"(contiguous: {buffer.is_contiguous()})"
         )
     return buffer
+
+
+def check_floors(floors: torch.Tensor | None, labels: torch.Tensor, cap: float | None) -> None:
+    """Sampled-set floors ([B, T] fp32, as the labels) are thresholds on the raw logits: under a
+    soft cap the sets are found over the capped logits, by the torch route."""
+    if floors is None:
+        return
+    rows_buffer(floors, labels, "floors")
+    if cap is not None:
+        raise ValueError("floors (a sampled set on the raw logits) cannot be read under a soft cap")
 
 
 def row_temperature_arg(row_temps, placeholder):
@@ -136,6 +151,14 @@ def capped(x, cap2, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
+def floored(x, floor):
+    """x in fp32, -inf where it lies below its row's sampled-set floor (a NaN stays NaN: the row
+    then reads as NaN, as it would from a masked copy)."""
+    xf = to_fp32(x)
+    return tl.where(xf < floor, -float("inf"), xf)
+
+
+@triton.jit
 def banned(x):
     """Whether a logit bans its token: -inf, or the lowest finite value of its dtype
     (-finfo.max, as attention-style masks write it)."""
@@ -194,9 +217,20 @@ def _accumulate(run_max, sum_exp, sum_exp_y, y, FAST_EXP2: tl.constexpr):
 
 
 @triton.jit
-def _offset(x, scale2, ref, cap2, SOFTCAP: tl.constexpr, FAST_EXP2: tl.constexpr):
+def _offset(
+    x,
+    scale2,
+    ref,
+    cap2,
+    SOFTCAP: tl.constexpr,
+    FAST_EXP2: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
+):
     """d = x * scale2 - ref in one FFMA, clamped below at FLOOR (NaN stays NaN); with SOFTCAP,
-    of the capped logit."""
+    of the capped logit; with FLOORED, -inf (so FLOOR) below the row's sampled-set floor."""
+    if FLOORED:
+        x = floored(x, floor)
     if SOFTCAP:
         x, _ = capped(x, cap2, FAST_EXP2)
     return tl.maximum(x.to(tl.float32) * scale2 - ref, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -214,6 +248,8 @@ def _sums_from_reference(
     SQUARES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """(sum_j 2^d_j, sum_j 2^d_j d_j, sum_j 2^(2 d_j) or 0 without SQUARES) with d_j = y_j - ref
     (clamped at FLOOR): no running max, so per element one FFMA, one clamp, one exp2, one add and
@@ -231,14 +267,14 @@ def _sums_from_reference(
         x = tl.load(body_ptr + offs, eviction_policy=EVICT)
         for i in range(1, full_tiles):
             x_next = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
-            d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
+            d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2, floor, FLOORED)
             e = exp2(d, FAST_EXP2)
             sum_exp += e
             sum_exp_d += e * d
             if SQUARES:
                 sum_sq += e * e
             x = x_next
-        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
+        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2, floor, FLOORED)
         e = exp2(d, FAST_EXP2)
         sum_exp += e
         sum_exp_d += e * d
@@ -248,7 +284,7 @@ def _sums_from_reference(
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
-        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2)
+        d = _offset(x, scale2, ref, cap2, SOFTCAP, FAST_EXP2, floor, FLOORED)
         e = exp2(d, FAST_EXP2)
         sum_exp += e
         sum_exp_d += e * d
@@ -280,9 +316,11 @@ def _stats_online(
     SQUARES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """(lse2, mean y, sum_j p_j^2 or 0 without SQUARES) by the exact online softmax, a running
-    max per element slot."""
+    max per element slot; FLOORED: -inf below the row's sampled-set floor."""
     head, full_tiles, body_ptr = row_layout(row_ptr, vocab, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
     run_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
@@ -292,6 +330,8 @@ def _stats_online(
         sum_sq = tl.zeros([BLOCK_V], tl.float32)
     for i in range(0, full_tiles):
         x = tl.load(body_ptr + i * BLOCK_V + offs, eviction_policy=EVICT)
+        if FLOORED:
+            x = floored(x, floor)
         if SOFTCAP:
             x, _ = capped(x, cap2, FAST_EXP2)
         y = scaled(x, scale2)
@@ -302,6 +342,8 @@ def _stats_online(
     for r in range(0, remainder_tiles(head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=-float("inf"), eviction_policy=EVICT)
+        if FLOORED:
+            x = floored(x, floor)
         if SOFTCAP:
             x, _ = capped(x, cap2, FAST_EXP2)
         y = scaled(x, scale2)
@@ -370,6 +412,8 @@ def row_stats(
     SQUARES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """One read of the row: (ref, lse, sum_j p_j z_j, sum_j p_j^2) of z = logits / T, in fp32
     nats; scale2 is log2(e) / T, a kernel argument so that the loop's FFMA reads it from the
@@ -385,20 +429,54 @@ def row_stats(
     row holds a NaN or +inf logit, -inf when it has no logit above FLOOR (all -inf: no mass), and
     the mean then NaN: the callers surface both as a NaN logp (`logp_of`) and entropy, as the
     reference does.
+
+    FLOORED: the row is read over its sampled set, the logits at or above `floor` (raw logits, no
+    soft cap), and its label, which the sweeps drop like any other logit below the floor: its
+    term is added back here, 2^0 = 1 to the sums relative to it. The exact path needs no such
+    term: it runs when the label's p is 0 (at FLOOR), when the row holds NaN or +inf, or when
+    some logit exceeds the label's by ~64 or more in base 2, where the label's share of the sums
+    (p < 2^-64, and p |y| with it) lies far below fp32's resolution.
     """
+    if FLOORED:
+        label_dropped = to_fp32(ref_logit) < floor
     if SOFTCAP:
         ref_logit, _ = capped(ref_logit, cap2, FAST_EXP2)
     ref = scaled(ref_logit, scale2)
     total, sum_d, sum_sq = _sums_from_reference(
-        row_ptr, vocab, scale2, ref, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, BLOCK_V
+        row_ptr,
+        vocab,
+        scale2,
+        ref,
+        cap2,
+        EVICT,
+        FAST_EXP2,
+        SQUARES,
+        SOFTCAP,
+        BLOCK_V,
+        floor,
+        FLOORED,
     )
+    if FLOORED:
+        total += tl.where(label_dropped, 1.0, 0.0)
+        if SQUARES:
+            sum_sq += tl.where(label_dropped, 1.0, 0.0)
     lse2, mean_y, sum_pi_sq, inexact = reference_stats(ref, total, sum_d, sum_sq, SQUARES)
     if inexact:
         # Half tiles: its three running vectors (four with SQUARES) then take no more registers
         # than the fast path.
         HALF_BLOCK_V: tl.constexpr = (BLOCK_V + 1) // 2
         lse2, mean_y, sum_pi_sq = _stats_online(
-            row_ptr, vocab, scale2, cap2, EVICT, FAST_EXP2, SQUARES, SOFTCAP, HALF_BLOCK_V
+            row_ptr,
+            vocab,
+            scale2,
+            cap2,
+            EVICT,
+            FAST_EXP2,
+            SQUARES,
+            SOFTCAP,
+            HALF_BLOCK_V,
+            floor,
+            FLOORED,
         )
     return ref_logit, lse2 * LN2, mean_y * LN2, sum_pi_sq
 
@@ -423,6 +501,8 @@ def grad_tile(
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     MIRRORED: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """p (k0 + k1 log2 p): the gradient of one tile except the label's one-hot term. A -inf logit
     gives p = 0 and so 0 without a clamp; only the entropy term's log2 p needs one. With SOFTCAP
@@ -430,7 +510,10 @@ def grad_tile(
     the caller folded 4 a into k0 and k1). MIRRORED: the tanh read through -x (tanh is odd:
     v(x) = -v(-x), and r (1 - r) is the same), so that the compiler cannot merge it with an
     earlier tanh of the same registers (the split-row kernel's statistics: merged, both passes'
-    v and r would stay live across its exchange)."""
+    v and r would stay live across its exchange). FLOORED: p = 0 below the row's sampled-set
+    floor (the label's entry is stored apart, `label_entry`)."""
+    if FLOORED:
+        x = floored(x, floor)
     if SOFTCAP:
         if MIRRORED:
             v, r = capped(-x, cap2, FAST_EXP2)
@@ -467,6 +550,8 @@ def _grad_tiles(
     FAST_EXP2: tl.constexpr,
     PREFETCH: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """Unmasked tiles [first_tile, end_tile) of sweep 2, last first. With PREFETCH each tile's
     load is issued a trip ahead and carried over the loop's back edge in fp32 (converted at once:
@@ -482,7 +567,9 @@ def _grad_tiles(
             x_next = to_fp32(tl.load(in_ptr + next_start + offs, eviction_policy=EVICT))
         else:
             x = tl.load(in_ptr + start + offs, eviction_policy=EVICT)
-        grad = grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False)
+        grad = grad_tile(
+            x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False, floor, FLOORED
+        )
         grad = grad.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + start + offs, grad, eviction_policy="evict_first")
         if PREFETCH:
@@ -553,6 +640,8 @@ def write_row_grad(
     SOFTCAP: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    floor=0.0,
+    FLOORED: tl.constexpr = False,
 ):
     """out = d(loss)/d(logits) of one row: (dlogp (onehot - p) - dH p (log p + H)) / temperature.
 
@@ -591,7 +680,9 @@ def write_row_grad(
     for r in range(0, remainder_tiles(out_head, tail_start, vocab, BLOCK_V)):
         roffs, in_row = remainder_offsets(r, out_head, tail_start, vocab, BLOCK_V)
         x = tl.load(row_ptr + roffs, mask=in_row, other=0.0, eviction_policy=EVICT)
-        grad = grad_tile(x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False)
+        grad = grad_tile(
+            x, scale2, lse2, k0, k1, cap2, WITH_ENTROPY, SOFTCAP, FAST_EXP2, False, floor, FLOORED
+        )
         tl.store(out_ptr + roffs, grad.to(out_ty), mask=in_row, eviction_policy="evict_first")
     if full_tiles > 0:
         if out_head == head:
@@ -612,6 +703,8 @@ def write_row_grad(
                 FAST_EXP2,
                 True,
                 BLOCK_V,
+                floor,
+                FLOORED,
             )
         else:
             # Unaligned input: its 16-bit loads are not carried over the back edge (see
@@ -634,6 +727,8 @@ def write_row_grad(
                 FAST_EXP2,
                 False,
                 2 * BLOCK_V,
+                floor,
+                FLOORED,
             )
             if full_tiles % 2 != 0:
                 _grad_tiles(
@@ -652,6 +747,8 @@ def write_row_grad(
                     FAST_EXP2,
                     False,
                     BLOCK_V,
+                    floor,
+                    FLOORED,
                 )
     # The label's entry: the same p-term plus the one-hot term, stored after every other write.
     label_grad = label_entry(

@@ -1,10 +1,13 @@
-"""Sampling-mask replay on chip: each row's sampled set found by a radix select, written masked.
+"""Sampling-mask replay on chip: each row's sampled set found by a radix select, as a floor.
 
 vLLM's sampler keeps, per row, the tokens that survive min_p, then top_k, then top_p on the
 renormalised rest (`fusedrl.sampling` has the exact rules). Each filter keeps a prefix of the row
 in descending logit order, so the set is {v : key(x_v) >= K} for one key K per row. This kernel
-finds K without sorting and writes the row with -inf outside the set (the label and NaN kept),
-which the unchanged row kernels then read in place.
+finds K without sorting and stores its value, the row's floor: the Triton row kernels read the
+logits through it (`rows.floored`: below the floor, the label excepted, a logit reads as -inf),
+so no masked copy of the logits is written (`sampled_floors`). Kernels that cannot read floors
+(the CUDA extension's) get the row written with -inf outside the set, the label and NaN kept
+(`write_sampled_set`, WRITE_ROWS), which they then read in place.
 
 The key is the logit's fp32 bit pattern mapped to a uint32 whose order is the values' order; x/T
 is monotone in x, so the keys of the raw logits serve every temperature. K is the largest key
@@ -19,7 +22,7 @@ bf16, 20 for fp16, 32 for fp32):
 - the row max (min_p, top_p): 1;
 - top_k: B / 8 rounded up (bf16: 2), counting;
 - top_p: B / 2 (bf16: 8), summing exp(y - max) of the candidates;
-- the masked write: 1 read and 1 write.
+- the masked write (WRITE_ROWS only): 1 read and 1 write.
 
 A select skips the passes whose digits the floor so far and the row max already share (top_p
 after top_k or min_p: usually 3 or 4 of its 8). Only the first read and the write are HBM
@@ -203,6 +206,7 @@ def _sampled_set_kernel(
     logits_ptr,
     labels_ptr,
     out_ptr,
+    floor_ptr,
     rows,
     time,
     vocab,
@@ -221,7 +225,10 @@ def _sampled_set_kernel(
     HAS_MIN_P: tl.constexpr,
     ROW_TEMPERATURE: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
 ):
+    """floor_ptr[row] = the row's floor (raw logits; -inf: every logit is in the set), and with
+    WRITE_ROWS the row itself into out_ptr, -inf below the floor but for the label and NaN."""
     # Significant bits of the fp32 key: sign, exponent and the input's mantissa, in whole digits.
     MANTISSA: tl.constexpr = logits_ptr.dtype.element_ty.fp_mantissa_width
     KEY_BITS: tl.constexpr = (9 + MANTISSA + RADIX_BITS - 1) // RADIX_BITS * RADIX_BITS
@@ -263,18 +270,20 @@ def _sampled_set_kernel(
                 row_ptr, vocab, top_p, floor_key, top_key, y_max2, row_scale2, KEY_BITS, BLOCK_V
             )
         floor_value = _key_value(floor_key)
-        label = tl.maximum(tl.load(labels_ptr + row), 0)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + offs
-            in_row = idx < vocab
-            x = tl.load(row_ptr + idx, mask=in_row, other=0.0, eviction_policy="evict_first")
-            x32 = x.to(tl.float32)
-            keep = x32 >= floor_value
-            # The label stays (the engine's logits differ from ours in the last bits); NaN stays
-            # so that a corrupt row still reads as NaN downstream.
-            keep = keep | (idx == label) | (x32 != x32)
-            out = tl.where(keep, x, -float("inf")).to(out_ptr.dtype.element_ty)
-            tl.store(out_row + idx, out, mask=in_row, eviction_policy="evict_first")
+        tl.store(floor_ptr + row, floor_value)
+        if WRITE_ROWS:
+            label = tl.maximum(tl.load(labels_ptr + row), 0)
+            for start in range(0, vocab, BLOCK_V):
+                idx = start + offs
+                in_row = idx < vocab
+                x = tl.load(row_ptr + idx, mask=in_row, other=0.0, eviction_policy="evict_first")
+                x32 = x.to(tl.float32)
+                keep = x32 >= floor_value
+                # The label stays (the engine's logits differ from ours in the last bits); NaN
+                # stays so that a corrupt row still reads as NaN downstream.
+                keep = keep | (idx == label) | (x32 != x32)
+                out = tl.where(keep, x, -float("inf")).to(out_ptr.dtype.element_ty)
+                tl.store(out_row + idx, out, mask=in_row, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -285,6 +294,73 @@ def _row_temperature(temperature_ptr, row, temperature, scale2, ROW_TEMPERATURE:
         return row_t, LOG2E / row_t
     else:
         return temperature, scale2
+
+
+def _filters(vocab: int, top_k, top_p, min_p) -> tuple[bool, bool, bool]:
+    """Which filters act (top_k >= V, top_p = 1 and min_p = 0 are off, as None)."""
+    return (
+        top_k is not None and top_k < vocab,
+        top_p is not None and top_p < 1,
+        min_p is not None and min_p > 0,
+    )
+
+
+def _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p, row_temps):
+    """One launch of the select over every row: floors (flat [B x T] fp32) and, when `out` is
+    not None, the masked rows into it."""
+    batch, time, vocab = logits.shape
+    has_top_k, has_top_p, has_min_p = _filters(vocab, top_k, top_p, min_p)
+    block = block_size(vocab, logits.device, logits.element_size())
+    programs = persistent_programs(batch * time, vocab * logits.element_size(), logits.device)
+    out_arg = logits if out is None else out
+    _sampled_set_kernel[(programs,)](
+        logits,
+        labels.contiguous(),
+        out_arg,
+        floors,
+        batch * time,
+        time,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        out_arg.stride(0),
+        out_arg.stride(1),
+        row_temperature_arg(row_temps, labels),
+        float(temperature),
+        LOG2E.value / temperature,
+        int(top_k) if has_top_k else 0,
+        float(top_p) if has_top_p else 1.0,
+        math.log(min_p) if has_min_p else 0.0,
+        HAS_TOP_K=has_top_k,
+        HAS_TOP_P=has_top_p,
+        HAS_MIN_P=has_min_p,
+        ROW_TEMPERATURE=row_temps is not None,
+        BLOCK_V=block,
+        WRITE_ROWS=out is not None,
+        **launch_options(block, logits.element_size()),
+    )
+
+
+@launches_on("logits")
+def sampled_floors(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    row_temps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, T] fp32: each row's sampled-set floor on the raw [B, T, V] logits (vocab contiguous,
+    any batch/time strides), what `logprobs` and `token_loss` read with `floors=`: the set is the
+    logits at or above it, and the label. -inf where no filter acts. Filters and `row_temps` as
+    `write_sampled_set`'s."""
+    batch, time, vocab = logits.shape
+    floors = torch.full((batch, time), -math.inf, dtype=torch.float32, device=logits.device)
+    if batch * time == 0 or not any(_filters(vocab, top_k, top_p, min_p)):
+        return floors
+    _launch_select(logits, labels, None, floors, temperature, top_k, top_p, min_p, row_temps)
+    return floors
 
 
 @launches_on("logits")
@@ -299,43 +375,15 @@ def write_sampled_set(
     row_temps: torch.Tensor | None = None,
 ) -> None:
     """out = [B, T, V] logits with -inf outside each row's sampled set (out may be logits; vocab
-    contiguous, any batch/time strides). The filters are off when None (top_k >= V, top_p = 1,
-    min_p = 0 are off too). `row_temps`: per-token temperatures ([B, T]), in place of
-    `temperature`."""
+    contiguous, any batch/time strides): for kernels that cannot read floors. The filters are
+    off when None (top_k >= V, top_p = 1, min_p = 0 are off too). `row_temps`: per-token
+    temperatures ([B, T]), in place of `temperature`."""
     batch, time, vocab = logits.shape
-    rows = batch * time
-    has_top_k = top_k is not None and top_k < vocab
-    has_top_p = top_p is not None and top_p < 1
-    has_min_p = min_p is not None and min_p > 0
-    if rows == 0:
+    if batch * time == 0:
         return
-    if not (has_top_k or has_top_p or has_min_p):
+    if not any(_filters(vocab, top_k, top_p, min_p)):
         if out.data_ptr() != logits.data_ptr():
             out.copy_(logits)
         return
-    block = block_size(vocab, logits.device, logits.element_size())
-    programs = persistent_programs(rows, vocab * logits.element_size(), logits.device)
-    _sampled_set_kernel[(programs,)](
-        logits,
-        labels.contiguous(),
-        out,
-        rows,
-        time,
-        vocab,
-        logits.stride(0),
-        logits.stride(1),
-        out.stride(0),
-        out.stride(1),
-        row_temperature_arg(row_temps, labels),
-        float(temperature),
-        LOG2E.value / temperature,
-        int(top_k) if has_top_k else 0,
-        float(top_p) if has_top_p else 1.0,
-        math.log(min_p) if has_min_p else 0.0,
-        HAS_TOP_K=has_top_k,
-        HAS_TOP_P=has_top_p,
-        HAS_MIN_P=has_min_p,
-        ROW_TEMPERATURE=row_temps is not None,
-        BLOCK_V=block,
-        **launch_options(block, logits.element_size()),
-    )
+    floors = torch.empty(batch * time, dtype=torch.float32, device=logits.device)
+    _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p, row_temps)

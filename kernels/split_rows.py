@@ -120,8 +120,9 @@ def fused_token_loss(logits: torch.Tensor, grad: torch.Tensor, args: TokenLossAr
     co-resident) by the two-sweep kernel."""
     wanted = POLICY == "always" or (POLICY == "on" and split_rows_fit(logits, grad))
     # (the sum of p^2, the Optimal Token Baseline's input, is the two-sweep kernel's: a fifth
-    # running sum here spills registers in some of its variants)
-    if wanted and args.sum_sq is None:
+    # running sum here spills registers in some of its variants; so is the read through a
+    # sampled set's floors, a switch this kernel does not have)
+    if wanted and args.sum_sq is None and args.floors is None:
         out = split_row_loss(logits, grad, args)
         if out is not None:
             return out
@@ -655,8 +656,11 @@ def split_row_loss(
     kernel).
     `two_launches`: the exchange through a second launch instead of a barrier (default: on CPU,
     where the interpreter cannot spin, when rows span more than one slice)."""
-    if args.sum_sq is not None:
-        raise ValueError("sum_sq: the split-row kernel does not sum p^2 (the two-sweep one does)")
+    if args.sum_sq is not None or args.floors is not None:
+        raise ValueError(
+            "sum_sq, floors: the split-row kernel neither sums p^2 nor reads a sampled set's "
+            "floors (the two-sweep one does)"
+        )
     batch, time, vocab = logits.shape
     rows, device = batch * time, logits.device
     logp = torch.empty(batch, time, dtype=torch.float32, device=device)
@@ -747,7 +751,7 @@ def _split_launch(
     exchange switch and this kernel's launch options. Worked out once per variant: the host's
     time is the loss's at a short row."""
     scalars, constexprs = _variant_launch(block, elem_bytes, device, variant, presence)
-    constexprs = {k: v for k, v in constexprs.items() if k != "SUM_PI_SQUARED"}
+    constexprs = {k: v for k, v in constexprs.items() if k not in ("SUM_PI_SQUARED", "FLOORED")}
     constexprs.update(EXCHANGE=exchange, **launch_options(block))
     return scalars, constexprs, tuple(sorted(constexprs.items()))
 

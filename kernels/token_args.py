@@ -89,6 +89,9 @@ class TokenLossArgs(NamedTuple):
     sum_sq: torch.Tensor | None = None  # a [B, T] fp32 buffer that gets sum_v pi_v^2 per row
     grad_scale: float = 1.0  # the factor the gradient is written times (the loss multiplier)
     agg_denominator: float = 0.0  # (agg_from_mask)
+    # [B, T] fp32 sampled-set floors on the raw logits (kernels/sampling.py): each row read over
+    # the logits at or above its floor and its label
+    floors: torch.Tensor | None = None
 
     def keywords(self, names: tuple[str, ...] | None = None) -> dict:
         """The fields as an op's keywords, the variant's flattened; `names`: only those."""
@@ -150,6 +153,7 @@ class TokenLossArgs(NamedTuple):
             self.entropy_coef_tensor is not None,
             self.sum_sq is not None,
             self.grad_scale_tensor is not None,
+            self.floors is not None,
         )
 
 
@@ -167,6 +171,7 @@ ROW_FIELDS = (
     "high",
     "row_temps",
     "sum_sq",
+    "floors",
 )
 
 # The CUDA extension's fused op takes these (csrc/bindings.cpp, FUSEDRL_FUSED_ARGS and its

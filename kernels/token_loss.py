@@ -38,6 +38,7 @@ from .loss_sums import (
 from .rows import (
     LOG2E,
     cap_arg,
+    check_floors,
     logp_of,
     row_offset,
     row_stats,
@@ -256,6 +257,7 @@ def _fused_token_loss_kernel(
     temperature_ptr,
     entropy_coef_ptr,
     grad_scale_ptr,
+    floor_ptr,
     time,
     vocab,
     stride_b,
@@ -287,6 +289,7 @@ def _fused_token_loss_kernel(
     SUM_PI_SQUARED: tl.constexpr,
     FAST_EXP2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FLOORED: tl.constexpr,
 ):
     """Persistent: each program walks rows pid, pid + programs, ... so that only as many rows
     are in flight as the launcher chose (`sum_programs`). ENTROPY_COEF_FROM_PTR:
@@ -306,7 +309,11 @@ def _fused_token_loss_kernel(
     Each program also sums, over its counted rows, the token's loss term (times its
     aggregation weight) and the metrics' mask-weighted values (SUM_SLOTS) into its row of
     `partials`: the loss and the metrics then need no [B, T] arithmetic on the host, only
-    `token_loss_sums` (a few registers per row against a row of V logits)."""
+    `token_loss_sums` (a few registers per row against a row of V logits).
+
+    FLOORED: each row over its replayed sampled set (vLLM's top_k / top_p / min_p): the logits
+    below floor_ptr[row], the label excepted, read as -inf (`rows.floored`), so the set costs
+    one compare and select per element and no masked copy of the logits."""
     bonus_coef, scale_grad, denominator = loss_prologue(
         rows=rows,
         mask_ptr=mask_ptr,
@@ -360,6 +367,9 @@ def _fused_token_loss_kernel(
             row_inv_t, row_scale2 = row_temperature(
                 temperature_ptr, row, inv_temperature, scale2, ROW_TEMPERATURE
             )
+            floor = 0.0
+            if FLOORED:
+                floor = tl.load(floor_ptr + row)
             # Sweep 1 keeps its lines in L2 (evict_last): sweep 2 re-reads the row right after.
             label_value, lse, mean_z, sum_pi_sq = row_stats(
                 row_ptr,
@@ -372,6 +382,8 @@ def _fused_token_loss_kernel(
                 SUM_PI_SQUARED,
                 SOFTCAP,
                 BLOCK_V,
+                floor,
+                FLOORED,
             )
             entropy = lse - mean_z
             logp = logp_of(label_value, row_inv_t, lse)
@@ -416,6 +428,8 @@ def _fused_token_loss_kernel(
                 SOFTCAP,
                 FAST_EXP2,
                 BLOCK_V,
+                floor,
+                FLOORED,
             )
             tl.store(logp_ptr + row, logp)
             tl.store(entropy_ptr + row, entropy)
@@ -438,7 +452,9 @@ def _variant_launch(
     options): functions of the variant, which optional inputs are given (`presence`), the vocab
     tile and the device alone, worked out once per variant. At a 4k-token micro-batch the host's
     time is the loss's, and these are a third of the launcher's."""
-    has_old, has_ref, has_is, has_bounds, row_temps, coef_tensor, sum_sq, scale_tensor = presence
+    has_old, has_ref, has_is, has_bounds, row_temps, coef_tensor, sum_sq, scale_tensor, floors = (
+        presence
+    )
     scalars = (
         1.0 / variant.temperature,
         LOG2E.value / variant.temperature,  # log2(e) / T: sweep 1 works in base 2
@@ -455,6 +471,7 @@ def _variant_launch(
         SUM_PI_SQUARED=sum_sq,
         FAST_EXP2=fast_exp2(device),
         BLOCK_V=block,
+        FLOORED=floors,
         **launch_options(block, elem_bytes),
     )
     return scalars, constexprs
@@ -475,6 +492,7 @@ def fused_token_loss(
     (logp, entropy, partials): logp and entropy [B, T] fp32, partials [programs, SUM_WIDTH] fp32,
     each program's sums over its rows (`token_loss_sums` adds them up). `args`: the loss's
     inputs and variant (kernels/token_args.py says what each field is)."""
+    check_floors(args.floors, args.labels, args.variant.cap)
     batch, time, vocab = logits.shape
     logp = torch.empty(batch, time, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
@@ -496,6 +514,7 @@ def fused_token_loss(
         logp if args.sum_sq is None else rows_buffer(args.sum_sq, args.labels, "sum_sq"),
         partials,
         *args.scalar_pointers(logp),
+        logp if args.floors is None else args.floors,
         time,
         vocab,
         *logits.stride()[:2],  # (one call for both: a microsecond a launch at a host-bound size)

@@ -1,0 +1,221 @@
+"""Sampled sets read through each row's floor: no masked copy of the logits (Triton backend).
+
+The select kernel stores one floor per row (`kernels.sampling.sampled_floors`) and the row kernels
+read the logits through it: below the floor a logit reads as -inf, except the label, whose term
+they add apart where the floor dropped it. Checked here, on the interpreter:
+- the floors give the very set the masked write does (`write_sampled_set`), row by row;
+- every row kernel reading the raw logits through the floors returns what it returns on the
+  masked copy (to an ulp: the order of a sum), on rows that make each case act: the label in
+  the set, below it (the sums' added term), below it with a probability under 1e-33 (the exact
+  path, which needs no such term), an all -inf row but two tokens, a NaN row, per-token
+  temperatures, the sum of p^2;
+- `policy_loss` and `token_logprobs` on the Triton backend write no masked copy, with and without
+  a gradient, in place or not. Their values against the reference: tests/test_sampling_replay.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedrl
+from fusedrl import LossConfig
+
+from .conftest import make_batch, needs_interpreter
+
+pytestmark = needs_interpreter
+
+VOCAB = 1031  # 3 interpreted tiles of 512, the last partial
+FILTERS = (0.8, 20, 0.9, 0.05)  # (temperature, top_k, top_p, min_p): every filter acts
+
+
+def _rows(dtype, seed=0, batch=2, time=6):
+    """Logits and labels whose rows make each case of the floors act (see the module doc)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(batch, time, VOCAB, generator=gen)
+    labels = torch.randint(0, VOCAB, (batch, time), generator=gen)
+    labels[0, 0] = logits[0, 0].argmax()  # in the set
+    labels[0, 1] = logits[0, 1].argmin()  # below the floor: its term added to the sums
+    logits[0, 2, 5], labels[0, 2] = -200.0, 5  # p < 1e-33 and dropped: the exact path
+    logits[0, 3] = -math.inf  # no mass but the label's and one other token's
+    logits[0, 3, 9], logits[0, 3, 10], labels[0, 3] = 1.0, -2.0, 10
+    logits[1, 0, 17] = math.nan  # a NaN row stays NaN
+    logits = logits.to(dtype)
+    return logits, labels
+
+
+def _masked_and_floors(logits, labels, temperature, top_k, top_p, min_p, row_temps=None):
+    from fusedrl.kernels import sampling
+
+    masked = torch.empty_like(logits)
+    sampling.write_sampled_set(
+        logits, labels, masked, temperature, top_k, top_p, min_p, row_temps=row_temps
+    )
+    floors = sampling.sampled_floors(
+        logits, labels, temperature, top_k, top_p, min_p, row_temps=row_temps
+    )
+    return masked, floors
+
+
+def _equal(ours, theirs):
+    """Equal but for the order of a sum: a dropped label's term is added after the row's, not
+    at its place among them (an ulp of fp32)."""
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_floors_give_the_masked_write_set(dtype):
+    logits, labels = _rows(dtype)
+    masked, floors = _masked_and_floors(logits, labels, *FILTERS)
+    columns = torch.arange(VOCAB)
+    x = logits.float()
+    kept = (x >= floors[..., None]) | (columns == labels[..., None]) | x.isnan()
+    _equal(torch.where(kept, logits, -math.inf), masked)
+    assert (floors > -math.inf).all() and (~kept).float().mean() > 0.9  # the filters acted
+    # Off filters: -inf everywhere, no launch.
+    none = fusedrl.kernels.sampling.sampled_floors(logits, labels, 1.0, None, 1.0, 0.0)
+    assert (none == -math.inf).all()
+
+
+@pytest.mark.parametrize("row_temperatures", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_through_floors_equal_them_on_the_masked_copy(dtype, row_temperatures):
+    from fusedrl.kernels import logprobs
+
+    logits, labels = _rows(dtype, seed=1)
+    temperature, top_k, top_p, min_p = FILTERS
+    row_temps = None
+    if row_temperatures:
+        row_temps = 0.5 + torch.rand(labels.shape, generator=torch.Generator().manual_seed(2))
+    masked, floors = _masked_and_floors(logits, labels, *FILTERS, row_temps=row_temps)
+    # the cases acted: the label below its floor, a p < 1e-33 label
+    assert logits[0, 1, labels[0, 1]] < floors[0, 1] and masked[0, 2, 5] == -200.0
+    sum_sq = {name: torch.empty(labels.shape) for name in ("copy", "floors")}
+    on_copy = logprobs.logprobs_forward(
+        masked, labels, None, temperature, row_temps, sum_sq=sum_sq["copy"]
+    )
+    through = logprobs.logprobs_forward(
+        logits, labels, None, temperature, row_temps, sum_sq=sum_sq["floors"], floors=floors
+    )
+    for ours, theirs in zip((*through, sum_sq["floors"]), (*on_copy, sum_sq["copy"])):
+        _equal(ours, theirs)
+    assert through[0][0, 2] < -60 and through[0][1, 0].isnan()  # the exact path's row; NaN's
+    _, lse, entropy = on_copy
+    gen = torch.Generator().manual_seed(3)
+    dlogp, dentropy = torch.randn(2, *labels.shape, generator=gen)
+    grads = [torch.full_like(logits, 7.0) for _ in range(2)]
+    args = (labels, lse, entropy, dlogp, dentropy, temperature)
+    logprobs.logits_backward(masked, *args, grads[0], row_temps)
+    logprobs.logits_backward(logits, *args, grads[1], row_temps, floors=floors)
+    _equal(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_through_floors_equals_it_on_the_masked_copy(dtype):
+    from fusedrl._inputs import prepare_loss_inputs
+    from fusedrl.fused_backend import fused_token_args
+    from fusedrl.kernels import token_loss
+
+    data = make_batch(batch=2, time=6, vocab=VOCAB, seed=4, per_token_adv=True)
+    logits, labels = _rows(dtype, seed=4)
+    logits[1, 0, 17] = 0.0  # (a NaN row's loss is NaN either way; here the sums must agree)
+    cfg = LossConfig.preset("grpo", temperature=FILTERS[0], entropy_coef=0.01)
+    inp = prepare_loss_inputs(
+        logits,
+        labels,
+        data["advantages"],
+        data["mask"],
+        data["old_logp"],
+        data["ref_logp"],
+        None,
+        cfg,
+        None,
+        mask_rows=False,
+    )
+    args = fused_token_args(inp, cfg, sums=True)
+    masked, floors = _masked_and_floors(logits, labels, *FILTERS)
+    grads = [torch.full_like(logits, 7.0) for _ in range(2)]
+    on_copy = token_loss.fused_token_loss(masked, grads[0], args)
+    through = token_loss.fused_token_loss(logits, grads[1], args._replace(floors=floors))
+    for ours, theirs in zip(through, on_copy):
+        _equal(ours, theirs)
+    _equal(grads[1], grads[0])
+    assert (grads[1][inp.valid] == 0).float().mean() > 0.9  # the set acted
+
+
+class _LogitsSizedAllocations(TorchDispatchMode):
+    """Counts the tensors of at least `numel` elements that aten ops create."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        created = func._schema.name.startswith("aten::empty") or func in (
+            torch.ops.aten.clone.default,
+            torch.ops.aten.full.default,
+            torch.ops.aten.where.self,
+        )
+        if created and isinstance(out, torch.Tensor) and out.numel() >= self.numel:
+            self.made.append(str(func))
+        return out
+
+
+@pytest.fixture
+def no_masked_write(monkeypatch):
+    """Fails a test that writes a masked copy; counts the floors' selects."""
+    from fusedrl.kernels import sampling
+
+    selects = []
+    real = sampling.sampled_floors
+
+    def masked_write(*args, **kwargs):
+        raise AssertionError("a masked copy of the logits was written")
+
+    def floors(*args, **kwargs):
+        selects.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "write_sampled_set", masked_write)
+    monkeypatch.setattr(sampling, "sampled_floors", floors)
+    return selects
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_token_logprobs_make_no_masked_copy(no_masked_write, grad):
+    logits, labels = _rows(torch.bfloat16, seed=5)
+    logits = logits.requires_grad_(grad)
+    temperature, top_k, top_p, min_p = FILTERS
+    count = _LogitsSizedAllocations(logits.numel())
+    with count, torch.set_grad_enabled(grad):
+        logp, _ = fusedrl.token_logprobs(
+            logits, labels, temperature, False, "triton", top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        if grad:
+            logp.nan_to_num().sum().backward()
+    assert no_masked_write == [logits.shape]
+    # with a gradient, the gradient alone (before: a masked copy kept for backward as well)
+    assert len(count.made) == int(grad), count.made
+
+
+@pytest.mark.parametrize(
+    "preset, grad, inplace",
+    [("dapo", True, False), ("dapo", True, True), ("gspo", True, False), ("grpo", False, False)],
+)
+def test_policy_loss_makes_no_masked_copy(no_masked_write, preset, grad, inplace):
+    data = make_batch(batch=3, time=5, vocab=VOCAB, seed=6, dtype=torch.bfloat16)
+    logits = data.pop("logits").clone().requires_grad_(grad)
+    temperature, top_k, top_p, min_p = FILTERS
+    cfg = LossConfig.preset(preset, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    count = _LogitsSizedAllocations(logits.numel())
+    with count, torch.set_grad_enabled(grad):
+        out = fusedrl.policy_loss(logits, config=cfg, backend="triton", inplace=inplace, **data)
+        if grad:
+            out.loss.backward()
+    assert len(no_masked_write) == 1
+    # the gradient buffer alone (none in place, none without a gradient)
+    assert len(count.made) == int(grad and not inplace), count.made
