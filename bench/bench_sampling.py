@@ -1,22 +1,23 @@
-"""Sampling-mask replay: the cost of finding and writing each row's sampled set, one run.
+"""Sampling-mask replay: the cost of finding each row's sampled set, and of the loss over it.
 
     python bench/bench_sampling.py            # GPU: N = 16384, V in {32000, 151936}, bf16
     python bench/bench_sampling.py --smoke    # tiny shapes, any device: not a measurement
 
-For each vLLM filter setting (min_p, top_k, top_p and together), the time to write the logits
-masked to the sampled sets (what the fused backends do before their unchanged kernels run in
-place), two ways:
-- `select:kernel`: kernels/sampling.py, the on-chip radix select (one launch; the row's first
-  read and the write go to HBM, the select passes are served from L2);
-- `select:torch`: fusedrl.sampling, torch.topk / sort / where a block of rows at a time (the
-  route the backends take without the kernel);
-next to `loss:plain`, the DAPO loss fused kernel in place without a mask (forward + backward:
-the logits read once and the gradient written over them), and the device copy bandwidth. The
-table gives each select in ms and as a multiple of `loss:plain`: replaying the mask in the loss
-costs select + plain. `passes` is the most reads of each row the kernel makes (top_p skips the
-passes whose digits are already known; the traffic model is in the kernel's docstring and
-docs/losses.md). Medians; inputs rotate over copies; JSON under
-bench/results/.
+For each vLLM filter setting (min_p, top_k, top_p and together), in one run:
+- `loss:sampled`: the DAPO loss over the sampled sets, forward + backward, as a user
+  calls it (`LossConfig(top_k=, top_p=, min_p=)`): the select kernel's floors, then the fused
+  kernel reading the logits through them (no masked copy);
+- `select:kernel`: the select alone, kernels/sampling.py's on-chip radix select writing one
+  floor per row (the row's first read from HBM, the other passes from L2);
+- `select:torch`: fusedrl.sampling, torch.topk / sort / where writing the masked logits a block
+  of rows at a time (the route a backend without the kernel takes);
+next to `loss:plain`, the same loss without a filter (the logits read once and the gradient
+written once; both losses not in place, so that every call selects over the same logits), and
+the device copy bandwidth. Each row gives ms and `x_plain_loss`, the
+multiple of `loss:plain` (the target: `loss:sampled` <= 1.5x). `passes` is the most reads of
+each row the select makes (top_p skips the passes whose digits are already known; the traffic
+model is in the kernel's docstring and docs/losses.md). Medians; inputs rotate over copies; JSON
+under bench/results/.
 """
 
 from __future__ import annotations
@@ -50,15 +51,14 @@ COUNT_BITS, MASS_BITS = 8, 2  # kernels/sampling.py: top_k's and top_p's bits of
 
 
 def kernel_passes(dtype: torch.dtype, top_k, top_p, min_p) -> int:
-    """The most reads of each row by the select kernel: the max (min_p, top_p), the radix passes
-    of top_k and of top_p (either may skip some), the write."""
+    """The most reads of each row by the select kernel: the max (min_p, top_p) and the radix
+    passes of top_k and of top_p (either may skip some)."""
     count = -(-KEY_BITS[dtype] // COUNT_BITS)
     mass = -(-KEY_BITS[dtype] // MASS_BITS)
     return (
         int(min_p is not None or top_p is not None)
         + count * (top_k is not None)
         + mass * (top_p is not None)
-        + 1
     )
 
 
@@ -79,39 +79,53 @@ def _torch_ops():
     return replace(triton_backend.OPS, sampled_set=None)
 
 
-def make_select(impl, tensors, sampling: SamplingMask):
+def make_select(impl, tensors, sampling: SamplingMask, cfg):
     logits, labels = tensors
-    out = torch.empty_like(logits)
+    if impl == "loss:sampled":
+        return make_loss(tensors, cfg.replace(**vars(sampling)))
     if impl == "select:kernel":
-        from fusedrl.kernels.sampling import write_sampled_set
+        from fusedrl.kernels.sampling import sampled_floors
 
-        return lambda: write_sampled_set(
-            logits, labels, out, 1.0, sampling.top_k, sampling.top_p, sampling.min_p
+        return lambda: sampled_floors(
+            logits, labels, 1.0, sampling.top_k, sampling.top_p, sampling.min_p
         )
     ops = _torch_ops()
+    out = torch.empty_like(logits)
     return lambda: fused_backend._write_sampled_set(ops, logits, labels, 1.0, sampling, out)
 
 
-def make_plain_loss(tensors, cfg):
+def make_loss(tensors, cfg):
     logits, labels = tensors
-    buffer = logits.clone()
+    leaf = logits.detach().requires_grad_(True)
     adv = torch.randn(labels.shape, device=logits.device)
     mask = torch.ones_like(labels, dtype=torch.bool)
 
     def step():
-        # In place: the buffer holds the previous call's gradient, which the kernel reads as
-        # logits: the same bytes, the same work.
-        leaf = buffer.detach().requires_grad_(True)
-        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg, inplace=True)
+        # Not in place: the logits stay the model's, whose sampled sets the select works on
+        # (in place, the next call would select over the last gradient: other data, other
+        # passes skipped). The gradient buffer comes from the caching allocator.
+        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg)
         torch.autograd.grad(out.loss, leaf)
 
     return step
 
 
+IMPLS = ("loss:sampled", "select:kernel", "select:torch")
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--V", type=int, nargs="+", help="vocab sizes (default: the grid's)")
+    parser.add_argument("--filters", nargs="+", choices=sorted(FILTERS), help="default: all")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+
+
 def main(argv=None) -> int:
-    args, device, bandwidth = one_table_setup(__doc__, argv)
+    args, device, bandwidth = one_table_setup(__doc__, argv, _arguments)
     dtype = torch.bfloat16
     grid = SMOKE_GRID if args.smoke else GRID
+    if args.V and not args.smoke:
+        grid = {**grid, "V": tuple(args.V)}
+    filters = {name: FILTERS[name] for name in args.filters or FILTERS}
     cfg = fusedrl.LossConfig.preset("dapo")
     rows = []
     print(
@@ -120,15 +134,15 @@ def main(argv=None) -> int:
     print(f"{'N':>6} {'V':>7} {'filters':>20} {'impl':>14} {'ms':>9} {'x plain':>8} {'passes':>6}")
     for n, v in itertools.product(grid["N"], grid["V"]):
         copies = [_inputs(n, v, dtype, device, seed) for seed in range(COPIES)]
-        plain_steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])
+        plain_steps = itertools.cycle([make_loss(c, cfg) for c in copies])
         plain = _bench(lambda s=plain_steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
         floor_ms = 2 * n * v * dtype.itemsize / (bandwidth * 1e9) * 1e3
         rows.append({"N": n, "V": v, "impl": "loss:plain", "ms": plain, "floor_1r1w_ms": floor_ms})
         print(f"{n:>6} {v:>7} {'-':>20} {'loss:plain':>14} {plain:>9.3f} {1:>8.2f} {1:>6}")
-        for name, (top_k, top_p, min_p) in FILTERS.items():
+        for name, (top_k, top_p, min_p) in filters.items():
             sampling = SamplingMask(top_k, top_p, min_p)
-            for impl in ("select:kernel", "select:torch"):
-                steps = itertools.cycle([make_select(impl, c, sampling) for c in copies])
+            for impl in args.impls:
+                steps = itertools.cycle([make_select(impl, c, sampling, cfg) for c in copies])
                 try:
                     ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
                 except torch.OutOfMemoryError:

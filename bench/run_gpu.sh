@@ -403,7 +403,8 @@ stage_session() {
   # H200 run of 2026-11-28 cut this matrix at V = 262144: the split-row kernel, slower at every
   # shape there, is left out of it), the fused kernel's launch shapes (two rounds, with the
   # wider per-thread tiles), the host-bound shape's GPU time (CUDA-graph replays), the fused
-  # kernel's DRAM bytes (ncu), the gradient-accumulation row. (Measured on 2026-11-28 and left
+  # kernel's DRAM bytes (ncu), the loss over a sampled set (top_k 50 + top_p 0.9, read through
+  # the select's floors), the gradient-accumulation row. (Measured on 2026-11-28 and left
   # to their stages: the split-row kernel's bytes, the exact KL: `profile`, `distill`.)
   stage_tests
   step session:bench "$((DEADLINE - SECONDS - 170))" "$PREFIX-bench_loss-session.log" \
@@ -417,6 +418,9 @@ stage_session() {
     --impls fusedrl-triton fusedrl-cuda liger torch-compile --ops policy_loss_fwd_bwd \
     --cuda-graph --warmup-ms 50 --rep-ms 200 --tag graph --out "$OUTDIR"
   stage_profile "dapo"
+  step session:sampling "$((DEADLINE - SECONDS - 40))" "$PREFIX-bench_sampling-session.log" \
+    "$PY" bench/bench_sampling.py --V 151936 --filters top_k=50,top_p=0.9 \
+    --impls loss:sampled select:kernel --warmup-ms 50 --rep-ms 200 --out "$OUTDIR"
   step session:grad_scale "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-grad_scale.log" \
     "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \
     --impls fusedrl-triton fusedrl-cuda liger --ops policy_loss_fwd_bwd \

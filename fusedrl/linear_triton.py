@@ -123,12 +123,13 @@ def _chunks(lin: LinearInputs, rows: torch.Tensor) -> Iterator[tuple[int, int, t
 def _logits_chunks(
     lin: LinearInputs, rows: torch.Tensor, temperature: float, want_derivative: bool = False
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
-    """(start, stop, logits [1, stop - start, V], dy/dx of lin.transform or None) of consecutive
-    row chunks, made by cuBLAS in one reused buffer: a chunk is valid until the next one is
-    made. With `lin.transform` (softcap / logit_scale) applied to the chunk in place; with
-    `lin.sampling`, then masked in place to the sampled sets (-inf elsewhere) by the select
-    kernel, which the row kernels read as they read any logits. `temperature`: a float or the
-    sweep's rows' own ([1, n], `flat_rows`)."""
+    """(start, stop, logits [1, stop - start, V], dy/dx of lin.transform or None, floors or None)
+    of consecutive row chunks, made by cuBLAS in one reused buffer: a chunk is valid until the
+    next one is made. With `lin.transform` (softcap / logit_scale) applied to the chunk in
+    place; with `lin.sampling`, the select kernel's floors of the chunk's rows ([1, n] fp32),
+    through which the row kernels read the sampled sets (`floors=`: no masked write of the
+    chunk); under tensor parallelism the chunk is masked in place instead (the sets found over
+    the group). `temperature`: a float or the sweep's rows' own ([1, n], `flat_rows`)."""
     weight, bias = lin.weight, lin.bias
     sampling, labels = lin.sampling, flat_rows(lin, lin.rows.labels)
     for start, stop, out in _chunks(lin, rows):
@@ -140,21 +141,21 @@ def _logits_chunks(
         if lin.transform is not None:
             derivative = lin.transform.apply_(out, want_derivative)
         logits = out.unsqueeze(0)
+        floors = None
         if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
             lin.mask_chunk(start, stop, logits, _cut(temperature, start, stop))
         elif sampling is not None:
             scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
-            _row_ops().sampled_set(
+            floors = _row_ops().sampled_floors(
                 logits,
                 _cut(labels, start, stop),
-                logits,
                 scalar,
                 sampling.top_k,
                 sampling.top_p,
                 sampling.min_p,
                 **rows_t,
             )
-        yield start, stop, logits, derivative
+        yield start, stop, logits, derivative, floors
 
 
 def _chained(lin: LinearInputs, grad: torch.Tensor, derivative) -> torch.Tensor:
@@ -191,8 +192,8 @@ def stats(lin: LinearInputs, temperature, squares: bool = False):
     out = [
         torch.empty(labels.shape, dtype=torch.float32, device=labels.device) for _ in range(outputs)
     ]
-    for start, stop, logits, _ in _logits_chunks(lin, masked_rows(lin), temperature):
-        scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
+    for start, stop, logits, _, floors in _logits_chunks(lin, masked_rows(lin), temperature):
+        scalar, rows_t = temperature_keywords(temperature, slice(start, stop), floors=floors)
         chunk_labels = _cut(labels, start, stop)
         if squares:  # (the log-prob calls, whose rows all count)
             chunk = ops.logprobs_squares(logits, chunk_labels, scalar, rows_t.get("row_temps"))
@@ -237,8 +238,8 @@ def _grad_chunks_gemm(lin, rows, temperature, lse, entropy, dlogp, dentropy):
     dlogp = flat_rows(lin, dlogp).float()
     dentropy = None if dentropy is None else flat_rows(lin, dentropy).float()
     temperature = flat_rows(lin, temperature)
-    for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
-        scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
+    for start, stop, logits, derivative, floors in _logits_chunks(lin, rows, temperature, True):
+        scalar, rows_t = temperature_keywords(temperature, slice(start, stop), floors=floors)
         ops.logits_grad(
             logits,
             _cut(labels, start, stop),
@@ -284,8 +285,9 @@ def _one_sweep(lin: LinearInputs, cfg: LossConfig, want: tuple[bool, bool, bool]
         for _stat in ("logp", "entropy")
     )
     temperature = flat_rows(lin, temperature_of(lin.rows, cfg))
-    for start, stop, logits, derivative in _logits_chunks(lin, rows, temperature, True):
+    for start, stop, logits, derivative, floors in _logits_chunks(lin, rows, temperature, True):
         chunk = args.rows(lambda t, start=start, stop=stop: t[:, start:stop])
+        chunk = chunk if floors is None else chunk._replace(floors=floors)
         # (the chunk's sums of the loss and metrics are not used: token_terms takes them)
         flat_logp[:, start:stop], flat_entropy[:, start:stop], _ = ops.fused_token_loss_inplace(
             logits, chunk

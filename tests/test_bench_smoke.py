@@ -468,7 +468,7 @@ def test_bench_linear_smoke(tmp_path):
 @needs_interpreter
 def test_bench_sampling_smoke(tmp_path):
     """bench/bench_sampling.py runs on CPU (the select kernel interpreted) and writes its JSON,
-    every filter setting timed both ways; not a measurement."""
+    every filter setting's loss and both selects timed; not a measurement."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_sampling
 
@@ -477,14 +477,16 @@ def test_bench_sampling_smoke(tmp_path):
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
     timed = {(row.get("filters"), row["impl"]) for row in result["rows"] if row["ms"] > 0}
     for name in bench_sampling.FILTERS:
-        assert {(name, "select:kernel"), (name, "select:torch")} <= timed
+        assert {(name, "loss:sampled"), (name, "select:kernel"), (name, "select:torch")} <= timed
     assert (None, "loss:plain") in timed
     passes = {
         row["filters"]: row["kernel_row_reads"]
         for row in result["rows"]
         if row["impl"] == "select:kernel"
     }
-    assert passes["min_p=0.05"] == 2 and passes["top_k=50,top_p=0.9"] == 12
+    assert passes["min_p=0.05"] == 1 and passes["top_k=50,top_p=0.9"] == 11
+    sampled = [row for row in result["rows"] if row["impl"] == "loss:sampled"]
+    assert all(row["x_plain_loss"] > 0 for row in sampled)
 
 
 def test_bench_tp_smoke(tmp_path):

@@ -16,7 +16,7 @@ from .conftest import LOGITS_BACKENDS, make_batch
 
 # One config per path that writes the gradient: the fused kernel (dapo, grpo), two passes
 # (gspo: the sequence terms; dapo on-policy with an IS correction), the exact KL's two-row
-# kernels, a sampled set (the masked logits then the fused kernel).
+# kernels, a sampled set (the select's floors, then the fused kernel reading through them).
 CONFIGS = {
     "dapo": LossConfig.preset("dapo"),
     "grpo": LossConfig.preset("grpo"),

@@ -219,3 +219,27 @@ def test_policy_loss_makes_no_masked_copy(no_masked_write, preset, grad, inplace
     assert len(no_masked_write) == 1
     # the gradient buffer alone (none in place, none without a gradient)
     assert len(count.made) == int(grad and not inplace), count.made
+
+
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_the_lm_head_loss_makes_no_masked_copy(no_masked_write, preset):
+    """`linear_policy_loss` ("gemm" design): each cuBLAS chunk of logits is read through its
+    floors by the fused kernel (dapo) or the two passes (gspo), never masked in place."""
+    from fusedrl import linear_triton
+
+    if linear_triton.design() != "gemm":
+        pytest.skip("the on-chip design does not replay sampling masks (it raises)")
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, 5, 16, generator=gen).requires_grad_(True)
+    weight = torch.randn(VOCAB, 16, generator=gen).requires_grad_(True)
+    data = make_batch(batch=3, time=5, vocab=VOCAB, seed=7)
+    data.pop("logits")
+    temperature, top_k, top_p, min_p = FILTERS
+    cfg = LossConfig.preset(preset, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    out = fusedrl.linear_policy_loss(hidden, weight, config=cfg, backend="triton", **data)
+    torch.autograd.grad(out.loss, (hidden, weight))
+    assert no_masked_write and all(shape[-1] == VOCAB for shape in no_masked_write)
+    logp, _ = fusedrl.linear_token_logprobs(
+        hidden, weight, data["labels"], temperature, backend="triton", top_k=top_k, top_p=top_p
+    )
+    torch.autograd.grad(logp.sum(), hidden)

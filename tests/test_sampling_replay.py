@@ -13,10 +13,10 @@ import torch
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import BACKENDS, make_batch, run_loss
+from .conftest import LOGITS_BACKENDS, make_batch, run_loss
 
-# The torch backend applies the mask per block; the fused backends (Triton here, through the
-# interpreter; CUDA shares the driver) read logits masked to the set.
+# The torch backend applies the mask per block; Triton (through the interpreter) reads the logits
+# through each row's floor (tests/test_sampling_floors.py); CUDA reads a masked copy.
 
 # (temperature, top_k, top_p, min_p): each filter alone, then all three (vLLM: min_p, top_k, top_p)
 FILTERS = {
@@ -36,7 +36,7 @@ def _logits_and_sampled_labels(seed=0, batch=3, time=7, vocab=1031):
     return logits, labels
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("name", sorted(FILTERS))
 def test_token_logprobs_match_the_reference(name, backend):
     temperature, top_k, top_p, min_p = FILTERS[name]
@@ -63,7 +63,7 @@ def test_token_logprobs_match_the_reference(name, backend):
     torch.testing.assert_close(fast_ent, ref_ent, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
 def test_policy_loss_replays_the_mask(preset, inplace, backend):
@@ -139,11 +139,12 @@ def test_torch_backend_finds_each_floor_once(monkeypatch):
     assert calls == [8, 8, 5]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_no_grad_chunks_of_a_strided_slice(backend, monkeypatch):
-    """Without a gradient the masked copy is made a chunk of rows at a time (the select kernel's
-    chunks, the torch route's blocks): chunks of 5 rows over a [B, P+T, V] slice, which cannot
-    be flattened and is walked sequence by sequence, with a partial last chunk."""
+    """Without a gradient, on a [B, P+T, V] slice, which cannot be flattened: Triton's floors
+    read it in place; a masked copy (the CUDA extension's select-kernel chunks, the torch
+    route's blocks) is made 5 rows at a time, walked sequence by sequence, with a partial last
+    chunk."""
     from fusedrl import fused_backend, row_blocks
 
     monkeypatch.setattr(fused_backend, "SAMPLED_CHUNK_ELEMENTS", 5 * 1031)
