@@ -542,6 +542,25 @@ def test_sampling_mask_replay_at_real_vocab(backend, grad):
             torch.testing.assert_close(ours.float(), ref.float(), atol=2e-5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@FUSED
+def test_policy_loss_over_sampled_sets_at_real_vocab(backend, inplace):
+    """The fused loss over sampled sets (Triton: the compiled kernels reading the logits through
+    the select's floors; CUDA: a masked copy) against the torch backend: bf16, V = 151936."""
+    data = _on_gpu(make_batch(batch=4, time=33, vocab=151936, dtype=torch.bfloat16, seed=14))
+    cfg = LossConfig.preset("dapo", temperature=0.7, top_k=50, top_p=0.9, min_p=0.01)
+    results = {}
+    for name in (backend, "torch"):
+        logits = data["logits"].clone().requires_grad_(True)
+        rest = {k: v for k, v in data.items() if k != "logits"}
+        use_inplace = inplace and name == backend
+        out = fusedrl.policy_loss(logits, config=cfg, backend=name, inplace=use_inplace, **rest)
+        (dlogits,) = torch.autograd.grad(out.loss, logits)
+        results[name] = (out.loss, out.logp, dlogits)
+    for ours, ref in zip(results[backend], results["torch"]):
+        torch.testing.assert_close(ours.float(), ref.float(), atol=2e-5, rtol=1e-3)
+
+
 # --- issue 29 items 2 and 5 ---
 
 

@@ -346,6 +346,16 @@ def _known_over_budget(r: dict, role: str) -> float:
     return KNOWN_OVER_BUDGET.get((r["kernel"], version, role, switches), 0.0)
 
 
+# A sampled set read through its row's floor (FLOORED, kernels/rows.py `floored`) costs each
+# element a compare and a select in every sweep: 2 instructions, 2/32 warp-instruction per
+# element. Measured on sm_90 / sm_100 / sm_120, Triton 3.6 and 3.9: +0.005 to +0.059 per sweep,
+# both sweeps of the fused kernel at most 0.633. Within the 1.2 at which the schedulers are as
+# busy as the memory (kernels/aot.py, SWEEP_BUDGET): the loss over a sampled set is bound by its
+# select's passes, not by this. (Kept here, not in kernels/aot.py: a budget is not a compiled
+# result, and the file is part of the compile cache's key.)
+FLOORED_PER_SWEEP = 2 / 32
+
+
 @pytest.mark.parametrize("triton", TRITONS)
 def test_static_performance_budget(compiled, triton):
     """aot.SWEEP_BUDGET per main loop and aot.FUSED_BUDGET for both sweeps of the fused kernel,
@@ -363,6 +373,7 @@ def test_static_performance_budget(compiled, triton):
     for r in _sass_checked(compiled, triton):
         capped = r["constexprs"].get("SOFTCAP", False)  # tanh per element: its own budget
         squares = r["constexprs"].get("SUM_PI_SQUARED", False)
+        floored = FLOORED_PER_SWEEP if r["constexprs"].get("FLOORED", False) else 0.0
         fast = _fast_stats_loop(r["loops"])
         grads = [loop for loop in r["loops"] if loop["role"] == "grad"]
         # The gradient loop for rows whose gradient buffer is aligned unlike the logits (an odd V
@@ -379,7 +390,7 @@ def test_static_performance_budget(compiled, triton):
                 f"{mufu:.2f} MUFU/elem {loop['barriers']} BAR"
             )
             budget = (SOFTCAP_BUDGET if capped else SWEEP_BUDGET)[role]
-            budget += _known_over_budget(r, role)
+            budget += _known_over_budget(r, role) + floored
             if role == "stats" and squares:  # one FFMA per element more, by design
                 budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if cost > budget:
@@ -391,7 +402,7 @@ def test_static_performance_budget(compiled, triton):
         if r["kernel"] == "_fused_token_loss_kernel":
             total = sum(loop["warp_instructions_per_element"] for loop in [fast, *grads] if loop)
             fused_budget = SOFTCAP_FUSED_BUDGET if capped else FUSED_BUDGET
-            fused_budget += _known_over_budget(r, "fused")
+            fused_budget += _known_over_budget(r, "fused") + 2 * floored
             if squares:
                 fused_budget += SQUARES_STATS_BUDGET - SWEEP_BUDGET["stats"]
             if total > fused_budget:

@@ -7,17 +7,16 @@ overwritten), NaN padding, bf16 against float64, and over vocab-sharded logits (
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fusedrl
 from fusedrl import LossConfig, reference
 
 from .conftest import BACKENDS, LOGITS_BACKENDS, make_batch, needs_interpreter
+from .worlds import free_port, run_world
 
 
 def _logits(seed=0, batch=3, time=7, vocab=131, dtype=torch.float32):
@@ -245,14 +244,11 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_over_vocab_sharded_logits(tmp_path):
     """2 gloo ranks, each holding a slice of the vocabulary: every rank gets the whole rows'
     sum pi^2 (two sharded log-prob calls: the ranks' partial sums are merged by them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    out = str(tmp_path)
+    per_rank = run_world(_tp_worker, 2, (2, free_port(), out), out, 300, "the tp world of 2")
     logits, labels = _logits(seed=3, vocab=1031)
     want = reference.sum_pi_squared(logits, 0.9)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    for got in per_rank:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 

@@ -12,7 +12,6 @@ trainer, whose first step's loss and gradient norm equal the one-process run's; 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from fusedrl.trainer.loop import TINY_LR
 from fusedrl.trainer.step import accumulate_gradients
 
 from .test_trainer_units import _tiny_batch, _tiny_model
+from .worlds import free_port, run_world
 
 CASES = {
     "dapo": {},
@@ -52,7 +52,7 @@ def _grads(model) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -64,23 +64,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         rows = slice(0, 4) if rank == 0 else slice(4, 7)
         accumulate_gradients(model, _batch().rows(rows), _config(preset), 1, None, "torch")
         results[preset] = _grads(model)  # full_tensor() is a collective: every rank calls it
-    if rank == 0:
-        torch.save(results, out)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # (trainer.distributed.teardown's reason)
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_grads(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dp") / "grads.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    return torch.load(out)
+    out = str(tmp_path_factory.mktemp("dp"))
+    per_rank = run_world(_worker, 2, (2, free_port(), out), out, 300, "the FSDP2 world of 2")
+    return per_rank[0]  # (every rank holds the full gradients: full_tensor())
 
 
 @pytest.mark.parametrize("preset", list(CASES))
@@ -151,7 +144,7 @@ def fusedrl_train(world: int, *argv: str) -> None:
     """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as spawned processes."""
     import time
 
-    ctx = mp.spawn(_cli_worker, args=(world, _free_port(), list(argv)), nprocs=world, join=False)
+    ctx = mp.spawn(_cli_worker, args=(world, free_port(), list(argv)), nprocs=world, join=False)
     deadline = time.monotonic() + RUN_DEADLINE_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
