@@ -94,18 +94,22 @@ def make_select(impl, tensors, sampling: SamplingMask, cfg):
     return lambda: fused_backend._write_sampled_set(ops, logits, labels, 1.0, sampling, out)
 
 
-def make_loss(tensors, cfg):
+def make_loss(tensors, cfg, inplace: bool = False):
+    """One forward + backward of `policy_loss` on these logits. Here not in place: the logits
+    stay the model's, whose sampled sets the select works on (in place, the next call would
+    select over the last gradient: other data, other passes skipped; the gradient buffer comes
+    from the caching allocator). `inplace` (bench/sweep_fused.py, no sampled set): the buffer
+    holds the previous call's gradient, which the kernel reads as logits: the same bytes, the
+    same work."""
     logits, labels = tensors
-    leaf = logits.detach().requires_grad_(True)
+    leaf = (logits.clone() if inplace else logits).detach()
     adv = torch.randn(labels.shape, device=logits.device)
     mask = torch.ones_like(labels, dtype=torch.bool)
 
     def step():
-        # Not in place: the logits stay the model's, whose sampled sets the select works on
-        # (in place, the next call would select over the last gradient: other data, other
-        # passes skipped). The gradient buffer comes from the caching allocator.
-        out = fusedrl.policy_loss(leaf, labels, adv, mask, config=cfg)
-        torch.autograd.grad(out.loss, leaf)
+        x = leaf.detach().requires_grad_(True)
+        out = fusedrl.policy_loss(x, labels, adv, mask, config=cfg, inplace=inplace)
+        torch.autograd.grad(out.loss, x)
 
     return step
 

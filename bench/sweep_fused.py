@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import SMOKE_NOTE, _bench, one_table_setup, write_run_json  # noqa: E402
-from bench_sampling import _inputs, make_plain_loss  # noqa: E402  (the in-place DAPO step)
+from bench_sampling import _inputs, make_loss  # noqa: E402  (the DAPO step)
 
 import fusedrl  # noqa: E402
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         label = f"{round_:>5} {where:>11} {warps or '-':>5} {width or '-':>5}"
         shape = {"programs_per_sm": per_sm, "warps": warps, "bytes_per_thread": width}
         with launch_shape(per_sm, warps, width):
-            steps = itertools.cycle([make_plain_loss(c, cfg) for c in copies])
+            steps = itertools.cycle([make_loss(c, cfg, inplace=True) for c in copies])
             try:
                 ms = _bench(lambda s=steps: next(s)(), device, args.warmup_ms, args.rep_ms)[0]
             except Exception as err:  # noqa: BLE001 - a shape the compiler refuses is a result

@@ -60,7 +60,7 @@ def test_the_launchers_are_found():
         "logprobs.logprobs_forward",
         "logprobs.logits_backward",
         "scale.scale_rows_unless_one",
-        "sampling.write_sampled_set",
+        "sampling._launch_select",
         "token_loss.fused_token_loss",
         "loss_sums.token_loss_sums",
         "loss_sums.aggregation_weights",
@@ -146,8 +146,10 @@ def _calls(batch, time, vocab, dtype, device, hidden=24) -> dict:
         "scale.scale_rows_unless_one": lambda: [
             scale.scale_rows_unless_one(g, factor) for g in (logits, states, weight, bias)
         ],
-        "sampling.write_sampled_set": lambda: sampling.write_sampled_set(
-            logits, labels, logits, 0.7, 50, 0.9, 0.05
+        # (the select's one launcher, through both its callers: the masked rows, the floors)
+        "sampling._launch_select": lambda: (
+            sampling.write_sampled_set(logits, labels, logits, 0.7, 50, 0.9, 0.05),
+            sampling.sampled_floors(logits, labels, 0.7, 50, 0.9, 0.05),
         ),
         "token_loss.fused_token_loss": fused,
         "split_rows.split_row_loss": split_both,
@@ -562,7 +564,7 @@ def _far_launches(space, layout: str):
 
     def sampled(logits, out):
         sampling.write_sampled_set(logits, labels, out, 1.0, 5, None, None)
-        return out
+        return out, sampling.sampled_floors(logits, labels, 1.0, 5, None, None)
 
     bonus = token_args.TokenLossArgs(
         labels, valid, rows, token_args.LossVariant(entropy_coef=0.01), rows, None, rows
@@ -602,7 +604,7 @@ def _far_launches(space, layout: str):
         ),
         "logprobs.logits_backward": logits_pair(backward),
         "scale.scale_rows_unless_one": logits_pair(scaled),
-        "sampling.write_sampled_set": logits_pair(sampled),
+        "sampling._launch_select": logits_pair(sampled),
         "token_loss.fused_token_loss": logits_pair(fused),
         "split_rows.split_row_loss": logits_pair(split),
         "linear_loss.linear_stats": linear_pair(stats),

@@ -17,7 +17,8 @@ import torch
 
 import fusedrl
 
-from .test_sampling_replay import BACKENDS, FILTERS
+from .conftest import BACKENDS
+from .test_sampling_replay import FILTERS
 
 VLLM_CHILD = textwrap.dedent(
     """
