@@ -1,4 +1,4 @@
-"""Sampling-mask replay on chip: each row's sampled set found by a radix select, as a floor.
+"""Sampling-mask replay on chip: each row's sampled set found without a sort, as a floor.
 
 vLLM's sampler keeps, per row, the tokens that survive min_p, then top_k, then top_p on the
 renormalised rest (`fusedrl.sampling` has the exact rules). Each filter keeps a prefix of the row
@@ -13,23 +13,29 @@ The key is the logit's fp32 bit pattern mapped to a uint32 whose order is the va
 is monotone in x, so the keys of the raw logits serve every temperature. K is the largest key
 whose candidates at or above it weigh at least a target: a count (top_k: the k-th largest) or a
 share of the candidates' probability mass (top_p: the smallest kept token is the first whose
-larger ones weigh less than p). Radix selects find it, most significant digit first, with no
-sort, no scratch memory in HBM and no global atomics: top_k counts 8 bits of key a pass in
-shared memory (`tl.histogram`); top_p compares each logit with 4 thresholds a pass (2 bits), as
-values. min_p is one more floor on the keys. Passes over each row of B-bit logits (B = 16 for
-bf16, 20 for fp16, 32 for fp32):
+larger ones weigh less than p). min_p is one more floor on the keys. Two ways find K:
 
-- the row max (min_p, top_p): 1;
-- top_k: B / 8 rounded up (bf16: 2), counting;
-- top_p: B / 2 (bf16: 8), summing exp(y - max) of the candidates;
-- the masked write (WRITE_ROWS only): 1 read and 1 write.
+- Gathered (COMPACT: top_k up to COMPACT_TOP_K, with or without the others; top_p after min_p).
+  The row max's read also keeps a running max per tile position; the k-th largest of GROUPS
+  group maxima of those is a threshold with at least k logits above it and, unless several of
+  the k largest share a group, few more. One more read gathers the logits at or above the
+  threshold (and min_p's floor) into the program's CANDIDATES floats of scratch (1 KB, in L2),
+  and the k-th largest and top_p's floor are found among them in registers, by pairs. Two
+  reads of each row in all, whatever the dtype.
+- Radix passes, where the candidates are not few (top_p alone, a larger top_k, a row where more
+  than CANDIDATES crowd above the threshold, e.g. ties): most significant digit first, top_k
+  counts 8 bits of key a pass in shared memory (`tl.histogram`); top_p compares each logit with
+  4 thresholds a pass (2 bits), as values. Passes over each row of B-bit logits (B = 16 for
+  bf16, 20 for fp16, 32 for fp32): the row max (min_p, top_p) 1; top_k B / 8 rounded up (bf16:
+  2), counting; top_p B / 2 (bf16: 8), summing exp(y - max) of the candidates. A select skips
+  the passes whose digits the floor so far and the row max already share (top_p after top_k or
+  min_p: usually 3 or 4 of its 8).
 
-A select skips the passes whose digits the floor so far and the row max already share (top_p
-after top_k or min_p: usually 3 or 4 of its 8). Only the first read and the write are HBM
-traffic when the rows in flight fit in L2 (the launcher sizes the persistent grid as the fused
-kernel does); top_p's passes issue a compare, a select and an add per threshold and element, so
-with top_p the kernel is bound by its instruction issue, not by memory: docs/losses.md has the
-cost against the plain kernel.
+The masked write (WRITE_ROWS only) is 1 read and 1 write more. Only the first read and the write
+are HBM traffic when the rows in flight fit in L2 (the launcher sizes the persistent grid as the
+fused kernel does); the radix top_p passes issue a compare, a select and an add per threshold and
+element, so there the kernel is bound by its instruction issue, not by memory: docs/losses.md has
+the cost against the plain kernel. No global atomics; the only scratch is the gathered path's.
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ KERNEL_FAMILY = "select"
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)
 # How far (in ulps) min_y x T may be from the min_p floor: 2 roundings, ~1 ulp each.
 MIN_P_STEPS = tl.constexpr(4)
+# The candidates' select (COMPACT): the row's logits at or above a threshold, gathered into a
+# program's CANDIDATES floats of scratch (L2-resident: 1 KB a program) when no more than that;
+# the threshold under top_k is the k-th largest of GROUPS group maxima of the row, so top_k up
+# to COMPACT_TOP_K (half the groups: a few maxima share a group) gathers k + a few logits.
+CANDIDATES = tl.constexpr(256)
+GROUPS = tl.constexpr(256)
+CHUNK = tl.constexpr(32)
+COMPACT_TOP_K = 128
 
 
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
@@ -202,11 +216,99 @@ def _mass_select(
 
 
 @triton.jit
+def _held_at_or_above(x, scratch_ptr, size, floor_value, y_max2, scale2, WEIGH: tl.constexpr):
+    """For each x_i (a [CANDIDATES] tile): how many of the `size` values at scratch_ptr lie at
+    or above it, or WEIGH: their mass exp(y - max y), of those at or above floor_value. Chunks
+    of [CANDIDATES, CHUNK] pairs (a sort would cost more: a bitonic network's many exchanges),
+    summed in slot order: the same sums every run."""
+    held = tl.zeros([CANDIDATES], tl.float32)
+    for chunk in tl.static_range(CANDIDATES // CHUNK):
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        other = tl.load(scratch_ptr + cols, mask=cols < size, other=-float("inf"))
+        if WEIGH:
+            weight = tl.where(other >= floor_value, tl.exp2(other * scale2 - y_max2), 0.0)
+        else:
+            weight = tl.where(other > -float("inf"), 1.0, 0.0)
+        held += tl.sum(tl.where(other[None, :] >= x[:, None], weight[None, :], 0.0), axis=1)
+    return held
+
+
+@triton.jit
+def _kth_group_max(lanes, k, scratch_ptr, BLOCK_V: tl.constexpr):
+    """The k-th largest of the row's GROUPS group maxima (lanes: the row's running maxima, one
+    per tile position), a lower bound of the k-th largest logit: k groups hold a logit at or
+    above it. Few logits lie at or above it beside the k largest (only where two of those share
+    a group), so they are what `_gather_candidates` gathers. -inf where fewer than k groups
+    hold a finite logit. Uses the program's scratch (GROUPS <= CANDIDATES floats)."""
+    groups = tl.max(tl.reshape(lanes, [GROUPS, BLOCK_V // GROUPS]), axis=1)
+    tl.debug_barrier()  # every thread has read the program's last row from the scratch
+    tl.store(scratch_ptr + tl.arange(0, GROUPS), groups)
+    tl.debug_barrier()
+    ranks = _held_at_or_above(groups, scratch_ptr, GROUPS, 0.0, 0.0, 1.0, False)
+    return tl.max(tl.where(ranks >= k, groups, -float("inf")), axis=0)
+
+
+@triton.jit
+def _gather_candidates(row_ptr, vocab, threshold, scratch_ptr, BLOCK_V: tl.constexpr):
+    """How many finite logits of the row lie at or above threshold; the first CANDIDATES of
+    them stored at scratch_ptr in row order (a tile with none skips its scan and stores: most
+    tiles of a row)."""
+    offs = tl.arange(0, BLOCK_V)
+    found = tl.zeros([], tl.int32)
+    tl.debug_barrier()  # every thread has read the program's last row from the scratch
+    for start in range(0, vocab, BLOCK_V):
+        in_row = start + offs < vocab
+        x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf")).to(tl.float32)
+        taken = ((x >= threshold) & (x > -float("inf"))).to(tl.int32)
+        count = tl.sum(taken, axis=0)
+        if count > 0:
+            slot = found + tl.cumsum(taken, axis=0) - 1
+            tl.store(scratch_ptr + slot, x, mask=(taken != 0) & (slot < CANDIDATES))
+        found += count
+    tl.debug_barrier()  # the stores are visible to every thread of the program
+    return found
+
+
+@triton.jit
+def _candidates_floor(
+    scratch_ptr,
+    found,
+    floor_key,
+    top_k,
+    top_p,
+    y_max2,
+    scale2,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+):
+    """The floor key from the gathered candidates (every logit of the row at or above the final
+    floor is among them), in registers: top_k's k-th largest (the largest with k at or above
+    it, ties included), then top_p's smallest kept logit (the largest whose candidates at or
+    above it hold at least top_p of their mass). The same keys as the radix selects'."""
+    slots = tl.arange(0, CANDIDATES)
+    x = tl.load(scratch_ptr + slots, mask=slots < found, other=-float("inf"))
+    if HAS_TOP_K:
+        # -inf (no floor) where fewer than k lie at or above the threshold: min_p's floor holds
+        ranks = _held_at_or_above(x, scratch_ptr, found, 0.0, 0.0, 1.0, False)
+        kth = tl.max(tl.where(ranks >= top_k, x, -float("inf")), axis=0)
+        floor_key = tl.maximum(floor_key, _order_key(kth))
+    if HAS_TOP_P:
+        floor_value = _key_value(floor_key)
+        held = _held_at_or_above(x, scratch_ptr, found, floor_value, y_max2, scale2, True)
+        weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
+        target = top_p * tl.sum(weights, axis=0)
+        smallest_kept = tl.max(tl.where(held >= target, x, -float("inf")), axis=0)
+        floor_key = tl.maximum(floor_key, _order_key(smallest_kept))
+    return floor_key
+
+
+@triton.jit
 def _sampled_set_kernel(
     logits_ptr,
     labels_ptr,
     out_ptr,
     floor_ptr,
+    scratch_ptr,
     rows,
     time,
     vocab,
@@ -226,6 +328,7 @@ def _sampled_set_kernel(
     ROW_TEMPERATURE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     WRITE_ROWS: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """floor_ptr[row] = the row's floor (raw logits; -inf: every logit is in the set), and with
     WRITE_ROWS the row itself into out_ptr, -inf below the floor but for the label and NaN."""
@@ -246,29 +349,55 @@ def _sampled_set_kernel(
         y_max2 = 0.0
         floor_key = tl.zeros([], tl.uint32)
         top_key = floor_key | 0xFFFFFFFF  # the largest key, until the row max is known
-        if HAS_MIN_P or HAS_TOP_P:
-            x_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
+        if HAS_MIN_P or HAS_TOP_P or COMPACT:
+            lanes = tl.full([BLOCK_V], -float("inf"), tl.float32)
             for start in range(0, vocab, BLOCK_V):
                 in_row = start + offs < vocab
                 x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
-                x_max = tl.maximum(x_max, x.to(tl.float32))
-            x_max_row = tl.max(x_max, axis=0)
+                lanes = tl.maximum(lanes, x.to(tl.float32))
+            x_max_row = tl.max(lanes, axis=0)
             y_max2 = x_max_row * row_scale2
             top_key = _order_key(x_max_row)
             if HAS_MIN_P:
                 floor_key = _min_p_floor_key(x_max_row, row_t, log_min_p)
-        if HAS_TOP_K:
-            # The k-th largest of the whole row: where min_p left fewer than k, its floor is
-            # the higher one (vLLM's top_k runs on the min_p-masked logits). So only a K above
-            # min_p's floor matters, and the search may start from that floor's leading digits.
-            top_k_key = _count_select(
-                row_ptr, vocab, top_k, floor_key, top_key, COUNT_KEY_BITS, BLOCK_V
-            )
-            floor_key = tl.maximum(floor_key, top_k_key)
-        if HAS_TOP_P:
-            floor_key = _mass_select(
-                row_ptr, vocab, top_p, floor_key, top_key, y_max2, row_scale2, KEY_BITS, BLOCK_V
-            )
+            if COMPACT:
+                threshold = _key_value(floor_key)
+                if HAS_TOP_K:
+                    scratch = scratch_ptr + tl.program_id(0) * CANDIDATES
+                    group_kth = _kth_group_max(lanes, top_k, scratch, BLOCK_V)
+                    threshold = tl.maximum(threshold, group_kth)
+        radix = True
+        if COMPACT:
+            # One more read (from L2) gathers the few logits that can be in the set; the radix
+            # passes run only where more than CANDIDATES tie or crowd above the threshold.
+            scratch = scratch_ptr + tl.program_id(0) * CANDIDATES
+            found = _gather_candidates(row_ptr, vocab, threshold, scratch, BLOCK_V)
+            radix = (found > CANDIDATES) | (found == 0)
+            if (found <= CANDIDATES) & (found > 0):
+                floor_key = _candidates_floor(
+                    scratch,
+                    found,
+                    floor_key,
+                    top_k,
+                    top_p,
+                    y_max2,
+                    row_scale2,
+                    HAS_TOP_K,
+                    HAS_TOP_P,
+                )
+        if radix:
+            if HAS_TOP_K:
+                # The k-th largest of the whole row: where min_p left fewer than k, its floor is
+                # the higher one (vLLM's top_k runs on the min_p-masked logits). So only a K
+                # above min_p's floor matters, and the search may start from its leading digits.
+                top_k_key = _count_select(
+                    row_ptr, vocab, top_k, floor_key, top_key, COUNT_KEY_BITS, BLOCK_V
+                )
+                floor_key = tl.maximum(floor_key, top_k_key)
+            if HAS_TOP_P:
+                floor_key = _mass_select(
+                    row_ptr, vocab, top_p, floor_key, top_key, y_max2, row_scale2, KEY_BITS, BLOCK_V
+                )
         floor_value = _key_value(floor_key)
         tl.store(floor_ptr + row, floor_value)
         if WRITE_ROWS:
@@ -305,19 +434,34 @@ def _filters(vocab: int, top_k, top_p, min_p) -> tuple[bool, bool, bool]:
     )
 
 
+def _gathers_candidates(has_top_k: bool, has_top_p: bool, has_min_p: bool, top_k) -> bool:
+    """Whether the select gathers the row's candidates (COMPACT): top_k (+ the others) up to
+    COMPACT_TOP_K, or top_p after min_p; top_p alone keeps every logit a candidate."""
+    if has_top_k:
+        return top_k <= COMPACT_TOP_K
+    return has_top_p and has_min_p
+
+
 def _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p, row_temps):
     """One launch of the select over every row: floors (flat [B x T] fp32) and, when `out` is
     not None, the masked rows into it."""
     batch, time, vocab = logits.shape
     has_top_k, has_top_p, has_min_p = _filters(vocab, top_k, top_p, min_p)
+    compact = _gathers_candidates(has_top_k, has_top_p, has_min_p, top_k)
     block = block_size(vocab, logits.device, logits.element_size())
     programs = persistent_programs(batch * time, vocab * logits.element_size(), logits.device)
     out_arg = logits if out is None else out
+    scratch = floors  # (unread without COMPACT)
+    if compact:
+        scratch = torch.empty(
+            programs * CANDIDATES.value, dtype=torch.float32, device=floors.device
+        )
     _sampled_set_kernel[(programs,)](
         logits,
         labels.contiguous(),
         out_arg,
         floors,
+        scratch,
         batch * time,
         time,
         vocab,
@@ -337,6 +481,7 @@ def _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p
         ROW_TEMPERATURE=row_temps is not None,
         BLOCK_V=block,
         WRITE_ROWS=out is not None,
+        COMPACT=compact,
         **launch_options(block, logits.element_size()),
     )
 

@@ -109,6 +109,35 @@ def test_ties_at_the_top_k_boundary_are_all_kept_and_renormalised_over():
         assert torch.equal(out, torch_select.view_as(out))
 
 
+def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects():
+    """top_k (up to COMPACT_TOP_K), and top_p after min_p, gather the logits at or above a
+    threshold and select among them in registers; a row where more than CANDIDATES lie there
+    (ties with the k-th largest, a flat row under min_p) or none (all -inf) takes the radix
+    passes instead. Both give the reference's set, and the torch select's bit for bit."""
+    from fusedrl.kernels.sampling import CANDIDATES, COMPACT_TOP_K, _gathers_candidates
+
+    crowd = CANDIDATES.value + 40
+    logits, labels = _inputs(seed=11, batch=2, time=3)
+    kth = logits[0, 0].topk(5).values[4]
+    logits[0, 0, 100 : 100 + crowd] = kth  # ties with the 5th largest: k + crowd candidates
+    logits[0, 1] = 0.01 * logits[0, 1]  # nearly flat: min_p 0.05 keeps every token
+    logits[1, 2] = -math.inf  # nothing to gather
+    for top_k, top_p, min_p in [(5, None, None), (5, 0.9, None), (None, 0.9, 0.05), (5, 0.8, 0.05)]:
+        assert _gathers_candidates(top_k is not None, top_p is not None, min_p is not None, top_k)
+        out = _write(logits, labels, 0.8, top_k, top_p, min_p)
+        _assert_same_set(out, logits, labels, 0.8, top_k, top_p, min_p)
+        torch_select = mask_to_sampled_set(
+            logits.view(-1, VOCAB), labels.view(-1), 0.8, SamplingMask(top_k, top_p, min_p)
+        )
+        assert torch.equal(out, torch_select.view_as(out))
+    assert (logits[0, 0] >= kth).sum() > CANDIDATES.value  # the crowded rows crowd
+    assert (logits[0, 1] >= logits[0, 1].max() + 0.8 * math.log(0.05)).sum() > CANDIDATES.value
+    assert _kept(_write(logits, labels, 0.8, 5))[0, 0].sum() > crowd  # the ties are kept
+    # the gathered rows: up to COMPACT_TOP_K; beyond it, and top_p alone, the radix passes only
+    assert not _gathers_candidates(True, True, False, COMPACT_TOP_K + 1)
+    assert not _gathers_candidates(False, True, False, None)
+
+
 def test_banned_tokens_and_rows_with_fewer_than_k_candidates():
     logits, labels = _inputs(seed=4, batch=2, time=3)
     logits[..., ::2] = -math.inf  # half the vocab banned
