@@ -6,7 +6,9 @@ out = fusedrl.policy_loss(logits, labels, advantages, mask, old_logp=old, config
 out.loss.backward()
 """
 
-from . import advantages, reference
+import fusedrl.advantages as advantages
+import fusedrl.reference as reference
+
 from .api import PolicyLoss, policy_loss, token_logprobs
 from .backends import BACKENDS, LINEAR_BACKENDS
 from .batch_stats import batch_statistics_over

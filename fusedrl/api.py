@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import call_plan, output, single_process
+import fusedrl.call_plan as call_plan
+import fusedrl.output as output
+import fusedrl.single_process as single_process
+
 from ._inputs import (
     capping_transform,
     check_sum_pi_squared,
@@ -167,7 +170,7 @@ def policy_loss(
         rows = (logits, backend, inplace, ref_logits, shard if sharded else None)
         return _packed_policy_loss(rows, call, packing, cp_group, options)
     if sharded:
-        from . import tp
+        import fusedrl.tp as tp
 
         return tp.policy_loss(
             logits,
@@ -195,7 +198,8 @@ def _packed_policy_loss(rows: tuple, call: tuple, packing: dict, cp_group, optio
     """Packed sequences (fusedrl/packed.py) on this process's logits, its slice of them
     (`shard`: tensor parallelism) or its chunk of the tokens (`cp_group`: context
     parallelism, fusedrl/context_parallel.py)."""
-    from . import context_parallel, packed
+    import fusedrl.context_parallel as context_parallel
+    import fusedrl.packed as packed
 
     logits, backend, inplace, ref_logits, shard = rows
     if cp_group is not None:
@@ -411,7 +415,7 @@ def token_logprobs(
         )
         return logp, entropy, output.sum_pi_squared_of(logp.detach(), sharp)
     if sharded:
-        from . import tp
+        import fusedrl.tp as tp
 
         return tp.token_logprobs(
             logits,

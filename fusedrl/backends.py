@@ -90,7 +90,7 @@ def resolve(backend: str, device: torch.device):
         backend = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
     if backend == "triton":
         _needs_triton(device)
-        from . import triton_backend
+        import fusedrl.triton_backend as triton_backend
 
         return triton_backend
     if backend == "cuda":
@@ -99,10 +99,10 @@ def resolve(backend: str, device: torch.device):
                 f"backend='cuda' (the csrc/ extension) needs CUDA tensors, got {device.type}; "
                 "use backend='torch' (or 'auto')"
             )
-        from . import cuda_backend
+        import fusedrl.cuda_backend as cuda_backend
 
         return cuda_backend
-    from . import torch_backend
+    import fusedrl.torch_backend as torch_backend
 
     return torch_backend
 
@@ -118,10 +118,10 @@ def resolve_linear(backend: str, device: torch.device):
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and TRITON_INSTALLED else "torch"
     if backend == "torch":
-        from . import linear_torch
+        import fusedrl.linear_torch as linear_torch
 
         return linear_torch
     _needs_triton(device)
-    from . import linear_triton
+    import fusedrl.linear_triton as linear_triton
 
     return linear_triton

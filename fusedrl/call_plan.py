@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import backends
+import fusedrl.backends as backends
+
 from ._autograd import with_known_grad
 from ._inputs import (
     LossInputs,

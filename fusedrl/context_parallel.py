@@ -38,7 +38,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import packed
+import fusedrl.packed as packed
+
 from ._inputs import check_logits
 from .arguments import ModelHead, RolloutInputs
 from .config import LossConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from . import fused_backend
+import fusedrl.fused_backend as fused_backend
 
 # backends.Backend: the extension's kernels sum no pi^2 (one more read at half the temperature)
 SUMS_PI_SQUARED_IN_PASS = False
@@ -56,7 +56,7 @@ def triton_terms() -> dict:
     (`FusedOps.fused_sums` False): its token-level calls take `token_terms`."""
     if importlib.util.find_spec("triton") is None:
         return {}
-    from . import triton_backend
+    import fusedrl.triton_backend as triton_backend
 
     triton = triton_backend.OPS
     return {
@@ -74,7 +74,7 @@ def _from_triton(name: str):
     distillation are refused with a message)."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from . import triton_backend
+    import fusedrl.triton_backend as triton_backend
 
     return getattr(triton_backend, name)
 

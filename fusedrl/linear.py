@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import linear_single_process, output
+import fusedrl.linear_single_process as linear_single_process
+import fusedrl.output as output
+
 from ._inputs import (
     check_skip_masked_rows,
     check_sum_pi_squared,
@@ -213,7 +215,8 @@ def _packed_linear_loss(head_rows: tuple, call: tuple, packing: dict, cp_group, 
     """Packed sequences (fusedrl/packed.py) from this process's hidden states and head, its
     rows of a vocab-sharded head (`shard`), or its chunk of the tokens (`cp_group`: context
     parallelism, fusedrl/context_parallel.py)."""
-    from . import context_parallel, packed
+    import fusedrl.context_parallel as context_parallel
+    import fusedrl.packed as packed
 
     hidden, weight, bias, backend, rows, reference, shard = head_rows
     own_rows = packed.HeadRows(hidden, weight, bias, backend, **rows, **reference)

@@ -12,7 +12,10 @@ import dataclasses
 
 import torch
 
-from . import backends, linear_torch, output
+import fusedrl.backends as backends
+import fusedrl.linear_torch as linear_torch
+import fusedrl.output as output
+
 from ._autograd import attach_linear_grads, wanted_grads
 from ._inputs import (
     check_labels,

@@ -80,7 +80,7 @@ def _on_chip_kernels():
 
 
 def _row_ops():
-    from . import triton_backend
+    import fusedrl.triton_backend as triton_backend
 
     return triton_backend.OPS
 

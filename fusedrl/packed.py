@@ -30,7 +30,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import backends, linear_single_process, output, single_process
+import fusedrl.backends as backends
+import fusedrl.linear_single_process as linear_single_process
+import fusedrl.output as output
+import fusedrl.single_process as single_process
+
 from ._autograd import attach_grads, wanted_grads
 from ._inputs import LossInputs, check_sum_pi_squared, masked_rows, needs_entropy
 from .arguments import ModelHead, RolloutInputs, checked_inputs

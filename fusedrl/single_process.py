@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, output
+import fusedrl.backends as backends
+import fusedrl.output as output
+
 from ._autograd import with_known_grad
 from ._inputs import (
     check_labels,

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import torch
 
+import fusedrl.fused_backend as fused_backend
 from fusedrl.kernels.token_args import LossVariant, TokenLossArgs, op_schema
 
-from . import fused_backend
 from .fused_backend import FusedOps
 
 

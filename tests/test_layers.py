@@ -46,10 +46,11 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
+def _imports(name: str, path: Path, plain: bool = False) -> set[str]:
     """The fusedrl modules `name` imports, anywhere in its file. (A package's `__init__` is a
     module like the others; a submodule's implicit run of its parent package is not an edge:
-    an `__init__` that imports its own submodules is how packages are made.)"""
+    an `__init__` that imports its own submodules is how packages are made.) `plain`: read
+    `from pkg import x` as an import of pkg, as simpler import graphs do."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -63,7 +64,7 @@ def _imports(name: str, path: Path) -> set[str]:
                 module = node.module or ""
             for alias in node.names:  # `from pkg import submodule` imports the submodule
                 child = f"{module}.{alias.name}"
-                found.add(child if child in MODULES else module)
+                found.add(child if child in MODULES and not plain else module)
     return {m for m in found if m in MODULES and m != name}
 
 
@@ -81,6 +82,13 @@ def _with_packages(name: str, imported: set[str]) -> set[str]:
 
 
 GRAPH = {name: _with_packages(name, _imports(name, path)) for name, path in MODULES.items()}
+# The same source read plainly: `from . import backends` inside fusedrl/ would be an import of
+# the package root (which imports the entry points, which import everything): so the modules
+# below the entry points import their siblings by name (`import fusedrl.backends as backends`),
+# and both readings find the same graph.
+# (An explicit import of a module's own package is an edge here, unlike the implicit run.)
+PLAIN_IMPORTS = {name: _imports(name, path, plain=True) for name, path in MODULES.items()}
+PLAIN_GRAPH = {name: _with_packages(name, found) | found for name, found in PLAIN_IMPORTS.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -137,6 +145,20 @@ def test_the_kernels_import_nothing_above_them(name):
     hands the extension's raw ops up; fusedrl.cuda_backend makes the driver's ops of them)."""
     above = {m for m in GRAPH[name] if not m.startswith("fusedrl.kernels")}
     assert not above, (name, sorted(above))
+
+
+def test_no_import_cycle_read_plainly():
+    cycle = _cycle(PLAIN_GRAPH)
+    assert cycle is None, "import cycle, `from pkg import module` read as pkg: " + " -> ".join(
+        cycle
+    )
+
+
+def test_the_plain_reading_sees_a_relative_module_import_as_its_package(tmp_path):
+    planted = tmp_path / "loss.py"
+    planted.write_text("from .. import single_process\n")
+    assert _imports("fusedrl.tp.loss", planted) == {"fusedrl.single_process"}
+    assert _imports("fusedrl.tp.loss", planted, plain=True) == {"fusedrl"}
 
 
 def test_a_planted_cycle_is_found():

@@ -18,7 +18,7 @@ def __getattr__(name: str):
     # TrainConfig and parse_config load on first use, so that `fusedrl-train` (fusedrl.trainer.cli)
     # can say which extra to install when the trainer's dependencies (pyyaml, ...) are missing.
     if name in ("TrainConfig", "parse_config"):
-        from . import config
+        import fusedrl.trainer.config as config
 
         return getattr(config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,12 +46,12 @@ import torch
 
 import fusedrl.advantages as adv
 import fusedrl.backends
+import fusedrl.trainer.checkpoint as checkpoint
 from fusedrl import LossConfig
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
-from . import checkpoint
 from .config import LOSS_OVERRIDES, TrainConfig
 from .data import PromptSet, build_prompt_set, task_rows
 from .distributed import (

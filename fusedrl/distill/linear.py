@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from .. import linear_single_process
+import fusedrl.linear_single_process as linear_single_process
+
 from .._autograd import attach_linear_grads, wanted_grads
 from .._inputs import (
     check_lm_head,

@@ -66,7 +66,8 @@ def two_row_ops(backend: str, device: torch.device):
     """The two-row ops where policy_loss's dispatch picks Triton ("triton", or "auto" on CUDA):
     the kernels of fusedrl.kernels.two_rows; else torch_rows' blocks ("cuda" is refused
     before: csrc/ has no two-row kernel)."""
-    from .. import backends, torch_backend
+    import fusedrl.backends as backends
+    import fusedrl.torch_backend as torch_backend
 
     if backends.resolve(backend, device) is torch_backend:
         from .torch_rows import TORCH_TWO_ROWS

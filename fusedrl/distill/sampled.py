@@ -113,7 +113,7 @@ def sampled_reverse_kl(
 ) -> LossOutput:
     """`transform`: the soft cap both models' logits are read under (None: none);
     `grad_scale`: the policy loss's (`policy_loss`)."""
-    from .. import single_process
+    import fusedrl.single_process as single_process
 
     if advantages is None:  # pure distillation
         advantages = torch.zeros(student_logits.shape[:-1], device=student_logits.device)

@@ -24,7 +24,8 @@ forms: one all-reduce of the [N, H] input gradient). Sampling-mask replay adds i
 all-reduces (at most 256 fp32 per token each; 4 per filter).
 """
 
-from . import sampling
+import fusedrl.tp.sampling as sampling
+
 from .header import TensorParallelInputError
 from .linear import linear_policy_loss, linear_token_logprobs
 from .loss import policy_loss, token_logprobs

@@ -16,7 +16,12 @@ import dataclasses
 
 import torch
 
-from .. import backends, linear_single_process, linear_torch, linear_triton
+import fusedrl.backends as backends
+import fusedrl.linear_single_process as linear_single_process
+import fusedrl.linear_torch as linear_torch
+import fusedrl.linear_triton as linear_triton
+import fusedrl.tp.sampling as tp_sampling
+
 from .._autograd import attach_linear_grads, wanted_grads
 from .._inputs import (
     check_labels,
@@ -34,7 +39,6 @@ from ..output import LossOutput
 from ..sampling import check_sampling
 from ..token_terms import token_terms
 from ..torch_backend import _scaled
-from . import sampling as tp_sampling
 from .comm import group_size, sum_grad_over_group
 from .dtensor import local_value
 from .header import (

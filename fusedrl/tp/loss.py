@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import single_process
+import fusedrl.single_process as single_process
+
 from .._autograd import attach_grad, check_writable
 from .._inputs import (
     check_labels,

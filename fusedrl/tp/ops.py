@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backends, torch_backend
+import fusedrl.backends as backends
+import fusedrl.torch_backend as torch_backend
+
 from ..fused_backend import temperature_keywords
 from ..logit_transform import LogitTransform, capped_rows
 from ..row_blocks import row_blocks, rows_temperature
