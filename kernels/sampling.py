@@ -222,7 +222,7 @@ def _held_at_or_above(x, scratch_ptr, size, floor_value, y_max2, scale2, WEIGH: 
     of [CANDIDATES, CHUNK] pairs (a sort would cost more: a bitonic network's many exchanges),
     summed in slot order: the same sums every run."""
     held = tl.zeros([CANDIDATES], tl.float32)
-    for chunk in tl.static_range(CANDIDATES // CHUNK):
+    for chunk in range(0, CANDIDATES // CHUNK):
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         other = tl.load(scratch_ptr + cols, mask=cols < size, other=-float("inf"))
         if WEIGH:
