@@ -219,10 +219,10 @@ def _mass_select(
 def _held_at_or_above(x, scratch_ptr, size, floor_value, y_max2, scale2, WEIGH: tl.constexpr):
     """For each x_i (a [CANDIDATES] tile): how many of the `size` values at scratch_ptr lie at
     or above it, or WEIGH: their mass exp(y - max y), of those at or above floor_value. Chunks
-    of [CANDIDATES, CHUNK] pairs (a sort would cost more: a bitonic network's many exchanges),
-    summed in slot order: the same sums every run."""
+    of [CANDIDATES, CHUNK] pairs, up to `size` (tl.sort's bitonic network took ~1.5 s a row in
+    the interpreter, where the tests run), summed in slot order: the same sums every run."""
     held = tl.zeros([CANDIDATES], tl.float32)
-    for chunk in range(0, CANDIDATES // CHUNK):
+    for chunk in range(0, tl.cdiv(size, CHUNK)):  # the filled chunks only
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         other = tl.load(scratch_ptr + cols, mask=cols < size, other=-float("inf"))
         if WEIGH:
