@@ -484,17 +484,22 @@ def test_linear_policy_loss_replays_sampling_masks(preset):
     assert (out.logp > plain.logp).all()  # the mask acted on every row
 
 
+@pytest.mark.parametrize("crowded", [False, True])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "filters", [(50, None, None), (None, 0.9, None), (None, None, 0.05), (50, 0.9, 0.05)]
+    "filters",
+    [(50, None, None), (None, 0.9, None), (None, None, 0.05), (50, 0.9, 0.05), (None, 0.9, 0.05)],
 )
-def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token):
-    """The compiled radix select (kernels/sampling.py) writes what fusedrl.sampling's torch.topk /
-    sort route writes, at a real vocab. top_k and min_p compare values only: bit for bit. top_p
-    sums probabilities in another order: in a few rows the boundary value (with its ties, many
-    in bf16) may be in one set and not the other, and nothing else may differ. `per_token`: each
-    row at its own temperature (ROW_TEMPERATURE), the torch route dividing by the column."""
+def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token, crowded):
+    """The compiled select (kernels/sampling.py: the gathered candidates, or the radix passes)
+    writes what fusedrl.sampling's torch.topk / sort route writes, at a real vocab. top_k and
+    min_p compare values only: bit for bit. top_p sums probabilities in another order: in a few
+    rows the boundary value (with its ties, many in bf16) may be in one set and not the other,
+    and nothing else may differ. `per_token`: each row at its own temperature (ROW_TEMPERATURE),
+    the torch route dividing by the column. `crowded`: every third row has 400 ties of its
+    50th largest logit, more than the gathered way holds: those rows take the radix passes,
+    beside rows that gather, in the same launch (the program's scratch reused row after row)."""
     from fusedrl.kernels.sampling import write_sampled_set
     from fusedrl.sampling import SamplingMask, mask_to_sampled_set
 
@@ -502,6 +507,9 @@ def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token):
     gen = torch.Generator().manual_seed(17)
     logits = (2.0 * torch.randn(3, 97, 151936, generator=gen)).to("cuda", dtype)
     labels = torch.randint(0, 151936, (3, 97), generator=gen).cuda()
+    if crowded:
+        rows = logits.view(-1, 151936)[::3]
+        rows[:, 1000:1400] = rows.topk(50, -1).values[:, -1:]
     out = torch.empty_like(logits)
     temps = (0.4 + 1.2 * torch.rand(3, 97, generator=gen)).cuda() if per_token else None
     write_sampled_set(logits, labels, out, 0.7, top_k, top_p, min_p, row_temps=temps)
