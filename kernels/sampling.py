@@ -295,8 +295,9 @@ def _candidates_floor(
     if HAS_TOP_P:
         floor_value = _key_value(floor_key)
         held = _held_at_or_above(x, scratch_ptr, found, floor_value, y_max2, scale2, True)
-        weights = tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
-        target = top_p * tl.sum(weights, axis=0)
+        # The mass at or above the least candidate is the total, summed as `held` sums it: the
+        # least is kept (and top_p rounding to 1 keeps every candidate) whatever the rounding.
+        target = top_p * tl.max(held, axis=0)
         smallest_kept = tl.max(tl.where(held >= target, x, -float("inf")), axis=0)
         floor_key = tl.maximum(floor_key, _order_key(smallest_kept))
     return floor_key
@@ -351,10 +352,14 @@ def _sampled_set_kernel(
         top_key = floor_key | 0xFFFFFFFF  # the largest key, until the row max is known
         if HAS_MIN_P or HAS_TOP_P or COMPACT:
             lanes = tl.full([BLOCK_V], -float("inf"), tl.float32)
+            unordered = offs < 0  # NaNs seen, per tile position
             for start in range(0, vocab, BLOCK_V):
                 in_row = start + offs < vocab
                 x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf"))
-                lanes = tl.maximum(lanes, x.to(tl.float32))
+                x32 = x.to(tl.float32)
+                lanes = tl.maximum(lanes, x32)
+                if COMPACT:
+                    unordered = unordered | (x32 != x32)
             x_max_row = tl.max(lanes, axis=0)
             y_max2 = x_max_row * row_scale2
             top_key = _order_key(x_max_row)
@@ -372,8 +377,11 @@ def _sampled_set_kernel(
             # passes run only where more than CANDIDATES tie or crowd above the threshold.
             scratch = scratch_ptr + tl.program_id(0) * CANDIDATES
             found = _gather_candidates(row_ptr, vocab, threshold, scratch, BLOCK_V)
-            radix = (found > CANDIDATES) | (found == 0)
-            if (found <= CANDIDATES) & (found > 0):
+            # A NaN is not gathered, but top_k's keys rank it above +inf (as torch.topk does):
+            # a row with one takes the radix passes, which count it.
+            has_nan = tl.max(unordered.to(tl.int32), axis=0)
+            radix = (found > CANDIDATES) | (found == 0) | (has_nan > 0)
+            if (found <= CANDIDATES) & (found > 0) & (has_nan == 0):
                 floor_key = _candidates_floor(
                     scratch,
                     found,

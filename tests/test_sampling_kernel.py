@@ -168,6 +168,22 @@ def test_a_nan_row_stays_nan():
     _assert_same_set(out[:, rows], logits[:, rows], labels[:, rows], 1.0, 5, 0.9, 0.05)
 
 
+def test_a_nan_counts_among_the_k_largest_as_in_torch_topk():
+    """top_k's keys rank NaN above +inf, as torch.topk does: a row with NaNs keeps fewer of its
+    finite logits. The gathered way cannot see a NaN (it gathers by comparison), so such a
+    row takes the radix passes; the floors equal the torch select's."""
+    from fusedrl.kernels.sampling import sampled_floors
+    from fusedrl.sampling import sampling_floor
+
+    logits, labels = _inputs(seed=12, batch=1, time=3)
+    logits[0, 1, [3, 500, 900]] = math.nan
+    for top_p in (None, 0.9):
+        floors = sampled_floors(logits, labels, 1.0, 5, top_p, None)
+        expected = sampling_floor(logits.view(-1, VOCAB), SamplingMask(5, top_p, None))
+        assert torch.equal(floors.view(-1), expected)
+    assert (logits[0, 1] >= floors[0, 1]).sum() == 2  # the NaNs took three of the five
+
+
 def test_in_place_and_on_a_strided_slice():
     """[B, P+T, V] logits sliced to [B, T, V] (batch and time strides, no copy), written in
     place and into a separate buffer."""
