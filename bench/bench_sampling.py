@@ -7,8 +7,11 @@ For each vLLM filter setting (min_p, top_k, top_p and together), in one run:
 - `loss:sampled`: the DAPO loss over the sampled sets, forward + backward, as a user
   calls it (`LossConfig(top_k=, top_p=, min_p=)`): the select kernel's floors, then the fused
   kernel reading the logits through them (no masked copy);
-- `select:kernel`: the select alone, kernels/sampling.py's on-chip radix select writing one
-  floor per row (the row's first read from HBM, the other passes from L2);
+- `select:kernel`: the select alone, kernels/sampling.py's on-chip select writing one floor
+  per row (the row's first read from HBM, the others from L2): the gathered candidates where
+  the filters allow (top_k up to 128, top_p after min_p), else the radix passes;
+- `select:radix`: the same kernel with the gathered way off (the bench swaps the launcher's
+  rule for one call), the radix passes alone: the A/B of the two ways in one run;
 - `select:torch`: fusedrl.sampling, torch.topk / sort / where writing the masked logits a block
   of rows at a time (the route a backend without the kernel takes);
 next to `loss:plain`, the same loss without a filter (the logits read once and the gradient
@@ -50,9 +53,15 @@ KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 COUNT_BITS, MASS_BITS = 8, 2  # kernels/sampling.py: top_k's and top_p's bits of key a pass
 
 
-def kernel_passes(dtype: torch.dtype, top_k, top_p, min_p) -> int:
-    """The most reads of each row by the select kernel: the max (min_p, top_p) and the radix
-    passes of top_k and of top_p (either may skip some)."""
+def kernel_passes(dtype: torch.dtype, top_k, top_p, min_p, gathered: bool = True) -> int:
+    """The most reads of each row by the select kernel: gathered, the max and the gather; else
+    the max (min_p, top_p) and the radix passes of top_k and of top_p (either may skip some)."""
+    from fusedrl.kernels.sampling import _gathers_candidates
+
+    if gathered and _gathers_candidates(
+        top_k is not None, top_p is not None, min_p is not None, top_k
+    ):
+        return 2
     count = -(-KEY_BITS[dtype] // COUNT_BITS)
     mass = -(-KEY_BITS[dtype] // MASS_BITS)
     return (
@@ -83,15 +92,33 @@ def make_select(impl, tensors, sampling: SamplingMask, cfg):
     logits, labels = tensors
     if impl == "loss:sampled":
         return make_loss(tensors, cfg.replace(**vars(sampling)))
-    if impl == "select:kernel":
-        from fusedrl.kernels.sampling import sampled_floors
+    if impl in ("select:kernel", "select:radix"):
+        from fusedrl.kernels import sampling as kernel
 
-        return lambda: sampled_floors(
-            logits, labels, 1.0, sampling.top_k, sampling.top_p, sampling.min_p
-        )
+        def select():
+            return kernel.sampled_floors(
+                logits, labels, 1.0, sampling.top_k, sampling.top_p, sampling.min_p
+            )
+
+        return select if impl == "select:kernel" else _radix_only(kernel, select)
     ops = _torch_ops()
     out = torch.empty_like(logits)
     return lambda: fused_backend._write_sampled_set(ops, logits, labels, 1.0, sampling, out)
+
+
+def _radix_only(kernel_module, select):
+    """`select` with the launcher's rule for the gathered way answering no (the A/B: one
+    attribute swapped around the call, nothing else changed)."""
+
+    def run():
+        rule = kernel_module._gathers_candidates
+        kernel_module._gathers_candidates = lambda *filters: False
+        try:
+            return select()
+        finally:
+            kernel_module._gathers_candidates = rule
+
+    return run
 
 
 def make_loss(tensors, cfg, inplace: bool = False):
@@ -114,7 +141,7 @@ def make_loss(tensors, cfg, inplace: bool = False):
     return step
 
 
-IMPLS = ("loss:sampled", "select:kernel", "select:torch")
+IMPLS = ("loss:sampled", "select:kernel", "select:radix", "select:torch")
 
 
 def _arguments(parser) -> None:
@@ -152,9 +179,10 @@ def main(argv=None) -> int:
                 except torch.OutOfMemoryError:
                     rows.append({"N": n, "V": v, "filters": name, "impl": impl, "error": "OOM"})
                     continue
-                passes = (
-                    kernel_passes(dtype, top_k, top_p, min_p) if impl == "select:kernel" else None
-                )
+                passes = None
+                if impl.startswith("select:") and impl != "select:torch":
+                    gathered = impl == "select:kernel"
+                    passes = kernel_passes(dtype, top_k, top_p, min_p, gathered)
                 rows.append(
                     {
                         "N": n,

@@ -468,7 +468,7 @@ def test_bench_linear_smoke(tmp_path):
 @needs_interpreter
 def test_bench_sampling_smoke(tmp_path):
     """bench/bench_sampling.py runs on CPU (the select kernel interpreted) and writes its JSON,
-    every filter setting's loss and both selects timed; not a measurement."""
+    every filter setting's loss and the three selects timed; not a measurement."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_sampling
 
@@ -477,16 +477,39 @@ def test_bench_sampling_smoke(tmp_path):
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
     timed = {(row.get("filters"), row["impl"]) for row in result["rows"] if row["ms"] > 0}
     for name in bench_sampling.FILTERS:
-        assert {(name, "loss:sampled"), (name, "select:kernel"), (name, "select:torch")} <= timed
+        impls = ("loss:sampled", "select:kernel", "select:radix", "select:torch")
+        assert {(name, impl) for impl in impls} <= timed
     assert (None, "loss:plain") in timed
     passes = {
         row["filters"]: row["kernel_row_reads"]
         for row in result["rows"]
         if row["impl"] == "select:kernel"
     }
-    assert passes["min_p=0.05"] == 1 and passes["top_k=50,top_p=0.9"] == 11
+    assert passes["min_p=0.05"] == 1 and passes["top_k=50,top_p=0.9"] == 2  # gathered
+    radix = {
+        row["filters"]: row["kernel_row_reads"]
+        for row in result["rows"]
+        if row["impl"] == "select:radix"
+    }
+    assert radix["top_k=50,top_p=0.9"] == 11 and radix["top_p=0.9"] == passes["top_p=0.9"] == 9
     sampled = [row for row in result["rows"] if row["impl"] == "loss:sampled"]
     assert all(row["x_plain_loss"] > 0 for row in sampled)
+    # The A/B's two selects give the same floors; the radix one swaps the rule back after.
+    from fusedrl.kernels import sampling
+
+    rule = sampling._gathers_candidates
+    tensors = bench_sampling._inputs(4, 1031, torch.bfloat16, torch.device("cpu"), seed=0)
+    mask = bench_sampling.SamplingMask(50, 0.9, None)
+    cfg = fusedrl.LossConfig.preset("dapo")
+    seen = []
+    sampling._gathers_candidates = lambda *filters: seen.append(filters) or rule(*filters)
+    try:
+        gathered = bench_sampling.make_select("select:kernel", tensors, mask, cfg)()
+        radix = bench_sampling.make_select("select:radix", tensors, mask, cfg)()
+    finally:
+        sampling._gathers_candidates = rule
+    assert len(seen) == 1 and rule(*seen[0])  # the radix call did not ask the rule
+    assert torch.equal(gathered, radix)
 
 
 def test_bench_tp_smoke(tmp_path):
