@@ -74,7 +74,7 @@ MIN_P_STEPS = tl.constexpr(4)
 # to COMPACT_TOP_K (half the groups: a few maxima share a group) gathers k + a few logits.
 CANDIDATES = tl.constexpr(256)
 GROUPS = tl.constexpr(256)
-CHUNK = tl.constexpr(32)
+CHUNK = tl.constexpr(16)
 COMPACT_TOP_K = 128
 
 
