@@ -21,6 +21,8 @@ pytest.importorskip("vllm")
 from fusedrl.trainer.logger import read_metrics  # noqa: E402
 from fusedrl.trainer.loop import TINY_LR  # noqa: E402  (the default run's learning rate)
 
+from .trainer_cli import TrainerCLI  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = (
     "step",
@@ -54,16 +56,20 @@ ENV = {
 }
 
 
+# Every run of the command line here is forked from one process that imported the trainer and
+# vLLM once (tests/trainer_cli.py); the torchrun test starts its own processes.
+_CLI: list[TrainerCLI] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trainer_cli():
+    _CLI.append(TrainerCLI(ENV, with_vllm=True))
+    yield _CLI[0]
+    _CLI.pop().close()
+
+
 def fusedrl_train(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = ENV
-    return subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    return _CLI[0].run("--progress", "false", *args, timeout=timeout)
 
 
 def check(proc: subprocess.CompletedProcess) -> None:

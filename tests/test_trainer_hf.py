@@ -1,5 +1,6 @@
 """`fusedrl-train --rollout hf`: rollouts with transformers' generate, where vLLM is not installed
-(a GPU image without vLLM, a laptop). Runs the CLI in a subprocess like a user, on CPU."""
+(a GPU image without vLLM, a laptop). Runs the CLI as a user would, in a process of its own
+(forked from one that imported the trainer once: tests/trainer_cli.py), on CPU."""
 
 from __future__ import annotations
 
@@ -13,20 +14,25 @@ import pytest
 
 from fusedrl.trainer.logger import read_metrics
 
+from .trainer_cli import TrainerCLI
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("step_time", "gen_time", "train_time")
 
 
+# Every run here is forked from one process that imported the trainer once (tests/trainer_cli.py).
+_CLI: list[TrainerCLI] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trainer_cli():
+    _CLI.append(TrainerCLI({**os.environ, "PYTHONPATH": str(ROOT)}, with_vllm=False))
+    yield _CLI[0]
+    _CLI.pop().close()
+
+
 def fusedrl_train(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", "--rollout", "hf", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = _cli("--rollout", "hf", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -69,15 +75,7 @@ def test_hf_rollouts_resume_exactly(hf_run, tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--progress", "false", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
+    return _CLI[0].run("--progress", "false", *args)
 
 
 def test_resume_continues_the_same_job_and_says_so(hf_run, tmp_path):
@@ -300,3 +298,27 @@ def test_packed_micro_batches_through_the_cli(hf_run, tmp_path):
     for key in ("loss", "grad_norm", "entropy", "clipfrac"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
     assert rows[0]["grad_norm"] > 0
+
+
+def test_a_forked_run_is_a_fresh_process_to_the_command_line(tmp_path):
+    """The runs of this file are forked from a process that imported the trainer
+    (tests/trainer_cli.py): one that fails and one that succeeds give the same exit code and output
+    as `python -m fusedrl.trainer` in a new interpreter."""
+    cli = _CLI[0]
+    if sys.platform == "linux":  # /proc tells the server that it has a single thread
+        assert cli.forked
+    for args, code in (
+        (("--max-stps", "3", "--out", str(tmp_path / "a")), 2),
+        (("--help",), 0),
+    ):
+        forked = cli.run(*args, cwd=tmp_path)
+        fresh = subprocess.run(
+            [sys.executable, "-m", "fusedrl.trainer", *args],
+            capture_output=True,
+            text=True,
+            env=cli.env,
+            cwd=tmp_path,
+            timeout=300,
+        )
+        assert (forked.returncode, fresh.returncode) == (code, code)
+        assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr
