@@ -143,11 +143,13 @@ def _bench_restoring(
     restore queued before the flush: only `fn` lies between the two events.
     """
     if device.type != "cuda":
+        # On a CPU (a smoke run, or torch's CPU code), timed calls for rep_ms, at least one: an
+        # interpreted Triton call (~1 s) is timed once, not three times, in a smoke run.
         times = []
         restore()
         fn()
         deadline = time.perf_counter() + rep_ms / 1e3
-        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        while not times or (time.perf_counter() < deadline and len(times) < 50):
             restore()
             start = time.perf_counter()
             fn()
@@ -438,16 +440,20 @@ VERIFY_TOKENS = 256
 LOSS_RTOL, GRAD_TOL = 2e-3, 2e-2  # loss relative; gradient: max |diff| / max |oracle's|
 
 
-def verify_impls(impls, device, dtype, vocab: int, preset: str, sequences: int) -> dict:
-    """impl -> "ok", or what differs from the oracle's loss / gradient, on a small case."""
+def verify_impls(
+    impls, device, dtype, vocab: int, preset: str, sequences: int, tokens: int | None = None
+) -> dict:
+    """impl -> "ok", or what differs from the oracle's loss / gradient, on a small case of
+    `tokens` (VERIFY_TOKENS unless given)."""
+    tokens = VERIFY_TOKENS if tokens is None else tokens
     case = Case(
-        VERIFY_TOKENS,
+        tokens,
         vocab,
         preset,
         dtype,
         device,
         1,
-        min(sequences, VERIFY_TOKENS),
+        min(sequences, tokens),
         pristine=any(i in INPLACE_IMPLS for i in impls),
     )
     cfg, found = case.cfg, {}
@@ -651,8 +657,15 @@ def main(argv: list[str] | None = None) -> int:
             for preset in args.presets:
                 key = f"{preset} V={vocab}"
                 if "policy_loss_fwd_bwd" in args.ops and key not in meta["verified"]:
+                    # never more tokens than the smallest case timed (a smoke run's 32)
                     meta["verified"][key] = checks = verify_impls(
-                        impls, device, dtype, vocab, preset, args.sequences
+                        impls,
+                        device,
+                        dtype,
+                        vocab,
+                        preset,
+                        args.sequences,
+                        min(VERIFY_TOKENS, *args.N),
                     )
                     for impl, verdict in checks.items():
                         if verdict != "ok":

@@ -15,9 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from .interpreter_speed import skip_nested_language_patches
+    from .interpreter_speed import memoize_numpy_dtypes, skip_nested_language_patches
 
     skip_nested_language_patches()
+    memoize_numpy_dtypes()
 
 import pytest  # noqa: E402
 
