@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fusedrl
 from fusedrl.trainer.distributed import DistEnv, shard
@@ -24,7 +23,7 @@ from fusedrl.trainer.loop import TINY_LR
 from fusedrl.trainer.step import accumulate_gradients
 
 from .test_trainer_units import _tiny_batch, _tiny_model
-from .worlds import free_port, run_world
+from .worlds import free_port, run_world, start_world
 
 CASES = {
     "dapo": {},
@@ -144,7 +143,7 @@ def fusedrl_train(world: int, *argv: str) -> None:
     """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as spawned processes."""
     import time
 
-    ctx = mp.spawn(_cli_worker, args=(world, free_port(), list(argv)), nprocs=world, join=False)
+    ctx = start_world(_cli_worker, (world, free_port(), list(argv)), world, interpret_triton=False)
     deadline = time.monotonic() + RUN_DEADLINE_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
