@@ -15,10 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from .interpreter_speed import memoize_numpy_dtypes, skip_nested_language_patches
+    from . import interpreter_speed
 
-    skip_nested_language_patches()
-    memoize_numpy_dtypes()
+    interpreter_speed.skip_nested_language_patches()
+    interpreter_speed.memoize_numpy_dtypes()
+    interpreter_speed.skip_equal_shape_broadcasts()
+    interpreter_speed.memoize_block_types()
+    interpreter_speed.memoize_tensor_shapes()
 
 import pytest  # noqa: E402
 

@@ -1,18 +1,19 @@
-"""The Triton interpreter re-patches `triton.language` on every call of a device function.
+"""The Triton interpreter's own bookkeeping, made cheaper for the suite (applied by
+tests/conftest.py where TRITON_INTERPRET=1; tests/test_interpreter_speed.py checks each against
+the interpreter's own code). An interpreted op spends ~150 us in Triton's semantic layer on type
+and shape objects, not on the numpy work; these cut an interpreted test file's time by a third.
+Each returns False, changing nothing, where Triton's layout is not the one it knows.
 
-Its kernel runner (`GridExecutor`) patches the language modules once per launch and restores them
-after; but each call of a `@triton.jit` helper from inside the kernel (kernels/rows.py's row
-helpers, the sampling select's bisection) patches them again, ~1 ms of `inspect.getmembers` per
-call whose scope is dropped unrestored. Under the interpreter a row kernel calls its helpers once
-per row and loop trip: in tests/test_sampling_replay.py that was a third of the run time.
-
-`skip_nested_language_patches()` patches, at each launch, both modules a helper can see
-(`triton.language` and `triton.language.core`, which triton.language.standard's helpers such as
-`tl.zeros` and `tl.sum` use), and restores both when the launch ends; a helper call inside the
-launch then skips its own patch, which would set the same attributes to the same objects
-(upstream patches no other module, and drops a helper's patches unrestored). The kernels' results
-are unchanged: this is only the interpreter's bookkeeping. Applied by tests/conftest.py where
-TRITON_INTERPRET=1.
+- `skip_nested_language_patches`: the interpreter re-patches `triton.language` on every call of
+  a device function. Its kernel runner (`GridExecutor`) patches the language modules once per
+  launch and restores them after; but each call of a `@triton.jit` helper from inside the kernel
+  (kernels/rows.py's row helpers, the sampling select's bisection) patches them again, ~1 ms of
+  `inspect.getmembers` per call whose scope is dropped unrestored. Under the interpreter a row
+  kernel calls its helpers once per row and loop trip: in tests/test_sampling_replay.py that was
+  a third of the run time.
+- `memoize_numpy_dtypes`, `memoize_block_types`, `memoize_tensor_shapes`: objects that depend
+  only on a dtype's name or a type are made once, not once per op.
+- `skip_equal_shape_broadcasts`: the broadcast of two blocks of one shape, which does nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ class _SeesBothModules:
 
 
 def skip_nested_language_patches() -> bool:
-    """Patch triton.runtime.interpreter once per process; False where its layout is unknown
-    (another Triton): then nothing is changed."""
+    """Patch triton.runtime.interpreter once per process: at each launch, both modules a helper
+    can see (`triton.language` and `triton.language.core`, which triton.language.standard's
+    helpers such as `tl.zeros` and `tl.sum` use) are patched, and both restored when the launch
+    ends; a helper call inside the launch then skips its own patch, which would set the same
+    attributes to the same objects (upstream patches no other module, and drops a helper's
+    patches unrestored). False where its layout is unknown (another Triton): then nothing is
+    changed."""
     try:
         import triton.language as language
         from triton.runtime import interpreter
@@ -88,4 +94,109 @@ def memoize_numpy_dtypes() -> bool:
 
     get_np_dtype.memoized, get_np_dtype.wrapped = True, original
     interpreter._get_np_dtype = get_np_dtype
+    return True
+
+
+def skip_equal_shape_broadcasts() -> bool:
+    """Every binary op of the interpreter passes its operands through the semantic layer's
+    `broadcast_impl_value`, which rebuilds both block shapes as Triton tuples (constexpr types and
+    all) before it finds, for operands of one shape, nothing to do: ~35 % of an interpreted op.
+    Two blocks of equal shape are returned as they are, as that function returns them; every
+    other case goes to it. False where the layout is unknown."""
+    try:
+        from triton.language.semantic import TritonSemantic
+    except ImportError:
+        return False
+    original = getattr(TritonSemantic, "broadcast_impl_value", None)
+    if original is None or getattr(original, "skips_equal_shapes", False):
+        return original is not None
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if lhs_ty.is_block() and rhs_ty.is_block():
+            lhs_shape = getattr(lhs_ty.shape, "values", None)
+            if lhs_shape is not None and lhs_shape == getattr(rhs_ty.shape, "values", None):
+                return lhs, rhs
+        return original(self, lhs, rhs)
+
+    broadcast_impl_value.skips_equal_shapes, broadcast_impl_value.wrapped = True, original
+    TritonSemantic.broadcast_impl_value = broadcast_impl_value
+    return True
+
+
+def memoize_block_types() -> bool:
+    """The interpreter builds a new `tl.block_type` (its shape a Triton tuple of constexpr types,
+    its name formatted) for most ops' results: ~20 % of an interpreted op. A block type's fields
+    are set once and never changed, so the interpreter's builder (`get_block_ty`) and
+    `with_element_ty` return one instance per element type and shape. Pointer element types are
+    told apart by address space and constness as well; any other element type is built anew.
+    False where the layout is unknown."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "get_block_ty"):
+        return False
+    if getattr(builder.get_block_ty, "memoized", False):
+        return True
+    cache: dict = {}
+
+    def block_type(element_ty, shape):
+        if type(element_ty) is tl.dtype:
+            kind = (element_ty.name,)
+        elif type(element_ty) is tl.pointer_type and type(element_ty.element_ty) is tl.dtype:
+            kind = (element_ty.name, element_ty.address_space, element_ty.const)
+        else:
+            return tl.block_type(element_ty, shape)
+        dims = tuple(getattr(dim, "value", dim) for dim in shape)
+        if not all(type(dim) is int for dim in dims):
+            return tl.block_type(element_ty, shape)
+        found = cache.get((kind, dims))
+        if found is None:
+            found = cache[(kind, dims)] = tl.block_type(element_ty, list(dims))
+        return found
+
+    def get_block_ty(self, dtype, shape):
+        return block_type(dtype, shape)
+
+    def with_element_ty(self, scalar_ty):
+        return block_type(scalar_ty, self.shape)
+
+    get_block_ty.memoized = True
+    builder.get_block_ty = get_block_ty
+    tl.block_type.with_element_ty = with_element_ty
+    return True
+
+
+def memoize_tensor_shapes() -> bool:
+    """Every `tl.tensor` made by an interpreted op formats its shape anew from its type (a
+    Triton tuple of constexprs, and the element count): ~15 % of an op once block types are
+    shared (`memoize_block_types`). The shape and count depend only on the type and are never
+    changed, so they are made once per type object and kept on it. False where the layout is
+    unknown."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    original = tl.tensor.__init__
+    if getattr(original, "memoized", False):
+        return True
+    if original.__code__.co_varnames[:3] != ("self", "handle", "type"):
+        return False
+
+    def __init__(self, handle, type):
+        shape_and_numel = getattr(type, "_fusedrl_tensor_shape", None)
+        if shape_and_numel is None:
+            original(self, handle, type)
+            type._fusedrl_tensor_shape = (self.shape, self.numel)
+            return
+        self.handle = handle
+        self.shape, self.numel = shape_and_numel
+        self.type = type
+        self.dtype = type.scalar
+
+    __init__.memoized, __init__.wrapped = True, original
+    tl.tensor.__init__ = __init__
     return True

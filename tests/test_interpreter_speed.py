@@ -1,5 +1,6 @@
 """tests/interpreter_speed.py changes only the Triton interpreter's bookkeeping: its memoized
-numpy dtypes equal the interpreter's own answers."""
+numpy dtypes, shared block types and tensor shapes, and skipped equal-shape broadcasts give what
+the interpreter's own code gives. (Every interpreted test of the suite runs with them too.)"""
 
 from __future__ import annotations
 
@@ -26,3 +27,61 @@ def test_memoized_numpy_dtypes_equal_the_interpreters():
             assert interpreter._get_np_dtype(case) == unwrapped(case), case
     with pytest.raises(KeyError):
         interpreter._get_np_dtype(tl.void)
+
+
+@needs_interpreter
+def test_shared_block_types_and_shapes_equal_fresh_ones():
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    assert builder.get_block_ty.memoized and tl.tensor.__init__.memoized  # applied by conftest
+    fresh_init = tl.tensor.__init__.wrapped
+    for element in (tl.float32, tl.bfloat16, tl.int1, tl.pointer_type(tl.float32)):
+        for shape in ([8], [2, 16], [2, 8], [1, 4, 1]):
+            shared = builder.get_block_ty(None, element, shape)
+            fresh = tl.block_type(element, shape)
+            assert shared == fresh and shared.name == fresh.name and shared.numel == fresh.numel
+            assert builder.get_block_ty(None, element, [tl.constexpr(d) for d in shape]) is shared
+            assert fresh.with_element_ty(tl.int8) == tl.block_type(tl.int8, shape)
+            for ty in (shared, element):
+                for _ in range(2):  # the first tensor of a type keeps its shape for the next
+                    made, want = tl.tensor(None, ty), tl.tensor.__new__(tl.tensor)
+                    fresh_init(want, None, ty)
+                    assert (made.shape, made.numel, made.type, made.dtype) == (
+                        want.shape,
+                        want.numel,
+                        want.type,
+                        want.dtype,
+                    )
+    # pointers to one element type in other address spaces or const are other types
+    pointers = [
+        tl.pointer_type(tl.float32, space, const)
+        for space, const in (("global", False), ("shared", False), ("global", True))
+    ]
+    blocks = {id(builder.get_block_ty(None, p, [4])) for p in pointers}
+    assert len(blocks) == 3
+
+
+@needs_interpreter
+def test_equal_shapes_skip_the_broadcast_and_others_still_broadcast():
+    import numpy as np
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    semantic = interpreter.interpreter_semantic
+    assert TritonSemantic.broadcast_impl_value.skips_equal_shapes  # applied by conftest
+
+    def block(shape):
+        data = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        ty = tl.block_type(tl.float32, list(shape))
+        return tl.tensor(interpreter.TensorHandle(data, tl.float32), ty)
+
+    a, b = block((2, 4)), block((2, 4))
+    assert semantic.broadcast_impl_value(a, b) == (a, b)
+    for left, right in (((2, 1), (2, 4)), ((4,), (2, 4)), ((1, 4), (2, 1))):
+        got = semantic.broadcast_impl_value(block(left), block(right))
+        want = TritonSemantic.broadcast_impl_value.wrapped(semantic, block(left), block(right))
+        for g, w in zip(got, want):
+            assert list(g.shape) == list(w.shape) and np.array_equal(g.handle.data, w.handle.data)
