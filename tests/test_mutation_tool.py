@@ -155,3 +155,34 @@ def test_summary_counts_equivalents_apart(mutate):
         "kill_rate": 0.5,
     }
     assert summary["total"]["mutants"] == 3 and summary["total"]["kill_rate"] == 0.6667
+
+
+def test_an_edit_is_checked_on_its_statement_or_the_whole_module(mutate):
+    """The generator parses only the edited statement when the edit lies inside its own lines:
+    the answer must be the whole module's (same tree, other tree, split statement, unparsable),
+    and an edit across statements, or on a line shared with another, goes to the whole module."""
+    source = "import os\n\n\n@deco\ndef f(a, b):\n    return a * b + 1\n\nx = 1; y = 2\n"
+    text = mutate._Text(source)
+    tree = ast.parse(source)
+    spans = mutate._statement_spans(tree.body, text)
+    lines = mutate._own_lines(spans, text)
+    texts = [text.data[start:end] for start, end in spans]
+    assert lines[0] == (0, 9) and lines[1][0] == source.index("@") and lines[3] is None
+    at = source.index("a * b")
+
+    def parses_to(edits, top, want_source):
+        want = ast.dump(ast.parse(want_source).body[top])
+        edited = mutate._apply(text.data, edits)
+        return mutate._edit_parses_to(edited, edits, lines[top], top, want, texts)
+
+    swapped = source.replace("a * b", "a / b")
+    assert parses_to([(at + 2, at + 3, b"/")], 1, swapped)
+    assert not parses_to([(at + 2, at + 3, b"-")], 1, swapped)  # another tree
+    with pytest.raises(SyntaxError):
+        parses_to([(at + 2, at + 3, b"* *")], 1, swapped)
+    split = [(at + 8, at + 9, b"1\n\nz = 3")]  # the statement becomes two: not the tree
+    assert not parses_to(split, 1, source.replace("+ 1", "+ 1\n\nz = 3"))
+    # x = 1; y = 2 shares its line: y's edits are checked on the whole module
+    y_at = source.index("y = 2") + 4
+    assert parses_to([(y_at, y_at + 1, b"3")], 3, source.replace("y = 2", "y = 3"))
+    assert not parses_to([(y_at, y_at + 1, b"3")], 3, source.replace("y = 2", "y = 4"))
