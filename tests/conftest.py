@@ -22,6 +22,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     interpreter_speed.skip_equal_shape_broadcasts()
     interpreter_speed.memoize_block_types()
     interpreter_speed.memoize_tensor_shapes()
+    interpreter_speed.skip_discarded_overflow_checks()
 
 import pytest  # noqa: E402
 

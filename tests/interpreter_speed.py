@@ -14,6 +14,8 @@ Each returns False, changing nothing, where Triton's layout is not the one it kn
 - `memoize_numpy_dtypes`, `memoize_block_types`, `memoize_tensor_shapes`: objects that depend
   only on a dtype's name or a type are made once, not once per op.
 - `skip_equal_shape_broadcasts`: the broadcast of two blocks of one shape, which does nothing.
+- `skip_discarded_overflow_checks`: the int32 overflow check of every integer add / sub / mul,
+  whose result the interpreter (never in debug mode) drops.
 """
 
 from __future__ import annotations
@@ -199,4 +201,36 @@ def memoize_tensor_shapes() -> bool:
 
     __init__.memoized, __init__.wrapped = True, original
     tl.tensor.__init__ = __init__
+    return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Every int32 add, sub and mul of the interpreter goes through the semantic layer's overflow
+    sanitizer, which recomputes the op in int64, compares it with the bounds (five more ops) and
+    hands the result to `device_assert`, which drops it unless the builder's options say debug:
+    ~30 % of the interpreted ops of test_backends.py. The interpreter's options never do, so
+    the check is skipped where `device_assert` would drop it (after the sanitizer's own type
+    assertions); where debug is on, it runs as before. False where the layout is unknown."""
+    try:
+        from triton.language.semantic import TritonSemantic
+    except ImportError:
+        return False
+    original = getattr(TritonSemantic, "binary_op_sanitize_overflow_impl", None)
+    if original is None or getattr(original, "skips_discarded", False):
+        return original is not None
+
+    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+        options = self.builder.options
+        if getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", True):
+            return original(self, lhs, rhs, binary_op)
+        if lhs.type.scalar.int_bitwidth >= 64:
+            return None
+        lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
+        assert lhs_sca_ty == rhs_sca_ty, f"expected matching types, got {lhs_sca_ty}, {rhs_sca_ty}"
+        assert lhs_sca_ty.is_int(), f"expected integer type, got {lhs_sca_ty}"
+        return None
+
+    binary_op_sanitize_overflow_impl.skips_discarded = True
+    binary_op_sanitize_overflow_impl.wrapped = original
+    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
     return True

@@ -85,3 +85,34 @@ def test_equal_shapes_skip_the_broadcast_and_others_still_broadcast():
         want = TritonSemantic.broadcast_impl_value.wrapped(semantic, block(left), block(right))
         for g, w in zip(got, want):
             assert list(g.shape) == list(w.shape) and np.array_equal(g.handle.data, w.handle.data)
+
+
+@needs_interpreter
+def test_overflow_checks_are_skipped_only_where_they_would_be_dropped():
+    import dataclasses
+
+    import numpy as np
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    assert TritonSemantic.binary_op_sanitize_overflow_impl.skips_discarded  # applied by conftest
+
+    def semantic(debug):
+        builder = interpreter.InterpreterBuilder()
+        builder.options = dataclasses.replace(builder.options, debug=debug)
+        return TritonSemantic(builder)
+
+    def ints(values, dtype=tl.int32):
+        data = np.array(values, dtype=interpreter._get_np_dtype(dtype))
+        return tl.tensor(interpreter.TensorHandle(data, dtype), tl.block_type(dtype, [len(values)]))
+
+    big, one = ints([2**31 - 1, 5]), ints([1, 1])
+    quiet, checking = semantic(False), semantic(True)
+    assert not interpreter.InterpreterBuilder().options.debug  # the interpreter never checks
+    assert quiet.binary_op_sanitize_overflow_impl(big, one, quiet.add) is None
+    with pytest.raises(AssertionError, match="int32 overflow detected for operation add"):
+        checking.binary_op_sanitize_overflow_impl(big, one, checking.add)
+    checking.binary_op_sanitize_overflow_impl(one, one, checking.add)  # in range: no error
+    with pytest.raises(AssertionError, match="expected matching"):
+        quiet.binary_op_sanitize_overflow_impl(big, ints([1, 1], tl.int16), quiet.add)
