@@ -33,6 +33,20 @@ class _SeesBothModules:
         self.__globals__ = {"language": language, "core": language.core}
 
 
+def _replace(owner, name: str, flag: str, replacement) -> bool:
+    """Put `replacement(original)` in place of `owner.name`, once (the replacement carries `flag`
+    and `wrapped`, the original); False, changing nothing, where `owner` has no such attribute."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return False
+    if not getattr(original, flag, False):
+        patched = replacement(original)
+        setattr(patched, flag, True)
+        patched.wrapped = original
+        setattr(owner, name, patched)
+    return True
+
+
 def skip_nested_language_patches() -> bool:
     """Patch triton.runtime.interpreter once per process: at each launch, both modules a helper
     can see (`triton.language` and `triton.language.core`, which triton.language.standard's
@@ -80,23 +94,22 @@ def memoize_numpy_dtypes() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "memoized", False):
-        return original is not None
-    by_name: dict = {}
 
-    def get_np_dtype(tt_dtype):
-        name = getattr(tt_dtype, "name", None)
-        if not isinstance(name, str):
-            return original(tt_dtype)
-        found = by_name.get(name)
-        if found is None:
-            found = by_name[name] = original(tt_dtype)
-        return found
+    def replacement(original):
+        by_name: dict = {}
 
-    get_np_dtype.memoized, get_np_dtype.wrapped = True, original
-    interpreter._get_np_dtype = get_np_dtype
-    return True
+        def get_np_dtype(tt_dtype):
+            name = getattr(tt_dtype, "name", None)
+            if not isinstance(name, str):
+                return original(tt_dtype)
+            found = by_name.get(name)
+            if found is None:
+                found = by_name[name] = original(tt_dtype)
+            return found
+
+        return get_np_dtype
+
+    return _replace(interpreter, "_get_np_dtype", "memoized", replacement)
 
 
 def skip_equal_shape_broadcasts() -> bool:
@@ -109,21 +122,19 @@ def skip_equal_shape_broadcasts() -> bool:
         from triton.language.semantic import TritonSemantic
     except ImportError:
         return False
-    original = getattr(TritonSemantic, "broadcast_impl_value", None)
-    if original is None or getattr(original, "skips_equal_shapes", False):
-        return original is not None
 
-    def broadcast_impl_value(self, lhs, rhs):
-        lhs_ty, rhs_ty = lhs.type, rhs.type
-        if lhs_ty.is_block() and rhs_ty.is_block():
-            lhs_shape = getattr(lhs_ty.shape, "values", None)
-            if lhs_shape is not None and lhs_shape == getattr(rhs_ty.shape, "values", None):
-                return lhs, rhs
-        return original(self, lhs, rhs)
+    def replacement(original):
+        def broadcast_impl_value(self, lhs, rhs):
+            lhs_ty, rhs_ty = lhs.type, rhs.type
+            if lhs_ty.is_block() and rhs_ty.is_block():
+                lhs_shape = getattr(lhs_ty.shape, "values", None)
+                if lhs_shape is not None and lhs_shape == getattr(rhs_ty.shape, "values", None):
+                    return lhs, rhs
+            return original(self, lhs, rhs)
 
-    broadcast_impl_value.skips_equal_shapes, broadcast_impl_value.wrapped = True, original
-    TritonSemantic.broadcast_impl_value = broadcast_impl_value
-    return True
+        return broadcast_impl_value
+
+    return _replace(TritonSemantic, "broadcast_impl_value", "skips_equal_shapes", replacement)
 
 
 def memoize_block_types() -> bool:
@@ -182,26 +193,24 @@ def memoize_tensor_shapes() -> bool:
         import triton.language as tl
     except ImportError:
         return False
-    original = tl.tensor.__init__
-    if getattr(original, "memoized", False):
-        return True
-    if original.__code__.co_varnames[:3] != ("self", "handle", "type"):
+    if tl.tensor.__init__.__code__.co_varnames[:3] != ("self", "handle", "type"):
         return False
 
-    def __init__(self, handle, type):
-        shape_and_numel = getattr(type, "_fusedrl_tensor_shape", None)
-        if shape_and_numel is None:
-            original(self, handle, type)
-            type._fusedrl_tensor_shape = (self.shape, self.numel)
-            return
-        self.handle = handle
-        self.shape, self.numel = shape_and_numel
-        self.type = type
-        self.dtype = type.scalar
+    def replacement(original):
+        def __init__(self, handle, type):
+            shape_and_numel = getattr(type, "_fusedrl_tensor_shape", None)
+            if shape_and_numel is None:
+                original(self, handle, type)
+                type._fusedrl_tensor_shape = (self.shape, self.numel)
+                return
+            self.handle = handle
+            self.shape, self.numel = shape_and_numel
+            self.type = type
+            self.dtype = type.scalar
 
-    __init__.memoized, __init__.wrapped = True, original
-    tl.tensor.__init__ = __init__
-    return True
+        return __init__
+
+    return _replace(tl.tensor, "__init__", "memoized", replacement)
 
 
 def skip_discarded_overflow_checks() -> bool:
@@ -215,22 +224,20 @@ def skip_discarded_overflow_checks() -> bool:
         from triton.language.semantic import TritonSemantic
     except ImportError:
         return False
-    original = getattr(TritonSemantic, "binary_op_sanitize_overflow_impl", None)
-    if original is None or getattr(original, "skips_discarded", False):
-        return original is not None
 
-    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
-        options = self.builder.options
-        if getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", True):
-            return original(self, lhs, rhs, binary_op)
-        if lhs.type.scalar.int_bitwidth >= 64:
+    def replacement(original):
+        def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+            options = self.builder.options
+            if getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", True):
+                return original(self, lhs, rhs, binary_op)
+            if lhs.type.scalar.int_bitwidth >= 64:
+                return None
+            lhs_ty, rhs_ty = lhs.type.scalar, rhs.type.scalar
+            assert lhs_ty == rhs_ty, f"expected matching operand types, got {lhs_ty} and {rhs_ty}"
+            assert lhs_ty.is_int(), f"expected integer type, got {lhs_ty}"
             return None
-        lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
-        assert lhs_sca_ty == rhs_sca_ty, f"expected matching types, got {lhs_sca_ty}, {rhs_sca_ty}"
-        assert lhs_sca_ty.is_int(), f"expected integer type, got {lhs_sca_ty}"
-        return None
 
-    binary_op_sanitize_overflow_impl.skips_discarded = True
-    binary_op_sanitize_overflow_impl.wrapped = original
-    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
-    return True
+        return binary_op_sanitize_overflow_impl
+
+    name = "binary_op_sanitize_overflow_impl"
+    return _replace(TritonSemantic, name, "skips_discarded", replacement)
