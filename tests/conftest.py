@@ -23,6 +23,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     interpreter_speed.memoize_block_types()
     interpreter_speed.memoize_tensor_shapes()
     interpreter_speed.skip_discarded_overflow_checks()
+    interpreter_speed.skip_identity_casts()
 
 import pytest  # noqa: E402
 

@@ -13,7 +13,8 @@ Each returns False, changing nothing, where Triton's layout is not the one it kn
   a third of the run time.
 - `memoize_numpy_dtypes`, `memoize_block_types`, `memoize_tensor_shapes`: objects that depend
   only on a dtype's name or a type are made once, not once per op.
-- `skip_equal_shape_broadcasts`: the broadcast of two blocks of one shape, which does nothing.
+- `skip_equal_shape_broadcasts`, `skip_identity_casts`: the broadcast of two blocks of one shape
+  and the cast of a tensor to its own type, which do nothing.
 - `skip_discarded_overflow_checks`: the int32 overflow check of every integer add / sub / mul,
   whose result the interpreter (never in debug mode) drops.
 """
@@ -241,3 +242,25 @@ def skip_discarded_overflow_checks() -> bool:
 
     name = "binary_op_sanitize_overflow_impl"
     return _replace(TritonSemantic, name, "skips_discarded", replacement)
+
+
+def skip_identity_casts() -> bool:
+    """Every operand of an interpreted binary op is cast to the op's computation type, nearly
+    always its own: `cast` finds that by comparing the two scalar types through `dtype.__eq__`
+    (constexpr unwrapping, a name compare), ~1.7 M times in test_backends.py's Triton cases. A
+    cast to the very same type object returns the input as `cast` itself does for equal types;
+    every other cast goes to it. False where the layout is unknown."""
+    try:
+        from triton.language.semantic import TritonSemantic
+    except ImportError:
+        return False
+
+    def replacement(original):
+        def cast(self, input, dst_ty, fp_downcast_rounding=None):
+            if fp_downcast_rounding is None and input.type.scalar is dst_ty.scalar:
+                return input
+            return original(self, input, dst_ty, fp_downcast_rounding)
+
+        return cast
+
+    return _replace(TritonSemantic, "cast", "skips_identity", replacement)

@@ -116,3 +116,23 @@ def test_overflow_checks_are_skipped_only_where_they_would_be_dropped():
     checking.binary_op_sanitize_overflow_impl(one, one, checking.add)  # in range: no error
     with pytest.raises(AssertionError, match="expected matching"):
         quiet.binary_op_sanitize_overflow_impl(big, ints([1, 1], tl.int16), quiet.add)
+
+
+@needs_interpreter
+def test_identity_casts_return_the_input_and_others_still_cast():
+    import numpy as np
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    semantic = interpreter.interpreter_semantic
+    assert TritonSemantic.cast.skips_identity  # applied by conftest
+    data = np.array([1.5, -2.25, 3.0, 7.75], dtype=np.float32)
+    x = tl.tensor(interpreter.TensorHandle(data, tl.float32), tl.block_type(tl.float32, [4]))
+    assert semantic.cast(x, tl.float32) is x
+    assert semantic.cast(x, tl.dtype("fp32")) is x  # an equal type object: the original's answer
+    for dst in (tl.int32, tl.float16, tl.bfloat16):
+        got = semantic.cast(x, dst)
+        want = TritonSemantic.cast.wrapped(semantic, x, dst)
+        assert got.type == want.type == tl.block_type(dst, [4])
+        assert np.array_equal(got.handle.data, want.handle.data)
