@@ -61,29 +61,27 @@ def skip_nested_language_patches() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "skips_nested", False):
-        return original is not None
     both = _SeesBothModules(language)
     launches: list[bool] = []  # a launch is running (GridExecutor restores its scope at its end)
 
-    def patch_lang(fn):
-        if launches:  # a helper: upstream patches the language modules of its globals among
-            return _NothingToRestore()  # these two, which the launch patched
-        scope = original(both)
-        launches.append(True)
-        restore = scope.restore
+    def replacement(original):
+        def patch_lang(fn):
+            if launches:  # a helper: upstream patches the language modules of its globals among
+                return _NothingToRestore()  # these two, which the launch patched
+            scope = original(both)
+            launches.append(True)
+            restore = scope.restore
 
-        def restore_and_pop() -> None:
-            launches.pop()
-            restore()
+            def restore_and_pop() -> None:
+                launches.pop()
+                restore()
 
-        scope.restore = restore_and_pop
-        return scope
+            scope.restore = restore_and_pop
+            return scope
 
-    patch_lang.skips_nested = True
-    interpreter._patch_lang = patch_lang
-    return True
+        return patch_lang
+
+    return _replace(interpreter, "_patch_lang", "skips_nested", replacement)
 
 
 def memoize_numpy_dtypes() -> bool:
@@ -151,37 +149,37 @@ def memoize_block_types() -> bool:
     except ImportError:
         return False
     builder = getattr(interpreter, "InterpreterBuilder", None)
-    if builder is None or not hasattr(builder, "get_block_ty"):
+    if builder is None:
         return False
-    if getattr(builder.get_block_ty, "memoized", False):
-        return True
-    cache: dict = {}
 
-    def block_type(element_ty, shape):
-        if type(element_ty) is tl.dtype:
-            kind = (element_ty.name,)
-        elif type(element_ty) is tl.pointer_type and type(element_ty.element_ty) is tl.dtype:
-            kind = (element_ty.name, element_ty.address_space, element_ty.const)
-        else:
-            return tl.block_type(element_ty, shape)
-        dims = tuple(getattr(dim, "value", dim) for dim in shape)
-        if not all(type(dim) is int for dim in dims):
-            return tl.block_type(element_ty, shape)
-        found = cache.get((kind, dims))
-        if found is None:
-            found = cache[(kind, dims)] = tl.block_type(element_ty, list(dims))
-        return found
+    def replacement(original):
+        cache: dict = {}
 
-    def get_block_ty(self, dtype, shape):
-        return block_type(dtype, shape)
+        def block_type(element_ty, shape):
+            if type(element_ty) is tl.dtype:
+                kind = (element_ty.name,)
+            elif type(element_ty) is tl.pointer_type and type(element_ty.element_ty) is tl.dtype:
+                kind = (element_ty.name, element_ty.address_space, element_ty.const)
+            else:
+                return tl.block_type(element_ty, shape)
+            dims = tuple(getattr(dim, "value", dim) for dim in shape)
+            if not all(type(dim) is int for dim in dims):
+                return tl.block_type(element_ty, shape)
+            found = cache.get((kind, dims))
+            if found is None:
+                found = cache[(kind, dims)] = tl.block_type(element_ty, list(dims))
+            return found
 
-    def with_element_ty(self, scalar_ty):
-        return block_type(scalar_ty, self.shape)
+        def get_block_ty(self, dtype, shape):
+            return block_type(dtype, shape)
 
-    get_block_ty.memoized = True
-    builder.get_block_ty = get_block_ty
-    tl.block_type.with_element_ty = with_element_ty
-    return True
+        def with_element_ty(self, scalar_ty):
+            return block_type(scalar_ty, self.shape)
+
+        tl.block_type.with_element_ty = with_element_ty  # the same table for the semantic layer
+        return get_block_ty
+
+    return _replace(builder, "get_block_ty", "memoized", replacement)
 
 
 def memoize_tensor_shapes() -> bool:

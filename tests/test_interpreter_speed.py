@@ -1,6 +1,7 @@
 """tests/interpreter_speed.py changes only the Triton interpreter's bookkeeping: its memoized
-numpy dtypes, shared block types and tensor shapes, and skipped equal-shape broadcasts give what
-the interpreter's own code gives. (Every interpreted test of the suite runs with them too.)"""
+numpy dtypes, shared block types and tensor shapes, skipped equal-shape broadcasts and identity
+casts, and skipped overflow checks (only where they would be dropped) give what the
+interpreter's own code gives. (Every interpreted test of the suite runs with them too.)"""
 
 from __future__ import annotations
 

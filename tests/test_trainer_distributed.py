@@ -140,7 +140,8 @@ def _cli_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
 
 
 def fusedrl_train(world: int, *argv: str) -> None:
-    """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as spawned processes."""
+    """`torchrun --nproc-per-node world -m fusedrl.trainer argv`, as forked processes
+    (tests/worlds.py's `start_world`)."""
     import time
 
     ctx = start_world(_cli_worker, (world, free_port(), list(argv)), world, interpret_triton=False)

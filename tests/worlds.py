@@ -73,7 +73,7 @@ def _environment(**values: str):
 def run_world(
     worker: Callable, world: int, args: tuple, out_dir: str, deadline_s: float, what: str
 ) -> list:
-    """`worker(rank, *args)` on `world` spawned processes; each writes `out_dir/rank{r}.pt`.
+    """`worker(rank, *args)` on `world` processes (`start_world`); each writes `out_dir/rank{r}.pt`.
     A world still running after `deadline_s` is terminated and fails the test, named by `what`."""
     ctx = start_world(worker, args, world)
     deadline = time.monotonic() + deadline_s

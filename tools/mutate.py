@@ -461,10 +461,9 @@ def _edit_parses_to(new_source: str, edits, lines, top: int, expected: str, old_
     module-level statement's own lines (nearly all) leave every other statement's text as it
     was, so that statement alone is parsed (from column 0 of its first line, it parses alone as
     it does in its module); other edits, the whole module."""
-    start, end = lines or (1, 0)
-    if start <= edits[0][0] and edits[-1][1] <= end:
+    if lines is not None and lines[0] <= edits[0][0] and edits[-1][1] <= lines[1]:
         growth = sum(len(new) - (stop - first) for first, stop, new in edits)
-        body = ast.parse(new_source.encode()[start : end + growth]).body
+        body = ast.parse(new_source.encode()[lines[0] : lines[1] + growth]).body
         return len(body) == 1 and ast.dump(body[0]) == expected
     return _same_module(ast.parse(new_source), _Text(new_source), top, expected, old_texts)
 
