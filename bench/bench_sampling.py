@@ -9,7 +9,7 @@ For each vLLM filter setting (min_p, top_k, top_p and together), in one run:
   kernel reading the logits through them (no masked copy);
 - `select:kernel`: the select alone, kernels/sampling.py's on-chip select writing one floor
   per row (the row's first read from HBM, the others from L2): the gathered candidates where
-  the filters allow (top_k up to 128, top_p after min_p), else the radix passes;
+  the filters allow (top_k up to 128, top_p), else the radix passes;
 - `select:radix`: the same kernel with the gathered way off (the bench swaps the launcher's
   rule for one call), the radix passes alone: the A/B of the two ways in one run;
 - `select:torch`: fusedrl.sampling, torch.topk / sort / where writing the masked logits a block

@@ -419,7 +419,7 @@ stage_session() {
     --cuda-graph --warmup-ms 50 --rep-ms 200 --tag graph --out "$OUTDIR"
   stage_profile "dapo"
   step session:sampling "$((DEADLINE - SECONDS - 40))" "$PREFIX-bench_sampling-session.log" \
-    "$PY" bench/bench_sampling.py --V 151936 --filters top_k=50,top_p=0.9 \
+    "$PY" bench/bench_sampling.py --V 151936 --filters top_k=50,top_p=0.9 top_p=0.9 \
     --impls loss:sampled select:kernel select:radix --warmup-ms 50 --rep-ms 200 --out "$OUTDIR"
   step session:grad_scale "$((DEADLINE - SECONDS - 10))" "$PREFIX-bench_loss-grad_scale.log" \
     "$PY" bench/bench_loss.py --N 16384 --V 151936 --presets accum4 accum4_rescaled \

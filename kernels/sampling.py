@@ -15,15 +15,19 @@ whose candidates at or above it weigh at least a target: a count (top_k: the k-t
 share of the candidates' probability mass (top_p: the smallest kept token is the first whose
 larger ones weigh less than p). min_p is one more floor on the keys. Two ways find K:
 
-- Gathered (COMPACT: top_k up to COMPACT_TOP_K, with or without the others; top_p after min_p).
-  The row max's read also keeps a running max per tile position; the k-th largest of GROUPS
-  group maxima of those is a threshold with at least k logits above it and, unless several of
-  the k largest share a group, few more. One more read gathers the logits at or above the
+- Gathered (COMPACT: top_k up to COMPACT_TOP_K, with or without the others; top_p without
+  top_k). The row max's read also keeps a running max per tile position; the k-th largest of
+  GROUPS group maxima of those is a threshold with at least k logits above it and, unless several
+  of the k largest share a group, few more. One more read gathers the logits at or above the
   threshold (and min_p's floor) into the program's CANDIDATES floats of scratch (1 KB, in L2),
-  and the k-th largest and top_p's floor are found among them in registers, by pairs. Two
-  reads of each row in all, whatever the dtype.
-- Radix passes, where the candidates are not few (top_p alone, a larger top_k, a row where more
-  than CANDIDATES crowd above the threshold, e.g. ties): most significant digit first, top_k
+  and the k-th largest and top_p's floor are found among them in registers, by pairs. Without
+  top_k, top_p's k is a guess (TOP_P_GUESS: a trained model's nucleus is mostly a few tokens);
+  the gather's read also sums the mass of top_p's candidates over the whole row, and the
+  gathered logits decide when they hold at least top_p of it. Two reads of each row in all,
+  whatever the dtype.
+- Radix passes, where the candidates are not few (a larger top_k, a row where more than
+  CANDIDATES crowd above the threshold, e.g. ties, a nucleus wider than the gathered logits, a
+  NaN): most significant digit first, top_k
   counts 8 bits of key a pass in shared memory (`tl.histogram`); top_p compares each logit with
   4 thresholds a pass (2 bits), as values. Passes over each row of B-bit logits (B = 16 for
   bf16, 20 for fp16, 32 for fp32): the row max (min_p, top_p) 1; top_k B / 8 rounded up (bf16:
@@ -76,6 +80,9 @@ CANDIDATES = tl.constexpr(256)
 GROUPS = tl.constexpr(256)
 CHUNK = tl.constexpr(16)
 COMPACT_TOP_K = 128
+# top_p without top_k gathers as top_k = TOP_P_GUESS would: ~180 logits of a row whose largest
+# are spread out, the nucleus of most of a trained model's rows (else the radix passes run).
+TOP_P_GUESS = tl.constexpr(COMPACT_TOP_K)
 
 
 def block_size(vocab: int, device: torch.device, elem_bytes: int = 2) -> int:
@@ -249,16 +256,30 @@ def _kth_group_max(lanes, k, scratch_ptr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _gather_candidates(row_ptr, vocab, threshold, scratch_ptr, BLOCK_V: tl.constexpr):
-    """How many finite logits of the row lie at or above threshold; the first CANDIDATES of
-    them stored at scratch_ptr in row order (a tile with none skips its scan and stores: most
-    tiles of a row)."""
+def _gather_candidates(
+    row_ptr,
+    vocab,
+    threshold,
+    scratch_ptr,
+    floor_value,
+    y_max2,
+    scale2,
+    BLOCK_V: tl.constexpr,
+    WEIGH_ROW: tl.constexpr,
+):
+    """(How many finite logits of the row lie at or above threshold, the first CANDIDATES of
+    them stored at scratch_ptr in row order; with WEIGH_ROW the mass exp(y - max y) of the
+    row's logits at or above floor_value, else 0). A tile with none above the threshold skips
+    its scan and stores: most tiles of a row."""
     offs = tl.arange(0, BLOCK_V)
     found = tl.zeros([], tl.int32)
+    mass = tl.zeros([BLOCK_V], tl.float32)
     tl.debug_barrier()  # every thread has read the program's last row from the scratch
     for start in range(0, vocab, BLOCK_V):
         in_row = start + offs < vocab
         x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf")).to(tl.float32)
+        if WEIGH_ROW:  # 0 off the candidates and at -inf (outside the row)
+            mass += tl.where(x >= floor_value, tl.exp2(x * scale2 - y_max2), 0.0)
         taken = ((x >= threshold) & (x > -float("inf"))).to(tl.int32)
         count = tl.sum(taken, axis=0)
         if count > 0:
@@ -266,7 +287,7 @@ def _gather_candidates(row_ptr, vocab, threshold, scratch_ptr, BLOCK_V: tl.const
             tl.store(scratch_ptr + slot, x, mask=(taken != 0) & (slot < CANDIDATES))
         found += count
     tl.debug_barrier()  # the stores are visible to every thread of the program
-    return found
+    return found, tl.sum(mass, axis=0)
 
 
 @triton.jit
@@ -276,17 +297,21 @@ def _candidates_floor(
     floor_key,
     top_k,
     top_p,
+    row_mass,
     y_max2,
     scale2,
     HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
 ):
-    """The floor key from the gathered candidates (every logit of the row at or above the final
-    floor is among them), in registers: top_k's k-th largest (the largest with k at or above
-    it, ties included), then top_p's smallest kept logit (the largest whose candidates at or
-    above it hold at least top_p of their mass). The same keys as the radix selects'."""
+    """(The floor key from the gathered candidates, whether they decided it), in registers:
+    top_k's k-th largest (the largest with k at or above it, ties included), then top_p's
+    smallest kept logit (the largest whose candidates at or above it hold at least top_p of
+    their mass). The same keys as the radix selects'. With top_k every logit at or above the
+    final floor is gathered; without it, top_p's candidates weigh row_mass, and the gathered
+    ones decide only if they hold top_p of that (else the floor is below them: not decided)."""
     slots = tl.arange(0, CANDIDATES)
     x = tl.load(scratch_ptr + slots, mask=slots < found, other=-float("inf"))
+    decided = found > 0  # (the caller gathered some); without top_k, top_p's mass may say no
     if HAS_TOP_K:
         # -inf (no floor) where fewer than k lie at or above the threshold: min_p's floor holds
         ranks = _held_at_or_above(x, scratch_ptr, found, 0.0, 0.0, 1.0, False)
@@ -295,12 +320,17 @@ def _candidates_floor(
     if HAS_TOP_P:
         floor_value = _key_value(floor_key)
         held = _held_at_or_above(x, scratch_ptr, found, floor_value, y_max2, scale2, True)
-        # The mass at or above the least candidate is the total, summed as `held` sums it: the
-        # least is kept (and top_p rounding to 1 keeps every candidate) whatever the rounding.
-        target = top_p * tl.max(held, axis=0)
+        if HAS_TOP_K:
+            # The mass at or above the least candidate is the total, summed as `held` sums it:
+            # the least is kept (and top_p rounding to 1 keeps every candidate) whatever the
+            # rounding.
+            target = top_p * tl.max(held, axis=0)
+        else:
+            target = top_p * row_mass
+            decided = decided & (tl.max(held, axis=0) >= target)
         smallest_kept = tl.max(tl.where(held >= target, x, -float("inf")), axis=0)
-        floor_key = tl.maximum(floor_key, _order_key(smallest_kept))
-    return floor_key
+        floor_key = tl.where(decided, tl.maximum(floor_key, _order_key(smallest_kept)), floor_key)
+    return floor_key, decided
 
 
 @triton.jit
@@ -338,6 +368,7 @@ def _sampled_set_kernel(
     KEY_BITS: tl.constexpr = (9 + MANTISSA + RADIX_BITS - 1) // RADIX_BITS * RADIX_BITS
     COUNT_KEY_BITS: tl.constexpr = (9 + MANTISSA + COUNT_BITS - 1) // COUNT_BITS * COUNT_BITS
     offs = tl.arange(0, BLOCK_V)
+    scratch = scratch_ptr + tl.program_id(0) * CANDIDATES  # (unread without COMPACT)
     for row32 in range(tl.program_id(0), rows, tl.num_programs(0)):
         row = tl.cast(row32, tl.int64)  # int64 offsets: B x T x V may exceed 2^31
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
@@ -365,34 +396,45 @@ def _sampled_set_kernel(
             top_key = _order_key(x_max_row)
             if HAS_MIN_P:
                 floor_key = _min_p_floor_key(x_max_row, row_t, log_min_p)
-            if COMPACT:
-                threshold = _key_value(floor_key)
-                if HAS_TOP_K:
-                    scratch = scratch_ptr + tl.program_id(0) * CANDIDATES
-                    group_kth = _kth_group_max(lanes, top_k, scratch, BLOCK_V)
-                    threshold = tl.maximum(threshold, group_kth)
         radix = True
         if COMPACT:
             # One more read (from L2) gathers the few logits that can be in the set; the radix
-            # passes run only where more than CANDIDATES tie or crowd above the threshold.
-            scratch = scratch_ptr + tl.program_id(0) * CANDIDATES
-            found = _gather_candidates(row_ptr, vocab, threshold, scratch, BLOCK_V)
-            # A NaN is not gathered, but top_k's keys rank it above +inf (as torch.topk does):
-            # a row with one takes the radix passes, which count it.
+            # passes run only where they do not decide. A NaN is not gathered, but top_k's keys
+            # rank it above +inf (as torch.topk does): a row with one takes the radix passes,
+            # which count it, and gathers nothing.
             has_nan = tl.max(unordered.to(tl.int32), axis=0)
-            radix = (found > CANDIDATES) | (found == 0) | (has_nan > 0)
-            if (found <= CANDIDATES) & (found > 0) & (has_nan == 0):
-                floor_key = _candidates_floor(
+            decided = has_nan < 0  # False: the radix passes, unless the gathered logits decide
+            if has_nan == 0:
+                floor_value = _key_value(floor_key)
+                group_rank = top_k if HAS_TOP_K else TOP_P_GUESS
+                threshold = tl.maximum(
+                    floor_value, _kth_group_max(lanes, group_rank, scratch, BLOCK_V)
+                )
+                found, row_mass = _gather_candidates(
+                    row_ptr,
+                    vocab,
+                    threshold,
                     scratch,
-                    found,
-                    floor_key,
-                    top_k,
-                    top_p,
+                    floor_value,
                     y_max2,
                     row_scale2,
-                    HAS_TOP_K,
-                    HAS_TOP_P,
+                    BLOCK_V,
+                    HAS_TOP_P and not HAS_TOP_K,
                 )
+                if (found > 0) & (found <= CANDIDATES):  # else all -inf, or crowded
+                    floor_key, decided = _candidates_floor(
+                        scratch,
+                        found,
+                        floor_key,
+                        top_k,
+                        top_p,
+                        row_mass,
+                        y_max2,
+                        row_scale2,
+                        HAS_TOP_K,
+                        HAS_TOP_P,
+                    )
+            radix = ~decided
         if radix:
             if HAS_TOP_K:
                 # The k-th largest of the whole row: where min_p left fewer than k, its floor is
@@ -444,10 +486,10 @@ def _filters(vocab: int, top_k, top_p, min_p) -> tuple[bool, bool, bool]:
 
 def _gathers_candidates(has_top_k: bool, has_top_p: bool, has_min_p: bool, top_k) -> bool:
     """Whether the select gathers the row's candidates (COMPACT): top_k (+ the others) up to
-    COMPACT_TOP_K, or top_p after min_p; top_p alone keeps every logit a candidate."""
+    COMPACT_TOP_K, or top_p without top_k (min_p alone needs no select)."""
     if has_top_k:
         return top_k <= COMPACT_TOP_K
-    return has_top_p and has_min_p
+    return has_top_p
 
 
 def _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p, row_temps):
@@ -455,8 +497,9 @@ def _launch_select(logits, labels, out, floors, temperature, top_k, top_p, min_p
     not None, the masked rows into it."""
     batch, time, vocab = logits.shape
     has_top_k, has_top_p, has_min_p = _filters(vocab, top_k, top_p, min_p)
-    compact = _gathers_candidates(has_top_k, has_top_p, has_min_p, top_k)
     block = block_size(vocab, logits.device, logits.element_size())
+    # (the group maxima need GROUPS tile positions: every launch's tiles but a test's narrow ones)
+    compact = block >= GROUPS.value and _gathers_candidates(has_top_k, has_top_p, has_min_p, top_k)
     programs = persistent_programs(batch * time, vocab * logits.element_size(), logits.device)
     out_arg = logits if out is None else out
     scratch = floors  # (unread without COMPACT)

@@ -118,18 +118,25 @@ def test_top_p_drops_the_token_whose_mass_is_exactly_1_minus_top_p(dtype, top_p)
 
 
 @needs_interpreter
+@pytest.mark.parametrize("block", [4, 512])
 @pytest.mark.parametrize("top_p", [0.5, 0.75])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_p_bound_in_the_select_kernel(dtype, top_p, monkeypatch):
-    """The radix select's `at_or_above >= target` (top_p x the total, exact here) is the same
-    bound seen from the kept side: a digit whose mass reaches the target exactly is kept."""
+def test_top_p_bound_in_the_select_kernel(dtype, top_p, block, monkeypatch):
+    """The select's `mass >= target` (top_p x the total, exact here) is the same bound seen from
+    the kept side: a digit (radix passes) or a gathered logit whose mass reaches the target
+    exactly is kept. Tiles of 4 (three a row) are too narrow for the gathered way's group
+    maxima: the radix passes; tiles of 512: the gathered way."""
     from fusedrl.kernels import sampling
 
-    monkeypatch.setattr(sampling, "INTERPRETED_BLOCK_V", 4)  # tiles of 4: three per row
+    monkeypatch.setattr(sampling, "INTERPRETED_BLOCK_V", block)
+    radix_rows = []
+    select = sampling._mass_select  # (looked up at each call by the interpreter)
+    monkeypatch.setattr(sampling, "_mass_select", lambda *a: radix_rows.append(1) or select(*a))
     logits, labels, temperature = top_p_rows(dtype)
     out = torch.empty_like(logits)
     sampling.write_sampled_set(logits, labels, out, temperature, None, top_p, None)
     assert torch.equal(out != -math.inf, vllm_kept(logits, temperature, top_p))
+    assert len(radix_rows) == (0 if block >= sampling.GROUPS.value else len(TOP_P_ROWS))
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.75])

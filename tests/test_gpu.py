@@ -499,7 +499,10 @@ def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token, 
     and nothing else may differ. `per_token`: each row at its own temperature (ROW_TEMPERATURE),
     the torch route dividing by the column. `crowded`: every third row has 400 ties of its
     50th largest logit, more than the gathered way holds: those rows take the radix passes,
-    beside rows that gather, in the same launch (the program's scratch reused row after row)."""
+    beside rows that gather, in the same launch (the program's scratch reused row after row).
+    Every third row from the second is peaked (40 logits far above the rest): there top_p's
+    nucleus lies among the gathered logits, which decide it without top_k too; the flat rows'
+    nucleus is wider (the radix passes)."""
     from fusedrl.kernels.sampling import write_sampled_set
     from fusedrl.sampling import SamplingMask, mask_to_sampled_set
 
@@ -507,6 +510,7 @@ def test_sampled_set_kernel_against_the_torch_select(filters, dtype, per_token, 
     gen = torch.Generator().manual_seed(17)
     logits = (2.0 * torch.randn(3, 97, 151936, generator=gen)).to("cuda", dtype)
     labels = torch.randint(0, 151936, (3, 97), generator=gen).cuda()
+    logits.view(-1, 151936)[1::3, 5000:5040] += 12.0
     if crowded:
         rows = logits.view(-1, 151936)[::3]
         rows[:, 1000:1400] = rows.topk(50, -1).values[:, -1:]

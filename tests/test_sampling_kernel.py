@@ -109,11 +109,42 @@ def test_ties_at_the_top_k_boundary_are_all_kept_and_renormalised_over():
         assert torch.equal(out, torch_select.view_as(out))
 
 
-def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects():
-    """top_k (up to COMPACT_TOP_K), and top_p after min_p, gather the logits at or above a
-    threshold and select among them in registers; a row where more than CANDIDATES lie there
-    (ties with the k-th largest, a flat row under min_p) or none (all -inf) takes the radix
-    passes instead. Both give the reference's set, and the torch select's bit for bit."""
+@pytest.fixture
+def radix_rows(monkeypatch):
+    """How many rows took each radix select (`_count_select`: top_k, `_mass_select`: top_p):
+    the interpreter looks a kernel's nested functions up in its module at every call."""
+    from fusedrl.kernels import sampling
+
+    calls = {"_count_select": 0, "_mass_select": 0}
+
+    def counting(name, select):
+        def counted(*args):
+            calls[name] += 1
+            return select(*args)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(sampling, name, counting(name, getattr(sampling, name)))
+    return calls
+
+
+def _assert_matches_the_torch_select(logits, labels, temperature, top_k, top_p, min_p):
+    out = _write(logits, labels, temperature, top_k, top_p, min_p)
+    _assert_same_set(out, logits, labels, temperature, top_k, top_p, min_p)
+    torch_select = mask_to_sampled_set(
+        logits.view(-1, VOCAB), labels.view(-1), temperature, SamplingMask(top_k, top_p, min_p)
+    )
+    assert torch.equal(out, torch_select.view_as(out))
+    return out
+
+
+def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects(radix_rows):
+    """top_k (up to COMPACT_TOP_K) and top_p gather the logits at or above a threshold and
+    select among them in registers; a row where more than CANDIDATES lie there (ties with the
+    k-th largest) or none (all -inf), and under top_p a row whose nucleus is wider than the
+    gathered logits (nearly flat), takes the radix passes instead. Both give the reference's
+    set, and the torch select's bit for bit; the other rows never reach the radix passes."""
     from fusedrl.kernels.sampling import CANDIDATES, COMPACT_TOP_K, _gathers_candidates
 
     crowd = CANDIDATES.value + 40
@@ -122,20 +153,47 @@ def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects():
     logits[0, 0, 100 : 100 + crowd] = kth  # ties with the 5th largest: k + crowd candidates
     logits[0, 1] = 0.01 * logits[0, 1]  # nearly flat: min_p 0.05 keeps every token
     logits[1, 2] = -math.inf  # nothing to gather
-    for top_k, top_p, min_p in [(5, None, None), (5, 0.9, None), (None, 0.9, 0.05), (5, 0.8, 0.05)]:
+    crowded, flat, empty = 1, 1, 1
+    cases = {  # (top_k, top_p, min_p): the rows that take (top_k's, top_p's) radix passes
+        (5, None, None): (crowded + empty, 0),
+        (5, 0.9, None): (crowded + empty, crowded + empty),
+        (None, 0.9, None): (0, crowded + flat + empty),
+        (None, 0.9, 0.05): (0, crowded + flat + empty),
+        (5, 0.8, 0.05): (crowded + empty, crowded + empty),
+    }
+    for (top_k, top_p, min_p), radix in cases.items():
         assert _gathers_candidates(top_k is not None, top_p is not None, min_p is not None, top_k)
-        out = _write(logits, labels, 0.8, top_k, top_p, min_p)
-        _assert_same_set(out, logits, labels, 0.8, top_k, top_p, min_p)
-        torch_select = mask_to_sampled_set(
-            logits.view(-1, VOCAB), labels.view(-1), 0.8, SamplingMask(top_k, top_p, min_p)
-        )
-        assert torch.equal(out, torch_select.view_as(out))
+        radix_rows.update(_count_select=0, _mass_select=0)
+        _assert_matches_the_torch_select(logits, labels, 0.8, top_k, top_p, min_p)
+        assert (radix_rows["_count_select"], radix_rows["_mass_select"]) == radix
     assert (logits[0, 0] >= kth).sum() > CANDIDATES.value  # the crowded rows crowd
     assert (logits[0, 1] >= logits[0, 1].max() + 0.8 * math.log(0.05)).sum() > CANDIDATES.value
     assert _kept(_write(logits, labels, 0.8, 5))[0, 0].sum() > crowd  # the ties are kept
-    # the gathered rows: up to COMPACT_TOP_K; beyond it, and top_p alone, the radix passes only
+    # the gathered rows: up to COMPACT_TOP_K; beyond it, the radix passes only
     assert not _gathers_candidates(True, True, False, COMPACT_TOP_K + 1)
-    assert not _gathers_candidates(False, True, False, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_alone_is_decided_by_the_gathered_logits_where_they_hold_the_nucleus(
+    dtype, radix_rows
+):
+    """Without top_k, top_p gathers a guess of TOP_P_GUESS groups' logits and sums the whole
+    row's mass in the same read: a row whose nucleus lies among them is decided there, one
+    whose nucleus is wider (its smallest kept logit below the gathered ones) by the radix
+    passes. Rows from peaked to flat, at several top_p and temperatures."""
+    from fusedrl.kernels.sampling import CANDIDATES
+
+    logits, labels = _inputs(seed=13, batch=4, time=6, dtype=torch.float32)
+    logits = logits * torch.linspace(0.05, 3.0, 24).view(4, 6, 1)  # from flat to peaked
+    logits = logits.to(dtype)
+    for temperature, top_p in [(1.0, 0.9), (0.7, 0.95), (1.3, 0.5)]:
+        radix_rows.update(_mass_select=0)
+        out = _assert_matches_the_torch_select(logits, labels, temperature, None, top_p, None)
+        kept = _kept(out).sum(-1)
+        assert 0 < radix_rows["_mass_select"] < 24  # both ways acted
+        # a nucleus wider than any gather takes the radix passes; most narrow ones do not
+        assert radix_rows["_mass_select"] >= (kept > CANDIDATES.value).sum()
+        assert radix_rows["_mass_select"] <= (kept > 40).sum()
 
 
 def test_banned_tokens_and_rows_with_fewer_than_k_candidates():
