@@ -40,23 +40,31 @@ def variants(budgets: list[int]) -> dict[str, list[str]]:
 SMOKE_FLAGS = ["--warmstart-steps", "0", "--rollout", "hf"]
 
 
-def run(flags: list[str], steps: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "fusedrl.trainer", "--max-steps", str(steps), "--seed", "3"]
-    command += ["--out", str(out), "--overwrite", "--no-progress", *flags]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+def run(flags: list[str], steps: int, out: Path, trainer=None) -> dict:
+    """One variant's run. `trainer(*args)`: runs `python -m fusedrl.trainer ARGS` and returns its
+    subprocess.CompletedProcess (a test's forking runner); by default a plain subprocess."""
+    args = ["--max-steps", str(steps), "--seed", "3", "--out", str(out), "--overwrite"]
+    args += ["--no-progress", *flags]
+    if trainer is None:
+        command = [sys.executable, "-m", "fusedrl.trainer", *args]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    else:
+        proc = trainer(*args)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, args, proc.stdout, proc.stderr)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [row["train_time"] for row in rows[WARMUP_STEPS:]] or [rows[-1]["train_time"]]
     return {"train_time_s": statistics.median(timed), "steps": len(rows), "loss": rows[-1]["loss"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, trainer=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--budgets", type=int, nargs="*", default=[256, 512])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="4 steps: not a measurement")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     steps = 4 if args.smoke else args.steps
     import torch
 
@@ -65,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as runs:
         for name, flags in variants(args.budgets).items():
             flags = [*flags, *SMOKE_FLAGS] if args.smoke else flags
-            results[name] = run(flags, steps, Path(runs) / name)
+            results[name] = run(flags, steps, Path(runs) / name, trainer)
             row = results[name]
             print(f"{name:14s} {row['train_time_s'] * 1e3:9.1f} ms/update   loss {row['loss']:.6f}")
     padded = results["padded"]["train_time_s"]

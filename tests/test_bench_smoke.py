@@ -170,10 +170,17 @@ def test_bench_pack_job_smoke(tmp_path):
     """The default job padded, packed and packed by a token budget: the same seeded updates
     (their losses agree), each timed."""
     pytest.importorskip("transformers")
-    script = [sys.executable, str(BENCH / "bench_pack_job.py"), "--smoke", "--budgets", "64"]
-    subprocess.run(
-        [*script, "--out", str(tmp_path)], check=True, capture_output=True, text=True, timeout=300
-    )
+    from .trainer_cli import TrainerCLI
+
+    sys.path.insert(0, str(BENCH))  # (it imports bench_loss)
+    bench_pack_job = _load("bench_pack_job")
+    # The three runs forked from one process that imported the trainer (tests/trainer_cli.py)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cli = TrainerCLI(env, with_vllm=False)
+    try:
+        bench_pack_job.main(["--smoke", "--budgets", "64", "--out", str(tmp_path)], cli.run)
+    finally:
+        cli.close()
     result = json.loads(next(tmp_path.glob("pack_job-*.json")).read_text())
     rows = result["results"]
     assert list(rows) == ["padded", "packed", "packed-64"] and result["note"] == SMOKE_NOTE
