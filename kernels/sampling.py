@@ -274,7 +274,9 @@ def _gather_candidates(
     offs = tl.arange(0, BLOCK_V)
     found = tl.zeros([], tl.int32)
     mass = tl.zeros([BLOCK_V], tl.float32)
-    tl.debug_barrier()  # every thread has read the program's last row from the scratch
+    # Every thread has read this row's group maxima from the scratch (`_kth_group_max`) before
+    # any store over them: a race the interpreter, one thread, cannot show.
+    tl.debug_barrier()
     for start in range(0, vocab, BLOCK_V):
         in_row = start + offs < vocab
         x = tl.load(row_ptr + start + offs, mask=in_row, other=-float("inf")).to(tl.float32)

@@ -139,6 +139,53 @@ def test_top_p_bound_in_the_select_kernel(dtype, top_p, block, monkeypatch):
     assert len(radix_rows) == (0 if block >= sampling.GROUPS.value else len(TOP_P_ROWS))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_bound_decided_by_gathered_logits_with_mass_below_them(dtype, monkeypatch):
+    """The gathered way's bound where logits below the gathered ones carry mass: its target is
+    top_p x the whole row's mass (summed in the gather's read), its `held >= target` the same
+    bound. A row of one logit of mass 1, 255 of 2^-8 (one per group of the interpreted tiles:
+    they are the gathered ones with it, 256, the scratch full) and 256 of 2^-16 below them: the
+    cumulative mass of all but the top is exactly 1 - top_p of the total 2 at top_p = 1/2, so
+    vLLM keeps the top alone; one float above, its set grows into the 255 (a part of them: its
+    sort order cuts the tie group) and fusedrl keeps them all (as the torch select does). At
+    top_p = 511/512 the gathered logits hold exactly top_p of the row's mass.
+    Exact: masses 2^-k, sums dyadic."""
+    from fusedrl.kernels import sampling
+
+    radix_rows = []
+    select = sampling._mass_select  # (looked up at each call by the interpreter)
+    monkeypatch.setattr(sampling, "_mass_select", lambda *a: radix_rows.append(1) or select(*a))
+    temperature = 1.0 if dtype == torch.float32 else LOG2E
+    exponents = torch.full((1031,), math.inf)  # -inf logits elsewhere
+    exponents[0] = 0.0
+    exponents[2:512:2] = 8.0  # lanes 2, 4, ..., 510 of the first tile: groups 1..255
+    exponents[512:768] = 16.0  # the second tile's groups 0..127: below their maxima
+    unit = LN2 if dtype == torch.float32 else 1.0
+    logits = (-exponents * unit).to(dtype).view(1, 1, -1)
+    finite = logits.float()[logits.float().isfinite()]
+    scaled = finite * torch.tensor(LOG2E / temperature, dtype=torch.float32)
+    assert torch.equal(scaled, -exponents[exponents.isfinite()])  # exact masses 2^-k
+    labels = torch.zeros(1, 1, dtype=torch.long)
+    up = torch.nextafter(torch.tensor(0.5), torch.ones(())).item()
+    # At 511/512 the gathered logits hold exactly top_p of the mass (511/256 of 2): they decide,
+    # and the 256 below them, exactly 1 - top_p, are dropped.
+    for top_p, kept in [(0.5, 1), (up, 256), (511 / 512, 256)]:
+        radix_rows.clear()
+        out = torch.empty_like(logits)
+        sampling.write_sampled_set(logits, labels, out, temperature, None, top_p, None)
+        assert not radix_rows  # the gathered logits decided
+        masked = mask_to_sampled_set(
+            logits.view(1, -1), labels.view(1), temperature, SamplingMask(top_p=top_p)
+        )
+        assert torch.equal(out.view(1, -1), masked) and (out != -math.inf).sum() == kept
+        vllm = vllm_kept(logits, temperature, top_p)
+        if top_p != up:
+            assert torch.equal(out != -math.inf, vllm)
+        else:  # vLLM's set grew past the top, into the tie group the kernel keeps whole
+            assert vllm.sum() > 1 and not (vllm & (out == -math.inf)).any()
+
+
 @pytest.mark.parametrize("top_p", [0.5, 0.75])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])

@@ -129,11 +129,20 @@ def radix_rows(monkeypatch):
     return calls
 
 
-def _assert_matches_the_torch_select(logits, labels, temperature, top_k, top_p, min_p):
-    out = _write(logits, labels, temperature, top_k, top_p, min_p)
-    _assert_same_set(out, logits, labels, temperature, top_k, top_p, min_p)
+def _assert_matches_the_torch_select(
+    logits, labels, temperature, top_k, top_p, min_p, row_temps=None
+):
+    """The kernel's set against the reference's and the torch select's (bit for bit); with
+    `row_temps` ([B, T]) each row at its own temperature, in place of `temperature`."""
+    from fusedrl.kernels.sampling import write_sampled_set
+
+    out = torch.full_like(logits, 7.0)
+    write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p, row_temps=row_temps)
+    rows_t = temperature if row_temps is None else row_temps[..., None]
+    _assert_same_set(out, logits, labels, rows_t, top_k, top_p, min_p)
+    column = temperature if row_temps is None else row_temps.view(-1, 1)
     torch_select = mask_to_sampled_set(
-        logits.view(-1, VOCAB), labels.view(-1), temperature, SamplingMask(top_k, top_p, min_p)
+        logits.view(-1, VOCAB), labels.view(-1), column, SamplingMask(top_k, top_p, min_p)
     )
     assert torch.equal(out, torch_select.view_as(out))
     return out
@@ -153,11 +162,19 @@ def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects(rad
     logits[0, 0, 100 : 100 + crowd] = kth  # ties with the 5th largest: k + crowd candidates
     logits[0, 1] = 0.01 * logits[0, 1]  # nearly flat: min_p 0.05 keeps every token
     logits[1, 2] = -math.inf  # nothing to gather
-    crowded, flat, empty = 1, 1, 1
+    # Exactly CANDIDATES at or above the threshold (the scratch full), and one more: 255 or
+    # 256 logits of 10 over 128 groups, then the row max (the last gathered) far above them.
+    logits[1, :2] = -20.0
+    logits[1, 0, : CANDIDATES.value - 1] = 10.0
+    logits[1, 1, : CANDIDATES.value] = 10.0
+    logits[1, :2, 900] = 18.0
+    crowded, flat, empty, one_over = 1, 1, 1, 1
     cases = {  # (top_k, top_p, min_p): the rows that take (top_k's, top_p's) radix passes
-        (5, None, None): (crowded + empty, 0),
-        (5, 0.9, None): (crowded + empty, crowded + empty),
-        (None, 0.9, None): (0, crowded + flat + empty),
+        (5, None, None): (crowded + empty + one_over, 0),
+        (5, 0.9, None): (crowded + empty + one_over, crowded + empty + one_over),
+        (None, 0.9, None): (0, crowded + flat + empty + one_over),
+        (None, 0.05, None): (0, crowded + empty + one_over),  # a nucleus of ~50: gathered
+        # min_p's floor (18 + 0.8 log 0.05) leaves the row max alone above it in those two
         (None, 0.9, 0.05): (0, crowded + flat + empty),
         (5, 0.8, 0.05): (crowded + empty, crowded + empty),
     }
@@ -167,6 +184,8 @@ def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects(rad
         _assert_matches_the_torch_select(logits, labels, 0.8, top_k, top_p, min_p)
         assert (radix_rows["_count_select"], radix_rows["_mass_select"]) == radix
     assert (logits[0, 0] >= kth).sum() > CANDIDATES.value  # the crowded rows crowd
+    assert (logits[1, 0] >= 10).sum() == CANDIDATES.value  # the full scratch, and one over
+    assert (logits[1, 1] >= 10).sum() == CANDIDATES.value + 1
     assert (logits[0, 1] >= logits[0, 1].max() + 0.8 * math.log(0.05)).sum() > CANDIDATES.value
     assert _kept(_write(logits, labels, 0.8, 5))[0, 0].sum() > crowd  # the ties are kept
     # the gathered rows: up to COMPACT_TOP_K; beyond it, the radix passes only
@@ -180,15 +199,21 @@ def test_top_p_alone_is_decided_by_the_gathered_logits_where_they_hold_the_nucle
     """Without top_k, top_p gathers a guess of TOP_P_GUESS groups' logits and sums the whole
     row's mass in the same read: a row whose nucleus lies among them is decided there, one
     whose nucleus is wider (its smallest kept logit below the gathered ones) by the radix
-    passes. Rows from peaked to flat, at several top_p and temperatures."""
+    passes. Rows from peaked to flat, at several top_p and temperatures, and each row at its
+    own (per-token temperatures: the row's mass and its pairs weighed at the row's own)."""
     from fusedrl.kernels.sampling import CANDIDATES
 
     logits, labels = _inputs(seed=13, batch=4, time=6, dtype=torch.float32)
     logits = logits * torch.linspace(0.05, 3.0, 24).view(4, 6, 1)  # from flat to peaked
     logits = logits.to(dtype)
-    for temperature, top_p in [(1.0, 0.9), (0.7, 0.95), (1.3, 0.5)]:
+    row_temps = 0.5 + torch.rand(4, 6, generator=torch.Generator().manual_seed(5))
+    for temperature, top_p in [(1.0, 0.9), (0.7, 0.95), (1.3, 0.5), ("per row", 0.8)]:
         radix_rows.update(_mass_select=0)
-        out = _assert_matches_the_torch_select(logits, labels, temperature, None, top_p, None)
+        rows_t = row_temps if temperature == "per row" else None
+        temperature = 1.0 if rows_t is not None else temperature
+        out = _assert_matches_the_torch_select(
+            logits, labels, temperature, None, top_p, None, row_temps=rows_t
+        )
         kept = _kept(out).sum(-1)
         assert 0 < radix_rows["_mass_select"] < 24  # both ways acted
         # a nucleus wider than any gather takes the radix passes; most narrow ones do not
