@@ -178,6 +178,27 @@ def assert_lm_head_form_matches_the_oracle(
 
 
 @pytest.fixture
+def radix_rows(monkeypatch):
+    """How many rows took each radix select of kernels/sampling.py (`_count_select`: top_k,
+    `_mass_select`: top_p): the interpreter looks a kernel's nested functions up in its module
+    at every call."""
+    from fusedrl.kernels import sampling
+
+    calls = {"_count_select": 0, "_mass_select": 0}
+
+    def counting(name, select):
+        def counted(*args):
+            calls[name] += 1
+            return select(*args)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(sampling, name, counting(name, getattr(sampling, name)))
+    return calls
+
+
+@pytest.fixture
 def batch():
     return make_batch()
 

@@ -121,7 +121,7 @@ def test_top_p_drops_the_token_whose_mass_is_exactly_1_minus_top_p(dtype, top_p)
 @pytest.mark.parametrize("block", [4, 512])
 @pytest.mark.parametrize("top_p", [0.5, 0.75])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_p_bound_in_the_select_kernel(dtype, top_p, block, monkeypatch):
+def test_top_p_bound_in_the_select_kernel(dtype, top_p, block, monkeypatch, radix_rows):
     """The select's `mass >= target` (top_p x the total, exact here) is the same bound seen from
     the kept side: a digit (radix passes) or a gathered logit whose mass reaches the target
     exactly is kept. Tiles of 4 (three a row) are too narrow for the gathered way's group
@@ -129,19 +129,16 @@ def test_top_p_bound_in_the_select_kernel(dtype, top_p, block, monkeypatch):
     from fusedrl.kernels import sampling
 
     monkeypatch.setattr(sampling, "INTERPRETED_BLOCK_V", block)
-    radix_rows = []
-    select = sampling._mass_select  # (looked up at each call by the interpreter)
-    monkeypatch.setattr(sampling, "_mass_select", lambda *a: radix_rows.append(1) or select(*a))
     logits, labels, temperature = top_p_rows(dtype)
     out = torch.empty_like(logits)
     sampling.write_sampled_set(logits, labels, out, temperature, None, top_p, None)
     assert torch.equal(out != -math.inf, vllm_kept(logits, temperature, top_p))
-    assert len(radix_rows) == (0 if block >= sampling.GROUPS.value else len(TOP_P_ROWS))
+    assert radix_rows["_mass_select"] == (0 if block >= sampling.GROUPS.value else len(TOP_P_ROWS))
 
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_p_bound_decided_by_gathered_logits_with_mass_below_them(dtype, monkeypatch):
+def test_top_p_bound_decided_by_gathered_logits_with_mass_below_them(dtype, radix_rows):
     """The gathered way's bound where logits below the gathered ones carry mass: its target is
     top_p x the whole row's mass (summed in the gather's read), its `held >= target` the same
     bound. A row of one logit of mass 1, 255 of 2^-8 (one per group of the interpreted tiles:
@@ -153,9 +150,6 @@ def test_top_p_bound_decided_by_gathered_logits_with_mass_below_them(dtype, monk
     Exact: masses 2^-k, sums dyadic."""
     from fusedrl.kernels import sampling
 
-    radix_rows = []
-    select = sampling._mass_select  # (looked up at each call by the interpreter)
-    monkeypatch.setattr(sampling, "_mass_select", lambda *a: radix_rows.append(1) or select(*a))
     temperature = 1.0 if dtype == torch.float32 else LOG2E
     exponents = torch.full((1031,), math.inf)  # -inf logits elsewhere
     exponents[0] = 0.0
@@ -171,10 +165,10 @@ def test_top_p_bound_decided_by_gathered_logits_with_mass_below_them(dtype, monk
     # At 511/512 the gathered logits hold exactly top_p of the mass (511/256 of 2): they decide,
     # and the 256 below them, exactly 1 - top_p, are dropped.
     for top_p, kept in [(0.5, 1), (up, 256), (511 / 512, 256)]:
-        radix_rows.clear()
+        radix_rows.update(_mass_select=0)
         out = torch.empty_like(logits)
         sampling.write_sampled_set(logits, labels, out, temperature, None, top_p, None)
-        assert not radix_rows  # the gathered logits decided
+        assert radix_rows["_mass_select"] == 0  # the gathered logits decided
         masked = mask_to_sampled_set(
             logits.view(1, -1), labels.view(1), temperature, SamplingMask(top_p=top_p)
         )

@@ -23,11 +23,13 @@ pytestmark = needs_interpreter
 VOCAB = 1031  # 3 interpreted tiles of 512, the last partial
 
 
-def _write(logits, labels, temperature, top_k=None, top_p=None, min_p=None, out=None):
+def _write(
+    logits, labels, temperature, top_k=None, top_p=None, min_p=None, out=None, row_temps=None
+):
     from fusedrl.kernels.sampling import write_sampled_set
 
     out = torch.full_like(logits, 7.0) if out is None else out
-    write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p)
+    write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p, row_temps=row_temps)
     return out
 
 
@@ -59,6 +61,22 @@ def _assert_same_set(out, logits, labels, temperature, top_k=None, top_p=None, m
         assert logits[b, t, v] == logits[b, t][row_expected].min(), "an extra token, not a tie"
 
 
+def _assert_matches_the_torch_select(
+    logits, labels, temperature, top_k, top_p, min_p, row_temps=None
+):
+    """The kernel's set against the reference's and the torch select's (bit for bit); with
+    `row_temps` ([B, T]) each row at its own temperature, in place of `temperature`."""
+    out = _write(logits, labels, temperature, top_k, top_p, min_p, row_temps=row_temps)
+    rows_t = temperature if row_temps is None else row_temps[..., None]
+    _assert_same_set(out, logits, labels, rows_t, top_k, top_p, min_p)
+    column = temperature if row_temps is None else row_temps.view(-1, 1)
+    torch_select = mask_to_sampled_set(
+        logits.view(-1, VOCAB), labels.view(-1), column, SamplingMask(top_k, top_p, min_p)
+    )
+    assert torch.equal(out, torch_select.view_as(out))
+    return out
+
+
 # (temperature, top_k, top_p, min_p)
 FILTERS = {
     "top_k": (1.0, 7, None, None),
@@ -78,13 +96,8 @@ def test_kept_set_matches_the_reference_and_the_torch_select(name, dtype):
     temperature, top_k, top_p, min_p = FILTERS[name]
     logits, labels = _inputs(seed=len(name), dtype=dtype)
     labels[0, 0] = -100  # an ignored position: its "label" is token 0
-    out = _write(logits, labels, temperature, top_k, top_p, min_p)
-    _assert_same_set(out, logits, labels, temperature, top_k, top_p, min_p)
+    out = _assert_matches_the_torch_select(logits, labels, temperature, top_k, top_p, min_p)
     assert torch.equal(out[_kept(out)], logits[_kept(out)])  # kept logits are copied unchanged
-    torch_select = mask_to_sampled_set(
-        logits.view(-1, VOCAB), labels.view(-1), temperature, SamplingMask(top_k, top_p, min_p)
-    )
-    assert torch.equal(out, torch_select.view_as(out))
     kept = _kept(out).sum(-1)
     assert (kept < VOCAB).all() and (kept >= 1).all()  # every row masked something
     if name == "min_p_binds":  # fewer than top_k survive min_p: min_p's floor decides
@@ -101,51 +114,7 @@ def test_ties_at_the_top_k_boundary_are_all_kept_and_renormalised_over():
     assert (_kept(out).sum(-1) > 5).all()
     _assert_same_set(out, logits, labels, 1.0, top_k=5)
     for top_p in (0.6, 0.8, 0.9, 0.95):
-        out = _write(logits, labels, 1.0, top_k=5, top_p=top_p)
-        _assert_same_set(out, logits, labels, 1.0, top_k=5, top_p=top_p)
-        torch_select = mask_to_sampled_set(
-            logits.view(-1, VOCAB), labels.view(-1), 1.0, SamplingMask(5, top_p, None)
-        )
-        assert torch.equal(out, torch_select.view_as(out))
-
-
-@pytest.fixture
-def radix_rows(monkeypatch):
-    """How many rows took each radix select (`_count_select`: top_k, `_mass_select`: top_p):
-    the interpreter looks a kernel's nested functions up in its module at every call."""
-    from fusedrl.kernels import sampling
-
-    calls = {"_count_select": 0, "_mass_select": 0}
-
-    def counting(name, select):
-        def counted(*args):
-            calls[name] += 1
-            return select(*args)
-
-        return counted
-
-    for name in calls:
-        monkeypatch.setattr(sampling, name, counting(name, getattr(sampling, name)))
-    return calls
-
-
-def _assert_matches_the_torch_select(
-    logits, labels, temperature, top_k, top_p, min_p, row_temps=None
-):
-    """The kernel's set against the reference's and the torch select's (bit for bit); with
-    `row_temps` ([B, T]) each row at its own temperature, in place of `temperature`."""
-    from fusedrl.kernels.sampling import write_sampled_set
-
-    out = torch.full_like(logits, 7.0)
-    write_sampled_set(logits, labels, out, temperature, top_k, top_p, min_p, row_temps=row_temps)
-    rows_t = temperature if row_temps is None else row_temps[..., None]
-    _assert_same_set(out, logits, labels, rows_t, top_k, top_p, min_p)
-    column = temperature if row_temps is None else row_temps.view(-1, 1)
-    torch_select = mask_to_sampled_set(
-        logits.view(-1, VOCAB), labels.view(-1), column, SamplingMask(top_k, top_p, min_p)
-    )
-    assert torch.equal(out, torch_select.view_as(out))
-    return out
+        _assert_matches_the_torch_select(logits, labels, 1.0, 5, top_p, None)
 
 
 def test_few_candidates_are_gathered_and_crowded_rows_take_the_radix_selects(radix_rows):

@@ -499,9 +499,8 @@ def _generate(source: str, path: str) -> list[Mutant]:
     finder = _SiteFinder(text)
     finder.visit(tree)
     parents = _parents(tree)
-    spans = _statement_spans(tree.body, text)
-    statement_texts = [text.data[start:end] for start, end in spans]
-    statement_lines = _own_lines(spans, text)
+    statement_texts = _statement_texts(tree.body, text)
+    statement_lines = _own_lines(_statement_spans(tree.body, text), text)
     mutants = []
     for site in finder.sites:
         top = _top_statement(parents, site.node)
