@@ -67,7 +67,7 @@ def _logprobs_fwd_kernel(
 ):
     """SUM_PI_SQUARED: also sum_v pi_v^2 per row into sum_sq_ptr, from the same read. SOFTCAP:
     the row is read as tanh(a x) (`rows.capped`, cap2 = 2 a log2(e)). FLOORED: over the row's
-    sampled set, the logits at or above floor_ptr[row] and the label."""
+    sampled set, the logits at or above floor_ptr[row] and the label (if in [0, V))."""
     row = tl.program_id(0).to(tl.int64)
     valid = 1
     if HAS_VALID:
@@ -79,8 +79,10 @@ def _logprobs_fwd_kernel(
         row_ptr = logits_ptr + row_offset(row, time, stride_b, stride_t)
         # A label outside [0, V) is read as 0, never out of the row (the loss's two-pass path
         # reads its labels unchecked: its terms kernel counts such labels and the host raises).
+        # FLOORED: such a label is not in the set (a label < 0 lies in another rank's slice).
         label = tl.load(labels_ptr + row)
-        label = tl.where((label >= 0) & (label < vocab), label, 0)
+        label_in_row = (label >= 0) & (label < vocab)
+        label = tl.where(label_in_row, label, 0)
         floor = 0.0
         if FLOORED:
             floor = tl.load(floor_ptr + row)
@@ -97,6 +99,7 @@ def _logprobs_fwd_kernel(
             BLOCK_V,
             floor,
             FLOORED,
+            label_in_row,
         )
         tl.store(logp_ptr + row, logp_of(label_value, row_inv_t, lse))
         tl.store(lse_ptr + row, lse)

@@ -414,6 +414,7 @@ def row_stats(
     BLOCK_V: tl.constexpr,
     floor=0.0,
     FLOORED: tl.constexpr = False,
+    label_in_row=True,
 ):
     """One read of the row: (ref, lse, sum_j p_j z_j, sum_j p_j^2) of z = logits / T, in fp32
     nats; scale2 is log2(e) / T, a kernel argument so that the loop's FFMA reads it from the
@@ -435,10 +436,12 @@ def row_stats(
     term is added back here, 2^0 = 1 to the sums relative to it. The exact path needs no such
     term: it runs when the label's p is 0 (at FLOOR), when the row holds NaN or +inf, or when
     some logit exceeds the label's by ~64 or more in base 2, where the label's share of the sums
-    (p < 2^-64, and p |y| with it) lies far below fp32's resolution.
+    (p < 2^-64, and p |y| with it) lies far below fp32's resolution. `label_in_row` False: the
+    row's label is on another rank (a vocab-parallel slice) and `ref_logit` is only a reference,
+    kept in the sums only if it is in the set (then, or with every term above it, they stay >= 1).
     """
     if FLOORED:
-        label_dropped = to_fp32(ref_logit) < floor
+        label_dropped = label_in_row & (to_fp32(ref_logit) < floor)
     if SOFTCAP:
         ref_logit, _ = capped(ref_logit, cap2, FAST_EXP2)
     ref = scaled(ref_logit, scale2)

@@ -114,6 +114,50 @@ def test_row_kernels_through_floors_equal_them_on_the_masked_copy(dtype, row_tem
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_label_outside_the_row_is_not_in_its_set(dtype):
+    """A vocab-parallel slice's rows whose label another rank holds (label < 0, or one past the
+    row): the statistics and gradient over the set alone, as on the slice masked without a
+    label. Column 0, which the forward reads as its reference, below the floor and above it;
+    one row whose slice holds none of the set (no mass: lse -inf)."""
+    from fusedrl.kernels import logprobs
+
+    logits, labels = _rows(dtype, seed=8)
+    temperature, top_k, top_p, min_p = FILTERS
+    _, floors = _masked_and_floors(logits, labels, *FILTERS)
+    floors[1, 2] = math.inf  # nothing of this row's set in the slice (its label outside)
+    elsewhere = labels.clone()
+    elsewhere[:, ::2] = -1
+    elsewhere[1, 1] = VOCAB  # one past the row: not in it either
+    logits[0, 4, 0] = logits[0, 4].max()  # the reference in the set
+    x = logits.float()
+    in_set = (x >= floors[..., None]) | x.isnan()
+    here = (elsewhere >= 0) & (elsewhere < VOCAB)
+    in_set |= torch.arange(VOCAB) == torch.where(here, elsewhere, -1)[..., None]
+    masked = torch.where(in_set, logits, -math.inf)
+    outside = ~here
+    # the cases acted: column 0 below the floor and in the set, in rows of an outside label
+    assert (~in_set[..., 0] & outside).sum() >= 3 and (in_set[..., 0] & outside).any()
+    on_copy = logprobs.logprobs_forward(masked, elsewhere, None, temperature)
+    through = logprobs.logprobs_forward(logits, elsewhere, None, temperature, floors=floors)
+    # lse, entropy (logp: only the owner's). Where column 0 is outside the set, the copy's row
+    # takes the exact path (its reference reads -inf) and the floors' sums run relative to
+    # column 0: two roundings of the same sums, entropy's difference of two large terms.
+    for ours, theirs in zip(through[1:], on_copy[1:]):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5, equal_nan=True)
+    _equal(through[0][here], on_copy[0][here])
+    assert through[1][1, 2] == -math.inf
+    _, lse, entropy = on_copy
+    gen = torch.Generator().manual_seed(9)
+    dlogp, dentropy = torch.randn(2, *labels.shape, generator=gen)
+    grads = [torch.full_like(logits, 7.0) for _ in range(2)]
+    grad_labels = torch.where(here, elsewhere, -1)  # the gradient's "elsewhere": < 0
+    args = (grad_labels, lse, entropy, dlogp, dentropy, temperature)
+    logprobs.logits_backward(masked, *args, grads[0])
+    logprobs.logits_backward(logits, *args, grads[1], floors=floors)
+    _equal(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_kernel_through_floors_equals_it_on_the_masked_copy(dtype):
     from fusedrl._inputs import prepare_loss_inputs
     from fusedrl.fused_backend import fused_token_args

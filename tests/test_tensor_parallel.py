@@ -260,6 +260,28 @@ CASES = [
         overrides=(("top_k", 12), ("top_p", 0.9)),
     ),
     Case("triton_logprobs_sampling", **TRITON, kind="logprobs", sampling=(("top_p", 0.8),)),
+    # read through each rank's floors (no masked copy): in place, per-token temperatures, bf16,
+    # padding columns and NaN in masked rows; under a soft cap, through a masked copy
+    Case(
+        "triton_grpo_sampling_inplace_padded_row_temps_bf16",
+        **TRITON,
+        preset="grpo",
+        dtype=torch.bfloat16,
+        layout="padded",
+        nan_padding=True,
+        inplace=True,
+        row_temps=True,
+        return_entropy=True,
+        overrides=(("top_p", 0.85), ("min_p", 0.02), ("entropy_coef", 0.01)),
+    ),
+    Case(
+        "triton_logprobs_sampling_softcap",
+        **TRITON,
+        kind="logprobs",
+        softcap=2.5,
+        return_entropy=True,
+        sampling=(("top_k", 10),),
+    ),
     # a soft cap on raw logits: each rank caps its slice as it reads it (the sets: the capped
     # logits')
     Case(
@@ -730,6 +752,22 @@ class CollectiveLog:
         return calls
 
 
+def _count_masked_writes() -> list:
+    """The sets' masked writes of a slice (tp/sampling.py's `mask_slice`), one entry a call."""
+    import fusedrl.tp.loss as tp_loss
+    import fusedrl.tp.sampling as tp_sampling
+
+    calls = []
+    real = tp_sampling.mask_slice
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    tp_loss.mask_slice = tp_sampling.mask_slice = counted
+    return calls
+
+
 def _detached(out) -> dict:
     return {
         "loss": out.loss.detach(),
@@ -1109,6 +1147,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     MESH.append(init_device_mesh("cpu", (world,)))
     log = CollectiveLog()
     log.install()
+    masked_writes = _count_masked_writes()
     results = {}
     for case in CASES:
         try:
@@ -1118,9 +1157,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 results[case.name] = run_group_of_one(case, rank, groups)
             else:
                 results[case.name] = run_parallel(case, world, rank, dist.group.WORLD, log)
+                results[case.name]["masked_writes"] = len(masked_writes)
         except Exception:
             results[case.name] = {"crash": traceback.format_exc()}
         log.take()
+        masked_writes.clear()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # every rank done before any leaves (a gloo exit abort otherwise)
     dist.destroy_process_group()
@@ -1294,11 +1335,21 @@ SAMPLING_CASES = [c.name for c in CASES if c.kind != "bad" and c.sampling_filter
 def test_sampling_replay_acts(worlds, name):
     """The sets leave tokens out: logp over them is above logp over the whole vocabulary (the
     reference without the filters) on most counted tokens."""
-    result = _results(worlds, 2, name)[0]
+    per_rank = _results(worlds, 2, name)
+    result = per_rank[0]
     full = result["unfiltered_logp"]
     counted = full != 0
     assert counted.any()
     assert (result["logp"].float()[counted] > full[counted] + 1e-3).float().mean() > 0.5
+    # The Triton kernels read the slice through each rank's floors: no masked copy; a soft cap's
+    # sets (the capped logits') and the torch backend read a masked one. (The LM head's chunks
+    # of logits are the sweeps' own buffers, masked in place or read through floors.)
+    case = BY_NAME[name]
+    if _linear_kind(case):
+        return
+    through_floors = case.backend == "triton" and case.softcap is None
+    for rank, mine in enumerate(per_rank):
+        assert (mine["masked_writes"] == 0) == through_floors, (rank, mine["masked_writes"])
 
 
 def test_padding_and_degenerate_rows_behave(worlds):

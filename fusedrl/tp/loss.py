@@ -5,9 +5,10 @@ Per call: the header (a few ints per rank, `header.py`), then one all-gather of 
 token per rank in the forward (`rows.whole_row_stats`); the [B, T] loss terms run unchanged on the
 replicated values, and the backward writes each rank's gradient slice with no communication.
 Sampling-mask replay (top_k / top_p / min_p) adds the radix selects of `sampling.py` before the
-sweeps (all-reduces of at most 256 values per token a pass), then reads the slice masked to the
-sampled set: written into the gradient buffer when there is one (as on one process), else a
-block of rows at a time.
+sweeps (all-reduces of at most 256 values per token a pass), then reads the slice through each
+row's floor on it (the Triton kernels' `floors=`: no masked copy), or, where the ops cannot (the
+torch backend, a soft cap), masked to the sampled set: written into the gradient buffer when there
+is one (as on one process), else a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -66,27 +67,36 @@ def token_columns(logits: object, vocab_start: object, vocab_size: object) -> to
 
 
 class SampledSets:
-    """The rows' sampled sets on this rank's slice: each row's floor (found over the group) and
-    the labels as columns of the slice (< 0: on another rank), which are kept whatever their
-    value."""
+    """The rows' sampled sets on this rank's slice, found over the group, and the labels as
+    columns of the slice (< 0: on another rank), which are in the sets whatever their value.
+    Read through each row's raw floor on the slice where the ops can (`SliceOps.reads_floors`:
+    no masked copy of the slice, `floors`), else through the slice masked to the sets."""
 
     def __init__(
-        self, logits, labels, temperature, sampling: SamplingMask, shard, group, transform=None
+        self, logits, labels, temperature, sampling: SamplingMask, shard, group, ops, transform=None
     ):
         self.temperature, self.transform = temperature, transform
         self.labels = shard.local_labels(labels, missing=-1)
-        self.floors = slice_floors(
-            shard.narrow(logits), temperature, sampling, shard, group, transform
+        # (raw floors are fp32: an fp64 slice is masked, to keep its sets exact)
+        self.reads_floors = ops.reads_floors and logits.dtype != torch.float64
+        floors = slice_floors(
+            shard.narrow(logits), temperature, sampling, shard, group, transform, self.reads_floors
         )
+        self.floors = floors.view(labels.shape) if self.reads_floors else None
+        self._scaled_floors = None if self.reads_floors else floors
 
     def write(self, logits: torch.Tensor, out: torch.Tensor) -> None:
-        """out = the token columns `logits` with -inf outside the sets (out may be logits)."""
-        mask_slice(logits, self.labels, self.floors, self.temperature, out, self.transform)
+        """out = the token columns `logits` with -inf outside the sets (out may be logits); only
+        where the ops do not read floors."""
+        mask_slice(logits, self.labels, self._scaled_floors, self.temperature, out, self.transform)
 
     @torch.no_grad()
     def stats(self, ops, logits, local, valid):
-        """ops.stats over the sets of [B, T, W] token columns, one masked block of rows at a
-        time (no buffer of the slice's size when there is no gradient to write)."""
+        """ops.stats over the sets of [B, T, W] token columns: through the floors, or one masked
+        block of rows at a time (no buffer of the slice's size when there is no gradient to
+        write). `local`: the labels as columns, any column where another rank holds one."""
+        if self.reads_floors:
+            return ops.stats(logits, self.labels, valid, self.temperature, floors=self.floors)
         batch, time, _ = logits.shape
         out = [
             torch.empty(batch * time, dtype=torch.float32, device=logits.device)
@@ -107,7 +117,7 @@ class SampledSets:
             mask_slice(
                 block[None],
                 flat_keep[start:stop][None],
-                self.floors[start:stop],
+                self._scaled_floors[start:stop],
                 rows_t,
                 masked,
                 self.transform,
@@ -216,17 +226,19 @@ def policy_loss(
             grad = inp.logits
             if not inplace:
                 grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        sets = None
+        sets = floors = None
         if cfg.sampling is not None:
             sets = SampledSets(
-                inp.logits, inp.labels, temperature, cfg.sampling, shard, tp_group, transform
+                inp.logits, inp.labels, temperature, cfg.sampling, shard, tp_group, ops, transform
             )
-            if grad is not None:  # the masked slice goes where the gradient will be written
+            floors = sets.floors
+            if grad is not None and floors is None:
+                # the masked slice goes where the gradient will be written, and is read there
                 sets.write(shard.narrow(inp.logits), shard.narrow(grad))
-                source = grad
+                source, sets = grad, None
 
         def slice_stats(local):
-            if sets is not None and grad is None:
+            if sets is not None:
                 return sets.stats(ops, shard.narrow(source), local, inp.valid)
             return ops.stats(shard.narrow(source), local, inp.valid, temperature)
 
@@ -245,6 +257,7 @@ def policy_loss(
                 temperature,
                 shard,
                 grad,
+                floors,
             )
     if wants_grad:
         if inplace:
@@ -268,19 +281,21 @@ def _row_stats(logits, labels, ops, shard, group, temperature, sets=None):
 
 class _Logprobs(torch.autograd.Function):
     """logp (and the entropy) of vocab-sharded rows; backward writes this rank's slice alone.
-    `source`: the slice masked to the sampled sets, read in place of `logits` (replay)."""
+    Replay: `source`, the slice masked to the sampled sets, read in place of `logits`, or
+    `sets` read through their floors (`SampledSets.reads_floors`)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ops, shard, group, temperature, return_entropy, source):
+    def forward(ctx, logits, labels, ops, shard, group, temperature, return_entropy, source, sets):
         source = logits if source is None else source
-        logp, lse, entropy = _row_stats(source, labels, ops, shard, group, temperature)
-        ctx.save_for_backward(source, labels, lse, entropy)
+        logp, lse, entropy = _row_stats(source, labels, ops, shard, group, temperature, sets)
+        floors = None if sets is None else sets.floors
+        ctx.save_for_backward(source, labels, lse, entropy, floors)
         ctx.ops, ctx.shard, ctx.temperature = ops, shard, temperature
         return (logp, entropy) if return_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
-        logits, labels, lse, entropy = ctx.saved_tensors
+        logits, labels, lse, entropy, floors = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         dentropy = None if grad_entropy is None else grad_entropy.float()
         write_slice_grad(
@@ -294,8 +309,9 @@ class _Logprobs(torch.autograd.Function):
             ctx.temperature,
             ctx.shard,
             grad,
+            floors,
         )
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -366,15 +382,16 @@ def token_logprobs(
     sets = None
     if sampling.active:
         sets = SampledSets(
-            logits3.detach(), labels2, temperature, sampling, shard, tp_group, transform
+            logits3.detach(), labels2, temperature, sampling, shard, tp_group, ops, transform
         )
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
-        if sets is not None:  # one masked copy of the slice, kept for backward
+        if sets is not None and sets.floors is None:  # one masked copy, kept for backward
             source = torch.empty_like(logits3, requires_grad=False)
             sets.write(shard.narrow(logits3.detach()), shard.narrow(source))
+            sets = None
         out = _Logprobs.apply(
-            logits3, labels2, ops, shard, tp_group, temperature, return_entropy, source
+            logits3, labels2, ops, shard, tp_group, temperature, return_entropy, source, sets
         )
         logp, entropy = (out[0], out[1]) if return_entropy else (out[0], None)
     else:

@@ -8,9 +8,13 @@
   d(loss)/d(logits) from the whole row's lse and entropy; a label < 0 is in another rank's slice
   (no one-hot term here).
 
-The Triton backend's `logprobs_fwd` / `logits_grad` ops are exactly these; the torch backend gets
-them from its block helpers. A soft cap (`transform`) is elementwise: each slice is capped as it
-is read (the Triton kernels' `cap=`, the torch blocks in fp32).
+The Triton backend's `logprobs_fwd` / `logits_grad` ops are exactly these, and both take
+`floors=` (`reads_floors`): [B, T] fp32, each row's sampled-set floor on the slice's raw logits
+(`sampling.slice_floors(raw=True)`), the slice read over the set and, in `stats`, the label kept
+only where it is a column of the slice (labels < 0 then: not here). The torch backend gets them
+from its block helpers, without floors (its callers mask the slice instead). A soft cap
+(`transform`) is elementwise: each slice is capped as it is read (the Triton kernels' `cap=`, the
+torch blocks in fp32).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..row_blocks import row_blocks, rows_temperature
 class SliceOps:
     stats: Callable
     grad: Callable
+    reads_floors: bool = False
 
 
 @torch.no_grad()
@@ -100,12 +105,14 @@ def slice_ops(
         return SliceOps(torch_stats, torch_grad)
     ops = impl.OPS
 
-    def stats(logits, labels, valid, temperature):
-        scalar, rows = temperature_keywords(temperature, transform=transform)
+    def stats(logits, labels, valid, temperature, floors=None):
+        scalar, rows = temperature_keywords(temperature, transform=transform, floors=floors)
         return ops.logprobs_fwd(logits, labels, valid, scalar, **rows)
 
-    def grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out):
-        scalar, rows = temperature_keywords(temperature, transform=transform)
+    def grad(logits, labels, lse, entropy, dlogp, dentropy, temperature, out, floors=None):
+        scalar, rows = temperature_keywords(temperature, transform=transform, floors=floors)
         ops.logits_grad(logits, labels, lse, entropy, dlogp, dentropy, scalar, out, **rows)
 
-    return SliceOps(stats, grad)
+    # A soft cap's sets are the capped logits': no threshold on the raw ones holds them.
+    capped = transform is not None and transform.softcap is not None
+    return SliceOps(stats, grad, reads_floors=not capped)

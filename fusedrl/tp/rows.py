@@ -50,13 +50,24 @@ def write_slice_grad(
     temperature: float,
     shard: VocabShard,
     out: torch.Tensor,
+    floors: torch.Tensor | None = None,
 ) -> None:
     """out = this rank's slice of d(loss)/d(logits), from the replicated whole-row statistics
-    and per-token derivatives; `out` may be `logits` (in place). Padding columns get 0."""
+    and per-token derivatives; `out` may be `logits` (in place). Padding columns get 0.
+    `floors`: the sampled sets' raw floors on this slice (`SliceOps.reads_floors`)."""
     out[..., shard.width :].zero_()
     if shard.width == 0:
         return
     local = shard.local_labels(labels, missing=-1)
+    keywords = {} if floors is None else {"floors": floors}
     ops.grad(
-        shard.narrow(logits), local, lse, entropy, dlogp, dentropy, temperature, shard.narrow(out)
+        shard.narrow(logits),
+        local,
+        lse,
+        entropy,
+        dlogp,
+        dentropy,
+        temperature,
+        shard.narrow(out),
+        **keywords,
     )

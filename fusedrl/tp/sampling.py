@@ -15,9 +15,13 @@ whole row that a few sums over the group answer:
 - top_p: the smallest kept value is the largest x with mass(z / T >= x) >= top_p x the candidates'
   mass (`_top_p_target` shows why); the same select with masses for counts, 4 passes of 256 sums.
 
-Every rank then writes its slice with -inf below the floor (the label and NaN kept, as the fused
-kernels do) and the unchanged tensor-parallel sweeps read it. The passes run on blocks of rows
-that every rank cuts alike (sized by the widest slice), so that the collectives line up.
+Backends whose row kernels read the sets through floors (Triton: below a row's floor a logit reads
+as -inf, the label excepted) get each row's floor on this rank's raw logits: the smallest of its
+slice's logits in the set (`slice_floors(raw=True)`; x / T is monotone in x, so x >= it iff x is
+in the set), and no masked copy is written. The others (the torch backend, a soft cap, whose sets
+are the capped logits') read the slice with -inf below the floor (`mask_slice`: the label and
+NaN kept, as the fused kernels do). The passes run on blocks of rows that every rank cuts alike
+(sized by the widest slice), so that the collectives line up.
 """
 
 from __future__ import annotations
@@ -192,19 +196,32 @@ def slice_floors(
     shard: VocabShard,
     group,
     transform: LogitTransform | None = None,
+    raw: bool = False,
 ) -> torch.Tensor:
     """[B * T] floors of the rows whose token columns on this rank are `logits` [B, T, width];
     `temperature` a float or the rows' own ([B, T]: each row's set is its temperature's).
-    `transform`: a soft cap: the sets (and floors) are the capped logits'."""
+    `transform`: a soft cap: the sets (and floors) are the capped logits'.
+
+    `raw`: instead, each row's floor on this rank's raw logits (fp32, no soft cap), for the row
+    kernels' `floors=`: the smallest logit of the slice in the set (+inf where none is), so that
+    a logit x of the slice is in the set iff x >= it. It differs from rank to rank; the sets
+    are the same."""
+    if raw and transform is not None and transform.softcap is not None:
+        raise ValueError("raw floors are thresholds on the raw logits: not under a soft cap")
     batch, time, _ = logits.shape
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if logits.dtype == torch.float64 and not raw else torch.float32
     floors = torch.empty(batch * time, dtype=dtype, device=logits.device)
     step = rows_per_block(shard)
     for start in range(0, batch * time, step):
         stop = min(start + step, batch * time)
         rows_t = rows_temperature(temperature, start, stop)
-        scaled = _scaled(capped_rows(_flat_rows(logits, start, stop), transform), rows_t)
-        floors[start:stop] = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
+        rows = _flat_rows(logits, start, stop)
+        scaled = _scaled(capped_rows(rows, transform), rows_t)
+        floor = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
+        if raw:  # (a NaN is in no set here: the kernels keep it whatever the floor)
+            in_set = scaled >= floor[:, None]
+            floor = torch.where(in_set, rows.float(), math.inf).amin(-1)
+        floors[start:stop] = floor
     return floors
 
 
