@@ -56,10 +56,10 @@ class LinearInputs:
     # the vocab width that sizes the row blocks (None: the weight's rows); tensor parallelism
     # gives every rank the widest slice's, so that the ranks' blocks (and collectives) line up
     block_vocab: int | None = None
-    # backend="triton": (start, stop, logits [1, n, V], temperature) masks a chunk to its rows'
-    # sampled sets in place, instead of the select kernel (tensor parallelism: found over the
-    # group)
-    mask_chunk: Callable | None = None
+    # backend="triton": (start, stop, logits [1, n, V], temperature) -> the chunk's rows'
+    # sampled-set floors on it ([1, n] fp32), instead of the select kernel's (tensor parallelism:
+    # the sets found over the group)
+    chunk_floors: Callable | None = None
     # softcap / logit_scale applied to each block or chunk of logits (fusedrl.logit_transform)
     transform: LogitTransform | None = None
     # skip_masked_rows: the flat indices (ascending, int64) of the rows whose logits are made;

@@ -128,8 +128,8 @@ def _logits_chunks(
     next one is made. With `lin.transform` (softcap / logit_scale) applied to the chunk in
     place; with `lin.sampling`, the select kernel's floors of the chunk's rows ([1, n] fp32),
     through which the row kernels read the sampled sets (`floors=`: no masked write of the
-    chunk); under tensor parallelism the chunk is masked in place instead (the sets found over
-    the group). `temperature`: a float or the sweep's rows' own ([1, n], `flat_rows`)."""
+    chunk); under tensor parallelism those of `lin.chunk_floors` (the sets found over the
+    group). `temperature`: a float or the sweep's rows' own ([1, n], `flat_rows`)."""
     weight, bias = lin.weight, lin.bias
     sampling, labels = lin.sampling, flat_rows(lin, lin.rows.labels)
     for start, stop, out in _chunks(lin, rows):
@@ -142,8 +142,8 @@ def _logits_chunks(
             derivative = lin.transform.apply_(out, want_derivative)
         logits = out.unsqueeze(0)
         floors = None
-        if lin.mask_chunk is not None:  # tensor parallelism: the sets found over the group
-            lin.mask_chunk(start, stop, logits, _cut(temperature, start, stop))
+        if lin.chunk_floors is not None:  # tensor parallelism: the sets found over the group
+            floors = lin.chunk_floors(start, stop, logits, _cut(temperature, start, stop))
         elif sampling is not None:
             scalar, rows_t = temperature_keywords(temperature, slice(start, stop))
             floors = _row_ops().sampled_floors(

@@ -118,32 +118,32 @@ def _sharded(lin: linear_torch.LinearInputs, shard: VocabShard, group, sampling)
 
     chunk_sets = _ChunkSets(linear_torch.flat_rows(lin, lin.rows.labels), shard, group, sampling)
     return dataclasses.replace(
-        lin, sampling=sampling, find_floors=find_floors, mask_chunk=chunk_sets
+        lin, sampling=sampling, find_floors=find_floors, chunk_floors=chunk_sets
     )
 
 
 class _ChunkSets:
-    """backend="triton": a chunk of cuBLAS logits masked in place to its rows' sampled sets, whose
-    floors are found over the group the first time the chunk is made (the statistics sweep) and
-    kept for the gradient sweep, which makes the same chunk again (the same bits: the same GEMM
-    on the same rows)."""
+    """backend="triton": the floors through which the row kernels read a chunk of cuBLAS logits
+    (`floors=`: no masked write), each row's on this rank's slice (`slice_floors(raw=True)`),
+    found over the group the first time the chunk is made (the statistics sweep) and kept for
+    the gradient sweep, which makes the same chunk again (the same bits: the same GEMM on the
+    same rows). A soft cap is already applied to the chunk in place: the floors are on the
+    capped logits, which are what the kernels read."""
 
     def __init__(self, labels: torch.Tensor, shard: VocabShard, group, sampling) -> None:
-        self.columns = shard.local_labels(labels, missing=-1).reshape(-1)
-        self.floors = torch.empty(self.columns.numel(), device=labels.device)
+        self.floors = torch.empty(labels.numel(), device=labels.device)
         self.found = 0  # rows [0, found) have their floors
         self.shard, self.group, self.sampling = shard, group, sampling
 
-    def __call__(self, start: int, stop: int, logits: torch.Tensor, temperature) -> None:
-        """`temperature`: a float or the chunk's rows' own ([1, stop - start])."""
+    def __call__(self, start: int, stop: int, logits: torch.Tensor, temperature) -> torch.Tensor:
+        """[1, n] fp32 floors of the chunk `logits` [1, n, V_r]; `temperature`: a float or the
+        chunk's rows' own ([1, n])."""
         if stop > self.found:
             self.floors[start:stop] = tp_sampling.slice_floors(
-                logits, temperature, self.sampling, self.shard, self.group
+                logits, temperature, self.sampling, self.shard, self.group, raw=True
             )
             self.found = stop
-        tp_sampling.mask_slice(
-            logits, self.columns[start:stop][None], self.floors[start:stop], temperature, logits
-        )
+        return self.floors[start:stop][None]
 
 
 def _slice_inputs(lin: linear_torch.LinearInputs, shard: VocabShard):
@@ -172,8 +172,8 @@ def _slice_stats(lin, part, labels, shard, temperature, impl):
     """(logp_r, lse_r, entropy_r) [B, T] of this rank's token rows of the head (`part`), the
     labels as columns of the slice (`_columns`). The sets' floors, found by this sweep, are kept
     in `lin` for the gradient sweep."""
-    if impl is linear_triton:  # the row kernels read the label's column only on its owner
-        local = shard.local_labels(labels, missing=0)
+    if impl is linear_triton:  # < 0: another rank's label (no column kept in a sampled set)
+        local = shard.local_labels(labels, missing=-1)
         return linear_triton.stats(_with_labels(part, local), temperature)
     local = _columns(labels, shard)
     lse = torch.empty(local.numel(), dtype=torch.float32, device=local.device)
