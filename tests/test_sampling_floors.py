@@ -129,6 +129,9 @@ def test_a_label_outside_the_row_is_not_in_its_set(dtype):
     elsewhere[:, ::2] = -1
     elsewhere[1, 1] = VOCAB  # one past the row: not in it either
     logits[0, 4, 0] = logits[0, 4].max()  # the reference in the set
+    for row in ((0, 0), (1, 4)):  # the largest logit outside the set: keeping it moves lse
+        logits[row][0] = logits[row][logits[row].float() < floors[row]].max()
+    logits[1, 1, 0] = floors[1, 1]  # exactly at the floor: in the set
     x = logits.float()
     in_set = (x >= floors[..., None]) | x.isnan()
     here = (elsewhere >= 0) & (elsewhere < VOCAB)

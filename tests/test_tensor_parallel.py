@@ -22,6 +22,7 @@ rank whose slice is only padding. Triton runs under the interpreter on a small v
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import traceback
 from datetime import timedelta
@@ -273,6 +274,20 @@ CASES = [
         row_temps=True,
         return_entropy=True,
         overrides=(("top_p", 0.85), ("min_p", 0.02), ("entropy_coef", 0.01)),
+    ),
+    Case(
+        "triton_dapo_sampling_padding_only_rank",
+        **TRITON,
+        layout="padded_rank",
+        overrides=(("top_k", 12), ("min_p", 0.02)),
+    ),
+    Case(
+        "triton_logprobs_sampling_padding_only_rank",
+        **TRITON,
+        kind="logprobs",
+        layout="padded_rank",
+        return_entropy=True,
+        sampling=(("top_p", 0.8),),
     ),
     Case(
         "triton_logprobs_sampling_softcap",
@@ -1477,6 +1492,40 @@ def _slice_partials(z: torch.Tensor, labels: torch.Tensor, bounds: list[int]) ->
         logp = log_p.gather(-1, local[:, None]).squeeze(-1)
         parts.append(fusedrl.tp.merge.pack(logp, lse, entropy))
     return torch.stack(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_raw_floors_hold_each_set_exactly(monkeypatch, dtype):
+    """`slice_floors(raw=True)`: a logit of the slice is at or above its row's raw floor iff its
+    scaled value reaches the row's floor (the set), whatever the rounding of x / T: ties at the
+    floor, neighbours that x / T rounds together, NaN (in no set: the kernels keep it apart),
+    +-inf, a row of only -inf, per-token temperatures. One rank (the reduce is the identity)."""
+    from fusedrl.sampling import SamplingMask
+    from fusedrl.tp import sampling as tp_sampling
+    from fusedrl.tp.shard import VocabShard
+
+    monkeypatch.setattr(tp_sampling, "group_reduce", lambda group: lambda tensor, op: None)
+    gen = torch.Generator().manual_seed(11)
+    logits = (2.0 * torch.randn(2, 5, 67, generator=gen)).to(dtype)
+    logits[0, 0, :20] = logits[0, 0].max()  # 20 ties at the top: top_k keeps all of them
+    logits[0, 1, 3], logits[0, 1, 4] = math.nan, math.inf
+    logits[0, 2] = -math.inf
+    logits[0, 3, ::3] = -math.inf
+    logits[1, 0] = torch.linspace(1.0, 1.0 + 66 * 2**-7, 67).to(dtype)  # x / 3 rounds some together
+    temperature = torch.full((2, 5), 0.7)
+    temperature[1, 0] = 3.0
+    shard = VocabShard(rank=0, starts=(0,), sizes=(67,), vocab_size=67)
+    for mask in (SamplingMask(top_k=9), SamplingMask(top_p=0.8, min_p=0.05)):
+        floors = tp_sampling.slice_floors(logits, temperature, mask, shard, None)
+        raw = tp_sampling.slice_floors(logits, temperature, mask, shard, None, raw=True)
+        assert raw.dtype == torch.float32
+        scaled = logits.float() / temperature[..., None]
+        in_set = scaled >= floors.view(2, 5, 1)
+        above = logits.float() >= raw.view(2, 5, 1)
+        number = ~logits.isnan()
+        assert torch.equal(above & number, in_set & number), mask
+        counts = in_set.sum(-1).flatten().tolist()
+        assert counts[0] == 21 and 1 < counts[5] < 67, counts  # the ties kept; a partial set
 
 
 def test_merge_of_slices_is_the_whole_row():

@@ -131,7 +131,7 @@ class _ChunkSets:
     capped logits, which are what the kernels read."""
 
     def __init__(self, labels: torch.Tensor, shard: VocabShard, group, sampling) -> None:
-        self.floors = torch.empty(labels.numel(), device=labels.device)
+        self.floors = torch.empty(labels.numel(), dtype=torch.float32, device=labels.device)
         self.found = 0  # rows [0, found) have their floors
         self.shard, self.group, self.sampling = shard, group, sampling
 

@@ -218,7 +218,9 @@ def slice_floors(
         rows = _flat_rows(logits, start, stop)
         scaled = _scaled(capped_rows(rows, transform), rows_t)
         floor = row_floors(scaled, sampling, shard.vocab_size, group_reduce(group))
-        if raw:  # (a NaN is in no set here: the kernels keep it whatever the floor)
+        if raw and rows.shape[-1] == 0:  # a rank of only padding: none of the set here
+            floor = torch.full_like(floor, math.inf, dtype=torch.float32)
+        elif raw:  # (a NaN is in no set here: the kernels keep it whatever the floor)
             in_set = scaled >= floor[:, None]
             floor = torch.where(in_set, rows.float(), math.inf).amin(-1)
         floors[start:stop] = floor
