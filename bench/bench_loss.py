@@ -610,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cuda_graph and device.type != "cuda":
         parser.error("--cuda-graph needs a CUDA device (graphs capture GPU launches)")
     if args.smoke:
-        args.N, args.V, args.sequences = [32], [263], 4
+        args.N, args.V, args.sequences = [16], [263], 4
         args.copy_gib, args.warmup_ms, args.rep_ms = 0.01, 1, 20
         args.tag = args.tag or "smoke"
         if device.type == "cpu":
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             for preset in args.presets:
                 key = f"{preset} V={vocab}"
                 if "policy_loss_fwd_bwd" in args.ops and key not in meta["verified"]:
-                    # never more tokens than the smallest case timed (a smoke run's 32)
+                    # never more tokens than the smallest case timed (a smoke run's 16)
                     meta["verified"][key] = checks = verify_impls(
                         impls,
                         device,

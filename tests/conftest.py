@@ -27,6 +27,23 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import pytest  # noqa: E402
 
+# The trainer's warm-start cache (trainer/warmstart.py): one folder for this run of the suite,
+# shared by its xdist workers (they inherit this process's environment), removed at its end; never
+# a developer's ~/.cache, whose entries would change what a run prints.
+_OWN_CACHE = None
+if "FUSEDRL_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = os.environ["FUSEDRL_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusedrl-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
 # pytest-xdist's scheduler for `make test` (-n auto --dist loadgroup): the heavy files together.
 from .xdist_groups import pytest_xdist_make_scheduler  # noqa: E402, F401
 

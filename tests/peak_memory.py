@@ -45,6 +45,12 @@ def measure(fn):
 
 def peak_extra_bytes(script: str, *args: str, timeout: int = 600) -> int:
     """Run `script` (which calls `measure(fn)` once) in a fresh process; the call's extra bytes."""
+    return peaks_extra_bytes(script, *args, timeout=timeout)[-1]
+
+
+def peaks_extra_bytes(script: str, *args: str, timeout: int = 600) -> list[int]:
+    """Run `script` in a fresh process; the extra bytes of each of its `measure(fn)` calls, in
+    order (each resets the high-water mark first, so a call is measured from its own start)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     result = subprocess.run(
         [sys.executable, "-c", MEASURE + script, *args],
@@ -54,4 +60,5 @@ def peak_extra_bytes(script: str, *args: str, timeout: int = 600) -> int:
         check=True,
         env=env,
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])["extra_bytes"]
+    lines = [line for line in result.stdout.splitlines() if line.startswith('{"extra_bytes"')]
+    return [json.loads(line)["extra_bytes"] for line in lines]

@@ -247,9 +247,9 @@ def _resource_usage(obj: Path) -> list[tuple[str, str, dict[str, int]]]:
 
 # ------------------------------------------------------------------ which fused kernel runs
 # Builds of fused_loss.cu that a wheel or a JIT build may ship, as the objects holding their
-# images (nvcc compiles every -gencode on its own: a build's images are the union of its parts').
+# images (nvcc compiles every -gencode on its own: a build's images are the union of its parts',
+# so "sm_80" is the every-arch object's sm_80 image, not a build of its own).
 VARIANTS = {
-    "sm_80": [("compute_80", "sm_80")],
     "compute_80": [("compute_80", "compute_80")],  # PTX only
     # An sm_90 cubin compiled from compute_80: what the driver JITs from compute_80 PTX on an
     # H100, made offline so that its SASS can be read.
@@ -295,13 +295,14 @@ def builds(variant_objects):
     """build name -> its images (tests/cuda_images.Image)."""
     dump = _cuobjdump()
     found = {name: images(path, dump) for name, path in variant_objects.items()}
+    found["sm_80"] = [i for i in found["every arch"] if i.kind == "cubin" and i.arch == 80]
     return {build: [i for part in parts for i in found[part]] for build, parts in BUILDS.items()}
 
 
 @pytest.fixture(scope="module")
 def stub_runtime(variant_objects, tmp_path_factory):
     """tests/cuda_stub_runtime.cpp linked with fused_loss.cu's object instead of libcudart: the
-    launchers' host code (the same in every build; the sm_80 object's is linked) run against a
+    launchers' host code (the same in every build; the every-arch object's is linked) run against a
     stub runtime. Returns run(commands) -> one dict per command."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -318,7 +319,7 @@ def stub_runtime(variant_objects, tmp_path_factory):
         f"-I{_cuda_include()}",
         f"-I{CSRC}",
         str(source),
-        str(variant_objects["sm_80"]),
+        str(variant_objects["every arch"]),
         "-o",
         str(exe),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,46 @@ def test_warm_start_fits_the_task_corpus():
     after = warm_start(model, tokenizer, prompts, answers, steps=40, noise=0.0, seed=0)
     assert after["steps"] == 40 and after["loss"] < 0.5 * before["loss"]
     assert not model.training
+
+
+def test_the_warm_start_is_fitted_once_per_job_and_kept(tmp_path, monkeypatch, capsys):
+    """The built-in job's base model comes from the cache when the same job fitted it before:
+    the same files, bit for bit, as the fit that made them and as a fit made again; another
+    setting is another entry; an incomplete entry is fitted again and replaced; "off" keeps
+    nothing."""
+    import dataclasses
+
+    from fusedrl.trainer.config import TrainConfig
+    from fusedrl.trainer.loop import prepare_model
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FUSEDRL_CACHE_DIR", str(cache))
+    rows = sum_task(num_rows=20)
+    job = TrainConfig(warmstart_steps=3)
+
+    def base_model(name: str, cfg=job) -> tuple[dict, str]:
+        run = tmp_path / name
+        run.mkdir()
+        path = prepare_model(cfg, run, rows)
+        files = {f.name: f.read_bytes() for f in sorted(Path(path).iterdir())}
+        return files, capsys.readouterr().out
+
+    def entries() -> list:
+        return sorted((cache / "warmstart").iterdir())
+
+    fitted, said = base_model("first")
+    assert "warm start: 3 supervised steps" in said and "from the cache" not in said
+    assert "model.safetensors" in fitted and len(entries()) == 1
+    reused, said = base_model("second")
+    assert "warm start: 3 supervised steps" in said and "from the cache" in said
+    assert reused == fitted  # (the cache's stats file stays in the cache)
+    _, said = base_model("other seed", dataclasses.replace(job, seed=job.seed + 1))
+    assert "from the cache" not in said and len(entries()) == 2
+    (entries()[0] / "warmstart.json").unlink()
+    (entries()[1] / "warmstart.json").unlink()  # both incomplete now
+    again, said = base_model("after a crash")
+    assert "from the cache" not in said and again == fitted
+    assert "from the cache" in base_model("then kept")[1]
+    monkeypatch.setenv("FUSEDRL_CACHE_DIR", "off")
+    refit, said = base_model("no cache")
+    assert "from the cache" not in said and refit == fitted and len(entries()) == 2

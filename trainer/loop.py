@@ -194,37 +194,65 @@ def prepare_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> str:
         shutil.copytree(source, tmp)
         tmp.rename(path)
     if not (path / "config.json").exists():
-        from fusedrl.tiny import char_tokenizer, tiny_llama
+        _build_base_model(cfg, run_dir, rows)
+    return str(path)
 
-        from .data import render_prompt
-        from .warmstart import warm_start
 
-        tokenizer = char_tokenizer()
-        model = tiny_llama(
-            len(tokenizer), hidden_size=128, max_position_embeddings=128, seed=cfg.seed
+def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None:
+    """OUT/base_model: the tiny Llama + char tokenizer, warm-started on the built-in task, or
+    copied from the warm-start cache when the same job fitted it before (trainer/warmstart.py)."""
+    from fusedrl.tiny import char_tokenizer, tiny_llama
+
+    from . import warmstart
+    from .data import render_prompt
+
+    tokenizer = char_tokenizer()
+    shape = dict(hidden_size=128, max_position_embeddings=128)
+    tmp = run_dir / ".base_model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    warm = cfg.dataset is None and cfg.warmstart_steps > 0
+    prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
+    answers = [r["answer"] for r in rows]
+    settings = {
+        "prompts": prompts,
+        "answers": answers,
+        "vocab": len(tokenizer),
+        "model": shape,
+        "steps": cfg.warmstart_steps,
+        "noise": cfg.warmstart_noise,
+        "seed": cfg.seed,
+    }
+    said = (
+        f"fusedrl-train: warm start: {cfg.warmstart_steps} supervised steps on the sum task "
+        f"({cfg.warmstart_noise:.0%} of the answers run on)"
+    )
+    hit = warmstart.cached(settings) if warm else None
+    if hit is not None:
+        entry, stats = hit
+        warmstart.copy_cached(entry, tmp)
+        print(
+            f"{said}, from the cache {entry} (fitted in {stats['seconds']:.0f} s, "
+            f"loss {stats['loss']:.2f})"
         )
-        if cfg.dataset is None and cfg.warmstart_steps > 0:
-            prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
-            stats = warm_start(
+    else:
+        model = tiny_llama(len(tokenizer), **shape, seed=cfg.seed)
+        if warm:
+            stats = warmstart.warm_start(
                 model,
                 tokenizer,
                 prompts,
-                [r["answer"] for r in rows],
+                answers,
                 steps=cfg.warmstart_steps,
                 noise=cfg.warmstart_noise,
                 seed=cfg.seed,
                 progress=cfg.progress and sys.stderr.isatty(),
             )
-            print(
-                f"fusedrl-train: warm start: {stats['steps']} supervised steps on the sum task "
-                f"({cfg.warmstart_noise:.0%} of the answers run on) in {stats['seconds']:.0f} s, "
-                f"loss {stats['loss']:.2f}"
-            )
-        tmp = run_dir / ".base_model.tmp"
+            print(f"{said} in {stats['seconds']:.0f} s, loss {stats['loss']:.2f}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(path)
-    return str(path)
+        if warm:
+            warmstart.store(tmp, settings, stats)
+    tmp.rename(run_dir / "base_model")
 
 
 def load_teacher(path: str, student):

@@ -11,13 +11,23 @@ noise do not work here: RL would have to correct a hundred facts one by one, and
 does not get there within a few minutes; stopping is one behaviour shared by every prompt.)
 
 The result is saved as OUT/base_model and reused by --resume; a run with --model skips all this.
+It is also kept in a cache (`cache_root`: ~/.cache/fusedrl/warmstart/ by default) under a key of
+every setting it depends on (`cache_key`: the task rows, the model and tokenizer, the steps, noise
+and seed, and the fusedrl, torch and transformers versions), so that the next run of the same
+job starts from it instead of fitting it again: the same bits as the first run's, which a fit on
+this machine with the same threads would reproduce.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import random
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
@@ -101,3 +111,82 @@ def warm_start(
         bar.close()
     model.eval()
     return {"steps": steps, "seconds": time.perf_counter() - start, "loss": float(loss.detach())}
+
+
+# FUSEDRL_CACHE_DIR: where fusedrl keeps what it can make again (here: warm-started base models);
+# "off" keeps nothing. Unset: $XDG_CACHE_HOME/fusedrl, else ~/.cache/fusedrl.
+CACHE_ENV = "FUSEDRL_CACHE_DIR"
+# Written last into a cache entry (the fit's stats): an entry without it is not complete.
+STATS_FILE = "warmstart.json"
+CACHE_FORMAT = 1
+
+
+def cache_root() -> Path | None:
+    """The cache folder, or None when FUSEDRL_CACHE_DIR says "off"."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off", "0", "none") else Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusedrl"
+
+
+def cache_key(settings: dict) -> str:
+    """A digest of `settings` (JSON values: what the fit depends on) and of the versions whose
+    code computes it."""
+    import transformers
+
+    import fusedrl
+
+    payload = {
+        **settings,
+        "format": CACHE_FORMAT,
+        "fusedrl": fusedrl.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _entry(settings: dict) -> Path | None:
+    root = cache_root()
+    return None if root is None else root / "warmstart" / cache_key(settings)
+
+
+def cached(settings: dict) -> tuple[Path, dict] | None:
+    """(the cached base model's folder, the stats of its fit), or None: no cache, no entry, or
+    an incomplete or unreadable one."""
+    entry = _entry(settings)
+    if entry is None:
+        return None
+    try:
+        stats = json.loads((entry / STATS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (entry / "config.json").exists():
+        return None
+    return entry, stats
+
+
+def store(model_dir: Path, settings: dict, stats: dict) -> Path | None:
+    """Copy the saved base model `model_dir` into the cache, whole or not at all (a temporary
+    folder renamed into place); another process storing the same entry at once wins or loses
+    the rename, either is fine. A cache that cannot be written is not the run's failure: None."""
+    entry = _entry(settings)
+    if entry is None or cached(settings) is not None:
+        return None
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model_dir, tmp)
+        (tmp / STATS_FILE).write_text(json.dumps(stats))
+        shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry left by a crash
+        os.rename(tmp, entry)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return entry
+
+
+def copy_cached(entry: Path, destination: Path) -> None:
+    """The cached base model into `destination` (its stats file left behind)."""
+    shutil.copytree(entry, destination, ignore=shutil.ignore_patterns(STATS_FILE))
