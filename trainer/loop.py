@@ -203,8 +203,8 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
     copied from the warm-start cache when the same job fitted it before (trainer/warmstart.py)."""
     from fusedrl.tiny import char_tokenizer, tiny_llama
 
-    from . import warmstart
     from .data import render_prompt
+    from .warmstart import cached, copy_cached, store, warm_start
 
     tokenizer = char_tokenizer()
     shape = dict(hidden_size=128, max_position_embeddings=128)
@@ -226,10 +226,10 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
         f"fusedrl-train: warm start: {cfg.warmstart_steps} supervised steps on the sum task "
         f"({cfg.warmstart_noise:.0%} of the answers run on)"
     )
-    hit = warmstart.cached(settings) if warm else None
+    hit = cached(settings) if warm else None
     if hit is not None:
         entry, stats = hit
-        warmstart.copy_cached(entry, tmp)
+        copy_cached(entry, tmp)
         print(
             f"{said}, from the cache {entry} (fitted in {stats['seconds']:.0f} s, "
             f"loss {stats['loss']:.2f})"
@@ -237,7 +237,7 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
     else:
         model = tiny_llama(len(tokenizer), **shape, seed=cfg.seed)
         if warm:
-            stats = warmstart.warm_start(
+            stats = warm_start(
                 model,
                 tokenizer,
                 prompts,
@@ -251,7 +251,7 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if warm:
-            warmstart.store(tmp, settings, stats)
+            store(tmp, settings, stats)
     tmp.rename(run_dir / "base_model")
 
 
