@@ -63,6 +63,7 @@ def test_the_warm_start_is_fitted_once_per_job_and_kept(tmp_path, monkeypatch, c
     nothing."""
     import dataclasses
 
+    from fusedrl.trainer import warmstart
     from fusedrl.trainer.config import TrainConfig
     from fusedrl.trainer.loop import prepare_model
 
@@ -94,6 +95,23 @@ def test_the_warm_start_is_fitted_once_per_job_and_kept(tmp_path, monkeypatch, c
     again, said = base_model("after a crash")
     assert "from the cache" not in said and again == fitted
     assert "from the cache" in base_model("then kept")[1]
+    (entries()[0] / "warmstart.json").write_text("{}")  # not the stats of a fit
+    (entries()[1] / "warmstart.json").write_text("{}")
+    assert "from the cache" not in base_model("unreadable stats")[1]
+    real_copy = warmstart.shutil.copytree
+    calls = []
+
+    def copy_then_fail(source, destination, **kwargs):  # the entry replaced while being read
+        calls.append(source)
+        real_copy(source, destination, **kwargs)
+        if len(calls) == 1:
+            raise OSError("gone")
+        return destination
+
+    monkeypatch.setattr(warmstart.shutil, "copytree", copy_then_fail)
+    refitted, said = base_model("entry replaced while read")
+    assert "from the cache" not in said and refitted == fitted and len(calls) == 1
+    monkeypatch.setattr(warmstart.shutil, "copytree", real_copy)
     monkeypatch.setenv("FUSEDRL_CACHE_DIR", "off")
     refit, said = base_model("no cache")
     assert "from the cache" not in said and refit == fitted and len(entries()) == 2

@@ -227,9 +227,10 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
         f"({cfg.warmstart_noise:.0%} of the answers run on)"
     )
     hit = cached(settings) if warm else None
+    if hit is not None and not copy_cached(hit[0], tmp):
+        hit = None  # fitted here instead
     if hit is not None:
         entry, stats = hit
-        copy_cached(entry, tmp)
         print(
             f"{said}, from the cache {entry} (fitted in {stats['seconds']:.0f} s, "
             f"loss {stats['loss']:.2f})"

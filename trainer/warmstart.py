@@ -160,7 +160,8 @@ def cached(settings: dict) -> tuple[Path, dict] | None:
         return None
     try:
         stats = json.loads((entry / STATS_FILE).read_text())
-    except (OSError, ValueError):
+        float(stats["seconds"]), float(stats["loss"])
+    except (OSError, ValueError, TypeError, KeyError):
         return None
     if not (entry / "config.json").exists():
         return None
@@ -179,14 +180,21 @@ def store(model_dir: Path, settings: dict, stats: dict) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(model_dir, tmp)
         (tmp / STATS_FILE).write_text(json.dumps(stats))
-        shutil.rmtree(entry, ignore_errors=True)  # an incomplete entry left by a crash
-        os.rename(tmp, entry)
+        if entry.exists() and cached(settings) is None:  # an incomplete entry left by a crash
+            shutil.rmtree(entry, ignore_errors=True)
+        os.rename(tmp, entry)  # fails where another run's entry is in place now: theirs stays
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
     return entry
 
 
-def copy_cached(entry: Path, destination: Path) -> None:
-    """The cached base model into `destination` (its stats file left behind)."""
-    shutil.copytree(entry, destination, ignore=shutil.ignore_patterns(STATS_FILE))
+def copy_cached(entry: Path, destination: Path) -> bool:
+    """The cached base model into `destination` (its stats file left behind); False, and nothing
+    left there, if it could not be read whole (another run replacing the entry at that moment)."""
+    try:
+        shutil.copytree(entry, destination, ignore=shutil.ignore_patterns(STATS_FILE))
+    except OSError:
+        shutil.rmtree(destination, ignore_errors=True)
+        return False
+    return True
