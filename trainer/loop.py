@@ -210,25 +210,29 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
     shape = dict(hidden_size=128, max_position_embeddings=128)
     tmp = run_dir / ".base_model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    # The warm start (and its cache) serves the built-in task alone: a --dataset run's rows are
+    # neither rendered nor keyed here.
     warm = cfg.dataset is None and cfg.warmstart_steps > 0
-    prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
-    answers = [r["answer"] for r in rows]
-    settings = {
-        "prompts": prompts,
-        "answers": answers,
-        "vocab": len(tokenizer),
-        "model": shape,
-        "steps": cfg.warmstart_steps,
-        "noise": cfg.warmstart_noise,
-        "seed": cfg.seed,
-    }
-    said = (
-        f"fusedrl-train: warm start: {cfg.warmstart_steps} supervised steps on the sum task "
-        f"({cfg.warmstart_noise:.0%} of the answers run on)"
-    )
-    hit = cached(settings) if warm else None
-    if hit is not None and not copy_cached(hit[0], tmp):
-        hit = None  # fitted here instead
+    hit = None
+    if warm:
+        prompts = [render_prompt(tokenizer, r["prompt"], cfg.system_prompt) for r in rows]
+        answers = [r["answer"] for r in rows]
+        settings = {
+            "prompts": prompts,
+            "answers": answers,
+            "vocab": len(tokenizer),
+            "model": shape,
+            "steps": cfg.warmstart_steps,
+            "noise": cfg.warmstart_noise,
+            "seed": cfg.seed,
+        }
+        said = (
+            f"fusedrl-train: warm start: {cfg.warmstart_steps} supervised steps on the sum task "
+            f"({cfg.warmstart_noise:.0%} of the answers run on)"
+        )
+        hit = cached(settings)
+        if hit is not None and not copy_cached(hit[0], tmp):
+            hit = None  # fitted here instead
     if hit is not None:
         entry, stats = hit
         print(

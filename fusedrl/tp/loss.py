@@ -78,12 +78,18 @@ class SampledSets:
         self.temperature, self.transform = temperature, transform
         self.labels = shard.local_labels(labels, missing=-1)
         # (raw floors are fp32: an fp64 slice is masked, to keep its sets exact)
-        self.reads_floors = ops.reads_floors and logits.dtype != torch.float64
+        raw = ops.reads_floors and logits.dtype != torch.float64
         floors = slice_floors(
-            shard.narrow(logits), temperature, sampling, shard, group, transform, self.reads_floors
+            shard.narrow(logits), temperature, sampling, shard, group, transform, raw
         )
-        self.floors = floors.view(labels.shape) if self.reads_floors else None
-        self._scaled_floors = None if self.reads_floors else floors
+        # `floors`: the raw ones the kernels read ([B, T]), or None: the slice is masked instead,
+        # by the scaled ones
+        self.floors = floors.view(labels.shape) if raw else None
+        self._scaled_floors = None if raw else floors
+
+    @property
+    def reads_floors(self) -> bool:
+        return self.floors is not None
 
     def write(self, logits: torch.Tensor, out: torch.Tensor) -> None:
         """out = the token columns `logits` with -inf outside the sets (out may be logits); only
@@ -386,7 +392,7 @@ def token_logprobs(
         )
     if logits.requires_grad and torch.is_grad_enabled():
         source = None
-        if sets is not None and sets.floors is None:  # one masked copy, kept for backward
+        if sets is not None and not sets.reads_floors:  # one masked copy, kept for backward
             source = torch.empty_like(logits3, requires_grad=False)
             sets.write(shard.narrow(logits3.detach()), shard.narrow(source))
             sets = None
