@@ -12,9 +12,9 @@ The Triton backend's `logprobs_fwd` / `logits_grad` ops are exactly these, and b
 `floors=` (`reads_floors`): [B, T] fp32, each row's sampled-set floor on the slice's raw logits
 (`sampling.slice_floors(raw=True)`), the slice read over the set and, in `stats`, the label kept
 only where it is a column of the slice (labels < 0 then: not here). The torch backend gets them
-from its block helpers, without floors (its callers mask the slice instead). A soft cap
-(`transform`) is elementwise: each slice is capped as it is read (the Triton kernels' `cap=`, the
-torch blocks in fp32).
+from its block helpers; they take `floors=` and refuse any (their callers mask the slice
+instead). A soft cap (`transform`) is elementwise: each slice is capped as it is read (the Triton
+kernels' `cap=`, the torch blocks in fp32).
 """
 
 from __future__ import annotations
@@ -95,11 +95,14 @@ def slice_ops(
 
     impl = backends.resolve(backend, device)
     if impl is torch_backend:
-
-        def torch_stats(logits, labels, valid, temperature):
+        # The same signature as the Triton ops'; floors never reach them (reads_floors is
+        # False: their callers mask the slice instead).
+        def torch_stats(logits, labels, valid, temperature, floors=None):
+            assert floors is None, "the torch slice ops read no floors"
             return _torch_stats(logits, labels, valid, temperature, transform)
 
-        def torch_grad(*args):
+        def torch_grad(*args, floors=None):
+            assert floors is None, "the torch slice ops read no floors"
             _torch_grad(*args, transform=transform)
 
         return SliceOps(torch_stats, torch_grad)

@@ -59,7 +59,6 @@ def write_slice_grad(
     if shard.width == 0:
         return
     local = shard.local_labels(labels, missing=-1)
-    keywords = {} if floors is None else {"floors": floors}
     ops.grad(
         shard.narrow(logits),
         local,
@@ -69,5 +68,5 @@ def write_slice_grad(
         dentropy,
         temperature,
         shard.narrow(out),
-        **keywords,
+        floors=floors,
     )
