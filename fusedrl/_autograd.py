@@ -19,19 +19,41 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
     - CUDA eager: a Triton kernel reads grad_loss on the device and its programs return at once
       when it is 1 (no read or write of grad), else scale in one pass;
     - under torch.compile (or without Triton): a multiply that the compiler can fuse onward.
+    Every route multiplies in fp32 and rounds once: the factor cast to an fp16 gradient's dtype
+    first would overflow past 65504 (GradScaler's 2**16, or a small `grad_scale` declared; inf,
+    then NaN where the gradient is 0), and cast to bf16 it would lose its low bits.
     """
     if torch.compiler.is_compiling():
-        return grad.mul_(grad_loss.to(grad.dtype))
+        return grad.copy_(grad.float() * grad_loss.float())  # one fused pass
     if grad_loss.device.type == "cpu":
-        if grad_loss.item() != 1:
-            grad.mul_(grad_loss.to(grad.dtype))
+        factor = grad_loss.item()
+        if factor != 1:
+            grad.mul_(factor)  # a CPU multiply by a number computes half / bf16 in fp32
         return grad
     if grad.device.type == "cuda" and TRITON_INSTALLED:
         from fusedrl.kernels.scale import scale_rows_unless_one
 
         scale_rows_unless_one(grad, grad_loss)
         return grad
-    return grad.mul_(grad_loss.to(grad.dtype))
+    _mul_in_fp32(grad, grad_loss.float())
+    return grad
+
+
+# Elements per fp32 temporary of _mul_in_fp32: 64 MiB, not a second gradient.
+_FP32_CHUNK = 1 << 24
+
+
+def _mul_in_fp32(grad: torch.Tensor, factor: torch.Tensor) -> None:
+    """grad *= factor in fp32, rounded once, in chunks (a device without the Triton kernel: an
+    aten multiply computes in the gradient's own dtype, the factor cast to it)."""
+    if grad.dtype in (torch.float32, torch.float64):
+        grad.mul_(factor.to(grad.dtype))
+        return
+    if not grad.is_contiguous():
+        grad.copy_(grad.float().mul_(factor))
+        return
+    for chunk in grad.view(-1).split(_FP32_CHUNK):
+        chunk.copy_(chunk.float().mul_(factor))
 
 
 class LossWithKnownGrads(torch.autograd.Function):

@@ -68,6 +68,50 @@ def test_upstream_gradient_scales_once(backend):
         torch.testing.assert_close(grad, scale * ref_grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_an_upstream_factor_past_the_half_range_is_applied_in_fp32(backend):
+    """An fp16 gradient times GradScaler's 2**16, or times 2**12 over a declared grad_scale of
+    2**-5: the factor is past fp16's 65504, the product is not. Finite, and the float64 truth within fp16's
+    rounding; a bf16 gradient times a factor bf16 cannot hold: its fp32 product rounded once."""
+    data = make_batch(batch=3, time=5, vocab=131, seed=33)
+    cfg = LossConfig.preset("dapo")
+    _, truth = run_loss(reference.policy_loss, {**data, "logits": data["logits"].double()}, cfg)
+    args = {k: v for k, v in data.items() if k != "logits"}
+    for upstream, declared in ((2.0**16, None), (2.0**12, 2.0**-5)):
+        logits = data["logits"].half().requires_grad_(True)
+        out = fusedrl.policy_loss(logits, config=cfg, backend=backend, grad_scale=declared, **args)
+        (grad,) = torch.autograd.grad(upstream * out.loss, logits)
+        assert grad.dtype == torch.float16 and bool(grad.isfinite().all()), (upstream, declared)
+        want = (upstream * truth).half().double()
+        torch.testing.assert_close(grad.double(), want, atol=1e-3 * upstream, rtol=2e-3)
+    factor = 1 + 2**-8 + 2**-10  # bf16 rounds it to 1 + 2**-7
+    logits = data["logits"].bfloat16().requires_grad_(True)
+    out = fusedrl.policy_loss(logits, config=cfg, backend=backend, **args)
+    written = out.loss.grad_fn.grads[0].clone()
+    (grad,) = torch.autograd.grad(factor * out.loss, logits)
+    assert torch.equal(grad, (written.float() * factor).bfloat16())
+
+
+def test_the_factor_is_fp32_on_every_route(monkeypatch):
+    """The torch.compile route (traced: one fused multiply) and the chunked fallback of a device
+    without the Triton kernel, contiguous (several chunks) or not: fp32 products rounded once."""
+    from fusedrl import _autograd
+
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(7, 33, generator=gen)
+    for dtype, factor in ((torch.float16, 2.0**17), (torch.bfloat16, 1 + 2**-8 + 2**-10)):
+        want = (base.to(dtype).float() * factor).to(dtype)
+        traced = torch.compile(_autograd.scale_unless_one, backend="eager", fullgraph=True)
+        assert torch.equal(traced(base.to(dtype), torch.tensor(factor)), want)
+        monkeypatch.setattr(_autograd, "_FP32_CHUNK", 40)
+        grad = base.to(dtype)
+        _autograd._mul_in_fp32(grad, torch.tensor(factor))
+        assert torch.equal(grad, want)
+        strided = base.to(dtype).T  # not contiguous: one fp32 copy
+        _autograd._mul_in_fp32(strided, torch.tensor(factor))
+        assert torch.equal(strided, want.T)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_kernel_on_a_strided_view(dtype):
