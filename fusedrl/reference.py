@@ -883,7 +883,11 @@ def distill_divergence(
     q = torch.softmax(teacher_logits.to(upcast) / temperature, dim=-1)
 
     def kl(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # sum_v p log(p / r), 0 log 0 = 0
-        return torch.where(p > 0, p * (torch.log(p) - torch.log(r)), 0.0).sum(-1)
+        # The logs read 1 where p = 0 (a banned token), so that their derivatives there are
+        # finite: the unselected branch's gradient is 0, and 0 * inf would be NaN.
+        held = p > 0
+        p_log, r_log = torch.log(torch.where(held, p, 1.0)), torch.log(torch.where(held, r, 1.0))
+        return torch.where(held, p * (p_log - r_log), 0.0).sum(-1)
 
     m = beta * q + (1.0 - beta) * s
     return beta * kl(q, m) + (1.0 - beta) * kl(s, m)

@@ -171,6 +171,39 @@ def test_bf16_against_the_float64_truth(kind, backend):
     torch.testing.assert_close(grad.double(), exact_grad, atol=1e-6, rtol=ulp)
 
 
+# Banned columns (-inf) each kind takes with a finite divergence: in the student, the teacher,
+# or both (a reverse KL over a token the teacher bans, or a forward one over a token the student
+# bans, is infinite).
+BANS = {"reverse_kl": ("student", "both"), "forward_kl": ("teacher", "both"), "jsd": None}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_banned_tokens(kind, backend):
+    """-inf logits in the student, the teacher or both: finite, the oracle's loss and gradient
+    (its 0 log 0 terms with finite derivatives), and 0 at a column the student bans."""
+    student, teacher, labels, mask = _inputs(seed=11)
+    columns = {"student": 3, "teacher": 7, "both": 0}
+    bans = BANS[kind] or tuple(columns)
+    for side in bans:
+        if side in ("student", "both"):
+            student[..., columns[side]] = -float("inf")
+        if side in ("teacher", "both"):
+            teacher[..., columns[side]] = -float("inf")
+    labels[labels == columns["student"]] = 1  # a label the student bans is another test's
+    kwargs = dict(kind=kind, beta=0.4)
+    ref, ref_grad = _run(reference.distill_loss, student, teacher, labels, mask, **kwargs)
+    ours, grad = _run(
+        fusedrl.distill_loss, student, teacher, labels, mask, backend=backend, **kwargs
+    )
+    assert torch.isfinite(ref.loss) and torch.isfinite(ref_grad).all()
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    for side in bans:
+        if side in ("student", "both"):
+            assert (grad[..., columns[side]] == 0).all()
+
+
 def test_oracle_gradcheck():
     gen = torch.Generator().manual_seed(1)
     student = torch.randn(1, 2, 5, dtype=torch.float64, generator=gen, requires_grad=True)
