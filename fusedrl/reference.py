@@ -248,13 +248,13 @@ def _nan_inputs_term(logp, old, adv, w, inp: LossInputs, cfg: LossConfig) -> tor
     """The rule for a NaN in an input that a counted token's loss term computes with (its old
     or ref log-prob, its advantage, its IS weight): the term is NaN, and so is the token's
     gradient row, on every backend; where the input enters a value its sequence shares (the
-    old log-probs of a sequence-level ratio; GMPO's per-sequence objective, its advantages
-    too), every counted token's row of that sequence. A sequence IS weight carries its NaN to
-    each of its tokens' `w`. Not NaN: a mask decided on a NaN (is_correction's "_mask" modes)
-    drops the token (no comparison with NaN holds), and VESPO's phi of a NaN sequence ratio is
-    0 (TRL's nan_to_num), so its old log-probs drop the sequence. Autograd through clamp / min /
-    where would drop the NaN from the gradient; this term (0 elsewhere, with a zero gradient)
-    keeps it."""
+    old log-probs of a sequence-level ratio, and its own log-prob there: a NaN logit; GMPO's
+    per-sequence objective, its advantages too), every counted token's row of that sequence. A
+    sequence IS weight carries its NaN to each of its tokens' `w`. Not NaN: a mask decided on a
+    NaN (is_correction's "_mask" modes) drops the token (no comparison with NaN holds), and
+    VESPO's phi of a NaN sequence ratio is 0 (TRL's nan_to_num), so its old log-probs drop the
+    sequence. Autograd through clamp / min / where would drop the NaN from the gradient; this
+    term (0 elsewhere, with a zero gradient) keeps it."""
     old_nan = torch.isnan(old) if cfg.loss != "vespo" else torch.zeros_like(inp.valid)
     unread = old_nan | torch.isnan(adv)
     if w is not None:
@@ -262,7 +262,9 @@ def _nan_inputs_term(logp, old, adv, w, inp: LossInputs, cfg: LossConfig) -> tor
     if cfg.beta > 0 and inp.ref_logp is not None:
         unread = unread | torch.isnan(inp.ref_logp)
     if cfg.ratio_level == "sequence" or cfg.loss == "gmpo":
-        shared = old_nan | (torch.isnan(adv) if cfg.loss == "gmpo" else False)
+        # a NaN log-prob (a NaN or +inf logit) enters the sequence's ratio as its old one does
+        logp_nan = torch.isnan(logp.detach()) if cfg.loss != "vespo" else False
+        shared = old_nan | logp_nan | (torch.isnan(adv) if cfg.loss == "gmpo" else False)
         unread = unread | (shared & inp.valid).any(-1, keepdim=True)
     unread = unread & inp.valid
     return torch.where(unread, logp, 0.0) * torch.where(unread, float("nan"), 0.0)

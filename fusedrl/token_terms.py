@@ -402,7 +402,10 @@ def _vespo_terms(logp, old, adv, w, inp, cfg, metrics):
     phi = torch.exp(lam + k * log_w - lam * log_w.exp())
     phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
     metrics.mean("vespo_phi_mean", phi, inp)
-    return -phi * adv * logp, -phi * adv
+    # A NaN log-prob (a NaN logit) drops the sequence's phi to 0, but its own row's gradient is
+    # 0 x NaN, as the oracle's autograd says: a zero dlogp would write that row 0.
+    dlogp = torch.where(torch.isnan(logp), logp, -phi * adv)
+    return -phi * adv * logp, dlogp
 
 
 def _ranked_first(keys: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

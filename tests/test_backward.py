@@ -71,8 +71,9 @@ def test_upstream_gradient_scales_once(backend):
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_an_upstream_factor_past_the_half_range_is_applied_in_fp32(backend):
     """An fp16 gradient times GradScaler's 2**16, or times 2**12 over a declared grad_scale of
-    2**-5: the factor is past fp16's 65504, the product is not. Finite, and the float64 truth within fp16's
-    rounding; a bf16 gradient times a factor bf16 cannot hold: its fp32 product rounded once."""
+    2**-5: the factor is past fp16's 65504, the product is not. Finite, and the float64 truth
+    within fp16's rounding; a bf16 gradient times a factor bf16 cannot hold: its fp32 product
+    rounded once."""
     data = make_batch(batch=3, time=5, vocab=131, seed=33)
     cfg = LossConfig.preset("dapo")
     _, truth = run_loss(reference.policy_loss, {**data, "logits": data["logits"].double()}, cfg)

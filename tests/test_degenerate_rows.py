@@ -173,6 +173,8 @@ NAN_INPUT_ROWS = {
     ("old_logp", "dapo_sequence_is"): "sequence",
     ("old_logp", "vespo"): None,
     ("advantages", "gmpo"): "sequence",
+    ("logits", "gspo"): "sequence",  # its log-prob enters the sequence's ratio
+    ("logits", "gmpo"): "sequence",
     ("rollout_logp", "dapo_sequence_is"): "sequence",
     ("rollout_logp", "dapo_sequence_is_mask"): None,
     **{
@@ -185,7 +187,7 @@ NAN_INPUT_ROWS = {
 
 
 @pytest.mark.parametrize("name", sorted(NAN_INPUT_CONFIGS))
-@pytest.mark.parametrize("field", ["old_logp", "advantages", "ref_logp", "rollout_logp"])
+@pytest.mark.parametrize("field", ["old_logp", "advantages", "ref_logp", "rollout_logp", "logits"])
 def test_a_nan_input_makes_the_rows_that_read_it_nan(name, field, backend):
     """A NaN in an input a counted token's loss computes with: the loss is NaN and so is the
     gradient row of every token whose loss term reads it (the token's; its sequence's where the
@@ -197,7 +199,10 @@ def test_a_nan_input_makes_the_rows_that_read_it_nan(name, field, backend):
     cfg = NAN_INPUT_CONFIGS[name]
     data = make_batch(batch=3, time=5, vocab=131, seed=41, per_token_adv=True)
     data["mask"][0, :4] = True  # sequence 0: four counted tokens, the NaN at the second
-    data[field][0, 1] = float("nan")
+    if field == "logits":  # not the label's: the row's logp is NaN
+        data["logits"][0, 1, (data["labels"][0, 1] + 1) % 131] = float("nan")
+    else:
+        data[field][0, 1] = float("nan")
     ours, grad = run_loss(fusedrl.policy_loss, data, cfg, backend=backend)
     want, want_grad = run_loss(reference.policy_loss, data, cfg)
     rows = NAN_INPUT_ROWS.get((field, name), "token")
