@@ -115,6 +115,27 @@ def test_tensorboard_tags_are_grouped(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["reward/arith"]
 
 
+def test_a_resumed_run_shows_every_step_once(tmp_path):
+    """Steps 1-4 logged, the run resumed from its checkpoint at step 2 and steps 3-5 logged
+    again: metrics.jsonl and TensorBoard both hold 1-5 once (the checkpoint's step kept)."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    rows = _rows(6)
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for step in (1, 2, 3, 4):
+        logger.log({**rows[step], "step": step})
+    logger.close()
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=2)
+    for step in (3, 4, 5):
+        logger.log({**rows[step], "step": step, "reward_mean": 10.0 + step})
+    logger.close()
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    shown = events.Scalars("rollout/reward_mean")
+    assert [event.step for event in shown] == [1, 2, 3, 4, 5]
+    assert [event.value for event in shown][2:] == pytest.approx([13.0, 14.0, 15.0])
+
+
 def test_config_and_samples_as_text(tmp_path):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)

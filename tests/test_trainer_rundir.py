@@ -142,15 +142,26 @@ def test_an_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     (run / "notes.txt").write_text("mine")
+    # nothing to resume yet: --resume is not offered
     with pytest.raises(
         ValueError,
-        match=f"--out {run} holds a run \\(metrics.jsonl\\): pass "
+        match=f"--out {run} holds a run that saved no checkpoint \\(metrics.jsonl\\): "
+        "--overwrite to replace it, or another --out",
+    ):
+        claim_run_dir(run, TrainConfig(out=str(run)))
+    _save(run, 1, *_model_and_optimizer())
+    with pytest.raises(
+        ValueError,
+        match=f"--out {run} holds a run \\(metrics.jsonl, checkpoints\\): pass "
         f"--resume {run} to continue it, --overwrite to replace it",
     ):
         claim_run_dir(run, TrainConfig(out=str(run)))
     assert claim_run_dir(run, TrainConfig(out=str(run), resume=str(run))) == []  # its own
     # --overwrite names what goes, removed only once the new run's start has passed its checks
-    assert claim_run_dir(run, TrainConfig(out=str(run), overwrite=True)) == ["metrics.jsonl"]
+    assert claim_run_dir(run, TrainConfig(out=str(run), overwrite=True)) == [
+        "metrics.jsonl",
+        "checkpoints",
+    ]
     assert (run / "metrics.jsonl").exists() and (run / "notes.txt").read_text() == "mine"
     (run / "final_model").mkdir()
     inside = TrainConfig(out=str(run), overwrite=True, model=str(run / "final_model"))
@@ -217,7 +228,8 @@ def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
         cwd=ROOT,
         timeout=300,
     )
-    assert proc.returncode == 2 and "holds a run (config.yaml)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "holds a run that saved no checkpoint (config.yaml)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
     assert (run / "config.yaml").read_text() == "seed: 7\n"
 

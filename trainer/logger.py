@@ -103,10 +103,12 @@ class MetricsLogger:
             except ImportError:  # pragma: no cover - tensorboard is in the train extra
                 print("tensorboard is not installed: TensorBoard logging is off")
             else:
-                # purge_step: TensorBoard hides the events of steps >= resume_step written before
-                # the resume, so a resumed run does not show those steps twice.
+                # purge_step: TensorBoard hides the events of the steps after the checkpoint
+                # (resume_step, which metrics.jsonl keeps) written before the resume, so a
+                # resumed run shows each step once and none goes missing.
+                purge = None if resume_step is None else resume_step + 1
                 self.writer = SummaryWriter(
-                    log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step
+                    log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge
                 )
 
     def log(self, metrics: dict) -> None:

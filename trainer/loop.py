@@ -127,9 +127,14 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
         if own:
             return []
     if not cfg.overwrite:
+        saved = (run_dir / "checkpoints").is_dir() and checkpoint.checkpoints(
+            run_dir / "checkpoints"
+        )
+        resume = f"pass --resume {run_dir} to continue it, " if saved else ""
+        what = "a run" if saved else "a run that saved no checkpoint"
         raise ValueError(
-            f"--out {run_dir} holds a run ({', '.join(present)}): pass --resume {run_dir} to "
-            f"continue it, --overwrite to replace it, or another --out"
+            f"--out {run_dir} holds {what} ({', '.join(present)}): {resume}--overwrite to "
+            "replace it, or another --out"
         )
     if cfg.model is not None and Path(cfg.model).exists():
         inside = [
@@ -782,9 +787,9 @@ class Trainer:
                 self.logger.log(record)
                 if step % cfg.log_every == 0:
                     self.logger.log_samples(step + 1, self.last_samples)
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:  # the postfix first: the update draws this step's numbers
                 bar.set_postfix_str(progress_line(record), refresh=False)
+                bar.update(1)
             elif lines and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps):
                 print(
                     f"fusedrl-train: step {step + 1}/{cfg.max_steps} {progress_line(record)}",
