@@ -329,3 +329,30 @@ def test_a_mistyped_flag_gets_a_suggestion(capsys):
     assert "--max-stps -> did you mean --max-steps?" in err
     assert "--group-sise -> did you mean --group-size?" in err
     assert "--zzz ->" not in err  # nothing close: no guess
+
+
+def test_local_paths_are_kept_absolute_so_a_run_resumes_from_anywhere(tmp_path, monkeypatch):
+    """--model (a local folder), --dataset and --distill-teacher given relative, from a flag or
+    a --config file: config.yaml holds them absolute, so --resume from another working
+    directory finds them and the same file named absolutely is the same job. A hub id (no
+    such local folder) stays as typed."""
+    (tmp_path / "tinymodel").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "math.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model", "tinymodel", "--dataset", "data/math.jsonl"]
+    cfg = parse_config([*flags, "--distill-teacher", "tinymodel", "--out", "run"])
+    assert cfg.model == cfg.distill_teacher == str(tmp_path / "tinymodel")
+    assert cfg.dataset == str(tmp_path / "data" / "math.jsonl")
+    (tmp_path / "job.yaml").write_text("model: tinymodel\ndataset: data/math.jsonl\n")
+    assert parse_config(["--config", "job.yaml"]).dataset == cfg.dataset
+    assert parse_config(["--model", "Qwen/Qwen2.5-0.5B"]).model == "Qwen/Qwen2.5-0.5B"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    resumed = parse_config(["--resume", str(run), "--dataset", cfg.dataset])
+    assert (resumed.model, resumed.dataset) == (cfg.model, cfg.dataset)
+    assert Path(resumed.dataset).exists() and Path(resumed.model).is_dir()

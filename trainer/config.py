@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -771,6 +772,24 @@ JOB_OPTIONS = (
 )
 
 
+# Options that name a local file or folder: kept absolute in the run's config.yaml, so that
+# --resume works from any working directory (the model's only where it is a local folder: else
+# it is a hub id).
+LOCAL_PATH_OPTIONS = ("model", "dataset", "distill_teacher")
+
+
+def _absolute_paths(options: dict) -> dict:
+    """`options` (by name) with each existing local path of LOCAL_PATH_OPTIONS made absolute
+    from the working directory; a path that does not exist stays as typed (its error names it
+    so, or it is a hub id)."""
+    fixed = dict(options)
+    for name in LOCAL_PATH_OPTIONS:
+        value = fixed.get(name)
+        if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
+            fixed[name] = os.path.abspath(os.path.expanduser(value))
+    return fixed
+
+
 def resumed_run_dir(resume: str) -> Path:
     """The run directory of --resume (a run directory, or one of its checkpoints)."""
     path = Path(resume)
@@ -784,11 +803,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     model or engine starts. With --resume RUN (and no --config), RUN's own config.yaml is the
     base: a resumed run continues the same job, in its own directory unless --out says otherwise,
     and a flag that would change the job is refused without --allow-job-change."""
-    args = vars(build_parser().parse_args(argv))
+    args = _absolute_paths(vars(build_parser().parse_args(argv)))
     path = args.pop("config", None)
     allow_change = args.pop("allow_job_change", False)
     if path:
         cfg = TrainConfig.from_yaml(path)
+        paths = {name: getattr(cfg, name) for name in LOCAL_PATH_OPTIONS}
+        cfg = dataclasses.replace(cfg, **_absolute_paths(paths))
     elif args.get("resume"):
         run = resumed_run_dir(args["resume"])
         saved = run / "config.yaml"
