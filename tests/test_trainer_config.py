@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,9 +106,18 @@ def test_every_option_has_a_sentence_and_help_shows_the_choices():
         assert needle in out, needle
 
 
-def test_bad_options_fail_before_anything_is_written(tmp_path):
+def test_bad_options_fail_before_anything_is_written(tmp_path, monkeypatch):
+    """An error line, before the warm start (no base model) and before any directory is made:
+    bad values, a backend the machine cannot run (no CUDA, no interpreter), a model that does
+    not load, a teacher that is no model directory, a --config that is missing or no YAML.
+    Through the command line (no traceback) for one error of the parse and one of the start."""
+    from fusedrl.trainer.loop import Trainer
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for flags in (["--max-steps", "2.5"], ["--backend", "jax"]):
+    for flags, message in (
+        (["--max-steps", "2.5"], "--max-steps: expected an integer"),
+        (["--model", str(tmp_path / "nope")], "--model .*nope: cannot be loaded as a local model"),
+    ):
         proc = subprocess.run(
             [sys.executable, "-m", "fusedrl.trainer", "--out", str(tmp_path / "r"), *flags],
             env=env,
@@ -117,7 +127,21 @@ def test_bad_options_fail_before_anything_is_written(tmp_path):
             timeout=120,
         )
         assert proc.returncode == 2 and "fusedrl-train: error:" in proc.stderr, proc.stderr
-        assert "Traceback" not in proc.stderr
+        assert re.search(message, proc.stderr), (message, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and "warm start" not in proc.stdout
+        assert not (tmp_path / "r").exists()
+    monkeypatch.delenv("TRITON_INTERPRET")  # (the suite's: the Triton backend runs on CPU)
+    (tmp_path / "broken.yaml").write_text("max_steps: 3\n  lr: 1\n")
+    out = ["--out", str(tmp_path / "r")]
+    for flags, error, message in (
+        (["--backend", "jax"], ValueError, "--backend"),
+        (["--config", "nope.yaml"], FileNotFoundError, "--config nope.yaml: no such file"),
+        (["--config", str(tmp_path / "broken.yaml")], ValueError, r"not valid YAML \(line 2"),
+        (["--backend", "triton"], ValueError, "--backend triton: backend='triton' needs CUDA"),
+        (["--distill-teacher", "nope"], ValueError, "--distill-teacher nope: not a model dir"),
+    ):
+        with pytest.raises(error, match=message):
+            Trainer(parse_config([*out, *flags]))
         assert not (tmp_path / "r").exists()
 
 

@@ -459,7 +459,15 @@ class TrainConfig:
     # --- YAML / CLI -----------------------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--config {path}: no such file")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"--config {path}: not valid YAML{at}: {problem}") from None
         if not isinstance(data, dict):
             raise ValueError(f"--config {path}: expected a mapping of options, got {type(data)}")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -31,6 +31,7 @@ REINFORCE++'s std) are per rank under data parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -265,15 +266,33 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
     tmp.rename(run_dir / "base_model")
 
 
+def check_teacher_dir(path: str) -> None:
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"--distill-teacher {path}: not a model directory (no config.json)")
+
+
+@contextlib.contextmanager
+def _loading(option: str, path: str):
+    """transformers' OSError for a model it cannot load (no such folder or hub id, no network,
+    a folder without weights) as one error line naming the option."""
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{option} {path}: cannot be loaded as a local model folder or a hub id ({first})"
+        ) from None
+
+
 def load_teacher(path: str, student):
     """The distillation teacher at `path` (a local model directory, fp32 like the policy's
     master weights), checked against the student: the same vocabulary, so that their next-token
     distributions are over the same ids."""
     from transformers import AutoModelForCausalLM
 
-    if not (Path(path) / "config.json").exists():
-        raise ValueError(f"--distill-teacher {path}: not a model directory (no config.json)")
-    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    check_teacher_dir(path)
+    with _loading("--distill-teacher", path):
+        teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     vocab = student.get_output_embeddings().weight.shape[0]
     teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
     if teacher_vocab != vocab:
@@ -335,10 +354,16 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        # Everything that can be wrong with the data or the rewards fails here, before the base
-        # model (a warm start of seconds to minutes) is built and written.
+        # Everything that can be wrong with the data, the rewards, the backend or the teacher
+        # fails here, before the base model (a warm start of seconds to minutes) is built.
         rows = task_rows(cfg)
         self.rewards = parse_rewards(cfg.reward)
+        try:
+            fusedrl.backends.resolve(cfg.backend, self.env.device)
+        except RuntimeError as exc:
+            raise ValueError(f"--backend {cfg.backend}: {exc}") from None
+        if cfg.distill_teacher:
+            check_teacher_dir(cfg.distill_teacher)
         if self.replaced:  # --overwrite: the old run goes now that the new one can start
             _remove(self.run_dir, self.replaced)
             self.replaced, self.cleared = [], True
@@ -349,7 +374,8 @@ class Trainer:
             box = [model_path]
             dist.broadcast_object_list(box)
             model_path = box[0]
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        with _loading("--model", model_path):
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -360,7 +386,8 @@ class Trainer:
         self.compute_dtype = _dtype(cfg, self.env.device)
         # Master weights stay fp32; the forward runs under autocast in the compute dtype, so the
         # logits the fused loss reads are bf16 on a GPU.
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        with _loading("--model", model_path):
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         max_len = max(len(ids) for ids in self.prompts.token_ids) + cfg.max_tokens
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_len > limit:
