@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -44,16 +45,22 @@ def test_noisy_answers_run_on_at_the_given_rate():
     assert noisy_answer("5", 0.0, rng) == "5"
 
 
-def test_warm_start_fits_the_task_corpus():
+def test_warm_start_fits_the_task_corpus(capsys):
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), max_position_embeddings=128)
     rows = sum_task(num_rows=40)
     prompts = [render_prompt(tokenizer, r["prompt"], None) for r in rows]
     answers = [r["answer"] for r in rows]
     before = warm_start(model, tokenizer, prompts, answers, steps=1, noise=0.0, seed=0, lr=0.0)
-    after = warm_start(model, tokenizer, prompts, answers, steps=40, noise=0.0, seed=0)
+    after = warm_start(
+        model, tokenizer, prompts, answers, steps=40, noise=0.0, seed=0, lines_every=15, said="w"
+    )
     assert after["steps"] == 40 and after["loss"] < 0.5 * before["loss"]
     assert not model.training
+    # without a terminal: a line every 15 steps (the last one is the caller's summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["w: step 15/40", "w: step 30/40"], lines
+    assert all(re.fullmatch(r"w: step \d+/40, loss \d+\.\d\d", line) for line in lines)
 
 
 def test_the_warm_start_is_fitted_once_per_job_and_kept(tmp_path, monkeypatch, capsys):

@@ -80,6 +80,8 @@ from .step import (
 )
 
 TINY_LR = 2e-4
+# Without a terminal, a progress line every this many warm-start steps (--progress).
+WARM_START_LINES_EVERY = 50
 MODEL_LR = 1e-6
 
 
@@ -248,6 +250,7 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
     else:
         model = tiny_llama(len(tokenizer), **shape, seed=cfg.seed)
         if warm:
+            terminal = sys.stderr.isatty()
             stats = warm_start(
                 model,
                 tokenizer,
@@ -256,7 +259,9 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
                 steps=cfg.warmstart_steps,
                 noise=cfg.warmstart_noise,
                 seed=cfg.seed,
-                progress=cfg.progress and sys.stderr.isatty(),
+                progress=cfg.progress and terminal,
+                lines_every=WARM_START_LINES_EVERY if cfg.progress and not terminal else 0,
+                said=said,
             )
             print(f"{said} in {stats['seconds']:.0f} s, loss {stats['loss']:.2f}")
         model.save_pretrained(tmp)

@@ -58,8 +58,12 @@ def warm_start(
     lr: float = 3e-3,
     batch_size: int = 128,
     progress: bool = False,
+    lines_every: int = 0,
+    said: str = "warm start",
 ) -> dict:
-    """Fit `model` in place; returns {steps, seconds, loss (last step)}.
+    """Fit `model` in place; returns {steps, seconds, loss (last step)}. `progress`: a bar (a
+    terminal); `lines_every`: else a line `said: step N/M, loss L` every that many steps (a log
+    file sees the minutes of a fit on a busy machine go by).
 
     AdamW with a 20-step linear warm-up and a cosine decay to 0, by plain cross-entropy on the
     completion tokens (<eos> included)."""
@@ -77,7 +81,7 @@ def warm_start(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="warm start", unit="step", dynamic_ncols=True, leave=False)
-    for _ in range(steps):
+    for done in range(1, steps + 1):
         picks = [rng.randrange(len(prompt_ids)) for _ in range(batch_size)]
         completions = [
             tokenizer.encode(noisy_answer(answers[i], noise, rng), add_special_tokens=False) + [eos]
@@ -107,6 +111,8 @@ def warm_start(
         schedule.step()
         if bar is not None:
             bar.update(1)
+        elif lines_every and done % lines_every == 0 and done < steps:
+            print(f"{said}: step {done}/{steps}, loss {loss.item():.2f}", flush=True)
     if bar is not None:
         bar.close()
     model.eval()
