@@ -94,8 +94,9 @@ def test_default_output_is_short_and_quiet(default_run):
     out = (default_run.parent / "default.stdout").read_text()
     err = (default_run.parent / "default.stderr").read_text()
     assert "fusedrl-train: warm start: 300 supervised steps" in out
-    for row in ("model", "task", "algorithm", "batch", "optimizer", "out"):
+    for row in ("model", "task", "algorithm", "batch", "optimizer", "compute", "out"):
         assert f"\n  {row} " in out, row
+    assert "compute    cpu, float32, loss backend torch, rollouts vLLM (auto)" in out, out
     assert len(out.splitlines()) <= 12, out
     for noise in ("WARNING", "NUMA", "Warning", "Loading", "Writing model shards"):
         assert noise not in out + err, (noise, err[-3000:])

@@ -40,7 +40,8 @@ def fusedrl_train(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "hf"
-    fusedrl_train("--out", str(out), "--max-steps", "20", "--save-every", "10")
+    proc = fusedrl_train("--out", str(out), "--max-steps", "20", "--save-every", "10")
+    (out.parent / "hf.stdout").write_text(proc.stdout)
     return out
 
 
@@ -51,6 +52,8 @@ def test_hf_rollouts_learn_the_default_task(hf_run):
     last = sum(r["accuracy"] for r in rows[-5:]) / 5
     assert last - first >= 0.1, (first, last)
     assert (hf_run / "final_model" / "config.json").exists()
+    compute = "compute    cpu, float32, loss backend torch, rollouts transformers generate\n"
+    assert compute in (hf_run.parent / "hf.stdout").read_text()
 
 
 def test_hf_rollouts_resume_exactly(hf_run, tmp_path):

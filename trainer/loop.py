@@ -80,6 +80,8 @@ from .step import (
 )
 
 TINY_LR = 2e-4
+# The rollout engines as the run summary names them.
+ROLLOUT_NAMES = {"vllm": "vLLM", "hf": "transformers generate"}
 # Without a terminal, a progress line every this many warm-start steps (--progress).
 WARM_START_LINES_EVERY = 50
 MODEL_LR = 1e-6
@@ -468,17 +470,29 @@ class Trainer:
                 self.sas.load_state_dict(extra["sas"])
             if self.entropy_control is not None and extra.get("entropy_control") is not None:
                 self.entropy_control.load_state_dict(extra["entropy_control"])
-        if self.env.is_main:
-            print(
-                run_summary(
-                    cfg, self.loss_cfg, model_path, len(self.prompts), self.lr, self.run_dir
-                )
-            )
         self.rollout_engine = (
             "hf"
             if cfg.rollout == "hf" or (cfg.rollout == "auto" and not vllm_available())
             else "vllm"
         )
+        if self.env.is_main:
+            resolved = self.resolved_config()
+            chosen = " (auto)" if cfg.rollout == "auto" else ""
+            compute = (
+                f"{self.env.device.type}, {resolved.dtype}, loss backend {resolved.backend}, "
+                f"rollouts {ROLLOUT_NAMES[self.rollout_engine]}{chosen}"
+            )
+            print(
+                run_summary(
+                    cfg,
+                    self.loss_cfg,
+                    model_path,
+                    len(self.prompts),
+                    self.lr,
+                    self.run_dir,
+                    compute,
+                )
+            )
         if self.rollout_engine == "hf":
             self.engine = HFEngine(self.model, self.tokenizer, self.compute_dtype, self.env.device)
         else:
@@ -954,9 +968,16 @@ def describe_loss(lcfg: LossConfig) -> str:
 
 
 def run_summary(
-    cfg: TrainConfig, lcfg: LossConfig, model_path: str, num_prompts: int, lr: float, run_dir: Path
+    cfg: TrainConfig,
+    lcfg: LossConfig,
+    model_path: str,
+    num_prompts: int,
+    lr: float,
+    run_dir: Path,
+    compute: str | None = None,
 ) -> str:
-    """What a person checks before a run: a few lines (config.yaml holds every option)."""
+    """What a person checks before a run: a few lines (config.yaml holds every option).
+    `compute`: the device, dtype, loss backend and rollout engine the run resolved."""
     model = (
         f"tiny Llama, warm-started on the task ({model_path})" if cfg.model is None else model_path
     )
@@ -971,6 +992,7 @@ def run_summary(
             f"{cfg.max_tokens} tokens, temperature {cfg.temperature:g}",
         ),
         ("optimizer", f"AdamW lr {lr:g}, {cfg.max_steps} steps, grad clip {cfg.grad_clip:g}"),
+        *([("compute", compute)] if compute else []),
         ("out", f"{run_dir} (every option in config.yaml)"),
     ]
     if cfg.distill_teacher is not None:
