@@ -583,6 +583,13 @@ def test_bad_settings_fail_before_the_models_load(tmp_path):
     bad = _args(tmp_path, importance_sampling_level="tokens")  # GRPOConfig takes any string
     with pytest.raises(ValueError, match="importance_sampling_level='tokens' is not supported"):
         FusedGRPOTrainer(missing, _reward_len, bad)
+    with pytest.raises(ValueError, match="fused_lm_head=True needs fused_backend 'auto'"):
+        FusedGRPOTrainer(
+            missing, _reward_len, _args(tmp_path), fused_backend="cuda", fused_lm_head=True
+        )
+    if not torch.cuda.is_available():  # a backend this machine cannot run
+        with pytest.raises(ValueError, match="fused_backend='cuda': backend='cuda' .* needs CUDA"):
+            FusedGRPOTrainer(missing, _reward_len, _args(tmp_path), fused_backend="cuda")
 
 
 def test_the_fused_lm_head_is_the_default_and_said(model_dir, tokenizer, tmp_path, caplog):
@@ -609,6 +616,12 @@ def test_the_fused_lm_head_is_the_default_and_said(model_dir, tokenizer, tmp_pat
         )
     assert off.fused_lm_head is False
     assert "fused LM head off (fused_lm_head=False)" in caplog.records[-1].getMessage()
+    trainer.fused_backend = "cuda"  # asked for by name: its logits kernel, and the log says so
+    assert trainer._fused_lm_head(None) == (
+        False,
+        "fused_backend='cuda': the CUDA extension has no LM-head kernel",
+    )
+    trainer.fused_backend = "auto"
     trainer.is_fsdp_enabled = True  # a sharded head: the logits path, or an error if required
     assert trainer._fused_lm_head(None) == (False, "DeepSpeed / FSDP shard the LM head's weight")
     with pytest.raises(ValueError, match="fused_lm_head=True cannot run: DeepSpeed / FSDP"):

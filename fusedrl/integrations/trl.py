@@ -52,6 +52,7 @@ with warnings.catch_warnings():
     from trl.trainer.utils import nanmax, nanmin
 
 import fusedrl
+import fusedrl.backends
 from fusedrl import LossConfig
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
@@ -200,6 +201,16 @@ def add_head_call(model) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def _check_backend_runs(backend: str, config: GRPOConfig) -> None:
+    """ValueError, before the models load, for a backend this machine cannot run where the
+    config trains (CUDA tensors for 'cuda'; CUDA or the interpreter for 'triton')."""
+    on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu", False)
+    try:
+        fusedrl.backends.resolve(backend, torch.device("cuda" if on_gpu else "cpu"))
+    except RuntimeError as exc:
+        raise ValueError(f"fused_backend={backend!r}: {exc}") from None
+
+
 class FusedGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with per-token log-probs and the loss from fusedrl's fused kernels."""
 
@@ -222,9 +233,15 @@ class FusedGRPOTrainer(GRPOTrainer):
             raise ValueError(f"fused_backend={fused_backend!r} is not one of {fusedrl.BACKENDS}")
         if fused_lm_head not in (None, True, False):
             raise ValueError(f"fused_lm_head must be None, True or False, got {fused_lm_head!r}")
+        if fused_backend == "cuda" and fused_lm_head is True:
+            raise ValueError(
+                "fused_lm_head=True needs fused_backend 'auto', 'triton' or 'torch': the CUDA "
+                "extension (fused_backend='cuda') has no LM-head kernel"
+            )
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig):
             loss_config_from_trl(config)  # an unsupported configuration fails here, at once
+            _check_backend_runs(fused_backend, config)
         super().__init__(*args, **kwargs)
         self.fused_config = loss_config_from_trl(self.args)
         if self._entropy_bonus_enabled:  # TRL's attribute: entropy_coef != 0 or adaptive
@@ -253,6 +270,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         the models are given the head call (`add_head_call`)."""
         if wanted is False:
             return False, "fused_lm_head=False"
+        if self.fused_backend == "cuda":  # asked for by name: its kernel reads the logits
+            return False, "fused_backend='cuda': the CUDA extension has no LM-head kernel"
         why = ""
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             # The head's weight is partitioned there: gathering it around the loss (and keeping
@@ -269,7 +288,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         return not why, why
 
     def _linear_backend(self) -> str:
-        return self.fused_backend if self.fused_backend in fusedrl.LINEAR_BACKENDS else "auto"
+        return self.fused_backend  # (never "cuda": that keeps the logits, `_fused_lm_head`)
 
     def _through_head(self, model, input_ids, attention_mask, logits_to_keep, loss_of):
         """`loss_of(hidden, weight, bias, transform)` inside the model's forward (`add_head_call`):
