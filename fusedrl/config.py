@@ -504,6 +504,11 @@ class LossConfig:
                 )
         if self.dro_beta is not None:
             _check_positive("dro_beta", self.dro_beta)
+            if self.loss != "dro":  # read by DRO alone: another loss would ignore it
+                raise ValueError(
+                    f"LossConfig.dro_beta={self.dro_beta!r} is DRO's penalty (loss='dro'), got "
+                    f"loss={self.loss!r}"
+                )
         elif self.loss == "dro":
             raise ValueError("LossConfig.dro_beta must be set (> 0) for loss='dro'")
         if self.loss in SCALAR_LOSSES and (

@@ -45,8 +45,9 @@ from fusedrl.trainer.step import (
         (["--top-p", "0"], "--top-p"),
         (["--reward", " "], "--reward"),
         (["--pack", "true", "--kl", "full", "--preset", "gspo"], "--pack: not with --kl full"),
-        (["--max-tokens-per-microbatch", "64"], "--max-tokens-per-microbatch: is a packed"),
-        (["--pack", "--max-tokens-per-microbatch", "0"], "needs --pack and a value >= 1, got 0"),
+        (["--max-tokens-per-microbatch", "64"], "token budget: needs --pack"),
+        (["--pack", "--max-tokens-per-microbatch", "0"], "token budget: must be >= 1, got 0"),
+        (["--loss", "ppo", "--dro-beta", "0.1"], "dro_beta=0.1 is DRO's penalty"),
     ],
 )
 def test_bad_config_names_the_option(argv, needle):

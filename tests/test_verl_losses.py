@@ -105,6 +105,7 @@ def test_dro_gradient_is_minus_advantage_plus_beta_log_ratio():
         (dict(loss="dppo_tv", dppo_ratio_cap=0.0), "dppo_ratio_cap must be > 0"),
         (dict(loss="dppo_tv", kl_tau=-0.1), "kl_tau must be > 0"),
         (dict(loss="ppo", kl_tau=0.1), "kl_tau=0.1 is DPPO's trust-region KL term"),
+        (dict(loss="ppo", dro_beta=0.1), "dro_beta=0.1 is DRO's penalty"),
         (dict(loss="dro", dro_beta=0.1, is_correction="sequence_mask"), "token-level loss"),
     ],
 )

@@ -290,7 +290,9 @@ class TrainConfig:
         need(
             budget is None or (self.pack and budget >= 1),
             "max_tokens_per_microbatch",
-            f"is a packed micro-batch's token budget: needs --pack and a value >= 1, got {budget}",
+            "is a packed micro-batch's token budget: needs --pack"
+            if not self.pack
+            else f"is a packed micro-batch's token budget: must be >= 1, got {budget}",
         )
         need(
             self.distill_teacher is None or self.backend != "cuda" or _triton_installed(),
