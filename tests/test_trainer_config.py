@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fusedrl.trainer.config import HELP, TrainConfig, coerce, parse_config
 
@@ -326,6 +327,21 @@ def test_vllm_rollouts_need_vllm(monkeypatch):
     with pytest.raises(ValueError, match="--rollout: vllm is not installed"):
         parse_config(["--rollout", "vllm"]).validate()
     parse_config(["--rollout", "auto"]).validate()
+
+
+def test_the_saved_config_keeps_the_job_not_the_command(tmp_path):
+    """--overwrite, --resume and --verbose are not saved: a resumed run is quiet unless its own
+    command asks (a saved verbose: true brought back the libraries' notices on every resume)."""
+    cfg = parse_config(["--verbose", "--overwrite", "--seed", "3"])
+    assert cfg.verbose and cfg.overwrite
+    saved = yaml.safe_load(cfg.to_yaml())
+    assert saved["seed"] == 3 and not {"verbose", "overwrite", "resume"} & set(saved)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml() + "verbose: true\n")  # an older run's
+    resumed = parse_config(["--resume", str(run)])
+    assert not resumed.verbose and resumed.seed == 3
+    assert parse_config(["--resume", str(run), "--verbose"]).verbose
 
 
 def test_a_config_file_cannot_change_the_job_it_resumes(tmp_path):

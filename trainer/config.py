@@ -101,10 +101,10 @@ def _triton_installed() -> bool:
     return backends.TRITON_INSTALLED  # looked up once, at fusedrl's import
 
 
-# What a command does with its --out, not the job it trains: never saved in config.yaml (a
-# config read back by --config or --resume overwrites or resumes only what its own command
-# line asks for).
-PER_INVOCATION = ("overwrite", "resume")
+# What a command does with its --out, or how it talks, not the job it trains: never saved in
+# config.yaml (a config read back by --config or --resume overwrites, resumes or shows the
+# libraries' logs only where its own command line asks for it).
+PER_INVOCATION = ("overwrite", "resume", "verbose")
 
 
 @dataclass
