@@ -246,6 +246,24 @@ def test_data_errors_name_the_file_line_and_column(tmp_path, name, text, message
         load_rows(str(path), "prompt", "answer")
 
 
+def test_data_without_answers(tmp_path):
+    """An empty --answer-column: rows without answers load (None: no accuracy is logged); a
+    built-in reward that compares with the answer is refused before anything starts."""
+    from fusedrl.trainer.data import load_rows
+    from fusedrl.trainer.loop import Trainer
+
+    path = tmp_path / "open.jsonl"
+    path.write_text('{"prompt": "Write a haiku."}\n{"prompt": "Name a prime."}\n')
+    rows = load_rows(str(path), "prompt", "")
+    assert [row["answer"] for row in rows] == [None, None]
+    with pytest.raises(ValueError, match="missing column 'answer'"):
+        load_rows(str(path), "prompt", "answer")
+    out = ["--out", str(tmp_path / "r"), "--dataset", str(path), "--answer-column", ""]
+    with pytest.raises(ValueError, match="--reward math compares each completion with the answer"):
+        Trainer(parse_config([*out, "--reward", "format,math"]))
+    assert not (tmp_path / "r").exists()
+
+
 def test_chat_prompts_and_text_prompts_load(tmp_path):
     from fusedrl.trainer.data import load_rows
 

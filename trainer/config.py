@@ -495,7 +495,8 @@ HELP = {
     "OUT/base_model.",
     "dataset": "A .jsonl, .json or .parquet file of prompts; unset: the built-in `sum` task.",
     "prompt_column": "Dataset column of the prompt (text, or a list of role/content messages).",
-    "answer_column": "Dataset column handed to reward functions as the reference answer.",
+    "answer_column": "Dataset column handed to reward functions as the reference answer "
+    "(empty: the data has none; no accuracy is logged).",
     "system_prompt": "A system message prepended to every chat prompt.",
     "reward": "Comma list of name[=weight]: math, format, arith, or module:function.",
     "max_prompt_tokens": "Longest prompt accepted; a longer one is an error naming its row.",

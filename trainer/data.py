@@ -106,7 +106,7 @@ def load_rows(path: str, prompt_column: str, answer_column: str) -> list[dict]:
             )
         columns = ((prompt_column, "--prompt-column"), (answer_column, "--answer-column"))
         for column, flag in columns:
-            if column not in row:
+            if column and column not in row:  # (an empty --answer-column: no answers)
                 raise ValueError(
                     f"--dataset {path}: {at}: missing column {column!r} (it has "
                     f"{sorted(row)}); set {flag}"
@@ -114,7 +114,8 @@ def load_rows(path: str, prompt_column: str, answer_column: str) -> list[dict]:
         problem = _prompt_problem(row[prompt_column])
         if problem:
             raise ValueError(f"--dataset {path}: {at}: column {prompt_column!r} {problem}")
-        out.append({**row, "prompt": row[prompt_column], "answer": row[answer_column]})
+        answer = row[answer_column] if answer_column else None
+        out.append({**row, "prompt": row[prompt_column], "answer": answer})
     return out
 
 

@@ -69,7 +69,7 @@ from .distributed import (
 )
 from .logger import MetricsLogger, plot
 from .quiet import native_stderr_hidden
-from .rewards import exact_match, parse_rewards, score
+from .rewards import NEED_ANSWERS, exact_match, parse_rewards, score
 from .rollout import HFEngine, Sample, VLLMEngine, full_state, vllm_available
 from .step import (
     Batch,
@@ -365,6 +365,14 @@ class Trainer:
         # fails here, before the base model (a warm start of seconds to minutes) is built.
         rows = task_rows(cfg)
         self.rewards = parse_rewards(cfg.reward)
+        if cfg.dataset is not None and not cfg.answer_column:
+            compared = [r.name for r in self.rewards if r.name in NEED_ANSWERS]
+            if compared:
+                raise ValueError(
+                    f"--reward {compared[0]} compares each completion with the answer column, "
+                    "and --answer-column is empty (no answers): name the column, or use rewards "
+                    "that need none"
+                )
         try:
             fusedrl.backends.resolve(cfg.backend, self.env.device)
         except RuntimeError as exc:

@@ -112,6 +112,8 @@ BUILTIN: dict[str, RewardFn] = {
     "format": format_reward,
     "arith": arith_reward,
 }
+# The built-in rewards that compare with the answer column.
+NEED_ANSWERS = ("math", "arith")
 
 
 class RewardError(RuntimeError):
