@@ -387,6 +387,9 @@ def test_a_mistyped_flag_gets_a_suggestion(capsys):
     assert "--max-stps -> did you mean --max-steps?" in err
     assert "--group-sise -> did you mean --group-size?" in err
     assert "--zzz ->" not in err  # nothing close: no guess
+    with pytest.raises(SystemExit):  # a prefix is not taken for the flag
+        parse_config(["--max-step", "3"])
+    assert "--max-step -> did you mean --max-steps?" in capsys.readouterr().err
 
 
 def test_local_paths_are_kept_absolute_so_a_run_resumes_from_anywhere(tmp_path, monkeypatch):

@@ -713,6 +713,9 @@ class _SuggestingParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _SuggestingParser(
         prog="fusedrl-train",
+        # A prefix is not a flag: "--max-step" is a typo to name, not --max-steps to guess (and
+        # a flag added later would change what an old command line meant).
+        allow_abbrev=False,
         description="GRPO-family RL with vLLM rollouts and fusedrl's fused loss. With no "
         "arguments: a tiny Llama, warm-started, learns the built-in `sum` task on CPU.",
     )
