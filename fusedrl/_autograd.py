@@ -19,11 +19,15 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
     - CUDA eager: a Triton kernel reads grad_loss on the device and its programs return at once
       when it is 1 (no read or write of grad), else scale in one pass;
     - under torch.compile (or without Triton): a multiply that the compiler can fuse onward.
-    Every route multiplies in fp32 and rounds once: the factor cast to an fp16 gradient's dtype
-    first would overflow past 65504 (GradScaler's 2**16, or a small `grad_scale` declared; inf,
-    then NaN where the gradient is 0), and cast to bf16 it would lose its low bits.
+    Every route multiplies a half or bf16 gradient in fp32 and rounds once (the scaling kernel's
+    torch fallback, for a gradient no row view can walk, aside: none that fusedrl writes): the
+    factor cast to an fp16 gradient's dtype first would overflow past 65504 (GradScaler's
+    2**16, or a small `grad_scale` declared; inf, then NaN where the gradient is 0), and cast to
+    bf16 it would lose its low bits.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (the dtype is fixed at trace time)
+        if grad.dtype in (torch.float32, torch.float64):
+            return grad.mul_(grad_loss.to(grad.dtype))
         return grad.copy_(grad.float() * grad_loss.float())  # one fused pass
     if grad_loss.device.type == "cpu":
         factor = grad_loss.item()

@@ -111,6 +111,10 @@ def test_the_factor_is_fp32_on_every_route(monkeypatch):
         strided = base.to(dtype).T  # not contiguous: one fp32 copy
         _autograd._mul_in_fp32(strided, torch.tensor(factor))
         assert torch.equal(strided, want.T)
+    # fp64 stays fp64 (not through fp32) on the traced route
+    factor = torch.tensor(1 / 3, dtype=torch.float64)
+    traced = torch.compile(_autograd.scale_unless_one, backend="eager", fullgraph=True)
+    assert torch.equal(traced(base.double(), factor), base.double() * factor)
 
 
 @needs_interpreter

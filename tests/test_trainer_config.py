@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from fusedrl.trainer.config import HELP, TrainConfig, coerce, parse_config
@@ -131,19 +132,47 @@ def test_bad_options_fail_before_anything_is_written(tmp_path, monkeypatch):
         assert re.search(message, proc.stderr), (message, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr and "warm start" not in proc.stdout
         assert not (tmp_path / "r").exists()
-    monkeypatch.delenv("TRITON_INTERPRET")  # (the suite's: the Triton backend runs on CPU)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the suite's, on CPU)
     (tmp_path / "broken.yaml").write_text("max_steps: 3\n  lr: 1\n")
     out = ["--out", str(tmp_path / "r")]
-    for flags, error, message in (
+    cases = [
         (["--backend", "jax"], ValueError, "--backend"),
         (["--config", "nope.yaml"], FileNotFoundError, "--config nope.yaml: no such file"),
         (["--config", str(tmp_path / "broken.yaml")], ValueError, r"not valid YAML \(line 2"),
-        (["--backend", "triton"], ValueError, "--backend triton: backend='triton' needs CUDA"),
         (["--distill-teacher", "nope"], ValueError, "--distill-teacher nope: not a model dir"),
-    ):
+    ]
+    if not torch.cuda.is_available():  # a backend this machine cannot run
+        cases.append(
+            (["--backend", "triton"], ValueError, "--backend triton: backend='triton' needs CUDA")
+        )
+    for flags, error, message in cases:
         with pytest.raises(error, match=message):
             Trainer(parse_config([*out, *flags]))
         assert not (tmp_path / "r").exists()
+    # --overwrite: a model that does not load leaves the old run as it was
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    replace = ["--out", str(old), "--overwrite", "--model", str(tmp_path / "nope")]
+    with pytest.raises(ValueError, match="--model .*nope: cannot be loaded"):
+        Trainer(parse_config(replace))
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_machine_error_while_loading_is_not_called_a_bad_model():
+    """A full disk (or an I/O or permission error) while a model loads stays an OSError; a
+    model that is not there is an error line naming the option."""
+    import errno
+
+    from fusedrl.trainer.loop import _loading
+
+    with pytest.raises(OSError, match="No space left") as info:
+        with _loading("--model", "m"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert info.value.errno == errno.ENOSPC
+    with pytest.raises(ValueError, match="--model m: cannot be loaded .*no such repo"):
+        with _loading("--model", "m"):
+            raise OSError("no such repo")
 
 
 @pytest.mark.parametrize(
@@ -258,6 +287,8 @@ def test_data_without_answers(tmp_path):
     assert [row["answer"] for row in rows] == [None, None]
     with pytest.raises(ValueError, match="missing column 'answer'"):
         load_rows(str(path), "prompt", "answer")
+    with pytest.raises(ValueError, match="missing column ''"):  # the prompt is never optional
+        load_rows(str(path), "", "")
     out = ["--out", str(tmp_path / "r"), "--dataset", str(path), "--answer-column", ""]
     with pytest.raises(ValueError, match="--reward math compares each completion with the answer"):
         Trainer(parse_config([*out, "--reward", "format,math"]))
@@ -417,3 +448,15 @@ def test_local_paths_are_kept_absolute_so_a_run_resumes_from_anywhere(tmp_path, 
     resumed = parse_config(["--resume", str(run), "--dataset", cfg.dataset])
     assert (resumed.model, resumed.dataset) == (cfg.model, cfg.dataset)
     assert Path(resumed.dataset).exists() and Path(resumed.model).is_dir()
+    # a run saved before paths were kept absolute, resumed from its own directory with the
+    # same relative flags: the same job
+    monkeypatch.chdir(tmp_path)
+    old = dataclasses.replace(cfg, model="tinymodel", dataset="data/math.jsonl")
+    (run / "config.yaml").write_text(old.to_yaml())
+    again = parse_config(["--resume", str(run), *flags])
+    assert (again.model, again.dataset) == (cfg.model, cfg.dataset)
+    with pytest.raises(ValueError, match="--dataset 'data/math.jsonl' -> .* would change"):
+        parse_config(["--resume", str(run), "--dataset", str(elsewhere)])
+    # a file named like a hub id is no model folder
+    (tmp_path / "gpt2").write_text("")
+    assert parse_config(["--model", "gpt2"]).model == "gpt2"

@@ -461,7 +461,7 @@ class TrainConfig:
     # --- YAML / CLI -----------------------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
-        if not Path(path).is_file():
+        if not Path(path).exists() or Path(path).is_dir():  # (a pipe is fine: <(...))
             raise FileNotFoundError(f"--config {path}: no such file")
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
@@ -799,8 +799,12 @@ def _absolute_paths(options: dict) -> dict:
     fixed = dict(options)
     for name in LOCAL_PATH_OPTIONS:
         value = fixed.get(name)
-        if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
-            fixed[name] = os.path.abspath(os.path.expanduser(value))
+        if not isinstance(value, str) or not value:
+            continue
+        path = os.path.expanduser(value)
+        # a model is a folder (a file named like a hub id is not taken for it); data a file
+        if os.path.isfile(path) if name == "dataset" else os.path.isdir(path):
+            fixed[name] = os.path.abspath(path)
     return fixed
 
 
@@ -846,11 +850,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 def _refuse_job_change(saved: TrainConfig, new: dict, resume: str) -> None:
-    """ValueError when `new` (options by name) changes the job `saved` (a run's config) trains."""
+    """ValueError when `new` (options by name) changes the job `saved` (a run's config) trains.
+    Local paths compare absolute (a run saved before they were kept so holds them as typed)."""
+    old = _absolute_paths({name: getattr(saved, name) for name in JOB_OPTIONS})
     changed = {
         name: (getattr(saved, name), new[name])
         for name in JOB_OPTIONS
-        if name in new and new[name] != getattr(saved, name)
+        if name in new and new[name] != old[name]
     }
     if changed:
         listed = ", ".join(

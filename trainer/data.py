@@ -106,7 +106,7 @@ def load_rows(path: str, prompt_column: str, answer_column: str) -> list[dict]:
             )
         columns = ((prompt_column, "--prompt-column"), (answer_column, "--answer-column"))
         for column, flag in columns:
-            if column and column not in row:  # (an empty --answer-column: no answers)
+            if column not in row and (column or flag == "--prompt-column"):  # no answers: ""
                 raise ValueError(
                     f"--dataset {path}: {at}: missing column {column!r} (it has "
                     f"{sorted(row)}); set {flag}"

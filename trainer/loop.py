@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import math
 import os
 import shutil
@@ -278,13 +279,20 @@ def check_teacher_dir(path: str) -> None:
         raise ValueError(f"--distill-teacher {path}: not a model directory (no config.json)")
 
 
+# OSErrors of the machine, not of the model's name: raised as they are.
+_MACHINE_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EACCES, errno.EROFS, errno.EDQUOT)
+
+
 @contextlib.contextmanager
 def _loading(option: str, path: str):
     """transformers' OSError for a model it cannot load (no such folder or hub id, no network,
-    a folder without weights) as one error line naming the option."""
+    a folder without weights) as one error line naming the option; a full disk, an I/O or a
+    permission error stays what it is."""
     try:
         yield
     except OSError as exc:
+        if exc.errno in _MACHINE_ERRNOS:
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
             f"{option} {path}: cannot be loaded as a local model folder or a hub id ({first})"
@@ -379,6 +387,11 @@ class Trainer:
             raise ValueError(f"--backend {cfg.backend}: {exc}") from None
         if cfg.distill_teacher:
             check_teacher_dir(cfg.distill_teacher)
+        if cfg.model is not None and self.replaced:  # before --overwrite removes the old run
+            from transformers import AutoConfig
+
+            with _loading("--model", cfg.model):
+                AutoConfig.from_pretrained(cfg.model)
         if self.replaced:  # --overwrite: the old run goes now that the new one can start
             _remove(self.run_dir, self.replaced)
             self.replaced, self.cleared = [], True
@@ -389,7 +402,9 @@ class Trainer:
             box = [model_path]
             dist.broadcast_object_list(box)
             model_path = box[0]
-        with _loading("--model", model_path):
+        # (without --model, the base model this run built: its failure is no bad flag's)
+        option = "--model" if cfg.model is not None else "the base model"
+        with _loading(option, model_path):
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = (
             self.tokenizer.pad_token_id
@@ -401,7 +416,7 @@ class Trainer:
         self.compute_dtype = _dtype(cfg, self.env.device)
         # Master weights stay fp32; the forward runs under autocast in the compute dtype, so the
         # logits the fused loss reads are bf16 on a GPU.
-        with _loading("--model", model_path):
+        with _loading(option, model_path):
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         max_len = max(len(ids) for ids in self.prompts.token_ids) + cfg.max_tokens
         limit = getattr(model.config, "max_position_embeddings", None)
