@@ -36,6 +36,10 @@ SCALAR_LOSSES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 # The PPO clipped objective (LUSPO differs from PPO only in its defaults: a sequence ratio and a
 # per-sequence token sum).
 PPO_CLIPPED = ("ppo", "luspo")
+# An eps_low that leaves the lower ratio bound open (TRL's cispo; verl's clip_ratio_low >= 1,
+# a bound 1 - clip_ratio_low <= 0): 1 - eps_low = 1e-12 lies below every ratio the losses form
+# (|log ratio| is clamped at 20: ratio >= 2e-9), so it never binds.
+OPEN_LOWER_BOUND = 1.0 - 1e-12
 # Losses that take a sequence ratio (ratio_level="sequence"): GSPO's clipped objective, and
 # CISPO's / SAPO's weights of it (TRL's importance_sampling_level="sequence" for them).
 SEQUENCE_RATIO_LOSSES = (*PPO_CLIPPED, "cispo", "sapo")

@@ -112,6 +112,13 @@ def test_what_fusedrl_does_not_reproduce_stays_verls(fused_calls):
     _assert_same_update(got, want)
     assert not verl_engine.reproduces({"policy_loss": {"loss_mode": "sapo"}, "entropy_coeff": 0.1})
     assert verl_engine.reproduces({"policy_loss": {"loss_mode": "sapo"}, "entropy_coeff": 0.0})
+    # the registry's names are the same losses; a setting fusedrl refuses stays verl's (which
+    # runs it, or says its own error), not a fused step that fails
+    for mode in ("fusedrl_vanilla", "fusedrl_gspo"):
+        assert verl_engine.reproduces({"policy_loss": {"loss_mode": mode}}), mode
+    assert verl_engine.reproduces({"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 10.0})
+    refused = {"policy_loss": {"loss_mode": "vanilla"}, "clip_ratio_c": 0.5}  # dual clip <= 1
+    assert not verl_engine.reproduces(refused)
 
 
 def test_importing_registers_for_nvidia_gpus():

@@ -169,6 +169,8 @@ def test_policy_loss_parity_global_batch(mode, agg):
         dict(clip_ratio=0.25, clip_ratio_low=None, clip_ratio_high=None),
         dict(clip_ratio_c=1.5),
         dict(clip_ratio_low=0.1, clip_ratio_high=0.4, tau_pos=2.0, tau_neg=3.0),
+        # verl's CISPO recipe: a lower bound 1 - 10 that never binds (fusedrl's open bound)
+        dict(clip_ratio_low=10.0, clip_ratio_high=0.2),
     ],
 )
 @pytest.mark.parametrize("mode", ["vanilla", "cispo", "sapo", "geo_mean"])
@@ -349,7 +351,10 @@ def test_unsupported_options_raise():
     with pytest.raises(ValueError, match="loss_agg_mode='seq-sum'"):
         _run(fn, batch, "seq-sum", _actor("vanilla"), None)
     with pytest.raises(ValueError, match="clip_ratio_low"):
-        fverl.loss_config_from_verl(_actor("vanilla", clip_ratio_low=1.0))
+        fverl.loss_config_from_verl(_actor("vanilla", clip_ratio_low=-0.1))
+    for mode in ("vanilla", "gspo", "cispo"):  # a bound <= 0: open, as verl's never binds
+        cfg = fverl.loss_config_from_verl(_actor(mode, clip_ratio_low=1.0))
+        assert cfg.eps_low == fusedrl.config.OPEN_LOWER_BOUND, mode
     with pytest.raises(ValueError, match="batch_num_tokens"):
         fverl.verl_normalizer(batch["mask"], "token-mean", {"dp_size": 2})
     with pytest.raises(ValueError, match="config"):

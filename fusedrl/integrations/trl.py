@@ -54,6 +54,7 @@ with warnings.catch_warnings():
 import fusedrl
 import fusedrl.backends
 from fusedrl import LossConfig
+from fusedrl.config import OPEN_LOWER_BOUND
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
@@ -68,8 +69,7 @@ TOKEN_COUNT_LOSSES = ("dapo", "cispo", "vespo")
 # (the entropy bonus and its adaptive coefficient were the last, until 2026-11-26).
 UNSUPPORTED: dict[str, object] = {}
 # TRL's cispo caps the IS ratio at epsilon_high with no lower bound: fusedrl's cispo bounds are
-# [1 - eps_low, 1 + eps_high], so eps_low just below 1 leaves the lower side open.
-_OPEN_LOWER_BOUND = 1.0 - 1e-12
+# [1 - eps_low, 1 + eps_high], so eps_low just below 1 (OPEN_LOWER_BOUND) leaves it open.
 
 
 def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
@@ -139,7 +139,7 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
         return LossConfig(
             loss="cispo",
             ratio_level=level,
-            eps_low=_OPEN_LOWER_BOUND,
+            eps_low=OPEN_LOWER_BOUND,
             eps_high=eps_high - 1.0,
             agg="token-mean",
             **common,

@@ -95,15 +95,23 @@ def fused_loss_for(engine, micro_batch, loss_function, forward_only) -> FusedPPO
 
 
 def reproduces(config: Any) -> bool:
-    """Whether fusedrl reproduces verl's ppo_loss for this actor config."""
-    mode = _get(_get(config, "policy_loss"), "loss_mode", "vanilla")
+    """Whether fusedrl reproduces verl's ppo_loss for this actor config: a mode it covers (the
+    registry's `fusedrl_` names too) with settings it takes; else verl's own loss runs (a
+    setting fusedrl refuses must not fail a run that verl would train)."""
+    mode = _get(_get(config, "policy_loss"), "loss_mode", "vanilla").removeprefix("fusedrl_")
     if mode not in LOSS_MODES or mode in _VERLS_OWN:
         return False
     use_kl = bool(_get(config, "use_kl_loss", False))
     if use_kl and _get(config, "kl_loss_type", "low_var_kl") not in KL_ESTIMATORS:
         return False
     entropy = float(_get(config, "entropy_coeff", 0.0) or 0.0)
-    return mode not in _OWN_AGGREGATION or (entropy == 0.0 and not use_kl)
+    if mode in _OWN_AGGREGATION and (entropy != 0.0 or use_kl):
+        return False
+    try:
+        loss_config_from_verl(config, loss_mode=mode)
+    except ValueError:
+        return False
+    return True
 
 
 class FusedPPOLoss:
