@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import _bench, peak_memory_above_inputs, write_run_json  # noqa: E402
+from bench_loss import SMOKE_NOTE, _bench, peak_memory_above_inputs, write_run_json  # noqa: E402
 
 import fusedrl  # noqa: E402
 from fusedrl import linear_triton  # noqa: E402
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     grid.update({axis: getattr(args, axis) for axis in "NHV" if getattr(args, axis)})
     if args.smoke:
         args.warmup_ms, args.rep_ms = 1, 5
+        print(f"# {SMOKE_NOTE}")
     cfg = fusedrl.LossConfig.preset("dapo")
     rows, started = [], time.strftime("%Y%m%d-%H%M%S")
     print(f"{'N':>6} {'H':>5} {'V':>7} {'impl':>18} {'ms':>9} {'gemm %':>7} {'peak MiB':>9}")

@@ -364,6 +364,8 @@ def make_step(op: str, impl: str, case: Case):
     if op == "token_logprobs_fwd":
         if impl in INPLACE_IMPLS:
             return None  # no gradient, nothing to write in place (liger has no logprobs op)
+        if "split" in impl.split("-"):
+            return None  # the split-row kernel is the fused loss's: no row of its own here
         if impl.startswith("fusedrl"):
             backend = impl.split("-")[1]
 
@@ -700,6 +702,15 @@ def results_dir(out, smoke: bool) -> Path:
     return SMOKE_RESULTS if smoke and out.resolve() == RESULTS.resolve() else out
 
 
+# The versions every one-table JSON records: the compiler, and each peer a benchmark may run.
+PEER_DISTRIBUTIONS = {
+    "triton": "triton",
+    "liger_kernel": "liger-kernel",
+    "trl": "trl",
+    "transformers": "transformers",
+}
+
+
 def write_run_json(
     out_dir, stem: str, benchmark: str, smoke: bool, device, dtype, rows, started=None, **extra
 ):
@@ -713,7 +724,9 @@ def write_run_json(
         "device": _device_name(device),
         "dtype": str(dtype),
         **extra,
+        # the stack and the peers, from package metadata (null where not installed)
         "torch": torch.__version__,
+        **{name: package_version(dist) for name, dist in PEER_DISTRIBUTIONS.items()},
         "commit": _git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None, trainer=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="4 steps: not a measurement")
     args = parser.parse_args(argv)
     steps = 4 if args.smoke else args.steps
+    if args.smoke:
+        print(f"# {SMOKE_NOTE}")
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -33,7 +33,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import package_version  # noqa: E402
+from bench_loss import _git_commit, package_version, results_dir  # noqa: E402
 
 # aten ops that launch nothing on a GPU (views, metadata, allocations, a Python scalar wrapped)
 NO_LAUNCH = {
@@ -276,11 +276,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         rows.append(row)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = "host-overhead-cpu-smoke.json" if args.smoke else "host-overhead-cpu.json"
+        out = results_dir(args.out, args.smoke)  # (a smoke run never into bench/results/)
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = "host-overhead-cpu-smoke.json" if args.smoke else f"host-overhead-cpu-{stamp}.json"
         result = dict(
             note=SMOKE_NOTE if args.smoke else NOTE,
             smoke=args.smoke,
+            commit=_git_commit(),
+            triton=package_version("triton"),
             B=args.B,
             T=args.T,
             V=args.V,
@@ -289,7 +293,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             liger_kernel=liger,
             rows=rows,
         )
-        (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+        (out / name).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out / name}")
     if args.smoke:
         print(SMOKE_NOTE)
     return rows

@@ -467,6 +467,15 @@ def test_bench_linear_smoke(tmp_path):
     assert bench_linear.main(argv) == 0
     result = json.loads((tmp_path / "linear-smoke.json").read_text())
     assert result["smoke"] is True and result["note"] == "smoke run, not a measurement"
+    # the stack and the peers from package metadata, as every one-table JSON records them
+    import importlib.metadata
+
+    for key, dist in (("triton", "triton"), ("liger_kernel", "liger-kernel"), ("trl", "trl")):
+        try:
+            want = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            want = None
+        assert result[key] == want, key
     impls = {row["impl"] for row in result["rows"]}
     assert {"fused", "fused+skip", "logits"} <= impls
     assert all(row["ms"] > 0 and row["gemm_tflops"] > 0 for row in result["rows"])
