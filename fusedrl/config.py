@@ -248,6 +248,10 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     # The KL term times the ratio pi / pi_old (DeepSeek-V3.2; TRL's use_bias_correction_kl).
     kl_bias_correction: bool = False
+    # verl's clamps of k3 (and k3+'s value): |ref - logp| <= 20 before the exp, the estimate
+    # within +-10, no gradient past them. TRL's k3 has none (False): the KL term's terms then
+    # come from the torch code after a log-prob pass (two reads of the logits, not one).
+    kl_clamp: bool = True
     # DeepSeek-V3.2's off-policy sequence mask: a sequence whose mean KL(rollout || policy) exceeds
     # this drops its negative-advantage tokens from the policy term (TRL's
     # off_policy_mask_threshold). None: off.
@@ -445,10 +449,9 @@ class LossConfig:
     def _check_corrections(self) -> None:
         for field in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             _check_positive(field, getattr(self, field))
-        if not isinstance(self.kl_bias_correction, bool):
-            raise ValueError(
-                f"LossConfig.kl_bias_correction must be a bool, got {self.kl_bias_correction!r}"
-            )
+        for flag in ("kl_bias_correction", "kl_clamp"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"LossConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.off_policy_mask is not None:
             _check_positive("off_policy_mask", self.off_policy_mask, above=-math.inf)
             if self.off_policy_mask < 0:

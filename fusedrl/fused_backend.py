@@ -490,8 +490,14 @@ def sequence_kernel_covers(inp: LossInputs, cfg: LossConfig) -> bool:
         and cfg.top_entropy_quantile == 1
         and cfg.m2po_tau is None
         and not (cfg.kl_bias_correction and cfg.beta > 0)
+        and not _unclamped_kl(cfg)
         and not (cfg.entropy_agg is not None and has_entropy_bonus(inp, cfg))
     )
+
+
+def _unclamped_kl(cfg: LossConfig) -> bool:
+    """TRL's k3 without verl's clamps (`kl_clamp=False`), which the kernels' KL terms hold."""
+    return not cfg.kl_clamp and cfg.beta > 0 and (cfg.kl or "k3") in ("k3", "k3+")
 
 
 KERNEL_LOSSES = (*PPO_CLIPPED, "dcpo", "cispo", "sapo", "pg")  # the kernels' LOSS codes
@@ -659,6 +665,8 @@ def needs_two_passes(inp: LossInputs, cfg: LossConfig) -> bool:
     if cfg.entropy_agg is not None and has_entropy_bonus(inp, cfg):
         return True  # the kernel weighs d(loss)/d(entropy) with the policy's aggregation weight
     if cfg.kl_bias_correction and cfg.beta > 0:  # the fused kernel has no ratio-weighted KL
+        return True
+    if _unclamped_kl(cfg):  # nor an unclamped k3
         return True
     if cfg.m2po_tau is not None:  # a batch-wide statistic of logp: known after pass 1
         return True

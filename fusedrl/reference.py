@@ -201,8 +201,11 @@ def aggregate(per_token: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torc
     return weighted.sum() / n_all / norm
 
 
-def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimators (Schulman's k1/k2/k3, verl's clamps and '+' forms)."""
+def kl_estimate(
+    logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp: bool = True
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimators (Schulman's k1/k2/k3, verl's clamps and '+' forms;
+    `clamp=False`: k3 as TRL writes it, pi_ref / pi - log(pi_ref / pi) - 1 with no clamp)."""
     delta = logp - ref
     if kind == "k1":
         return delta
@@ -210,8 +213,11 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tenso
         return 0.5 * delta.square()
     if kind == "abs":
         return delta.abs()
-    k3_log = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
-    k3 = torch.clamp(k3_log.exp() - k3_log - 1.0, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    if clamp:
+        k3_log = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
+        k3 = torch.clamp(k3_log.exp() - k3_log - 1.0, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    else:
+        k3 = torch.exp(ref - logp) - (ref - logp) - 1.0
     if kind == "k3":
         return k3
     # Straight-through: the value of k1 / k3, the gradient of k2 (unbiased KL gradient).
@@ -781,7 +787,7 @@ def policy_loss(
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
     elif inp.ref_logp is not None:
-        kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3")
+        kl = kl_estimate(logp, inp.ref_logp, cfg.kl or "k3", cfg.kl_clamp)
         metrics["kl"] = masked_mean(kl.detach(), inp)
         if cfg.beta > 0:
             if cfg.kl_bias_correction and cfg.ratio_level == "sequence":

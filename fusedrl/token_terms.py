@@ -248,13 +248,14 @@ def _aggregation_weights(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
 
 
 def kl_and_grad(
-    logp: torch.Tensor, ref: torch.Tensor, kind: str, grads: bool = True
+    logp: torch.Tensor, ref: torch.Tensor, kind: str, grads: bool = True, clamp: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(value, d value / d logp) of the KL estimators of `fusedrl.reference.kl_estimate`; the
-    value alone (derivative None) without `grads`."""
+    value alone (derivative None) without `grads`. `clamp`: verl's clamps of k3 (else TRL's k3,
+    exp(ref - logp) - (ref - logp) - 1 as it is)."""
     delta = logp - ref
     if kind in ("k1+", "k3+"):  # straight-through: value of k1/k3, gradient of k2
-        value, _ = kl_and_grad(logp, ref, kind[:-1], grads=False)
+        value, _ = kl_and_grad(logp, ref, kind[:-1], grads=False, clamp=clamp)
         return value, delta if grads else None
     if kind == "k1":
         return delta, torch.ones_like(delta) if grads else None
@@ -262,6 +263,9 @@ def kl_and_grad(
         return 0.5 * delta.square(), delta if grads else None
     if kind == "abs":
         return delta.abs(), torch.sign(delta) if grads else None
+    if not clamp:
+        ratio = torch.exp(-delta)
+        return ratio + delta - 1.0, (1.0 - ratio) if grads else None
     log_ratio = torch.clamp(-delta, -KL_LOG_CLAMP, KL_LOG_CLAMP)
     raw = log_ratio.exp() - log_ratio - 1.0
     value = torch.clamp(raw, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
@@ -708,7 +712,7 @@ def token_terms(
             per_token = per_token + cfg.beta * kl
         dfull_kl = torch.where(inp.valid, cfg.beta * agg_w, 0.0)
     elif inp.ref_logp is not None:
-        kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3", grads)
+        kl, dkl = kl_and_grad(logp, inp.ref_logp, cfg.kl or "k3", grads, cfg.kl_clamp)
         metrics.mean("kl", kl, inp)
         if cfg.beta > 0:
             if cfg.kl_bias_correction and cfg.ratio_level == "sequence":

@@ -105,6 +105,30 @@ def test_kl_clamps_act(kind, backend):
     _compare(data, LossConfig(kl=kind, beta=0.1), backend)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(kl="k3", beta=0.1, kl_clamp=False),  # token level: two passes, torch terms
+        LossConfig(kl="k3+", beta=0.1, kl_clamp=False),
+        LossConfig(kl="k3", beta=0.1, kl_clamp=False, kl_bias_correction=True),
+        LossConfig.preset("gspo", beta=0.1, kl="k3", kl_clamp=False),
+    ],
+    ids=["k3", "k3+", "k3-bias-corrected", "gspo-k3"],
+)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_unclamped_k3_as_trl_writes_it(cfg, backend):
+    """kl_clamp=False (TRL's k3): exp(ref - logp) - (ref - logp) - 1 with no clamp, its value
+    and gradient past verl's +-10, on every backend against the oracle; the clamped loss
+    differs on the same data (the clamp would have acted)."""
+    data, logp = _data(seed=15)
+    data["ref_logp"] = logp + torch.tensor([5.0, 3.0, -12.0, 0.5, -0.5, 0.01]).expand_as(logp)
+    ref = _compare(data, cfg, backend)
+    gap = data["ref_logp"][0, 0] - logp[0, 0]
+    assert math.isclose(math.exp(gap) - gap - 1, 142.41, rel_tol=1e-3)  # > 10: past the clamp
+    clamped, _ = run_loss(reference.policy_loss, data, cfg.replace(kl_clamp=True))
+    assert float(ref.metrics["kl"]) > float(clamped.metrics["kl"]) + 1.0
+
+
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_fractional_float_mask(backend):
     data, _ = _data(seed=6)

@@ -72,7 +72,7 @@ UNSUPPORTED: dict[str, object] = {}
 # [1 - eps_low, 1 + eps_high], so eps_low just below 1 (OPEN_LOWER_BOUND) leaves it open.
 
 
-def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
+def loss_config_from_trl(args: GRPOConfig, warn: bool = True) -> LossConfig:
     """The LossConfig that reproduces `GRPOTrainer._compute_loss` for these TRL arguments.
 
     TRL's entropy bonus scales with the trainer's state, which a config cannot hold: with
@@ -97,8 +97,9 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
     if level not in ("token", "sequence"):
         raise ValueError(f"GRPOConfig.importance_sampling_level={level!r} is not supported")
     bias_corrected_kl = args.beta != 0.0 and getattr(args, "use_bias_correction_kl", False)
-    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        logger.warning(  # TRL's own warning, as GRPOTrainer gives it
+    if warn and level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(  # TRL's own warning, as GRPOTrainer gives it (`warn`: FusedGRPOTrainer's
+            # calls pass False: GRPOTrainer's constructor says it once)
             "importance_sampling_level='sequence' with loss_type=%r sums per-token "
             "contributions, which weights each sequence by its completion length instead of "
             "optimizing the per-sequence objective; loss_type='grpo' is the GSPO paper's setup",
@@ -111,6 +112,7 @@ def loss_config_from_trl(args: GRPOConfig) -> LossConfig:
         temperature=args.temperature,
         beta=args.beta,
         kl=kl,
+        kl_clamp=False,  # TRL's k3 has none of verl's clamps
         kl_bias_correction=bias_corrected_kl,
         off_policy_mask=getattr(args, "off_policy_mask_threshold", None),
         top_entropy_quantile=getattr(args, "top_entropy_quantile", 1.0),
@@ -240,10 +242,10 @@ class FusedGRPOTrainer(GRPOTrainer):
             )
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig):
-            loss_config_from_trl(config)  # an unsupported configuration fails here, at once
+            loss_config_from_trl(config, warn=False)  # unsupported: fails here, at once
             _check_backend_runs(fused_backend, config)
         super().__init__(*args, **kwargs)
-        self.fused_config = loss_config_from_trl(self.args)
+        self.fused_config = loss_config_from_trl(self.args, warn=False)
         if self._entropy_bonus_enabled:  # TRL's attribute: entropy_coef != 0 or adaptive
             # The coefficient goes to the loss as a tensor each call (TRL's gate, its
             # accumulation scaling, the adaptive updates): one graph whatever its value.
