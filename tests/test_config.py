@@ -154,6 +154,7 @@ def test_unknown_preset():
         (dict(loss="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),
         (dict(loss="vespo", vespo_lambda_pos=float("nan")), "vespo_lambda_pos"),
         (dict(kl_bias_correction=1), "kl_bias_correction"),
+        (dict(kl_clamp="no"), "kl_clamp"),
         (dict(off_policy_mask=-0.1), "off_policy_mask"),
         (dict(off_policy_mask=float("inf")), "off_policy_mask"),
         (dict(loss="gmpo", off_policy_mask=0.1), "off_policy_mask"),

@@ -142,7 +142,11 @@ def _inputs(model, loss_type, beta, seed=0):
         num_items_in_batch=completion_mask.sum().float(),
     )
     if beta:
-        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(B, T, generator=gen)
+        ref = logp + 0.3 * torch.randn(B, T, generator=gen)
+        # one counted token 4 nats likelier under the reference: k3 = e^4 - 5 = 49.6, past the
+        # clamp at 10 that verl's k3 has and TRL's does not
+        ref[0, 1] = logp[0, 1] + 4.0
+        inputs["ref_per_token_logps"] = ref
     return inputs
 
 
