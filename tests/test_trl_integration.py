@@ -587,6 +587,15 @@ def test_bad_settings_fail_before_the_models_load(tmp_path):
     bad = _args(tmp_path, importance_sampling_level="tokens")  # GRPOConfig takes any string
     with pytest.raises(ValueError, match="importance_sampling_level='tokens' is not supported"):
         FusedGRPOTrainer(missing, _reward_len, bad)
+    # LossConfig's refusals in GRPOConfig's names
+    bad = _args(tmp_path, delta=1.1)  # below 1 + epsilon_high: TRL trains it, fusedrl refuses
+    with pytest.raises(ValueError, match=r"GRPOConfig\(loss_type='dapo', .*delta=1.1, .*eps_high"):
+        FusedGRPOTrainer(missing, _reward_len, bad)
+    bad = _args(tmp_path, loss_type="dr_grpo", max_completion_length=None)
+    with pytest.raises(ValueError, match="divides by max_completion_length, which is None"):
+        FusedGRPOTrainer(missing, _reward_len, bad)
+    # epsilon >= 1: TRL's lower bound 1 - epsilon <= 0 never binds; fusedrl's is open
+    assert loss_config_from_trl(_args(tmp_path, epsilon=1.0)).eps_low == 1.0 - 1e-12
     with pytest.raises(ValueError, match="fused_lm_head=True needs fused_backend 'auto'"):
         FusedGRPOTrainer(
             missing, _reward_len, _args(tmp_path), fused_backend="cuda", fused_lm_head=True

@@ -80,6 +80,21 @@ def loss_config_from_trl(args: GRPOConfig, warn: bool = True) -> LossConfig:
     `policy_loss(entropy_coef=tensor)`), and under gradient accumulation TRL divides the bonus by
     the steps (dapo / cispo / vespo: divide the coefficient by them too). FusedGRPOTrainer does
     both."""
+    try:
+        return _mapped_config(args, warn)
+    except ValueError as err:
+        if str(err).startswith("GRPOConfig"):
+            raise
+        # LossConfig's refusal, in the names the TRL user set
+        raise ValueError(
+            f"GRPOConfig(loss_type={args.loss_type!r}, epsilon={args.epsilon}, "
+            f"epsilon_high={args.epsilon_high}, delta={args.delta}, beta={args.beta}) is not "
+            f"supported by fusedrl: {err} (GRPOConfig's epsilon / epsilon_high / delta are "
+            "LossConfig's eps_low / eps_high / delta)"
+        ) from None
+
+
+def _mapped_config(args: GRPOConfig, warn: bool) -> LossConfig:
     for name, neutral in UNSUPPORTED.items():
         value = getattr(args, name, neutral)
         if value != neutral:
@@ -105,7 +120,8 @@ def loss_config_from_trl(args: GRPOConfig, warn: bool = True) -> LossConfig:
             "optimizing the per-sequence objective; loss_type='grpo' is the GSPO paper's setup",
             loss_type,
         )
-    eps_low = args.epsilon
+    # epsilon >= 1: a lower bound 1 - epsilon <= 0 that never binds a ratio (open)
+    eps_low = args.epsilon if args.epsilon < 1 else OPEN_LOWER_BOUND
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     kl = "k3" if args.beta != 0.0 else None
     common = dict(
@@ -164,6 +180,10 @@ def loss_config_from_trl(args: GRPOConfig, warn: bool = True) -> LossConfig:
     }[loss_type]
     extra: dict[str, Any] = {}
     if loss_type == "dr_grpo":
+        if args.max_completion_length is None:
+            raise ValueError(
+                "GRPOConfig.loss_type='dr_grpo' divides by max_completion_length, which is None"
+            )
         extra["norm_constant"] = float(args.max_completion_length)
     return LossConfig(
         loss="luspo" if loss_type == "luspo" else "ppo",
