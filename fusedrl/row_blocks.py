@@ -38,11 +38,10 @@ def row_blocks(
     batch, time, _ = tensors[0].shape
     vocab = tensors[0].shape[-1] if vocab is None else vocab
     rows = block_rows(vocab, elements)
-    try:
+    # Decided from the strides, not by trying the view: under torch.compile a view that cannot
+    # be made raises from the tracer (a hard error, not the eager RuntimeError).
+    if all(_flattens(t) for t in tensors):
         flats = [t.view(batch * time, t.shape[-1]) for t in tensors]
-    except RuntimeError:
-        flats = None
-    if flats is not None:
         for start in range(0, batch * time, rows):
             yield start, tuple(f[start : start + rows] for f in flats)
         return
@@ -57,3 +56,9 @@ def rows_temperature(temperature, start: int, stop: int):
     if isinstance(temperature, torch.Tensor):
         return temperature.reshape(-1)[start:stop, None]
     return temperature
+
+
+def _flattens(t: torch.Tensor) -> bool:
+    """Whether [B, T, X] `t` views as [B * T, X]: its sequences lie one after another."""
+    batch, time = t.shape[0], t.shape[1]
+    return batch <= 1 or time <= 1 or t.stride(0) == t.stride(1) * time

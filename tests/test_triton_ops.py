@@ -166,6 +166,38 @@ def test_torch_compile_fullgraph(preset):
     torch.testing.assert_close(logits.grad, ref_grad)
 
 
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_torch_backend_compiles_on_a_prompt_offset_slice(preset):
+    """The torch backend (CPU's default) inside torch.compile(fullgraph=True) on the slice a
+    trainer passes, model(...).logits[:, P - 1 : -1]: its row blocks are decided from the
+    strides (a view tried under the tracer raised there), the oracle's loss and gradient."""
+    data = make_batch(batch=2, time=4, vocab=67, seed=2)
+    cfg = LossConfig.preset(preset)
+    if cfg.ratio_level == "sequence":
+        cfg = cfg.replace(eps_low=0.5, eps_high=1.0)
+    full = torch.randn(2, 3 + 4 + 1, 67, generator=torch.Generator().manual_seed(2))
+    full = full.requires_grad_(True)
+
+    def loss_fn(full, labels, advantages, mask, old_logp):
+        logits = full[:, 2:-2]  # [B, P+T, V] -> the completion's rows: not flat
+        out = fusedrl.policy_loss(
+            logits, labels, advantages, mask, old_logp=old_logp, config=cfg, backend="torch"
+        )
+        return out.loss, fusedrl.token_logprobs(logits.detach(), labels, backend="torch")[0]
+
+    torch.compiler.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    args = (data["labels"], data["advantages"], data["mask"], data["old_logp"])
+    loss, logp = compiled(full, *args)
+    (grad,) = torch.autograd.grad(loss, full)
+    ref, ref_grad = run_loss(reference.policy_loss, {**data, "logits": full[:, 2:-2]}, cfg)
+    torch.testing.assert_close(loss, ref.loss)
+    torch.testing.assert_close(grad[:, 2:-2], ref_grad)
+    assert not full[:, 2:-2].is_contiguous() and (grad[:, :2] == 0).all()
+    want, _ = reference.token_logprobs(full[:, 2:-2].detach(), data["labels"])
+    torch.testing.assert_close(logp, want)
+
+
 def test_opcheck_the_ops_on_rows_of_scalars():
     """The aggregation weights (a bool mask and an fp32 one: fp32 weights either way), the
     sums' finalize and the two-pass terms: each fake gives the real op's shapes and dtypes."""
