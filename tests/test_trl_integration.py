@@ -209,6 +209,9 @@ def test_parity_with_trl_compute_loss(loss_type, level, beta, model_dir, tokeniz
 # Each option on data where it acts: a bias-corrected KL (ratios away from 1), sequences that
 # drifted from the sampler with both advantage signs, half the tokens below the entropy quantile.
 CORRECTIONS = {
+    # two-sided clipping at the sequence level with delta below 1 + epsilon_high (TRL counts the
+    # clip metrics on the ratio after its delta clamp)
+    "delta_sequence": ("grpo", dict(importance_sampling_level="sequence", delta=1.02)),
     "bias_corrected_kl": ("dapo", dict(beta=0.04, use_bias_correction_kl=True)),
     "bias_corrected_kl_grpo": ("grpo", dict(beta=0.04, use_bias_correction_kl=True)),
     # TRL's defaults at the sequence level: the KL times the sequence ratio, differentiated
@@ -240,6 +243,8 @@ def test_parity_with_trl_corrections(name, with_sampler_logps, model_dir, tokeni
     inputs["advantages"] = torch.tensor([-1.0, 0.7, -0.4, 0.2])
     gen = torch.Generator().manual_seed(5)
     inputs["old_per_token_logps"][0] += 0.6  # sequence 0 drifted from the old policy
+    if options.get("delta"):  # sequence 1 (A > 0) above 1 + epsilon_high, and above delta
+        inputs["old_per_token_logps"][1] -= 0.6
     if with_sampler_logps:  # ... but not from the sampler; sequence 2 did (gaps ~ -0.4, 0.6)
         gap = torch.tensor([-1.0, 0.3, 0.6, 0.0])[:, None] + 0.01 * torch.randn(B, T, generator=gen)
         inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + gap

@@ -635,6 +635,8 @@ class FusedGRPOTrainer(GRPOTrainer):
             )
             metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         elif self.loss_type != "sapo":
+            if self.args.delta is not None:  # TRL counts on the ratio after its delta clamp
+                ratio = torch.clamp(ratio, max=self.args.delta)
             low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
             high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
             metrics["clip_ratio/low_mean"].append(global_masked_mean(low.float()))
