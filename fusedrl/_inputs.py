@@ -289,13 +289,9 @@ def check_labels_counted(labels_ok: torch.Tensor, inp: LossInputs) -> None:
     check of the labels they read: 1.0 when every counted label lay in [0, V)) holds."""
     if labels_ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(labels_ok):
-            # The error path only: the host names a label the kernels refused, as
-            # labels_in_range does.
-            vocab = inp.logits.shape[-1]
-            counted = inp.labels[inp.valid]
-            bad = counted[(counted < 0) | (counted >= vocab)]
-            found = f", found {bad[0].item()}" if bad.numel() else ""
-            raise ValueError(_labels_message(inp) + found)
+            # The error path only: the host check names a label the kernels refused
+            labels_in_range(inp.labels, inp.valid, inp.logits.shape[-1])
+            raise ValueError(_labels_message(inp))
     else:
         torch._assert_async(labels_ok, _labels_message(inp))
 
