@@ -20,7 +20,7 @@ def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
       when it is 1 (no read or write of grad), else scale in one pass;
     - under torch.compile (or without Triton): a multiply that the compiler can fuse onward.
     Every route multiplies a half or bf16 gradient in fp32 and rounds once (the scaling kernel's
-    torch fallback, for a gradient no row view can walk, aside: none that fusedrl writes): the
+    torch fallback too, for a gradient no row view can walk): the
     factor cast to an fp16 gradient's dtype first would overflow past 65504 (GradScaler's
     2**16, or a small `grad_scale` declared; inf, then NaN where the gradient is 0), and cast to
     bf16 it would lose its low bits.

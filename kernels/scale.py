@@ -73,7 +73,8 @@ def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
     the [V, H] weight, the [V] bias of the LM head); `scale` is a one-element tensor on grad's
     device, read on the device (no host sync). Any view whose last dim is contiguous runs as
     rows of that dim, without a copy; a gradient no view can walk is multiplied by torch, still
-    in place (the autograd node hands its own buffer on)."""
+    in place (the autograd node hands its own buffer on), a half or bf16 one in fp32 as the
+    kernel does."""
     if scale.numel() != 1:
         raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
     if scale.device != grad.device:
@@ -81,8 +82,12 @@ def scale_rows_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
     if grad.numel() == 0:
         return
     rows = _as_rows(grad)
-    if rows is None:
-        grad.mul_(scale.reshape(()))
+    if rows is None:  # (no gradient fusedrl writes comes here)
+        factor = scale.reshape(())
+        if grad.dtype in (torch.float32, torch.float64):
+            grad.mul_(factor.to(grad.dtype))
+        else:  # an aten multiply would cast the factor to fp16 (inf past 65504) or bf16
+            grad.copy_(grad.float().mul_(factor.float()))
         return
     batch, time, vocab = rows.shape
     block = block_size(vocab, grad.device, grad.element_size())

@@ -88,7 +88,7 @@ def policy_term(
     (`token_ratio`) or its sequence's (GSPO: value s, gradient s, the GSPO-token convention).
     Where `nan_ratio` (a NaN log-ratio) the loss is NaN and every flag 0, as torch's
     comparisons of a NaN ratio do (a GPU min / max would drop the NaN and compare a clamped
-    value)."""
+    value), but CISPO's clipfrac, `ratio != clamp(ratio)`: NaN != NaN, 1."""
     clipped_ratio = tl.minimum(tl.maximum(ratio, low), high)
     below = (ratio < low) & (adv < 0)
     above = (ratio > high) & (adv > 0)
@@ -116,7 +116,7 @@ def policy_term(
     elif LOSS == LOSS_CISPO:  # -sg(clip(r)) A logp
         d = -clipped_ratio * adv
         value = d * logp
-        clipped = ratio != clipped_ratio
+        clipped = ratio != clipped_ratio  # (True for a NaN ratio: torch's clamp keeps the NaN)
     elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
         tau = tl.where(adv > 0, loss_scalars[TAU_POS_AT], loss_scalars[TAU_NEG_AT])
         gate = tl.sigmoid(tau * (ratio - 1.0))
@@ -128,10 +128,12 @@ def policy_term(
         below = clipped
         above = clipped
     value = tl.where(nan_ratio, float("nan"), value)
+    if LOSS != LOSS_CISPO:
+        clipped = clipped & ~nan_ratio
     return (
         value,
         d,
-        clipped & ~nan_ratio,
+        clipped,
         below & ~nan_ratio,
         above & ~nan_ratio,
         dual_clipped & ~nan_ratio,

@@ -194,6 +194,25 @@ def test_grad_scale_writes_the_scaled_gradient_compiled(preset, backend):
         assert torch.equal(grad, plain_grad * 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_upstream_factor_scales_half_gradients_in_fp32(dtype):
+    """The scaling kernel (rows it can walk) and its torch fallback (a transposed gradient):
+    GradScaler's 2**16 and 1/3 times a half / bf16 gradient, the product in fp32 rounded once
+    (a CUDA multiply by a 0-D tensor would cast the factor to the gradient's dtype: inf in
+    fp16, low bits lost in bf16)."""
+    from fusedrl.kernels.scale import scale_rows_unless_one
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for factor in (2.0**16, 1.0 / 3.0):
+        for grad in (
+            torch.randn(6, 1031, device="cuda", generator=gen).mul_(1e-3).to(dtype),
+            torch.randn(1031, 6, device="cuda", generator=gen).mul_(1e-3).to(dtype).t(),
+        ):
+            truth = (grad.float() * factor).to(dtype)  # (the fp32 product, rounded once)
+            scale_rows_unless_one(grad, torch.tensor([factor], device="cuda"))
+            assert torch.equal(grad, truth), (factor, grad.is_contiguous())
+
+
 @pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
 @FUSED
 def test_loss_forward_and_backward_replay_in_a_cuda_graph(preset, backend):

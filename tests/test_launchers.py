@@ -351,6 +351,28 @@ def test_scale_takes_a_gradient_of_any_shape(layout, dtype, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize(
+    "layout, dtype",
+    # (the interpreter rounds the kernel's fp32 -> bf16 toward zero: the kernel in fp16 only)
+    [("3-D [B, T, V]", torch.float16)]
+    + [(layout, dtype) for layout in NO_VIEW for dtype in (torch.float16, torch.bfloat16)],
+)
+def test_scale_multiplies_half_gradients_in_fp32(layout, dtype):
+    """The kernel and its torch fallback (a gradient no view can walk) alike: the product in
+    fp32, rounded once. GradScaler's 2**16 cast to fp16 first would be inf (and NaN at a zero
+    gradient); 1/3 cast to bf16 first would lose its low bits. (A CPU multiply by a 0-D tensor
+    computes in fp32 anyway; a CUDA one casts the factor: tests/test_gpu.py runs this there.)"""
+    from fusedrl.kernels import scale
+
+    for factor in (2.0**16, 1.0 / 3.0):
+        grad = _gradient(layout, dtype)
+        grad.mul_(1e-3)
+        truth = (grad.float() * factor).to(dtype)  # (the fp32 product, rounded once)
+        scale.scale_rows_unless_one(grad, torch.tensor([factor]))
+        assert torch.equal(grad, truth), (factor, (grad.double() - truth.double()).abs().max())
+
+
+@needs_interpreter
 def test_scale_refuses_what_it_cannot_scale_in_place():
     """A broadcast gradient shares its elements between rows: scaling each row would scale them
     again and again, so it raises (torch's in-place check) instead. A scale of several elements,
