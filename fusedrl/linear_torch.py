@@ -260,7 +260,10 @@ def sweep(
         if rows_lse is not None:
             rows_lse[start:stop] = lse[:, 0]
         if whole_rows is not None:
+            # Rebased on the whole rows' lse. A slice of a row with no mass (all -inf here, or
+            # outside the sampled set) has lse -inf and log_probs -inf - -inf = NaN: p = 0.
             log_probs += lse - whole_rows[0][start:stop, None]
+            log_probs.masked_fill_(lse == -float("inf"), -float("inf"))
             block_entropy = whole_rows[1][start:stop]
         else:
             block_logp, block_entropy = block_stats(

@@ -369,6 +369,15 @@ CASES = [
         skip_masked_rows=True,
         overrides=(("top_p", 0.8), ("min_p", 0.02)),
     ),
+    # top_k 2-3 of V = 1031 over 2-3 ranks: most rows hold no token of their set on some rank,
+    # whose slice then has no mass (p = 0 there, not NaN)
+    Case("linear_dapo_top_k_3", kind="linear", overrides=(("top_k", 3),)),
+    Case(
+        "linear_logprobs_top_k_2",
+        kind="linear_logprobs",
+        return_entropy=True,
+        sampling=(("top_k", 2),),
+    ),
     Case(
         "linear_logprobs_sampling_softcap",
         kind="linear_logprobs",
