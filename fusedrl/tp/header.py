@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -285,7 +286,8 @@ def agree(
         ]
     )
     rows = [dict(zip(FIELDS, row)) for row in all_gather(local, group, world).tolist()]
-    return checked, check(rows, rank, failure), rows[0]["seed"]
+    shard = check(rows, rank, failure, lambda: _gather_text(call, group, world, device))
+    return checked, shard, rows[0]["seed"]
 
 
 def loss_inputs_replicated(inp, cu_seqlens=None) -> tuple[dict, torch.Tensor]:
@@ -337,8 +339,43 @@ def _disagree(what: str, values: list) -> TensorParallelInputError:
     )
 
 
-def check(rows: list[dict], rank: int, failure: BaseException | None) -> VocabShard:
-    """The checks every rank runs on the same gathered header (so they raise alike)."""
+def _gather_text(text: str, group, world: int, device: torch.device) -> list[str]:
+    """Every rank's `text` (two all-gathers: the lengths, then the padded bytes). Only on the
+    error path, which every rank takes alike (their header said so)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = all_gather(torch.tensor([data.numel()], device=device), group, world)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    rows = all_gather(padded.to(device), group, world).cpu()
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths.view(-1).tolist())]
+
+
+_SETTING = re.compile(r"(\w+)=('[^']*'|\([^()]*\)|[^\s,()]+)")
+
+
+def settings_disagree(calls: list[str]) -> TensorParallelInputError:
+    """The error for ranks whose settings differ, naming the settings that do (`key=value`
+    pairs of the calls, compared in order), or the whole settings where their lists differ."""
+    pairs = [_SETTING.findall(call) for call in calls]
+    if len({tuple(key for key, _ in p) for p in pairs}) == 1:
+        differing = [
+            f"{key} ({', '.join(f'rank {r}: {p[i][1]}' for r, p in enumerate(pairs))})"
+            for i, (key, _) in enumerate(pairs[0])
+            if len({p[i][1] for p in pairs}) > 1
+        ]
+        if differing:
+            return TensorParallelInputError(
+                "fusedrl tensor parallel: ranks disagree on the settings: " + "; ".join(differing)
+            )
+    return _disagree("the settings", calls)
+
+
+def check(
+    rows: list[dict], rank: int, failure: BaseException | None, calls: Callable[[], list[str]]
+) -> VocabShard:
+    """The checks every rank runs on the same gathered header (so they raise alike); `calls()`
+    gathers every rank's settings, to name those that differ."""
     failed = [r for r, h in enumerate(rows) if h["failed"]]
     if failed:
         if failure is not None:
@@ -356,9 +393,7 @@ def check(rows: list[dict], rank: int, failure: BaseException | None) -> VocabSh
     if len(set(dtypes)) > 1:
         raise _disagree("the dtype of the logits (or hidden)", dtypes)
     if len({h["call"] for h in rows}) > 1:
-        raise _disagree(
-            "the settings (config / temperature; crc32 of each)", [h["call"] for h in rows]
-        )
+        raise settings_disagree(calls())
     shard = _layout(rows, rank)
     _check_replicated(rows, shard.vocab_size)
     return shard

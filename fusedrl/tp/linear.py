@@ -83,7 +83,10 @@ def _head_settings(hidden: object, want: tuple, reduce_input_grad: bool) -> str:
     """What the ranks of an LM-head call must share beside the config: the hidden size (the
     backward all-reduce of d(hidden) is [N, H]) and whether that all-reduce runs at all."""
     size = hidden.shape[-1] if isinstance(hidden, torch.Tensor) and hidden.dim() else None
-    return f"hidden_size={size} grads={tuple(want)} reduce_input_grad={reduce_input_grad}"
+    return (
+        f"hidden_size={size} grads_of_hidden_weight_bias={tuple(want)} "
+        f"reduce_input_grad={reduce_input_grad}"
+    )
 
 
 def _head_rows(weight, bias, vocab_start, vocab_size):
