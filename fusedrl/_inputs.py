@@ -506,11 +506,16 @@ def masked_rows(inp: LossInputs) -> LossInputs:
     )
 
 
+def check_config(config: object) -> LossConfig:
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
+    return config
+
+
 def _checked_source(logits: object, config: object, source: str) -> tuple[torch.Tensor, bool]:
     """(the logits or hidden states checked, whether they are [N, V] / [N, H] without
     sequence boundaries, which the config must not need)."""
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a fusedrl.LossConfig, got {type(config).__name__}")
+    check_config(config)
     logits = check_logits(logits, name=source)
     flat_input = logits.dim() == 2
     if flat_input and config.needs_sequences:

@@ -36,7 +36,7 @@ import fusedrl.output as output
 import fusedrl.single_process as single_process
 
 from ._autograd import attach_grads, wanted_grads
-from ._inputs import LossInputs, check_sum_pi_squared, masked_rows, needs_entropy
+from ._inputs import LossInputs, check_config, check_sum_pi_squared, masked_rows, needs_entropy
 from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
 from .logit_transform import capping_keywords
@@ -44,6 +44,7 @@ from .output import LossOutput
 from .segments import (
     Segments,
     check_cu_seqlens,
+    layout_length,
     replace_agg,
     rollout_mismatch,
     segment_weights,
@@ -359,10 +360,11 @@ def policy_loss(
     rollout = rollout.map(lambda _, value: local_value(value))
     head = head.map_temperature(local_value)
     with rows.checks():  # under tensor parallelism, one rank's bad argument: every rank raises
+        check_config(cfg)
         segments = Segments(
             check_cu_seqlens(local_value(cu_seqlens), rows.source, max_seqlen),
             rows.source.shape[0],
-            max_seqlen,
+            layout_length(cfg, max_seqlen),
         )
         if isinstance(advantages, torch.Tensor):
             advantages = segments.per_token(advantages, "advantages")

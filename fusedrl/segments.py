@@ -83,8 +83,11 @@ class Segments:
 
     def per_token(self, values: torch.Tensor | None, name: str) -> torch.Tensor | None:
         """One value per sequence [S] (or [S, 1]) repeated over its tokens, [N]; a per-token [N]
-        tensor as it is (with N == S the two readings agree: one token a sequence)."""
+        tensor as it is. With N == S a 1-D tensor reads both ways; the readings agree where every
+        sequence is one token long, and a pack with empty sequences is refused (`ambiguous`)."""
         if values is None or (values.dim() == 1 and values.shape[0] == self.tokens):
+            if values is not None and self.tokens == self.count:
+                self.ambiguous(values, name)
             return values
         if tuple(values.shape) not in ((self.count,), (self.count, 1)):
             raise ValueError(
@@ -98,7 +101,23 @@ class Segments:
         (the padded call's own per-sequence layout)."""
         if values is None or not (values.dim() == 1 and values.shape[0] == self.tokens):
             return values
+        if self.tokens == self.count:
+            self.ambiguous(values, "is_weights")
         return self.pad(values, fill)
+
+    def ambiguous(self, values: torch.Tensor, name: str) -> None:
+        """A 1-D tensor of N == S values: one a token and one a sequence are the same reading
+        only if every sequence is one token long; else (some empty, some longer) it is refused
+        (without a host sync off the CPU)."""
+        if self.count:
+            _fail_if(
+                (self.lengths != 1).any(),
+                f"{name} of shape {tuple(values.shape)} reads as one per token and one per "
+                f"sequence alike ({self.tokens} tokens in {self.count} sequences, not one token "
+                "each): pass [S, 1] for one per sequence, or per-token values on boundaries "
+                "without empty sequences",
+                values,
+            )
 
 
 def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> torch.Tensor:
@@ -143,6 +162,18 @@ def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> 
         cu_seqlens,
     )
     return cu_seqlens
+
+
+def layout_length(cfg: LossConfig, max_seqlen: int | None) -> int | None:
+    """The padded layout's T_max as `Segments` takes it: `max_seqlen`, the caller's bound on the
+    longest sequence, except where the numbers depend on T_max: seq-mean-token-sum-norm without
+    norm_constant divides by the padded length T, which for packed sequences is the longest
+    sequence's (the padded call on the sequences cut out; the oracle's). A bound above it (a
+    pack's capacity, say) would rescale the loss, so there the longest is read (one host
+    sync on an accelerator, as without max_seqlen)."""
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+        return None
+    return max_seqlen
 
 
 def require_cu_seqlens(cu_seqlens: object, max_seqlen: object) -> None:
@@ -204,7 +235,7 @@ def packed_aggregation(
     aggregation over the packed sequences, None for token-mean): for a loss whose terms are
     each a token's own (distillation's divergences), the boundaries' whole part."""
     check_packed_rows(cu_seqlens, source, max_seqlen)
-    segments = Segments(cu_seqlens, source.shape[0], max_seqlen)
+    segments = Segments(cu_seqlens, source.shape[0], layout_length(cfg, max_seqlen))
     segments.check_per_token({"mask": mask})
     return replace_agg(cfg), segment_weights(segments, source, vocab, mask, cfg, normalizer)
 

@@ -496,6 +496,85 @@ def test_bad_cu_seqlens_are_named():
     assert packed.sees_no_boundaries(LossConfig.preset("dapo"), None, None)
 
 
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("preset", ["dr_grpo", "gspo_sum_norm"])
+def test_a_max_seqlen_bound_does_not_change_the_loss(preset, backend):
+    """max_seqlen is a bound on the longest sequence (a pack's capacity will do): it sizes the
+    padded layout and never the numbers. seq-mean-token-sum-norm without norm_constant divides
+    by T, the longest sequence's length as in the oracle's packed call: a larger bound rescaled
+    the loss and gradient by longest / max_seqlen (on the plain call's weights and on the
+    two-pass terms alike)."""
+    cfg = LossConfig.preset("dr_grpo")
+    if preset == "gspo_sum_norm":
+        cfg = LossConfig.preset("gspo", agg="seq-mean-token-sum-norm")
+    data = _batch(seed=21)
+    flat, cuts = data["packed"], data["cu_seqlens"]
+    want, want_grad = _call(reference.policy_loss, flat, cfg, cu_seqlens=cuts)
+    for bound in (None, max(LENGTHS), 4 * max(LENGTHS)):
+        got, got_grad = _call(
+            fusedrl.policy_loss, flat, cfg, backend, cu_seqlens=cuts, max_seqlen=bound
+        )
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-5, msg=str(bound))
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-5, msg=str(bound))
+
+
+def test_a_max_seqlen_bound_does_not_change_distillation():
+    """The same for distillation's packed aggregation (its weights per sequence)."""
+    data = _batch(seed=22)
+    flat, cuts = data["packed"], data["cu_seqlens"]
+    teacher = torch.randn(flat["logits"].shape, generator=torch.Generator().manual_seed(2))
+    cfg = LossConfig(agg="seq-mean-token-sum-norm")
+    losses = [
+        fusedrl.distill_loss(
+            flat["logits"].nan_to_num(),
+            teacher,
+            flat["labels"],
+            flat["mask"],
+            config=cfg,
+            cu_seqlens=cuts,
+            max_seqlen=bound,
+        ).loss
+        for bound in (None, max(LENGTHS), 4 * max(LENGTHS))
+    ]
+    assert (
+        losses[0] != 0 and torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+    )
+
+
+def test_one_value_a_token_and_a_sequence_alike_is_refused():
+    """A 1-D tensor with N == S values reads as one a token or one a sequence: the same where
+    every sequence is one token long (taken), refused where some are empty (the per-token
+    reading silently misread per-sequence advantages); [S, 1] says one a sequence."""
+    gen = torch.Generator().manual_seed(3)
+    logits, labels = torch.randn(3, VOCAB, generator=gen), torch.randint(0, VOCAB, (3,))
+    mask, per_sequence = torch.ones(3, dtype=torch.bool), torch.tensor([5.0, -1.0, 7.0])
+    cfg = LossConfig.preset("grpo", beta=0.0)
+
+    def call(cuts, **kwargs):
+        inputs = dict(labels=labels, advantages=per_sequence, mask=mask) | kwargs
+        cuts = torch.tensor(cuts)
+        return fusedrl.policy_loss(logits, **inputs, config=cfg, cu_seqlens=cuts).loss
+
+    ones = call([0, 1, 2, 3])  # one token a sequence: the readings agree
+    torch.testing.assert_close(ones, call([0, 1, 2, 3], advantages=per_sequence[:, None]))
+    for name in ("advantages", "is_weights"):
+        given = {"advantages": per_sequence[:, None], name: per_sequence.abs()}
+        with pytest.raises(ValueError, match=rf"{name} of shape \(3,\) reads as one per token"):
+            call([0, 0, 3, 3], **given)
+    padded = reference.policy_loss(
+        logits[None], labels[None], per_sequence[1:2], mask[None], config=cfg
+    )
+    got = call([0, 0, 3, 3], advantages=per_sequence[:, None])  # sequence 1 holds the tokens
+    torch.testing.assert_close(got, padded.loss)
+
+
+def test_a_config_that_is_not_a_loss_config_is_named():
+    data = _batch(seed=1)
+    for cfg in ("dapo", {"loss": "ppo"}):
+        with pytest.raises(TypeError, match="config must be a fusedrl.LossConfig, got"):
+            fusedrl.policy_loss(**data["packed"], config=cfg, cu_seqlens=data["cu_seqlens"])
+
+
 def test_the_log_prob_functions_check_and_keep_them():
     """token_logprobs / linear_token_logprobs take cu_seqlens (checked as the loss's) and give
     what they give without it: each row's log-prob is its own."""
