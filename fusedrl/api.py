@@ -142,11 +142,12 @@ def policy_loss(
         )
         if out is not None:  # a call of a kind already decided
             return out
+    from .context_parallel import group_argument_checks
     from .tp.dtensor import wants_tensor_parallel
-    from .tp.header import argument_checks
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
-    with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
+    # one rank's bad argument: every rank of the group raises
+    with group_argument_checks(sharded, logits, tp_group, cp_group):
         config, head = _model_head(config, temperature, softcap, logit_scale)
         _refuse_what_has_no_path(
             config,

@@ -32,20 +32,23 @@ leaving the others in the all-gather; what is checked after it, every rank check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 import fusedrl.packed as packed
 
-from ._inputs import check_logits
+from ._inputs import check_config, check_logits
 from .arguments import ModelHead, RolloutInputs
 from .config import LossConfig
 from .output import LossOutput
-from .segments import Segments, check_cu_seqlens
+from .segments import Segments, check_cu_seqlens, layout_length
 from .tp.comm import all_gather, group_rank_and_size
+from .tp.header import argument_checks as tp_argument_checks
 from .tp.header import replicated_hash
 
 
@@ -75,9 +78,10 @@ def policy_loss(
     states [N_r, H] and the LM head), its rollout inputs and model head as objects."""
     cfg = config if config is not None else LossConfig()
     rank, world = group_rank_and_size(cp_group)
-    want_entropy = return_entropy or cfg.needs_entropy or entropy_coef is not None
     own = logp = entropy = failure = None
     try:  # everything a rank reads alone, before any collective (a failure joins the header)
+        check_config(cfg)
+        want_entropy = return_entropy or cfg.needs_entropy or entropy_coef is not None
         _local_checks(rows, labels, mask, advantages, rollout, head, cu_seqlens)
         valid = mask != 0
         temperature = cfg.temperature
@@ -90,14 +94,20 @@ def policy_loss(
         own = _own_columns(mask, valid, logp, entropy, advantages, rollout, head)
     except (TypeError, ValueError, NotImplementedError) as err:
         failure = err
-    settings = (cu_seqlens, max_seqlen, cfg, normalizer, grad_scale)
+    # (the values every rank gives whole: per-sequence [S, 1] ones, a 0-dim temperature, the
+    # entropy coefficient's tensor)
+    shared = [v for v in (advantages, rollout.is_weights) if _is_tensor(v, dims=(2,))]
+    shared += [v for v in (head.temperature,) if _is_tensor(v, dims=(0,))]
+    shared += [v for v in (entropy_coef,) if _is_tensor(v, dims=(0, 1))]
+    settings = (cu_seqlens, max_seqlen, cfg, normalizer, grad_scale, shared)
     sizes = _header(rows.source, settings, own, failure, cp_group, world, rank)
     # From here every rank holds the same boundaries, settings and layout: what raises, raises
     # on every rank alike.
     tokens, offset = sum(sizes), sum(sizes[:rank])
     mine = slice(offset, offset + sizes[rank])
     whole = torch.empty((tokens, 1), device=rows.source.device)  # (what cu_seqlens counts)
-    segments = Segments(check_cu_seqlens(cu_seqlens, whole, max_seqlen), tokens, max_seqlen)
+    checked = check_cu_seqlens(cu_seqlens, whole, max_seqlen)
+    segments = Segments(checked, tokens, layout_length(cfg, max_seqlen))
     full = _gather(own, sizes, cp_group, world)
     whole_rollout = RolloutInputs(
         **{f.name: full.get(f.name, getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
@@ -222,29 +232,56 @@ def _header(source, settings: tuple, own, failure, group, world: int, rank: int)
             f"fusedrl context parallel: rank(s) {failed} rejected their inputs (their error "
             "names the argument)"
         )
-    if len({row[2] for row in rows}) > 1:
-        raise ContextParallelInputError(
-            "fusedrl context parallel: ranks disagree on cu_seqlens, max_seqlen, the config, "
-            "normalizer or grad_scale (each must be the same on every rank)"
-        )
+    # (which columns first: a per-sequence value on some ranks alone is a layout that differs)
     if len({row[3] for row in rows}) > 1:
         raise ContextParallelInputError(
             "fusedrl context parallel: ranks disagree on which inputs they give, or on which "
             "are per token: every rank gives the same ones, advantages / is_weights [N_r] per "
             "token or [S, 1] per sequence on every rank"
         )
+    if len({row[2] for row in rows}) > 1:
+        raise ContextParallelInputError(
+            "fusedrl context parallel: ranks disagree on cu_seqlens, max_seqlen, the config, "
+            "normalizer, grad_scale, the per-sequence [S, 1] advantages / is_weights, a 0-dim "
+            "temperature or the entropy_coef tensor (each must be the same on every rank)"
+        )
     return [row[0] for row in rows]
+
+
+def _is_tensor(value: object, dims: tuple[int, ...]) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() in dims
 
 
 def _settings_digest(settings: tuple, device) -> torch.Tensor:
     """A 0-dim int64 hash of what every rank must share (no host sync)."""
-    cu_seqlens, max_seqlen, cfg, normalizer, grad_scale = settings
+    cu_seqlens, max_seqlen, cfg, normalizer, grad_scale, shared = settings
     digest = replicated_hash(cu_seqlens.long(), None, device)
     digest = digest ^ (zlib.crc32(f"{max_seqlen!r} {cfg!r}".encode()) << 1)
-    for value in (normalizer, grad_scale):
+    for factor, value in enumerate((normalizer, grad_scale, *shared), start=3):
         if value is not None:
-            digest = digest ^ (replicated_hash(value, None, device) * 3)
+            digest = digest ^ (replicated_hash(value, None, device) * factor)
     return digest
+
+
+@contextlib.contextmanager
+def argument_checks(cp_group, source: object) -> Iterator[None]:
+    """Around the checks an entry point runs before a context-parallel call reaches its header
+    (`source`: the call's logits or hidden states): a bad argument on one rank joins the
+    group's header, where every other rank raises a ContextParallelInputError naming it,
+    instead of raising there alone while they wait for it."""
+    try:
+        yield
+    except (TypeError, ValueError, NotImplementedError) as err:
+        if cp_group is None or isinstance(err, ContextParallelInputError):
+            raise
+        try:
+            rank, world = group_rank_and_size(cp_group)
+        except Exception:  # (not a group: nothing to join)
+            raise err from None
+        if world == 1:
+            raise
+        _header(source, None, None, err, cp_group, world, rank)
+        raise  # (_header raised it already)
 
 
 def _gather(own: dict, sizes: list[int], group, world: int) -> dict:
@@ -263,3 +300,12 @@ def _gather(own: dict, sizes: list[int], group, world: int) -> dict:
     if own["mask"].dtype == torch.bool:
         full["mask"] = full["mask"] != 0
     return full
+
+
+@contextlib.contextmanager
+def group_argument_checks(sharded: bool, source: object, tp_group, cp_group) -> Iterator[None]:
+    """The entry points' checks before a parallel call's header: a bad argument on one rank
+    raises on every rank of its tensor-parallel (`tp.header.argument_checks`) and its
+    context-parallel group (`argument_checks`)."""
+    with tp_argument_checks(sharded, source, tp_group), argument_checks(cp_group, source):
+        yield

@@ -145,10 +145,11 @@ def linear_policy_loss(
         LossOutput, its loss differentiable w.r.t. hidden, weight and bias (each that requires
         grad); logp / entropy [B, T] fp32 detached; metrics as in `policy_loss`.
     """
-    from .tp.header import argument_checks
+    from .context_parallel import group_argument_checks
 
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
-    with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
+    # one rank's bad argument: every rank of the group raises
+    with group_argument_checks(sharded, hidden, tp_group, cp_group):
         config, temperature = temperature_in_config(config, temperature)
         transform, skip_masked_rows = _check_linear_loss_arguments(
             config,

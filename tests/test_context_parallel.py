@@ -64,6 +64,28 @@ CASES = [
     Case("bad_advantages_per_sequence_1d", LossConfig.preset("dapo"), bad="advantages_1d"),
     Case("bad_advantages_layout_differs", LossConfig.preset("dapo"), bad="advantages_layout"),
     Case("bad_config_differs", LossConfig.preset("dapo"), bad="config_differs"),
+    # refused by the entry point before the call reaches its header, on one rank: it joins the
+    # header (the others raised nothing and would wait for it in their all-gather)
+    *(
+        Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad)
+        for bad in (
+            "softcap_last_rank",
+            "sum_pi_squared_last_rank",
+            "no_cu_seqlens_last_rank",
+            "config_str_last_rank",
+        )
+    ),
+    # whole values each rank gives: compared in the header, as the config
+    *(
+        Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad)
+        for bad in (
+            "advantages_values_differ",
+            "is_weights_differ",
+            "entropy_coef_differs",
+            "entropy_coef_nan_on_one_rank",
+            "temperature_0d_differs",
+        )
+    ),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -145,6 +167,24 @@ def _bad_arguments(case: Case, mine_inputs: dict, rank: int, world: int) -> dict
         mine_inputs["advantages"] = mine_inputs["advantages"][:, 0]
     if case.bad == "advantages_layout" and rank == 1:  # per token here, per sequence elsewhere
         mine_inputs["advantages"] = torch.zeros(mine_inputs["labels"].shape)
+    last = rank == world - 1
+    if case.bad == "softcap_last_rank" and last:
+        mine_inputs["softcap"] = -1.0
+    if case.bad == "sum_pi_squared_last_rank" and last:
+        mine_inputs["return_sum_pi_squared"] = True
+    if case.bad == "no_cu_seqlens_last_rank" and last:
+        mine_inputs.pop("cu_seqlens")
+    one = 1 if rank == 1 else 0  # rank 1's value differs
+    if case.bad == "advantages_values_differ":
+        mine_inputs["advantages"] = mine_inputs["advantages"] + one
+    if case.bad == "is_weights_differ":
+        mine_inputs["is_weights"] = torch.ones_like(mine_inputs["advantages"]) + one
+    if case.bad == "entropy_coef_differs":
+        mine_inputs["entropy_coef"] = torch.tensor(0.01 + one)
+    if case.bad == "entropy_coef_nan_on_one_rank":
+        mine_inputs["entropy_coef"] = torch.tensor(float("nan") if one else 0.01)
+    if case.bad == "temperature_0d_differs":
+        mine_inputs["temperature"] = torch.tensor(0.7 + one)
     return mine_inputs
 
 
@@ -158,6 +198,8 @@ def _run(case: Case, world: int, rank: int, group) -> dict:
     if case.bad:
         if case.bad == "config_differs" and rank == 1:
             case = dataclasses.replace(case, config=case.config.replace(eps_high=0.3))
+        if case.bad == "config_str_last_rank" and rank == world - 1:
+            case = dataclasses.replace(case, config="dapo")
         try:
             _call(case, mine_inputs, cp_group=group)
             result["error"] = None
@@ -240,10 +282,31 @@ def test_bad_input_raises_on_every_rank(worlds, world):
     errors = [r["error"] for r in _results(worlds, world, "bad_label_last_rank")]
     assert errors[-1][0] == "ValueError" and "labels must be in" in errors[-1][1], errors
     assert all(e[0] == "ContextParallelInputError" for e in errors[:-1]), errors
+    for name, error_type, phrase in (
+        ("bad_softcap_last_rank", "ValueError", "softcap must be"),
+        ("bad_sum_pi_squared_last_rank", "NotImplementedError", "return_sum_pi_squared"),
+        ("bad_no_cu_seqlens_last_rank", "ValueError", "cp_group takes packed"),
+        ("bad_config_str_last_rank", "TypeError", "config must be a fusedrl.LossConfig"),
+    ):
+        errors = [r["error"] for r in _results(worlds, world, name)]
+        assert errors[-1][0] == error_type and phrase in errors[-1][1], (name, errors)
+        for error in errors[:-1]:
+            assert error[0] == "ContextParallelInputError", (name, errors)
+            assert f"rank(s) [{world - 1}] rejected" in error[1], (name, errors)
     for name, phrase in (
         ("bad_cu_seqlens_differ", "disagree on cu_seqlens"),
         ("bad_config_differs", "the config"),
         ("bad_advantages_layout_differs", "which are per token"),
+        *(
+            (f"bad_{bad}", "the per-sequence [S, 1] advantages / is_weights, a 0-dim")
+            for bad in (
+                "advantages_values_differ",
+                "is_weights_differ",
+                "entropy_coef_differs",
+                "entropy_coef_nan_on_one_rank",
+                "temperature_0d_differs",
+            )
+        ),
     ):
         errors = [r["error"] for r in _results(worlds, world, name)]
         assert {e for e in errors} == {("ContextParallelInputError", errors[0][1])}, errors

@@ -1477,7 +1477,9 @@ def test_bad_input_messages_name_the_problem(worlds):
         "bad_batch_differs": "disagree on the token shape",
         "bad_time_differs": "disagree on the token shape",
         "bad_config_differs": "on the settings: eps_high (rank 0: 0.28, rank 1: 0.3, rank 2: 0.28)",
-        "bad_row_temps_rank0_only": "on the settings: temperature (rank 0: per-token, rank 1: None, rank 2: None)",
+        "bad_row_temps_rank0_only": (
+            "on the settings: temperature (rank 0: per-token, rank 1: None, rank 2: None)"
+        ),
         "bad_softcap_differs": "on the settings: softcap (rank 0: 2.0, rank 1: 3.0, rank 2: 2.0)",
         "bad_labels_permuted": "disagree on labels",
         "bad_mask_weights_differ": "disagree on mask",

@@ -122,6 +122,49 @@ def test_resume_refuses_a_job_change_and_a_finished_run(hf_run):
     assert "the checkpoint is at step 20, --max-steps is 20: nothing left to train" in proc.stderr
 
 
+def test_resume_finishes_a_run_that_lost_its_final_model(hf_run, tmp_path):
+    """A run killed (or out of disk) after its last checkpoint, before the export: --resume
+    writes the final model from that checkpoint, trains nothing and keeps the metrics."""
+    import shutil
+
+    run = tmp_path / "unexported"
+    shutil.copytree(hf_run, run, ignore=shutil.ignore_patterns("final_model", "tensorboard"))
+    proc = _cli("--resume", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 20" in proc.stdout and "writing its final model" in proc.stdout
+    assert (run / "final_model" / "config.json").exists()
+    assert read_metrics(run) == read_metrics(hf_run)
+    exported = (run / "final_model" / "model.safetensors").read_bytes()
+    assert exported == (hf_run / "final_model" / "model.safetensors").read_bytes()
+
+
+def test_resume_refuses_another_warm_start(hf_run):
+    """The run's base model was warm-started with its options: another value on resume would
+    not change that model, and config.yaml would say it did."""
+    proc = _cli("--resume", str(hf_run), "--warmstart-steps", "0", "--max-steps", "21")
+    assert proc.returncode == 2
+    assert "--warmstart-steps" in proc.stderr and "-> 0 would change the job" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "lr, says",
+    [
+        # finite weights whose logits overflow: transformers' generate raised a RuntimeError
+        ("1e30", "step 2: sampling met non-finite probabilities"),
+        # AdamW's own step overflows fp32 (a RuntimeError of torch's)
+        ("1e38", "step 1: the optimizer's step overflows fp32"),
+    ],
+)
+def test_a_diverging_run_stops_naming_the_step(lr, says, tmp_path):
+    """A finite loss and gradient norm times a huge --lr: the run stops with exit status 1 and
+    one line naming the step, never a traceback (the vLLM path: the next update's NaN loss)."""
+    out = tmp_path / "diverged"
+    proc = _cli("--rollout", "hf", "--out", str(out), "--warmstart-steps", "0", "--lr", lr)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"fusedrl-train: error: {says}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_resume_into_another_architecture_is_a_clear_error(hf_run, tmp_path):
     from fusedrl.tiny import char_tokenizer, tiny_qwen2
 

@@ -215,6 +215,43 @@ def test_a_failed_start_with_overwrite_keeps_the_old_run(tmp_path):
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
+def test_a_start_that_fails_after_overwrite_set_the_old_run_aside_puts_it_back(tmp_path):
+    """--overwrite moves the old run aside before the new one writes its base model; a check
+    that fails after that (prompt plus --max-tokens past the model's positions) puts it back as
+    it was, and leaves no trace of the new one."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "model.pt").write_bytes(b"old weights")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "base_model").mkdir()
+    (run / "base_model" / "config.json").write_text("{}")
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "fusedrl.trainer", "--out", str(run), "--overwrite"]
+    command += ["--warmstart-steps", "0", "--max-tokens", "200", "--rollout", "hf"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "max_position_embeddings" in proc.stderr, proc.stderr
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    after.pop(Path(".fusedrl-train.lock"), None)
+    assert after == before
+    assert not list(run.glob(".overwritten-*"))
+
+
+def test_set_aside_and_put_back_restore_the_entries_over_new_ones(tmp_path):
+    from fusedrl.trainer.loop import _put_back, _set_aside
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "x").write_text("old")
+    (tmp_path / "metrics.jsonl").write_text("old")
+    aside = _set_aside(tmp_path, ["checkpoints", "metrics.jsonl", "plots.png"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
+    (tmp_path / "metrics.jsonl").write_text("new")  # what the new run wrote meanwhile
+    (tmp_path / "base_model").mkdir()
+    _put_back(tmp_path, aside)
+    assert (tmp_path / "metrics.jsonl").read_text() == "old"
+    assert (tmp_path / "checkpoints" / "x").read_text() == "old" and not aside.exists()
+
+
 def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -264,6 +301,39 @@ def test_a_full_disk_names_the_path_and_leaves_no_temp_folder(failure, tmp_path,
         _save(tmp_path, 2, model, optimizer)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert checkpoint.resolve(tmp_path).name == "step_000001"
+
+
+def test_safetensors_own_write_error_is_a_write_error(tmp_path):
+    """save_pretrained's writer raises safetensors' SafetensorError (no OSError) on a full
+    disk: the same WriteError as torch.save's, naming the path."""
+    SafetensorError = type("SafetensorError", (Exception,), {})  # noqa: N806 (its class name)
+    target = tmp_path / "final_model"
+    with pytest.raises(checkpoint.WriteError, match="writing .*final_model: no space left"):
+        with checkpoint.writing(target):
+            raise SafetensorError("Error while serializing: IoError(No space left on device)")
+    with pytest.raises(checkpoint.WriteError, match="writing .*final_model: Error while"):
+        with checkpoint.writing(target):
+            raise SafetensorError("Error while serializing: IoError(Input/output error)")
+    with pytest.raises(KeyError):  # anything else passes through
+        with checkpoint.writing(target):
+            raise KeyError("other")
+
+
+def test_an_unreadable_checkpoint_is_named_with_the_one_before_it(tmp_path):
+    from fusedrl.trainer.loop import _unloadable
+
+    model, optimizer = _model_and_optimizer()
+    for step in (1, 2, 10):
+        _save(tmp_path, step, model, optimizer)
+    newest = tmp_path / "checkpoints" / "step_000010"
+    (newest / "model.pt").write_bytes((newest / "model.pt").read_bytes()[:100])
+    with pytest.raises(Exception) as caught:
+        checkpoint.load(newest, *_model_and_optimizer(seed=1))
+    message = _unloadable(newest, "base_model", caught.value)
+    assert "a file of the checkpoint cannot be read: it is truncated or corrupt" in message
+    assert message.endswith(f"the one before it is complete: --resume {newest.parent}/step_000002")
+    mismatch = _unloadable(newest, "base_model", RuntimeError("size mismatch for weight"))
+    assert "does not fit the model base_model (size mismatch" in mismatch
 
 
 def test_a_failed_metrics_write_names_the_file(tmp_path, monkeypatch):

@@ -100,3 +100,37 @@ def test_a_second_sigint_aborts_at_once(tmp_path):
     run.close()
     assert run.process.returncode == 130, stderr
     assert "SIGINT again: aborting now" in stderr and "Traceback" not in stderr
+
+
+def test_sigterm_before_training_unwinds_the_start(tmp_path):
+    """A scheduler's SIGTERM during the warm start: the start is unwound as for Ctrl-C (no
+    base model or lock left of a run that never ran), so the same command requeued starts."""
+    out = tmp_path / "run"
+    # (a warm start of this length is never in the cache: it runs while the signal comes)
+    run = _CLI[0].start("--rollout", "hf", "--out", str(out), "--warmstart-steps", "200000")
+    try:
+        deadline = time.monotonic() + 120
+        while "warm start" not in _written(run.stdout):
+            assert run.process.poll() is None, run.stderr()[-3000:]
+            assert time.monotonic() < deadline, run.stdout()[-3000:]
+            time.sleep(0.1)
+        run.process.send_signal(signal.SIGTERM)
+        code = run.process.wait(timeout=120)
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait(60)
+    stderr = run.stderr()
+    run.close()
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "terminated (SIGTERM) before training started" in stderr
+    assert "Traceback" not in stderr
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def _written(stream) -> str:
+    """What a started run has written so far ('' before its output file exists)."""
+    try:
+        return stream()
+    except FileNotFoundError:
+        return ""

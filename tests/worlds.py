@@ -88,13 +88,19 @@ def run_world(
 def worlds_by_size(tmp_path_factory, worker: Callable, what: str, deadline_s: float) -> Callable:
     """world size -> the per-rank results of `worker(rank, world, port, out_dir)`, each size
     spawned once (for a module-scoped fixture)."""
-    cache: dict[int, list] = {}
+    cache: dict[int, list | str] = {}
 
     def get(world: int) -> list:
         if world not in cache:
             out = str(tmp_path_factory.mktemp(f"world{world}"))
             args = (world, free_port(), out)
-            cache[world] = run_world(worker, world, args, out, deadline_s, f"{what} of {world}")
+            try:
+                cache[world] = run_world(worker, world, args, out, deadline_s, f"{what} of {world}")
+            except pytest.fail.Exception as failure:  # (a hung world: once, not once a test)
+                cache[world] = str(failure)
+                raise
+        if isinstance(cache[world], str):
+            pytest.fail(f"(earlier in this module) {cache[world]}")
         return cache[world]
 
     return get

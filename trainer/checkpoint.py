@@ -55,7 +55,7 @@ def save(
         return None
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
-    with _writing(final):
+    with writing(final):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:06d}-", dir=root))
         try:
@@ -94,7 +94,7 @@ class WriteError(OSError):
 
 
 @contextlib.contextmanager
-def _writing(path: Path):
+def writing(path: Path):
     """Turn a failed write into one error that names `path`, and says "no space left on device"
     when that is the cause (torch.save's zip writer reports a full disk as "unexpected pos")."""
     try:
@@ -104,15 +104,21 @@ def _writing(path: Path):
             raise WriteError(errno.ENOSPC, f"writing {path}: no space left on device") from exc
         raise WriteError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
     except RuntimeError as exc:
-        if _disk_nearly_full(path) or "unexpected pos" in str(exc):
+        if disk_nearly_full(path) or "unexpected pos" in str(exc):
             raise WriteError(
                 errno.ENOSPC,
                 f"writing {path}: no space left on device ({str(exc).splitlines()[0][:200]})",
             ) from exc
         raise
+    except Exception as exc:  # safetensors' writer (save_pretrained) raises its own error type
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        full = disk_nearly_full(path) or "No space left" in str(exc)
+        reason = "no space left on device" if full else str(exc).splitlines()[0][:200]
+        raise WriteError(errno.ENOSPC if full else errno.EIO, f"writing {path}: {reason}") from exc
 
 
-def _disk_nearly_full(path: Path) -> bool:
+def disk_nearly_full(path: Path) -> bool:
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -188,7 +194,7 @@ def export_model(run_dir: Path, model, tokenizer, name: str = "final_model") -> 
     if not _is_main():
         return None
     final = Path(run_dir) / name
-    with _writing(final):
+    with writing(final):
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=run_dir))
         try:
             model.save_pretrained(tmp, state_dict=state)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,11 +15,28 @@ def main(argv: list[str] | None = None) -> int:
 
     if not wants_verbose(sys.argv[1:] if argv is None else argv):
         quiet_environment()  # before torch / vLLM / transformers are imported
+    _stop_on_sigterm()
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # before the training loop's own handlers are installed
-        print("\nfusedrl-train: interrupted before training started", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # before the training loop's own handlers are installed
+        # (the start cleans up as for Ctrl-C: a scheduler's SIGTERM during the warm start or
+        # the engine's start, then the same command requeued, finds --out as it was)
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\nfusedrl-train: {what} before training started", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before the training loop's own handlers (which finish the step, checkpoint it
+    and stop) are installed: unwinds the start as Ctrl-C does."""
+
+
+def _stop_on_sigterm() -> None:
+    def terminate(signum, frame):
+        raise Terminated
+
+    if threading.current_thread() is threading.main_thread():  # (signals: the main thread's)
+        signal.signal(signal.SIGTERM, terminate)
 
 
 # What `pip install fusedrl` leaves out and `fusedrl[train]` brings (pyproject.toml), by module.
@@ -60,6 +79,9 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fusedrl-train: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine's (a read-only or full --out, an I/O error): no traceback
+        print(f"fusedrl-train: error: {exc}", file=sys.stderr)
+        return 1
     from .checkpoint import WriteError
     from .loop import NonFiniteError, Stopped
     from .rewards import RewardError

@@ -783,6 +783,11 @@ JOB_OPTIONS = (
     "seed",
     "distill_teacher",
     "distill_kind",
+    # the base model's (a run dir's base_model was warm-started with them: config.yaml says
+    # what it holds) and the prompts' own text
+    "warmstart_steps",
+    "warmstart_noise",
+    "system_prompt",
 )
 
 

@@ -116,9 +116,9 @@ class MetricsLogger:
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in metrics.items()
         }
-        from .checkpoint import _writing
+        from .checkpoint import writing
 
-        with _writing(self.path), open(self.path, "a") as handle:
+        with writing(self.path), open(self.path, "a") as handle:
             handle.write(json.dumps(clean) + "\n")
         if self.writer is not None:
             for name, value in metrics.items():

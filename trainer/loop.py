@@ -37,6 +37,7 @@ import dataclasses
 import errno
 import math
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -115,6 +116,25 @@ def _remove(run_dir: Path, names, ignore_errors: bool = False) -> None:
             shutil.rmtree(path, ignore_errors=ignore_errors)
         elif path.exists():
             path.unlink()
+
+
+def _set_aside(run_dir: Path, names) -> Path:
+    """Move these entries of a run directory into a hidden folder of it (renames: nothing is
+    copied), whence `_put_back` restores them or `shutil.rmtree` drops them."""
+    aside = run_dir / f".overwritten-{os.getpid()}"
+    aside.mkdir()
+    for name in names:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(aside / name)
+    return aside
+
+
+def _put_back(run_dir: Path, aside: Path) -> None:
+    """The entries `_set_aside` moved, back in place of whatever took their names since."""
+    for entry in aside.iterdir():
+        _remove(run_dir, (entry.name,), ignore_errors=True)
+        entry.rename(run_dir / entry.name)
+    aside.rmdir()
 
 
 def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
@@ -267,11 +287,43 @@ def _build_base_model(cfg: TrainConfig, run_dir: Path, rows: list[dict]) -> None
                 said=said,
             )
             print(f"{said} in {stats['seconds']:.0f} s, loss {stats['loss']:.2f}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with checkpoint.writing(tmp):
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         if warm:
             store(tmp, settings, stats)
     tmp.rename(run_dir / "base_model")
+
+
+def _sampling_failed(step: int, exc: RuntimeError, lr: float) -> Exception:
+    """transformers' generate on a policy whose logits overflow (finite weights far out of
+    range after an update: vLLM samples garbage and the update's loss is NaN, generate raises):
+    the run's non-finite error naming the step, else the error as it was."""
+    if "probability tensor contains" not in str(exc):
+        return exc
+    return NonFiniteError(
+        f"step {step + 1}: sampling met non-finite probabilities: the policy's logits overflow "
+        f"(its weights after the last update are finite but far out of range; --lr {lr:g}); no "
+        "non-finite weights were saved"
+    )
+
+
+def _unloadable(ckpt: Path, model_path: str, exc: BaseException) -> str:
+    """Why a checkpoint did not load: a file that cannot be read (cut short by a kill or a full
+    disk, or corrupt: then the checkpoint before it is named) or one that does not fit."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    unreadable = isinstance(exc, (EOFError, pickle.UnpicklingError)) or any(
+        sign in first for sign in ("PytorchStreamReader", "failed finding central directory")
+    )
+    if not unreadable:
+        return f"--resume {ckpt}: the checkpoint does not fit the model {model_path} ({first})"
+    step = checkpoint.step_of(ckpt) or 0
+    earlier = [c for c in checkpoint.checkpoints(ckpt.parent) if checkpoint.step_of(c) < step]
+    instead = f"; the one before it is complete: --resume {earlier[-1]}" if earlier else ""
+    return (
+        f"--resume {ckpt}: a file of the checkpoint cannot be read: it is truncated or corrupt "
+        f"({first}){instead}"
+    )
 
 
 def check_teacher_dir(path: str) -> None:
@@ -335,8 +387,10 @@ class Trainer:
                 f"ranks ({self.env.dp_size}): every rank needs at least one prompt"
             )
         self.run_dir = Path(cfg.out)
-        self.replaced: list[str] = []  # what --overwrite removes once the start's checks passed
-        self.cleared = False  # whether it did
+        self.replaced: list[str] = []  # what --overwrite replaces
+        # where --overwrite moved the old run while the new one starts: put back if the start
+        # fails (any check, a Ctrl-C in the warm start), deleted once it has succeeded
+        self.set_aside: Path | None = None
         self._lock = None
         existed = self.run_dir.exists()
         if self.env.is_main:
@@ -348,16 +402,20 @@ class Trainer:
             self._start()
         except BaseException:
             # A failed start leaves nothing behind: no base model or config of a run that never
-            # ran (a fresh --out, or one whose old run --overwrite had removed; a resumed run's
-            # directory is left as it was, and so is the run --overwrite had not removed yet).
-            if self.env.is_main and (fresh or self.cleared):
+            # ran (a fresh --out, or one whose old run --overwrite had set aside: that run is
+            # put back as it was; a resumed run's directory is left as it was).
+            if self.env.is_main and (fresh or self.set_aside is not None):
                 _remove(self.run_dir, (*RUN_ARTIFACTS, ".base_model.tmp"), ignore_errors=True)
-                if not existed:
+                if self.set_aside is not None:
+                    _put_back(self.run_dir, self.set_aside)
+                elif not existed:
                     _remove(self.run_dir, (LOCK_NAME,), ignore_errors=True)
                     if not any(self.run_dir.iterdir()):
                         self.run_dir.rmdir()
             self._unlock()
             raise
+        if self.set_aside is not None:  # the new run has started: the old one goes
+            shutil.rmtree(self.set_aside, ignore_errors=True)
 
     def _unlock(self) -> None:
         if self._lock is not None:
@@ -392,9 +450,9 @@ class Trainer:
 
             with _loading("--model", cfg.model):
                 AutoConfig.from_pretrained(cfg.model)
-        if self.replaced:  # --overwrite: the old run goes now that the new one can start
-            _remove(self.run_dir, self.replaced)
-            self.replaced, self.cleared = [], True
+        if self.replaced:  # --overwrite: out of the new run's way, back if its start fails
+            self.set_aside = _set_aside(self.run_dir, self.replaced)
+            self.replaced = []
         model_path = prepare_model(cfg, self.run_dir, rows) if self.env.is_main else None
         if self.env.world_size > 1:
             import torch.distributed as dist
@@ -473,22 +531,27 @@ class Trainer:
             ckpt = checkpoint.resolve(cfg.resume)
             try:
                 state, extra = checkpoint.load(ckpt, self.model, self.optimizer)
-            except (RuntimeError, KeyError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
-                raise ValueError(
-                    f"--resume {ckpt}: the checkpoint does not fit the model {model_path} ({first})"
-                ) from None
+            except (RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+                raise ValueError(_unloadable(ckpt, model_path, exc)) from None
             self.start_step, self.cursor = state["step"], state["cursor"]
             self.skipped_nonfinite = state.get("skipped_nonfinite", 0)
             resume_step = self.start_step
-            if self.start_step >= cfg.max_steps:
+            # A run that reached --max-steps but never wrote its final model (killed, or the
+            # disk full, after the last checkpoint) is finished: no step, the export.
+            exported = (self.run_dir / "final_model" / "config.json").exists()
+            if self.start_step > cfg.max_steps or (self.start_step == cfg.max_steps and exported):
                 raise ValueError(
                     f"--resume {ckpt}: the checkpoint is at step {self.start_step}, "
                     f"--max-steps is {cfg.max_steps}: nothing left to train; pass a "
                     "larger --max-steps"
                 )
             if self.env.is_main:
-                print(f"fusedrl-train: resumed from step {self.start_step} ({ckpt})")
+                finishing = (
+                    ": it reached --max-steps; writing its final model"
+                    if self.start_step == cfg.max_steps
+                    else ""
+                )
+                print(f"fusedrl-train: resumed from step {self.start_step} ({ckpt}){finishing}")
             if self.sas is not None and extra.get("sas") is not None:
                 self.sas.load_state_dict(extra["sas"])
             if self.entropy_control is not None and extra.get("entropy_control") is not None:
@@ -742,7 +805,15 @@ class Trainer:
                 if not self._finite_update(step, step_metrics):
                     self.optimizer.zero_grad(set_to_none=True)
                     continue  # skipped (--skip-nonfinite-steps): no optimizer step
-                self.optimizer.step()
+                try:
+                    self.optimizer.step()
+                except RuntimeError as exc:  # AdamW's lr / (1 - beta1^t) past fp32 (lr ~3e37)
+                    if "without overflow" not in str(exc):
+                        raise
+                    raise NonFiniteError(
+                        f"step {step + 1}: the optimizer's step overflows fp32 (--lr "
+                        f"{self.lr:g}); the update was not applied"
+                    ) from None
                 if self.entropy_control is not None:
                     step_metrics["entropy_coef"] = entropy_coef.clone()
                     self._steer_entropy(mini, step_metrics)
@@ -829,7 +900,10 @@ class Trainer:
         for step in range(self.start_step, cfg.max_steps):
             t0 = time.perf_counter()
             self.engine.wake_up()
-            samples, rewards, gen_stats = self.rollout()
+            try:
+                samples, rewards, gen_stats = self.rollout()
+            except RuntimeError as exc:
+                raise _sampling_failed(step, exc, self.lr) from None
             self.engine.sleep()
             t1 = time.perf_counter()
             advantages = self.advantages(samples, rewards)

@@ -20,6 +20,7 @@ this machine with the same threads would reproduce.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import WriteError, disk_nearly_full
 from .step import collate
 
 # What a rambling sample appends to the answer. No digits: a ramble that repeated the answer would
@@ -200,7 +202,10 @@ def copy_cached(entry: Path, destination: Path) -> bool:
     left there, if it could not be read whole (another run replacing the entry at that moment)."""
     try:
         shutil.copytree(entry, destination, ignore=shutil.ignore_patterns(STATS_FILE))
-    except OSError:
+    except OSError as exc:
         shutil.rmtree(destination, ignore_errors=True)
+        if disk_nearly_full(destination):  # (fitting it again would fail to save it too)
+            message = f"writing {destination}: no space left on device"
+            raise WriteError(errno.ENOSPC, message) from exc
         return False
     return True
