@@ -24,10 +24,12 @@ the group, the model's parameter gradients are the single-process ones (pass `gr
 the group's size where the data-parallel reduction averages over it instead).
 
 Before the data, a header (one all-gather of 4 int64 a rank): each rank's N_r, whether its own
-checks and log-prob pass went through, a hash of the settings every rank must share
-(`cu_seqlens`, `max_seqlen`, the config, normalizer, grad_scale) and which columns it sends,
-so that a bad argument on one rank, or settings that differ, raise on every rank instead of
-leaving the others in the all-gather; what is checked after it, every rank checks alike.
+checks and log-prob pass went through (and the entry point's before them: `argument_checks`),
+a hash of the settings every rank must share (`cu_seqlens`, `max_seqlen`, the config,
+normalizer, grad_scale, per-sequence [S, 1] values, a 0-dim temperature, the entropy_coef
+tensor) and which columns it sends, so that a bad argument on one rank, or settings that
+differ, raise on every rank instead of leaving the others in the all-gather; what is checked
+after it, every rank checks alike.
 """
 
 from __future__ import annotations
