@@ -182,9 +182,10 @@ def check_row_temperatures(
     elif not flat_input and values.dim() == 1 and values.shape[0] == shape[0]:
         values = values[:, None].expand(shape)  # one per sequence
     if tuple(values.shape) != tuple(shape):
+        per_sequence = "" if flat_input else f" (or one per sequence, [{shape[0]}])"
         raise ValueError(
-            f"temperature shape {tuple(temperature.shape)} must be the tokens' {tuple(shape)} "
-            "(or one per sequence)"
+            f"temperature shape {tuple(temperature.shape)} must be the tokens' {tuple(shape)}"
+            + per_sequence
         )
     if valid is not None:
         values = torch.where(valid, values, 1.0)

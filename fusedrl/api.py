@@ -377,7 +377,7 @@ def token_logprobs(
 
     sharded = wants_tensor_parallel(logits, tp_group, vocab_start, vocab_size)
     with argument_checks(sharded, logits, tp_group):  # one rank's bad argument: all raise
-        check_packed_rows(cu_seqlens, logits, max_seqlen)
+        temperature = check_packed_rows(cu_seqlens, logits, max_seqlen, temperature)
         transform = capping_transform(softcap, logit_scale)
         if transform is None:
             temperature = scaled_temperature(temperature, logit_scale)

@@ -285,7 +285,7 @@ def linear_token_logprobs(
 
     sharded = tp_group is not None or vocab_start is not None or vocab_size is not None
     with argument_checks(sharded, hidden, tp_group):  # one rank's bad argument: all raise
-        check_packed_rows(cu_seqlens, hidden, max_seqlen)
+        temperature = check_packed_rows(cu_seqlens, hidden, max_seqlen, temperature)
         in_sweep = (
             return_sum_pi_squared
             and not sharded

@@ -181,12 +181,21 @@ def require_cu_seqlens(cu_seqlens: object, max_seqlen: object) -> None:
         raise ValueError("max_seqlen is the longest packed sequence's: it needs cu_seqlens")
 
 
-def check_packed_rows(cu_seqlens: object, rows: object, max_seqlen: object) -> None:
+def check_packed_rows(cu_seqlens: object, rows: object, max_seqlen: object, temperature=None):
     """The log-prob functions' `cu_seqlens` / `max_seqlen`: checked as the loss's, and nothing
-    more (each token's log-prob and entropy are its own row's, whatever the boundaries)."""
+    more (each token's log-prob and entropy are its own row's, whatever the boundaries).
+    Returns `temperature`, one per sequence ([S] or [S, 1], as the loss takes them) repeated
+    over its tokens ([N])."""
     require_cu_seqlens(cu_seqlens, max_seqlen)
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, rows, max_seqlen)
+    if cu_seqlens is None:
+        return temperature
+    check_cu_seqlens(cu_seqlens, rows, max_seqlen)
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        segments = Segments(cu_seqlens, rows.shape[0], max_seqlen)
+        shape = tuple(temperature.shape)
+        if shape in ((segments.tokens,), (segments.count,), (segments.count, 1)):
+            return segments.per_token(temperature, "temperature")
+    return temperature
 
 
 def replace_agg(cfg: LossConfig) -> LossConfig:

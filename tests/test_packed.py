@@ -575,6 +575,30 @@ def test_a_config_that_is_not_a_loss_config_is_named():
             fusedrl.policy_loss(**data["packed"], config=cfg, cu_seqlens=data["cu_seqlens"])
 
 
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+def test_the_log_prob_functions_take_one_temperature_a_sequence(backend):
+    """[S] or [S, 1] temperatures, as policy_loss(cu_seqlens=) takes them, are each sequence's
+    repeated over its tokens ([N] per token as they are); the LM-head form's too."""
+    data = _batch(seed=10)
+    flat, cuts = data["packed"], data["cu_seqlens"]
+    labels = torch.where(flat["mask"], flat["labels"], 0)
+    logits = torch.nan_to_num(flat["logits"])
+    per_sequence = 0.5 + torch.arange(len(LENGTHS), dtype=torch.float32) / 4
+    per_token = per_sequence.repeat_interleave(torch.tensor(LENGTHS))
+    want = fusedrl.token_logprobs(logits, labels, per_token, True, backend=backend)
+    for temps in (per_sequence, per_sequence[:, None]):
+        got = fusedrl.token_logprobs(logits, labels, temps, True, backend=backend, cu_seqlens=cuts)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    hidden, weight = torch.randn(labels.shape[0], 8), torch.randn(VOCAB, 8)
+    head = fusedrl.linear_token_logprobs(hidden, weight, labels, per_token, backend="torch")
+    head_packed = fusedrl.linear_token_logprobs(
+        hidden, weight, labels, per_sequence, backend="torch", cu_seqlens=cuts
+    )
+    assert torch.equal(head[0], head_packed[0])
+    with pytest.raises(ValueError, match=r"temperature shape \(4,\) must be the tokens' \(25,\)$"):
+        fusedrl.token_logprobs(logits, labels, torch.ones(4), cu_seqlens=cuts)
+
+
 def test_the_log_prob_functions_check_and_keep_them():
     """token_logprobs / linear_token_logprobs take cu_seqlens (checked as the loss's) and give
     what they give without it: each row's log-prob is its own."""
