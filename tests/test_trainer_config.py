@@ -406,7 +406,18 @@ def test_a_config_file_cannot_change_the_job_it_resumes(tmp_path):
     assert parse_config(["--config", str(other), "--resume", str(run), "--allow-job-change"])
     same = tmp_path / "same.yaml"
     same.write_text("seed: 1\nmax_steps: 9\n")
-    assert parse_config(["--config", str(same), "--resume", str(run)]).max_steps == 9
+    cfg = parse_config(["--config", str(same), "--resume", str(run)])
+    # a file that names no --out continues the run in its own directory, as --resume alone
+    assert cfg.max_steps == 9 and cfg.out == str(run)
+    checkpoint = str(run / "checkpoints" / "step_000004")
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_000004" / "trainer_state.json").write_text("{}")
+    assert parse_config(["--config", str(same), "--resume", checkpoint]).out == str(run)
+    elsewhere = tmp_path / "elsewhere"
+    named = parse_config(["--config", str(same), "--resume", str(run), "--out", str(elsewhere)])
+    assert named.out == str(elsewhere)
+    same.write_text(f"seed: 1\nout: {elsewhere}\n")
+    assert parse_config(["--config", str(same), "--resume", str(run)]).out == str(elsewhere)
 
 
 def test_a_mistyped_flag_gets_a_suggestion(capsys):

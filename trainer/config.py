@@ -847,6 +847,10 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     else:
         cfg = TrainConfig()
     cfg = dataclasses.replace(cfg, **args)
+    if path and cfg.resume and "out" not in args and cfg.out == TrainConfig.out:
+        # a --config that names no --out continues the resumed run in its own directory, as
+        # --resume alone does (not in a copy under the default --out)
+        cfg = dataclasses.replace(cfg, out=str(resumed_run_dir(cfg.resume)))
     if path and cfg.resume and not allow_change:  # the --config file must continue that job too
         saved = resumed_run_dir(cfg.resume) / "config.yaml"
         if saved.exists():
