@@ -175,6 +175,12 @@ def _local_checks(rows, labels, mask, advantages, rollout, head, cu_seqlens) -> 
                 f"{name} shape {tuple(value.shape)} must be [{chunk[0]}]: one per token of this "
                 "rank's chunk (cp_group)"
             )
+    floats = {"advantages": advantages, "is_weights": rollout.is_weights, **per_token}
+    for name, value in floats.items():  # (gathered as fp32: the padded call's dtype checks
+        # would see fp32 columns, so an integer tensor is named here)
+        if name not in ("labels", "mask") and isinstance(value, torch.Tensor):
+            if not value.dtype.is_floating_point:
+                raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
     for name, value in (("advantages", advantages), ("is_weights", rollout.is_weights)):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
         if value is not None and shape not in (chunk, (sequences, 1)):

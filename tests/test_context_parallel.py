@@ -73,6 +73,7 @@ CASES = [
             "sum_pi_squared_last_rank",
             "no_cu_seqlens_last_rank",
             "config_str_last_rank",
+            "old_logp_int_last_rank",
         )
     ),
     # whole values each rank gives: compared in the header, as the config
@@ -174,6 +175,8 @@ def _bad_arguments(case: Case, mine_inputs: dict, rank: int, world: int) -> dict
         mine_inputs["return_sum_pi_squared"] = True
     if case.bad == "no_cu_seqlens_last_rank" and last:
         mine_inputs.pop("cu_seqlens")
+    if case.bad == "old_logp_int_last_rank" and last:  # (gathered as fp32, it passed)
+        mine_inputs["old_logp"] = mine_inputs["old_logp"].long()
     one = 1 if rank == 1 else 0  # rank 1's value differs
     if case.bad == "advantages_values_differ":
         mine_inputs["advantages"] = mine_inputs["advantages"] + one
@@ -287,6 +290,7 @@ def test_bad_input_raises_on_every_rank(worlds, world):
         ("bad_sum_pi_squared_last_rank", "NotImplementedError", "return_sum_pi_squared"),
         ("bad_no_cu_seqlens_last_rank", "ValueError", "cp_group takes packed"),
         ("bad_config_str_last_rank", "TypeError", "config must be a fusedrl.LossConfig"),
+        ("bad_old_logp_int_last_rank", "TypeError", "old_logp must be a floating tensor"),
     ):
         errors = [r["error"] for r in _results(worlds, world, name)]
         assert errors[-1][0] == error_type and phrase in errors[-1][1], (name, errors)
