@@ -41,6 +41,23 @@ class Case:
 
 
 GSPO_OPEN = {"eps_low": 0.2, "eps_high": 0.3}
+# Refused before the call reaches its header, on one rank: it joins the header (the others raised
+# nothing and would wait for it in their all-gather).
+JOINS = (
+    "softcap_last_rank",
+    "sum_pi_squared_last_rank",
+    "no_cu_seqlens_last_rank",
+    "config_str_last_rank",
+    "old_logp_int_last_rank",
+)
+# Whole values each rank gives: compared in the header, as the config.
+COMPARED = (
+    "advantages_values_differ",
+    "is_weights_differ",
+    "entropy_coef_differs",
+    "entropy_coef_nan_on_one_rank",
+    "temperature_0d_differs",
+)
 CASES = [
     # sequence ratios, crossing ranks; the mismatch metrics count sequences
     Case("gspo", LossConfig.preset("gspo", **GSPO_OPEN), rollout=True),
@@ -64,29 +81,7 @@ CASES = [
     Case("bad_advantages_per_sequence_1d", LossConfig.preset("dapo"), bad="advantages_1d"),
     Case("bad_advantages_layout_differs", LossConfig.preset("dapo"), bad="advantages_layout"),
     Case("bad_config_differs", LossConfig.preset("dapo"), bad="config_differs"),
-    # refused by the entry point before the call reaches its header, on one rank: it joins the
-    # header (the others raised nothing and would wait for it in their all-gather)
-    *(
-        Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad)
-        for bad in (
-            "softcap_last_rank",
-            "sum_pi_squared_last_rank",
-            "no_cu_seqlens_last_rank",
-            "config_str_last_rank",
-            "old_logp_int_last_rank",
-        )
-    ),
-    # whole values each rank gives: compared in the header, as the config
-    *(
-        Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad)
-        for bad in (
-            "advantages_values_differ",
-            "is_weights_differ",
-            "entropy_coef_differs",
-            "entropy_coef_nan_on_one_rank",
-            "temperature_0d_differs",
-        )
-    ),
+    *(Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad) for bad in JOINS + COMPARED),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -303,13 +298,7 @@ def test_bad_input_raises_on_every_rank(worlds, world):
         ("bad_advantages_layout_differs", "which are per token"),
         *(
             (f"bad_{bad}", "the per-sequence [S, 1] advantages / is_weights, a 0-dim")
-            for bad in (
-                "advantages_values_differ",
-                "is_weights_differ",
-                "entropy_coef_differs",
-                "entropy_coef_nan_on_one_rank",
-                "temperature_0d_differs",
-            )
+            for bad in COMPARED
         ),
     ):
         errors = [r["error"] for r in _results(worlds, world, name)]
