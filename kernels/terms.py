@@ -116,7 +116,9 @@ def policy_term(
     elif LOSS == LOSS_CISPO:  # -sg(clip(r)) A logp
         d = -clipped_ratio * adv
         value = d * logp
-        clipped = ratio != clipped_ratio  # (True for a NaN ratio: torch's clamp keeps the NaN)
+        # torch's clamp keeps a NaN ratio, which then differs from itself: clipped. Here the
+        # log-ratio clamp (`token_ratio`) has dropped the NaN: the flag comes from nan_ratio.
+        clipped = (ratio != clipped_ratio) | nan_ratio
     elif LOSS == LOSS_SAPO:  # -(4/tau) sigmoid(tau (r - 1)) A
         tau = tl.where(adv > 0, loss_scalars[TAU_POS_AT], loss_scalars[TAU_NEG_AT])
         gate = tl.sigmoid(tau * (ratio - 1.0))

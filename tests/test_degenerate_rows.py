@@ -18,6 +18,7 @@ import torch
 
 import fusedrl
 from fusedrl import LossConfig, linear_triton, reference, row_blocks
+from fusedrl.config import OPEN_LOWER_BOUND
 
 from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
@@ -154,6 +155,8 @@ NAN_INPUT_CONFIGS = {
     "grpo_k3": LossConfig.preset("grpo", beta=0.1),  # + a KL estimate reading ref_logp
     "ppo_dual_clip": LossConfig.preset("ppo", dual_clip_c=3.0),
     "cispo": LossConfig.preset("cispo"),
+    # TRL's CISPO: no lower bound (1e-12), below the kernels' exp(-20) of a NaN log-ratio
+    "cispo_open_low": LossConfig.preset("cispo", eps_low=OPEN_LOWER_BOUND),
     "sapo": LossConfig.preset("sapo"),
     "dapo_token_is": LossConfig.preset("dapo", is_correction="token_truncate", is_cap=2.0),
     "gspo": LossConfig.preset("gspo"),  # sequence-level ratio: the whole sequence
