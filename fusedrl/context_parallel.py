@@ -48,7 +48,7 @@ from ._inputs import check_config, check_logits
 from .arguments import ModelHead, RolloutInputs
 from .config import LossConfig
 from .output import LossOutput
-from .segments import Segments, check_cu_seqlens, layout_length
+from .segments import Segments, check_cu_seqlens, layout_length, sum_norm_normalizer
 from .tp.comm import all_gather, group_rank_and_size
 from .tp.header import argument_checks as tp_argument_checks
 from .tp.header import replicated_hash
@@ -110,6 +110,7 @@ def policy_loss(
     whole = torch.empty((tokens, 1), device=rows.source.device)  # (what cu_seqlens counts)
     checked = check_cu_seqlens(cu_seqlens, whole, max_seqlen)
     segments = Segments(checked, tokens, layout_length(cfg, max_seqlen))
+    normalizer = sum_norm_normalizer(segments, cfg, normalizer)
     full = _gather(own, sizes, cp_group, world)
     whole_rollout = RolloutInputs(
         **{f.name: full.get(f.name, getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
@@ -122,7 +123,10 @@ def policy_loss(
         rows,
         segments,
         torch.zeros(tokens, dtype=torch.long, device=whole.device),
-        segments.per_token(full.get("advantages", advantages), "advantages"),
+        # (gathered per token, or [S, 1] per sequence: never the ambiguous 1-D [S])
+        full["advantages"]
+        if "advantages" in full
+        else segments.per_token(advantages, "advantages"),
         full["mask"],
         whole_rollout,
         whole_head,

@@ -48,6 +48,7 @@ from .segments import (
     replace_agg,
     rollout_mismatch,
     segment_weights,
+    sum_norm_normalizer,
 )
 from .tp import linear as tp_linear
 from .tp import loss as tp_loss
@@ -371,6 +372,8 @@ def policy_loss(
         if isinstance(head.temperature, torch.Tensor) and head.temperature.dim() > 0:
             head = head.map_temperature(lambda t: segments.per_token(t, "temperature"))
         segments.check_per_token({"labels": labels, "mask": mask, **rollout.per_token()})
+        segments.check_unambiguous(rollout.is_weights, "is_weights")
+        normalizer = sum_norm_normalizer(segments, cfg, normalizer)
         call = (labels, advantages, mask, rollout, head, cfg, normalizer)
         once = reads_logits_once(cfg, rollout.rollout_logp, rollout.is_weights)
         if once:

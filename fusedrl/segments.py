@@ -32,13 +32,13 @@ class Segments:
         self.count = cu_seqlens.numel() - 1
         self.starts = cu_seqlens[:-1].long()
         self.lengths = cu_seqlens[1:].long() - self.starts
-        self._max_seqlen = max_seqlen
+        self.bound = max_seqlen  # the caller's bound on the longest, or None
 
     @functools.cached_property
     def longest(self) -> int:
         """T_max: `max_seqlen`, or the longest sequence (a host read)."""
-        if self._max_seqlen is not None:
-            return self._max_seqlen
+        if self.bound is not None:
+            return self.bound
         return int(self.lengths.max()) if self.count else 0
 
     @functools.cached_property
@@ -86,8 +86,7 @@ class Segments:
         tensor as it is. With N == S a 1-D tensor reads both ways; the readings agree where every
         sequence is one token long, and a pack with empty sequences is refused (`ambiguous`)."""
         if values is None or (values.dim() == 1 and values.shape[0] == self.tokens):
-            if values is not None and self.tokens == self.count:
-                self.ambiguous(values, name)
+            self.check_unambiguous(values, name)
             return values
         if tuple(values.shape) not in ((self.count,), (self.count, 1)):
             raise ValueError(
@@ -101,15 +100,15 @@ class Segments:
         (the padded call's own per-sequence layout)."""
         if values is None or not (values.dim() == 1 and values.shape[0] == self.tokens):
             return values
-        if self.tokens == self.count:
-            self.ambiguous(values, "is_weights")
         return self.pad(values, fill)
 
-    def ambiguous(self, values: torch.Tensor, name: str) -> None:
-        """A 1-D tensor of N == S values: one a token and one a sequence are the same reading
-        only if every sequence is one token long; else (some empty, some longer) it is refused
-        (without a host sync off the CPU)."""
-        if self.count:
+    def check_unambiguous(self, values: torch.Tensor | None, name: str) -> None:
+        """A caller's 1-D tensor of N == S values: one a token and one a sequence are the same
+        reading only if every sequence is one token long; else (some empty, some longer) it is
+        refused (without a host sync off the CPU). (Not for per-token columns made here, such
+        as context parallelism's gathered ones.)"""
+        one_dimensional = isinstance(values, torch.Tensor) and values.dim() == 1
+        if one_dimensional and values.shape[0] == self.tokens == self.count and self.count:
             _fail_if(
                 (self.lengths != 1).any(),
                 f"{name} of shape {tuple(values.shape)} reads as one per token and one per "
@@ -166,14 +165,26 @@ def check_cu_seqlens(cu_seqlens: object, logits: object, max_seqlen: object) -> 
 
 def layout_length(cfg: LossConfig, max_seqlen: int | None) -> int | None:
     """The padded layout's T_max as `Segments` takes it: `max_seqlen`, the caller's bound on the
-    longest sequence, except where the numbers depend on T_max: seq-mean-token-sum-norm without
-    norm_constant divides by the padded length T, which for packed sequences is the longest
-    sequence's (the padded call on the sequences cut out; the oracle's). A bound above it (a
-    pack's capacity, say) would rescale the loss, so there the longest is read (one host
-    sync on an accelerator, as without max_seqlen)."""
-    if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+    longest sequence (it never changes a number: `sum_norm_normalizer`), except for GMPO under
+    seq-mean-token-sum-norm without norm_constant, whose normalizer also counts its policy
+    term's sequences: there the longest is read (one host sync on an accelerator)."""
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.norm_constant is None and cfg.loss == "gmpo":
         return None
     return max_seqlen
+
+
+def sum_norm_normalizer(segments: Segments, cfg: LossConfig, normalizer):
+    """The normalizer that makes seq-mean-token-sum-norm without norm_constant divide by T, the
+    longest sequence's length (the padded call on the sequences cut out; the oracle's), on a
+    layout of T_max = max_seqlen, a bound that may exceed it (a pack's capacity): the sequence
+    count (or the normalizer given) times longest / T_max, a device scalar (no host read).
+    Anything else: `normalizer` as it is."""
+    bounded = segments.bound is not None and segments.bound > 0 and segments.count > 0
+    if cfg.agg != "seq-mean-token-sum-norm" or cfg.norm_constant is not None or not bounded:
+        return normalizer
+    base = float(segments.count) if normalizer is None else normalizer
+    longest = segments.lengths.max().clamp_min(1).float()
+    return base * longest / float(segments.bound)
 
 
 def require_cu_seqlens(cu_seqlens: object, max_seqlen: object) -> None:
@@ -246,6 +257,7 @@ def packed_aggregation(
     check_packed_rows(cu_seqlens, source, max_seqlen)
     segments = Segments(cu_seqlens, source.shape[0], layout_length(cfg, max_seqlen))
     segments.check_per_token({"mask": mask})
+    normalizer = sum_norm_normalizer(segments, cfg, normalizer)
     return replace_agg(cfg), segment_weights(segments, source, vocab, mask, cfg, normalizer)
 
 

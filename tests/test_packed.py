@@ -344,6 +344,31 @@ def test_a_loss_blind_to_the_boundaries_makes_no_padded_layout(monkeypatch):
             )
 
 
+def test_max_seqlen_spares_the_host_read_of_the_longest(monkeypatch):
+    """With max_seqlen given, no call reads the longest sequence on the host (one sync on a
+    GPU), Dr. GRPO's seq-mean-token-sum-norm without norm_constant too (its divisor is the
+    longest: a device scalar); only GMPO under that aggregation reads it."""
+    data = _batch(seed=13)
+    flat = {k: v for k, v in data["packed"].items() if k != "rollout_logp"}
+    reads = []
+    real_int = segments.Segments.longest.func
+
+    def counted(self):
+        reads.append(self.bound)
+        return real_int(self)
+
+    monkeypatch.setattr(segments.Segments, "longest", property(counted))
+    bound = 2 * max(LENGTHS)
+    for preset in ("dr_grpo", "grpo", "gspo"):
+        cfg = LossConfig.preset(preset)
+        fusedrl.policy_loss(**flat, config=cfg, cu_seqlens=data["cu_seqlens"], max_seqlen=bound)
+    assert reads and all(read == bound for read in reads), reads
+    reads.clear()
+    gmpo = LossConfig.preset("gmpo", agg="seq-mean-token-sum-norm")
+    fusedrl.policy_loss(**flat, config=gmpo, cu_seqlens=data["cu_seqlens"], max_seqlen=bound)
+    assert None in reads  # (the host read)
+
+
 def test_bf16_against_the_float64_truth():
     data = _batch(seed=7, dtype=torch.bfloat16)
     cfg = CASES["gspo"][0]
@@ -497,7 +522,7 @@ def test_bad_cu_seqlens_are_named():
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
-@pytest.mark.parametrize("preset", ["dr_grpo", "gspo_sum_norm"])
+@pytest.mark.parametrize("preset", ["dr_grpo", "gspo_sum_norm", "gmpo_sum_norm"])
 def test_a_max_seqlen_bound_does_not_change_the_loss(preset, backend):
     """max_seqlen is a bound on the longest sequence (a pack's capacity will do): it sizes the
     padded layout and never the numbers. seq-mean-token-sum-norm without norm_constant divides
@@ -505,8 +530,8 @@ def test_a_max_seqlen_bound_does_not_change_the_loss(preset, backend):
     the loss and gradient by longest / max_seqlen (on the plain call's weights and on the
     two-pass terms alike)."""
     cfg = LossConfig.preset("dr_grpo")
-    if preset == "gspo_sum_norm":
-        cfg = LossConfig.preset("gspo", agg="seq-mean-token-sum-norm")
+    if preset.endswith("_sum_norm"):
+        cfg = LossConfig.preset(preset.split("_")[0], agg="seq-mean-token-sum-norm")
     data = _batch(seed=21)
     flat, cuts = data["packed"], data["cu_seqlens"]
     want, want_grad = _call(reference.policy_loss, flat, cfg, cu_seqlens=cuts)
