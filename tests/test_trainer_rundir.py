@@ -243,13 +243,63 @@ def test_set_aside_and_put_back_restore_the_entries_over_new_ones(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "x").write_text("old")
     (tmp_path / "metrics.jsonl").write_text("old")
-    aside = _set_aside(tmp_path, ["checkpoints", "metrics.jsonl", "plots.png"])
+    aside = tmp_path / ".overwritten-1"
+    aside.mkdir()
+    _set_aside(tmp_path, ["checkpoints", "metrics.jsonl", "plots.png"], aside)
     assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
     (tmp_path / "metrics.jsonl").write_text("new")  # what the new run wrote meanwhile
     (tmp_path / "base_model").mkdir()
     _put_back(tmp_path, aside)
     assert (tmp_path / "metrics.jsonl").read_text() == "old"
     assert (tmp_path / "checkpoints" / "x").read_text() == "old" and not aside.exists()
+
+
+def test_a_run_set_aside_by_a_killed_overwrite_is_put_back(tmp_path):
+    """An --overwrite killed (SIGKILL) after it set the old run aside, before its start
+    finished: the next fusedrl-train on that --out puts the old run back, over what the killed
+    start wrote (it trained nothing), and then treats it as any existing run."""
+    from fusedrl.trainer.loop import recover_overwritten
+
+    run = tmp_path / "run"
+    aside = run / ".overwritten-k7x2"
+    (aside / "checkpoints" / "step_000003").mkdir(parents=True)
+    (aside / "metrics.jsonl").write_text('{"step": 3}\n')
+    (run / "base_model").mkdir()  # the killed start's
+    (run / "config.yaml").write_text("seed: 9\n")
+    assert recover_overwritten(run) == [".overwritten-k7x2"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (aside / "checkpoints").mkdir(parents=True)  # another killed one, seen by the CLI
+    (aside / "checkpoints" / "kept").write_text("old")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert "put back the run" in proc.stdout and ".overwritten-k7x2" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and "--overwrite to replace it" in proc.stderr, proc.stderr
+    assert (run / "checkpoints" / "kept").read_text() == "old" and not aside.exists()
+
+
+def test_the_cli_restores_the_callers_sigterm_handler():
+    """main() turns SIGTERM into an unwinding exception while the start runs; an in-process
+    caller gets its own handler back afterwards."""
+    import signal
+
+    from fusedrl.trainer.cli import main
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(["--preset", "no-such-preset"]) == 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):

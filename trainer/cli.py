@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not wants_verbose(sys.argv[1:] if argv is None else argv):
         quiet_environment()  # before torch / vLLM / transformers are imported
-    _stop_on_sigterm()
+    previous = _stop_on_sigterm()
     try:
         return _main(argv)
     except KeyboardInterrupt as exc:  # before the training loop's own handlers are installed
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
         print(f"\nfusedrl-train: {what} before training started", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+    finally:  # (an in-process caller's own SIGTERM handling, as it was)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class Terminated(KeyboardInterrupt):
@@ -31,12 +34,16 @@ class Terminated(KeyboardInterrupt):
     and stop) are installed: unwinds the start as Ctrl-C does."""
 
 
-def _stop_on_sigterm() -> None:
+def _stop_on_sigterm():
+    """SIGTERM raises Terminated from here on; the handler it replaces (None off the main
+    thread, whose signals these are)."""
+
     def terminate(signum, frame):
         raise Terminated
 
-    if threading.current_thread() is threading.main_thread():  # (signals: the main thread's)
-        signal.signal(signal.SIGTERM, terminate)
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, terminate)
 
 
 # What `pip install fusedrl` leaves out and `fusedrl[train]` brings (pyproject.toml), by module.

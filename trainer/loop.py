@@ -41,6 +41,7 @@ import pickle
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -118,15 +119,12 @@ def _remove(run_dir: Path, names, ignore_errors: bool = False) -> None:
             path.unlink()
 
 
-def _set_aside(run_dir: Path, names) -> Path:
-    """Move these entries of a run directory into a hidden folder of it (renames: nothing is
-    copied), whence `_put_back` restores them or `shutil.rmtree` drops them."""
-    aside = run_dir / f".overwritten-{os.getpid()}"
-    aside.mkdir()
+def _set_aside(run_dir: Path, names, aside: Path) -> None:
+    """Move these entries of a run directory into `aside`, a hidden folder of it (renames:
+    nothing is copied), whence `_put_back` restores them or `shutil.rmtree` drops them."""
     for name in names:
         if (run_dir / name).exists():
             (run_dir / name).rename(aside / name)
-    return aside
 
 
 def _put_back(run_dir: Path, aside: Path) -> None:
@@ -135,6 +133,21 @@ def _put_back(run_dir: Path, aside: Path) -> None:
         _remove(run_dir, (entry.name,), ignore_errors=True)
         entry.rename(run_dir / entry.name)
     aside.rmdir()
+
+
+OVERWRITTEN = ".overwritten-"
+
+
+def recover_overwritten(run_dir: Path) -> list[str]:
+    """Old runs an --overwrite had set aside when its process was killed (SIGKILL, the OOM
+    killer) before its start finished: put back, in place of what that start had written (it
+    trained no step: the folder goes as soon as the start succeeds). Their folder names."""
+    found = sorted(run_dir.glob(OVERWRITTEN + "*"), key=lambda p: p.stat().st_mtime)
+    if found:  # (every artifact of the old run was set aside: what is here, the start wrote)
+        _remove(run_dir, (*RUN_ARTIFACTS, ".base_model.tmp"), ignore_errors=True)
+    for aside in found:
+        _put_back(run_dir, aside)
+    return [p.name for p in found]
 
 
 def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
@@ -394,8 +407,20 @@ class Trainer:
         self._lock = None
         existed = self.run_dir.exists()
         if self.env.is_main:
-            self.replaced = claim_run_dir(self.run_dir, cfg)
-            self._lock = lock_run_dir(self.run_dir)
+            if self.run_dir.is_dir() and any(self.run_dir.glob(OVERWRITTEN + "*")):
+                self._lock = lock_run_dir(self.run_dir)  # (recovered under the lock)
+                recovered = recover_overwritten(self.run_dir)
+                print(
+                    f"fusedrl-train: put back the run in {self.run_dir} that an interrupted "
+                    f"--overwrite had set aside ({', '.join(recovered)})"
+                )
+            try:
+                self.replaced = claim_run_dir(self.run_dir, cfg)
+            except ValueError:
+                self._unlock()
+                raise
+            if self._lock is None:
+                self._lock = lock_run_dir(self.run_dir)
         fresh = not any((self.run_dir / name).exists() for name in RUN_ARTIFACTS)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -451,7 +476,8 @@ class Trainer:
             with _loading("--model", cfg.model):
                 AutoConfig.from_pretrained(cfg.model)
         if self.replaced:  # --overwrite: out of the new run's way, back if its start fails
-            self.set_aside = _set_aside(self.run_dir, self.replaced)
+            self.set_aside = Path(tempfile.mkdtemp(prefix=OVERWRITTEN, dir=self.run_dir))
+            _set_aside(self.run_dir, self.replaced, self.set_aside)
             self.replaced = []
         model_path = prepare_model(cfg, self.run_dir, rows) if self.env.is_main else None
         if self.env.world_size > 1:
@@ -812,7 +838,8 @@ class Trainer:
                         raise
                     raise NonFiniteError(
                         f"step {step + 1}: the optimizer's step overflows fp32 (--lr "
-                        f"{self.lr:g}); the update was not applied"
+                        f"{self.lr:g}) part way through the update: the weights in memory are "
+                        "not to be trusted, and none were saved (the last checkpoint is intact)"
                     ) from None
                 if self.entropy_control is not None:
                     step_metrics["entropy_coef"] = entropy_coef.clone()
@@ -903,7 +930,10 @@ class Trainer:
             try:
                 samples, rewards, gen_stats = self.rollout()
             except RuntimeError as exc:
-                raise _sampling_failed(step, exc, self.lr) from None
+                error = _sampling_failed(step, exc, self.lr)
+                if error is exc:
+                    raise
+                raise error from None
             self.engine.sleep()
             t1 = time.perf_counter()
             advantages = self.advantages(samples, rewards)
