@@ -100,7 +100,7 @@ def policy_loss(
     # entropy coefficient's tensor)
     shared = [v for v in (advantages, rollout.is_weights) if _is_tensor(v, dims=(2,))]
     shared += [v for v in (head.temperature,) if _is_tensor(v, dims=(0,))]
-    shared += [v for v in (entropy_coef,) if _is_tensor(v, dims=(0, 1))]
+    shared += [] if entropy_coef is None else [entropy_coef]  # (any shape: hashed whole)
     settings = (cu_seqlens, max_seqlen, cfg, normalizer, grad_scale, shared)
     sizes = _header(rows.source, settings, own, failure, cp_group, world, rank)
     # From here every rank holds the same boundaries, settings and layout: what raises, raises

@@ -418,6 +418,13 @@ def test_a_config_file_cannot_change_the_job_it_resumes(tmp_path):
     assert named.out == str(elsewhere)
     same.write_text(f"seed: 1\nout: {elsewhere}\n")
     assert parse_config(["--config", str(same), "--resume", str(run)]).out == str(elsewhere)
+    # the warm start's options are the built-in task's job alone
+    with pytest.raises(ValueError, match="--warmstart-steps 300 -> 0 would change the job"):
+        parse_config(["--resume", str(run), "--warmstart-steps", "0"])
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (run / "config.yaml").write_text(TrainConfig(out=str(run), seed=1, dataset=str(data)).to_yaml())
+    assert parse_config(["--resume", str(run), "--warmstart-steps", "0"]).warmstart_steps == 0
 
 
 def test_a_mistyped_flag_gets_a_suggestion(capsys):

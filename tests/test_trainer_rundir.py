@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import warnings
@@ -384,6 +385,10 @@ def test_an_unreadable_checkpoint_is_named_with_the_one_before_it(tmp_path):
     assert message.endswith(f"the one before it is complete: --resume {newest.parent}/step_000002")
     mismatch = _unloadable(newest, "base_model", RuntimeError("size mismatch for weight"))
     assert "does not fit the model base_model (size mismatch" in mismatch
+    state = _unloadable(newest, "base_model", json.JSONDecodeError("Expecting value", "", 0))
+    assert "cannot be read: it is truncated or corrupt (Expecting value" in state
+    refused = pickle.UnpicklingError("Weights only load failed. ... GLOBAL x.Y was not allowed")
+    assert "does not fit the model" in _unloadable(newest, "base_model", refused)
 
 
 def test_a_failed_metrics_write_names_the_file(tmp_path, monkeypatch):

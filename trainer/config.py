@@ -862,10 +862,13 @@ def _refuse_job_change(saved: TrainConfig, new: dict, resume: str) -> None:
     """ValueError when `new` (options by name) changes the job `saved` (a run's config) trains.
     Local paths compare absolute (a run saved before they were kept so holds them as typed)."""
     old = _absolute_paths({name: getattr(saved, name) for name in JOB_OPTIONS})
+    # (the warm start builds the tiny model of the built-in task alone: with --model or
+    # --dataset its options change nothing)
+    warm = saved.model is None and saved.dataset is None
     changed = {
         name: (getattr(saved, name), new[name])
         for name in JOB_OPTIONS
-        if name in new and new[name] != old[name]
+        if name in new and new[name] != old[name] and (warm or not name.startswith("warmstart_"))
     }
     if changed:
         listed = ", ".join(

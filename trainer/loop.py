@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import json
 import math
 import os
 import pickle
@@ -325,9 +326,11 @@ def _unloadable(ckpt: Path, model_path: str, exc: BaseException) -> str:
     """Why a checkpoint did not load: a file that cannot be read (cut short by a kill or a full
     disk, or corrupt: then the checkpoint before it is named) or one that does not fit."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    unreadable = isinstance(exc, (EOFError, pickle.UnpicklingError)) or any(
+    unreadable = isinstance(exc, (EOFError, pickle.UnpicklingError, json.JSONDecodeError)) or any(
         sign in first for sign in ("PytorchStreamReader", "failed finding central directory")
     )
+    if "Weights only load failed" in str(exc):  # (a class torch.load refuses: not corrupt)
+        unreadable = False
     if not unreadable:
         return f"--resume {ckpt}: the checkpoint does not fit the model {model_path} ({first})"
     step = checkpoint.step_of(ckpt) or 0
