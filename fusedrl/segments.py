@@ -84,7 +84,7 @@ class Segments:
     def per_token(self, values: torch.Tensor | None, name: str) -> torch.Tensor | None:
         """One value per sequence [S] (or [S, 1]) repeated over its tokens, [N]; a per-token [N]
         tensor as it is. With N == S a 1-D tensor reads both ways; the readings agree where every
-        sequence is one token long, and a pack with empty sequences is refused (`ambiguous`)."""
+        sequence is one token long, and a pack with empty sequences is refused."""
         if values is None or (values.dim() == 1 and values.shape[0] == self.tokens):
             self.check_unambiguous(values, name)
             return values
