@@ -22,6 +22,13 @@ from fusedrl.trainer.loop import claim_run_dir, lock_run_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _fusedrl_train(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "fusedrl.trainer", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
 class Killed(BaseException):
     """Stands in for kill -9: nothing after the point runs, no handler sees it."""
 
@@ -227,10 +234,9 @@ def test_a_start_that_fails_after_overwrite_set_the_old_run_aside_puts_it_back(t
     (run / "base_model").mkdir()
     (run / "base_model" / "config.json").write_text("{}")
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "fusedrl.trainer", "--out", str(run), "--overwrite"]
-    command += ["--warmstart-steps", "0", "--max-tokens", "200", "--rollout", "hf"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = _fusedrl_train(
+        "--out", str(run), "--overwrite", "--warmstart-steps", "0", "--max-tokens", "200"
+    )
     assert proc.returncode == 2 and "max_position_embeddings" in proc.stderr, proc.stderr
     after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     after.pop(Path(".fusedrl-train.lock"), None)
@@ -269,17 +275,9 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_put_back(tmp_path):
     (run / "config.yaml").write_text("seed: 9\n")
     assert recover_overwritten(run) == [".overwritten-k7x2"]
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (aside / "checkpoints").mkdir(parents=True)  # another killed one, seen by the CLI
     (aside / "checkpoints" / "kept").write_text("old")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    proc = _fusedrl_train("--out", str(run))
     assert "put back the run" in proc.stdout and ".overwritten-k7x2" in proc.stdout, proc.stdout
     assert proc.returncode == 2 and "--overwrite to replace it" in proc.stderr, proc.stderr
     assert (run / "checkpoints" / "kept").read_text() == "old" and not aside.exists()
@@ -307,15 +305,7 @@ def test_the_cli_refuses_an_existing_run_and_changes_nothing(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("seed: 7\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusedrl.trainer", "--out", str(run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    proc = _fusedrl_train("--out", str(run))
     assert proc.returncode == 2, proc.stderr
     assert "holds a run that saved no checkpoint (config.yaml)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
