@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fusedrl
-from fusedrl import LossConfig
+from fusedrl import LossConfig, reference
 
 from .test_packed import VOCAB, _batch
 from .worlds import named_results, worlds_by_size
@@ -38,6 +38,9 @@ class Case:
     row_temps: bool = False
     lm_head: bool = False  # hidden states [N, H] and the head (linear_policy_loss)
     bad: str = ""  # a named defect (see `_bad_arguments`), raised on every rank
+    # 25 sequences of the 25 tokens, one empty: per-token advantages [N_r] that a single call's
+    # 1-D [N] could not tell from per-sequence ones (it refuses them): the oracle judges
+    n_equals_s: bool = False
 
 
 GSPO_OPEN = {"eps_low": 0.2, "eps_high": 0.3}
@@ -82,6 +85,12 @@ CASES = [
     Case("bad_advantages_layout_differs", LossConfig.preset("dapo"), bad="advantages_layout"),
     Case("bad_config_differs", LossConfig.preset("dapo"), bad="config_differs"),
     *(Case(f"bad_{bad}", LossConfig.preset("dapo"), bad=bad) for bad in JOINS + COMPARED),
+    Case(
+        "gspo_n_equals_s",
+        LossConfig.preset("gspo", **GSPO_OPEN),
+        per_token_adv=True,
+        n_equals_s=True,
+    ),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -89,6 +98,9 @@ BY_NAME = {case.name: case for case in CASES}
 def _inputs(case: Case) -> dict:
     data = _batch(seed=31, per_token_adv=case.per_token_adv)
     flat = dict(data["packed"], cu_seqlens=data["cu_seqlens"])
+    if case.n_equals_s:
+        tokens = flat["labels"].shape[0]
+        flat["cu_seqlens"] = torch.tensor([0, 2, 2, *range(3, tokens + 1)], dtype=torch.int32)
     if not case.per_token_adv:  # one per sequence: [S, 1] under cp_group
         flat["advantages"] = flat["advantages"][:, None]
     if not case.rollout:
@@ -114,11 +126,10 @@ def _inputs(case: Case) -> dict:
 HIDDEN = 16
 
 
-def _call(case: Case, inputs: dict, **extra) -> dict:
+def _call(case: Case, inputs: dict, function=fusedrl.policy_loss, **extra) -> dict:
     """The loss of `inputs` (logits, or hidden states in "logits" and the head in "weight"),
     with the gradients of the rows ("grad") and of the head ("weight_grad")."""
     leaves = [inputs["logits"].detach().clone().requires_grad_(True)]
-    function = fusedrl.policy_loss
     if case.lm_head:
         leaves.append(inputs["weight"].detach().clone().requires_grad_(True))
         function = fusedrl.linear_policy_loss
@@ -206,7 +217,8 @@ def _run(case: Case, world: int, rank: int, group) -> dict:
         return result
     result.update(_call(case, mine_inputs, cp_group=group))
     if rank == 0:
-        result["single"] = _call(case, inputs)
+        function = reference.policy_loss if case.n_equals_s else fusedrl.policy_loss
+        result["single"] = _call(case, inputs, function)
     return result
 
 
@@ -238,7 +250,7 @@ def _results(worlds, world: int, name: str) -> list[dict]:
     return named_results(worlds(world), name)
 
 
-GOOD = [case.name for case in CASES if not case.bad]
+GOOD = [case.name for case in CASES if not case.bad and not case.n_equals_s]
 
 
 @pytest.mark.parametrize("name", GOOD)
@@ -310,6 +322,22 @@ def test_bad_input_raises_on_every_rank(worlds, world):
     ):
         errors = [r["error"] for r in _results(worlds, world, name)]
         assert all(e[0] == "ValueError" and phrase in e[1] for e in errors), (name, errors)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_per_token_values_of_a_batch_with_as_many_sequences_as_tokens(worlds, world):
+    """Each rank's [N_r] advantages are per token (a rank gives [S, 1] for per sequence): the
+    whole batch's gathered column is not the ambiguous 1-D [S] of a single call, and was refused
+    as one. Against the oracle's packed call (the gradient too)."""
+    per_rank = _results(worlds, world, "gspo_n_equals_s")
+    truth = per_rank[0]["single"]
+    assert truth["grad"].nan_to_num().abs().sum() > 0
+    for result in per_rank:
+        mine = slice(*result["mine"])
+        torch.testing.assert_close(result["loss"], truth["loss"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["logp"], truth["logp"][mine], atol=1e-6, rtol=1e-5)
+        grad = torch.nan_to_num(result["grad"])
+        torch.testing.assert_close(grad, truth["grad"][mine].nan_to_num(), atol=1e-6, rtol=1e-5)
 
 
 def test_the_cases_act():
