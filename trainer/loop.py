@@ -154,7 +154,7 @@ def recover_overwritten(run_dir: Path) -> list[str]:
 def claim_run_dir(run_dir: Path, cfg: TrainConfig) -> list[str]:
     """Never write over a run by accident: an --out that holds one is refused unless this is
     that run resumed (--resume pointing into it) or --overwrite replaces it. Returns what
-    --overwrite will remove, once the new run's data, rewards and model have passed their checks
+    --overwrite sets aside while the new run starts, and removes once it has started
     (`Trainer._start`): a run that fails its start leaves the old one as it was."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a directory")
@@ -473,11 +473,6 @@ class Trainer:
             raise ValueError(f"--backend {cfg.backend}: {exc}") from None
         if cfg.distill_teacher:
             check_teacher_dir(cfg.distill_teacher)
-        if cfg.model is not None and self.replaced:  # before --overwrite removes the old run
-            from transformers import AutoConfig
-
-            with _loading("--model", cfg.model):
-                AutoConfig.from_pretrained(cfg.model)
         if self.replaced:  # --overwrite: out of the new run's way, back if its start fails
             self.set_aside = Path(tempfile.mkdtemp(prefix=OVERWRITTEN, dir=self.run_dir))
             _set_aside(self.run_dir, self.replaced, self.set_aside)
