@@ -107,6 +107,15 @@ def resolve(backend: str, device: torch.device):
     return torch_backend
 
 
+def check_runnable(backend: str, device: torch.device, argument: str) -> None:
+    """ValueError "`argument`: why" where `backend` cannot run on `device`: a front end's check
+    before it loads models (`resolve` itself raises RuntimeError at the call)."""
+    try:
+        resolve(backend, device)
+    except RuntimeError as exc:
+        raise ValueError(f"{argument}: {exc}") from None
+
+
 def resolve_linear(backend: str, device: torch.device):
     """The LM-head loss's backend module: the Triton kernels for CUDA tensors ("auto"), the
     block-wise torch code elsewhere."""

@@ -40,6 +40,7 @@ PPO_CLIPPED = ("ppo", "luspo")
 # a bound 1 - clip_ratio_low <= 0): 1 - eps_low = 1e-12 lies below every ratio the losses form
 # (|log ratio| is clamped at 20: ratio >= 2e-9), so it never binds.
 OPEN_LOWER_BOUND = 1.0 - 1e-12
+
 # Losses that take a sequence ratio (ratio_level="sequence"): GSPO's clipped objective, and
 # CISPO's / SAPO's weights of it (TRL's importance_sampling_level="sequence" for them).
 SEQUENCE_RATIO_LOSSES = (*PPO_CLIPPED, "cispo", "sapo")
@@ -72,6 +73,12 @@ REJECTION_OPTIONS = (
     "seq_max_k2",
     "seq_max_k3",
 )
+
+
+def open_if_unbounded(eps_low: float) -> float:
+    """`eps_low`, or OPEN_LOWER_BOUND where the lower bound 1 - eps_low <= 0 could never bind a
+    ratio (the drop-ins' mapping of TRL's epsilon and verl's clip_ratio_low >= 1)."""
+    return eps_low if eps_low < 1.0 else OPEN_LOWER_BOUND
 
 
 @dataclass(frozen=True)

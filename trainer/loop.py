@@ -467,10 +467,7 @@ class Trainer:
                     "and --answer-column is empty (no answers): name the column, or use rewards "
                     "that need none"
                 )
-        try:
-            fusedrl.backends.resolve(cfg.backend, self.env.device)
-        except RuntimeError as exc:
-            raise ValueError(f"--backend {cfg.backend}: {exc}") from None
+        fusedrl.backends.check_runnable(cfg.backend, self.env.device, f"--backend {cfg.backend}")
         if cfg.distill_teacher:
             check_teacher_dir(cfg.distill_teacher)
         if self.replaced:  # --overwrite: out of the new run's way, back if its start fails

@@ -54,7 +54,7 @@ with warnings.catch_warnings():
 import fusedrl
 import fusedrl.backends
 from fusedrl import LossConfig
-from fusedrl.config import OPEN_LOWER_BOUND
+from fusedrl.config import OPEN_LOWER_BOUND, open_if_unbounded
 from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
@@ -120,8 +120,7 @@ def _mapped_config(args: GRPOConfig, warn: bool) -> LossConfig:
             "optimizing the per-sequence objective; loss_type='grpo' is the GSPO paper's setup",
             loss_type,
         )
-    # epsilon >= 1: a lower bound 1 - epsilon <= 0 that never binds a ratio (open)
-    eps_low = args.epsilon if args.epsilon < 1 else OPEN_LOWER_BOUND
+    eps_low = open_if_unbounded(args.epsilon)
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     kl = "k3" if args.beta != 0.0 else None
     common = dict(
@@ -227,10 +226,8 @@ def _check_backend_runs(backend: str, config: GRPOConfig) -> None:
     """ValueError, before the models load, for a backend this machine cannot run where the
     config trains (CUDA tensors for 'cuda'; CUDA or the interpreter for 'triton')."""
     on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu", False)
-    try:
-        fusedrl.backends.resolve(backend, torch.device("cuda" if on_gpu else "cpu"))
-    except RuntimeError as exc:
-        raise ValueError(f"fused_backend={backend!r}: {exc}") from None
+    device = torch.device("cuda" if on_gpu else "cpu")
+    fusedrl.backends.check_runnable(backend, device, f"fused_backend={backend!r}")
 
 
 class FusedGRPOTrainer(GRPOTrainer):

@@ -53,7 +53,7 @@ from verl.utils import torch_functional as verl_F
 import fusedrl
 from fusedrl import LossConfig
 from fusedrl._inputs import LossInputs, check_normalizer
-from fusedrl.config import OPEN_LOWER_BOUND
+from fusedrl.config import open_if_unbounded
 from fusedrl.token_terms import token_terms
 
 # The fused modes follow this version's core_algos (earlier verl forced seq-mean-token-mean in gspo
@@ -186,10 +186,10 @@ def loss_config_from_verl(
         else:
             norm_constant = _get(config, "loss_scale_factor")
     eps_low, eps_high = _clip_bounds(config)
-    if mode in ("vanilla", "gspo", "cispo") and eps_low >= 1.0:
+    if mode in ("vanilla", "gspo", "cispo"):
         # verl's lower bound 1 - clip_ratio_low <= 0 never binds a ratio (its CISPO recipe
         # sets clip_ratio_low=10): the open bound, as TRL's cispo.
-        eps_low = OPEN_LOWER_BOUND
+        eps_low = open_if_unbounded(eps_low)
     try:
         if mode == "vanilla":
             # verl's vanilla always dual-clips (clip_ratio_c, default 3.0).
