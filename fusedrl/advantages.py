@@ -11,6 +11,9 @@ Conventions
 * Standard deviations are the unbiased (Bessel-corrected) std, as torch, verl and TRL use.
 * A group (or batch) whose rewards are all identical gets advantage exactly ``0`` (never NaN),
   including ``group_size == 1``.
+* A non-finite reward is unscorable (TRL writes NaN for a completion no reward function
+  scored): it takes no part in any mean, std or min / max, and its advantage is ``0``, as TRL's
+  ``nanmean`` / ``nanstd`` and ``nan_to_num`` give. A NaN never spreads to its group or batch.
 * Results are ``float32`` on the input's device. The math is computed in float32 (float64 if
   the input is float64) and is free of host synchronisation (no ``.item()``), so the tensor
   estimators run unchanged on GPU tensors. The exceptions are documented host-side helpers:
@@ -109,35 +112,48 @@ def _out(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _group_centered(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(r - mean_g, const_g)`` as ``[num_groups, G]`` / ``[num_groups, 1]``.
+def _scored_stats(x: torch.Tensor, dim: int | None = None):
+    """``(scored, mean, std, const)`` of the scored (finite) entries of ``x`` along ``dim`` (None:
+    all of it), kept dims: the mean and the unbiased std over them (std 0 where fewer than two are
+    scored), and ``const`` where they are all equal (or none / one is scored).
 
-    Groups whose rewards are all identical are centred to exactly 0 (the float mean of identical
-    values can round away from them).
+    A non-finite reward is "unscorable" (TRL writes NaN for a completion that no reward function
+    scored): it takes no part in any statistic and its advantage is 0, as TRL's nanmean / nanstd
+    and ``nan_to_num`` give; a NaN must not turn its whole group, or batch, into NaN.
+    """
+    scored = torch.isfinite(x)
+    dims = () if dim is None else (dim,)
+    keep = dim is not None
+    count = scored.sum(dims, keepdim=keep).to(x.dtype)
+    mean = torch.where(scored, x, 0.0).sum(dims, keepdim=keep) / count.clamp_min(1.0)
+    deviation = torch.where(scored, x - mean, 0.0)
+    var = (deviation * deviation).sum(dims, keepdim=keep) / (count - 1.0).clamp_min(1.0)
+    lo = torch.where(scored, x, math.inf).amin(dims, keepdim=keep)
+    hi = torch.where(scored, x, -math.inf).amax(dims, keepdim=keep)
+    return scored, mean, var.sqrt(), hi <= lo
+
+
+def _group_centered(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """``(r - mean_g, std_g, scored)`` as ``[num_groups, G]`` / ``[num_groups, 1]`` / ``[num_groups,
+    G]``, over each group's scored rewards.
+
+    Groups whose scored rewards are all identical are centred to exactly 0 (the float mean of
+    identical values can round away from them), and so is every unscorable reward.
     """
     x = _work(rewards).view(-1, group_size)
-    const = x.amax(dim=1, keepdim=True) == x.amin(dim=1, keepdim=True)
-    centered = x - x.mean(dim=1, keepdim=True)
-    centered = torch.where(const, torch.zeros_like(centered), centered)
-    return centered, const
+    scored, mean, std, const = _scored_stats(x, dim=1)
+    centered = torch.where(const | ~scored, 0.0, x - mean)
+    return centered, std, scored
 
 
-def _group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Unbiased per-group std ``[num_groups, 1]``; 0 for ``group_size == 1`` (not NaN)."""
-    x = _work(rewards).view(-1, group_size)
-    if group_size == 1:
-        return torch.zeros_like(x)
-    return x.std(dim=1, keepdim=True)
-
-
-def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Batch whitening ``(x - mean) / (std + eps)`` of a 1-D tensor; 0 if all values are equal."""
+def _whiten(x: torch.Tensor, scored: torch.Tensor, eps: float) -> torch.Tensor:
+    """Batch whitening ``(x - mean) / (std + eps)`` of a 1-D tensor over its ``scored`` entries; 0
+    at the others, and everywhere if the scored values are all equal."""
     if x.numel() == 0:
         return x.clone()
-    const = x.amax() == x.amin()
-    std = x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype, device=x.device)
-    out = (x - x.mean()) / (std + eps)
-    return torch.where(const, torch.zeros_like(out), out)
+    _, mean, std, const = _scored_stats(torch.where(scored, x, math.nan))
+    out = (x - mean) / (std + eps)
+    return torch.where(const | ~scored, 0.0, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,9 +183,9 @@ def grpo(rewards: torch.Tensor, group_size: int, eps: float = DEFAULT_EPS) -> to
     """
     rewards, group_size = _check_grouped(rewards, group_size)
     eps = _check_eps(eps)
-    centered, const = _group_centered(rewards, group_size)
-    adv = centered / (_group_std(rewards, group_size) + eps)
-    adv = torch.where(const, torch.zeros_like(adv), adv)  # 0, not 0/0, when eps == 0
+    centered, std, _ = _group_centered(rewards, group_size)
+    adv = centered / (std + eps)
+    adv = torch.where(centered == 0, 0.0, adv)  # 0, not 0/0, when eps == 0
     return _out(adv.reshape(-1))
 
 
@@ -185,7 +201,7 @@ def dr_grpo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         ``[B]`` float32 advantages.
     """
     rewards, group_size = _check_grouped(rewards, group_size)
-    centered, _ = _group_centered(rewards, group_size)
+    centered, _, _ = _group_centered(rewards, group_size)
     return _out(centered.reshape(-1))
 
 
@@ -194,21 +210,18 @@ def lite_ppo(rewards: torch.Tensor, group_size: int, eps: float = DEFAULT_EPS) -
 
     ``A_i = (r_i - mean_g) / (std_B + eps)`` where ``std_B`` is the unbiased std of *all* ``B``
     rewards in the batch. Follows "Tricks or Traps? A Deep Dive into RL for LLM Reasoning"
-    (Liu et al. 2025, arXiv 2508.08221) and TRL's ``scale_rewards="batch"``.
+    (Liu et al. 2025, arXiv 2508.08221) and TRL's ``scale_rewards="batch"`` (TRL's ``eps`` is
+    ``1e-4``: pass it to get TRL's numbers where the batch std is that small).
 
     Returns:
         ``[B]`` float32 advantages.
     """
     rewards, group_size = _check_grouped(rewards, group_size)
     eps = _check_eps(eps)
-    centered, _ = _group_centered(rewards, group_size)
-    x = _work(rewards)
-    if x.numel() > 1:
-        std = x.std()
-    else:
-        std = torch.zeros((), dtype=x.dtype, device=x.device)
+    centered, _, _ = _group_centered(rewards, group_size)
+    _, _, std, _ = _scored_stats(_work(rewards))
     adv = centered / (std + eps)
-    adv = torch.where(centered == 0, torch.zeros_like(adv), adv)  # 0, not 0/0, when eps == 0
+    adv = torch.where(centered == 0, 0.0, adv)  # 0, not 0/0, when eps == 0
     return _out(adv.reshape(-1))
 
 
@@ -216,17 +229,21 @@ def reinforce_pp(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tenso
     """REINFORCE++ outcome advantage: global batch whitening.
 
     ``A_i = (r_i - mean_B) / (std_B + eps)`` over all ``B`` sequences of the batch (no grouping).
-    Follows REINFORCE++ (Hu 2025, arXiv 2501.03262) and verl's
-    ``compute_reinforce_plus_plus_outcome_advantage`` for outcome rewards with ``gamma = 1``.
-    verl whitens over *tokens* (weighting each sequence by its length); this function whitens
-    over sequences. A batch of identical rewards gives exactly 0.
+    REINFORCE++ (Hu 2025, arXiv 2501.03262) for outcome rewards with ``gamma = 1``, whitened over
+    sequences. verl's ``compute_reinforce_plus_plus_outcome_advantage`` gives other numbers, even
+    when every response has the same length: it whitens over *tokens* (each sequence weighs its
+    length, and Bessel's correction counts tokens: ``n / (n - 1)`` over all ``B * T`` of them) and
+    scales by ``rsqrt(var + 1e-8)`` where this function divides by ``std + eps`` (at ``B = 8``,
+    ``T = 100``, 0/1 rewards: verl +-0.9994, this +-0.9354). A batch of identical rewards gives
+    exactly 0.
 
     Returns:
         ``[B]`` float32 advantages.
     """
     rewards = _check_rewards(rewards)
     eps = _check_eps(eps)
-    return _out(_whiten(_work(rewards), eps))
+    x = _work(rewards)
+    return _out(_whiten(x, torch.isfinite(x), eps))
 
 
 def reinforce_pp_baseline(
@@ -234,54 +251,79 @@ def reinforce_pp_baseline(
 ) -> torch.Tensor:
     """REINFORCE++-baseline: group mean baseline, then global batch whitening.
 
-    ``x_i = r_i - mean_g``; ``A_i = (x_i - mean_B(x)) / (std_B(x) + eps)``. Follows REINFORCE++
-    (Hu 2025, arXiv 2501.03262) and verl's
-    ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (which whitens over tokens; this
-    function whitens over sequences). If every ``x_i`` is equal (e.g. all groups constant) the
-    result is exactly 0.
+    ``x_i = r_i - mean_g``; ``A_i = (x_i - mean_B(x)) / (std_B(x) + eps)``: REINFORCE++
+    (Hu 2025, arXiv 2501.03262), whitened over sequences. verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage`` differs as :func:`reinforce_pp`
+    says (it whitens over tokens, with ``rsqrt(var + 1e-8)``), and for ``group_size == 1`` it
+    whitens the raw rewards where this function gives 0 (no baseline from other samples). If
+    every ``x_i`` is equal (e.g. all groups constant) the result is exactly 0.
 
     Returns:
         ``[B]`` float32 advantages.
     """
     rewards, group_size = _check_grouped(rewards, group_size)
     eps = _check_eps(eps)
-    centered, _ = _group_centered(rewards, group_size)
-    return _out(_whiten(centered.reshape(-1), eps))
+    centered, _, scored = _group_centered(rewards, group_size)
+    return _out(_whiten(centered.reshape(-1), scored.reshape(-1), eps))
 
 
 def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (REINFORCE leave-one-out) advantage.
 
     ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_g)`` within each group; 0 for
-    ``group_size == 1`` (no other sample to form a baseline). Follows "Back to Basics: Revisiting
-    REINFORCE Style Optimization for Learning from Human Feedback in LLMs" (Ahmadian et al. 2024,
-    arXiv 2402.14740) and verl's ``compute_rloo_outcome_advantage``.
+    ``group_size == 1`` (no other sample to form a baseline; verl's
+    ``compute_rloo_outcome_advantage`` gives ``A = r`` there, and equals this otherwise). Follows
+    "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
+    LLMs" (Ahmadian et al. 2024, arXiv 2402.14740). With unscorable rewards in a group, ``G`` is
+    the number of scored ones.
 
     Returns:
         ``[B]`` float32 advantages.
     """
     rewards, group_size = _check_grouped(rewards, group_size)
-    centered, _ = _group_centered(rewards, group_size)
-    if group_size == 1:
-        return _out(torch.zeros_like(centered).reshape(-1))
-    return _out((centered * (group_size / (group_size - 1))).reshape(-1))
+    centered, _, scored = _group_centered(rewards, group_size)
+    # n / (n - 1) over the group's n scored rewards (0 where n <= 1: centered is 0 there)
+    n = scored.sum(1, keepdim=True).to(centered.dtype)
+    return _out((centered * (n / (n - 1.0).clamp_min(1.0))).reshape(-1))
 
 
 # --------------------------------------------------------------------------------------------
 # DCPO smooth advantage standardization
 # --------------------------------------------------------------------------------------------
 
-# per-prompt running statistics: [visits, count, sum, sumsq, min, max]
-_VISITS, _COUNT, _SUM, _SUMSQ, _MIN, _MAX = range(6)
+# per-prompt running statistics: [visits, count, mean, m2 (the sum of squared deviations from the
+# mean), min, max]. Mean and m2 merge exactly (Chan et al.'s pairwise update); a running sum of
+# squares would cancel catastrophically for rewards with a large offset and a small spread
+# (1e8 + {0, 1}: sum**2 / count against sumsq in float64 leaves nothing of the variance).
+_VISITS, _COUNT, _MEAN, _M2, _MIN, _MAX = range(6)
+
+
+def _group_stats(values: list[float]) -> list[float]:
+    """One visit's statistics of a group's scored rewards (at least one)."""
+    mean = math.fsum(values) / len(values)
+    m2 = math.fsum((v - mean) ** 2 for v in values)
+    return [1.0, float(len(values)), mean, m2, min(values), max(values)]
+
+
+def _merged(old: list[float], new: list[float]) -> list[float]:
+    count = old[_COUNT] + new[_COUNT]
+    delta = new[_MEAN] - old[_MEAN]
+    return [
+        old[_VISITS] + 1.0,
+        count,
+        old[_MEAN] + delta * new[_COUNT] / count,
+        old[_M2] + new[_M2] + delta * delta * old[_COUNT] * new[_COUNT] / count,
+        min(old[_MIN], new[_MIN]),
+        max(old[_MAX], new[_MAX]),
+    ]
 
 
 def _stats_adv(values: torch.Tensor, stats: list[float], eps: float) -> torch.Tensor:
-    """``(values - mu) / (sigma + eps)`` from (count, sum, sumsq, min, max); 0 if all equal."""
-    count, s, ss, lo, hi = stats[_COUNT], stats[_SUM], stats[_SUMSQ], stats[_MIN], stats[_MAX]
-    if lo == hi:
+    """``(values - mu) / (sigma + eps)`` from (count, mean, m2, min, max); 0 if all equal."""
+    count, mean, m2 = stats[_COUNT], stats[_MEAN], stats[_M2]
+    if stats[_MIN] == stats[_MAX]:
         return torch.zeros_like(values)
-    mean = s / count
-    var = max(ss - s * s / count, 0.0) / (count - 1) if count > 1 else 0.0
+    var = m2 / (count - 1) if count > 1 else 0.0
     return (values - mean) / (math.sqrt(var) + eps)
 
 
@@ -302,10 +344,13 @@ class SmoothAdvantageStandardizer:
     So a group whose rewards are all equal (``A_new = 0``) still contributes, with a small weight,
     through the prompt's history. On the first visit ``A_new == A_total`` and the result equals
     the GRPO advantage. Stds are unbiased; a set of identical rewards gives exactly 0.
+    Unscorable (non-finite) rewards are left out of the statistics and get 0, as in the tensor
+    estimators; a group with none scored is not a visit.
 
-    Running statistics are kept per prompt key as visit count, reward count, sum, sum of squares,
-    min and max (Python floats, i.e. float64), so memory is ``O(#prompts)``. Use
-    :meth:`state_dict` / :meth:`load_state_dict` to checkpoint them.
+    Running statistics are kept per prompt key as visit count, reward count, mean, sum of squared
+    deviations, min and max (Python floats, i.e. float64, merged exactly: no cancellation for
+    rewards of a large offset), so memory is ``O(#prompts)``. Use :meth:`state_dict` /
+    :meth:`load_state_dict` to checkpoint them.
 
     Host-side: each call copies the rewards to the CPU (one device sync) and loops over prompts
     in Python. If the same key appears more than once in one call, its groups are processed in
@@ -360,44 +405,26 @@ class SmoothAdvantageStandardizer:
                 raise TypeError(f"prompt_keys entries must be hashable, got {key!r}") from None
 
         groups = rewards.detach().to(device="cpu", dtype=torch.float64).view(-1, group_size)
-        finite = torch.isfinite(groups).all(-1)
-        if not bool(finite.all()):  # before any update: a NaN would stay in the running sums
-            g = int((~finite).nonzero()[0])
-            raise ValueError(
-                f"rewards must be finite: the group of prompt key {prompt_keys[g]!r} holds "
-                f"{groups[g].tolist()}; no running statistic was updated"
-            )
-        out = torch.empty_like(groups)
+        out = torch.zeros_like(groups)
         for g, key in enumerate(prompt_keys):
             r = groups[g]
-            vals = r.tolist()
-            new = [
-                1.0,
-                float(group_size),
-                math.fsum(vals),
-                math.fsum(v * v for v in vals),
-                min(vals),
-                max(vals),
-            ]
+            scored = torch.isfinite(r)
+            vals = r[scored].tolist()
+            if not vals:  # nothing to learn from, and nothing learned
+                continue
+            new = _group_stats(vals)
             old = self._stats.get(key)
-            if old is None:
-                total = list(new)
-            else:
-                total = [
-                    old[_VISITS] + 1.0,
-                    old[_COUNT] + new[_COUNT],
-                    old[_SUM] + new[_SUM],
-                    old[_SUMSQ] + new[_SUMSQ],
-                    min(old[_MIN], new[_MIN]),
-                    max(old[_MAX], new[_MAX]),
-                ]
+            total = list(new) if old is None else _merged(old, new)
             self._stats[key] = total
             i = total[_VISITS]
+            r = torch.where(scored, r, 0.0)
             a_new = _stats_adv(r, new, self.eps)
             a_total = _stats_adv(r, total, self.eps)
             sa_new = (i - 1.0) / i * a_new + a_total / i
             sa_total = a_new / i + (i - 1.0) / i * a_total
-            out[g] = torch.where(sa_new.abs() < sa_total.abs(), sa_new, sa_total)
+            out[g] = torch.where(
+                scored, torch.where(sa_new.abs() < sa_total.abs(), sa_new, sa_total), 0.0
+            )
         return out.reshape(-1).to(device=rewards.device, dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
@@ -410,15 +437,22 @@ class SmoothAdvantageStandardizer:
             "keys": keys,
             "visits": table[:, _VISITS].to(torch.int64),
             "count": table[:, _COUNT].to(torch.int64),
-            "sum": table[:, _SUM].clone(),
-            "sumsq": table[:, _SUMSQ].clone(),
+            "mean": table[:, _MEAN].clone(),
+            "m2": table[:, _M2].clone(),
             "min": table[:, _MIN].clone(),
             "max": table[:, _MAX].clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state produced by :meth:`state_dict` (replaces the current state)."""
-        names = ("visits", "count", "sum", "sumsq", "min", "max")
+        """Restore the state produced by :meth:`state_dict` (replaces the current state); also
+        the ``sum`` / ``sumsq`` columns of a state saved before 2026-11-30."""
+        if "mean" not in state and {"sum", "sumsq", "count"} <= set(state):
+            count = torch.as_tensor(state["count"], dtype=torch.float64).clamp_min(1.0)
+            total = torch.as_tensor(state["sum"], dtype=torch.float64)
+            squares = torch.as_tensor(state["sumsq"], dtype=torch.float64)
+            m2 = (squares - total * total / count).clamp_min(0.0)
+            state = {**state, "mean": total / count, "m2": m2}
+        names = ("visits", "count", "mean", "m2", "min", "max")
         missing = [n for n in ("eps", "keys", *names) if n not in state]
         if missing:
             raise ValueError(f"state is missing entries {missing}")
@@ -505,14 +539,15 @@ def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor
 def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """DAPO dynamic sampling: which groups carry a learning signal.
 
-    Returns a bool ``[num_groups]`` keep-flag, True where the group's rewards are not all equal
-    (``max != min``; for 0/1 rewards, ``0 < #correct < G``). Groups with identical rewards have
-    zero GRPO advantage and are filtered out (DAPO, arXiv 2503.14476, "Dynamic Sampling").
-    Sync-free; use :func:`expand_group_mask` for a per-sequence ``[B]`` mask.
+    Returns a bool ``[num_groups]`` keep-flag, True where the group's scored (finite) rewards are
+    not all equal (``max != min``; for 0/1 rewards, ``0 < #correct < G``). Groups with identical
+    rewards have zero GRPO advantage and are filtered out (DAPO, arXiv 2503.14476, "Dynamic
+    Sampling"); unscorable (non-finite) rewards count for nothing, as in the estimators. Sync-free;
+    use :func:`expand_group_mask` for a per-sequence ``[B]`` mask.
     """
     rewards, group_size = _check_grouped(rewards, group_size)
-    x = rewards.view(-1, group_size)
-    return x.amax(dim=1) != x.amin(dim=1)
+    _, _, _, const = _scored_stats(_work(rewards).view(-1, group_size), dim=1)
+    return ~const.view(-1)
 
 
 def expand_group_mask(group_keep: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -314,8 +314,151 @@ def test_eps_validation(fn):
 
 
 # --------------------------------------------------------------------------------------------
+# unscorable (non-finite) rewards: out of every statistic, advantage 0 (TRL's nan rule)
+# --------------------------------------------------------------------------------------------
+
+
+UNSCORABLE = torch.tensor(
+    [1.0, float("nan"), 0.0, 0.5]  # a NaN among scored rewards
+    + [float("inf"), 0.2, 0.2, 0.9]  # an inf
+    + [float("nan")] * 4  # nothing scored
+    + [0.3, float("-inf"), 0.3, 0.3]  # the scored ones all equal
+    + [2.0, float("nan"), float("nan"), float("nan")]  # one scored
+    + [0.1, 0.7, -0.4, 1.3]  # a plain group
+)
+
+
+def _group_reference(kind, rewards, g, eps):
+    """Per group over its scored rewards: grpo / dr_grpo / rloo / the baseline of the others."""
+    out = []
+    for grp in _groups(rewards, g):
+        scored = [x for x in grp if math.isfinite(x)]
+        m = _mean(scored) if scored else 0.0
+        s = _ustd(scored)
+        for x in grp:
+            if not math.isfinite(x) or max(scored) == min(scored):
+                out.append(0.0)
+            elif kind == "grpo":
+                out.append((x - m) / (s + eps))
+            elif kind == "dr_grpo":
+                out.append(x - m)
+            else:  # rloo
+                others = list(scored)
+                others.remove(x)
+                out.append(x - _mean(others))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _batch_reference(values, eps):
+    scored = [x for x in values if math.isfinite(x)]
+    m, s = _mean(scored), _ustd(scored)
+    same = max(scored) == min(scored)
+    return torch.tensor(
+        [0.0 if not math.isfinite(x) or same else (x - m) / (s + eps) for x in values],
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unscorable_rewards_sit_out_every_statistic(dtype):
+    rewards, g, eps = UNSCORABLE.to(dtype), 4, 1e-4  # TRL's eps
+    vals = rewards.double().tolist()
+    want = {
+        "grpo": _group_reference("grpo", rewards, g, eps),
+        "dr_grpo": _group_reference("dr_grpo", rewards, g, eps),
+        "rloo": _group_reference("rloo", rewards, g, eps),
+        "reinforce_pp": _batch_reference(vals, eps),
+    }
+    centered = _group_reference("dr_grpo", rewards, g, eps).tolist()
+    baseline = [c if math.isfinite(v) else math.nan for c, v in zip(centered, vals)]
+    want["reinforce_pp_baseline"] = _batch_reference(baseline, eps)
+    batch_std = _ustd([x for x in vals if math.isfinite(x)])
+    want["lite_ppo"] = torch.tensor([c / (batch_std + eps) for c in centered], dtype=torch.float64)
+    got = {
+        "grpo": adv.grpo(rewards, g, eps=eps),
+        "dr_grpo": adv.dr_grpo(rewards, g),
+        "rloo": adv.rloo(rewards, g),
+        "reinforce_pp": adv.reinforce_pp(rewards, eps=eps),
+        "reinforce_pp_baseline": adv.reinforce_pp_baseline(rewards, g, eps=eps),
+        "lite_ppo": adv.lite_ppo(rewards, g, eps=eps),
+    }
+    for name, out in got.items():
+        assert torch.isfinite(out).all(), name
+        assert out.abs().sum() > 1.0, name  # not trivially zero
+        torch.testing.assert_close(out.double(), want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(adv.grpo(rewards, g)[~torch.isfinite(rewards)], torch.zeros(10))
+
+
+def test_trl_nan_rule_in_numbers():
+    """TRL 1.16's scale_rewards="group" on [1, nan, 0, 1]: nanmean 2/3, nanstd 0.5774, eps 1e-4."""
+    out = adv.grpo(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 4, eps=1e-4)
+    std = math.sqrt(1.0 / 3.0)
+    want = torch.tensor(
+        [(1 / 3) / (std + 1e-4), 0.0, -(2 / 3) / (std + 1e-4), (1 / 3) / (std + 1e-4)]
+    )
+    torch.testing.assert_close(out, want)
+
+
+def test_dynamic_sampling_filter_reads_scored_rewards_only():
+    keep = adv.dynamic_sampling_filter(UNSCORABLE, 4)
+    assert keep.tolist() == [True, True, False, False, False, True]
+
+
+# --------------------------------------------------------------------------------------------
 # DCPO smooth advantage standardization
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rewards",
+    [[1e8, 1e8 + 1, 1e8, 1e8 + 1], [1000, 1000 + 1e-5, 1000, 1000 + 1e-5], [1e4, 1e4 + 1e-4] * 2],
+)
+def test_sas_keeps_the_spread_of_rewards_with_a_large_offset(rewards):
+    """A running sum of squares cancelled here (first visit +-500000 where GRPO says +-0.866)."""
+    rewards = torch.tensor(rewards, dtype=torch.float64)
+    sas = adv.SmoothAdvantageStandardizer()
+    first = sas(rewards, 4, ["p"])
+    torch.testing.assert_close(first, adv.grpo(rewards, 4), rtol=1e-5, atol=1e-6)
+    assert first.abs().max() > 0.5
+    second = sas(rewards.flip(0), 4, ["p"])  # visit 2: half this group's, half all 8 rewards'
+    vals = rewards.flip(0).tolist()
+    history = vals * 2
+    m, s_all = _mean(history), _ustd(history)
+    want = [0.5 * a + 0.5 * (x - m) / (s_all + 1e-6) for a, x in zip(first.flip(0).tolist(), vals)]
+    torch.testing.assert_close(second, torch.tensor(want, dtype=torch.float32))
+
+
+def test_sas_unscorable_rewards():
+    sas = adv.SmoothAdvantageStandardizer(eps=0.0)
+    nan = float("nan")
+    out = sas(torch.tensor([1.0, nan, 0.0, 1.0, nan, nan, nan, nan]), 4, ["a", "b"])
+    want = adv.grpo(torch.tensor([1.0, nan, 0.0, 1.0]), 4, eps=0.0)
+    torch.testing.assert_close(out[:4], want)
+    assert out[1] == 0 and torch.equal(out[4:], torch.zeros(4))
+    assert sas.num_visits("a") == 1 and sas.num_visits("b") == 0  # nothing scored: no visit
+    out = sas(torch.tensor([0.0, 0.0, float("inf"), 1.0]), 4, ["a"])  # history of 6 scored
+    assert torch.isfinite(out).all() and out[2] == 0 and sas.num_visits("a") == 2
+
+
+def test_sas_loads_a_state_saved_with_sums_of_squares():
+    """Checkpoints written before 2026-11-30 hold sum / sumsq: a resumed run reads them."""
+    sas = adv.SmoothAdvantageStandardizer()
+    first = torch.tensor([1.0, 0.0, 0.0, 2.0])
+    sas(first, 4, ["p"])
+    old = {
+        "eps": 1e-6,
+        "keys": ["p"],
+        "visits": torch.tensor([1]),
+        "count": torch.tensor([4]),
+        "sum": torch.tensor([3.0], dtype=torch.float64),
+        "sumsq": torch.tensor([5.0], dtype=torch.float64),
+        "min": torch.tensor([0.0], dtype=torch.float64),
+        "max": torch.tensor([2.0], dtype=torch.float64),
+    }
+    restored = adv.SmoothAdvantageStandardizer()
+    restored.load_state_dict(old)
+    nxt = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    torch.testing.assert_close(restored(nxt, 4, ["p"]), sas(nxt, 4, ["p"]))
 
 
 def test_sas_first_visit_equals_grpo():

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import fusedrl
+from fusedrl.advantages import SmoothAdvantageStandardizer
+from fusedrl.trainer.advantages import step_advantages
 from fusedrl.trainer.distributed import DistEnv, shard
 from fusedrl.trainer.logger import read_metrics
 from fusedrl.trainer.loop import TINY_LR
@@ -51,6 +53,38 @@ def _grads(model) -> torch.Tensor:
     return torch.cat(parts)
 
 
+# Advantages over 3 steps of 5 prompts x 3 completions, the prompts split over the ranks as the
+# trainer splits them (positions[rank::world]: 3 and 2), each prompt key at most once a step
+# and seen again in later steps (SAS's history), one unscorable reward.
+G = 3
+ESTIMATORS = ("grpo", "lite_ppo", "reinforce_pp", "reinforce_pp_baseline", "dcpo_sas")
+
+
+def _advantage_steps() -> list[tuple[torch.Tensor, list[int]]]:
+    gen = torch.Generator().manual_seed(11)
+    steps = []
+    for keys in ([0, 1, 2, 3, 4], [2, 5, 0, 1, 6], [6, 2, 3, 0, 5]):
+        rewards = torch.randint(0, 3, (5 * G,), generator=gen).float() / 2
+        steps.append((rewards, keys))
+    steps[1][0][4] = float("nan")
+    return steps
+
+
+def _advantages(rank: int, world: int) -> dict:
+    """Each estimator's advantages on this rank's prompts, step by step, and SAS's state."""
+    env = DistEnv(rank, world, torch.device("cpu"))
+    out = {}
+    for name in ESTIMATORS:
+        sas = SmoothAdvantageStandardizer() if name == "dcpo_sas" else None
+        steps = []
+        for rewards, keys in _advantage_steps():
+            mine = list(range(len(keys)))[rank::world]
+            rows = rewards.view(-1, G)[mine].reshape(-1)
+            steps.append(step_advantages(name, rows, [keys[i] for i in mine], G, env, sas))
+        out[name] = (steps, None if sas is None else sas.state_dict())
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -63,25 +97,46 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         rows = slice(0, 4) if rank == 0 else slice(4, 7)
         accumulate_gradients(model, _batch().rows(rows), _config(preset), 1, None, "torch")
         results[preset] = _grads(model)  # full_tensor() is a collective: every rank calls it
+    results["advantages"] = _advantages(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # (trainer.distributed.teardown's reason)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def distributed_grads(tmp_path_factory):
+def dp_world_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dp"))
     per_rank = run_world(_worker, 2, (2, free_port(), out), out, 300, "the FSDP2 world of 2")
-    return per_rank[0]  # (every rank holds the full gradients: full_tensor())
+    return per_rank  # (every rank holds the full gradients: full_tensor())
 
 
 @pytest.mark.parametrize("preset", list(CASES))
-def test_distributed_gradient_equals_single_process(preset, distributed_grads):
+def test_distributed_gradient_equals_single_process(preset, dp_world_results):
     model = _tiny_model()
     accumulate_gradients(model, _batch(), _config(preset), 0, None, "torch")
     expected = _grads(model)
     assert expected.abs().sum() > 0
-    torch.testing.assert_close(distributed_grads[preset], expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dp_world_results[0][preset], expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_advantages_over_ranks_equal_one_process(name, dp_world_results):
+    """Each rank's advantages are the one-process run's for its prompts: the batch std and SAS's
+    per-prompt history are the whole step's (per-rank statistics gave lite_ppo -1.449 for
+    -0.600), and SAS's state is the same on every rank (rank 0 saves it)."""
+    single, single_state = _advantages(0, 1)[name]
+    world = len(dp_world_results)
+    for rank, results in enumerate(dp_world_results):
+        steps, state = results["advantages"][name]
+        for step, (want, got) in enumerate(zip(single, steps)):
+            mine = list(range(5))[rank::world]
+            want = want.view(-1, G)[mine].reshape(-1)
+            torch.testing.assert_close(got, want, msg=f"{name}, rank {rank}, step {step}")
+        if state is not None:
+            order = [state["keys"].index(key) for key in single_state["keys"]]
+            for column in ("visits", "count", "mean", "m2", "min", "max"):
+                torch.testing.assert_close(state[column][order], single_state[column])
+    assert any(s.abs().sum() > 0 for s in single)
 
 
 # ------------------------------------------------------------------------------------ --tp

@@ -226,6 +226,17 @@ def broadcast_in_tp_group(value: object, env: DistEnv) -> object:
     return box[0]
 
 
+def gather_in_dp_group(value: object, env: DistEnv) -> list:
+    """Every data-parallel peer's `value` (any picklable object), in dp-rank order; a "tp"
+    group's ranks, which hold the same batch, each gather their own dp peers' alike."""
+    group = env.dp_group
+    if world_size(group) == 1:
+        return [value]
+    out = [None] * world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def world_size(group=None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1

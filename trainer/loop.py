@@ -57,6 +57,7 @@ from fusedrl.entropy_control import AdaptiveEntropy
 from fusedrl.linear import lm_head_of
 from fusedrl.logit_transform import model_logit_transform
 
+from .advantages import step_advantages
 from .config import LOSS_OVERRIDES, TrainConfig
 from .data import PromptSet, build_prompt_set, task_rows
 from .distributed import (
@@ -754,14 +755,10 @@ class Trainer:
 
     # --- 4: advantages ---------------------------------------------------------------------
     def advantages(self, samples: list[Sample], rewards: torch.Tensor) -> torch.Tensor:
-        cfg, G = self.cfg, self.cfg.group_size
-        name = cfg.advantage
-        if name == "dcpo_sas":
-            keys = [samples[i].prompt_index for i in range(0, len(samples), G)]
-            return self.sas(rewards, G, keys)
-        if name == "reinforce_pp":  # batch whitening: no groups
-            return adv.reinforce_pp(rewards)
-        return getattr(adv, name)(rewards, G)
+        """One per sequence, over the whole step's rewards (every data-parallel rank's)."""
+        G = self.cfg.group_size
+        keys = [samples[i].prompt_index for i in range(0, len(samples), G)]
+        return step_advantages(self.cfg.advantage, rewards, keys, G, self.env, self.sas)
 
     # --- 5-6: old/ref log-probs and the update ---------------------------------------------
     def _autocast(self) -> torch.dtype | None:
