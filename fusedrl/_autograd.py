@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backends import TRITON_INSTALLED
+from .double_backward import refuse_double_backward
 
 
 def scale_unless_one(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
@@ -71,8 +72,13 @@ class LossWithKnownGrads(torch.autograd.Function):
         # autograd may then hand the buffer on (or accumulate into it) without another copy.
         ctx.grads = list(grads)
         ctx.declared = declared
-        # A view, not a copy: the loss is an input here, and a clone would be one more launch.
-        return loss.view_as(loss)
+        # The loss itself, not a copy (one more launch) nor a view, which autograd makes of an
+        # input returned as it is and which refuses in-place ops (`loss /= accumulation_steps`):
+        # marked dirty, it is this Function's output. (Computed without grad, it is no one's.)
+        if loss._base is not None:
+            loss = loss.clone()
+        ctx.mark_dirty(loss)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -82,15 +88,8 @@ class LossWithKnownGrads(torch.autograd.Function):
                 "fusedrl: backward ran twice through the same graph; the gradient buffers are "
                 "released after the first backward (retain_graph is not supported)"
             )
+        refuse_double_backward("fusedrl.policy_loss (or linear_policy_loss, distill_loss)")
         ctx.grads = None
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            raise RuntimeError(
-                "fusedrl.policy_loss (or linear_policy_loss) does not support double backward "
-                "(create_graph=True): its gradient is computed by the fused kernel and carries "
-                "no graph, so a "
-                "second-order term would silently be 0. fusedrl.reference.policy_loss (plain "
-                "autograd) gives higher-order derivatives"
-            )
         # Written already times the declared factor: an upstream gradient equal to it divides to
         # exactly 1 (x / x in fp32), and the gradients are left untouched.
         factor = grad_loss if ctx.declared is None else grad_loss / ctx.declared

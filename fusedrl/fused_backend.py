@@ -30,6 +30,7 @@ from ._inputs import (
     temperature_of,
 )
 from .config import PPO_CLIPPED, SCALAR_LOSSES, LossConfig
+from .double_backward import refuse_double_backward
 from .logit_transform import LogitTransform
 from .output import MetricSlots
 from .row_blocks import row_blocks, rows_temperature
@@ -158,6 +159,7 @@ class _FusedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, *grads):
+        refuse_double_backward("fusedrl.token_logprobs")
         grad_entropy = grads[0] if ctx.return_entropy else None  # (then the squares' None)
         logits, labels, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)

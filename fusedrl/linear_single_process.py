@@ -29,6 +29,7 @@ from .arguments import ModelHead, RolloutInputs, checked_inputs
 from .config import LossConfig
 from .distill.heads import check_teacher_head, policy_loss_with_reference
 from .distill.rows import two_row_ops
+from .double_backward import refuse_double_backward
 from .linear_torch import LinearInputs, live_row_indices
 from .logit_transform import LogitTransform
 from .output import LossOutput
@@ -162,6 +163,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, *grads):
+        refuse_double_backward("fusedrl.linear_token_logprobs")
         grad_entropy = grads[0] if ctx.return_entropy else None  # (then the squares' None)
         lin = ctx.lin
         if lin is None:

@@ -18,6 +18,7 @@ import torch
 
 from ._inputs import LossInputs, masked_rows, needs_entropy, temperature_of
 from .config import LossConfig
+from .double_backward import refuse_double_backward
 from .logit_transform import LogitTransform, banned, capped_rows
 from .row_blocks import row_blocks, rows_temperature
 from .sampling import SamplingMask, apply_floor, sampling_floor
@@ -315,6 +316,7 @@ class _TorchLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
+        refuse_double_backward("fusedrl.token_logprobs")
         logits, labels, floors = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         write_logits_grad(

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
+from .conftest import BACKENDS, LOGITS_BACKENDS, make_batch, needs_interpreter, run_loss
 
 
 class _OpsOnStorage(TorchDispatchMode):
@@ -66,6 +66,85 @@ def test_upstream_gradient_scales_once(backend):
         out = fusedrl.policy_loss(logits, config=cfg, backend=backend, **args)
         (grad,) = torch.autograd.grad(scale * out.loss, logits)
         torch.testing.assert_close(grad, scale * ref_grad, atol=1e-6, rtol=1e-5)
+
+
+def _linear_loss(backend, data, cfg, hidden, weight, **kw):
+    args = {k: v for k, v in data.items() if k != "logits"}
+    return fusedrl.linear_policy_loss(hidden, weight, config=cfg, backend=backend, **args, **kw)
+
+
+def _distill_loss(backend, data, logits, **kw):
+    teacher = data["logits"].flip(-1)
+    return fusedrl.distill_loss(
+        logits, teacher, data["labels"], data["mask"], backend=backend, **kw
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_ops_on_the_loss(backend):
+    """`loss /= accumulation_steps`, as hand-written loops write it, then `loss *= -2`: every
+    entry point's loss takes in-place ops (its autograd node's output was a view, which autograd
+    refuses to modify in place) and the gradient is the plain one times -0.5."""
+    data = make_batch(batch=3, time=5, vocab=131, seed=33)
+    cfg = LossConfig.preset("dapo")
+    hidden, weight = torch.randn(3, 5, 16), torch.randn(131, 16) / 4
+    calls = {
+        "policy_loss": (
+            [data["logits"]],
+            lambda x: fusedrl.policy_loss(
+                x, config=cfg, backend=backend, **{k: v for k, v in data.items() if k != "logits"}
+            ),
+        ),
+        "linear_policy_loss": (
+            [hidden, weight],
+            lambda h, w: _linear_loss(backend, data, cfg, h, w),
+        ),
+        "distill_loss": ([data["logits"]], lambda x: _distill_loss(backend, data, x)),
+    }
+    for name, (inputs, call) in calls.items():
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        plain = torch.autograd.grad(call(*leaves).loss, leaves)
+        loss = call(*leaves).loss
+        loss /= 4
+        loss *= -2
+        got = torch.autograd.grad(loss, leaves)
+        for g, want in zip(got, plain):
+            assert want.abs().sum() > 0, name
+            torch.testing.assert_close(g, -0.5 * want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_raises_for_every_hand_written_gradient(backend):
+    """create_graph=True through a gradient fusedrl computed by hand would make every
+    second-order term silently 0 (token_logprobs returned a gradient without a graph)."""
+    data = make_batch(batch=3, time=5, vocab=131, seed=34)
+    hidden, weight = torch.randn(3, 5, 16), torch.randn(131, 16) / 4
+    logits = data["logits"].detach().requires_grad_(True)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    labels = data["labels"]
+    outputs = {
+        "token_logprobs": (fusedrl.token_logprobs(logits, labels, backend=backend)[0], logits),
+        "token_logprobs, entropy": (
+            fusedrl.token_logprobs(logits, labels, return_entropy=True, backend=backend)[1],
+            logits,
+        ),
+        "linear_token_logprobs": (
+            fusedrl.linear_token_logprobs(h, w, labels, backend=backend)[0],
+            w,
+        ),
+        "policy_loss": (
+            fusedrl.policy_loss(
+                logits, backend=backend, **{k: v for k, v in data.items() if k != "logits"}
+            ).loss,
+            logits,
+        ),
+        "distill_loss": (_distill_loss(backend, data, logits).loss, logits),
+    }
+    for name, (value, leaf) in outputs.items():
+        with pytest.raises(RuntimeError, match="does not support double backward"):
+            torch.autograd.grad(value.sum(), leaf, create_graph=True)
+        (grad,) = torch.autograd.grad(value.sum(), leaf)  # without it: the gradient, as before
+        assert grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)

@@ -286,15 +286,16 @@ def test_policy_loss_module_rejects_an_unknown_backend_at_construction():
 
 
 def test_nan_reward_never_poisons_the_smooth_standardizer():
+    """A NaN reward is unscorable (TRL's rule, as in the tensor estimators): advantage 0, and
+    out of the prompt's running statistics, which stay finite."""
     sas = fusedrl.advantages.SmoothAdvantageStandardizer()
     sas(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2, ["a", "b"])
-    before = sas.state_dict()
-    with pytest.raises(ValueError, match="rewards must be finite: the group of prompt key 'b'"):
-        sas(torch.tensor([1.0, 1.0, float("nan"), 0.0]), 2, ["a", "b"])
-    after = sas.state_dict()
-    assert sas.num_visits("a") == 1 and sas.num_visits("b") == 1  # nothing was updated
-    for key in before:
-        if isinstance(before[key], torch.Tensor):
-            assert torch.equal(before[key], after[key])
+    out = sas(torch.tensor([1.0, 1.0, float("nan"), 0.0]), 2, ["a", "b"])
+    assert torch.isfinite(out).all() and out[2] == 0
+    assert sas.num_visits("a") == 2 and sas.num_visits("b") == 2
+    state = sas.state_dict()
+    b = state["keys"].index("b")
+    assert state["count"][b] == 3 and state["mean"][b] == pytest.approx(1 / 3)
+    assert all(torch.isfinite(v).all() for v in state.values() if isinstance(v, torch.Tensor))
     good = sas(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, ["a", "b"])
     assert torch.isfinite(good).all()

@@ -54,6 +54,7 @@ import fusedrl
 from fusedrl import LossConfig
 from fusedrl._inputs import LossInputs, check_normalizer
 from fusedrl.config import open_if_unbounded
+from fusedrl.double_backward import refuse_double_backward
 from fusedrl.token_terms import token_terms
 
 # The fused modes follow this version's core_algos (earlier verl forced seq-mean-token-mean in gspo
@@ -323,6 +324,7 @@ class _LossFromLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward("fusedrl's verl policy loss")
         (dlogp,) = ctx.saved_tensors
         return dlogp * grad_loss.to(dlogp.dtype), None, None
 

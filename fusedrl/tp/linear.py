@@ -34,6 +34,7 @@ from .._inputs import (
 from ..arguments import ModelHead, RolloutInputs, checked_inputs
 from ..backends import LINEAR_BACKENDS
 from ..config import LossConfig
+from ..double_backward import refuse_double_backward
 from ..logit_transform import check_logit_transform
 from ..output import LossOutput
 from ..sampling import check_sampling
@@ -393,6 +394,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("fusedrl.linear_token_logprobs (tp_group)")
         lin, shard, group, temperature, want, reduce, lse, entropy, shape = ctx.stats
         grads = _slice_grads(
             lin,

@@ -26,6 +26,7 @@ from .._inputs import (
 )
 from ..arguments import ModelHead, RolloutInputs, checked_inputs
 from ..config import LossConfig
+from ..double_backward import refuse_double_backward
 from ..logit_transform import LogitTransform
 from ..output import LossOutput
 from ..row_blocks import row_blocks
@@ -301,6 +302,7 @@ class _Logprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
+        refuse_double_backward("fusedrl.token_logprobs (tp_group)")
         logits, labels, lse, entropy, floors = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         dentropy = None if grad_entropy is None else grad_entropy.float()
