@@ -48,7 +48,7 @@ def _vllm_sampling_set(scaled, labels, top_k, top_p, min_p) -> torch.Tensor:
     if min_p is not None and min_p > 0:
         probs = torch.softmax(z, -1)
         keep &= probs >= probs.amax(-1, keepdim=True) * min_p
-    if top_k is not None and top_k < z.shape[-1]:
+    if top_k is not None and 0 < top_k < z.shape[-1]:  # vLLM: top_k 0 and -1 are off
         kth = torch.topk(z.masked_fill(~keep, float("-inf")), top_k, -1).values[..., -1:]
         keep &= z >= kth
     if top_p is not None and top_p < 1:

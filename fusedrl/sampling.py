@@ -12,13 +12,15 @@ engine's in the last bits, and a token sampled at the boundary must not get log-
 
 Cost per row, on top of the plain log-softmax: one max (min_p); one top-k read (top_k); top_p
 sorts the candidates: only the k kept by top_k when top_k is set, else the whole row (a full sort,
-the expensive case). Ties at the top-p boundary are all kept here; vLLM's unstable sort keeps an
-arbitrary part of them (real logits rarely tie exactly there).
+the expensive case). Ties at the top-p boundary are all kept here, while vLLM keeps a fixed
+number of them (its cumulative sum drops them one at a time): with bf16 logits such ties are
+common, and those rows' log-probs differ from vLLM's (docs/losses.md, "Sampling-mask replay").
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -41,23 +43,46 @@ class SamplingMask:
         )
 
 
+# vLLM's (and TRL's) "consider all tokens": SamplingParams(top_k=0) is the default, -1 the old
+# one.
+TOP_K_OFF = (0, -1)
+
+
 def check_sampling(top_k, top_p, min_p, where: str = "") -> SamplingMask:
-    """The filters as given to token_logprobs / LossConfig, with errors naming the argument."""
+    """The filters as given to token_logprobs / LossConfig, with errors naming the argument: what
+    vLLM's SamplingParams takes (top_k 0 or -1 and top_p 1 and min_p 0 are off; min_p 1 keeps
+    the largest), numpy numbers too."""
     prefix = f"{where}." if where else ""
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"{prefix}top_k must be an int >= 1 or None (off), got {top_k!r}")
+        value = _number(top_k, numbers.Integral)
+        if value is None or not (value >= 1 or value in TOP_K_OFF):
+            raise ValueError(
+                f"{prefix}top_k must be an int >= 1, or 0 / -1 / None (off), got {top_k!r}"
+            )
+        top_k = value
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        value = _number(top_p, numbers.Real)
+        if value is None or not 0 < value <= 1:
             raise ValueError(f"{prefix}top_p must be in (0, 1] or None (off), got {top_p!r}")
+        top_p = value
     if min_p is not None:
-        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p < 1:
-            raise ValueError(f"{prefix}min_p must be in [0, 1) or None (off), got {min_p!r}")
+        value = _number(min_p, numbers.Real)
+        if value is None or not 0 <= value <= 1:
+            raise ValueError(f"{prefix}min_p must be in [0, 1] or None (off), got {min_p!r}")
+        min_p = value
     return SamplingMask(
-        top_k=top_k,
+        top_k=None if top_k in TOP_K_OFF else top_k,
         top_p=None if top_p is None else float(top_p),
         min_p=None if min_p is None else float(min_p),
     )
+
+
+def _number(value, kind) -> int | float | None:
+    """`value` as a plain int (kind Integral) or float (Real); None where it is not one (bools,
+    strings, tensors: a tensor's value would be a host read)."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        return None
+    return int(value) if kind is numbers.Integral else float(value)
 
 
 @torch.no_grad()

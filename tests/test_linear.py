@@ -420,7 +420,7 @@ def test_token_logprobs_replay_sampling_masks(backend):
         )
     torch.testing.assert_close(nograd, rlogp.detach(), atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="top_k must be an int >= 1"):
-        fusedrl.linear_token_logprobs(h, w, data["labels"], top_k=0, backend=backend)
+        fusedrl.linear_token_logprobs(h, w, data["labels"], top_k=-3, backend=backend)
 
 
 def test_torch_backend_finds_each_sampling_floor_once(monkeypatch):

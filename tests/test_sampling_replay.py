@@ -7,13 +7,14 @@ tests/test_sampling_vllm.py.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import fusedrl
 from fusedrl import LossConfig, reference
 
-from .conftest import LOGITS_BACKENDS, make_batch, run_loss
+from .conftest import BACKENDS, LOGITS_BACKENDS, make_batch, run_loss
 
 # The torch backend applies the mask per block; Triton (through the interpreter) reads the logits
 # through each row's floor (tests/test_sampling_floors.py); CUDA reads a masked copy.
@@ -105,15 +106,41 @@ def test_ties_at_the_top_k_boundary_are_kept_and_the_label_always():
 def test_unsupported_paths_and_bad_values_are_named():
     logits, labels = _logits_and_sampled_labels(seed=4)
     for kwargs, message in [
-        (dict(top_k=0), "top_k must be an int >= 1"),
+        (dict(top_k=-2), "top_k must be an int >= 1, or 0 / -1 / None"),
+        (dict(top_k=2.0), "top_k must be an int >= 1, or 0 / -1 / None"),
         (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),
-        (dict(min_p=1.0), "min_p must be in \\[0, 1\\)"),
+        (dict(min_p=1.5), "min_p must be in \\[0, 1\\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             fusedrl.token_logprobs(logits, labels, **kwargs)
         with pytest.raises(ValueError, match="LossConfig." + message):
             LossConfig(**kwargs)
-    assert LossConfig(top_p=1.0, min_p=0.0).sampling is None  # vLLM's "off" values
+    # vLLM's "off" values, as SamplingParams takes them (top_k=0 its default, TRL's too)
+    for off in (dict(top_p=1.0, min_p=0.0), dict(top_k=0), dict(top_k=-1)):
+        assert LossConfig(**off).sampling is None, off
+        for backend in ("torch", "triton"):
+            got = fusedrl.token_logprobs(logits, labels, backend=backend, **off)[0]
+            torch.testing.assert_close(got, fusedrl.token_logprobs(logits, labels)[0])
+            want = reference.token_logprobs(logits, labels, **off)[0]
+            torch.testing.assert_close(got, want, msg=str(off))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vllm_sampling_values_as_numpy_numbers_and_min_p_one(backend):
+    """SamplingParams' numbers straight through: numpy scalars (LossConfig took them, the entry
+    points refused them) and min_p = 1 (vLLM keeps the largest probability and its ties)."""
+    logits, labels = _logits_and_sampled_labels(seed=6)
+    plain = dict(top_k=5, top_p=0.9, min_p=0.05)
+    numpy_ = dict(top_k=np.int64(5), top_p=np.float64(0.9), min_p=np.float64(0.05))
+    want = fusedrl.token_logprobs(logits, labels, backend=backend, **plain)[0]
+    got = fusedrl.token_logprobs(logits, labels, backend=backend, **numpy_)[0]
+    torch.testing.assert_close(got, want)
+    assert LossConfig(**numpy_) == LossConfig(**plain)
+    logp = fusedrl.token_logprobs(logits, labels, backend=backend, min_p=1.0)[0]
+    torch.testing.assert_close(logp, reference.token_logprobs(logits, labels, min_p=1.0)[0])
+    is_max = labels == logits.argmax(-1)
+    assert is_max.any() and (~is_max).any()
+    torch.testing.assert_close(logp[is_max], torch.zeros_like(logp[is_max]))  # the set: itself
 
 
 def test_torch_backend_finds_each_floor_once(monkeypatch):
