@@ -1070,7 +1070,7 @@ def _bad_call(case: Case, world: int, rank: int, group) -> None:
         fusedrl.token_logprobs(mine, data["labels"], temps, backend="torch", **keywords)
         return
     if what == "logprobs_top_k_last_rank":
-        top_k = 0 if rank == world - 1 else 5
+        top_k = -2 if rank == world - 1 else 5  # (0 and -1: vLLM's "off", taken)
         fusedrl.token_logprobs(mine, data["labels"], backend="torch", top_k=top_k, **keywords)
         return
     if what.startswith("linear"):
