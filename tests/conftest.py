@@ -8,6 +8,7 @@ device it stays off: tests/test_gpu.py must run the compiled kernels, never the 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -94,6 +95,15 @@ def cuda_on_the_host(cuda_host_kernels, monkeypatch):
     monkeypatch.setattr(backends, "resolve", resolve_host)
     cuda_host_kernels.calls.clear()
     return cuda_host_kernels
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng(request):
+    """Each test draws from torch's global generator seeded by its own id: what a test's
+    `torch.randn_like` draws must not depend on which tests ran before it on its worker (xdist
+    hands them out in another order every run) nor on Python's hash seed. A test whose inputs
+    came from the unseeded generator failed one run in four (a CISPO case no sequence clipped)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(autouse=True)

@@ -176,7 +176,10 @@ def test_cispo_and_sapo_take_the_sequence_ratio(loss, backend):
     s_i): every backend equals the oracle, the sequence ratio acting (not the token loss; CISPO's
     cap clips some sequences)."""
     data, logp = _data(seed=8)
-    data["old_logp"] = logp - 0.2 * torch.randn_like(logp)
+    # Sequence log-ratios of 0.1, 0.3 (above CISPO's cap, 1.05) and below it, with token noise.
+    shift = torch.tensor([0.1, -0.02, 0.3, 0.01, 0.0, -0.2])[:, None]
+    noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(8))
+    data["old_logp"] = logp - shift - 0.05 * noise
     cfg = LossConfig(loss=loss, ratio_level="sequence", agg="seq-mean-token-mean", eps_high=0.05)
     ref = _compare(data, cfg, backend)
     assert not torch.allclose(_loss(data, cfg), _loss(data, cfg.replace(ratio_level="token")))
