@@ -146,12 +146,12 @@ def _group_centered(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     return centered, std, scored
 
 
-def _whiten(x: torch.Tensor, scored: torch.Tensor, eps: float) -> torch.Tensor:
-    """Batch whitening ``(x - mean) / (std + eps)`` of a 1-D tensor over its ``scored`` entries; 0
-    at the others, and everywhere if the scored values are all equal."""
+def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Batch whitening ``(x - mean) / (std + eps)`` of a 1-D tensor over its finite entries; 0 at
+    the others, and everywhere if the finite values are all equal."""
     if x.numel() == 0:
         return x.clone()
-    _, mean, std, const = _scored_stats(torch.where(scored, x, math.nan))
+    scored, mean, std, const = _scored_stats(x)
     out = (x - mean) / (std + eps)
     return torch.where(const | ~scored, 0.0, out)
 
@@ -242,8 +242,7 @@ def reinforce_pp(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tenso
     """
     rewards = _check_rewards(rewards)
     eps = _check_eps(eps)
-    x = _work(rewards)
-    return _out(_whiten(x, torch.isfinite(x), eps))
+    return _out(_whiten(_work(rewards), eps))
 
 
 def reinforce_pp_baseline(
@@ -264,7 +263,7 @@ def reinforce_pp_baseline(
     rewards, group_size = _check_grouped(rewards, group_size)
     eps = _check_eps(eps)
     centered, _, scored = _group_centered(rewards, group_size)
-    return _out(_whiten(centered.reshape(-1), scored.reshape(-1), eps))
+    return _out(_whiten(torch.where(scored, centered, math.nan).reshape(-1), eps))
 
 
 def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
